@@ -1,0 +1,214 @@
+"""Command line: ``coretrain run | plugins | config show | config validate``.
+
+Only argparse is imported at module level, so ``coretrain --help`` starts fast and never
+imports torch; each command imports what it needs. A :class:`UserError` from anywhere
+becomes one ``error:`` line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from coretrain import __version__
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="TOML config file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                        help="override a config value (TOML syntax; repeatable), e.g. --set train.lr=3e-4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coretrain", description="Train PyTorch models; every feature is a plugin.")
+    parser.add_argument("--version", action="version", version=f"coretrain {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="train as the config says (works under torchrun too)")
+    _add_config_args(run)
+    run.set_defaults(handler=cmd_run)
+
+    plugins = commands.add_parser("plugins", help="list installed plugins, their hooks and config fields")
+    plugins.set_defaults(handler=cmd_plugins)
+
+    config = commands.add_parser("config", help="inspect a config file")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    show = config_commands.add_parser("show", help="print the resolved config; non-default values are marked")
+    _add_config_args(show)
+    show.set_defaults(handler=cmd_config_show)
+    validate = config_commands.add_parser("validate", help="check a config (and its plugins' tables) without training")
+    _add_config_args(validate)
+    validate.set_defaults(handler=cmd_config_validate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from coretrain.errors import USAGE_EXIT_CODE, UserError
+
+    try:
+        return int(args.handler(args) or 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="coretrain: %(message)s" if rank == 0 else f"coretrain[rank {rank}]: %(message)s")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from coretrain.configload import load_config
+    from coretrain.pluginmanager import load_plugins
+
+    _setup_logging()
+    loaded = load_config(args.config, args.overrides)
+    plugins = load_plugins(loaded.config, loaded.locations)
+
+    from coretrain import dist
+    from coretrain.loop import Trainer
+    from coretrain.run import build_run
+
+    try:
+        return Trainer(build_run(loaded.config, plugins)).train()
+    finally:
+        dist.shutdown()
+
+
+def cmd_config_validate(args: argparse.Namespace) -> int:
+    from coretrain.configload import load_config
+    from coretrain.dist import world_size_from_env
+    from coretrain.pluginmanager import load_plugins
+    from coretrain.run import micro_batches_per_step
+
+    loaded = load_config(args.config, args.overrides)
+    plugins = load_plugins(loaded.config, loaded.locations)
+    micro_batches_per_step(loaded.config.train, world_size_from_env())
+    print(f"{args.config}: ok ({len(plugins.names())} plugins enabled: {', '.join(plugins.names()) or 'none'})")
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from coretrain.config import Config
+    from coretrain.configload import CONVERTER, load_config
+    from coretrain.pluginmanager import load_plugins
+
+    loaded = load_config(args.config, args.overrides)
+    plugins = load_plugins(loaded.config, loaded.locations)
+    resolved = CONVERTER.unstructure(loaded.config)
+    defaults = CONVERTER.unstructure(Config())
+    for name in plugins.names():
+        instance = plugins.get(name)
+        cls = type(instance)
+        table = CONVERTER.unstructure(instance)
+        default = _defaults_of(cls)
+        section = next((s for s in ("model", "data") if getattr(loaded.config, s).provider == name), None)
+        if section:
+            resolved[section]["options"], defaults[section]["options"] = table, default
+        else:
+            resolved["plugins"][name], defaults["plugins"][name] = table, default
+    print(f"# {args.config} resolved ({'extends, ' if 'extends' in loaded.path.read_text() else ''}--set applied); "
+          "'# default: ...' marks values you changed")
+    print(render_annotated(resolved, defaults))
+    return 0
+
+
+def _defaults_of(cls: type) -> dict[str, Any]:
+    import attrs
+
+    from coretrain.configload import CONVERTER
+
+    values = {}
+    for f in attrs.fields(cls):
+        if f.default is attrs.NOTHING or not f.init:
+            continue
+        default = f.default.factory() if isinstance(f.default, attrs.Factory) and not f.default.takes_self else f.default
+        values[f.name] = CONVERTER.unstructure(default)
+    return values
+
+
+_UNSET = object()
+
+
+def render_annotated(data: dict[str, Any], defaults: dict[str, Any], prefix: tuple[str, ...] = ()) -> str:
+    """TOML of ``data`` where each value that differs from ``defaults`` says what the default was."""
+    from coretrain.tomlwrite import key, value
+
+    lines = []
+    for k, v in data.items():
+        if isinstance(v, dict):
+            continue
+        default = defaults.get(k, _UNSET) if isinstance(defaults, dict) else _UNSET
+        if v is None:
+            line = f"# {key(k)} = (unset)"
+        else:
+            line = f"{key(k)} = {value(v)}"
+        if default is _UNSET:
+            line += "  # set (no default)"
+        elif default != v:
+            line += f"  # default: {'(unset)' if default is None else value(default)}"
+        lines.append(line)
+    blocks = []
+    if prefix and (lines or not any(isinstance(v, dict) for v in data.values())):
+        blocks.append("[" + ".".join(key(p) for p in prefix) + "]\n" + "\n".join(lines))
+    elif lines:
+        blocks.append("\n".join(lines))
+    for k, v in data.items():
+        if isinstance(v, dict):
+            sub_defaults = defaults.get(k, {}) if isinstance(defaults, dict) else {}
+            blocks.append(render_annotated(v, sub_defaults if isinstance(sub_defaults, dict) else {}, (*prefix, k)))
+    return "\n\n".join(b.rstrip() for b in blocks if b.strip())
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    import attrs
+    from rich.console import Console
+    from rich.markup import escape
+
+    from coretrain.errors import UserError
+    from coretrain.pluginmanager import INSTALL_HINT, discover, field_docs, hooks_of
+
+    console = Console(highlight=False, soft_wrap=True)
+    installed = discover()
+    if not installed:
+        console.print(f"No coretrain plugins installed; {INSTALL_HINT}.")
+        return 0
+    console.print(f"{len(installed)} plugins installed (entry-point group 'coretrain'):\n")
+    for name, entry in sorted(installed.items()):
+        try:
+            cls = entry.load()
+        except UserError as exc:
+            console.print(f"[bold]{name}[/]  {entry.origin}  [red]broken[/]: {escape(str(exc))}\n")
+            continue
+        hooks = hooks_of(cls)
+        providers = [h for h in hooks if h.startswith("provide_")]
+        if providers:
+            section = "model" if "provide_model" in providers else "data"
+            state = escape(f"provider: set {section}.provider = \"{name}\", options in [{section}.options]")
+        elif entry.autoload:
+            state = "[green]on by default[/] (disable: enabled = false)"
+        else:
+            state = escape(f"off unless configured: [plugins.{name}]")
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        console.print(f"[bold]{name}[/]  {escape(entry.origin)}  {state}")
+        if doc:
+            console.print(f"  {escape(doc)}")
+        console.print(f"  hooks: {', '.join(hooks) or '(none)'}")
+        docs = field_docs(cls)
+        defaults = _defaults_of(cls)
+        for f in (f for f in attrs.fields(cls) if f.init):
+            default = repr(defaults[f.name]) if f.name in defaults else "required"
+            type_name = getattr(f.type, "__name__", None) or str(f.type)
+            console.print(f"    {f.name}: {escape(type_name)} = {escape(default)}"
+                          + (f"  [dim]{escape(docs[f.name])}[/]" if f.name in docs else ""))
+        console.print()
+    return 0

@@ -1,0 +1,143 @@
+"""The config schema: one attrs class per TOML section.
+
+Field names are the TOML keys users, docs and scripts rely on; keep them stable. Train keys
+follow Megatron-Bridge's ``TrainingConfig`` where the two overlap. Loading, composition and
+error messages live in :mod:`coretrain.configload`; this module only says what is valid.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+from attrs import define, field
+
+
+class FieldValueError(ValueError):
+    """A value of the right type but out of range; carries the field name for the key path."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value <= 0:
+        raise FieldValueError(attribute.name, f"must be > 0, got {value!r}")
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value < 0:
+        raise FieldValueError(attribute.name, f"must be >= 0, got {value!r}")
+
+
+@define(kw_only=True)
+class RunConfig:
+    """Identity and placement of the run."""
+
+    name: str = "coretrain"
+    seed: int = 1234
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["fp32", "bf16"] = "fp32"
+    output_dir: str = "runs/{name}"
+    """Where config.toml, metrics.jsonl and checkpoints go; ``{name}`` is replaced by run.name."""
+    threads: int | None = field(default=None, validator=_positive)
+    """torch intra-op threads; unset leaves torch's default."""
+
+
+@define(kw_only=True)
+class ProviderConfig:
+    """A model or dataset source: a provider plugin's name or an import path ``pkg.mod:callable``."""
+
+    provider: str = ""
+    options: dict[str, Any] = field(factory=dict)
+
+
+@define(kw_only=True)
+class TrainConfig:
+    """Batch sizes, duration and cadence (Megatron-Bridge TrainingConfig names)."""
+
+    micro_batch_size: int = field(default=1, validator=_positive)
+    global_batch_size: int | None = field(default=None, validator=_positive)
+    """Samples per optimizer step over all data-parallel ranks; unset = micro × data-parallel size."""
+    train_iters: int = field(default=1000, validator=_non_negative)
+    exit_interval: int | None = field(default=None, validator=_positive)
+    """Checkpoint and exit when the step is a multiple of this."""
+    exit_duration_in_mins: float | None = field(default=None, validator=_positive)
+    eval_interval: int | None = field(default=None, validator=_positive)
+    """Validate every N steps; unset = validate only after training."""
+    eval_iters: int = field(default=10, validator=_non_negative)
+    """Batches per validation; 0 disables validation."""
+    skip_train: bool = False
+    """Only validate (after loading a checkpoint, if any)."""
+    log_interval: int = field(default=100, validator=_positive)
+    clip_grad: float = field(default=1.0, validator=_non_negative)
+    """Max global gradient norm; 0 disables clipping."""
+
+
+@define(kw_only=True)
+class OptimizerConfig:
+    """A torch.optim optimizer by name."""
+
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: float = field(default=3e-4, validator=_non_negative)
+    weight_decay: float = field(default=0.01, validator=_non_negative)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = field(default=1e-8, validator=_positive)
+    momentum: float = field(default=0.0, validator=_non_negative)
+    """SGD only."""
+
+
+@define(kw_only=True)
+class SchedulerConfig:
+    """Linear warmup, then constant / linear / cosine decay to min_lr (Megatron's lr_decay_style)."""
+
+    warmup_iters: int = field(default=0, validator=_non_negative)
+    decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    decay_iters: int | None = field(default=None, validator=_positive)
+    """Steps from start to the end of decay; unset = train.train_iters."""
+    min_lr: float = field(default=0.0, validator=_non_negative)
+
+
+@define(kw_only=True)
+class CheckpointConfig:
+    """When and where to save, what to resume from."""
+
+    save_interval: int | None = field(default=None, validator=_positive)
+    """Save every N steps (and at the end of training); unset saves only at the end."""
+    save: bool = True
+    """Set false to never write checkpoints."""
+    keep_last: int | None = field(default=None, validator=_positive)
+    resume: str = "auto"
+    """"auto" (newest complete checkpoint in the output dir), "never", or a checkpoint path."""
+    async_save: bool = False
+    pretrained: str | None = None
+    """Load model weights only from this checkpoint (fine-tuning: step 0, fresh optimizer)."""
+
+
+@define(kw_only=True)
+class DistributedConfig:
+    """How ranks cooperate; the wrapping itself (DDP, FSDP2) comes from plugins."""
+
+    strategy: str = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+@define(kw_only=True)
+class Config:
+    """The whole run, as read from TOML."""
+
+    run: RunConfig = field(factory=RunConfig)
+    model: ProviderConfig = field(factory=ProviderConfig)
+    data: ProviderConfig = field(factory=ProviderConfig)
+    train: TrainConfig = field(factory=TrainConfig)
+    optimizer: OptimizerConfig = field(factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(factory=SchedulerConfig)
+    checkpoint: CheckpointConfig = field(factory=CheckpointConfig)
+    distributed: DistributedConfig = field(factory=DistributedConfig)
+    plugins: dict[str, dict[str, Any]] = field(factory=dict)
+    """Raw ``[plugins.NAME]`` tables; each is structured into its plugin's class on load."""
+
+    @property
+    def output_dir(self) -> str:
+        return self.run.output_dir.replace("{name}", self.run.name)

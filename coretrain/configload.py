@@ -1,0 +1,265 @@
+"""Read a TOML config: ``extends`` composition, ``--set`` overrides, strict structuring.
+
+Order of application: the ``extends`` chain (deep merge, base first, paths relative to the
+file that names them), then the file itself, then each ``--set key.path=value`` in order.
+Every mistake becomes one :class:`~coretrain.errors.UserError` that names the file and line
+(or the ``--set`` flag) and the key path, says what was expected and suggests a fix.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import cattrs
+import tomli
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
+
+from coretrain.config import Config, FieldValueError
+from coretrain.errors import UserError, did_you_mean
+
+T = TypeVar("T")
+
+Location = str  # "path/to/file.toml:12" or "--set train.lr=3e-4"
+
+
+@attrs.define
+class LoadedConfig:
+    """The structured config plus what is needed to explain it."""
+
+    config: Config
+    raw: dict[str, Any]
+    locations: dict[tuple[str, ...], Location]
+    path: Path
+
+
+# --------------------------------------------------------------------------- strict converter
+
+
+def _strict(kind: type, accept: tuple[type, ...]) -> Any:
+    def hook(value: Any, _: type) -> Any:
+        if isinstance(value, bool) and kind is not bool:
+            raise TypeError("bool")
+        if not isinstance(value, accept):
+            raise TypeError(type(value).__name__)
+        return kind(value)
+
+    return hook
+
+
+def make_converter() -> cattrs.Converter:
+    """A cattrs converter that refuses unknown keys and never coerces "3" into 3 or 1 into "1"."""
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    converter.register_structure_hook(int, _strict(int, (int,)))
+    converter.register_structure_hook(float, _strict(float, (int, float)))
+    converter.register_structure_hook(bool, _strict(bool, (bool,)))
+    converter.register_structure_hook(str, _strict(str, (str,)))
+    return converter
+
+
+CONVERTER = make_converter()
+
+
+def structure(data: Mapping[str, Any], cls: type[T], *, prefix: tuple[str, ...] = (),
+              locations: Mapping[tuple[str, ...], Location] | None = None,
+              source: str = "") -> T:
+    """Structure ``data`` into ``cls`` or raise a UserError listing every problem with its key path."""
+    try:
+        return CONVERTER.structure(dict(data), cls)
+    except Exception as exc:  # cattrs groups every field's error; we render them all
+        problems = [(prefix + path, message) for path, message in _problems(exc, (), cls, data)]
+        if not problems:
+            raise
+        lines = []
+        for path, message in problems:
+            where = (locations or {}).get(path) or _nearest(locations or {}, path) or source
+            key = ".".join(path) or "(top level)"
+            lines.append(f"{where + ': ' if where else ''}{key}: {message}")
+        raise UserError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def _problems(exc: BaseException, path: tuple[str, ...], cls: Any, data: Any) -> typing.Iterator[tuple[tuple[str, ...], str]]:
+    if isinstance(exc, ForbiddenExtraKeysError):
+        known = [f.name for f in attrs.fields(exc.cl)]
+        for key in sorted(exc.extra_fields):
+            hint = did_you_mean(key, known) or f" (known keys: {', '.join(known)})"
+            yield path + (key,), f"unknown key{hint}"
+    elif isinstance(exc, (ClassValidationError, IterableValidationError)):
+        for sub in exc.exceptions:
+            sub_path, sub_type = path, cls
+            for note in getattr(sub, "__notes__", []):
+                if isinstance(note, AttributeValidationNote):
+                    sub_path, sub_type = path + (note.name,), note.type
+                elif isinstance(note, IterableValidationNote):
+                    sub_path, sub_type = path + (str(note.index),), note.type
+            yield from _problems(sub, sub_path, sub_type, data)
+    elif isinstance(exc, FieldValueError):
+        yield path + (exc.name,), str(exc)
+    else:
+        value = _lookup(data, path)
+        expected = describe_type(cls)
+        message = f"expected {expected}, got {describe_value(value)}"
+        if typing.get_origin(cls) is typing.Literal and isinstance(value, str):
+            message += did_you_mean(value, [str(a) for a in typing.get_args(cls)])
+        yield path, message
+
+
+_MISSING = object()
+
+
+def _lookup(data: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if isinstance(data, Mapping) and key in data:
+            data = data[key]
+        elif isinstance(data, list) and key.isdigit() and int(key) < len(data):
+            data = data[int(key)]
+        else:
+            return _MISSING
+    return data
+
+
+def describe_type(tp: Any) -> str:
+    """Human words for a type annotation: 'an integer', 'one of "a", "b"', 'a table'..."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe_type(a) for a in args if a is not type(None))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is tuple:
+        return f"a list of {len(args)} values" if args and args[-1] is not Ellipsis else "a list"
+    if origin in (list, set, frozenset) or tp in (list, set):
+        return "a list" + (f" of {describe_type(args[0]).split(' ', 1)[-1]}s" if args else "")
+    if origin in (dict, Mapping) or tp is dict or attrs.has(tp):
+        return "a table"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def describe_value(value: Any) -> str:
+    if value is _MISSING:
+        return "nothing"
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
+            dict: "table"}.get(type(value), type(value).__name__)
+    text = str(value).lower() if isinstance(value, bool) else repr(value)
+    return f"{text if len(text) <= 40 else text[:37] + '...'} ({kind})"
+
+
+# --------------------------------------------------------------------------- reading and merging
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse one TOML file; syntax errors become 'file:line:col: message'."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: config file not found") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read config file: {exc.strerror}") from None
+    try:
+        return tomli.loads(text)
+    except tomli.TOMLDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}:{exc.colno}: invalid TOML: {exc.msg}") from None
+
+
+def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """Tables merge key by key; any other value in ``top`` replaces the one in ``base``."""
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _load_chain(path: Path, seen: tuple[Path, ...], locations: dict[tuple[str, ...], Location]) -> dict[str, Any]:
+    path = path.resolve() if path.is_absolute() else path
+    if path.resolve() in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path.resolve()))
+        raise UserError(f"{path}: 'extends' forms a cycle: {chain}")
+    data = read_toml(path)
+    extends = data.pop("extends", [])
+    bases = [extends] if isinstance(extends, str) else extends
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise UserError(f"{path}: extends: expected a file name or a list of file names, got {describe_value(extends)}")
+    merged: dict[str, Any] = {}
+    for base in bases:
+        base_path = path.parent / base
+        if not base_path.exists():
+            raise UserError(f"{path}: extends: {base!r} not found (looked for {base_path})")
+        merged = deep_merge(merged, _load_chain(base_path, (*seen, path.resolve()), locations))
+    locations.update(_key_lines(path))
+    return deep_merge(merged, data)
+
+
+_TABLE = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?")
+_KEY = re.compile(r"^\s*([A-Za-z0-9_\-.\"' ]+?)\s*=")
+
+
+def _key_lines(path: Path) -> dict[tuple[str, ...], Location]:
+    """Best-effort map of key path -> 'file:line', so errors can point at a line."""
+    found: dict[tuple[str, ...], Location] = {}
+    table: tuple[str, ...] = ()
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if match := _TABLE.match(line):
+            table = _split_key(match.group(1))
+            found.setdefault(table, f"{path}:{number}")
+        elif match := _KEY.match(line):
+            found[table + _split_key(match.group(1))] = f"{path}:{number}"
+    return found
+
+
+def _split_key(key: str) -> tuple[str, ...]:
+    return tuple(part.strip().strip("\"'") for part in key.split("."))
+
+
+def _nearest(locations: Mapping[tuple[str, ...], Location], path: tuple[str, ...]) -> Location | None:
+    for end in range(len(path) - 1, 0, -1):
+        if path[:end] in locations:
+            return locations[path[:end]]
+    return None
+
+
+def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+    """``train.lr=3e-4`` -> (("train", "lr"), 0.0003); the value is TOML, bare words are strings."""
+    key, sep, value = text.partition("=")
+    path = _split_key(key)
+    if not sep or not all(path):
+        raise UserError(f"--set {text}: expected KEY.PATH=VALUE, e.g. --set train.lr=3e-4")
+    try:
+        return path, tomli.loads(f"v = {value}")["v"]
+    except tomli.TOMLDecodeError:
+        return path, value
+
+
+def apply_override(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    node = data
+    for i, key in enumerate(path[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise UserError(f"--set {'.'.join(path)}: {'.'.join(path[:i + 1])} is {describe_value(child)}, not a table")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> LoadedConfig:
+    """Read, compose and structure a config file. Raises UserError on any mistake."""
+    path = Path(path)
+    locations: dict[tuple[str, ...], Location] = {}
+    raw = _load_chain(path, (), locations)
+    for text in overrides:
+        key_path, value = parse_override(text)
+        apply_override(raw, key_path, value)
+        locations[key_path] = f"--set {text}"
+    config = structure(raw, Config, locations=locations, source=str(path))
+    return LoadedConfig(config=config, raw=raw, locations=locations, path=path)

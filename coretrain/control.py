@@ -1,0 +1,35 @@
+"""The one way plugins steer the loop: requests recorded here, honoured at defined points."""
+
+from __future__ import annotations
+
+from attrs import define
+
+
+@define
+class Control:
+    """Requests from plugins to the loop.
+
+    Plugins never raise to steer the loop; they call these methods and the loop acts at the
+    next defined point (update veto before the optimizer step; checkpoint and stop at the
+    step boundary, agreed across ranks).
+    """
+
+    stop_reason: str | None = None
+    exit_code: int = 0
+    checkpoint_requested: bool = False
+    skip_reason: str | None = None
+
+    def request_stop(self, reason: str, *, checkpoint: bool = True, exit_code: int = 0) -> None:
+        """End training after this step (with a checkpoint unless ``checkpoint=False``);
+        the process exits with ``exit_code`` (the largest one requested wins)."""
+        self.stop_reason = reason
+        self.exit_code = max(self.exit_code, exit_code)
+        self.checkpoint_requested = self.checkpoint_requested or checkpoint
+
+    def request_checkpoint(self) -> None:
+        """Save a checkpoint at the end of this step."""
+        self.checkpoint_requested = True
+
+    def skip_update(self, reason: str) -> None:
+        """Veto this step's optimizer update (only meaningful in ``before_update``)."""
+        self.skip_reason = reason

@@ -1,0 +1,99 @@
+"""Deterministic, resumable micro-batches for one data-parallel rank.
+
+The sample order is a seeded permutation per epoch, so the position in the stream is a single
+number (consumed samples) and resuming needs nothing else. Each global batch is a contiguous
+run of that order; rank r takes the r-th equal block of it and cuts it into micro-batches, so
+changing the number of ranks or micro-batches never changes which samples make a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+
+class SampleOrder:
+    """Position -> dataset index, shuffled per epoch with a seed of its own."""
+
+    def __init__(self, length: int, seed: int) -> None:
+        if length <= 0:
+            raise ValueError("dataset is empty")
+        self.length, self.seed = length, seed
+        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.length, generator=generator)
+        return self._perm
+
+    def indices(self, start: int, count: int) -> torch.Tensor:
+        parts = []
+        while count > 0:
+            epoch, offset = divmod(start, self.length)
+            take = min(count, self.length - offset)
+            parts.append(self._permutation(epoch)[offset:offset + take])
+            start, count = start + take, count - take
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def fetch(dataset: Any, indices: torch.Tensor) -> Any:
+    """One collated batch: the dataset's ``get_batch`` fast path, else per-sample + collate."""
+    get_batch = getattr(dataset, "get_batch", None)
+    if get_batch is not None:
+        return get_batch(indices)
+    return default_collate([dataset[i] for i in indices.tolist()])
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def micro_batches(dataset: Any, order: SampleOrder, start: int, global_batch_size: int,
+                  micro_batch_size: int, rank: int, world_size: int,
+                  device: torch.device) -> Iterator[Any]:
+    """The micro-batches this rank computes for the global batch starting at ``start``."""
+    per_rank = global_batch_size // world_size
+    indices = order.indices(start + rank * per_rank, per_rank)
+    move = device.type != "cpu"
+    for first in range(0, per_rank, micro_batch_size):
+        batch = fetch(dataset, indices if per_rank == micro_batch_size else indices[first:first + micro_batch_size])
+        yield to_device(batch, device) if move else batch
+
+
+class TokenWindows:
+    """Non-overlapping (input, target) windows of ``seq_length`` over a 1-D token tensor.
+
+    Sample i is tokens[i·T : i·T + T + 1] split into input and next-token target, as nanoGPT
+    and Megatron's GPT datasets do. Works on memory-mapped tensors: only the windows a batch
+    needs are read. ``get_batch`` gathers a whole micro-batch with one indexing op.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_length: int) -> None:
+        if tokens.dim() != 1:
+            raise ValueError("tokens must be a 1-D tensor")
+        self.tokens, self.seq_length = tokens, seq_length
+        self._offsets = torch.arange(seq_length + 1)
+
+    def __len__(self) -> int:
+        return max((self.tokens.numel() - 1) // self.seq_length, 0)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        start = index * self.seq_length
+        window = self.tokens[start:start + self.seq_length + 1].long()
+        return window[:-1], window[1:]
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = self.tokens[(indices * self.seq_length).unsqueeze(1) + self._offsets].long()
+        return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,64 @@
+"""torch.distributed under torchrun: who am I, and agreeing on decisions across ranks."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from attrs import define
+
+
+@define(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device_type: str, backend: str = "auto") -> DistInfo:
+    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA); single process otherwise."""
+    world_size = world_size_from_env()
+    if world_size == 1:
+        return DistInfo()
+    if not dist.is_initialized():
+        chosen = backend if backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group(chosen, timeout=datetime.timedelta(minutes=10))
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+_control_group: object = None
+
+
+def _cpu_group() -> object:
+    """A gloo group for decisions, so agreeing never syncs the GPU stream (None = default group)."""
+    global _control_group
+    if _control_group is None and dist.get_backend() != "gloo":
+        _control_group = dist.new_group(backend="gloo")
+    return _control_group
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` over all ranks (one tiny CPU all-reduce; free when single-process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_cpu_group())
+    return int(tensor.item())
+
+
+def shutdown() -> None:
+    global _control_group
+    _control_group = None
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

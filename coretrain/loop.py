@@ -1,0 +1,289 @@
+"""The training loop: the order of events documented in :mod:`coretrain.hookspecs`, and nothing else.
+
+Per step the loop does only what a hand-written loop does, plus appending the loss tensor to
+a list; everything that needs host values (logging, evaluation, decisions) happens once per
+interval or when a plugin asks through ``run.control``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from coretrain import checkpoint
+from coretrain.data import SampleOrder, micro_batches
+from coretrain.dist import max_over_ranks
+from coretrain.run import Run, StepOutputs
+
+log = logging.getLogger("coretrain")
+
+EVAL_SEED_OFFSET = 1_000_003
+STOP_REASONS = ("exit_interval", "exit_duration", "stopped")  # codes 1..3 for agreement across ranks
+
+
+class ResolvedHooks:
+    """The hooks of this run, each None when no plugin implements it (so it costs nothing)."""
+
+    def __init__(self, run: Run) -> None:
+        for name in ("num_micro_batches", "pre_step", "before_update", "post_step", "on_log", "on_eval",
+                     "on_train_start", "on_train_end", "on_signal"):
+            setattr(self, name, getattr(run.plugins.hook, name) if run.plugins.implemented(name) else None)
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        return output["loss"]
+    return output.loss
+
+
+def forward(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    if isinstance(batch, (tuple, list)):
+        return loss_of(model(*batch))
+    if isinstance(batch, dict):
+        return loss_of(model(**batch))
+    return loss_of(model(batch))
+
+
+class IntervalLog:
+    """Device-side values of the steps since the last log, turned into floats with one sync."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.grad_norms: list[torch.Tensor] = []
+        self.samples = 0
+        self.started = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int) -> None:
+        self.losses.append(loss)
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm)
+        self.samples += samples
+
+    def flush(self, run: Run) -> dict[str, float]:
+        steps = len(self.losses)
+        values = [torch.stack(self.losses).float().mean()]
+        if self.grad_norms:
+            values.append(torch.stack(self.grad_norms).float().mean())
+        host = torch.stack(values).tolist()  # the one host sync of the interval
+        elapsed = time.perf_counter() - self.started
+        metrics = {"loss": host[0], "lr": run.scheduler.lr_at(max(run.scheduler.updates, 1))}
+        if self.grad_norms:
+            metrics["grad_norm"] = host[1]
+        metrics.update({
+            "global_batch_size": float(run.global_batch_size),
+            "iteration_time": elapsed / max(steps, 1),
+            "samples_per_second": self.samples / elapsed if elapsed > 0 else 0.0,
+            "consumed_samples": float(run.state.consumed_samples),
+            "skipped_updates": float(run.state.skipped_updates),
+        })
+        seq_length = run.datasets.seq_length
+        if seq_length:
+            metrics["tokens_per_second"] = metrics["samples_per_second"] * seq_length
+        self.__init__()
+        return metrics
+
+    def pending(self) -> dict[str, Any]:
+        """What a checkpoint must carry so the next log after resume averages the same steps."""
+        if not self.losses:
+            return {}
+        return {"losses": torch.stack(self.losses).cpu(), "samples": self.samples,
+                "grad_norms": torch.stack(self.grad_norms).cpu() if self.grad_norms else torch.empty(0)}
+
+    def restore(self, state: dict[str, Any], device: torch.device) -> None:
+        if state:
+            self.losses = list(state["losses"].to(device).unbind())
+            self.grad_norms = list(state["grad_norms"].to(device).unbind())
+            self.samples = int(state["samples"])
+
+
+@torch.no_grad()
+def evaluate(run: Run, dataset: Any, iters: int) -> dict[str, float]:
+    """Mean loss over the same ``iters`` global batches of ``dataset`` every time."""
+    model, train = run.model, run.config.train
+    order = SampleOrder(len(dataset), run.config.run.seed + EVAL_SEED_OFFSET)
+    was_training = model.training
+    model.eval()
+    losses = []
+    for i in range(iters):
+        for batch in micro_batches(dataset, order, i * run.global_batch_size, run.global_batch_size,
+                                   train.micro_batch_size, run.dist.rank, run.dist.world_size, run.device):
+            with autocast(run):
+                losses.append(forward(model, batch).detach().float())
+    model.train(was_training)
+    mean = torch.stack(losses).mean()
+    if run.dist.world_size > 1:
+        torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.AVG)
+    loss = mean.item()
+    return {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 50.0))}
+
+
+def autocast(run: Run) -> contextlib.AbstractContextManager:
+    if run.config.run.precision == "bf16":
+        return torch.autocast(run.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class Trainer:
+    """Drives one run from restore to on_train_end; returns the process exit code."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.hooks = ResolvedHooks(run)
+        self.log = IntervalLog()
+        self.last_saved_step = -1
+        self.last_eval_step = -1
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def restore(self) -> None:
+        run = self.run
+        path = checkpoint.find_resume_dir(run)
+        if path is None:
+            if run.config.checkpoint.pretrained:
+                checkpoint.load_pretrained(run, run.config.checkpoint.pretrained)
+                log.info("loaded pretrained weights from %s", run.config.checkpoint.pretrained)
+            return
+        state = checkpoint.load(run, path)
+        self.log.restore(state.get("interval_log", {}), run.device)
+        self.last_saved_step = run.state.step
+        plugin_states = state.get("plugins", {})
+        run.plugins.call_each("on_resume", run=run, step=run.state.step,
+                              per_plugin=lambda name: {"state": plugin_states.get(name, {})})
+        log.info("resumed from %s (step %d, %d samples consumed)", path, run.state.step, run.state.consumed_samples)
+
+    def save(self) -> None:
+        run = self.run
+        if not run.config.checkpoint.save or self.last_saved_step == run.state.step:
+            return
+        path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
+        plugin_states = {name: state for name, state in
+                         run.plugins.call_each("on_checkpoint", run=run, step=run.state.step, path=str(path)).items()
+                         if state is not None}
+        checkpoint.save(run, {"plugins": plugin_states, "interval_log": self.log.pending()})
+        self.last_saved_step = run.state.step
+        run.control.checkpoint_requested = False
+
+    # ---------------------------------------------------------------- the loop
+
+    def train(self) -> int:
+        run, hooks = self.run, self.hooks
+        self.restore()
+        outcome = "error"
+        try:
+            if hooks.on_train_start:
+                hooks.on_train_start(run=run)
+            outcome = "completed" if run.config.train.skip_train else self._steps()
+            self._final_eval()
+            if outcome in ("completed", *STOP_REASONS):
+                self.save()
+        finally:
+            if hooks.on_train_end:
+                hooks.on_train_end(run=run, outcome=outcome)
+        return run.control.exit_code if outcome == "stopped" else 0
+
+    def _final_eval(self) -> None:
+        run = self.run
+        if run.config.train.eval_iters and run.datasets.valid is not None and self.last_eval_step != run.state.step:
+            self._eval()
+
+    def _eval(self) -> None:
+        run = self.run
+        metrics = evaluate(run, run.datasets.valid, run.config.train.eval_iters)
+        self.last_eval_step = run.state.step
+        if self.hooks.on_eval:
+            self.hooks.on_eval(run=run, step=run.state.step, metrics=metrics)
+
+    def _steps(self) -> str:  # noqa: C901 - the loop reads best as one piece
+        run, hooks, interval = self.run, self.hooks, self.log
+        cfg = run.config.train
+        model, optimizer, scheduler, control, state = run.model, run.optimizer, run.scheduler, run.control, run.state
+        params = [p for p in model.parameters() if p.requires_grad]
+        dataset = run.datasets.train
+        order = SampleOrder(len(dataset), run.config.run.seed)
+        rank, world, micro_size = run.dist.rank, run.dist.world_size, cfg.micro_batch_size
+        no_sync = getattr(model, "no_sync", None)
+        validate = bool(cfg.eval_iters and cfg.eval_interval and run.datasets.valid is not None)
+        deadline = time.monotonic() + cfg.exit_duration_in_mins * 60 if cfg.exit_duration_in_mins else None
+        bf16 = run.config.run.precision == "bf16"
+        interval.started = time.perf_counter()
+
+        while state.step < cfg.train_iters:
+            step = state.step + 1
+            n_micro = run.micro_batches_per_step
+            if hooks.num_micro_batches:
+                n_micro = hooks.num_micro_batches(run=run, step=step, consumed_samples=state.consumed_samples) or n_micro
+                run.micro_batches_per_step = n_micro
+            global_batch = micro_size * n_micro * world
+            if hooks.pre_step:
+                hooks.pre_step(run=run, step=step)
+
+            losses = []
+            for i, batch in enumerate(micro_batches(dataset, order, state.consumed_samples, global_batch,
+                                                    micro_size, rank, world, run.device)):
+                sync = no_sync() if no_sync is not None and i < n_micro - 1 else contextlib.nullcontext()
+                with sync:
+                    with autocast(run) if bf16 else contextlib.nullcontext():
+                        loss = forward(model, batch)
+                    (loss / n_micro if n_micro > 1 else loss).backward()
+                losses.append(loss.detach())
+            loss = losses[0] if n_micro == 1 else torch.stack(losses).mean()
+
+            if hooks.before_update:
+                hooks.before_update(run=run, step=step)
+            grad_norm = None
+            skipped = control.skip_reason is not None
+            if skipped:
+                state.skipped_updates += 1
+                control.skip_reason = None
+            else:
+                if cfg.clip_grad > 0:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad)
+                optimizer.step()
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step = step
+            state.consumed_samples += global_batch
+            interval.add(loss, grad_norm, global_batch)
+            if hooks.post_step:
+                hooks.post_step(run=run, step=step, outputs=StepOutputs(
+                    loss=loss, grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch))
+
+            if step % cfg.log_interval == 0:
+                metrics = interval.flush(run)
+                if hooks.on_log:
+                    hooks.on_log(run=run, step=step, metrics=metrics)
+            if validate and step % cfg.eval_interval == 0:
+                self._eval()
+
+            reason = self._stop_reason(step, deadline)
+            if reason or control.checkpoint_requested or (
+                    run.config.checkpoint.save_interval and step % run.config.checkpoint.save_interval == 0):
+                if reason != "stopped" or control.checkpoint_requested:
+                    self.save()
+            if reason:
+                log.info("stopping at step %d: %s", step, control.stop_reason or reason)
+                return reason
+        return "completed"
+
+    def _stop_reason(self, step: int, deadline: float | None) -> str | None:
+        """Exit conditions, agreed across ranks so every rank stops at the same step."""
+        cfg, control = self.run.config.train, self.run.control
+        code = 0
+        if control.stop_reason is not None:
+            code = 3
+        elif deadline is not None and time.monotonic() >= deadline:
+            code = 2
+        elif cfg.exit_interval and step % cfg.exit_interval == 0:
+            code = 1
+        if self.run.dist.world_size > 1:
+            code = max_over_ranks(code)
+        if code == 3 and control.stop_reason is None:
+            control.request_stop("another rank requested a stop")
+        return STOP_REASONS[code - 1] if code else None

@@ -1,0 +1,238 @@
+"""Find plugins through entry points, import only the enabled ones, configure and register them.
+
+A plugin is an entry point in the ``coretrain`` group whose name is the plugin's name and
+whose object is an attrs class: its fields are the keys of the ``[plugins.NAME]`` table (or
+of ``[model.options]`` / ``[data.options]`` for the provider the config names). A
+distribution that wants a plugin on without any table also lists it, with the same object,
+in the ``coretrain.autoload`` group, so deciding what to load never imports anything.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import textwrap
+from collections.abc import Callable, Mapping
+from importlib import metadata
+from typing import Any
+
+import attrs
+import pluggy
+
+from coretrain import hookspecs
+from coretrain.config import Config
+from coretrain.configload import Location, structure
+from coretrain.errors import UserError, did_you_mean
+
+GROUP = "coretrain"
+AUTOLOAD_GROUP = "coretrain.autoload"
+AUTOLOAD_OFF_ENV = "CORETRAIN_DISABLE_PLUGIN_AUTOLOAD"
+INSTALL_HINT = "install one, e.g. `pip install -e ./plugins` for the first-party plugins"
+
+
+@attrs.define(frozen=True)
+class PluginEntry:
+    """What entry-point metadata says about a plugin, read without importing it."""
+
+    name: str
+    value: str
+    distribution: str
+    version: str
+    autoload: bool
+
+    @property
+    def origin(self) -> str:
+        return f"{self.distribution} {self.version}"
+
+    def load(self) -> type:
+        """Import the plugin's class; any failure is a UserError naming plugin, distribution, cause."""
+        try:
+            obj = metadata.EntryPoint(self.name, self.value, GROUP).load()
+        except Exception as exc:  # a broken plugin must stop the run with its cause
+            raise UserError(
+                f"plugin '{self.name}' (from {self.origin}) failed to import {self.value}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+        if not (inspect.isclass(obj) and attrs.has(obj)):
+            raise UserError(
+                f"plugin '{self.name}' (from {self.origin}): {self.value} is not an attrs class; "
+                "a plugin is an @attrs.define class whose fields are its config"
+            )
+        return obj
+
+
+def discover() -> dict[str, PluginEntry]:
+    """Every installed plugin, by name, from entry-point metadata alone."""
+    autoload = {ep.name for ep in metadata.entry_points(group=AUTOLOAD_GROUP)}
+    found: dict[str, PluginEntry] = {}
+    for ep in metadata.entry_points(group=GROUP):
+        dist = ep.dist
+        entry = PluginEntry(
+            name=ep.name,
+            value=ep.value,
+            distribution=dist.name if dist else "?",
+            version=dist.version if dist else "?",
+            autoload=ep.name in autoload,
+        )
+        if ep.name in found and found[ep.name].value != entry.value:
+            raise UserError(
+                f"two installed distributions register plugin '{ep.name}': "
+                f"{found[ep.name].origin} and {entry.origin}; uninstall one"
+            )
+        found[ep.name] = entry
+    return found
+
+
+def is_import_path(provider: str) -> bool:
+    return ":" in provider
+
+
+def enabled_tables(config: Config, installed: Mapping[str, PluginEntry]) -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
+    """Decide which plugins a config turns on: name -> (config key path, table).
+
+    Providers named by ``model.provider`` / ``data.provider`` take ``[model.options]`` /
+    ``[data.options]``; ``[plugins.NAME]`` tables turn theirs on; autoload plugins are on
+    unless ``enabled = false`` or autoload is disabled by the environment.
+    """
+    chosen: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {}
+    for section in ("model", "data"):
+        provider = getattr(config, section).provider
+        if not provider:
+            continue  # a missing provider is reported when the run is built
+        if not is_import_path(provider):
+            _require_installed(provider, f"{section}.provider", installed)
+            if provider in config.plugins:
+                raise UserError(
+                    f"plugins.{provider}: '{provider}' is the {section} provider; "
+                    f"put its settings in [{section}.options] instead"
+                )
+            chosen[provider] = ((section, "options"), dict(getattr(config, section).options))
+    for name, table in config.plugins.items():
+        if not isinstance(table, dict):
+            raise UserError(f"plugins.{name}: expected a table, e.g. [plugins.{name}]")
+        _require_installed(name, f"plugins.{name}", installed)
+        table = dict(table)
+        enabled = table.pop("enabled", True)
+        if not isinstance(enabled, bool):
+            raise UserError(f"plugins.{name}.enabled: expected true or false, got {enabled!r}")
+        if enabled and name not in chosen:
+            chosen[name] = (("plugins", name), table)
+        elif not enabled:
+            chosen.pop(name, None)
+    if os.environ.get(AUTOLOAD_OFF_ENV, "") not in ("1", "true", "yes"):
+        for name, entry in installed.items():
+            if entry.autoload and name not in config.plugins and name not in chosen:
+                chosen[name] = (("plugins", name), {})
+    return chosen
+
+
+def _require_installed(name: str, key: str, installed: Mapping[str, PluginEntry]) -> None:
+    if name not in installed:
+        known = ", ".join(sorted(installed)) or f"none ({INSTALL_HINT})"
+        raise UserError(f"{key}: no plugin named '{name}' is installed{did_you_mean(name, installed)}; installed: {known}")
+
+
+class Plugins:
+    """The pluggy manager with the enabled plugins registered, plus their names and entries."""
+
+    def __init__(self) -> None:
+        self.manager = pluggy.PluginManager(hookspecs.PROJECT)
+        self.manager.add_hookspecs(hookspecs)
+        self.entries: dict[str, PluginEntry] = {}
+
+    @property
+    def hook(self) -> Any:
+        return self.manager.hook
+
+    def register(self, name: str, plugin: object, entry: PluginEntry | None = None) -> None:
+        try:
+            self.manager.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            origin = f" (from {entry.origin})" if entry else ""
+            raise UserError(f"plugin '{name}'{origin}: {exc}") from None
+        if entry:
+            self.entries[name] = entry
+
+    def get(self, name: str) -> object | None:
+        return self.manager.get_plugin(name)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.manager.list_name_plugin()]
+
+    def implemented(self, hook_name: str) -> bool:
+        return bool(getattr(self.manager.hook, hook_name).get_hookimpls())
+
+    def call_each(self, hook_name: str, per_plugin: Callable[[str], dict[str, Any]] | None = None,
+                  **kwargs: Any) -> dict[str, Any]:
+        """Call ``hook_name`` on each implementing plugin separately; results keyed by plugin name.
+
+        Used for per-plugin state (on_checkpoint / on_resume): the result must be keyed by the
+        plugin that produced it, and ``per_plugin(name)`` adds arguments meant for one plugin.
+        """
+        results = {}
+        for impl in getattr(self.manager.hook, hook_name).get_hookimpls():
+            if impl.hookwrapper or impl.wrapper:
+                continue
+            arguments = {**kwargs, **(per_plugin(impl.plugin_name) if per_plugin else {})}
+            results[impl.plugin_name] = impl.function(*(arguments[arg] for arg in impl.argnames))
+        return results
+
+    def check_pending(self) -> None:
+        """A method named like a hook that matches no spec is a typo: make it an error."""
+        try:
+            self.manager.check_pending()
+        except pluggy.PluginValidationError as exc:
+            plugin_name = self.manager.get_name(exc.plugin) or "?"
+            known = [n for n in dir(hookspecs) if not n.startswith("_")]
+            unknown = [n for n in _hook_like_methods(exc.plugin) if not hasattr(self.manager.hook, n)
+                       or not getattr(self.manager.hook, n).has_spec()]
+            hints = "; ".join(f"'{n}'{did_you_mean(n, known)}" for n in unknown) or str(exc)
+            raise UserError(f"plugin '{plugin_name}' implements hooks that do not exist: {hints}") from None
+
+
+def _hook_like_methods(plugin: object) -> list[str]:
+    names = []
+    for name in dir(plugin):
+        method = getattr(plugin, name, None)
+        if getattr(method, f"{hookspecs.PROJECT}_impl", None) is not None:
+            names.append(name)
+    return names
+
+
+def load_plugins(config: Config, locations: Mapping[tuple[str, ...], Location] | None = None,
+                 installed: Mapping[str, PluginEntry] | None = None) -> Plugins:
+    """Import, configure and register every plugin the config enables; check hook names."""
+    installed = discover() if installed is None else installed
+    plugins = Plugins()
+    for name, (key_path, table) in enabled_tables(config, installed).items():
+        entry = installed[name]
+        cls = entry.load()
+        instance = structure(table, cls, prefix=key_path, locations=locations)
+        plugins.register(name, instance, entry)
+    plugins.check_pending()
+    return plugins
+
+
+# --------------------------------------------------------------------------- describing plugins
+
+
+def hooks_of(cls: type) -> list[str]:
+    """Names of the hooks a plugin class implements (with the coretrain hookimpl marker)."""
+    return sorted(n for n, m in inspect.getmembers(cls) if getattr(m, f"{hookspecs.PROJECT}_impl", None) is not None)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """First line of each field's attribute docstring, read from the class source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = following.value.value.strip().splitlines()[0]
+    return docs

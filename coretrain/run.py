@@ -1,0 +1,248 @@
+"""The ``run`` object every hook receives, and how it is built from a config.
+
+Build order (each step may use what the previous ones put on ``run``): distributed init,
+seeds, output dir + resolved config.toml, datasets, model (moved to the device),
+``configure_model`` wrappers, optimizer with param-group overrides, LR schedule.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from attrs import define, field
+
+from coretrain import hookimpl
+from coretrain.config import Config, TrainConfig
+from coretrain.control import Control
+from coretrain.dist import DistInfo, init_distributed
+from coretrain.errors import UserError
+from coretrain.optim import WarmupDecayLR, build_optimizer
+from coretrain.pluginmanager import Plugins, is_import_path
+from coretrain.tomlwrite import dumps
+
+
+@define(kw_only=True)
+class Datasets:
+    """What a data provider returns. Only ``train`` is required."""
+
+    train: Any
+    valid: Any = None
+    test: Any = None
+    seq_length: int | None = None
+    """Tokens per sample, for tokens/s and for model defaults."""
+    vocab_size: int | None = None
+
+
+@define(kw_only=True)
+class DatasetContext:
+    """What a data provider may need to size its datasets (Megatron's build_datasets context)."""
+
+    train_samples: int
+    valid_samples: int
+    test_samples: int
+    seed: int
+
+
+@define(kw_only=True)
+class StepOutputs:
+    """One step's results, on device: reading them (``.item()``) forces a sync."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor | None
+    skipped: bool
+    global_batch_size: int
+
+
+@define(kw_only=True)
+class TrainState:
+    """Progress counters saved in every checkpoint."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    skipped_updates: int = 0
+
+
+@define(kw_only=True)
+class Run:
+    """Everything about the run in progress, handed to every hook as ``run``."""
+
+    config: Config
+    plugins: Plugins
+    dist: DistInfo
+    device: torch.device
+    output_dir: Path
+    control: Control = field(factory=Control)
+    state: TrainState = field(factory=TrainState)
+    datasets: Datasets | None = None
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: WarmupDecayLR | None = None
+    micro_batches_per_step: int = 1
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.config.train.micro_batch_size * self.micro_batches_per_step * self.dist.world_size
+
+    @property
+    def flops_per_token(self) -> float | None:
+        model = getattr(self.model, "module", self.model)  # look through DDP-style wrappers
+        method = getattr(model, "flops_per_token", None)
+        return float(method()) if callable(method) else None
+
+
+def micro_batches_per_step(train: TrainConfig, data_parallel_size: int) -> int:
+    """Gradient-accumulation steps: global / (micro × data-parallel); must divide exactly."""
+    per_pass = train.micro_batch_size * data_parallel_size
+    global_batch = train.global_batch_size or per_pass
+    if global_batch % per_pass:
+        raise UserError(
+            f"train.global_batch_size ({global_batch}) must be a multiple of "
+            f"train.micro_batch_size × data-parallel size ({train.micro_batch_size} × "
+            f"{data_parallel_size} = {per_pass}); try global_batch_size = "
+            f"{max(per_pass, global_batch // per_pass * per_pass)}"
+        )
+    return global_batch // per_pass
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("run.device: 'cuda' requested but torch sees no CUDA device; use 'auto' or 'cpu'")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+# --------------------------------------------------------------------------- import-path providers
+
+
+def import_callable(path: str, key: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"{key}: cannot import '{path}': {type(exc).__name__}: {exc}") from None
+    if not callable(obj):
+        raise UserError(f"{key}: '{path}' is not callable")
+    return obj
+
+
+def _call_with(fn: Any, options: dict[str, Any], key: str, **available: Any) -> Any:
+    """Call ``fn(**options)``, also passing ``run`` / ``context`` when its signature asks for them."""
+    params = inspect.signature(fn).parameters
+    extra = {name: value for name, value in available.items() if name in params}
+    try:
+        inspect.signature(fn).bind(**extra, **options)
+    except TypeError as exc:
+        raise UserError(f"{key}: options do not fit {fn.__module__}.{fn.__qualname__}: {exc}") from None
+    return fn(**extra, **options)
+
+
+@define
+class ImportedModelProvider:
+    """Adapter: ``model.provider = "pkg.mod:fn"`` -> ``fn(**model.options)`` as a provide_model hook."""
+
+    fn: Any
+    options: dict[str, Any]
+
+    @hookimpl
+    def provide_model(self, run: Run) -> torch.nn.Module:
+        return _call_with(self.fn, self.options, "model.options", run=run)
+
+
+@define
+class ImportedDataProvider:
+    """Adapter: ``data.provider = "pkg.mod:fn"`` -> ``fn(context, **data.options)`` as provide_datasets."""
+
+    fn: Any
+    options: dict[str, Any]
+
+    @hookimpl
+    def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets:
+        result = _call_with(self.fn, self.options, "data.options", run=run, context=context)
+        if isinstance(result, Datasets):
+            return result
+        if isinstance(result, tuple):
+            return Datasets(**dict(zip(("train", "valid", "test"), result)))
+        return Datasets(train=result)
+
+
+def register_import_path_providers(config: Config, plugins: Plugins) -> None:
+    if is_import_path(config.model.provider):
+        fn = import_callable(config.model.provider, "model.provider")
+        plugins.register("model.provider", ImportedModelProvider(fn, dict(config.model.options)))
+    if is_import_path(config.data.provider):
+        fn = import_callable(config.data.provider, "data.provider")
+        plugins.register("data.provider", ImportedDataProvider(fn, dict(config.data.options)))
+
+
+# --------------------------------------------------------------------------- building
+
+
+def build_run(config: Config, plugins: Plugins) -> Run:
+    """Construct everything the loop needs, in the documented order."""
+    for section in ("model", "data"):
+        if not getattr(config, section).provider:
+            raise UserError(f"{section}.provider: not set; name a provider plugin (see `coretrain plugins`) "
+                            f"or an import path 'pkg.module:function'")
+    register_import_path_providers(config, plugins)
+    if config.run.threads:
+        torch.set_num_threads(config.run.threads)
+    device = resolve_device(config.run.device)
+    dist_info = init_distributed(device.type, config.distributed.backend)
+    if device.type == "cuda":
+        device = torch.device("cuda", dist_info.local_rank)
+        torch.cuda.set_device(device)
+    micro = micro_batches_per_step(config.train, dist_info.world_size)
+    seed_everything(config.run.seed)
+
+    output_dir = Path(config.output_dir)
+    run = Run(config=config, plugins=plugins, dist=dist_info, device=device, output_dir=output_dir,
+              micro_batches_per_step=micro)
+    if dist_info.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.toml").write_text(dumps(config_as_dict(config)), encoding="utf-8")
+
+    train = config.train
+    global_batch = run.global_batch_size
+    eval_runs = (train.train_iters // train.eval_interval if train.eval_interval else 0) + 1
+    context = DatasetContext(
+        train_samples=global_batch * train.train_iters,
+        valid_samples=global_batch * train.eval_iters * eval_runs,
+        test_samples=global_batch * train.eval_iters,
+        seed=config.run.seed,
+    )
+    run.datasets = plugins.hook.provide_datasets(run=run, context=context)
+    if run.datasets is None:
+        raise UserError(f"data.provider '{config.data.provider}' returned no datasets")
+
+    model = plugins.hook.provide_model(run=run)
+    if model is None:
+        raise UserError(f"model.provider '{config.model.provider}' returned no model")
+    run.model = model.to(device)
+    plugins.hook.configure_model(run=run)
+
+    overrides: dict[str, dict[str, float]] = {}
+    for result in reversed(plugins.hook.param_group_overrides(run=run, model=run.model)):
+        for name, values in (result or {}).items():
+            overrides.setdefault(name, {}).update(values)
+    run.optimizer = build_optimizer(config.optimizer, run.model, overrides)
+    run.scheduler = WarmupDecayLR(run.optimizer, config.scheduler, config.optimizer.lr, train.train_iters)
+    return run
+
+
+def config_as_dict(config: Config) -> dict[str, Any]:
+    from coretrain.configload import CONVERTER
+
+    return CONVERTER.unstructure(config)

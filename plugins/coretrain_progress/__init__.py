@@ -1,0 +1,126 @@
+"""``progress``: what a person watching the run sees (rank 0 only).
+
+On a terminal, a rich Live panel: progress bar with ETA, loss, learning rate, tokens/s, the
+last validation and recent events (checkpoints, resume, stop). When stdout is not a
+terminal (CI, ``| tee``, a job log), one plain line per log interval instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Any
+
+from attrs import define, field
+
+from coretrain import hookimpl
+
+
+def eta(seconds: float) -> str:
+    return str(timedelta(seconds=int(max(seconds, 0))))
+
+
+@define(kw_only=True)
+class Progress:
+    """Live progress view on a terminal; one line per log interval otherwise."""
+
+    plain: bool | None = None
+    """Force plain lines (true) or the live view (false); unset = live only on a terminal."""
+    events: int = 5
+    """How many recent events the live view shows."""
+    _live: Any = field(default=None, init=False, repr=False)
+    _bar: Any = field(default=None, init=False, repr=False)
+    _task: Any = field(default=None, init=False, repr=False)
+    _metrics: dict[str, float] = field(factory=dict, init=False, repr=False)
+    _eval: dict[str, float] = field(factory=dict, init=False, repr=False)
+    _events: deque = field(factory=lambda: deque(maxlen=5), init=False, repr=False)
+    _active: bool = field(default=False, init=False, repr=False)
+    _started: float = field(default=0.0, init=False, repr=False)
+    _total: int = field(default=0, init=False, repr=False)
+    _first_step: int = field(default=0, init=False, repr=False)
+
+    @hookimpl
+    def on_train_start(self, run: Any) -> None:
+        self._active = run.dist.is_main
+        if not self._active:
+            return
+        self._total, self._first_step = run.config.train.train_iters, run.state.step
+        self._started = time.perf_counter()
+        self._events = deque(maxlen=self.events)
+        params = sum(p.numel() for p in run.model.parameters())
+        self._event(f"{run.config.run.name}: {params / 1e6:.2f}M parameters, global batch "
+                    f"{run.global_batch_size}, {run.dist.world_size} rank(s) on {run.device.type}")
+        if run.state.step:
+            self._event(f"resumed at step {run.state.step}")
+        if not (self.plain if self.plain is not None else not sys.stdout.isatty()):
+            from rich.live import Live
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+
+            self._bar = Bar(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+            self._task = self._bar.add_task("train", total=self._total, completed=run.state.step)
+            self._live = Live(self._render(), refresh_per_second=4, transient=False)
+            self._live.start()
+
+    def _event(self, text: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        self._events.append(f"{stamp} {text}")
+        if self._live is None and self._active:
+            print(f"[{stamp}] {text}", flush=True)
+        elif self._live is not None:
+            self._live.update(self._render())
+
+    def _render(self) -> Any:
+        from rich.console import Group
+        from rich.panel import Panel
+        from rich.table import Table
+
+        table = Table.grid(padding=(0, 3))
+        m = self._metrics
+        cells = [f"loss [bold]{m['loss']:.4f}[/]" if "loss" in m else "loss -",
+                 f"lr {m['lr']:.2e}" if "lr" in m else "lr -",
+                 f"{m['tokens_per_second']:,.0f} tok/s" if "tokens_per_second" in m else
+                 (f"{m['samples_per_second']:,.1f} samples/s" if "samples_per_second" in m else ""),
+                 f"valid loss {self._eval['valid/loss']:.4f}" if "valid/loss" in self._eval else "valid -"]
+        table.add_row(*cells)
+        events = "\n".join(self._events)
+        return Panel(Group(self._bar, table, f"[dim]{events}[/]"), title="coretrain", expand=False)
+
+    @hookimpl
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self._active:
+            return
+        self._metrics = metrics
+        if self._live is not None:
+            self._bar.update(self._task, completed=step)
+            self._live.update(self._render())
+            return
+        remaining = (self._total - step) * metrics.get("iteration_time", 0.0)
+        rate = (f"{metrics['tokens_per_second']:,.0f} tok/s" if "tokens_per_second" in metrics
+                else f"{metrics.get('samples_per_second', 0.0):,.1f} samples/s")
+        print(f"step {step:>{len(str(self._total))}}/{self._total} | loss {metrics['loss']:.4f} | "
+              f"lr {metrics['lr']:.3e} | {rate} | ETA {eta(remaining)}", flush=True)
+
+    @hookimpl
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        if not self._active:
+            return
+        self._eval = metrics
+        self._event(f"step {step}: valid loss {metrics['valid/loss']:.4f} (ppl {metrics['valid/ppl']:.2f})")
+
+    @hookimpl
+    def on_checkpoint(self, step: int, path: str) -> None:
+        if self._active:
+            self._event(f"step {step}: checkpoint {path}")
+
+    @hookimpl
+    def on_train_end(self, run: Any, outcome: str) -> None:
+        if not self._active:
+            return
+        elapsed = time.perf_counter() - self._started
+        loss = f", last logged loss {self._metrics['loss']:.4f}" if "loss" in self._metrics else ""
+        self._event(f"{outcome} at step {run.state.step} in {eta(elapsed)}{loss}")
+        if self._live is not None:
+            self._live.stop()
+            self._live = None

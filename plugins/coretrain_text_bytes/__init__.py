@@ -1,0 +1,79 @@
+"""``text-bytes``: byte-level language-modelling data from text files matched by globs.
+
+Needs no download and no tokenizer: every byte is a token (vocab 256). By default it reads
+the running Python's standard library source, which ships with every Python. Files are
+split into train and valid by a hash of their path, so the split never depends on the
+order files are found in or on how many there are.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field
+
+from coretrain import hookimpl
+
+
+def default_globs() -> list[str]:
+    return [str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")]
+
+
+def is_valid_file(path: str, valid_fraction: float) -> bool:
+    digest = hashlib.sha256(Path(path).name.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < valid_fraction
+
+
+@define(kw_only=True)
+class TextBytes:
+    """Byte-level LM dataset over text files (default: the Python standard library source)."""
+
+    globs: list[str] = field(factory=list)
+    """Glob patterns ('**' recurses); empty = the standard library's top-level *.py files."""
+    seq_length: int = 256
+    """Tokens (bytes) per sample."""
+    valid_fraction: float = 0.05
+    """Share of files held out for validation (chosen by a hash of the file name)."""
+    max_bytes: int | None = None
+    """Read at most this many bytes of training text (files in sorted order)."""
+
+    def files(self) -> list[str]:
+        patterns = self.globs or default_globs()
+        found = sorted({p for pattern in patterns for p in glob.glob(pattern, recursive=True) if Path(p).is_file()})
+        return found
+
+    @hookimpl
+    def provide_datasets(self, run: Any, context: Any) -> Any:
+        import torch
+
+        from coretrain.data import TokenWindows
+        from coretrain.errors import UserError
+        from coretrain.run import Datasets
+
+        files = self.files()
+        if len(files) < 2:
+            raise UserError(f"data.options.globs: {self.globs or default_globs()} matched {len(files)} file(s); "
+                            "need at least 2 (one for training, one for validation)")
+        valid_files = [f for f in files if is_valid_file(f, self.valid_fraction)] or files[-1:]
+        train_files = [f for f in files if f not in valid_files]
+
+        def read(paths: list[str], limit: int | None) -> torch.Tensor:
+            chunks, total = [], 0
+            for path in paths:
+                data = Path(path).read_bytes() + b"\n"
+                chunks.append(data)
+                total += len(data)
+                if limit is not None and total >= limit:
+                    break
+            blob = b"".join(chunks)[:limit]
+            return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+        train = TokenWindows(read(train_files, self.max_bytes), self.seq_length)
+        valid = TokenWindows(read(valid_files, None), self.seq_length)
+        if len(train) == 0 or len(valid) == 0:
+            raise UserError(f"data.options.seq_length ({self.seq_length}) is longer than the text read; lower it")
+        return Datasets(train=train, valid=valid, seq_length=self.seq_length, vocab_size=256)
