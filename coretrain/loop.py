@@ -180,8 +180,8 @@ class Trainer:
             if hooks.on_train_start:
                 hooks.on_train_start(run=run)
             outcome = "completed" if run.config.train.skip_train else self._steps()
-            self._final_eval()
-            if outcome in ("completed", *STOP_REASONS):
+            if outcome == "completed":  # an exit condition means "stop now", as in Megatron
+                self._final_eval()
                 self.save()
         finally:
             if hooks.on_train_end:

@@ -150,7 +150,8 @@ class Plugins:
             self.manager.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
             origin = f" (from {entry.origin})" if entry else ""
-            raise UserError(f"plugin '{name}'{origin}: {exc}") from None
+            detail = "; ".join(line.strip() for line in str(exc).splitlines()[1:]) or str(exc)
+            raise UserError(f"plugin '{name}'{origin}: {detail}") from None
         if entry:
             self.entries[name] = entry
 

@@ -1,0 +1,63 @@
+"""``hooklog``: write one JSON line per hook call, to see (and test) what a run does.
+
+A complete third-party plugin in one file: an attrs class whose fields are its
+``[plugins.hooklog]`` table, methods marked with ``coretrain.hookimpl``, and an entry point
+in the ``coretrain`` group (see pyproject.toml). It also keeps state across resume.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field
+
+from coretrain import hookimpl
+
+
+@define(kw_only=True)
+class HookLog:
+    """Records every hook call of the run to a JSON-lines file."""
+
+    path: str = "hooklog.jsonl"
+    """File to append to, relative to the run's output dir."""
+    every_step: bool = False
+    """Also record pre_step/post_step (off: those run every step)."""
+    steps_seen: int = field(default=0, init=False)
+
+    def _record(self, run: Any, hook: str, **details: Any) -> None:
+        with open(Path(run.output_dir) / self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"hook": hook, **details}) + "\n")
+
+    @hookimpl
+    def on_train_start(self, run: Any) -> None:
+        self._record(run, "on_train_start", step=run.state.step)
+
+    @hookimpl
+    def post_step(self, run: Any, step: int) -> None:
+        self.steps_seen += 1
+        if self.every_step:
+            self._record(run, "post_step", step=step)
+
+    @hookimpl
+    def on_log(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+        self._record(run, "on_log", step=step, loss=metrics["loss"])
+
+    @hookimpl
+    def on_eval(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+        self._record(run, "on_eval", step=step, **metrics)
+
+    @hookimpl
+    def on_checkpoint(self, run: Any, step: int) -> dict[str, Any]:
+        self._record(run, "on_checkpoint", step=step)
+        return {"steps_seen": self.steps_seen}
+
+    @hookimpl
+    def on_resume(self, run: Any, step: int, state: dict[str, Any]) -> None:
+        self.steps_seen = state.get("steps_seen", 0)
+        self._record(run, "on_resume", step=step, steps_seen=self.steps_seen)
+
+    @hookimpl
+    def on_train_end(self, run: Any, outcome: str) -> None:
+        self._record(run, "on_train_end", step=run.state.step, outcome=outcome, steps_seen=self.steps_seen)

@@ -1,0 +1,59 @@
+"""Shared helpers: real CLI subprocesses, tiny configs, in-process runs with test plugins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m coretrain ARGS`` as a user would run it, output captured (not a terminal)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "coretrain", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def tiny_gpt_config(output_dir: Path, **train: Any) -> str:
+    """A GPT run on a few standard-library files that takes seconds on CPU."""
+    settings = {"micro_batch_size": 8, "train_iters": 40, "log_interval": 5, "eval_iters": 2, **train}
+    train_lines = "\n".join(f"{k} = {v!r}".replace("'", '"') for k, v in settings.items())
+    return textwrap.dedent(f"""\
+        [run]
+        name = "tiny"
+        output_dir = "{output_dir}"
+        threads = 1
+
+        [model]
+        provider = "gpt"
+        [model.options]
+        n_layer = 1
+        n_head = 2
+        n_embd = 32
+
+        [data]
+        provider = "text-bytes"
+        [data.options]
+        globs = ["{STDLIB}/a*.py", "{STDLIB}/b*.py"]
+        seq_length = 32
+        max_bytes = 200000
+
+        [optimizer]
+        lr = 3e-3
+
+        [train]
+        """) + train_lines + "\n"
+
+
+@pytest.fixture
+def no_autoload(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CORETRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")

@@ -1,0 +1,111 @@
+"""Config composition and the one-clear-message rule, through the real CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tomli
+from conftest import run_cli, tiny_gpt_config
+
+from coretrain.config import Config
+from coretrain.configload import load_config, structure
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def assert_user_error(result, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+
+
+def test_extends_then_set_overrides_in_that_order(tmp_path: Path) -> None:
+    write(tmp_path / "base.toml", '[train]\nmicro_batch_size = 4\ntrain_iters = 100\n[optimizer]\nlr = 0.1\n')
+    child = write(tmp_path / "child.toml", 'extends = "base.toml"\n[train]\ntrain_iters = 50\n')
+    config = load_config(child, ["optimizer.lr=3e-4", "run.name=exp1", "optimizer.betas=[0.8, 0.9]"]).config
+    assert config.train.micro_batch_size == 4          # from base
+    assert config.train.train_iters == 50              # child beats base
+    assert config.optimizer.lr == 3e-4                 # --set beats both, typed by TOML
+    assert config.run.name == "exp1"                   # bare words are strings
+    assert config.optimizer.betas == (0.8, 0.9)
+
+
+def test_bad_toml_names_file_line_and_column(tmp_path: Path) -> None:
+    path = write(tmp_path / "bad.toml", "[train]\nmicro_batch_size = = 3\n")
+    assert_user_error(run_cli("run", str(path), cwd=tmp_path), f"{path}:2:20: invalid TOML")
+
+
+def test_wrong_type_names_line_key_path_and_expected_type(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.toml", '[train]\nlog_interval = 10\nmicro_batch_size = "four"\n')
+    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
+                      f"{path}:3: train.micro_batch_size: expected an integer, got 'four' (string)")
+
+
+def test_unknown_key_suggests_the_right_one(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.toml", "[train]\ntrain_iter = 10\n")
+    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
+                      "train.train_iter: unknown key (did you mean 'train_iters'?)")
+
+
+def test_unknown_plugin_suggests_the_installed_one(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.toml", '[model]\nprovider = "gtp"\n')
+    assert_user_error(run_cli("run", str(path), cwd=tmp_path),
+                      "model.provider: no plugin named 'gtp' is installed (did you mean 'gpt'?)")
+
+
+def test_plugin_table_errors_use_the_plugin_key_path(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.toml", '[model]\nprovider = "gpt"\n[model.options]\nn_layers = 2\n'
+                                      '[plugins.progress]\nplain = "yes"\n')
+    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
+                      "model.options.n_layers: unknown key (did you mean 'n_layer'?)")
+    path = write(tmp_path / "d.toml", '[plugins.progress]\nplain = "yes"\n')
+    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
+                      f"{path}:2: plugins.progress.plain: expected true or false, got 'yes' (string)")
+
+
+def test_inconsistent_batch_sizes(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.toml", "[train]\nmicro_batch_size = 4\nglobal_batch_size = 10\n")
+    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
+                      "train.global_batch_size (10) must be a multiple of train.micro_batch_size")
+
+
+def test_missing_file_and_missing_base_and_bad_set(tmp_path: Path) -> None:
+    assert_user_error(run_cli("run", "nope.toml", cwd=tmp_path), "nope.toml: config file not found")
+    path = write(tmp_path / "c.toml", 'extends = "base.toml"\n')
+    assert_user_error(run_cli("run", str(path), cwd=tmp_path), "extends: 'base.toml' not found")
+    ok = write(tmp_path / "ok.toml", "")
+    assert_user_error(run_cli("config", "validate", str(ok), "--set", "train.lr", cwd=tmp_path),
+                      "--set train.lr: expected KEY.PATH=VALUE")
+    assert_user_error(run_cli("config", "validate", str(ok), "--set", "optimizer.lr=fast", cwd=tmp_path),
+                      "--set optimizer.lr=fast: optimizer.lr: expected a number, got 'fast' (string)")
+
+
+def test_extends_cycle_is_reported(tmp_path: Path) -> None:
+    write(tmp_path / "a.toml", 'extends = "b.toml"\n')
+    write(tmp_path / "b.toml", 'extends = "a.toml"\n')
+    assert_user_error(run_cli("run", str(tmp_path / "a.toml"), cwd=tmp_path), "'extends' forms a cycle")
+
+
+def test_config_show_marks_non_defaults_and_includes_plugin_defaults(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.toml", tiny_gpt_config(tmp_path / "out"))
+    result = run_cli("config", "show", str(path), "--set", "optimizer.lr=0.01", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "lr = 0.01  # default: 0.0003" in lines
+    assert "weight_decay = 0.01" in lines                  # a default, unmarked
+    assert "n_layer = 1  # default: 4" in lines            # provider options with their defaults
+    assert "dropout = 0.0" in lines
+    assert "[plugins.progress]" in lines                    # autoloaded plugins show too
+
+
+def test_resolved_config_written_by_a_run_loads_back_identically(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.toml", tiny_gpt_config(tmp_path / "out", train_iters=2, eval_iters=0))
+    result = run_cli("run", str(path), "--set", "optimizer.lr=0.002", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    saved = tomli.loads((tmp_path / "out" / "config.toml").read_text())
+    assert structure(saved, Config) == load_config(path, ["optimizer.lr=0.002"]).config

@@ -1,0 +1,160 @@
+"""The loop's contract, in process: accumulation, updates, vetoes, stops, eval cadence, logging."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from helpers_inprocess import build, config, train
+
+from coretrain import hookimpl
+from coretrain.errors import UserError
+from coretrain.loop import ResolvedHooks
+
+
+class Recorder:
+    """Records what the loop hands to plugins."""
+
+    def __init__(self) -> None:
+        self.logs: list[tuple[int, dict[str, float]]] = []
+        self.evals: list[int] = []
+        self.step_losses: list[float] = []
+        self.outcome: str | None = None
+
+    @hookimpl
+    def post_step(self, outputs: Any) -> None:
+        self.step_losses.append(outputs.loss.item())
+
+    @hookimpl
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        self.logs.append((step, metrics))
+
+    @hookimpl
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.evals.append(step)
+
+    @hookimpl
+    def on_train_end(self, outcome: str) -> None:
+        self.outcome = outcome
+
+
+def weights(run: Any) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in run.model.parameters()]
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path: Any, no_autoload: None) -> None:
+    big, _ = train(config(tmp_path / "a", train={"micro_batch_size": 16, "global_batch_size": 16}))
+    accumulated, _ = train(config(tmp_path / "b", train={"micro_batch_size": 4, "global_batch_size": 16}))
+    assert accumulated.micro_batches_per_step == 4
+    for a, b in zip(weights(big), weights(accumulated)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert accumulated.state.consumed_samples == 16 * 10
+
+
+def test_global_batch_must_divide(tmp_path: Any, no_autoload: None) -> None:
+    with pytest.raises(UserError, match=r"global_batch_size \(10\) must be a multiple of .*4 × 1 = 4"):
+        build(config(tmp_path, train={"micro_batch_size": 4, "global_batch_size": 10}))
+
+
+def test_logged_loss_is_mean_of_the_interval_and_lr_follows_schedule(tmp_path: Any, no_autoload: None) -> None:
+    recorder = Recorder()
+    cfg = config(tmp_path, train={"train_iters": 6, "log_interval": 3},
+                 scheduler={"warmup_iters": 2, "decay_style": "linear", "min_lr": 0.001})
+    run, _ = train(cfg, ("recorder", recorder))
+    assert [step for step, _ in recorder.logs] == [3, 6]
+    for (step, metrics), chunk in zip(recorder.logs, (recorder.step_losses[:3], recorder.step_losses[3:])):
+        assert metrics["loss"] == pytest.approx(sum(chunk) / 3, rel=1e-6)
+    assert run.scheduler.lr_at(1) == pytest.approx(0.005)          # warmup 1/2 of 0.01
+    assert run.scheduler.lr_at(3) == pytest.approx(0.01)           # first post-warmup update
+    assert run.scheduler.lr_at(6) == pytest.approx(0.001)          # decay_iters = train_iters -> min_lr
+    assert recorder.logs[-1][1]["lr"] == pytest.approx(0.001)
+
+
+def test_cosine_schedule_midpoint(tmp_path: Any, no_autoload: None) -> None:
+    run = build(config(tmp_path, train={"train_iters": 11}, scheduler={"decay_style": "cosine", "min_lr": 0.0}))
+    assert run.scheduler.lr_at(1) == pytest.approx(0.01)
+    assert run.scheduler.lr_at(6) == pytest.approx(0.005)
+    assert run.scheduler.lr_at(11) == pytest.approx(0.0, abs=1e-12)
+
+
+class Veto:
+    """Skips the update of chosen steps and stops the run at a chosen step."""
+
+    def __init__(self, skip: set[int], stop_at: int | None = None, exit_code: int = 0) -> None:
+        self.skip, self.stop_at, self.exit_code = skip, stop_at, exit_code
+        self.before: dict[int, list[torch.Tensor]] = {}
+
+    @hookimpl
+    def before_update(self, run: Any, step: int) -> None:
+        self.before[step] = weights(run)
+        if step in self.skip:
+            run.control.skip_update("test veto")
+
+    @hookimpl
+    def post_step(self, run: Any, step: int, outputs: Any) -> None:
+        changed = any(not torch.equal(a, b) for a, b in zip(self.before[step], weights(run)))
+        assert changed == (step not in self.skip) and outputs.skipped == (step in self.skip)
+        if step == self.stop_at:
+            run.control.request_stop("test stop", exit_code=self.exit_code)
+
+
+def test_a_vetoed_update_leaves_weights_and_schedule_alone(tmp_path: Any, no_autoload: None) -> None:
+    run, code = train(config(tmp_path), ("veto", Veto(skip={2, 5})))
+    assert code == 0 and run.state.step == 10
+    assert run.state.skipped_updates == 2
+    assert run.scheduler.updates == 8
+
+
+def test_a_plugin_stop_request_ends_the_run_with_a_checkpoint_and_its_exit_code(tmp_path: Any, no_autoload: None) -> None:
+    recorder = Recorder()
+    run, code = train(config(tmp_path), ("veto", Veto(skip=set(), stop_at=4, exit_code=3)), ("recorder", recorder))
+    assert (run.state.step, code, recorder.outcome) == (4, 3, "stopped")
+    assert (tmp_path / "out" / "checkpoints" / "step_00000004").is_dir()
+
+
+@pytest.mark.parametrize(("eval_interval", "eval_iters", "expected"), [
+    (None, 2, [10]),        # unset interval: validate only after training
+    (4, 2, [4, 8, 10]),     # every 4 steps, and once more at the end
+    (5, 2, [5, 10]),        # the end coincides with an interval: not twice
+    (4, 0, []),             # eval_iters = 0 disables validation
+])
+def test_eval_cadence(tmp_path: Any, no_autoload: None, eval_interval: int | None, eval_iters: int,
+                      expected: list[int]) -> None:
+    recorder = Recorder()
+    train_cfg: dict[str, Any] = {"eval_iters": eval_iters}
+    if eval_interval:
+        train_cfg["eval_interval"] = eval_interval
+    train(config(tmp_path, train=train_cfg), ("recorder", recorder))
+    assert recorder.evals == expected
+
+
+def test_exit_interval_then_resume_reproduces_the_uninterrupted_run(tmp_path: Any, no_autoload: None) -> None:
+    model_opts = {"options": {"dropout": 0.1}}  # dropout: the RNG state must be restored too
+    full, _ = train(config(tmp_path / "full", model=model_opts))
+    interrupted, code = train(config(tmp_path / "split", model=model_opts, train={"exit_interval": 4}))
+    assert code == 0 and interrupted.state.step == 4
+    resumed, _ = train(config(tmp_path / "split", model=model_opts))
+    assert resumed.state.step == 10 and resumed.state.consumed_samples == full.state.consumed_samples
+    for a, b in zip(weights(full), weights(resumed)):
+        assert torch.equal(a, b)
+
+
+def test_hooks_nobody_implements_are_never_called(tmp_path: Any, no_autoload: None) -> None:
+    run = build(config(tmp_path), ("recorder", Recorder()))
+    hooks = ResolvedHooks(run)
+    assert hooks.pre_step is None and hooks.before_update is None and hooks.num_micro_batches is None
+    assert hooks.post_step is not None and hooks.on_log is not None
+
+
+def test_import_path_provider_options_are_checked(tmp_path: Any, no_autoload: None) -> None:
+    with pytest.raises(UserError, match="model.options: options do not fit .*make_model"):
+        build(config(tmp_path, model={"options": {"widht": 3}}))
+
+
+def test_training_reduces_the_loss(tmp_path: Any, no_autoload: None) -> None:
+    recorder = Recorder()
+    train(config(tmp_path, train={"train_iters": 60, "log_interval": 10}), ("recorder", recorder))
+    first, last = recorder.logs[0][1]["loss"], recorder.logs[-1][1]["loss"]
+    assert math.isfinite(last) and last < 0.5 * first

@@ -1,0 +1,155 @@
+"""Plugins are found through entry points only, imported lazily, configured strictly.
+
+Third-party packages are real: built and pip-installed into a target directory that the
+runs see through PYTHONPATH, exactly as `pip install coretrain-foo` would make them visible.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli, tiny_gpt_config
+
+from coretrain import hookimpl
+from coretrain.configload import load_config
+from coretrain.errors import UserError
+from coretrain.pluginmanager import Plugins, discover, enabled_tables
+
+BROKEN_PLUGIN = {
+    "pyproject.toml": """\
+        [build-system]
+        requires = ["setuptools>=61"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "coretrain-broken"
+        version = "0.1.0"
+        [project.entry-points.coretrain]
+        broken = "coretrain_broken:Broken"
+        [tool.setuptools]
+        packages = ["coretrain_broken"]
+        """,
+    "coretrain_broken/__init__.py": 'raise ImportError("needs libfoo, which is not installed")\n',
+}
+
+
+def pip_install(target: Path, *sources: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), *map(str, sources)], check=True)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A target dir with the example plugin and a broken plugin, pip-installed for real."""
+    root = tmp_path_factory.mktemp("thirdparty")
+    broken = root / "broken-src"
+    for name, text in BROKEN_PLUGIN.items():
+        (broken / name).parent.mkdir(parents=True, exist_ok=True)
+        (broken / name).write_text(textwrap.dedent(text))
+    target = root / "site"
+    pip_install(target, REPO / "examples" / "coretrain-hooklog", broken)
+    return target
+
+
+def test_third_party_plugin_is_found_enabled_from_toml_and_called_in_a_real_run(site: Path, tmp_path: Path) -> None:
+    env = {"PYTHONPATH": str(site)}
+    listing = run_cli("plugins", cwd=tmp_path, env=env)
+    assert listing.returncode == 0
+    assert "hooklog  coretrain-hooklog 0.1.0" in listing.stdout
+    assert "hooks: on_checkpoint, on_eval, on_log, on_resume, on_train_end, on_train_start, post_step" in listing.stdout
+
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=10, exit_interval=6, eval_interval=5)
+                      + '\n[plugins.hooklog]\npath = "calls.jsonl"\n')
+    first = run_cli("run", str(config), cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr
+    second = run_cli("run", str(config), cwd=tmp_path, env=env)
+    assert second.returncode == 0, second.stderr
+    calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
+    assert [(c["hook"], c["step"]) for c in calls] == [
+        ("on_train_start", 0), ("on_log", 5), ("on_eval", 5), ("on_checkpoint", 6), ("on_train_end", 6),
+        ("on_resume", 6), ("on_train_start", 6), ("on_log", 10), ("on_eval", 10), ("on_checkpoint", 10),
+        ("on_train_end", 10),
+    ]
+    assert calls[5]["steps_seen"] == 6 and calls[-1]["steps_seen"] == 10   # its state survived the restart
+    assert calls[4]["outcome"] == "exit_interval" and calls[-1]["outcome"] == "completed"
+
+
+def test_a_broken_plugin_is_named_with_its_distribution_and_cause_and_stops_the_run(site: Path, tmp_path: Path) -> None:
+    env = {"PYTHONPATH": str(site)}
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(tmp_path / "out", train_iters=2) + "\n[plugins.broken]\n")
+    result = run_cli("run", str(config), cwd=tmp_path, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert ("error: plugin 'broken' (from coretrain-broken 0.1.0) failed to import coretrain_broken:Broken: "
+            "ImportError: needs libfoo, which is not installed") in result.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()       # stopped before training
+    listing = run_cli("plugins", cwd=tmp_path, env=env)
+    assert listing.returncode == 0 and "broken  coretrain-broken 0.1.0  broken: " in listing.stdout
+
+
+def test_a_broken_plugin_that_is_not_enabled_is_never_imported(site: Path, tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(tmp_path / "out", train_iters=2, eval_iters=0))
+    result = run_cli("run", str(config), cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    assert result.returncode == 0, result.stderr
+
+
+def test_discovery_reads_metadata_without_importing_plugins() -> None:
+    code = ("import sys; from coretrain.pluginmanager import discover; found = discover(); "
+            "assert {'gpt', 'text-bytes', 'token-file', 'progress', 'metrics-file'} <= set(found), found; "
+            "loaded = [m for m in sys.modules if m.startswith('coretrain_')]; assert not loaded, loaded; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_first_party_plugins_come_from_their_distribution() -> None:
+    found = discover()
+    assert found["gpt"].distribution == "coretrain-plugins"
+    assert found["progress"].autoload and found["metrics-file"].autoload and not found["gpt"].autoload
+
+
+def _enabled(tmp_path: Path, text: str) -> set[str]:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return set(enabled_tables(load_config(path).config, discover()))
+
+
+def test_autoload_and_enabled_false(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CORETRAIN_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    assert _enabled(tmp_path, '[model]\nprovider = "gpt"\n') == {"gpt", "progress", "metrics-file"}
+    assert _enabled(tmp_path, "[plugins.progress]\nenabled = false\n") == {"metrics-file"}
+    monkeypatch.setenv("CORETRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert _enabled(tmp_path, "[plugins.progress]\nplain = true\n") == {"progress"}
+
+
+def test_provider_settings_belong_in_options(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"'gpt' is the model provider; put its settings in \[model.options\]"):
+        _enabled(tmp_path, '[model]\nprovider = "gpt"\n[plugins.gpt]\nn_layer = 2\n')
+
+
+class Misspelled:
+    @hookimpl
+    def on_lgo(self) -> None: ...
+
+
+def test_a_misspelled_hook_is_an_error_not_silence() -> None:
+    plugins = Plugins()
+    plugins.register("typo", Misspelled())
+    with pytest.raises(UserError, match=r"plugin 'typo' implements hooks that do not exist: 'on_lgo' \(did you mean 'on_log'\?\)"):
+        plugins.check_pending()
+
+
+class WrongArgs:
+    @hookimpl
+    def on_log(self, step: int, loss: float) -> None: ...
+
+
+def test_an_implementation_with_unknown_arguments_is_rejected() -> None:
+    with pytest.raises(UserError, match=r"plugin 'bad': hookimpl definition: on_log\(step.*Argument\(s\) {'loss'} are declared in the hookimpl"):
+        Plugins().register("bad", WrongArgs())
