@@ -8,7 +8,6 @@ changing the number of ranks or micro-batches never changes which samples make a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,6 +30,9 @@ class SampleOrder:
         return self._perm
 
     def indices(self, start: int, count: int) -> torch.Tensor:
+        epoch, offset = divmod(start, self.length)
+        if epoch == self._epoch and offset + count <= self.length:  # the common case, kept cheap
+            return self._perm[offset:offset + count]
         parts = []
         while count > 0:
             epoch, offset = divmod(start, self.length)
@@ -58,16 +60,29 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def micro_batches(dataset: Any, order: SampleOrder, start: int, global_batch_size: int,
-                  micro_batch_size: int, rank: int, world_size: int,
-                  device: torch.device) -> Iterator[Any]:
-    """The micro-batches this rank computes for the global batch starting at ``start``."""
-    per_rank = global_batch_size // world_size
-    indices = order.indices(start + rank * per_rank, per_rank)
-    move = device.type != "cpu"
-    for first in range(0, per_rank, micro_batch_size):
-        batch = fetch(dataset, indices if per_rank == micro_batch_size else indices[first:first + micro_batch_size])
-        yield to_device(batch, device) if move else batch
+class BatchReader:
+    """The micro-batches one rank computes for each global batch (bound once, read every step).
+
+    A global batch starting at position ``start`` is order[start : start + global]; rank r
+    takes the r-th equal block and cuts it into micro-batches.
+    """
+
+    def __init__(self, dataset: Any, order: SampleOrder, rank: int, world_size: int, device: torch.device) -> None:
+        self.dataset, self.order, self.rank, self.world_size = dataset, order, rank, world_size
+        self.device = device if device.type != "cpu" else None
+        get_batch = getattr(dataset, "get_batch", None)
+        self.get_batch = get_batch if get_batch is not None else (lambda indices: fetch(dataset, indices))
+
+    def read(self, start: int, global_batch_size: int, micro_batch_size: int) -> list[Any]:
+        per_rank = global_batch_size // self.world_size
+        indices = self.order.indices(start + self.rank * per_rank, per_rank)
+        if per_rank == micro_batch_size:
+            batches = [self.get_batch(indices)]
+        else:
+            batches = [self.get_batch(indices[i:i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]
+        if self.device is not None:
+            batches = [to_device(b, self.device) for b in batches]
+        return batches
 
 
 class TokenWindows:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from coretrain import checkpoint
-from coretrain.data import SampleOrder, micro_batches
+from coretrain.data import BatchReader, SampleOrder
 from coretrain.dist import max_over_ranks
 from coretrain.run import Run, StepOutputs
 
@@ -52,33 +52,43 @@ def forward(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 class IntervalLog:
-    """Device-side values of the steps since the last log, turned into floats with one sync."""
+    """Device-side sums of the steps since the last log, turned into floats with one sync.
+
+    Sums accumulate in place into two preallocated device scalars: no allocation per step and
+    nothing kept alive, so the per-step cost is two tiny in-place adds.
+    """
 
     def __init__(self) -> None:
-        self.losses: list[torch.Tensor] = []
-        self.grad_norms: list[torch.Tensor] = []
+        self.loss_sum: torch.Tensor | None = None
+        self.grad_norm_sum: torch.Tensor | None = None
+        self.steps = 0
         self.samples = 0
         self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int) -> None:
-        self.losses.append(loss)
+        if self.loss_sum is None:
+            self.loss_sum = loss.detach().float().clone()
+        else:
+            self.loss_sum.add_(loss.detach())
         if grad_norm is not None:
-            self.grad_norms.append(grad_norm)
+            if self.grad_norm_sum is None:
+                self.grad_norm_sum = grad_norm.detach().float().clone()
+            else:
+                self.grad_norm_sum.add_(grad_norm)
+        self.steps += 1
         self.samples += samples
 
     def flush(self, run: Run) -> dict[str, float]:
-        steps = len(self.losses)
-        values = [torch.stack(self.losses).float().mean()]
-        if self.grad_norms:
-            values.append(torch.stack(self.grad_norms).float().mean())
-        host = torch.stack(values).tolist()  # the one host sync of the interval
+        steps = max(self.steps, 1)
+        sums = [self.loss_sum] + ([self.grad_norm_sum] if self.grad_norm_sum is not None else [])
+        host = torch.stack(sums).tolist()  # the one host sync of the interval
         elapsed = time.perf_counter() - self.started
-        metrics = {"loss": host[0], "lr": run.scheduler.lr_at(max(run.scheduler.updates, 1))}
-        if self.grad_norms:
-            metrics["grad_norm"] = host[1]
+        metrics = {"loss": host[0] / steps, "lr": run.scheduler.lr_at(max(run.scheduler.updates, 1))}
+        if len(host) > 1:
+            metrics["grad_norm"] = host[1] / steps
         metrics.update({
             "global_batch_size": float(run.global_batch_size),
-            "iteration_time": elapsed / max(steps, 1),
+            "iteration_time": elapsed / steps,
             "samples_per_second": self.samples / elapsed if elapsed > 0 else 0.0,
             "consumed_samples": float(run.state.consumed_samples),
             "skipped_updates": float(run.state.skipped_updates),
@@ -91,16 +101,18 @@ class IntervalLog:
 
     def pending(self) -> dict[str, Any]:
         """What a checkpoint must carry so the next log after resume averages the same steps."""
-        if not self.losses:
+        if not self.steps:
             return {}
-        return {"losses": torch.stack(self.losses).cpu(), "samples": self.samples,
-                "grad_norms": torch.stack(self.grad_norms).cpu() if self.grad_norms else torch.empty(0)}
+        state: dict[str, Any] = {"loss_sum": self.loss_sum.cpu(), "steps": self.steps, "samples": self.samples}
+        if self.grad_norm_sum is not None:
+            state["grad_norm_sum"] = self.grad_norm_sum.cpu()
+        return state
 
     def restore(self, state: dict[str, Any], device: torch.device) -> None:
         if state:
-            self.losses = list(state["losses"].to(device).unbind())
-            self.grad_norms = list(state["grad_norms"].to(device).unbind())
-            self.samples = int(state["samples"])
+            self.loss_sum = state["loss_sum"].to(device)
+            self.grad_norm_sum = state["grad_norm_sum"].to(device) if "grad_norm_sum" in state else None
+            self.steps, self.samples = int(state["steps"]), int(state["samples"])
 
 
 @torch.no_grad()
@@ -111,9 +123,9 @@ def evaluate(run: Run, dataset: Any, iters: int) -> dict[str, float]:
     was_training = model.training
     model.eval()
     losses = []
+    reader = BatchReader(dataset, order, run.dist.rank, run.dist.world_size, run.device)
     for i in range(iters):
-        for batch in micro_batches(dataset, order, i * run.global_batch_size, run.global_batch_size,
-                                   train.micro_batch_size, run.dist.rank, run.dist.world_size, run.device):
+        for batch in reader.read(i * run.global_batch_size, run.global_batch_size, train.micro_batch_size):
             with autocast(run):
                 losses.append(forward(model, batch).detach().float())
     model.train(was_training)
@@ -205,13 +217,14 @@ class Trainer:
         cfg = run.config.train
         model, optimizer, scheduler, control, state = run.model, run.optimizer, run.scheduler, run.control, run.state
         params = [p for p in model.parameters() if p.requires_grad]
-        dataset = run.datasets.train
-        order = SampleOrder(len(dataset), run.config.run.seed)
-        rank, world, micro_size = run.dist.rank, run.dist.world_size, cfg.micro_batch_size
-        no_sync = getattr(model, "no_sync", None)
+        reader = BatchReader(run.datasets.train, SampleOrder(len(run.datasets.train), run.config.run.seed),
+                             run.dist.rank, run.dist.world_size, run.device)
+        micro_size, world, clip = cfg.micro_batch_size, run.dist.world_size, cfg.clip_grad
         validate = bool(cfg.eval_iters and cfg.eval_interval and run.datasets.valid is not None)
+        save_interval = run.config.checkpoint.save_interval
         deadline = time.monotonic() + cfg.exit_duration_in_mins * 60 if cfg.exit_duration_in_mins else None
-        bf16 = run.config.run.precision == "bf16"
+        check_exit = deadline is not None or cfg.exit_interval is not None or world > 1
+        plain = getattr(model, "no_sync", None) is None and run.config.run.precision == "fp32"
         interval.started = time.perf_counter()
 
         while state.step < cfg.train_iters:
@@ -224,16 +237,15 @@ class Trainer:
             if hooks.pre_step:
                 hooks.pre_step(run=run, step=step)
 
-            losses = []
-            for i, batch in enumerate(micro_batches(dataset, order, state.consumed_samples, global_batch,
-                                                    micro_size, rank, world, run.device)):
-                sync = no_sync() if no_sync is not None and i < n_micro - 1 else contextlib.nullcontext()
-                with sync:
-                    with autocast(run) if bf16 else contextlib.nullcontext():
-                        loss = forward(model, batch)
-                    (loss / n_micro if n_micro > 1 else loss).backward()
-                losses.append(loss.detach())
-            loss = losses[0] if n_micro == 1 else torch.stack(losses).mean()
+            batches = reader.read(state.consumed_samples, global_batch, micro_size)
+            if n_micro == 1 and plain:  # the common case, with nothing a hand-written loop would not do
+                batch = batches[0]
+                loss = model(*batch) if type(batch) is tuple else forward(model, batch)
+                if type(loss) is not torch.Tensor:
+                    loss = loss_of(loss)
+                loss.backward()
+            else:
+                loss = self._accumulate(batches)
 
             if hooks.before_update:
                 hooks.before_update(run=run, step=step)
@@ -243,8 +255,8 @@ class Trainer:
                 state.skipped_updates += 1
                 control.skip_reason = None
             else:
-                if cfg.clip_grad > 0:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad)
+                if clip > 0:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
                 optimizer.step()
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -253,7 +265,7 @@ class Trainer:
             interval.add(loss, grad_norm, global_batch)
             if hooks.post_step:
                 hooks.post_step(run=run, step=step, outputs=StepOutputs(
-                    loss=loss, grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch))
+                    loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch))
 
             if step % cfg.log_interval == 0:
                 metrics = interval.flush(run)
@@ -262,15 +274,27 @@ class Trainer:
             if validate and step % cfg.eval_interval == 0:
                 self._eval()
 
-            reason = self._stop_reason(step, deadline)
-            if reason or control.checkpoint_requested or (
-                    run.config.checkpoint.save_interval and step % run.config.checkpoint.save_interval == 0):
-                if reason != "stopped" or control.checkpoint_requested:
-                    self.save()
+            reason = self._stop_reason(step, deadline) if check_exit or control.stop_reason is not None else None
+            if (reason and (reason != "stopped" or control.checkpoint_requested)) or control.checkpoint_requested \
+                    or (save_interval and step % save_interval == 0):
+                self.save()
             if reason:
                 log.info("stopping at step %d: %s", step, control.stop_reason or reason)
                 return reason
         return "completed"
+
+    def _accumulate(self, batches: list[Any]) -> torch.Tensor:
+        """Forward and backward over the micro-batches (DDP syncs only on the last); mean loss."""
+        run, model = self.run, self.run.model
+        no_sync = getattr(model, "no_sync", None)
+        n_micro, losses = len(batches), []
+        for i, batch in enumerate(batches):
+            sync = no_sync() if no_sync is not None and i < n_micro - 1 else contextlib.nullcontext()
+            with sync, autocast(run):
+                loss = forward(model, batch)
+            (loss / n_micro if n_micro > 1 else loss).backward()
+            losses.append(loss.detach())
+        return losses[0] if n_micro == 1 else torch.stack(losses).mean()
 
     def _stop_reason(self, step: int, deadline: float | None) -> str | None:
         """Exit conditions, agreed across ranks so every rank stops at the same step."""

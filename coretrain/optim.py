@@ -70,11 +70,14 @@ class WarmupDecayLR:
     def _apply(self) -> None:
         lr = self.lr
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group.setdefault("lr_mult", 1.0)
+            group["lr"] = lr * group["lr_mult"]
 
     def step(self) -> None:
         self.updates += 1
-        self._apply()
+        lr = self.lr_at(self.updates + 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group["lr_mult"]
 
     def state_dict(self) -> dict[str, int]:
         return {"updates": self.updates}

@@ -1,0 +1,92 @@
+"""First-party providers: byte text, token files, the GPT model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from coretrain_gpt.model import GPT, GPTConfig
+from coretrain_text_bytes import TextBytes, is_valid_file
+from coretrain_token_file import TokenFile, open_tokens, write_tokens
+
+from coretrain.data import BatchReader, SampleOrder, TokenWindows
+from coretrain.run import DatasetContext
+
+CONTEXT = DatasetContext(train_samples=100, valid_samples=10, test_samples=10, seed=0)
+
+
+def test_token_windows_batch_fast_path_equals_per_sample() -> None:
+    windows = TokenWindows(torch.arange(100), seq_length=8)
+    assert len(windows) == 12                                   # (100 - 1) // 8
+    x, y = windows.get_batch(torch.tensor([3, 0, 11]))
+    for row, i in enumerate([3, 0, 11]):
+        sx, sy = windows[i]
+        assert torch.equal(x[row], sx) and torch.equal(y[row], sy)
+    assert torch.equal(y[0], x[0] + 1)                          # targets are the next tokens
+
+
+def test_sample_order_is_a_seeded_permutation_per_epoch_and_resumable() -> None:
+    order = SampleOrder(10, seed=3)
+    stream = order.indices(0, 25)
+    assert sorted(stream[:10].tolist()) == list(range(10)) and sorted(stream[10:20].tolist()) == list(range(10))
+    assert not torch.equal(stream[:10], stream[10:20])
+    assert torch.equal(SampleOrder(10, seed=3).indices(7, 9), stream[7:16])   # position alone resumes
+
+
+def test_ranks_and_micro_batches_split_a_global_batch_without_changing_it() -> None:
+    data = TokenWindows(torch.arange(1000), seq_length=4)
+    order = SampleOrder(len(data), seed=1)
+    cpu = torch.device("cpu")
+    whole = torch.cat([x for x, _ in BatchReader(data, order, 0, 1, cpu).read(16, 8, 8)])
+    split = torch.cat([x for rank in (0, 1) for x, _ in BatchReader(data, order, rank, 2, cpu).read(16, 8, 2)])
+    assert torch.equal(whole, split)
+
+
+def test_text_bytes_split_is_by_file_name_and_deterministic(tmp_path: Path) -> None:
+    for i in range(40):
+        (tmp_path / f"f{i}.txt").write_text(f"file {i} " * 20)
+    provider = TextBytes(globs=[str(tmp_path / "*.txt")], seq_length=16, valid_fraction=0.25)
+    datasets = provider.provide_datasets(run=None, context=CONTEXT)
+    valid_names = {p.name for p in tmp_path.glob("*.txt") if is_valid_file(str(p), 0.25)}
+    assert 0 < len(valid_names) < 40
+    valid_text = bytes(datasets.valid.tokens.tolist()).decode()
+    assert all(f"file {name[1:-4]} " in valid_text for name in valid_names)
+    assert datasets.vocab_size == 256 and datasets.seq_length == 16
+    again = TextBytes(globs=[str(tmp_path / "*.txt")], seq_length=16, valid_fraction=0.25).provide_datasets(
+        run=None, context=CONTEXT)
+    assert torch.equal(again.train.tokens, datasets.train.tokens)
+
+
+def test_token_file_memory_maps_uint16_and_uint32(tmp_path: Path) -> None:
+    for dtype, top in (("uint16", 65535), ("uint32", 70000)):
+        path = tmp_path / f"train_{dtype}.bin"
+        tokens = [i % (top + 1) for i in range(0, 5000)] + [top]
+        write_tokens(str(path), tokens, dtype)
+        assert path.stat().st_size == len(tokens) * (2 if dtype == "uint16" else 4)
+        assert open_tokens(str(path), dtype)[-1].item() == top
+        datasets = TokenFile(train_path=str(path), dtype=dtype, seq_length=10).provide_datasets(run=None, context=CONTEXT)
+        assert datasets.vocab_size == top + 1
+        x, y = datasets.train.get_batch(torch.tensor([2]))
+        assert x[0].tolist() == tokens[20:30] and y[0].tolist() == tokens[21:31]
+
+
+def test_token_file_with_the_wrong_width_is_a_clear_error(tmp_path: Path) -> None:
+    from coretrain.errors import UserError
+
+    path = tmp_path / "odd.bin"
+    path.write_bytes(b"\x00" * 7)
+    with pytest.raises(UserError, match="size 7 is not a multiple of 2 bytes"):
+        open_tokens(str(path), "uint16")
+
+
+def test_gpt_loss_starts_near_uniform_and_flops_follow_the_palm_formula() -> None:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=False)
+    model = GPT(cfg)
+    idx, targets = torch.randint(0, 256, (2, 4, 32))
+    loss = model(idx, targets)
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.1
+    assert model(idx).shape == (4, 32, 256)
+    n = sum(p.numel() for p in model.parameters()) - 32 * 32     # tied head counted once, positions excluded
+    assert model.flops_per_token() == 6 * n + 12 * 2 * 32 * 32

@@ -1,0 +1,78 @@
+"""End to end through the real CLI: a GPT trains on real text and leaves its files behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import run_cli, tiny_gpt_config
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_gpt_on_stdlib_text_learns_and_leaves_config_metrics_and_checkpoints(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=60, log_interval=10, eval_interval=30))
+    result = run_cli("run", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+    rows = metrics(out)
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [10, 20, 30, 40, 50, 60]
+    assert train_rows[-1]["loss"] < 0.75 * train_rows[0]["loss"]          # learning, from ~5.5 (ln 256)
+    assert [r["step"] for r in rows if "valid/loss" in r] == [30, 60]
+    assert train_rows[0]["tokens_per_second"] > 0 and train_rows[0]["global_batch_size"] == 8
+    assert (out / "config.toml").is_file()
+    assert (out / "checkpoints" / "step_00000060" / "model.pt").is_file()
+    # not a terminal: plain, one line per log interval
+    progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(progress) == 6 and progress[-1].startswith("step 60/60 | loss ")
+
+
+def test_metrics_file_keeps_full_precision_floats(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=5, log_interval=1, eval_iters=0))
+    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    text = (out / "metrics.jsonl").read_text().splitlines()[0]
+    loss = json.loads(text)["loss"]
+    assert repr(loss) in text and len(repr(loss)) > 10                    # not rounded for display
+
+
+def test_exit_interval_then_rerun_resumes_and_each_step_is_logged_once(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_iters=0))
+    first = run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000010"]
+    second = run_cli("run", str(config), cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stderr and "(step 10, 80 samples consumed)" in second.stderr
+    assert [r["step"] for r in metrics(out)] == [5, 10, 15, 20]
+
+
+def test_checkpoints_load_with_weights_only(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=3, eval_iters=0))
+    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    for name in ("model.pt", "optimizer.pt", "rank_00000.pt"):
+        torch.load(out / "checkpoints" / "step_00000003" / name, weights_only=True)
+
+
+def test_python_m_and_help_do_not_import_torch() -> None:
+    code = ("import sys, contextlib, io\nimport coretrain\nassert 'torch' not in sys.modules\n"
+            "from coretrain.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try: main(['--help'])\n    except SystemExit: pass\n"
+            "assert 'torch' not in sys.modules, 'coretrain --help imported torch'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert "run" in subprocess.run([sys.executable, "-m", "coretrain", "--help"], capture_output=True,
+                                   text=True, check=True).stdout
