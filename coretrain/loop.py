@@ -52,40 +52,36 @@ def forward(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 class IntervalLog:
-    """Device-side sums of the steps since the last log, turned into floats with one sync.
+    """The steps since the last log, turned into floats with one host sync at flush.
 
-    Sums accumulate in place into two preallocated device scalars: no allocation per step and
-    nothing kept alive, so the per-step cost is two tiny in-place adds.
+    Per step this only appends references to the loss and grad-norm tensors (no device op,
+    no allocation); the backward graph they point to is already freed, so holding them for
+    one interval costs a few hundred bytes each.
     """
 
     def __init__(self) -> None:
-        self.loss_sum: torch.Tensor | None = None
-        self.grad_norm_sum: torch.Tensor | None = None
-        self.steps = 0
+        self.losses: list[torch.Tensor] = []
+        self.grad_norms: list[torch.Tensor] = []
         self.samples = 0
         self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int) -> None:
-        if self.loss_sum is None:
-            self.loss_sum = loss.detach().float().clone()
-        else:
-            self.loss_sum.add_(loss.detach())
+        self.losses.append(loss)
         if grad_norm is not None:
-            if self.grad_norm_sum is None:
-                self.grad_norm_sum = grad_norm.detach().float().clone()
-            else:
-                self.grad_norm_sum.add_(grad_norm)
-        self.steps += 1
+            self.grad_norms.append(grad_norm)
         self.samples += samples
 
     def flush(self, run: Run) -> dict[str, float]:
-        steps = max(self.steps, 1)
-        sums = [self.loss_sum] + ([self.grad_norm_sum] if self.grad_norm_sum is not None else [])
-        host = torch.stack(sums).tolist()  # the one host sync of the interval
+        steps = max(len(self.losses), 1)
+        with torch.no_grad():
+            means = [torch.stack(self.losses).float().mean()]
+            if self.grad_norms:
+                means.append(torch.stack(self.grad_norms).float().mean())
+            host = torch.stack(means).tolist()  # the one host sync of the interval
         elapsed = time.perf_counter() - self.started
-        metrics = {"loss": host[0] / steps, "lr": run.scheduler.lr_at(max(run.scheduler.updates, 1))}
+        metrics = {"loss": host[0], "lr": run.scheduler.lr_at(max(run.scheduler.updates, 1))}
         if len(host) > 1:
-            metrics["grad_norm"] = host[1] / steps
+            metrics["grad_norm"] = host[1]
         metrics.update({
             "global_batch_size": float(run.global_batch_size),
             "iteration_time": elapsed / steps,
@@ -101,18 +97,17 @@ class IntervalLog:
 
     def pending(self) -> dict[str, Any]:
         """What a checkpoint must carry so the next log after resume averages the same steps."""
-        if not self.steps:
+        if not self.losses:
             return {}
-        state: dict[str, Any] = {"loss_sum": self.loss_sum.cpu(), "steps": self.steps, "samples": self.samples}
-        if self.grad_norm_sum is not None:
-            state["grad_norm_sum"] = self.grad_norm_sum.cpu()
-        return state
+        with torch.no_grad():
+            return {"losses": torch.stack(self.losses).cpu(), "samples": self.samples,
+                    "grad_norms": torch.stack(self.grad_norms).cpu() if self.grad_norms else torch.empty(0)}
 
     def restore(self, state: dict[str, Any], device: torch.device) -> None:
         if state:
-            self.loss_sum = state["loss_sum"].to(device)
-            self.grad_norm_sum = state["grad_norm_sum"].to(device) if "grad_norm_sum" in state else None
-            self.steps, self.samples = int(state["steps"]), int(state["samples"])
+            self.losses = list(state["losses"].to(device).unbind())
+            self.grad_norms = list(state["grad_norms"].to(device).unbind())
+            self.samples = int(state["samples"])
 
 
 @torch.no_grad()
