@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from coretrain.errors import UserError
@@ -46,8 +47,11 @@ def complete_steps(root: Path) -> list[int]:
 
 
 def rng_state() -> dict[str, Any]:
+    """Every generator a run may draw from, as plain lists and tensors (weights_only-safe)."""
     version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state(),
+                             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -56,6 +60,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

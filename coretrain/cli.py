@@ -85,14 +85,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
+    from coretrain.config import micro_batches_per_step
     from coretrain.configload import load_config
-    from coretrain.dist import world_size_from_env
     from coretrain.pluginmanager import load_plugins
-    from coretrain.run import micro_batches_per_step
 
     loaded = load_config(args.config, args.overrides)
     plugins = load_plugins(loaded.config, loaded.locations)
-    micro_batches_per_step(loaded.config.train, world_size_from_env())
+    micro_batches_per_step(loaded.config.train, int(os.environ.get("WORLD_SIZE", "1")))
     print(f"{args.config}: ok ({len(plugins.names())} plugins enabled: {', '.join(plugins.names()) or 'none'})")
     return 0
 

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import attrs
 from attrs import define, field
 
+from coretrain.errors import UserError
+
 
 class FieldValueError(ValueError):
     """A value of the right type but out of range; carries the field name for the key path."""
@@ -141,3 +143,17 @@ class Config:
     @property
     def output_dir(self) -> str:
         return self.run.output_dir.replace("{name}", self.run.name)
+
+
+def micro_batches_per_step(train: TrainConfig, data_parallel_size: int) -> int:
+    """Gradient-accumulation steps: global / (micro × data-parallel); must divide exactly."""
+    per_pass = train.micro_batch_size * data_parallel_size
+    global_batch = train.global_batch_size or per_pass
+    if global_batch % per_pass:
+        raise UserError(
+            f"train.global_batch_size ({global_batch}) must be a multiple of "
+            f"train.micro_batch_size × data-parallel size ({train.micro_batch_size} × "
+            f"{data_parallel_size} = {per_pass}); try global_batch_size = "
+            f"{max(per_pass, global_batch // per_pass * per_pass)}"
+        )
+    return global_batch // per_pass

@@ -13,11 +13,12 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from attrs import define, field
 
 from coretrain import hookimpl
-from coretrain.config import Config, TrainConfig
+from coretrain.config import Config, micro_batches_per_step
 from coretrain.control import Control
 from coretrain.dist import DistInfo, init_distributed
 from coretrain.errors import UserError
@@ -95,20 +96,6 @@ class Run:
         return float(method()) if callable(method) else None
 
 
-def micro_batches_per_step(train: TrainConfig, data_parallel_size: int) -> int:
-    """Gradient-accumulation steps: global / (micro × data-parallel); must divide exactly."""
-    per_pass = train.micro_batch_size * data_parallel_size
-    global_batch = train.global_batch_size or per_pass
-    if global_batch % per_pass:
-        raise UserError(
-            f"train.global_batch_size ({global_batch}) must be a multiple of "
-            f"train.micro_batch_size × data-parallel size ({train.micro_batch_size} × "
-            f"{data_parallel_size} = {per_pass}); try global_batch_size = "
-            f"{max(per_pass, global_batch // per_pass * per_pass)}"
-        )
-    return global_batch // per_pass
-
-
 def resolve_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise UserError("run.device: 'cuda' requested but torch sees no CUDA device; use 'auto' or 'cpu'")
@@ -119,6 +106,7 @@ def resolve_device(choice: str) -> torch.device:
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 

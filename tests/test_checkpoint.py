@@ -1,0 +1,40 @@
+"""Checkpoint pieces: RNG state survives a weights_only round trip; incomplete saves are ignored."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers_inprocess import config, train
+
+from coretrain.checkpoint import complete_steps, rng_state, set_rng_state
+from coretrain.errors import UserError
+
+
+def draws() -> tuple:
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+def test_rng_state_round_trips_through_weights_only_load(tmp_path: Path) -> None:
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    expected = draws()
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert draws() == expected
+
+
+def test_resume_ignores_an_uncommitted_save_and_names_a_corrupt_file(tmp_path: Any, no_autoload: None) -> None:
+    run, _ = train(config(tmp_path, train={"exit_interval": 4}))
+    root = tmp_path / "out" / "checkpoints"
+    (root / "step_00000008.tmp").mkdir()                 # a save that never committed
+    assert complete_steps(root) == [4]
+    resumed, _ = train(config(tmp_path, train={"train_iters": 6}))
+    assert resumed.state.step == 6                         # resumed from 4, not from the .tmp
+    (root / "step_00000006" / "model.pt").write_bytes(b"truncated")
+    with pytest.raises(UserError, match=r"step_00000006/model.pt: cannot load checkpoint file"):
+        train(config(tmp_path, train={"train_iters": 8}))
