@@ -76,3 +76,14 @@ def test_python_m_and_help_do_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
     assert "run" in subprocess.run([sys.executable, "-m", "coretrain", "--help"], capture_output=True,
                                    text=True, check=True).stdout
+
+
+def test_progress_live_view_can_be_forced_and_shows_the_run(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(tmp_path / "out", train_iters=10, log_interval=5)
+                      + "\n[plugins.progress]\nplain = false\n")
+    result = run_cli("run", str(config), cwd=tmp_path, env={"COLUMNS": "100"})
+    assert result.returncode == 0, result.stderr
+    assert "─ coretrain ─" in result.stdout and "10/10" in result.stdout
+    assert "valid loss" in result.stdout and "completed at step 10" in result.stdout
+    assert not any(line.startswith("step ") for line in result.stdout.splitlines())

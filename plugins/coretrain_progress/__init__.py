@@ -39,21 +39,15 @@ class Progress:
     _active: bool = field(default=False, init=False, repr=False)
     _started: float = field(default=0.0, init=False, repr=False)
     _total: int = field(default=0, init=False, repr=False)
-    _first_step: int = field(default=0, init=False, repr=False)
 
     @hookimpl
     def on_train_start(self, run: Any) -> None:
         self._active = run.dist.is_main
         if not self._active:
             return
-        self._total, self._first_step = run.config.train.train_iters, run.state.step
+        self._total = run.config.train.train_iters
         self._started = time.perf_counter()
         self._events = deque(maxlen=self.events)
-        params = sum(p.numel() for p in run.model.parameters())
-        self._event(f"{run.config.run.name}: {params / 1e6:.2f}M parameters, global batch "
-                    f"{run.global_batch_size}, {run.dist.world_size} rank(s) on {run.device.type}")
-        if run.state.step:
-            self._event(f"resumed at step {run.state.step}")
         if not (self.plain if self.plain is not None else not sys.stdout.isatty()):
             from rich.live import Live
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
@@ -62,6 +56,11 @@ class Progress:
             self._task = self._bar.add_task("train", total=self._total, completed=run.state.step)
             self._live = Live(self._render(), refresh_per_second=4, transient=False)
             self._live.start()
+        params = sum(p.numel() for p in run.model.parameters())
+        self._event(f"{run.config.run.name}: {params / 1e6:.2f}M parameters, global batch "
+                    f"{run.global_batch_size}, {run.dist.world_size} rank(s) on {run.device.type}")
+        if run.state.step:
+            self._event(f"resumed at step {run.state.step}")
 
     def _event(self, text: str) -> None:
         stamp = time.strftime("%H:%M:%S")
