@@ -158,3 +158,19 @@ def test_training_reduces_the_loss(tmp_path: Any, no_autoload: None) -> None:
     train(config(tmp_path, train={"train_iters": 60, "log_interval": 10}), ("recorder", recorder))
     first, last = recorder.logs[0][1]["loss"], recorder.logs[-1][1]["loss"]
     assert math.isfinite(last) and last < 0.5 * first
+
+
+def test_exit_duration_stops_early_with_a_checkpoint(tmp_path: Any, no_autoload: None) -> None:
+    recorder = Recorder()
+    run, code = train(config(tmp_path, train={"train_iters": 100000, "exit_duration_in_mins": 0.002}),
+                      ("recorder", recorder))
+    assert code == 0 and recorder.outcome == "exit_duration" and 0 < run.state.step < 100000
+    assert (tmp_path / "out" / "checkpoints" / f"step_{run.state.step:08d}").is_dir()
+
+
+def test_skip_train_only_validates_the_loaded_checkpoint(tmp_path: Any, no_autoload: None) -> None:
+    train(config(tmp_path, train={"train_iters": 4}))
+    recorder = Recorder()
+    run, _ = train(config(tmp_path, train={"train_iters": 8, "skip_train": True, "eval_iters": 2}),
+                   ("recorder", recorder))
+    assert run.state.step == 4 and recorder.evals == [4] and recorder.logs == []
