@@ -9,24 +9,32 @@ Layout under ``<output_dir>/checkpoints/``::
     step_00000200.tmp/      an interrupted save: never loaded
     latest                  text: the newest committed step (a hint; the directories decide)
 
+Saving is synchronous, or with ``checkpoint.async_save`` the training thread only copies the
+state to host memory and a background thread writes, fsyncs and commits (:class:`Checkpointer`).
 Everything is loaded with ``weights_only=True``: RNG and plugin states are plain tensors,
 numbers, strings, lists and dicts, so no arbitrary object is ever unpickled.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 
 from coretrain.errors import UserError
 from coretrain.run import Run, TrainState
+
+log = logging.getLogger("coretrain")
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -82,41 +90,145 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(run: Run, extra_state: dict[str, Any]) -> Path:
-    """Write the checkpoint of ``run.state.step`` and commit it; returns its directory.
+class HostStaging:
+    """Host-memory copies of the state, in buffers kept from one save to the next.
 
-    ``extra_state`` carries what the loop keeps outside ``run`` (pending log values) and the
-    plugins' states collected through ``on_checkpoint``.
+    The first async save allocates them (and pays for first-touching the pages); later saves
+    only copy into them, which is what keeps the training thread's share of an async save
+    small. Buffers are pinned when the source lives on a GPU. Costs one host copy of the state
+    for the life of the run, as torch.distributed.checkpoint's async staging does.
     """
-    root = checkpoint_root(run)
-    final = step_dir(root, run.state.step)
-    tmp = final.with_name(final.name + ".tmp")
-    if run.dist.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        _save_file(run.model.state_dict(), tmp / "model.pt")
-        _save_file({"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()},
-                   tmp / "optimizer.pt")
-    _barrier()
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def copy(self, obj: Any, path: tuple = (), memo: dict[int, torch.Tensor] | None = None) -> Any:
+        """A deep copy of ``obj`` whose tensors live in the staging buffers (sharing preserved)."""
+        memo = {} if memo is None else memo
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in memo:
+                buffer = self._buffers.get(path)
+                if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
+                    buffer = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
+                    self._buffers[path] = buffer
+                buffer.copy_(obj.detach(), non_blocking=obj.is_cuda)
+                memo[id(obj)] = buffer
+            return memo[id(obj)]
+        if isinstance(obj, dict):
+            return {k: self.copy(v, (*path, k), memo) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.copy(v, (*path, i), memo) for i, v in enumerate(obj))
+        return obj
+
+
+def collect(run: Run, extra_state: dict[str, Any]) -> dict[str, Any]:
+    """This rank's files of the checkpoint: file name -> object to save."""
     state = {"train": {"step": run.state.step, "consumed_samples": run.state.consumed_samples,
                        "skipped_updates": run.state.skipped_updates},
              "rng": rng_state(), **extra_state}
-    _save_file(state, tmp / f"rank_{run.dist.rank:05d}.pt")
-    _barrier()
+    files: dict[str, Any] = {f"rank_{run.dist.rank:05d}.pt": state}
     if run.dist.is_main:
+        files["model.pt"] = run.model.state_dict()
+        files["optimizer.pt"] = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()}
+    return files
+
+
+def write_and_commit(root: Path, step: int, files: dict[str, Any], is_main: bool, keep_last: int | None,
+                     distributed: bool) -> Path:
+    """Write into step_N.tmp, fsync every file and the directory, then rename: the commit."""
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if distributed:
+        _barrier()
+    for name, obj in files.items():
+        _save_file(obj, tmp / name)
+    if distributed:
+        _barrier()
+    if is_main:
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-        (root / "latest.tmp").write_text(f"{run.state.step}\n")
+        (root / "latest.tmp").write_text(f"{step}\n")
         os.replace(root / "latest.tmp", root / "latest")
-        _apply_retention(root, run.config.checkpoint.keep_last)
-    _barrier()
+        _apply_retention(root, keep_last)
+    if distributed:
+        _barrier()
     return final
 
 
+class Checkpointer:
+    """Saves checkpoints synchronously, or asynchronously with ``checkpoint.async_save``.
+
+    Async: the training thread only copies the state to host memory; a background thread
+    serializes, fsyncs and commits. One save is in flight at a time; :meth:`wait` (called
+    before the next save and before the process leaves) finishes it and re-raises its error.
+    Multi-rank runs save synchronously until sharded async saves arrive with DCP.
+    """
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.asynchronous = run.config.checkpoint.async_save and run.dist.world_size == 1
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending_step: int | None = None
+        self._staging = HostStaging()
+        if run.config.checkpoint.async_save and not self.asynchronous:
+            log.warning("checkpoint.async_save: multi-rank runs save synchronously for now")
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def save(self, extra_state: dict[str, Any]) -> tuple[Path, float]:
+        """Start (async) or do (sync) the save of the current step; returns (dir, seconds blocked)."""
+        self.wait()
+        run = self.run
+        started = time.perf_counter()
+        root, step = checkpoint_root(run), run.state.step
+        files = collect(run, extra_state)
+        args = (root, step, files, run.dist.is_main, run.config.checkpoint.keep_last, run.dist.world_size > 1)
+        if self.asynchronous:
+            args = (root, step, self._staging.copy(files), *args[3:])
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the non-blocking device-to-host copies must land first
+            self._pending_step = step
+            self._thread = threading.Thread(target=self._write, args=args, name=f"checkpoint-{step}", daemon=False)
+            self._thread.start()
+        else:
+            write_and_commit(*args)
+        return step_dir(root, step), time.perf_counter() - started
+
+    def _write(self, *args: Any) -> None:
+        try:
+            write_and_commit(*args)
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._error = exc
+
+    def done(self) -> int | None:
+        """The step of an async save that has finished since the last call, if any (non-blocking)."""
+        if self._thread is None or self._thread.is_alive():
+            return None
+        return self.wait()
+
+    def wait(self) -> int | None:
+        """Block until the save in flight is committed; returns its step."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        step, self._thread, self._pending_step = self._pending_step, None, None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return step
+
+
 def _apply_retention(root: Path, keep_last: int | None) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints; the newest complete one always stays."""
     if not keep_last:
         return
     for step in complete_steps(root)[:-keep_last]:
@@ -147,8 +259,14 @@ def find_resume_dir(run: Run) -> Path | None:
         if not path.is_dir() or not STEP_DIR.match(path.name):
             raise UserError(f"checkpoint.resume: '{choice}' is not a checkpoint directory (step_NNNNNNNN)")
         return path
-    steps = complete_steps(checkpoint_root(run))
-    return step_dir(checkpoint_root(run), steps[-1]) if steps else None
+    root = checkpoint_root(run)
+    steps = complete_steps(root)
+    newest = steps[-1] if steps else -1
+    for partial in sorted(root.glob("step_*.tmp")) if root.is_dir() else []:
+        step = int(partial.name[5:13]) if partial.name[5:13].isdigit() else -1
+        if step > newest:
+            log.warning("ignoring incomplete checkpoint %s (its save never committed)", partial)
+    return step_dir(root, newest) if steps else None
 
 
 def load(run: Run, path: Path) -> dict[str, Any]:
@@ -167,3 +285,45 @@ def load_pretrained(run: Run, path: str) -> None:
     """Model weights only (fine-tuning): step 0, fresh optimizer."""
     directory = Path(path)
     run.model.load_state_dict(_load_file(directory / "model.pt" if directory.is_dir() else directory))
+
+
+# --------------------------------------------------------------------------- inspecting and exporting
+
+
+@attrs.define(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    complete: bool
+    size_bytes: int
+
+
+def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
+    """Every checkpoint directory of a run, complete or not, oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        raise UserError(f"{run_dir}: no checkpoints/ directory; is this a run's output dir?")
+    found = []
+    for path in root.iterdir():
+        match = re.match(r"^step_(\d{8})(\.tmp)?$", path.name)
+        if match and path.is_dir():
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            found.append(CheckpointInfo(int(match.group(1)), path, match.group(2) is None, size))
+    return sorted(found, key=lambda c: (c.step, c.complete))
+
+
+def export_weights(run_dir: Path, step: int | None, to: Path) -> Path:
+    """Write the model weights of a complete checkpoint (newest by default) as safetensors."""
+    from safetensors.torch import save_file
+
+    complete = {c.step: c.path for c in list_checkpoints(run_dir) if c.complete}
+    if not complete:
+        raise UserError(f"{run_dir}: no complete checkpoint to export")
+    if step is not None and step not in complete:
+        raise UserError(f"--step {step}: no complete checkpoint at that step; complete: {sorted(complete)}")
+    source = complete[step if step is not None else max(complete)]
+    weights = _load_file(source / "model.pt")
+    # tied parameters share storage; safetensors stores each name on its own
+    save_file({name: tensor.contiguous().clone() for name, tensor in weights.items()}, str(to),
+              metadata={"format": "pt", "source": str(source)})
+    return source

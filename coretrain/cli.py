@@ -32,6 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(run)
     run.set_defaults(handler=cmd_run)
 
+    ckpt = commands.add_parser("checkpoint", help="inspect and export a run's checkpoints")
+    ckpt_commands = ckpt.add_subparsers(dest="checkpoint_command", required=True, metavar="SUBCOMMAND")
+    listing = ckpt_commands.add_parser("list", help="steps, sizes, complete or not")
+    listing.add_argument("run_dir", help="the run's output dir (holds checkpoints/)")
+    listing.set_defaults(handler=cmd_checkpoint_list)
+    export = ckpt_commands.add_parser("export", help="model weights of a checkpoint as .safetensors")
+    export.add_argument("run_dir", help="the run's output dir (holds checkpoints/)")
+    export.add_argument("--step", type=int, default=None, help="which step (default: newest complete)")
+    export.add_argument("--to", required=True, help="output file, e.g. model.safetensors")
+    export.set_defaults(handler=cmd_checkpoint_export)
+
     plugins = commands.add_parser("plugins", help="list installed plugins, their hooks and config fields")
     plugins.set_defaults(handler=cmd_plugins)
 
@@ -82,6 +93,32 @@ def cmd_run(args: argparse.Namespace) -> int:
         return Trainer(build_run(loaded.config, plugins)).train()
     finally:
         dist.shutdown()
+
+
+def cmd_checkpoint_list(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coretrain.checkpoint import list_checkpoints
+
+    found = list_checkpoints(Path(args.run_dir))
+    latest = Path(args.run_dir) / "checkpoints" / "latest"
+    newest = latest.read_text().strip() if latest.exists() else "-"
+    print(f"{'step':>10}  {'size':>10}  state       path")
+    for info in found:
+        state = "complete" if info.complete else "incomplete"
+        print(f"{info.step:>10}  {info.size_bytes / 2**20:>8.1f}MB  {state:<10}  {info.path}")
+    print(f"{len(found)} checkpoint(s); {sum(i.complete for i in found)} complete; latest: {newest}")
+    return 0
+
+
+def cmd_checkpoint_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coretrain.checkpoint import export_weights
+
+    source = export_weights(Path(args.run_dir), args.step, Path(args.to))
+    print(f"wrote {args.to} from {source}")
+    return 0
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:

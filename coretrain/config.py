@@ -33,6 +33,14 @@ def _non_negative(instance: object, attribute: attrs.Attribute, value: Any) -> N
         raise FieldValueError(attribute.name, f"must be >= 0, got {value!r}")
 
 
+def _signal_names(instance: object, attribute: attrs.Attribute, value: list[str]) -> None:
+    import signal
+
+    for name in value:
+        if not (name.startswith("SIG") and isinstance(getattr(signal, name, None), signal.Signals)):
+            raise FieldValueError(attribute.name, f"{name!r} is not a signal name (e.g. 'SIGTERM', 'SIGUSR1')")
+
+
 @define(kw_only=True)
 class RunConfig:
     """Identity and placement of the run."""
@@ -73,6 +81,9 @@ class TrainConfig:
     skip_train: bool = False
     """Only validate (after loading a checkpoint, if any)."""
     log_interval: int = field(default=100, validator=_positive)
+    exit_signal_handler: bool = True
+    """On a signal in exit_signals: checkpoint at the next step boundary, then exit 128+signum."""
+    exit_signals: list[str] = field(factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"], validator=_signal_names)
     clip_grad: float = field(default=1.0, validator=_non_negative)
     """Max global gradient norm; 0 disables clipping."""
 

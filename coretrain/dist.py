@@ -48,13 +48,13 @@ def _cpu_group() -> object:
     return _control_group
 
 
-def max_over_ranks(value: int) -> int:
-    """The largest ``value`` over all ranks (one tiny CPU all-reduce; free when single-process)."""
+def max_over_ranks(*values: int) -> list[int]:
+    """Element-wise maxima over all ranks (one tiny CPU all-reduce; free when single-process)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64)
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_cpu_group())
-    return int(tensor.item())
+    return tensor.tolist()
 
 
 def shutdown() -> None:

@@ -19,6 +19,7 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.run.Run`):
         every log_interval:   on_log(run, step, metrics)   ONE host sync per interval
         every eval_interval:  on_eval(run, step, metrics)
         checkpoint due?       on_checkpoint(run, step, path) -> this plugin's state
+                              on_checkpoint_saved(run, step, path)  once committed (async: later)
         signal agreed?        on_signal(run, signum) -> checkpoint -> exit 128+signum
         exit condition?       train_iters | exit_interval | exit_duration_in_mins |
                               run.control.request_stop(reason)
@@ -137,6 +138,15 @@ def on_checkpoint(run: Run, step: int, path: str) -> dict[str, Any] | None:
 
     Return this plugin's own state (tensors, numbers, strings, lists, dicts): it is saved
     under the plugin's name and handed back to :func:`on_resume`.
+    """
+
+
+@hookspec
+def on_checkpoint_saved(run: Run, step: int, path: str) -> None:
+    """The checkpoint of ``step`` is durable and committed at ``path``.
+
+    Called on the training thread: right after a synchronous save, or at the first step
+    boundary after an asynchronous save finished.
     """
 
 

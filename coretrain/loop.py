@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
 import time
 from typing import Any
 
@@ -19,11 +20,12 @@ from coretrain import checkpoint
 from coretrain.data import BatchReader, SampleOrder
 from coretrain.dist import max_over_ranks
 from coretrain.run import Run, StepOutputs
+from coretrain.signals import SignalWatcher
 
 log = logging.getLogger("coretrain")
 
 EVAL_SEED_OFFSET = 1_000_003
-STOP_REASONS = ("exit_interval", "exit_duration", "stopped")  # codes 1..3 for agreement across ranks
+STOP_REASONS = ("exit_interval", "exit_duration", "stopped", "signal")  # codes 1..4, agreed across ranks
 
 
 class ResolvedHooks:
@@ -31,7 +33,7 @@ class ResolvedHooks:
 
     def __init__(self, run: Run) -> None:
         for name in ("num_micro_batches", "pre_step", "before_update", "post_step", "on_log", "on_eval",
-                     "on_train_start", "on_train_end", "on_signal"):
+                     "on_train_start", "on_train_end", "on_signal", "on_checkpoint_saved"):
             setattr(self, name, getattr(run.plugins.hook, name) if run.plugins.implemented(name) else None)
 
 
@@ -146,6 +148,9 @@ class Trainer:
         self.log = IntervalLog()
         self.last_saved_step = -1
         self.last_eval_step = -1
+        self.checkpointer = checkpoint.Checkpointer(run)
+        self.signals = SignalWatcher(run.config.train.exit_signals if run.config.train.exit_signal_handler else [])
+        self.signum: int | None = None
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -173,9 +178,19 @@ class Trainer:
         plugin_states = {name: state for name, state in
                          run.plugins.call_each("on_checkpoint", run=run, step=run.state.step, path=str(path)).items()
                          if state is not None}
-        checkpoint.save(run, {"plugins": plugin_states, "interval_log": self.log.pending()})
+        path, blocked = self.checkpointer.save({"plugins": plugin_states, "interval_log": self.log.pending()})
         self.last_saved_step = run.state.step
         run.control.checkpoint_requested = False
+        if self.checkpointer.in_flight:
+            log.info("checkpoint step %d: training blocked %.3f s; writing in the background", run.state.step, blocked)
+        else:
+            log.info("checkpoint step %d saved in %.3f s", run.state.step, blocked)
+            self._saved(run.state.step)
+
+    def _saved(self, step: int | None) -> None:
+        if step is not None and self.hooks.on_checkpoint_saved:
+            path = checkpoint.step_dir(checkpoint.checkpoint_root(self.run), step)
+            self.hooks.on_checkpoint_saved(run=self.run, step=step, path=str(path))
 
     # ---------------------------------------------------------------- the loop
 
@@ -184,15 +199,22 @@ class Trainer:
         self.restore()
         outcome = "error"
         try:
-            if hooks.on_train_start:
-                hooks.on_train_start(run=run)
-            outcome = "completed" if run.config.train.skip_train else self._steps()
-            if outcome == "completed":  # an exit condition means "stop now", as in Megatron
-                self._final_eval()
-                self.save()
+            with self.signals:
+                if hooks.on_train_start:
+                    hooks.on_train_start(run=run)
+                outcome = "completed" if run.config.train.skip_train else self._steps()
+                if outcome == "completed":  # an exit condition means "stop now", as in Megatron
+                    self._final_eval()
+                    self.save()
+                self._saved(self.checkpointer.wait())  # a save in flight finishes before we leave
         finally:
+            if outcome == "error" and self.checkpointer.in_flight:
+                with contextlib.suppress(Exception):  # the error in hand is the one to report
+                    self.checkpointer.wait()
             if hooks.on_train_end:
                 hooks.on_train_end(run=run, outcome=outcome)
+        if outcome == "signal":
+            return 128 + self.signum
         return run.control.exit_code if outcome == "stopped" else 0
 
     def _final_eval(self) -> None:
@@ -219,6 +241,7 @@ class Trainer:
         save_interval = run.config.checkpoint.save_interval
         deadline = time.monotonic() + cfg.exit_duration_in_mins * 60 if cfg.exit_duration_in_mins else None
         check_exit = deadline is not None or cfg.exit_interval is not None or world > 1
+        signals, checkpointer = self.signals, self.checkpointer
         plain = getattr(model, "no_sync", None) is None and run.config.run.precision == "fp32"
         interval.started = time.perf_counter()
 
@@ -269,7 +292,13 @@ class Trainer:
             if validate and step % cfg.eval_interval == 0:
                 self._eval()
 
-            reason = self._stop_reason(step, deadline) if check_exit or control.stop_reason is not None else None
+            if checkpointer.in_flight:
+                self._saved(checkpointer.done())
+            reason = None
+            if check_exit or control.stop_reason is not None or signals.received is not None:
+                reason = self._stop_reason(step, deadline)
+            if reason == "signal" and hooks.on_signal:
+                hooks.on_signal(run=run, signum=self.signum)
             if (reason and (reason != "stopped" or control.checkpoint_requested)) or control.checkpoint_requested \
                     or (save_interval and step % save_interval == 0):
                 self.save()
@@ -294,15 +323,20 @@ class Trainer:
     def _stop_reason(self, step: int, deadline: float | None) -> str | None:
         """Exit conditions, agreed across ranks so every rank stops at the same step."""
         cfg, control = self.run.config.train, self.run.control
-        code = 0
-        if control.stop_reason is not None:
+        code, signum = 0, self.signals.received or 0
+        if signum:
+            code = 4
+        elif control.stop_reason is not None:
             code = 3
         elif deadline is not None and time.monotonic() >= deadline:
             code = 2
         elif cfg.exit_interval and step % cfg.exit_interval == 0:
             code = 1
         if self.run.dist.world_size > 1:
-            code = max_over_ranks(code)
-        if code == 3 and control.stop_reason is None:
+            code, signum = max_over_ranks(code, signum)
+        if code == 4:
+            self.signum = signum
+            control.request_stop(f"received {signal.Signals(signum).name}")
+        elif code == 3 and control.stop_reason is None:
             control.request_stop("another rank requested a stop")
         return STOP_REASONS[code - 1] if code else None

@@ -57,3 +57,39 @@ def tiny_gpt_config(output_dir: Path, **train: Any) -> str:
 @pytest.fixture
 def no_autoload(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CORETRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
+BROKEN_PLUGIN = {
+    "pyproject.toml": """\
+        [build-system]
+        requires = ["setuptools>=61"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "coretrain-broken"
+        version = "0.1.0"
+        [project.entry-points.coretrain]
+        broken = "coretrain_broken:Broken"
+        [tool.setuptools]
+        packages = ["coretrain_broken"]
+        """,
+    "coretrain_broken/__init__.py": 'raise ImportError("needs libfoo, which is not installed")\n',
+}
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A target dir with real pip installs of third-party plugin packages, for PYTHONPATH.
+
+    The example hooklog plugin, a plugin whose import fails, and the test-only
+    kill-during-save plugin: found exactly as `pip install coretrain-foo` would make them.
+    """
+    root = tmp_path_factory.mktemp("thirdparty")
+    broken = root / "broken-src"
+    for name, text in BROKEN_PLUGIN.items():
+        (broken / name).parent.mkdir(parents=True, exist_ok=True)
+        (broken / name).write_text(textwrap.dedent(text))
+    target = root / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(REPO / "examples" / "coretrain-hooklog"), str(broken),
+                    str(REPO / "tests" / "fixtures" / "coretrain-faults")], check=True)
+    return target

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers_inprocess import config, train
 
+from coretrain import hookimpl
 from coretrain.checkpoint import complete_steps, rng_state, set_rng_state
 from coretrain.errors import UserError
 
@@ -38,3 +39,26 @@ def test_resume_ignores_an_uncommitted_save_and_names_a_corrupt_file(tmp_path: A
     (root / "step_00000006" / "model.pt").write_bytes(b"truncated")
     with pytest.raises(UserError, match=r"step_00000006/model.pt: cannot load checkpoint file"):
         train(config(tmp_path, train={"train_iters": 8}))
+
+
+def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path: Any, no_autoload: None) -> None:
+    train(config(tmp_path, train={"train_iters": 10}, checkpoint={"save_interval": 2, "keep_last": 2}))
+    assert complete_steps(tmp_path / "out" / "checkpoints") == [8, 10]
+
+
+class FirstWeights:
+    @hookimpl
+    def on_train_start(self, run: Any) -> None:
+        self.weights = {k: v.clone() for k, v in run.model.state_dict().items()}
+        self.step = run.state.step
+
+
+def test_pretrained_loads_weights_only_and_starts_at_step_zero(tmp_path: Any, no_autoload: None) -> None:
+    source, _ = train(config(tmp_path / "a", train={"train_iters": 6}))
+    seen = FirstWeights()
+    target, _ = train(config(tmp_path / "b", train={"train_iters": 3},
+                             checkpoint={"pretrained": str(tmp_path / "a" / "out" / "checkpoints" / "step_00000006")}),
+                      ("seen", seen))
+    assert seen.step == 0 and target.state.step == 3
+    assert all(torch.equal(seen.weights[k], v) for k, v in source.model.state_dict().items())
+    assert target.scheduler.updates == 3                     # a fresh optimizer and schedule

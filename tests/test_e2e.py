@@ -87,3 +87,27 @@ def test_progress_live_view_can_be_forced_and_shows_the_run(tmp_path: Path) -> N
     assert "─ coretrain ─" in result.stdout and "10/10" in result.stdout
     assert "valid loss" in result.stdout and "completed at step 10" in result.stdout
     assert not any(line.startswith("step ") for line in result.stdout.splitlines())
+
+
+def test_checkpoint_list_and_export(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=6, eval_iters=0) + "\n[checkpoint]\nsave_interval = 3\n")
+    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    (out / "checkpoints" / "step_00000009.tmp").mkdir()
+    listing = run_cli("checkpoint", "list", str(out), cwd=tmp_path)
+    assert listing.returncode == 0
+    rows = [line.split() for line in listing.stdout.splitlines()[1:-1]]
+    assert [(r[0], r[2]) for r in rows] == [("3", "complete"), ("6", "complete"), ("9", "incomplete")]
+    assert listing.stdout.splitlines()[-1] == "3 checkpoint(s); 2 complete; latest: 6"
+
+    exported = run_cli("checkpoint", "export", str(out), "--step", "3", "--to", str(tmp_path / "m.safetensors"),
+                       cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    weights = load_file(str(tmp_path / "m.safetensors"))
+    saved = torch.load(out / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
+    assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in saved)
+    missing = run_cli("checkpoint", "export", str(out), "--step", "4", "--to", "x.safetensors", cwd=tmp_path)
+    assert missing.returncode == 2 and "no complete checkpoint at that step; complete: [3, 6]" in missing.stderr

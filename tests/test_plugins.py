@@ -9,51 +9,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli, tiny_gpt_config
+from conftest import run_cli, tiny_gpt_config
 
 from coretrain import hookimpl
 from coretrain.configload import load_config
 from coretrain.errors import UserError
 from coretrain.pluginmanager import Plugins, discover, enabled_tables
-
-BROKEN_PLUGIN = {
-    "pyproject.toml": """\
-        [build-system]
-        requires = ["setuptools>=61"]
-        build-backend = "setuptools.build_meta"
-        [project]
-        name = "coretrain-broken"
-        version = "0.1.0"
-        [project.entry-points.coretrain]
-        broken = "coretrain_broken:Broken"
-        [tool.setuptools]
-        packages = ["coretrain_broken"]
-        """,
-    "coretrain_broken/__init__.py": 'raise ImportError("needs libfoo, which is not installed")\n',
-}
-
-
-def pip_install(target: Path, *sources: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), *map(str, sources)], check=True)
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A target dir with the example plugin and a broken plugin, pip-installed for real."""
-    root = tmp_path_factory.mktemp("thirdparty")
-    broken = root / "broken-src"
-    for name, text in BROKEN_PLUGIN.items():
-        (broken / name).parent.mkdir(parents=True, exist_ok=True)
-        (broken / name).write_text(textwrap.dedent(text))
-    target = root / "site"
-    pip_install(target, REPO / "examples" / "coretrain-hooklog", broken)
-    return target
-
 
 def test_third_party_plugin_is_found_enabled_from_toml_and_called_in_a_real_run(site: Path, tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(site)}
