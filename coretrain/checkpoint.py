@@ -128,7 +128,7 @@ def collect(run: Run, extra_state: dict[str, Any]) -> dict[str, Any]:
              "rng": rng_state(), **extra_state}
     files: dict[str, Any] = {f"rank_{run.dist.rank:05d}.pt": state}
     if run.dist.is_main:
-        files["model.pt"] = run.model.state_dict()
+        files["model.pt"] = run.unwrapped_model.state_dict()
         files["optimizer.pt"] = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()}
     return files
 
@@ -271,7 +271,7 @@ def find_resume_dir(run: Run) -> Path | None:
 
 def load(run: Run, path: Path) -> dict[str, Any]:
     """Restore model, optimizer, schedule, counters and RNG from ``path``; return the rank state."""
-    run.model.load_state_dict(_load_file(path / "model.pt"))
+    run.unwrapped_model.load_state_dict(_load_file(path / "model.pt"))
     optim = _load_file(path / "optimizer.pt")
     run.optimizer.load_state_dict(optim["optimizer"])
     run.scheduler.load_state_dict(optim["scheduler"])
@@ -284,7 +284,7 @@ def load(run: Run, path: Path) -> dict[str, Any]:
 def load_pretrained(run: Run, path: str) -> None:
     """Model weights only (fine-tuning): step 0, fresh optimizer."""
     directory = Path(path)
-    run.model.load_state_dict(_load_file(directory / "model.pt" if directory.is_dir() else directory))
+    run.unwrapped_model.load_state_dict(_load_file(directory / "model.pt" if directory.is_dir() else directory))
 
 
 # --------------------------------------------------------------------------- inspecting and exporting

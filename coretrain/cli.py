@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="train as the config says (works under torchrun too)")
     _add_config_args(run)
+    run.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                     help="start N ranks on this machine through torchrun (same as `torchrun --standalone "
+                          "--nproc-per-node N -m coretrain run CONFIG`)")
+    run.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                     help="with --nproc-per-node: restart the ranks up to K times after a failure; "
+                          "each restart resumes from the newest complete checkpoint")
     run.set_defaults(handler=cmd_run)
 
     ckpt = commands.add_parser("checkpoint", help="inspect and export a run's checkpoints")
@@ -77,7 +83,37 @@ def _setup_logging() -> None:
                         format="coretrain: %(message)s" if rank == 0 else f"coretrain[rank {rank}]: %(message)s")
 
 
+def launch_torchrun(args: argparse.Namespace) -> int:
+    """Run this command under torchrun in this process; its exit code mirrors the job's.
+
+    torchrun itself answers a SIGTERM with a traceback and exit 1; here the job exits with
+    128+signum, like a single-process run, once the ranks have checkpointed.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    # Workers keep their own rendezvous store: with the agent's shared store, restarted gloo
+    # groups connect to the dead attempt's ports (seen with torch 2.13; pytorch#167288).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
+            "-m", "coretrain", "run", args.config]
+    for override in args.overrides:
+        argv += ["--set", override]
+    try:
+        torchrun(argv)
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        print(f"error: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
+        return launch_torchrun(args)
     from coretrain.configload import load_config
     from coretrain.pluginmanager import load_plugins
 

@@ -133,7 +133,18 @@ class DistributedConfig:
     """How ranks cooperate; the wrapping itself (DDP, FSDP2) comes from plugins."""
 
     strategy: str = "auto"
+    """A parallelism plugin's name ("ddp", "fsdp"), "none", or "auto": "ddp" when torchrun
+    starts more than one rank, else none. Its settings go in [plugins.NAME]."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto = nccl on CUDA, gloo on CPU."""
+    timeout_minutes: float = field(default=10.0, validator=_positive)
+    """Collective timeout: a rank that dies or hangs ends the job after this long, not never."""
+
+    def resolved_strategy(self, world_size: int) -> str | None:
+        """The parallelism plugin to enable, if any."""
+        if self.strategy == "auto":
+            return "ddp" if world_size > 1 else None
+        return None if self.strategy == "none" else self.strategy
 
 
 @define(kw_only=True)

@@ -18,7 +18,7 @@ import torch
 
 from coretrain import checkpoint
 from coretrain.data import BatchReader, SampleOrder
-from coretrain.dist import max_over_ranks
+from coretrain.dist import max_over_ranks, mean_over_ranks
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
 
@@ -79,7 +79,8 @@ class IntervalLog:
             means = [torch.stack(self.losses).float().mean()]
             if self.grad_norms:
                 means.append(torch.stack(self.grad_norms).float().mean())
-            host = torch.stack(means).tolist()  # the one host sync of the interval
+            # the mean over data-parallel ranks, as Megatron logs it; then the interval's one host sync
+            host = mean_over_ranks(torch.stack(means)).tolist()
         elapsed = time.perf_counter() - self.started
         metrics = {"loss": host[0], "lr": run.scheduler.lr_at(max(run.scheduler.updates, 1))}
         if len(host) > 1:
@@ -126,10 +127,7 @@ def evaluate(run: Run, dataset: Any, iters: int) -> dict[str, float]:
             with autocast(run):
                 losses.append(forward(model, batch).detach().float())
     model.train(was_training)
-    mean = torch.stack(losses).mean()
-    if run.dist.world_size > 1:
-        torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.AVG)
-    loss = mean.item()
+    loss = mean_over_ranks(torch.stack(losses).mean()).item()
     return {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 50.0))}
 
 

@@ -108,6 +108,10 @@ def enabled_tables(config: Config, installed: Mapping[str, PluginEntry]) -> dict
                     f"put its settings in [{section}.options] instead"
                 )
             chosen[provider] = ((section, "options"), dict(getattr(config, section).options))
+    strategy = config.distributed.resolved_strategy(int(os.environ.get("WORLD_SIZE", "1")))
+    if strategy is not None:
+        _require_installed(strategy, "distributed.strategy", installed)
+        chosen[strategy] = (("plugins", strategy), {})
     for name, table in config.plugins.items():
         if not isinstance(table, dict):
             raise UserError(f"plugins.{name}: expected a table, e.g. [plugins.{name}]")
@@ -116,7 +120,7 @@ def enabled_tables(config: Config, installed: Mapping[str, PluginEntry]) -> dict
         enabled = table.pop("enabled", True)
         if not isinstance(enabled, bool):
             raise UserError(f"plugins.{name}.enabled: expected true or false, got {enabled!r}")
-        if enabled and name not in chosen:
+        if enabled and (name not in chosen or name == strategy):
             chosen[name] = (("plugins", name), table)
         elif not enabled:
             chosen.pop(name, None)

@@ -90,8 +90,13 @@ class Run:
         return self.config.train.micro_batch_size * self.micro_batches_per_step * self.dist.world_size
 
     @property
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The model without DDP-style wrappers (whose state_dict keys gain a 'module.' prefix)."""
+        return getattr(self.model, "module", self.model)
+
+    @property
     def flops_per_token(self) -> float | None:
-        model = getattr(self.model, "module", self.model)  # look through DDP-style wrappers
+        model = self.unwrapped_model
         method = getattr(model, "flops_per_token", None)
         return float(method()) if callable(method) else None
 
@@ -188,7 +193,7 @@ def build_run(config: Config, plugins: Plugins) -> Run:
     if config.run.threads:
         torch.set_num_threads(config.run.threads)
     device = resolve_device(config.run.device)
-    dist_info = init_distributed(device.type, config.distributed.backend)
+    dist_info = init_distributed(device.type, config.distributed.backend, config.distributed.timeout_minutes)
     if device.type == "cuda":
         device = torch.device("cuda", dist_info.local_rank)
         torch.cuda.set_device(device)

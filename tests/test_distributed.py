@@ -1,0 +1,96 @@
+"""Scale-out on CPU with real torchrun and 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli, tiny_gpt_config
+
+
+def torchrun(*args: str, cwd: Path, env: dict[str, str] | None = None, nproc: int = 2,
+             launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               *launcher, "-m", "coretrain", *args]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def logged(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r.get("loss", r.get("valid/loss"))) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def write(directory: Path, name: str, **train: object) -> Path:
+    path = directory / f"{name}.toml"
+    settings = {"micro_batch_size": 4, "global_batch_size": 8, "train_iters": 20, "log_interval": 5,
+                "eval_interval": 10, **train}
+    path.write_text(tiny_gpt_config(directory / name, **settings) + "\n[checkpoint]\nsave_interval = 10\n")
+    return path
+
+
+def test_ddp_on_two_ranks_matches_one_rank_with_two_accumulation_steps(tmp_path: Path) -> None:
+    one = run_cli("run", str(write(tmp_path, "one")), cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    two = torchrun("run", str(write(tmp_path, "two")), cwd=tmp_path)
+    assert two.returncode == 0, two.stderr
+    assert "2 rank(s) on cpu" in two.stdout and two.stdout.count("step 20/20") == 1   # only rank 0 draws
+    a, b = logged(tmp_path / "one"), logged(tmp_path / "two")
+    assert [s for s, _ in a] == [s for s, _ in b]
+    assert a[0][1] > 4.5
+    for (_, x), (_, y) in zip(a, b):
+        assert y == pytest.approx(x, rel=1e-5, abs=1e-5)
+    saved = torch.load(tmp_path / "two" / "checkpoints" / "step_00000020" / "model.pt", weights_only=True)
+    assert not any(k.startswith("module.") for k in saved)                          # unwrapped weights
+
+
+def test_world_size_that_does_not_divide_the_global_batch_is_a_clear_error(tmp_path: Path) -> None:
+    result = torchrun("run", str(write(tmp_path, "odd", micro_batch_size=4, global_batch_size=4)), cwd=tmp_path)
+    assert result.returncode != 0
+    assert "error: train.global_batch_size (4) must be a multiple of train.micro_batch_size × data-parallel " \
+           "size (4 × 2 = 8)" in result.stderr
+
+
+def test_sigterm_to_the_launcher_stops_all_ranks_at_one_step_with_one_checkpoint(tmp_path: Path) -> None:
+    config = write(tmp_path, "run", train_iters=5000, eval_interval=1000)
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", "2"],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline:
+        if (out / "metrics.jsonl").exists() and any(json.loads(line)["step"] >= 23 for line in
+                                                    (out / "metrics.jsonl").read_text().splitlines()):
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr
+    step = int((out / "checkpoints" / "latest").read_text())
+    complete = sorted(p.name for p in (out / "checkpoints").glob("step_????????"))
+    assert complete[-1] == f"step_{step:08d}"
+    steps_saved = {torch.load(out / "checkpoints" / f"step_{step:08d}" / f"rank_{r:05d}.pt",
+                              weights_only=True)["train"]["step"] for r in (0, 1)}
+    assert steps_saved == {step}                                                    # both ranks, same step
+    assert f"stopping at step {step}: received SIGTERM" in stderr
+
+
+def test_a_killed_rank_ends_the_job_and_a_restart_resumes(tmp_path: Path, site: Path) -> None:
+    env = {"PYTHONPATH": str(site)}
+    config = write(tmp_path, "run", train_iters=30)
+    marker = tmp_path / "killed-once"
+    config.write_text(config.read_text() + f'\n[plugins.kill-rank]\nrank = 1\nat_step = 15\nmarker = "{marker}"\n')
+    started = time.monotonic()
+    failed = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env=env)
+    assert failed.returncode == 137 and "error: rank 1 failed with exit code -9" in failed.stderr
+    assert time.monotonic() - started < 120                                         # no hang
+    marker.unlink()
+    restarted = run_cli("run", str(config), "--nproc-per-node", "2", "--max-restarts", "1", cwd=tmp_path, env=env)
+    assert restarted.returncode == 0, restarted.stderr
+    assert "resumed from" in restarted.stderr and "(step 10," in restarted.stderr
+    assert logged(tmp_path / "run")[-1][0] == 30
