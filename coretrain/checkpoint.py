@@ -3,9 +3,11 @@
 Layout under ``<output_dir>/checkpoints/``::
 
     step_00000100/          complete: the rename from its temporary name is the commit
-        model.pt            rank 0: model state_dict
-        optimizer.pt        rank 0: optimizer + LR schedule state
-        rank_00000.pt       every rank: train state, RNG, plugin states
+        model.pt            rank 0: model state_dict          } replicated models
+        optimizer.pt        rank 0: optimizer state_dict      }
+        sharded/            every rank's shards of model + optimizer, written by
+                            torch.distributed.checkpoint (FSDP2); .metadata last
+        rank_00000.pt       every rank: train state, LR schedule, RNG, plugin states
     step_00000200.tmp/      an interrupted save: never loaded
     latest                  text: the newest committed step (a hint; the directories decide)
 
@@ -121,15 +123,31 @@ class HostStaging:
         return obj
 
 
+@attrs.define
+class ShardedState:
+    """Model + optimizer state of a sharded (FSDP2) model: saved collectively with DCP."""
+
+    state: dict[str, Any]
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "full_tensor") for p in model.parameters())  # DTensor parameters
+
+
 def collect(run: Run, extra_state: dict[str, Any]) -> dict[str, Any]:
     """This rank's files of the checkpoint: file name -> object to save."""
     state = {"train": {"step": run.state.step, "consumed_samples": run.state.consumed_samples,
                        "skipped_updates": run.state.skipped_updates},
-             "rng": rng_state(), **extra_state}
+             "scheduler": run.scheduler.state_dict(), "rng": rng_state(), **extra_state}
     files: dict[str, Any] = {f"rank_{run.dist.rank:05d}.pt": state}
-    if run.dist.is_main:
+    if is_sharded(run.model):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
+        files["sharded"] = ShardedState({"model": model_state, "optimizer": optimizer_state})
+    elif run.dist.is_main:
         files["model.pt"] = run.unwrapped_model.state_dict()
-        files["optimizer.pt"] = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()}
+        files["optimizer.pt"] = run.optimizer.state_dict()
     return files
 
 
@@ -144,7 +162,12 @@ def write_and_commit(root: Path, step: int, files: dict[str, Any], is_main: bool
     if distributed:
         _barrier()
     for name, obj in files.items():
-        _save_file(obj, tmp / name)
+        if isinstance(obj, ShardedState):  # every rank writes its shards; .metadata comes last
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(obj.state, checkpoint_id=str(tmp / name))
+        else:
+            _save_file(obj, tmp / name)
     if distributed:
         _barrier()
     if is_main:
@@ -192,7 +215,7 @@ class Checkpointer:
         root, step = checkpoint_root(run), run.state.step
         files = collect(run, extra_state)
         args = (root, step, files, run.dist.is_main, run.config.checkpoint.keep_last, run.dist.world_size > 1)
-        if self.asynchronous:
+        if self.asynchronous and "sharded" not in files:
             args = (root, step, self._staging.copy(files), *args[3:])
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the non-blocking device-to-host copies must land first
@@ -269,13 +292,32 @@ def find_resume_dir(run: Run) -> Path | None:
     return step_dir(root, newest) if steps else None
 
 
+def _load_sharded(run: Run, directory: Path, with_optimizer: bool) -> None:
+    """Load a DCP checkpoint into the current model (sharded or not, any number of ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not (directory / ".metadata").exists():
+        raise UserError(f"{directory}: no .metadata; the sharded checkpoint is incomplete")
+    model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state} if with_optimizer else {"model": model_state}
+    try:
+        dcp.load(state, checkpoint_id=str(directory))
+    except Exception as exc:  # name the checkpoint, keep the cause
+        raise UserError(f"{directory}: cannot load sharded checkpoint ({type(exc).__name__}: {exc})") from None
+    set_state_dict(run.model, run.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"] if with_optimizer else {})
+
+
 def load(run: Run, path: Path) -> dict[str, Any]:
     """Restore model, optimizer, schedule, counters and RNG from ``path``; return the rank state."""
-    run.unwrapped_model.load_state_dict(_load_file(path / "model.pt"))
-    optim = _load_file(path / "optimizer.pt")
-    run.optimizer.load_state_dict(optim["optimizer"])
-    run.scheduler.load_state_dict(optim["scheduler"])
     state = _load_file(path / f"rank_{run.dist.rank:05d}.pt")
+    if (path / "sharded").is_dir():
+        _load_sharded(run, path / "sharded", with_optimizer=True)
+    else:
+        run.unwrapped_model.load_state_dict(_load_file(path / "model.pt"))
+        run.optimizer.load_state_dict(_load_file(path / "optimizer.pt"))
+    run.scheduler.load_state_dict(state["scheduler"])
     run.state = TrainState(**state["train"])
     set_rng_state(state["rng"])
     return state
@@ -284,7 +326,10 @@ def load(run: Run, path: Path) -> dict[str, Any]:
 def load_pretrained(run: Run, path: str) -> None:
     """Model weights only (fine-tuning): step 0, fresh optimizer."""
     directory = Path(path)
-    run.unwrapped_model.load_state_dict(_load_file(directory / "model.pt" if directory.is_dir() else directory))
+    if (directory / "sharded").is_dir():
+        _load_sharded(run, directory / "sharded", with_optimizer=False)
+    else:
+        run.unwrapped_model.load_state_dict(_load_file(directory / "model.pt" if directory.is_dir() else directory))
 
 
 # --------------------------------------------------------------------------- inspecting and exporting
@@ -322,7 +367,16 @@ def export_weights(run_dir: Path, step: int | None, to: Path) -> Path:
     if step is not None and step not in complete:
         raise UserError(f"--step {step}: no complete checkpoint at that step; complete: {sorted(complete)}")
     source = complete[step if step is not None else max(complete)]
-    weights = _load_file(source / "model.pt")
+    if (source / "sharded").is_dir():  # gather the shards into one file first
+        import tempfile
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(source / "sharded"), str(Path(tmp) / "full.pt"))
+            weights = torch.load(Path(tmp) / "full.pt", weights_only=True)["model"]
+    else:
+        weights = _load_file(source / "model.pt")
     # tied parameters share storage; safetensors stores each name on its own
     save_file({name: tensor.contiguous().clone() for name, tensor in weights.items()}, str(to),
               metadata={"format": "pt", "source": str(source)})

@@ -241,6 +241,7 @@ class Trainer:
         check_exit = deadline is not None or cfg.exit_interval is not None or world > 1
         signals, checkpointer = self.signals, self.checkpointer
         plain = getattr(model, "no_sync", None) is None and run.config.run.precision == "fp32"
+        sharded_norm = any(hasattr(p, "full_tensor") for p in params)  # FSDP2: the norm is a DTensor
         interval.started = time.perf_counter()
 
         while state.step < cfg.train_iters:
@@ -273,6 +274,8 @@ class Trainer:
             else:
                 if clip > 0:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+                    if sharded_norm:
+                        grad_norm = grad_norm.full_tensor()
                 optimizer.step()
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -308,10 +311,14 @@ class Trainer:
     def _accumulate(self, batches: list[Any]) -> torch.Tensor:
         """Forward and backward over the micro-batches (DDP syncs only on the last); mean loss."""
         run, model = self.run, self.run.model
-        no_sync = getattr(model, "no_sync", None)
+        no_sync = getattr(model, "no_sync", None)                                 # DDP
+        set_gradient_sync = getattr(model, "set_requires_gradient_sync", None)    # FSDP2
         n_micro, losses = len(batches), []
         for i, batch in enumerate(batches):
-            sync = no_sync() if no_sync is not None and i < n_micro - 1 else contextlib.nullcontext()
+            last = i == n_micro - 1
+            if set_gradient_sync is not None:
+                set_gradient_sync(last)
+            sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
             with sync, autocast(run):
                 loss = forward(model, batch)
             (loss / n_micro if n_micro > 1 else loss).backward()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,3 +95,40 @@ def test_a_killed_rank_ends_the_job_and_a_restart_resumes(tmp_path: Path, site: 
     assert restarted.returncode == 0, restarted.stderr
     assert "resumed from" in restarted.stderr and "(step 10," in restarted.stderr
     assert logged(tmp_path / "run")[-1][0] == 30
+
+
+def fsdp_config(directory: Path, name: str) -> Path:
+    path = write(directory, name)
+    path.write_text(path.read_text() + '\n[distributed]\nstrategy = "fsdp"\n')
+    return path
+
+
+def test_fsdp_checkpoint_is_sharded_and_resumes_on_two_ranks_and_on_one(tmp_path: Path) -> None:
+    full = run_cli("run", str(fsdp_config(tmp_path, "full")), "--nproc-per-node", "2", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+    split = fsdp_config(tmp_path, "split")
+    first = run_cli("run", str(split), "--nproc-per-node", "2", "--set", "train.exit_interval=10", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    checkpoint = tmp_path / "split" / "checkpoints" / "step_00000010"
+    assert (checkpoint / "sharded" / ".metadata").is_file() and not (checkpoint / "model.pt").exists()
+    assert sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    shutil.copytree(tmp_path / "split", tmp_path / "one")                           # the same run, to resume on 1 rank
+    one = tmp_path / "one.toml"
+    one.write_text(split.read_text().replace(str(tmp_path / "split"), str(tmp_path / "one")))
+
+    two_ranks = run_cli("run", str(split), "--nproc-per-node", "2", cwd=tmp_path)
+    assert two_ranks.returncode == 0, two_ranks.stderr
+    assert logged(tmp_path / "split") == logged(tmp_path / "full")                  # same world size: exact
+    one_rank = run_cli("run", str(one), "--set", "distributed.strategy=none", cwd=tmp_path)   # resharded by DCP
+    assert one_rank.returncode == 0, one_rank.stderr
+    assert "resumed from" in one_rank.stderr and "(step 10," in one_rank.stderr
+    for (s1, a), (s2, b) in zip(logged(tmp_path / "one"), logged(tmp_path / "full")):
+        assert s1 == s2 and a == pytest.approx(b, rel=1e-5)
+
+    exported = run_cli("checkpoint", "export", str(tmp_path / "split"), "--to", str(tmp_path / "m.safetensors"),
+                       cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    from safetensors.torch import load_file
+
+    assert "wte.weight" in load_file(str(tmp_path / "m.safetensors"))

@@ -36,6 +36,9 @@ class DDP:
         if run.dist.world_size == 1:
             log.info("ddp: single process, model left unwrapped")
             return
+        if any(hasattr(p, "full_tensor") for p in run.model.parameters()):
+            log.info("ddp: the model is already sharded (fsdp); not wrapping it again")
+            return
         from torch.nn.parallel import DistributedDataParallel
 
         run.model = DistributedDataParallel(

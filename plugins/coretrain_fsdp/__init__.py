@@ -1,0 +1,62 @@
+"""``fsdp``: fully sharded data parallelism with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Shards each transformer block, then the root (torchtitan's recipe), over a 1-D device mesh of
+all ranks. Parameters become DTensors, so checkpoints are saved sharded with
+torch.distributed.checkpoint and can be resumed on a different number of ranks.
+Enable with ``distributed.strategy = "fsdp"`` (options in ``[plugins.fsdp]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attrs import define, field
+
+from coretrain import hookimpl
+
+
+def blocks_of(model: Any, block_types: list[str]) -> list[Any]:
+    """The modules to shard one by one: instances of ``block_types`` (class names), or by
+    default every child of every ``nn.ModuleList`` (a transformer's layer stack)."""
+    import torch
+
+    if block_types:
+        return [m for m in model.modules() if type(m).__name__ in block_types]
+    return [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
+
+
+@define(kw_only=True)
+class FSDP:
+    """FSDP2: shard parameters, gradients and optimizer state over ranks, block by block."""
+
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (saves memory; gathers again for backward)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters and optimizer state in host memory (CUDA only)."""
+    block_types: list[str] = field(factory=list)
+    """Class names of the modules to shard individually; empty = children of every ModuleList."""
+
+    @hookimpl(trylast=True)
+    def configure_model(self, run: Any) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        from coretrain.errors import UserError
+
+        if hasattr(run.model, "no_sync"):
+            raise UserError("plugins.fsdp: the model is already wrapped for data parallelism (ddp); "
+                            'enable one of them, e.g. distributed.strategy = "fsdp" and no [plugins.ddp]')
+        if self.cpu_offload and run.device.type != "cuda":
+            raise UserError("plugins.fsdp.cpu_offload: only meaningful on CUDA; the run is on CPU")
+        if run.dist.world_size == 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():  # a mesh needs a process group, even of one rank
+                dist.init_process_group("gloo" if run.device.type == "cpu" else "nccl", rank=0, world_size=1,
+                                        store=dist.HashStore())
+        mesh = init_device_mesh(run.device.type, (run.dist.world_size,))
+        options = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward,
+                   "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()}
+        for block in blocks_of(run.model, self.block_types):
+            fully_shard(block, **options)
+        fully_shard(run.model, **options)
