@@ -151,16 +151,18 @@ def collect(run: Run, extra_state: dict[str, Any]) -> dict[str, Any]:
     return files
 
 
-def write_and_commit(root: Path, step: int, files: dict[str, Any], is_main: bool, keep_last: int | None,
-                     distributed: bool) -> Path:
-    """Write into step_N.tmp, fsync every file and the directory, then rename: the commit."""
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
+def _begin(root: Path, step: int, is_main: bool, distributed: bool) -> Path:
+    """Rank 0 makes a fresh step_N.tmp; every rank returns it once it exists."""
+    tmp = step_dir(root, step).with_name(f"step_{step:08d}.tmp")
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     if distributed:
         _barrier()
+    return tmp
+
+
+def _write(tmp: Path, files: dict[str, Any]) -> None:
     for name, obj in files.items():
         if isinstance(obj, ShardedState):  # every rank writes its shards; .metadata comes last
             import torch.distributed.checkpoint as dcp
@@ -168,40 +170,57 @@ def write_and_commit(root: Path, step: int, files: dict[str, Any], is_main: bool
             dcp.save(obj.state, checkpoint_id=str(tmp / name))
         else:
             _save_file(obj, tmp / name)
+
+
+def _commit(root: Path, step: int, tmp: Path, keep_last: int | None) -> None:
+    """Rank 0, once every file is durable: fsync, rename (the commit), update latest, retention."""
+    final = step_dir(root, step)
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    (root / "latest.tmp").write_text(f"{step}\n")
+    os.replace(root / "latest.tmp", root / "latest")
+    _apply_retention(root, keep_last)
+
+
+def write_and_commit(root: Path, step: int, files: dict[str, Any], is_main: bool, keep_last: int | None,
+                     distributed: bool) -> Path:
+    """The synchronous save: write into step_N.tmp on every rank, then rank 0 commits."""
+    tmp = _begin(root, step, is_main, distributed)
+    _write(tmp, files)
     if distributed:
         _barrier()
     if is_main:
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        (root / "latest.tmp").write_text(f"{step}\n")
-        os.replace(root / "latest.tmp", root / "latest")
-        _apply_retention(root, keep_last)
+        _commit(root, step, tmp, keep_last)
     if distributed:
         _barrier()
-    return final
+    return step_dir(root, step)
 
 
 class Checkpointer:
     """Saves checkpoints synchronously, or asynchronously with ``checkpoint.async_save``.
 
-    Async: the training thread only copies the state to host memory; a background thread
-    serializes, fsyncs and commits. One save is in flight at a time; :meth:`wait` (called
-    before the next save and before the process leaves) finishes it and re-raises its error.
-    Multi-rank runs save synchronously until sharded async saves arrive with DCP.
+    Async: the training thread writes the small per-rank file, copies the rest to host memory
+    (reused staging buffers; for sharded models DCP's ``async_save`` stages its own) and
+    returns; a background thread writes, waits for DCP, and on rank 0 commits. Every rank's
+    small file is on disk before any background work starts, and DCP's coordinator writes
+    ``.metadata`` only after every rank's shards, so rank 0 commits only a complete step.
+    One save is in flight at a time; :meth:`wait` (before the next save and before the
+    process leaves) finishes it and re-raises its error.
     """
 
     def __init__(self, run: Run) -> None:
         self.run = run
-        self.asynchronous = run.config.checkpoint.async_save and run.dist.world_size == 1
+        self.asynchronous = run.config.checkpoint.async_save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pending_step: int | None = None
         self._staging = HostStaging()
-        if run.config.checkpoint.async_save and not self.asynchronous:
-            log.warning("checkpoint.async_save: multi-rank runs save synchronously for now")
+        self._group: Any = None
+        if self.asynchronous and run.dist.world_size > 1:  # DCP's background collectives get their own group
+            self._group = torch.distributed.new_group(backend="gloo")
 
     @property
     def in_flight(self) -> bool:
@@ -212,23 +231,39 @@ class Checkpointer:
         self.wait()
         run = self.run
         started = time.perf_counter()
-        root, step = checkpoint_root(run), run.state.step
+        root, step, distributed = checkpoint_root(run), run.state.step, run.dist.world_size > 1
         files = collect(run, extra_state)
-        args = (root, step, files, run.dist.is_main, run.config.checkpoint.keep_last, run.dist.world_size > 1)
-        if self.asynchronous and "sharded" not in files:
-            args = (root, step, self._staging.copy(files), *args[3:])
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the non-blocking device-to-host copies must land first
-            self._pending_step = step
-            self._thread = threading.Thread(target=self._write, args=args, name=f"checkpoint-{step}", daemon=False)
-            self._thread.start()
-        else:
-            write_and_commit(*args)
+        if not self.asynchronous:
+            write_and_commit(root, step, files, run.dist.is_main, run.config.checkpoint.keep_last, distributed)
+            return step_dir(root, step), time.perf_counter() - started
+
+        tmp = _begin(root, step, run.dist.is_main, distributed)
+        rank_file = f"rank_{run.dist.rank:05d}.pt"
+        _write(tmp, {rank_file: files.pop(rank_file)})
+        sharded = files.pop("sharded", None)
+        future = None
+        if sharded is not None:
+            import torch.distributed.checkpoint as dcp
+
+            future = dcp.async_save(sharded.state, checkpoint_id=str(tmp / "sharded"), process_group=self._group)
+        staged = self._staging.copy(files)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies must land first
+        if distributed:
+            _barrier()  # every rank's own file is written before anyone may commit
+        self._pending_step = step
+        self._thread = threading.Thread(target=self._finish, name=f"checkpoint-{step}", daemon=False,
+                                        args=(root, step, tmp, staged, future))
+        self._thread.start()
         return step_dir(root, step), time.perf_counter() - started
 
-    def _write(self, *args: Any) -> None:
+    def _finish(self, root: Path, step: int, tmp: Path, staged: dict[str, Any], future: Any) -> None:
         try:
-            write_and_commit(*args)
+            _write(tmp, staged)
+            if future is not None:
+                future.result()
+            if self.run.dist.is_main:
+                _commit(root, step, tmp, self.run.config.checkpoint.keep_last)
         except BaseException as exc:  # handed to the training thread by wait()
             self._error = exc
 

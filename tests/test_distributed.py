@@ -132,3 +132,21 @@ def test_fsdp_checkpoint_is_sharded_and_resumes_on_two_ranks_and_on_one(tmp_path
     from safetensors.torch import load_file
 
     assert "wte.weight" in load_file(str(tmp_path / "m.safetensors"))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_async_save_on_two_ranks_resumes_exactly(tmp_path: Path, strategy: str) -> None:
+    configs = {}
+    for name in ("full", "split"):
+        configs[name] = write(tmp_path, name)
+        configs[name].write_text(configs[name].read_text() + f'\n[distributed]\nstrategy = "{strategy}"\n')
+    assert run_cli("run", str(configs["full"]), "--nproc-per-node", "2", cwd=tmp_path).returncode == 0
+    async_save = ("--set", "checkpoint.async_save=true")
+    first = run_cli("run", str(configs["split"]), "--nproc-per-node", "2", *async_save, "--set", "train.exit_interval=10",
+                    cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "checkpoint step 10: training blocked" in first.stderr
+    second = run_cli("run", str(configs["split"]), "--nproc-per-node", "2", *async_save, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "(step 10," in second.stderr
+    assert logged(tmp_path / "split") == logged(tmp_path / "full")
