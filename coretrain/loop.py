@@ -176,7 +176,7 @@ class Trainer:
         plugin_states = {name: state for name, state in
                          run.plugins.call_each("on_checkpoint", run=run, step=run.state.step, path=str(path)).items()
                          if state is not None}
-        path, blocked = self.checkpointer.save({"plugins": plugin_states, "interval_log": self.log.pending()})
+        _, blocked = self.checkpointer.save({"plugins": plugin_states, "interval_log": self.log.pending()})
         self.last_saved_step = run.state.step
         run.control.checkpoint_requested = False
         if self.checkpointer.in_flight:
@@ -237,11 +237,13 @@ class Trainer:
         micro_size, world, clip = cfg.micro_batch_size, run.dist.world_size, cfg.clip_grad
         validate = bool(cfg.eval_iters and cfg.eval_interval and run.datasets.valid is not None)
         save_interval = run.config.checkpoint.save_interval
+        # each rank's own deadline; agreeing on the max stop code makes the earliest-started rank's
+        # deadline count for all, i.e. the start time is the minimum over ranks
         deadline = time.monotonic() + cfg.exit_duration_in_mins * 60 if cfg.exit_duration_in_mins else None
         check_exit = deadline is not None or cfg.exit_interval is not None or world > 1
         signals, checkpointer = self.signals, self.checkpointer
         plain = getattr(model, "no_sync", None) is None and run.config.run.precision == "fp32"
-        sharded_norm = any(hasattr(p, "full_tensor") for p in params)  # FSDP2: the norm is a DTensor
+        sharded_norm = checkpoint.is_sharded(model)  # FSDP2: the grad norm is a DTensor
         interval.started = time.perf_counter()
 
         while state.step < cfg.train_iters:
