@@ -13,7 +13,7 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.run.Run`):
         num_micro_batches(run, step, consumed_samples)     firstresult, batch-size rampup
         pre_step(run, step)
         for each micro-batch:  forward, loss, backward      # no hooks here
-        before_update(run, step)            veto point: run.control.skip_update(reason)
+        before_update(run, step, loss)      veto point: run.control.skip_update(reason)
         clip, optimizer.step(), scheduler.step()           # unless vetoed
         post_step(run, step, outputs)       outputs hold device tensors; no sync required
         every log_interval:   on_log(run, step, metrics)   ONE host sync per interval
@@ -113,8 +113,11 @@ def pre_step(run: Run, step: int) -> None:
 
 
 @hookspec
-def before_update(run: Run, step: int) -> None:
-    """Gradients are ready; call ``run.control.skip_update(reason)`` to veto this update."""
+def before_update(run: Run, step: int, loss: torch.Tensor) -> None:
+    """Gradients are ready; call ``run.control.skip_update(reason)`` to veto this update.
+
+    ``loss`` is the step's mean loss over micro-batches, on device (reading it syncs).
+    """
 
 
 @hookspec

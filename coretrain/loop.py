@@ -267,7 +267,7 @@ class Trainer:
                 loss = self._accumulate(batches)
 
             if hooks.before_update:
-                hooks.before_update(run=run, step=step)
+                hooks.before_update(run=run, step=step, loss=loss.detach())
             grad_norm = None
             skipped = control.skip_reason is not None
             if skipped:

@@ -61,7 +61,7 @@ def config(tmp_path: Any, **sections: dict[str, Any]) -> Config:
 
 
 def build(cfg: Config, *extra_plugins: tuple[str, object]) -> Run:
-    plugins = load_plugins(cfg, installed={})
+    plugins = load_plugins(cfg)  # real entry points; tests turn autoload off
     for name, plugin in extra_plugins:
         plugins.register(name, plugin)
     plugins.check_pending()

@@ -1,0 +1,89 @@
+"""``guards``: NaN/Inf and loss-spike checks before every update, and Megatron's skipped iterations.
+
+Before each optimizer update (the loop's veto point) the step's mean loss is checked:
+
+- not finite (NaN/Inf), or
+- a spike: ``loss >= spike_factor × max(loss over the last `window` accepted steps)``.
+
+``action`` decides what happens: ``"skip"`` vetoes the update and counts it, ``"warn"`` logs and
+lets it through, ``"stop"`` vetoes it, saves a checkpoint and exits with ``exit_code``
+(default 3). ``iterations_to_skip`` consumes those steps' data without an update (Megatron's
+dummy iterations).
+
+Better than Megatron: a bad loss never crashes a run whose action is "skip" or "warn"
+(Megatron's check_for_nan_in_loss_and_grad raises), and the spike window holds one value
+per step — the mean over micro-batches — not per-micro-batch sums, so it does not depend on
+the accumulation factor. Checking costs one host sync per step (the decision needs it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from typing import Any, Literal
+
+from attrs import define, field
+
+from coretrain import hookimpl
+
+log = logging.getLogger("coretrain")
+
+
+@define(kw_only=True)
+class Guards:
+    """Skip, warn about or stop on NaN/Inf and spiky losses; skip chosen iterations."""
+
+    action: Literal["skip", "warn", "stop"] = "skip"
+    """What to do about a bad loss."""
+    check_nan: bool = True
+    """Check the loss for NaN/Inf."""
+    spike_factor: float = 10.0
+    """A loss this many times the window's max is a spike; 0 disables the spike check."""
+    window: int = 100
+    """How many recent accepted steps the spike check compares against."""
+    iterations_to_skip: list[int] = field(factory=list)
+    """Steps whose data is consumed without an update."""
+    exit_code: int = 3
+    """Process exit code when action = "stop" fires."""
+    nan_steps: int = field(default=0, init=False)
+    spike_steps: int = field(default=0, init=False)
+    _recent: deque = field(factory=deque, init=False, repr=False)
+
+    @hookimpl
+    def before_update(self, run: Any, step: int, loss: Any) -> None:
+        if step in self.iterations_to_skip:
+            run.control.skip_update(f"step {step} is in iterations_to_skip")
+            return
+        value = float(loss)  # the one sync per step this guard needs
+        problem = None
+        if self.check_nan and not math.isfinite(value):
+            self.nan_steps += 1
+            problem = f"loss is {value}"
+        elif self.spike_factor and self._recent and value >= self.spike_factor * max(self._recent):
+            self.spike_steps += 1
+            problem = f"loss spiked to {value:.4g} (>= {self.spike_factor} × {max(self._recent):.4g})"
+        if problem is None:
+            self._recent.append(value)
+            while len(self._recent) > self.window:
+                self._recent.popleft()
+            return
+        if self.action == "warn":
+            log.warning("guards: step %d: %s; updating anyway (action = warn)", step, problem)
+        elif self.action == "skip":
+            log.warning("guards: step %d: %s; update skipped", step, problem)
+            run.control.skip_update(problem)
+        else:
+            log.error("guards: step %d: %s; stopping with exit code %d", step, problem, self.exit_code)
+            run.control.skip_update(problem)
+            run.control.request_stop(f"guards: {problem}", exit_code=self.exit_code)
+
+    @hookimpl
+    def on_checkpoint(self) -> dict[str, Any]:
+        return {"recent": list(self._recent), "nan_steps": self.nan_steps, "spike_steps": self.spike_steps}
+
+    @hookimpl
+    def on_resume(self, state: dict[str, Any]) -> None:
+        self._recent = deque(state.get("recent", []))
+        self.nan_steps = state.get("nan_steps", 0)
+        self.spike_steps = state.get("spike_steps", 0)
