@@ -191,7 +191,27 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     print(f"# {args.config} resolved ({'extends, ' if 'extends' in loaded.path.read_text() else ''}--set applied); "
           "'# default: ...' marks values you changed")
     print(render_annotated(resolved, defaults))
+    if plugins.implemented("param_group_overrides"):
+        print()
+        print(describe_param_groups(loaded.config, plugins))
     return 0
+
+
+def describe_param_groups(config: Any, plugins: Any) -> str:
+    """Build the model and optimizer (no files written) and list the param groups as comments."""
+    from coretrain.run import build_run
+
+    run = build_run(config, plugins, write_config=False)
+    names = {id(p): n for n, p in run.unwrapped_model.named_parameters()}
+    lines = [f"# optimizer param groups ({len(run.optimizer.param_groups)}):"]
+    for i, group in enumerate(run.optimizer.param_groups):
+        params = group["params"]
+        count = sum(p.numel() for p in params)
+        settings = ", ".join(f"{k} = {group[k]:g}" for k in ("lr_mult", "weight_decay", "max_lr", "min_lr"))
+        examples = ", ".join(names[id(p)] for p in params[:3]) + (", ..." if len(params) > 3 else "")
+        lines.append(f"#   group {i}: {len(params)} tensors, {count:,} parameters; {settings}")
+        lines.append(f"#     {examples}")
+    return "\n".join(lines)
 
 
 def _defaults_of(cls: type) -> dict[str, Any]:

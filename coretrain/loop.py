@@ -82,7 +82,7 @@ class IntervalLog:
             # the mean over data-parallel ranks, as Megatron logs it; then the interval's one host sync
             host = mean_over_ranks(torch.stack(means)).tolist()
         elapsed = time.perf_counter() - self.started
-        metrics = {"loss": host[0], "lr": run.scheduler.lr_at(max(run.scheduler.updates, 1))}
+        metrics = {"loss": host[0], "lr": run.scheduler.last_lr}
         if len(host) > 1:
             metrics["grad_norm"] = host[1]
         metrics.update({
@@ -279,7 +279,7 @@ class Trainer:
                     if sharded_norm:
                         grad_norm = grad_norm.full_tensor()
                 optimizer.step()
-                scheduler.step()
+                scheduler.step(global_batch)
             optimizer.zero_grad(set_to_none=True)
             state.step = step
             state.consumed_samples += global_batch

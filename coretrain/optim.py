@@ -34,54 +34,73 @@ def build_optimizer(cfg: OptimizerConfig, model: torch.nn.Module,
 class WarmupDecayLR:
     """Linear warmup to ``lr`` over warmup_iters, then constant/linear/cosine decay to min_lr.
 
-    Update u (1-based) of warmup uses lr·u/warmup_iters (never 0, unlike Megatron's first
-    step); the first update after warmup uses ``lr`` and update ``decay_iters`` uses min_lr.
+    Progress is counted in samples and measured in full global batches, so a batch size that
+    ramps up (Megatron's rampup_batch_size) moves the schedule by the samples it really used;
+    with a constant batch, position u is simply the u-th update. Update u (1-based) of warmup
+    uses lr·u/warmup_iters (never 0, unlike Megatron's first step); the first update after
+    warmup uses ``lr`` and update ``decay_iters`` uses min_lr. A param group may carry its own
+    ``max_lr`` / ``min_lr`` and an ``lr_mult`` (see the optimizer-overrides plugin).
 
-    ``updates`` counts optimizer updates done; the rate set on the groups is the one the next
-    update uses. Kept separate from torch's LRScheduler to stay a few float ops per step and
-    to make its state a plain dict.
+    Kept separate from torch's LRScheduler to stay a few float ops per step and to make its
+    state a plain dict. Vetoed updates do not move it.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_lr: float, train_iters: int) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_lr: float, train_iters: int,
+                 global_batch_size: int = 1) -> None:
         self.optimizer, self.cfg, self.max_lr = optimizer, cfg, max_lr
         self.decay_iters = cfg.decay_iters or max(train_iters, 1)
+        self.global_batch_size = global_batch_size
         self.updates = 0
+        self.samples = 0
         self._apply()
 
-    def lr_at(self, update: int) -> float:
-        """Learning rate of the ``update``-th update (1-based)."""
+    def factors(self, update: float) -> tuple[bool, float]:
+        """(in warmup, fraction): lr = max·fraction in warmup, else min + (max − min)·fraction."""
         cfg = self.cfg
         if cfg.warmup_iters and update <= cfg.warmup_iters:
-            return self.max_lr * update / cfg.warmup_iters
+            return True, update / cfg.warmup_iters
         if cfg.decay_style == "constant":
-            return self.max_lr
+            return False, 1.0
         span = max(self.decay_iters - cfg.warmup_iters - 1, 1)
         progress = min(max((update - cfg.warmup_iters - 1) / span, 0.0), 1.0)
         if cfg.decay_style == "linear":
-            factor = 1.0 - progress
-        else:
-            factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return cfg.min_lr + (self.max_lr - cfg.min_lr) * factor
+            return False, 1.0 - progress
+        return False, 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def lr_at(self, update: float, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        """Learning rate of the ``update``-th (1-based, in full global batches) update."""
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.cfg.min_lr if min_lr is None else min_lr
+        warmup, fraction = self.factors(update)
+        return max_lr * fraction if warmup else min_lr + (max_lr - min_lr) * fraction
 
     @property
-    def lr(self) -> float:
-        return self.lr_at(self.updates + 1)
+    def position(self) -> float:
+        """Full global batches' worth of samples used by updates so far."""
+        return self.samples / self.global_batch_size
+
+    @property
+    def last_lr(self) -> float:
+        """The base learning rate of the latest update (of the first, before any)."""
+        return self.lr_at(max(self.position, 1.0))
 
     def _apply(self) -> None:
-        lr = self.lr
+        warmup, fraction = self.factors(self.position + 1)
         for group in self.optimizer.param_groups:
-            group.setdefault("lr_mult", 1.0)
-            group["lr"] = lr * group["lr_mult"]
+            top = group.setdefault("max_lr", self.max_lr)
+            low = group.setdefault("min_lr", self.cfg.min_lr)
+            base = top * fraction if warmup else low + (top - low) * fraction
+            group["lr"] = base * group.setdefault("lr_mult", 1.0)
 
-    def step(self) -> None:
+    def step(self, samples: int | None = None) -> None:
+        """One update used ``samples`` samples (default: a full global batch)."""
         self.updates += 1
-        lr = self.lr_at(self.updates + 1)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group["lr_mult"]
+        self.samples += self.global_batch_size if samples is None else samples
+        self._apply()
 
     def state_dict(self) -> dict[str, int]:
-        return {"updates": self.updates}
+        return {"updates": self.updates, "samples": self.samples}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.updates = int(state["updates"])
+        self.updates, self.samples = int(state["updates"]), int(state["samples"])
         self._apply()

@@ -183,7 +183,7 @@ def register_import_path_providers(config: Config, plugins: Plugins) -> None:
 # --------------------------------------------------------------------------- building
 
 
-def build_run(config: Config, plugins: Plugins) -> Run:
+def build_run(config: Config, plugins: Plugins, write_config: bool = True) -> Run:
     """Construct everything the loop needs, in the documented order."""
     for section in ("model", "data"):
         if not getattr(config, section).provider:
@@ -203,7 +203,7 @@ def build_run(config: Config, plugins: Plugins) -> Run:
     output_dir = Path(config.output_dir)
     run = Run(config=config, plugins=plugins, dist=dist_info, device=device, output_dir=output_dir,
               micro_batches_per_step=micro)
-    if dist_info.is_main:
+    if dist_info.is_main and write_config:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.toml").write_text(dumps(config_as_dict(config)), encoding="utf-8")
 
@@ -231,7 +231,8 @@ def build_run(config: Config, plugins: Plugins) -> Run:
         for name, values in (result or {}).items():
             overrides.setdefault(name, {}).update(values)
     run.optimizer = build_optimizer(config.optimizer, run.model, overrides)
-    run.scheduler = WarmupDecayLR(run.optimizer, config.scheduler, config.optimizer.lr, train.train_iters)
+    run.scheduler = WarmupDecayLR(run.optimizer, config.scheduler, config.optimizer.lr, train.train_iters,
+                                  run.global_batch_size)
     return run
 
 

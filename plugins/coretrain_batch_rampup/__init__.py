@@ -1,0 +1,84 @@
+"""``batch-rampup``: grow the global batch during training (Megatron's rampup_batch_size).
+
+``rampup_batch_size = [start, increment, ramp_samples]``: the global batch starts at
+``start`` and grows by ``increment`` each time another ramp_samples / ((global − start) /
+increment) samples have been consumed, reaching ``train.global_batch_size`` after
+``ramp_samples`` samples — Megatron's formula. Each step's batch must be a multiple of
+micro_batch_size × data-parallel size; ``decrease_batch_size_if_needed`` rounds it down
+instead of stopping, and counts the samples that rounding left out. The LR schedule counts
+samples, so warmup and decay stay where they belong while the batch grows.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from attrs import define, field
+
+from coretrain import hookimpl
+
+log = logging.getLogger("coretrain")
+
+
+@define(kw_only=True)
+class BatchRampup:
+    """Megatron's batch-size rampup: [start, increment, ramp_samples]."""
+
+    rampup_batch_size: list[int]
+    """[start, increment, ramp_samples]."""
+    decrease_batch_size_if_needed: bool = False
+    """Round a ramp batch down to a multiple of micro × data-parallel instead of failing."""
+    samples_left_out: int = field(default=0, init=False)
+    _last: int = field(default=0, init=False, repr=False)
+    _target: int = field(default=0, init=False, repr=False)
+
+    def _check(self, run: Any) -> None:
+        from coretrain.errors import UserError
+
+        if len(self.rampup_batch_size) != 3:
+            raise UserError("plugins.batch-rampup.rampup_batch_size: expected [start, increment, ramp_samples]")
+        start, increment, ramp_samples = self.rampup_batch_size
+        target = run.config.train.micro_batch_size * run.micro_batches_per_step * run.dist.world_size
+        if not (0 < start <= target and increment > 0 and ramp_samples >= 0 and (target - start) % increment == 0):
+            raise UserError(f"plugins.batch-rampup.rampup_batch_size: need 0 < start <= global_batch_size ({target}), "
+                            f"increment > 0 and (global - start) divisible by increment; got {self.rampup_batch_size}")
+
+    def global_batch_at(self, consumed_samples: int, target: int) -> int:
+        """Megatron's RampupBatchsizeNumMicroBatchesCalculator.update."""
+        start, increment, ramp_samples = self.rampup_batch_size
+        if consumed_samples > ramp_samples or target == start:
+            return target
+        per_increment = ramp_samples / ((target - start) // increment)
+        return min(start + int(consumed_samples / per_increment) * increment, target)
+
+    @hookimpl
+    def on_train_start(self, run: Any) -> None:
+        self._check(run)
+        self._target = run.config.train.micro_batch_size * run.micro_batches_per_step * run.dist.world_size
+
+    @hookimpl
+    def num_micro_batches(self, run: Any, step: int, consumed_samples: int) -> int:
+        from coretrain.errors import UserError
+
+        per_pass = run.config.train.micro_batch_size * run.dist.world_size
+        wanted = self.global_batch_at(consumed_samples, self._target)
+        usable = wanted // per_pass * per_pass
+        if usable != wanted:
+            if not self.decrease_batch_size_if_needed or usable == 0:
+                raise UserError(f"plugins.batch-rampup: step {step} wants a global batch of {wanted}, not a "
+                                f"multiple of micro_batch_size × data-parallel size ({per_pass}); set "
+                                "decrease_batch_size_if_needed = true or change the rampup")
+            self.samples_left_out += wanted - usable
+        if usable != self._last:
+            log.info("batch-rampup: global batch %d from step %d", usable, step)
+            self._last = usable
+        return usable // per_pass
+
+    @hookimpl
+    def on_checkpoint(self) -> dict[str, Any]:
+        return {"samples_left_out": self.samples_left_out}
+
+    @hookimpl
+    def on_resume(self, state: dict[str, Any]) -> None:
+        self.samples_left_out = state.get("samples_left_out", 0)
