@@ -127,7 +127,11 @@ def post_step(run: Run, step: int, outputs: StepOutputs) -> None:
 
 @hookspec
 def on_log(run: Run, step: int, metrics: dict[str, float]) -> None:
-    """Every ``train.log_interval`` steps with host floats (one device sync per interval)."""
+    """Every ``train.log_interval`` steps with host floats (one device sync per interval).
+
+    ``tryfirst`` implementations may add entries to ``metrics`` (e.g. straggler scores);
+    the ones that record or display metrics see them.
+    """
 
 
 @hookspec

@@ -150,3 +150,31 @@ def test_async_save_on_two_ranks_resumes_exactly(tmp_path: Path, strategy: str) 
     assert second.returncode == 0, second.stderr
     assert "(step 10," in second.stderr
     assert logged(tmp_path / "split") == logged(tmp_path / "full")
+
+
+def test_a_rank_slowed_by_injected_sleep_is_reported_and_can_stop_the_run(tmp_path: Path) -> None:
+    config = write(tmp_path, "run", train_iters=40, eval_iters=0)
+    config.write_text(config.read_text() + """
+[distributed]
+strategy = "none"
+[plugins.fault-injection]
+action = "sleep"
+step = 1
+every_step = true
+sleep_seconds = 0.03
+ranks = [1]
+[plugins.stragglers]
+report_interval = 0
+warmup_steps = 2
+""")
+    reported = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path)
+    assert reported.returncode == 0, reported.stderr
+    assert "stragglers at step 5: ranks [1] below thresholds" in reported.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 40 and rows[-1]["stragglers/min_relative_score"] < 0.7
+
+    stopped = run_cli("run", str(config), "--nproc-per-node", "2", "--set", "plugins.stragglers.stop_if_detected=true",
+                      "--set", f"run.output_dir={tmp_path / 'stop'}", cwd=tmp_path)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "stopping at step 5: stragglers: ranks [1] are slow" in stopped.stderr
+    assert (tmp_path / "stop" / "checkpoints" / "step_00000005").is_dir()

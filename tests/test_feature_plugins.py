@@ -148,3 +148,44 @@ def test_batch_rampup_rounds_down_when_allowed_and_counts_what_it_left_out(tmp_p
         "rampup_batch_size": [6, 5, 20], "decrease_batch_size_if_needed": True}}), ("seen", seen))
     # wants 6, 6, 6 (rounded to 4), 11 (to 8), then 16
     assert seen.batches == [4, 4, 4, 8, 16, 16] and run.plugins.get("batch-rampup").samples_left_out == 2 + 2 + 2 + 3
+
+
+def injected(tmp_path: Path, table: str) -> Any:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "c.toml"
+    path.write_text(f"""
+[run]
+output_dir = "{tmp_path / 'out'}"
+[model]
+provider = "helpers_inprocess:make_model"
+[data]
+provider = "helpers_inprocess:make_data"
+[train]
+micro_batch_size = 8
+train_iters = 20
+log_interval = 5
+eval_iters = 0
+[plugins.fault-injection]
+{table}
+""")
+    return run_cli("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
+
+
+def test_fault_injection_sigterm_takes_the_graceful_path(tmp_path: Path) -> None:
+    result = injected(tmp_path, 'action = "sigterm"\nstep = 6')
+    assert result.returncode == 143 and "fault-injection: sigterm on rank 0 at step 6" in result.stderr
+    assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "6"
+
+
+def test_fault_injection_raise_crashes_like_a_bug_and_still_closes_the_run(tmp_path: Path) -> None:
+    result = injected(tmp_path, 'action = "raise"\nstep = 4')
+    assert result.returncode == 1
+    assert "RuntimeError: fault-injection: raised on rank 0 at step 4" in result.stderr
+    assert "error at step 3" in result.stdout                                   # on_train_end ran
+
+
+def test_fault_injection_at_random_is_seeded(tmp_path: Path) -> None:
+    first = injected(tmp_path / "a", 'action = "sleep"\nsleep_seconds = 0.0\nprobability = 0.3\nseed = 5')
+    second = injected(tmp_path / "b", 'action = "sleep"\nsleep_seconds = 0.0\nprobability = 0.3\nseed = 5')
+    steps = [line.split("at step ")[1] for line in first.stderr.splitlines() if "fault-injection" in line]
+    assert steps and steps == [line.split("at step ")[1] for line in second.stderr.splitlines() if "fault-injection" in line]

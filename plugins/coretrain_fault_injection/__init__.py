@@ -1,0 +1,69 @@
+"""``fault-injection``: make a rank misbehave on purpose, to test that runs survive it.
+
+At a chosen step (or at random with a seeded probability per step), on chosen ranks, before
+the step starts: ``hang`` (sleep until killed), ``raise`` (an exception, as a bug would),
+``sigkill`` / ``sigterm`` (the signal to this process), or ``sleep`` (a slow rank; with
+``every_step`` from that step on). Used by the straggler, signal and restart tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from typing import Any, Literal
+
+from attrs import define, field
+
+from coretrain import hookimpl
+
+log = logging.getLogger("coretrain")
+
+
+@define(kw_only=True)
+class FaultInjection:
+    """Hang, raise, SIGKILL, SIGTERM or sleep on chosen ranks at a chosen or random step."""
+
+    action: Literal["hang", "raise", "sigkill", "sigterm", "sleep"]
+    """What goes wrong."""
+    step: int | None = None
+    """The step it happens at (before the step runs)."""
+    probability: float = 0.0
+    """Or: the chance per step, drawn from a generator seeded with seed + rank."""
+    seed: int = 0
+    ranks: list[int] = field(factory=list)
+    """Ranks it happens on; empty = every rank."""
+    sleep_seconds: float = 1.0
+    """For action = "sleep"."""
+    every_step: bool = False
+    """For action = "sleep": sleep on every step from `step` on."""
+    _rng: random.Random | None = field(default=None, init=False, repr=False)
+
+    def _due(self, rank: int, step: int) -> bool:
+        if self.ranks and rank not in self.ranks:
+            return False
+        if self.step is not None and (step == self.step or (self.every_step and step >= self.step)):
+            return True
+        if self.probability:
+            if self._rng is None:
+                self._rng = random.Random(self.seed + rank)
+            return self._rng.random() < self.probability
+        return False
+
+    @hookimpl
+    def pre_step(self, run: Any, step: int) -> None:
+        if not self._due(run.dist.rank, step):
+            return
+        if self.action != "sleep" or not self.every_step or step == self.step:
+            log.warning("fault-injection: %s on rank %d at step %d", self.action, run.dist.rank, step)
+        if self.action == "sleep":
+            time.sleep(self.sleep_seconds)
+        elif self.action == "hang":
+            while True:
+                time.sleep(3600)
+        elif self.action == "raise":
+            raise RuntimeError(f"fault-injection: raised on rank {run.dist.rank} at step {step}")
+        else:
+            os.kill(os.getpid(), signal.SIGKILL if self.action == "sigkill" else signal.SIGTERM)
