@@ -302,8 +302,11 @@ class Trainer:
                 reason = self._stop_reason(step, deadline)
             if reason == "signal" and hooks.on_signal:
                 hooks.on_signal(run=run, signum=self.signum)
-            if (reason and (reason != "stopped" or control.checkpoint_requested)) or control.checkpoint_requested \
-                    or (save_interval and step % save_interval == 0):
+            if reason == "stopped":  # a plugin's stop says whether this state is worth saving
+                save_now = control.checkpoint_requested
+            else:
+                save_now = bool(reason or control.checkpoint_requested or (save_interval and step % save_interval == 0))
+            if save_now:
                 self.save()
             if reason:
                 log.info("stopping at step %d: %s", step, control.stop_reason or reason)

@@ -178,3 +178,17 @@ warmup_steps = 2
     assert stopped.returncode == 0, stopped.stderr
     assert "stopping at step 5: stragglers: ranks [1] are slow" in stopped.stderr
     assert (tmp_path / "stop" / "checkpoints" / "step_00000005").is_dir()
+
+
+def test_weight_hash_names_the_first_parameter_where_replicas_differ(tmp_path: Path, site: Path) -> None:
+    config = write(tmp_path, "run", train_iters=20, eval_iters=0)
+    config.write_text(config.read_text() + "\n[plugins.weight-hash]\ninterval = 5\n")
+    healthy = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path)
+    assert healthy.returncode == 0, healthy.stderr
+    config.write_text(config.read_text() + "\n[plugins.perturb-weights]\nrank = 1\nat_step = 7\n")
+    diverged = run_cli("run", str(config), "--nproc-per-node", "2", "--set", f"run.output_dir={tmp_path / 'bad'}",
+                       cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    assert diverged.returncode == 4
+    assert ("weight-hash: step 10: replicas differ, first at parameter 'wte.weight' "
+            "(ranks grouped by value: [[0], [1]])") in diverged.stderr
+    assert not (tmp_path / "bad" / "checkpoints" / "step_00000010").exists()      # no state to trust

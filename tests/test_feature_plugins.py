@@ -189,3 +189,26 @@ def test_fault_injection_at_random_is_seeded(tmp_path: Path) -> None:
     second = injected(tmp_path / "b", 'action = "sleep"\nsleep_seconds = 0.0\nprobability = 0.3\nseed = 5')
     steps = [line.split("at step ")[1] for line in first.stderr.splitlines() if "fault-injection" in line]
     assert steps and steps == [line.split("at step ")[1] for line in second.stderr.splitlines() if "fault-injection" in line]
+
+
+def test_profiler_writes_a_chrome_trace_of_the_window(tmp_path: Path) -> None:
+    result = injected(tmp_path, 'action = "sleep"\nsleep_seconds = 0.0\nstep = 1000')  # a no-op fault table
+    assert result.returncode == 0
+    path = tmp_path / "p.toml"
+    path.write_text((tmp_path / "c.toml").read_text().replace("[plugins.fault-injection]", "[plugins.profiler]")
+                    .replace('action = "sleep"\nsleep_seconds = 0.0\nstep = 1000', "start = 3\nend = 5"))
+    result = run_cli("run", str(path), "--set", f"run.output_dir={tmp_path / 'prof'}", cwd=tmp_path,
+                     env={"PYTHONPATH": TESTS})
+    assert result.returncode == 0, result.stderr
+    trace = json.loads((tmp_path / "prof" / "profile" / "rank0_steps3-5.json").read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert any(name.startswith("aten::linear") for name in names) and any("Optimizer.step" in n for n in names)
+
+
+def test_memory_plugin_says_once_that_a_cpu_run_has_nothing_to_do(tmp_path: Path) -> None:
+    result = injected(tmp_path, 'action = "sleep"\nsleep_seconds = 0.0\nstep = 1000')
+    path = tmp_path / "c.toml"
+    path.write_text(path.read_text() + "\n[plugins.memory]\nempty_unused_memory_level = 2\ntrain_sync_interval = 5\n")
+    result = run_cli("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("memory: CPU run; empty_unused_memory_level and train_sync_interval have nothing to do") == 1

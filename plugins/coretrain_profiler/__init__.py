@@ -1,0 +1,81 @@
+"""``profiler``: torch.profiler over a window of steps, Chrome traces in the output dir.
+
+Profiles steps ``start`` to ``end`` (inclusive) on the chosen ranks and writes
+``profile/rank{R}_steps{start}-{end}.json`` (open in chrome://tracing or Perfetto). With
+``memory_snapshot = true`` on CUDA it also records the allocator history over the window and
+writes ``profile/rank{R}_memory.pickle`` for pytorch.org/memory_viz.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field
+
+from coretrain import hookimpl
+
+log = logging.getLogger("coretrain")
+
+
+@define(kw_only=True)
+class Profiler:
+    """torch.profiler on a step window; Chrome trace files per rank."""
+
+    start: int = 10
+    """First profiled step."""
+    end: int = 12
+    """Last profiled step (inclusive)."""
+    ranks: list[int] = field(factory=lambda: [0])
+    """Ranks to profile; empty = all."""
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    memory_snapshot: bool = False
+    """CUDA only: record the allocator history and dump a snapshot at the end of the window."""
+    _profile: Any = field(default=None, init=False, repr=False)
+
+    def _mine(self, run: Any) -> bool:
+        return not self.ranks or run.dist.rank in self.ranks
+
+    @hookimpl(tryfirst=True)
+    def pre_step(self, run: Any, step: int) -> None:
+        if step != self.start or not self._mine(run):
+            return
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if run.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            if self.memory_snapshot:
+                torch.cuda.memory._record_memory_history()
+        self._profile = torch.profiler.profile(activities=activities, record_shapes=self.record_shapes,
+                                               profile_memory=self.profile_memory, with_stack=self.with_stack)
+        self._profile.__enter__()
+
+    @hookimpl(trylast=True)
+    def post_step(self, run: Any, step: int) -> None:
+        if self._profile is not None and step >= self.end:
+            self._finish(run, step)
+
+    @hookimpl
+    def on_train_end(self, run: Any) -> None:
+        if self._profile is not None:  # the run ended inside the window
+            self._finish(run, run.state.step)
+
+    def _finish(self, run: Any, last: int) -> None:
+        import torch
+
+        profile, self._profile = self._profile, None
+        profile.__exit__(None, None, None)
+        directory = Path(run.output_dir) / "profile"
+        directory.mkdir(parents=True, exist_ok=True)
+        trace = directory / f"rank{run.dist.rank}_steps{self.start}-{last}.json"
+        profile.export_chrome_trace(str(trace))
+        log.info("profiler: wrote %s", trace)
+        if self.memory_snapshot and run.device.type == "cuda":
+            snapshot = directory / f"rank{run.dist.rank}_memory.pickle"
+            torch.cuda.memory._dump_snapshot(str(snapshot))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            log.info("profiler: wrote %s", snapshot)
