@@ -7,7 +7,7 @@ Layout under ``<output_dir>/checkpoints/``::
         optimizer.pt        rank 0: optimizer state_dict      }
         sharded/            every rank's shards of model + optimizer, written by
                             torch.distributed.checkpoint (FSDP2); .metadata last
-        rank_00000.pt       every rank: train state, LR schedule, RNG, plugin states
+        rank_00000.pt       every rank: train state, LR schedule, grad scaler, RNG, plugin states
     step_00000200.tmp/      an interrupted save: never loaded
     latest                  text: the newest committed step (a hint; the directories decide)
 
@@ -139,6 +139,8 @@ def collect(run: Run, extra_state: dict[str, Any]) -> dict[str, Any]:
     state = {"train": {"step": run.state.step, "consumed_samples": run.state.consumed_samples,
                        "skipped_updates": run.state.skipped_updates},
              "scheduler": run.scheduler.state_dict(), "rng": rng_state(), **extra_state}
+    if run.grad_scaler is not None:
+        state["grad_scaler"] = run.grad_scaler.state_dict()
     files: dict[str, Any] = {f"rank_{run.dist.rank:05d}.pt": state}
     if is_sharded(run.model):
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -353,6 +355,8 @@ def load(run: Run, path: Path) -> dict[str, Any]:
         run.unwrapped_model.load_state_dict(_load_file(path / "model.pt"))
         run.optimizer.load_state_dict(_load_file(path / "optimizer.pt"))
     run.scheduler.load_state_dict(state["scheduler"])
+    if run.grad_scaler is not None and "grad_scaler" in state:
+        run.grad_scaler.load_state_dict(state["grad_scaler"])
     run.state = TrainState(**state["train"])
     set_rng_state(state["rng"])
     return state

@@ -48,7 +48,9 @@ class RunConfig:
     name: str = "coretrain"
     seed: int = 1234
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast dtype for forward; fp16 adds a checkpointed grad scaler (and one sync per step
+    for its overflow check, as in Megatron)."""
     output_dir: str = "runs/{name}"
     """Where config.toml, metrics.jsonl and checkpoints go; ``{name}`` is replaced by run.name."""
     threads: int | None = field(default=None, validator=_positive)

@@ -132,9 +132,10 @@ def evaluate(run: Run, dataset: Any, iters: int) -> dict[str, float]:
 
 
 def autocast(run: Run) -> contextlib.AbstractContextManager:
-    if run.config.run.precision == "bf16":
-        return torch.autocast(run.device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    precision = run.config.run.precision
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(run.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
 class Trainer:
@@ -244,6 +245,7 @@ class Trainer:
         signals, checkpointer = self.signals, self.checkpointer
         plain = getattr(model, "no_sync", None) is None and run.config.run.precision == "fp32"
         sharded_norm = checkpoint.is_sharded(model)  # FSDP2: the grad norm is a DTensor
+        scaler = run.grad_scaler
         interval.started = time.perf_counter()
 
         while state.step < cfg.train_iters:
@@ -273,6 +275,8 @@ class Trainer:
             if skipped:
                 state.skipped_updates += 1
                 control.skip_reason = None
+            elif scaler is not None:
+                skipped, grad_norm = self._scaled_update(params, clip, global_batch)
             else:
                 if clip > 0:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
@@ -313,6 +317,25 @@ class Trainer:
                 return reason
         return "completed"
 
+    def _scaled_update(self, params: list[torch.Tensor], clip: float,
+                       global_batch: int) -> tuple[bool, torch.Tensor | None]:
+        """fp16: unscale, clip, step unless gradients overflowed; (skipped, grad norm).
+
+        Knowing whether to advance the schedule needs the overflow flag on the host: one sync
+        per step, as Megatron's fp16 path has.
+        """
+        run, scaler = self.run, self.run.grad_scaler
+        scaler.unscale_(run.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else None
+        scale = scaler.get_scale()
+        scaler.step(run.optimizer)
+        scaler.update()
+        if scaler.get_scale() < scale:  # the scaler backs off exactly when it skipped the step
+            run.state.skipped_updates += 1
+            return True, None  # an overflowed norm would poison the interval's mean
+        run.scheduler.step(global_batch)
+        return False, grad_norm
+
     def _accumulate(self, batches: list[Any]) -> torch.Tensor:
         """Forward and backward over the micro-batches (DDP syncs only on the last); mean loss."""
         run, model = self.run, self.run.model
@@ -326,7 +349,8 @@ class Trainer:
             sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
             with sync, autocast(run):
                 loss = forward(model, batch)
-            (loss / n_micro if n_micro > 1 else loss).backward()
+            scaled = loss / n_micro if n_micro > 1 else loss
+            (run.grad_scaler.scale(scaled) if run.grad_scaler is not None else scaled).backward()
             losses.append(loss.detach())
         return losses[0] if n_micro == 1 else torch.stack(losses).mean()
 

@@ -83,6 +83,8 @@ class Run:
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     scheduler: WarmupDecayLR | None = None
+    grad_scaler: torch.amp.GradScaler | None = None
+    """Present when run.precision = "fp16"."""
     micro_batches_per_step: int = 1
 
     @property
@@ -233,6 +235,8 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True) -> Ru
     run.optimizer = build_optimizer(config.optimizer, run.model, overrides)
     run.scheduler = WarmupDecayLR(run.optimizer, config.scheduler, config.optimizer.lr, train.train_iters,
                                   run.global_batch_size)
+    if config.run.precision == "fp16":
+        run.grad_scaler = torch.amp.GradScaler(device.type)
     return run
 
 
