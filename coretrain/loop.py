@@ -65,6 +65,7 @@ class IntervalLog:
         self.losses: list[torch.Tensor] = []
         self.grad_norms: list[torch.Tensor] = []
         self.samples = 0
+        self.timed_steps = 0
         self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int) -> None:
@@ -72,9 +73,13 @@ class IntervalLog:
         if grad_norm is not None:
             self.grad_norms.append(grad_norm)
         self.samples += samples
+        self.timed_steps += 1
+
+    def restart_clock(self) -> None:
+        """Leave the steps so far out of the rates (warm-up: compilation, allocator, caches)."""
+        self.samples, self.timed_steps, self.started = 0, 0, time.perf_counter()
 
     def flush(self, run: Run) -> dict[str, float]:
-        steps = max(len(self.losses), 1)
         with torch.no_grad():
             means = [torch.stack(self.losses).float().mean()]
             if self.grad_norms:
@@ -82,13 +87,14 @@ class IntervalLog:
             # the mean over data-parallel ranks, as Megatron logs it; then the interval's one host sync
             host = mean_over_ranks(torch.stack(means)).tolist()
         elapsed = time.perf_counter() - self.started
+        timed = self.timed_steps
         metrics = {"loss": host[0], "lr": run.scheduler.last_lr}
         if len(host) > 1:
             metrics["grad_norm"] = host[1]
         metrics.update({
             "global_batch_size": float(run.global_batch_size),
-            "iteration_time": elapsed / steps,
-            "samples_per_second": self.samples / elapsed if elapsed > 0 else 0.0,
+            "iteration_time": elapsed / timed if timed else 0.0,
+            "samples_per_second": self.samples / elapsed if timed and elapsed > 0 else 0.0,
             "consumed_samples": float(run.state.consumed_samples),
             "skipped_updates": float(run.state.skipped_updates),
         })
@@ -223,7 +229,9 @@ class Trainer:
 
     def _eval(self) -> None:
         run = self.run
+        started = time.perf_counter()
         metrics = evaluate(run, run.datasets.valid, run.config.train.eval_iters)
+        self.log.started += time.perf_counter() - started  # validation time is not training time
         self.last_eval_step = run.state.step
         if self.hooks.on_eval:
             self.hooks.on_eval(run=run, step=run.state.step, metrics=metrics)
@@ -247,6 +255,7 @@ class Trainer:
         sharded_norm = checkpoint.is_sharded(model)  # FSDP2: the grad norm is a DTensor
         scaler = run.grad_scaler
         interval.started = time.perf_counter()
+        first_step = state.step + 1
 
         while state.step < cfg.train_iters:
             step = state.step + 1
@@ -288,6 +297,8 @@ class Trainer:
             state.step = step
             state.consumed_samples += global_batch
             interval.add(loss, grad_norm, global_batch)
+            if step == first_step and step % cfg.log_interval:
+                interval.restart_clock()  # the first step warms up (compiles); rates leave it out
             if hooks.post_step:
                 hooks.post_step(run=run, step=step, outputs=StepOutputs(
                     loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,8 @@ def test_batch_rampup_rounds_down_when_allowed_and_counts_what_it_left_out(tmp_p
     assert seen.batches == [4, 4, 4, 8, 16, 16] and run.plugins.get("batch-rampup").samples_left_out == 2 + 2 + 2 + 3
 
 
-def injected(tmp_path: Path, table: str) -> Any:
+def plain_config(tmp_path: Path, tail: str) -> Path:
+    """The in-memory regression run of helpers_inprocess, with extra TOML appended."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "c.toml"
     path.write_text(f"""
@@ -165,9 +167,13 @@ micro_batch_size = 8
 train_iters = 20
 log_interval = 5
 eval_iters = 0
-[plugins.fault-injection]
-{table}
+{tail}
 """)
+    return path
+
+
+def injected(tmp_path: Path, table: str) -> Any:
+    path = plain_config(tmp_path, f"[plugins.fault-injection]\n{table}")
     return run_cli("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
 
 
@@ -192,11 +198,7 @@ def test_fault_injection_at_random_is_seeded(tmp_path: Path) -> None:
 
 
 def test_profiler_writes_a_chrome_trace_of_the_window(tmp_path: Path) -> None:
-    result = injected(tmp_path, 'action = "sleep"\nsleep_seconds = 0.0\nstep = 1000')  # a no-op fault table
-    assert result.returncode == 0
-    path = tmp_path / "p.toml"
-    path.write_text((tmp_path / "c.toml").read_text().replace("[plugins.fault-injection]", "[plugins.profiler]")
-                    .replace('action = "sleep"\nsleep_seconds = 0.0\nstep = 1000', "start = 3\nend = 5"))
+    path = plain_config(tmp_path, "[plugins.profiler]\nstart = 3\nend = 5")
     result = run_cli("run", str(path), "--set", f"run.output_dir={tmp_path / 'prof'}", cwd=tmp_path,
                      env={"PYTHONPATH": TESTS})
     assert result.returncode == 0, result.stderr
@@ -206,9 +208,30 @@ def test_profiler_writes_a_chrome_trace_of_the_window(tmp_path: Path) -> None:
 
 
 def test_memory_plugin_says_once_that_a_cpu_run_has_nothing_to_do(tmp_path: Path) -> None:
-    result = injected(tmp_path, 'action = "sleep"\nsleep_seconds = 0.0\nstep = 1000')
-    path = tmp_path / "c.toml"
-    path.write_text(path.read_text() + "\n[plugins.memory]\nempty_unused_memory_level = 2\ntrain_sync_interval = 5\n")
+    path = plain_config(tmp_path, "[plugins.memory]\nempty_unused_memory_level = 2\ntrain_sync_interval = 5")
     result = run_cli("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("memory: CPU run; empty_unused_memory_level and train_sync_interval have nothing to do") == 1
+
+
+def test_compile_keeps_parameter_names_and_trains(tmp_path: Path) -> None:
+    path = plain_config(tmp_path, '[plugins.compile]\nmode = "default"')
+    result = run_cli("run", str(path), "--set", "train.train_iters=10", cwd=tmp_path, env={"PYTHONPATH": TESTS})
+    assert result.returncode == 0, result.stderr
+    assert "compile: model compiled with mode=default" in result.stderr
+    saved = torch.load(tmp_path / "out" / "checkpoints" / "step_00000010" / "model.pt", weights_only=True)
+    assert sorted(saved) == ["net.0.bias", "net.0.weight", "net.3.bias", "net.3.weight"]   # no _orig_mod.
+
+
+def test_the_first_step_and_validation_stay_out_of_the_throughput(tmp_path: Path, no_autoload: None) -> None:
+    from test_loop import Recorder
+
+    class SlowFirstStep:
+        @hookimpl
+        def pre_step(self, step: int) -> None:
+            if step == 1:
+                time.sleep(0.5)
+
+    recorder = Recorder()
+    train(config(tmp_path, train={"train_iters": 8, "log_interval": 4}), ("slow", SlowFirstStep()), ("r", recorder))
+    assert recorder.logs[0][1]["iteration_time"] < 0.1                       # not (0.5 + 3 × fast) / 4
