@@ -192,3 +192,15 @@ def test_weight_hash_names_the_first_parameter_where_replicas_differ(tmp_path: P
     assert ("weight-hash: step 10: replicas differ, first at parameter 'wte.weight' "
             "(ranks grouped by value: [[0], [1]])") in diverged.stderr
     assert not (tmp_path / "bad" / "checkpoints" / "step_00000010").exists()      # no state to trust
+
+
+def test_fp8_with_fsdp_all_gather_runs_on_two_ranks_and_tracks_fp32(tmp_path: Path) -> None:
+    reference = run_cli("run", str(write(tmp_path, "ref", eval_iters=0)), cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr
+    config = write(tmp_path, "fp8", eval_iters=0)
+    config.write_text(config.read_text() + '\n[distributed]\nstrategy = "fsdp"\n[plugins.fp8]\nfp8_all_gather = true\n')
+    result = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "fp8: tensorwise recipe on 4 Linear layers" in result.stderr
+    for (s1, a), (s2, b) in zip(logged(tmp_path / "ref"), logged(tmp_path / "fp8")):
+        assert s1 == s2 and b == pytest.approx(a, rel=0.02)
