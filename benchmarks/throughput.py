@@ -30,6 +30,7 @@ from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.data import TokenWindows
 from coretrain.loop import Trainer
+from coretrain.metrics import PEAK_BF16_TFLOPS
 from coretrain.pluginmanager import load_plugins
 from coretrain.run import Datasets, build_run
 
@@ -39,7 +40,6 @@ SIZES = {  # name: (n_layer, n_head, n_embd, seq_length, micro_batch)
     "124M": (12, 12, 768, 1024, 16),
     "350M": (24, 16, 1024, 1024, 8),
 }
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
 VOCAB = 50304
 CURRENT: dict[str, Any] = {}
 

@@ -53,6 +53,8 @@ class RunConfig:
     for its overflow check, as in Megatron)."""
     output_dir: str = "runs/{name}"
     """Where config.toml, metrics.jsonl and checkpoints go; ``{name}`` is replaced by run.name."""
+    peak_tflops: float | None = field(default=None, validator=_positive)
+    """Peak TFLOP/s of one device, for MFU; unset = a table of known GPUs."""
     threads: int | None = field(default=None, validator=_positive)
     """torch intra-op threads; unset leaves torch's default."""
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from coretrain import checkpoint
+from coretrain import metrics as derived
 from coretrain.data import BatchReader, SampleOrder
 from coretrain.dist import max_over_ranks, mean_over_ranks
 from coretrain.run import Run, StepOutputs
@@ -101,6 +102,9 @@ class IntervalLog:
         seq_length = run.datasets.seq_length
         if seq_length:
             metrics["tokens_per_second"] = metrics["samples_per_second"] * seq_length
+        metrics.update(derived.throughput(run, metrics["samples_per_second"], metrics["iteration_time"],
+                                          time.monotonic() - run.started_at))
+        metrics.update(derived.memory(run.device))
         self.__init__()
         return metrics
 
@@ -201,6 +205,7 @@ class Trainer:
 
     def train(self) -> int:
         run, hooks = self.run, self.hooks
+        run.started_at = time.monotonic()
         self.restore()
         outcome = "error"
         try:

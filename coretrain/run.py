@@ -86,6 +86,8 @@ class Run:
     grad_scaler: torch.amp.GradScaler | None = None
     """Present when run.precision = "fp16"."""
     micro_batches_per_step: int = 1
+    started_at: float = 0.0
+    """time.monotonic() when training (this process's part of it) started."""
 
     @property
     def global_batch_size(self) -> int:

@@ -111,3 +111,18 @@ def test_checkpoint_list_and_export(tmp_path: Path) -> None:
     assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in saved)
     missing = run_cli("checkpoint", "export", str(out), "--step", "4", "--to", "x.safetensors", cwd=tmp_path)
     assert missing.returncode == 2 and "no complete checkpoint at that step; complete: [3, 6]" in missing.stderr
+
+
+def test_logged_metrics_include_throughput_flops_mfu_time_and_memory(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=10, eval_iters=0))
+    result = run_cli("run", str(config), "--set", "run.peak_tflops=0.5", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    first, last = [r for r in metrics(out) if "loss" in r]
+    assert last["consumed_tokens"] == last["consumed_samples"] * 32 == 20 * 8 * 32
+    assert last["tokens_per_second_per_device"] == last["tokens_per_second"]          # one rank
+    assert last["tflops_per_device"] > 0 and last["mfu"] == last["tflops_per_device"] / 0.5
+    assert first["remaining_seconds"] > 0 and last["remaining_seconds"] == 0
+    assert last["elapsed_seconds"] > first["elapsed_seconds"] > 0
+    assert 0 < last["memory/rss_gb"] <= last["memory/max_rss_gb"]
