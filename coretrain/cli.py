@@ -126,9 +126,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from coretrain.run import build_run
 
     try:
-        return Trainer(build_run(loaded.config, plugins)).train()
-    finally:
+        code = Trainer(build_run(loaded.config, plugins)).train()
+    except BaseException:
         dist.shutdown()
+        raise
+    dist.shutdown(graceful=True)
+    return code
 
 
 def cmd_checkpoint_list(args: argparse.Namespace) -> int:

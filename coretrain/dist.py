@@ -68,8 +68,12 @@ def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def shutdown() -> None:
+def shutdown(graceful: bool = False) -> None:
+    """Leave the process group; ``graceful`` first waits for every rank, so no rank tears down
+    its connections while another is still in a collective (gloo aborts on that)."""
     global _control_group
+    if graceful and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
     _control_group = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -126,3 +126,25 @@ def test_logged_metrics_include_throughput_flops_mfu_time_and_memory(tmp_path: P
     assert first["remaining_seconds"] > 0 and last["remaining_seconds"] == 0
     assert last["elapsed_seconds"] > first["elapsed_seconds"] > 0
     assert 0 < last["memory/rss_gb"] <= last["memory/max_rss_gb"]
+
+
+def test_progress_file_reports_nonzero_job_and_cumulative_throughput_across_jobs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=10, eval_iters=0))
+    assert run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path).returncode == 0
+    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    lines = [line.split("\t") for line in (out / "progress.txt").read_text().splitlines()]
+    assert [(fields[3], fields[4]) for fields in lines] == [
+        ("step 0", "job start"), ("step 10", "checkpoint"), ("step 10", "job start"), ("step 20", "checkpoint")]
+    def figure(line: list[str], name: str) -> float:
+        return float(next(field for field in line if field.startswith(name)).split()[len(name.split())])
+
+    first, second = [fields for fields in lines if fields[4] == "checkpoint"]
+    for line in (first, second):
+        assert figure(line, "job throughput") > 0 and figure(line, "cumulative throughput") > 0
+    assert figure(second, "tokens") == 2 * figure(first, "tokens") == 20 * 8 * 32
+    assert figure(second, "FLOPs") == 2 * figure(first, "FLOPs")
+    # cumulative = all FLOPs / all training time: between the two jobs' own rates
+    rates = sorted([figure(first, "job throughput"), figure(second, "job throughput")])
+    assert rates[0] <= figure(second, "cumulative throughput") <= rates[1]

@@ -1,0 +1,71 @@
+"""``progress-file``: progress.txt, one line per job start and per checkpoint (rank 0).
+
+Each line: timestamp, job id (SLURM_JOB_ID, else the process id), world size, step, and at
+checkpoints the job throughput (FLOPs of this job / this job's training time / devices), the
+cumulative throughput over every job of the run, and FLOPs and tokens so far. Megatron
+Bridge's "Job throughput" is always 0 because it subtracts the FLOP count it has just
+updated; here the job's starting point is taken once, at job start, and the cumulative
+training time travels in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field
+
+from coretrain import hookimpl
+
+
+@define(kw_only=True)
+class ProgressFile:
+    """Writes progress.txt: job starts and checkpoints with job and cumulative throughput."""
+
+    filename: str = "progress.txt"
+    """File name inside run.output_dir."""
+    _job_started: float = field(default=0.0, init=False, repr=False)
+    _job_start_samples: int = field(default=0, init=False, repr=False)
+    _seconds_before: float = field(default=0.0, init=False, repr=False)
+
+    def _line(self, run: Any, text: str) -> None:
+        if not run.dist.is_main:
+            return
+        job = os.environ.get("SLURM_JOB_ID") or f"pid-{os.getpid()}"
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        with open(Path(run.output_dir) / self.filename, "a", encoding="utf-8") as f:
+            f.write(f"{stamp}\tjob {job}\tworld {run.dist.world_size}\tstep {run.state.step}\t{text}\n")
+
+    @hookimpl
+    def on_resume(self, state: dict[str, Any]) -> None:
+        self._seconds_before = float(state.get("train_seconds", 0.0))
+
+    @hookimpl
+    def on_train_start(self, run: Any) -> None:
+        self._job_started = time.monotonic()
+        self._job_start_samples = run.state.consumed_samples
+        self._line(run, "job start")
+
+    def figures(self, run: Any) -> dict[str, float]:
+        """Job and cumulative throughput (TFLOP/s per device), FLOPs and tokens so far."""
+        seq = run.datasets.seq_length or 0
+        flops_per_token = run.flops_per_token or 0.0
+        job_seconds = time.monotonic() - self._job_started
+        job_flops = (run.state.consumed_samples - self._job_start_samples) * seq * flops_per_token
+        total_tokens = run.state.consumed_samples * seq
+        total_flops = total_tokens * flops_per_token
+        total_seconds = self._seconds_before + job_seconds
+        world = run.dist.world_size
+        return {"job_tflops_per_device": job_flops / job_seconds / world / 1e12 if job_seconds > 0 else 0.0,
+                "cumulative_tflops_per_device": total_flops / total_seconds / world / 1e12 if total_seconds > 0 else 0.0,
+                "flops": total_flops, "tokens": float(total_tokens), "train_seconds": total_seconds}
+
+    @hookimpl
+    def on_checkpoint(self, run: Any) -> dict[str, Any]:
+        figures = self.figures(run)
+        self._line(run, f"checkpoint\tjob throughput {figures['job_tflops_per_device']:.6g} TFLOP/s/device\t"
+                        f"cumulative throughput {figures['cumulative_tflops_per_device']:.6g} TFLOP/s/device\t"
+                        f"FLOPs {figures['flops']:.0f}\ttokens {figures['tokens']:.0f}")
+        return {"train_seconds": figures["train_seconds"]}
