@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import run_cli, tiny_gpt_config
 
@@ -148,3 +149,22 @@ def test_progress_file_reports_nonzero_job_and_cumulative_throughput_across_jobs
     # cumulative = all FLOPs / all training time: between the two jobs' own rates
     rates = sorted([figure(first, "job throughput"), figure(second, "job throughput")])
     assert rates[0] <= figure(second, "cumulative throughput") <= rates[1]
+
+
+def test_tensorboard_event_files_hold_what_metrics_jsonl_holds_even_after_sigterm(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
+                      + "\n[plugins.tensorboard]\n[plugins.fault-injection]\naction = \"sigterm\"\nstep = 16\n")
+    result = run_cli("run", str(config), cwd=tmp_path)
+    assert result.returncode == 143, result.stderr                          # closed on the signal path too
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    rows = metrics(out)
+    for name in ("loss", "lr", "grad_norm", "tokens_per_second", "valid/loss"):
+        expected = [(r["step"], r[name]) for r in rows if name in r]
+        stored = [(e.step, e.value) for e in events.Scalars(name)]
+        assert [s for s, _ in stored] == [s for s, _ in expected] and expected
+        assert all(v == pytest.approx(x, rel=1e-6) for (_, v), (_, x) in zip(stored, expected))   # float32 in TB
