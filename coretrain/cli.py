@@ -161,13 +161,13 @@ def cmd_checkpoint_export(args: argparse.Namespace) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    from coretrain.config import micro_batches_per_step
+    from coretrain.config import micro_batches_per_step, world_size_from_env
     from coretrain.configload import load_config
     from coretrain.pluginmanager import load_plugins
 
     loaded = load_config(args.config, args.overrides)
     plugins = load_plugins(loaded.config, loaded.locations)
-    micro_batches_per_step(loaded.config.train, int(os.environ.get("WORLD_SIZE", "1")))
+    micro_batches_per_step(loaded.config.train, world_size_from_env())
     print(f"{args.config}: ok ({len(plugins.names())} plugins enabled: {', '.join(plugins.names()) or 'none'})")
     return 0
 

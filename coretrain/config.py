@@ -7,12 +7,18 @@ error messages live in :mod:`coretrain.configload`; this module only says what i
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import attrs
 from attrs import define, field
 
 from coretrain.errors import UserError
+
+
+def world_size_from_env() -> int:
+    """Ranks torchrun started (1 outside torchrun); read without importing torch."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 class FieldValueError(ValueError):

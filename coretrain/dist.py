@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from attrs import define
 
+from coretrain.config import world_size_from_env
+
 
 @define(frozen=True)
 class DistInfo:
@@ -19,10 +21,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def init_distributed(device_type: str, backend: str = "auto", timeout_minutes: float = 10.0) -> DistInfo:

@@ -21,7 +21,7 @@ import attrs
 import pluggy
 
 from coretrain import hookspecs
-from coretrain.config import Config
+from coretrain.config import Config, world_size_from_env
 from coretrain.configload import Location, structure
 from coretrain.errors import UserError, did_you_mean
 
@@ -108,7 +108,7 @@ def enabled_tables(config: Config, installed: Mapping[str, PluginEntry]) -> dict
                     f"put its settings in [{section}.options] instead"
                 )
             chosen[provider] = ((section, "options"), dict(getattr(config, section).options))
-    strategy = config.distributed.resolved_strategy(int(os.environ.get("WORLD_SIZE", "1")))
+    strategy = config.distributed.resolved_strategy(world_size_from_env())
     if strategy is not None:
         _require_installed(strategy, "distributed.strategy", installed)
         chosen[strategy] = (("plugins", strategy), {})

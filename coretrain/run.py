@@ -137,10 +137,10 @@ def import_callable(path: str, key: str) -> Any:
 
 def _call_with(fn: Any, options: dict[str, Any], key: str, **available: Any) -> Any:
     """Call ``fn(**options)``, also passing ``run`` / ``context`` when its signature asks for them."""
-    params = inspect.signature(fn).parameters
-    extra = {name: value for name, value in available.items() if name in params}
+    signature = inspect.signature(fn)
+    extra = {name: value for name, value in available.items() if name in signature.parameters}
     try:
-        inspect.signature(fn).bind(**extra, **options)
+        signature.bind(**extra, **options)
     except TypeError as exc:
         raise UserError(f"{key}: options do not fit {fn.__module__}.{fn.__qualname__}: {exc}") from None
     return fn(**extra, **options)

@@ -36,7 +36,9 @@ class DDP:
         if run.dist.world_size == 1:
             log.info("ddp: single process, model left unwrapped")
             return
-        if any(hasattr(p, "full_tensor") for p in run.model.parameters()):
+        from coretrain.checkpoint import is_sharded
+
+        if is_sharded(run.model):
             log.info("ddp: the model is already sharded (fsdp); not wrapping it again")
             return
         from torch.nn.parallel import DistributedDataParallel

@@ -21,11 +21,13 @@ log = logging.getLogger("coretrain")
 
 
 def parameter_digests(model: Any) -> list[tuple[str, str]]:
+    import torch
+
     digests = []
     for name, param in model.named_parameters():
         if hasattr(param, "full_tensor"):  # a shard: differs per rank by design
             continue
-        data = param.detach().cpu().contiguous().flatten().view(dtype=__import__("torch").uint8)
+        data = param.detach().cpu().contiguous().flatten().view(dtype=torch.uint8)
         digests.append((name, hashlib.sha256(data.numpy().tobytes()).hexdigest()))
     return digests
 
