@@ -34,7 +34,11 @@ Rules every implementation can rely on:
   this update); they never raise to steer the loop or reach into its locals.
 - ``wrapper=True`` implementations may wrap any hook (e.g. to time it).
 - Per-step hooks (``pre_step``, ``before_update``, ``post_step``) must not force a host-device
-  sync in the common case; do it every N steps or at ``on_log``.
+  sync in the common case; do it every N steps or at ``on_log``. A value a plugin measures on
+  the device goes into ``run.log_tensors[name]``: the next ``on_log`` reads it with the loop's
+  own host sync and hands it over in ``metrics``.
+- Logging backends (TensorBoard, Comet, MLflow, W&B) implement their hooks ``trylast``, so they
+  record what every other plugin added, and write only on rank 0.
 """
 
 from __future__ import annotations

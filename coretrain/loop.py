@@ -85,13 +85,17 @@ class IntervalLog:
             means = [torch.stack(self.losses).float().mean()]
             if self.grad_norms:
                 means.append(torch.stack(self.grad_norms).float().mean())
+            extra = list(run.log_tensors)
+            means.extend(run.log_tensors[name].detach().float().to(means[0].device) for name in extra)
+            run.log_tensors.clear()
             # the mean over data-parallel ranks, as Megatron logs it; then the interval's one host sync
             host = mean_over_ranks(torch.stack(means)).tolist()
         elapsed = time.perf_counter() - self.started
         timed = self.timed_steps
         metrics = {"loss": host[0], "lr": run.scheduler.last_lr}
-        if len(host) > 1:
+        if self.grad_norms:
             metrics["grad_norm"] = host[1]
+        metrics.update(zip(extra, host[len(host) - len(extra):]))
         metrics.update({
             "global_batch_size": float(run.global_batch_size),
             "iteration_time": elapsed / timed if timed else 0.0,

@@ -88,6 +88,9 @@ class Run:
     micro_batches_per_step: int = 1
     started_at: float = 0.0
     """time.monotonic() when training (this process's part of it) started."""
+    log_tensors: dict[str, torch.Tensor] = field(factory=dict)
+    """Device scalars a plugin adds for the next ``on_log`` (e.g. a norm taken at the log step):
+    read with the interval's one host sync, averaged over ranks, then cleared."""
 
     @property
     def global_batch_size(self) -> int:

@@ -40,9 +40,11 @@ def make_model(width: int = 16, dropout: float = 0.0) -> torch.nn.Module:
     return Regression(width, dropout)
 
 
-def make_data(context: Any, samples: int = 256, valid: bool = True) -> Datasets:
+def make_data(context: Any, samples: int = 256, valid: bool = True, dead_inputs: int = 0) -> Datasets:
+    """``dead_inputs``: that many input features are always 0 (their first-layer weights get no gradient)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(samples, 4, generator=g)
+    x[:, :dead_inputs] = 0.0
     y = 0.5 * x.sum(dim=1, keepdim=True)
     return Datasets(train=TensorPairs(x, y), valid=TensorPairs(x[:64], y[:64]) if valid else None)
 

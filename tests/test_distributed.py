@@ -99,7 +99,7 @@ def test_a_killed_rank_ends_the_job_and_a_restart_resumes(tmp_path: Path, site: 
 
 def fsdp_config(directory: Path, name: str) -> Path:
     path = write(directory, name)
-    path.write_text(path.read_text() + '\n[distributed]\nstrategy = "fsdp"\n')
+    path.write_text(path.read_text() + '\n[distributed]\nstrategy = "fsdp"\n[plugins.model-stats]\n')
     return path
 
 
@@ -125,6 +125,10 @@ def test_fsdp_checkpoint_is_sharded_and_resumes_on_two_ranks_and_on_one(tmp_path
     assert "resumed from" in one_rank.stderr and "(step 10," in one_rank.stderr
     for (s1, a), (s2, b) in zip(logged(tmp_path / "one"), logged(tmp_path / "full")):
         assert s1 == s2 and a == pytest.approx(b, rel=1e-5)
+    # model-stats sums FSDP's shards: the whole model's norm, as the unsharded run measures it
+    norms = [[r["params_norm"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+              if r["step"] > 10 and "params_norm" in r] for name in ("one", "full")]
+    assert norms[0] and norms[0] == pytest.approx(norms[1], rel=1e-5)
 
     exported = run_cli("checkpoint", "export", str(tmp_path / "split"), "--to", str(tmp_path / "m.safetensors"),
                        cwd=tmp_path)

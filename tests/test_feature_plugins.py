@@ -253,3 +253,31 @@ def test_fp8_emulated_training_tracks_full_precision(tmp_path: Path) -> None:
     assert losses["fp8"] != losses["fp32"]                                      # FP8 rounding really happened
     for full, fp8 in zip(losses["fp32"], losses["fp8"]):
         assert fp8 == pytest.approx(full, rel=0.02)                             # stated tolerance: 2% per logged step
+
+
+class LogRecorder:
+    def __init__(self) -> None:
+        self.logs: dict[int, dict[str, float]] = {}
+
+    @hookimpl
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        self.logs[step] = metrics
+
+
+def test_model_stats_log_the_parameter_norm_and_zero_gradients_at_log_steps(tmp_path: Path, no_autoload: None) -> None:
+    seen = LogRecorder()
+    run, code = train(config(tmp_path, train={"train_iters": 6, "log_interval": 3}, data={"options": {"dead_inputs": 2}},
+                             plugins={"model-stats": {}}), ("seen", seen))
+    assert code == 0 and sorted(seen.logs) == [3, 6]
+    # two input features are always 0: their columns of the 16-wide first layer never get a gradient
+    assert [seen.logs[step]["zero_grads"] for step in (3, 6)] == [2 * 16, 2 * 16]
+    weights = torch.cat([p.detach().flatten() for p in run.model.parameters()])
+    assert seen.logs[6]["params_norm"] == pytest.approx(weights.norm().item(), rel=1e-6)   # after the last update
+    assert seen.logs[3]["params_norm"] != seen.logs[6]["params_norm"] and not run.log_tensors
+
+
+def test_model_stats_can_be_turned_off_one_by_one(tmp_path: Path, no_autoload: None) -> None:
+    seen = LogRecorder()
+    train(config(tmp_path, train={"train_iters": 3, "log_interval": 3}, plugins={"model-stats": {"zero_grads": False}}),
+          ("seen", seen))
+    assert "params_norm" in seen.logs[3] and "zero_grads" not in seen.logs[3]

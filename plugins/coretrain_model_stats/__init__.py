@@ -1,0 +1,66 @@
+"""``model-stats``: the parameter norm and the number of zero gradients, at log steps only.
+
+Megatron's ``--log-params-norm`` and ``--log-num-zeros-in-grad``. Each costs a pass over the
+parameters, so it runs on the last step of each log interval and nowhere else: the zero count
+right before that step's update (the gradients the optimizer is about to use), the norm right
+after it (the weights the logged loss leads to). Both stay on the device in
+``run.log_tensors`` until the loop's one host sync of the interval. Under FSDP the local
+shards are summed and all-reduced once, so the figures are the whole model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from attrs import define
+
+from coretrain import hookimpl
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # a DTensor shard (FSDP2)
+    return to_local() if to_local is not None else tensor
+
+
+def _summed_over_shards(value: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    if any(hasattr(p, "to_local") for p in params) and dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def param_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over all parameters."""
+    squares = torch.stack([_local(p.detach()).float().pow(2).sum() for p in params]).sum()
+    return _summed_over_shards(squares, params).sqrt()
+
+
+def zero_grads(params: list[torch.Tensor]) -> torch.Tensor:
+    """How many gradient entries are exactly zero (dead units, masked or unused parameters)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    count = torch.stack([(_local(g) == 0).sum() for g in grads]).sum().float()
+    return _summed_over_shards(count, params)
+
+
+@define(kw_only=True)
+class ModelStats:
+    """params_norm and zero_grads in the logged metrics, measured once per log interval."""
+
+    param_norm: bool = True
+    """Log ``params_norm``, the L2 norm of all parameters after the update."""
+    zero_grads: bool = True
+    """Log ``zero_grads``, the number of exactly-zero gradient entries before the update."""
+
+    @hookimpl
+    def before_update(self, run: Any, step: int) -> None:
+        if self.zero_grads and step % run.config.train.log_interval == 0:
+            run.log_tensors["zero_grads"] = zero_grads(list(run.model.parameters()))
+
+    @hookimpl
+    def post_step(self, run: Any, step: int) -> None:
+        if self.param_norm and step % run.config.train.log_interval == 0:
+            with torch.no_grad():
+                run.log_tensors["params_norm"] = param_norm(list(run.model.parameters()))
