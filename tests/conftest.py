@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,7 +27,7 @@ def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: i
 def tiny_gpt_config(output_dir: Path, **train: Any) -> str:
     """A GPT run on a few standard-library files that takes seconds on CPU."""
     settings = {"micro_batch_size": 8, "train_iters": 40, "log_interval": 5, "eval_iters": 2, **train}
-    train_lines = "\n".join(f"{k} = {v!r}".replace("'", '"') for k, v in settings.items())
+    train_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())  # TOML's scalars and lists
     return textwrap.dedent(f"""\
         [run]
         name = "tiny"

@@ -1,0 +1,111 @@
+"""Logging backends: each one's own files, read back with its own format, hold metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from collections import defaultdict
+from pathlib import Path
+
+from conftest import tiny_gpt_config
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def by_name(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for row in rows:
+        for name, value in row.items():
+            if name != "step":
+                series[name].append((row["step"], value))
+    return dict(series)
+
+
+def start_run(config: Path, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config)], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_logged_steps(out: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        path = out / "metrics.jsonl"
+        if path.exists() and sum('"loss"' in line for line in path.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"run did not log {count} steps: {process.communicate()}")
+
+
+def comet_archive(directory: Path) -> tuple[dict, list[dict]]:
+    (archive,) = directory.glob("*.zip")
+    with zipfile.ZipFile(archive) as zipped:
+        experiment = json.loads(zipped.read("experiment.json"))
+        messages = [json.loads(line) for line in zipped.read("messages.json").decode().splitlines()]
+    return experiment, messages
+
+
+def test_comet_offline_archive_is_complete_after_a_real_sigterm(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=100_000, log_interval=5, eval_interval=10)
+                      + '\n[plugins.comet]\noffline = true\ntags = ["sigterm-test"]\n')
+    process = start_run(config, tmp_path)
+    wait_for_logged_steps(out, 4, process)
+    process.send_signal(signal.SIGTERM)                 # what SLURM or Kubernetes sends a preempted job
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+
+    experiment, messages = comet_archive(out / "comet")  # without the handler comet-ml leaves a 22-byte empty zip
+    assert experiment["tags"] == ["sigterm-test"]
+    logged: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for message in messages:
+        if message["type"] == "metric_msg":
+            metric = message["payload"]["metric"]
+            logged[metric["metricName"]].append((metric["step"], metric["metricValue"]))
+    expected = by_name(metrics(out))
+    # every metric, every step, the exact floats (comet-ml adds its own sys.* system metrics)
+    assert {name: logged[name] for name in expected} == expected
+    saved_at = int((out / "checkpoints" / "latest").read_text())   # the graceful path's checkpoint
+    assert 20 <= expected["loss"][-1][0] <= saved_at < expected["loss"][-1][0] + 5
+
+    params = {}
+    for message in messages:
+        if message["type"] == "parameter_msg":   # "param" for a value, "params" for a list
+            param = message["payload"].get("param") or message["payload"]["params"]
+            params[param["paramName"]] = param["paramValue"]
+    assert params["train|train_iters"] == 100_000 and params["model|provider"] == "gpt"
+    others = {m["payload"]["key"]: m["payload"]["value"] for m in messages if m["type"] == "log_other"}
+    assert others["outcome"] == "signal" and others["signal"] == "SIGTERM"
+    assets = [m["payload"]["additional_params"]["fileName"] for m in messages if m["type"] == "file_upload"]
+    assert assets == ["config.toml"]
+
+
+def test_comet_online_without_an_api_key_is_one_clear_error(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(tmp_path / "out", train_iters=5) + "\n[plugins.comet]\n")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("COMET_")}
+    result = subprocess.run([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "plugins.comet: no Comet API key; set COMET_API_KEY" in result.stderr
+
+
+def test_with_the_signal_handler_off_comet_warns_that_sigterm_loses_its_archive(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=100_000, log_interval=5, exit_signal_handler=False)
+                      + "\n[plugins.comet]\noffline = true\n")
+    process = start_run(config, tmp_path)
+    wait_for_logged_steps(out, 2, process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == -signal.SIGTERM                  # killed, no Python code ran after
+    assert "comet: SIGTERM is not handled" in stderr
+    (archive,) = (out / "comet").glob("*.zip")
+    assert zipfile.ZipFile(archive).namelist() == []              # comet-ml's own behaviour: the data is gone
