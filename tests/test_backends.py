@@ -109,3 +109,37 @@ def test_with_the_signal_handler_off_comet_warns_that_sigterm_loses_its_archive(
     assert "comet: SIGTERM is not handled" in stderr
     (archive,) = (out / "comet").glob("*.zip")
     assert zipfile.ZipFile(archive).namelist() == []              # comet-ml's own behaviour: the data is gone
+
+
+def run_to_end(config: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "coretrain", "run", str(config), *args], cwd=cwd,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_mlflow_sqlite_store_holds_metrics_jsonl_and_a_resumed_job_continues_the_same_run(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
+                      + '\n[plugins.mlflow]\ntags = { team = "pretraining" }\n')
+    run_to_end(config, tmp_path, "--set", "train.exit_interval=10")       # job 1 stops at step 10
+    run_to_end(config, tmp_path)                                          # job 2 resumes to step 20
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "tiny"]
+    (mlflow_run,) = client.search_runs([experiment.experiment_id])        # one run across both jobs
+    assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.tags["team"] == "pretraining"
+    expected = by_name(metrics(out))
+    assert set(mlflow_run.data.metrics) == set(expected)
+    for name, series in expected.items():
+        history = sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, name))
+        assert history == series, name                                   # each step once, exact doubles
+    assert [step for step, _ in expected["loss"]] == [5, 10, 15, 20]
+    params = mlflow_run.data.params
+    assert params["train.train_iters"] == "20" and params["model.options.n_embd"] == "32"
+    artifacts = Path(mlflow_run.info.artifact_uri.removeprefix("file://"))
+    assert "exit_interval = 10" in (artifacts / "config.toml").read_text()       # each job's config
+    assert (artifacts / "resumed_at_step_00000010" / "config.toml").read_text() == (out / "config.toml").read_text()

@@ -35,8 +35,10 @@ QUIET = {  # comet-ml's automatic logging would patch torch and capture the term
 }
 
 
-def _import_comet() -> Any:
+def _import_comet(offline: bool) -> Any:
     os.environ.setdefault("COMET_DISABLE_AUTO_LOGGING", "1")  # no "import comet_ml before torch" patching
+    if offline:  # offline means no network: not even comet-ml's own crash reports to its Sentry
+        os.environ.setdefault("COMET_ERROR_TRACKING_ENABLE", "false")
     try:
         import comet_ml
     except ImportError:
@@ -75,7 +77,7 @@ class Comet:
     def on_train_start(self, run: Any) -> None:
         if not run.dist.is_main:
             return
-        comet_ml = _import_comet()
+        comet_ml = _import_comet(self.offline)
         if "SIGTERM" not in run.config.train.exit_signals or not run.config.train.exit_signal_handler:
             log.warning("comet: SIGTERM is not handled (train.exit_signal_handler / exit_signals); a job killed "
                         "by SIGTERM leaves its comet data unwritten")
