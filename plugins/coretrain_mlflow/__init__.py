@@ -39,6 +39,17 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def _exists(client: Any, run_id: str) -> bool:
+    """Whether this store has the run (a resumed job may point at another store)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_run(run_id)
+    except MlflowException:
+        return False
+    return True
+
+
 @define(kw_only=True)
 class MLflow:
     """Log the run to MLflow (a local SQLite store unless told otherwise)."""
@@ -70,7 +81,7 @@ class MLflow:
         output_dir.mkdir(parents=True, exist_ok=True)
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{output_dir / 'mlflow.db'}"
         client = MlflowClient(tracking_uri=uri)
-        if self._run_id is not None and client.get_run(self._run_id):
+        if self._run_id is not None and _exists(client, self._run_id):
             client.update_run(self._run_id, status="RUNNING")
         else:
             name = self.experiment_name or run.config.run.name
