@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -143,3 +144,63 @@ def test_mlflow_sqlite_store_holds_metrics_jsonl_and_a_resumed_job_continues_the
     artifacts = Path(mlflow_run.info.artifact_uri.removeprefix("file://"))
     assert "exit_interval = 10" in (artifacts / "config.toml").read_text()       # each job's config
     assert (artifacts / "resumed_at_step_00000010" / "config.toml").read_text() == (out / "config.toml").read_text()
+
+
+def wandb_records(run_file: Path) -> list:
+    """The records of a W&B transaction log (.wandb): LevelDB-style 32 KiB blocks of protobufs."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B", "not a W&B transaction log"
+    block, pos, pending, records = 32768, 7, b"", []
+    while True:
+        if block - pos % block < 7:                     # a block tail too short for a header is padding
+            pos += block - pos % block
+        if pos + 7 > len(data):
+            return records
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk     # FULL/FIRST start, MIDDLE/LAST continue
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+
+
+def wandb_history(out: Path) -> tuple[dict[str, list[tuple[int, float]]], list]:
+    """Every offline run dir's history, by metric name; and all records."""
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    records = [r for run_file in sorted(out.glob("wandb/offline-run-*/run-*.wandb")) for r in wandb_records(run_file)]
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+            for name, value in items.items():
+                if not name.startswith("_"):
+                    series[name].append((items["_step"], value))
+    return dict(series), records
+
+
+def test_wandb_offline_run_holds_metrics_jsonl_across_a_sigterm_and_a_resume(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=100_000, log_interval=5, eval_interval=10)
+                      + '\n[plugins.wandb]\nmode = "offline"\ntags = ["resume-test"]\n')
+    process = start_run(config, tmp_path)
+    wait_for_logged_steps(out, 3, process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr
+    stopped_at = int((out / "checkpoints" / "latest").read_text())
+    run_to_end(config, tmp_path, "--set", f"train.train_iters={stopped_at + 10}")
+
+    first, second = sorted(out.glob("wandb/offline-run-*"))
+    assert first.name.split("-")[-1] == second.name.split("-")[-1]     # the same W&B run id, continued
+    series, records = wandb_history(out)
+    expected = by_name(metrics(out))
+    assert series == expected and expected["loss"][-1][0] == stopped_at + 10
+    run_records = [r.run for r in records if r.WhichOneof("record_type") == "run"]      # one per job
+    assert [list(r.tags) for r in run_records] == [["resume-test"]] * 2 and run_records[0].display_name == "tiny"
+    configs = [{i.key: json.loads(i.value_json) for i in r.config.update} for r in run_records]
+    assert [c["train"]["train_iters"] for c in configs] == [100_000, stopped_at + 10]   # each job's config
+    exits = [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"]
+    assert exits == [0, 0]                                             # both jobs finished their W&B run

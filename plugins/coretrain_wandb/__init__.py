@@ -1,0 +1,94 @@
+"""``wandb``: the run in Weights & Biases — config, metrics by step, tags (rank 0).
+
+``mode`` is W&B's own: "online" (needs ``WANDB_API_KEY`` or ``wandb login``), "offline" (a run
+directory under ``<output_dir>/wandb`` to ``wandb sync`` later) or "disabled"; unset follows
+``WANDB_MODE``, else online. W&B's capture of the terminal is off (the progress view owns it).
+
+A logging backend: hooks are ``trylast`` (it sees what other plugins added) and only rank 0
+logs. The W&B run id is saved in checkpoints, so a resumed job continues the same run; a signal
+marks the run as preempting and ``on_train_end`` (every exit path) finishes it, exit code 1 after
+an exception. Needs ``pip install 'coretrain[wandb]'``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from attrs import define, field
+
+from coretrain import hookimpl
+from coretrain.errors import UserError
+
+
+@define(kw_only=True)
+class WandB:
+    """Log the run to Weights & Biases, online or offline."""
+
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """Unset = WANDB_MODE, else "online"."""
+    project: str | None = None
+    """Unset = WANDB_PROJECT, else run.name."""
+    entity: str | None = None
+    name: str | None = None
+    """The run's display name; unset = run.name."""
+    group: str | None = None
+    tags: list[str] = field(factory=list)
+    dir: str | None = None
+    """Where W&B keeps its files; unset = <run.output_dir> (it adds wandb/)."""
+    _run: Any = field(default=None, init=False, repr=False)
+    _resume_id: str | None = field(default=None, init=False, repr=False)
+
+    @hookimpl
+    def on_resume(self, state: dict[str, Any]) -> None:
+        self._resume_id = state.get("run_id")
+
+    @hookimpl(trylast=True)
+    def on_train_start(self, run: Any) -> None:
+        if not run.dist.is_main:
+            return
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("plugins.wandb needs the wandb package: pip install 'coretrain[wandb]'") from None
+        mode = self.mode or os.environ.get("WANDB_MODE") or "online"
+        if mode == "online" and not os.environ.get("WANDB_API_KEY") and not wandb.Api().api_key:
+            raise UserError("plugins.wandb: not logged in to W&B; set WANDB_API_KEY, run `wandb login`, "
+                            'or log locally with plugins.wandb.mode = "offline"')
+        directory = Path(self.dir) if self.dir else Path(run.output_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        from coretrain.run import config_as_dict
+
+        self._run = wandb.init(
+            mode=mode, dir=str(directory), project=self.project or os.environ.get("WANDB_PROJECT") or run.config.run.name,
+            entity=self.entity, name=self.name or run.config.run.name, group=self.group, tags=list(self.tags) or None,
+            config=config_as_dict(run.config), id=self._resume_id, resume="allow" if self._resume_id else None,
+            settings=wandb.Settings(console="off"))
+        self._run.summary["world_size"] = run.dist.world_size
+
+    @hookimpl(trylast=True)
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        if self._run is not None:
+            self._run.log(metrics, step=step)
+
+    @hookimpl(trylast=True)
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        if self._run is not None:
+            self._run.log(metrics, step=step)
+
+    @hookimpl
+    def on_checkpoint(self) -> dict[str, Any] | None:
+        return {"run_id": self._run.id} if self._run is not None else None
+
+    @hookimpl(trylast=True)
+    def on_signal(self) -> None:
+        if self._run is not None:
+            self._run.mark_preempting()
+
+    @hookimpl(trylast=True)
+    def on_train_end(self, outcome: str) -> None:
+        if self._run is not None:
+            wandb_run, self._run = self._run, None
+            wandb_run.summary["outcome"] = outcome
+            wandb_run.finish(exit_code=1 if outcome == "error" else 0)
