@@ -1,4 +1,4 @@
-"""Command line: ``coretrain run | plugins | config show | config validate``.
+"""Command line: ``coretrain run | checkpoint | report | plugins | config show | config validate``.
 
 Only argparse is imported at module level, so ``coretrain --help`` starts fast and never
 imports torch; each command imports what it needs. A :class:`UserError` from anywhere
@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--step", type=int, default=None, help="which step (default: newest complete)")
     export.add_argument("--to", required=True, help="output file, e.g. model.safetensors")
     export.set_defaults(handler=cmd_checkpoint_export)
+
+    report = commands.add_parser("report", help="plot a run's metrics (PNG files) and print a summary")
+    report.add_argument("run_dir", help="the run's output dir (holds metrics.jsonl)")
+    report.add_argument("--metrics", default=None, metavar="FILE", help="read this file instead of RUN_DIR/metrics.jsonl")
+    report.add_argument("--out", default=None, metavar="DIR", help="where the PNGs go (default: RUN_DIR/report)")
+    report.set_defaults(handler=cmd_report)
 
     plugins = commands.add_parser("plugins", help="list installed plugins, their hooks and config fields")
     plugins.set_defaults(handler=cmd_plugins)
@@ -262,6 +268,15 @@ def render_annotated(data: dict[str, Any], defaults: dict[str, Any], prefix: tup
             sub_defaults = defaults.get(k, {}) if isinstance(defaults, dict) else {}
             blocks.append(render_annotated(v, sub_defaults if isinstance(sub_defaults, dict) else {}, (*prefix, k)))
     return "\n\n".join(b.rstrip() for b in blocks if b.strip())
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coretrain.report import report
+
+    return report(Path(args.run_dir), Path(args.metrics) if args.metrics else None,
+                  Path(args.out) if args.out else None)
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

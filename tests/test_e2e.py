@@ -168,3 +168,33 @@ def test_tensorboard_event_files_hold_what_metrics_jsonl_holds_even_after_sigter
         stored = [(e.step, e.value) for e in events.Scalars(name)]
         assert [s for s, _ in stored] == [s for s, _ in expected] and expected
         assert all(v == pytest.approx(x, rel=1e-6) for (_, v), (_, x) in zip(stored, expected))   # float32 in TB
+
+
+def test_report_plots_the_run_and_prints_its_summary(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
+                      + "\n[plugins.model-stats]\n")
+    assert run_cli("run", str(config), "--set", "run.peak_tflops=0.5", cwd=tmp_path).returncode == 0
+    result = run_cli("report", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = metrics(out)
+    last = [r for r in rows if "loss" in r][-1]
+    assert f"→ {last['loss']:.4f}" in result.stdout and "best" in result.stdout and "MFU (median)" in result.stdout
+    names = sorted(p.name for p in (out / "report").iterdir())
+    assert names == ["grad_norm.png", "loss.png", "lr.png", "memory.png", "tflops.png", "throughput.png"]
+    for name in names:
+        height, width, _ = matplotlib.image.imread(out / "report" / name).shape
+        assert (width, height) == (700, 400)
+        assert f"wrote {out / 'report' / name}" in result.stdout
+
+
+def test_report_names_the_file_and_line_it_cannot_read(tmp_path: Path) -> None:
+    missing = run_cli("report", str(tmp_path), cwd=tmp_path)
+    assert missing.returncode == 2 and "metrics.jsonl: no such file; give the run's output dir" in missing.stderr
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5, "loss": 3.0}\n{"step": 10, "loss": \n')
+    broken = run_cli("report", str(tmp_path), cwd=tmp_path)
+    assert broken.returncode == 2 and "metrics.jsonl:2: not a JSON object" in broken.stderr
+    assert "Traceback" not in broken.stderr + missing.stderr
