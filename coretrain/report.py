@@ -21,7 +21,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     # (file stem, y-axis label, [(metric, legend label), ...]); a panel with no data is left out
     ("loss", "loss", [("loss", "train (mean of interval)"), ("valid/loss", "validation")]),
     ("lr", "learning rate", [("lr", "lr")]),
-    ("grad_norm", "norm", [("grad_norm", "grad norm (before clipping)"), ("params_norm", "parameter norm")]),
+    ("grad_norm", "L2 norm", [("grad_norm", "gradients (before clipping)")]),
+    ("params_norm", "L2 norm", [("params_norm", "parameters")]),
     ("throughput", "per device", [("tokens_per_second_per_device", "tokens/s"),
                                   ("samples_per_second_per_device", "samples/s")]),
     ("tflops", "TFLOP/s per device", [("tflops_per_device", "model TFLOP/s")]),

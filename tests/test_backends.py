@@ -12,6 +12,7 @@ import zipfile
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 from conftest import tiny_gpt_config
 
 
@@ -204,3 +205,37 @@ def test_wandb_offline_run_holds_metrics_jsonl_across_a_sigterm_and_a_resume(tmp
     assert [c["train"]["train_iters"] for c in configs] == [100_000, stopped_at + 10]   # each job's config
     exits = [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"]
     assert exits == [0, 0]                                             # both jobs finished their W&B run
+
+
+def test_all_four_backends_together_each_hold_every_logged_point(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
+                      + '\n[plugins.tensorboard]\n[plugins.comet]\noffline = true\n[plugins.mlflow]\n'
+                      + '[plugins.wandb]\nmode = "offline"\n[plugins.model-stats]\n')
+    run_to_end(config, tmp_path)
+    expected = by_name(metrics(out))
+    assert {"params_norm", "zero_grads", "valid/loss", "tokens_per_second"} <= set(expected)
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    stored = {"tensorboard": {name: [(e.step, e.value) for e in events.Scalars(name)] for name in events.Tags()["scalars"]}}
+    _, messages = comet_archive(out / "comet")
+    stored["comet"] = defaultdict(list)
+    for message in messages:
+        if message["type"] == "metric_msg":
+            metric = message["payload"]["metric"]
+            stored["comet"][metric["metricName"]].append((metric["step"], metric["metricValue"]))
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    stored["mlflow"] = {name: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, name))
+                        for name in mlflow_run.data.metrics}
+    stored["wandb"] = wandb_history(out)[0]
+    for backend, series in stored.items():
+        for name, points in expected.items():
+            assert [step for step, _ in series[name]] == [step for step, _ in points], (backend, name)
+            assert [value for _, value in series[name]] == [
+                pytest.approx(value, rel=1e-6 if backend == "tensorboard" else 0) for _, value in points], (backend, name)

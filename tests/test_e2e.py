@@ -184,7 +184,8 @@ def test_report_plots_the_run_and_prints_its_summary(tmp_path: Path) -> None:
     last = [r for r in rows if "loss" in r][-1]
     assert f"→ {last['loss']:.4f}" in result.stdout and "best" in result.stdout and "MFU (median)" in result.stdout
     names = sorted(p.name for p in (out / "report").iterdir())
-    assert names == ["grad_norm.png", "loss.png", "lr.png", "memory.png", "tflops.png", "throughput.png"]
+    assert names == ["grad_norm.png", "loss.png", "lr.png", "memory.png", "params_norm.png", "tflops.png",
+                     "throughput.png"]
     for name in names:
         height, width, _ = matplotlib.image.imread(out / "report" / name).shape
         assert (width, height) == (700, 400)
