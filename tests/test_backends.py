@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import struct
 import subprocess
@@ -88,14 +89,19 @@ def test_comet_offline_archive_is_complete_after_a_real_sigterm(tmp_path: Path) 
     assert assets == ["config.toml"]
 
 
-def test_comet_online_without_an_api_key_is_one_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("table", "message"), [
+    ("[plugins.comet]", "plugins.comet: no Comet API key; set COMET_API_KEY"),
+    ('[plugins.wandb]\nmode = "online"', "plugins.wandb: not logged in to W&B; set WANDB_API_KEY, run `wandb login`"),
+])
+def test_an_online_backend_without_credentials_is_one_clear_error(tmp_path: Path, table: str, message: str) -> None:
     config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(tmp_path / "out", train_iters=5) + "\n[plugins.comet]\n")
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("COMET_")}
+    config.write_text(tiny_gpt_config(tmp_path / "out", train_iters=5) + f"\n{table}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMET_", "WANDB_"))}
+    env["HOME"] = str(tmp_path)                                 # no ~/.netrc or ~/.comet.config to find
     result = subprocess.run([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "plugins.comet: no Comet API key; set COMET_API_KEY" in result.stderr
+    assert message in result.stderr
 
 
 def test_with_the_signal_handler_off_comet_warns_that_sigterm_loses_its_archive(tmp_path: Path) -> None:

@@ -22,6 +22,16 @@ from coretrain import hookimpl
 from coretrain.errors import UserError
 
 
+def _logged_in(wandb: Any) -> bool:
+    """Whether W&B has an API key (env, netrc or settings); asking never prompts."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return bool(wandb.Api().api_key)
+    except wandb.errors.UsageError:  # "No API key configured"
+        return False
+
+
 @define(kw_only=True)
 class WandB:
     """Log the run to Weights & Biases, online or offline."""
@@ -53,7 +63,7 @@ class WandB:
         except ImportError:
             raise UserError("plugins.wandb needs the wandb package: pip install 'coretrain[wandb]'") from None
         mode = self.mode or os.environ.get("WANDB_MODE") or "online"
-        if mode == "online" and not os.environ.get("WANDB_API_KEY") and not wandb.Api().api_key:
+        if mode == "online" and not _logged_in(wandb):
             raise UserError("plugins.wandb: not logged in to W&B; set WANDB_API_KEY, run `wandb login`, "
                             'or log locally with plugins.wandb.mode = "offline"')
         directory = Path(self.dir) if self.dir else Path(run.output_dir)
