@@ -198,17 +198,19 @@ def test_wandb_offline_run_holds_metrics_jsonl_across_a_sigterm_and_a_resume(tmp
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, stderr
     stopped_at = int((out / "checkpoints" / "latest").read_text())
-    run_to_end(config, tmp_path, "--set", f"train.train_iters={stopped_at + 10}")
+    end = (stopped_at // 5 + 2) * 5                                   # two more logged intervals
+    run_to_end(config, tmp_path, "--set", f"train.train_iters={end}")
 
     first, second = sorted(out.glob("wandb/offline-run-*"))
     assert first.name.split("-")[-1] == second.name.split("-")[-1]     # the same W&B run id, continued
     series, records = wandb_history(out)
     expected = by_name(metrics(out))
-    assert series == expected and expected["loss"][-1][0] == stopped_at + 10
+    assert expected["loss"][-1][0] == end
+    assert series == expected
     run_records = [r.run for r in records if r.WhichOneof("record_type") == "run"]      # one per job
     assert [list(r.tags) for r in run_records] == [["resume-test"]] * 2 and run_records[0].display_name == "tiny"
     configs = [{i.key: json.loads(i.value_json) for i in r.config.update} for r in run_records]
-    assert [c["train"]["train_iters"] for c in configs] == [100_000, stopped_at + 10]   # each job's config
+    assert [c["train"]["train_iters"] for c in configs] == [100_000, end]   # each job's config
     exits = [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"]
     assert exits == [0, 0]                                             # both jobs finished their W&B run
 
