@@ -215,6 +215,37 @@ def test_wandb_offline_run_holds_metrics_jsonl_across_a_sigterm_and_a_resume(tmp
     assert exits == [0, 0]                                             # both jobs finished their W&B run
 
 
+ALL_FOUR = ('\n[plugins.tensorboard]\n[plugins.comet]\noffline = true\n[plugins.mlflow]\n'
+            '[plugins.wandb]\nmode = "offline"\n')
+
+
+def test_a_crash_still_closes_every_backend_and_marks_the_run_failed(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_iters=0) + ALL_FOUR
+                      + '[plugins.fault-injection]\naction = "raise"\nstep = 12\n')
+    result = subprocess.run([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "fault-injection: raised on rank 0 at step 12" in result.stderr
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [5, 10]
+    _, messages = comet_archive(out / "comet")
+    others = {m["payload"]["key"]: m["payload"]["value"] for m in messages if m["type"] == "log_other"}
+    assert others["outcome"] == "error"
+    assert [m["payload"]["metric"]["step"] for m in messages
+            if m["type"] == "metric_msg" and m["payload"]["metric"]["metricName"] == "loss"] == [5, 10]
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert mlflow_run.info.status == "FAILED" and mlflow_run.data.metrics["loss"] == metrics(out)[-1]["loss"]
+    series, records = wandb_history(out)
+    assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [1]
+    assert [step for step, _ in series["loss"]] == [5, 10]
+
+
 def test_all_four_backends_together_each_hold_every_logged_point(tmp_path: Path) -> None:
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -222,8 +253,7 @@ def test_all_four_backends_together_each_hold_every_logged_point(tmp_path: Path)
     out = tmp_path / "out"
     config = tmp_path / "c.toml"
     config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
-                      + '\n[plugins.tensorboard]\n[plugins.comet]\noffline = true\n[plugins.mlflow]\n'
-                      + '[plugins.wandb]\nmode = "offline"\n[plugins.model-stats]\n')
+                      + ALL_FOUR + "[plugins.model-stats]\n")
     run_to_end(config, tmp_path)
     expected = by_name(metrics(out))
     assert {"params_norm", "zero_grads", "valid/loss", "tokens_per_second"} <= set(expected)

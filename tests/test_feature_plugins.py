@@ -53,6 +53,8 @@ def test_guards_skip_nan_and_spike_updates_and_keep_training(tmp_path: Path) -> 
     assert "guards: step 5: loss is nan; update skipped" in result.stderr
     assert "guards: step 8: loss spiked to" in result.stderr
     assert [r["skipped_updates"] for r in rows if r["step"] in (4, 5, 8, 12)] == [0.0, 1.0, 2.0, 2.0]
+    assert [(r["nan_steps"], r["spike_steps"]) for r in rows if r["step"] in (4, 5, 8, 12)] == [
+        (0, 0), (1, 0), (1, 1), (1, 1)]
     weights = torch.load(tmp_path / "out" / "checkpoints" / "step_00000012" / "model.pt", weights_only=True)
     assert all(torch.isfinite(w).all() for w in weights.values())          # the NaN never reached the weights
 

@@ -78,6 +78,12 @@ class Guards:
             run.control.skip_update(problem)
             run.control.request_stop(f"guards: {problem}", exit_code=self.exit_code)
 
+    @hookimpl(tryfirst=True)
+    def on_log(self, metrics: dict[str, float]) -> None:
+        """Counts so far, beside the loop's skipped_updates (which every veto adds to)."""
+        metrics["nan_steps"] = float(self.nan_steps)
+        metrics["spike_steps"] = float(self.spike_steps)
+
     @hookimpl
     def on_checkpoint(self) -> dict[str, Any]:
         return {"recent": list(self._recent), "nan_steps": self.nan_steps, "spike_steps": self.spike_steps}
