@@ -215,8 +215,8 @@ def test_wandb_offline_run_holds_metrics_jsonl_across_a_sigterm_and_a_resume(tmp
     assert exits == [0, 0]                                             # both jobs finished their W&B run
 
 
-ALL_FOUR = ('\n[plugins.tensorboard]\n[plugins.comet]\noffline = true\n[plugins.mlflow]\n'
-            '[plugins.wandb]\nmode = "offline"\n')
+ALL_FOUR = ('\n[plugins.tensorboard]\n[plugins.mlflow]\n[plugins.wandb]\nmode = "offline"\n'
+            '[plugins.comet]\noffline = true\n')                  # comet last: a test adds to its table
 
 
 def test_a_crash_still_closes_every_backend_and_marks_the_run_failed(tmp_path: Path) -> None:
@@ -253,7 +253,7 @@ def test_all_four_backends_together_each_hold_every_logged_point(tmp_path: Path)
     out = tmp_path / "out"
     config = tmp_path / "c.toml"
     config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
-                      + ALL_FOUR + "[plugins.model-stats]\n")
+                      + ALL_FOUR + "log_checkpoints = true\n[plugins.model-stats]\n")
     run_to_end(config, tmp_path)
     expected = by_name(metrics(out))
     assert {"params_norm", "zero_grads", "valid/loss", "tokens_per_second"} <= set(expected)
@@ -262,6 +262,8 @@ def test_all_four_backends_together_each_hold_every_logged_point(tmp_path: Path)
     events.Reload()
     stored = {"tensorboard": {name: [(e.step, e.value) for e in events.Scalars(name)] for name in events.Tags()["scalars"]}}
     _, messages = comet_archive(out / "comet")
+    uploads = {m["payload"]["additional_params"]["fileName"] for m in messages if m["type"] == "file_upload"}
+    assert {"config.toml", "step_00000020/model.pt", "step_00000020/rank_00000.pt"} <= uploads   # log_checkpoints
     stored["comet"] = defaultdict(list)
     for message in messages:
         if message["type"] == "metric_msg":
