@@ -110,8 +110,11 @@ def _problems(exc: BaseException, path: tuple[str, ...], cls: Any, data: Any) ->
         value = _lookup(data, path)
         expected = describe_type(cls)
         message = f"expected {expected}, got {describe_value(value)}"
-        if typing.get_origin(cls) is typing.Literal and isinstance(value, str):
-            message += did_you_mean(value, [str(a) for a in typing.get_args(cls)])
+        choices = [str(a) for arm in (typing.get_args(cls) if typing.get_origin(cls) in (typing.Union, types.UnionType)
+                                      else (cls,)) if typing.get_origin(arm) is typing.Literal
+                   for a in typing.get_args(arm)]  # Literal[...] or Literal[...] | None
+        if choices and isinstance(value, str):
+            message += did_you_mean(value, choices)
         yield path, message
 
 

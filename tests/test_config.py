@@ -66,6 +66,10 @@ def test_plugin_table_errors_use_the_plugin_key_path(tmp_path: Path) -> None:
     path = write(tmp_path / "d.toml", '[plugins.progress]\nplain = "yes"\n')
     assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
                       f"{path}:2: plugins.progress.plain: expected true or false, got 'yes' (string)")
+    path = write(tmp_path / "e.toml", '[plugins.wandb]\nmode = "offlin"\n')             # an optional choice
+    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
+                      f"{path}:2: plugins.wandb.mode: expected one of 'online', 'offline', 'disabled', "
+                      "got 'offlin' (string) (did you mean 'offline'?)")
 
 
 def test_inconsistent_batch_sizes(tmp_path: Path) -> None:
