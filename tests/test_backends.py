@@ -279,3 +279,21 @@ def test_all_four_backends_together_each_hold_every_logged_point(tmp_path: Path)
             assert [step for step, _ in series[name]] == [step for step, _ in points], (backend, name)
             assert [value for _, value in series[name]] == [
                 pytest.approx(value, rel=1e-6 if backend == "tensorboard" else 0) for _, value in points], (backend, name)
+
+
+def test_on_two_ranks_only_rank_0_logs_and_each_backend_holds_one_run(tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    out = tmp_path / "out"
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(out, train_iters=10, log_interval=5, eval_iters=0) + ALL_FOUR)
+    run_to_end(config, tmp_path, "--nproc-per-node", "2")
+    expected = by_name(metrics(out))
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    (_, messages), = [comet_archive(out / "comet")]                      # exactly one archive
+    others = {m["payload"]["key"]: m["payload"]["value"] for m in messages if m["type"] == "log_other"}
+    assert others["world_size"] == 2
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert mlflow_run.data.tags["world_size"] == "2" and mlflow_run.data.metrics["loss"] == expected["loss"][-1][1]
+    assert len(list(out.glob("wandb/offline-run-*"))) == 1 and wandb_history(out)[0] == expected
