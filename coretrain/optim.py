@@ -52,6 +52,7 @@ class WarmupDecayLR:
         self.global_batch_size = global_batch_size
         self.updates = 0
         self.samples = 0
+        self._applied: tuple[bool, float] | None = None
         self._apply()
 
     def factors(self, update: float) -> tuple[bool, float]:
@@ -85,7 +86,10 @@ class WarmupDecayLR:
         return self.lr_at(max(self.position, 1.0))
 
     def _apply(self) -> None:
-        warmup, fraction = self.factors(self.position + 1)
+        factors = self.factors(self.position + 1)
+        if factors == self._applied:  # a constant stretch: the groups already hold these rates
+            return
+        self._applied = warmup, fraction = factors
         for group in self.optimizer.param_groups:
             top = group.setdefault("max_lr", self.max_lr)
             low = group.setdefault("min_lr", self.cfg.min_lr)
@@ -103,4 +107,5 @@ class WarmupDecayLR:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self.updates, self.samples = int(state["updates"]), int(state["samples"])
+        self._applied = None
         self._apply()
