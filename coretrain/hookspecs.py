@@ -37,8 +37,9 @@ Rules every implementation can rely on:
   sync in the common case; do it every N steps or at ``on_log``. A value a plugin measures on
   the device goes into ``run.log_tensors[name]``: the next ``on_log`` reads it with the loop's
   own host sync and hands it over in ``metrics``.
-- Logging backends (TensorBoard, Comet, MLflow, W&B) implement their hooks ``trylast``, so they
-  record what every other plugin added, and write only on rank 0.
+- Logging backends (TensorBoard, Comet, MLflow, W&B) subclass
+  :class:`coretrain.backend.LoggingBackend`: their hooks run ``trylast`` (they record what every
+  other plugin added), only on rank 0, and close on every way a run ends.
 """
 
 from __future__ import annotations

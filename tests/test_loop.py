@@ -10,6 +10,7 @@ import torch
 from helpers_inprocess import build, config, train
 
 from coretrain import hookimpl
+from coretrain.backend import LoggingBackend
 from coretrain.errors import UserError
 from coretrain.loop import ResolvedHooks
 
@@ -206,3 +207,35 @@ def test_fp16_overflow_skips_the_update_and_counts_it(tmp_path: Any, no_autoload
     assert run.state.skipped_updates == clean.state.skipped_updates + 1
     assert run.scheduler.updates == 6 - run.state.skipped_updates
     assert all(torch.isfinite(p).all() for p in run.model.parameters())
+
+
+class RecordingBackend(LoggingBackend):
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+        self.outcome: str | None = None
+
+    def open(self, run: Any) -> None:
+        self.rows.clear()
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def close(self, outcome: str) -> None:
+        self.outcome = outcome
+
+
+class AddsAMetric:
+    @hookimpl
+    def on_log(self, metrics: dict[str, float]) -> None:
+        metrics["added_by_a_plain_plugin"] = 1.0
+
+
+def test_a_logging_backend_sees_what_every_other_plugin_added_and_is_closed(tmp_path: Any, no_autoload: None) -> None:
+    backend = RecordingBackend()
+    # registered after the backend, a plain plugin would run before it anyway (pluggy calls the
+    # newest first); registered before it, only trylast keeps the backend last
+    _, code = train(config(tmp_path, train={"train_iters": 4, "log_interval": 2}),
+                    ("adder", AddsAMetric()), ("backend", backend))
+    assert code == 0 and backend.outcome == "completed"
+    assert [step for step, _ in backend.rows] == [2, 4]
+    assert all(metrics["added_by_a_plain_plugin"] == 1.0 for _, metrics in backend.rows)

@@ -7,8 +7,8 @@ Here ``end()`` runs in ``on_train_end``, which the loop calls on every way a run
 core's signal handler (on by default) turns SIGTERM into a checkpoint and a normal return, so
 a preempted job's archive holds everything up to its last step.
 
-A logging backend: hooks are ``trylast`` (it sees what other plugins added) and only rank 0
-talks to Comet. The experiment key is saved in checkpoints, so a resumed run continues the
+A :class:`~coretrain.backend.LoggingBackend`: after every other plugin, rank 0 only, closed on
+every way a run ends. The experiment key is saved in checkpoints, so a resumed run continues the
 same experiment. comet-ml's framework auto-logging is off: every value comes from the loop.
 Needs ``pip install 'coretrain[comet]'``.
 """
@@ -24,6 +24,7 @@ from typing import Any
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.backend import LoggingBackend
 from coretrain.errors import UserError
 
 log = logging.getLogger("coretrain")
@@ -47,7 +48,7 @@ def _import_comet(offline: bool) -> Any:
 
 
 @define(kw_only=True)
-class Comet:
+class Comet(LoggingBackend):
     """Log the run to Comet, online or as an offline archive."""
 
     offline: bool = False
@@ -73,10 +74,7 @@ class Comet:
     def on_resume(self, state: dict[str, Any]) -> None:
         self._resume_key = state.get("experiment_key")
 
-    @hookimpl(trylast=True)
-    def on_train_start(self, run: Any) -> None:
-        if not run.dist.is_main:
-            return
+    def open(self, run: Any) -> None:
         comet_ml = _import_comet(self.offline)
         if "SIGTERM" not in run.config.train.exit_signals or not run.config.train.exit_signal_handler:
             log.warning("comet: SIGTERM is not handled (train.exit_signal_handler / exit_signals); a job killed "
@@ -110,15 +108,8 @@ class Comet:
             experiment.log_asset(str(config_file), file_name="config.toml", overwrite=True)
         self._experiment = experiment
 
-    @hookimpl(trylast=True)
-    def on_log(self, step: int, metrics: dict[str, float]) -> None:
-        if self._experiment is not None:
-            self._experiment.log_metrics(metrics, step=step)
-
-    @hookimpl(trylast=True)
-    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        if self._experiment is not None:
-            self._experiment.log_metrics(metrics, step=step)
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._experiment.log_metrics(metrics, step=step)
 
     @hookimpl
     def on_checkpoint(self) -> dict[str, Any] | None:
@@ -134,9 +125,7 @@ class Comet:
         if self._experiment is not None:
             self._experiment.log_other("signal", signal.Signals(signum).name)
 
-    @hookimpl(trylast=True)
-    def on_train_end(self, outcome: str) -> None:
-        if self._experiment is not None:
-            experiment, self._experiment = self._experiment, None
-            experiment.log_other("outcome", outcome)
-            experiment.end()  # offline: this is what writes the archive
+    def close(self, outcome: str) -> None:
+        experiment, self._experiment = self._experiment, None
+        experiment.log_other("outcome", outcome)
+        experiment.end()  # offline: this is what writes the archive

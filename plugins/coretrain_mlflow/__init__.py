@@ -4,10 +4,9 @@ By default the store is a SQLite file in the output dir (``<output_dir>/mlflow.d
 in ``<output_dir>/mlartifacts``); ``tracking_uri`` (or ``MLFLOW_TRACKING_URI``) points it at a
 server or another database. Open it with ``mlflow ui --backend-store-uri sqlite:///…/mlflow.db``.
 
-A logging backend: hooks are ``trylast`` (it sees what other plugins added) and only rank 0
-writes. The MLflow run id is saved in checkpoints, so a resumed job logs into the same run; the
-run ends FINISHED, KILLED (signal) or FAILED (exception) in ``on_train_end``, which the loop
-calls on every exit path. Needs ``pip install 'coretrain[mlflow]'`` (mlflow-skinny: the client
+A :class:`~coretrain.backend.LoggingBackend` (after every other plugin, rank 0 only). The
+MLflow run id is saved in checkpoints, so a resumed job logs into the same run; the run ends
+FINISHED, KILLED (signal) or FAILED (exception) on every way a run ends. Needs ``pip install 'coretrain[mlflow]'`` (mlflow-skinny: the client
 and its SQL store without the server's dependencies; ``pip install mlflow`` for the UI).
 """
 
@@ -21,6 +20,7 @@ from typing import Any
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.backend import LoggingBackend
 from coretrain.errors import UserError
 
 STATUS = {"completed": "FINISHED", "exit_interval": "FINISHED", "exit_duration": "FINISHED",
@@ -51,7 +51,7 @@ def _exists(client: Any, run_id: str) -> bool:
 
 
 @define(kw_only=True)
-class MLflow:
+class MLflow(LoggingBackend):
     """Log the run to MLflow (a local SQLite store unless told otherwise)."""
 
     tracking_uri: str | None = None
@@ -68,10 +68,7 @@ class MLflow:
     def on_resume(self, state: dict[str, Any]) -> None:
         self._run_id = state.get("run_id")
 
-    @hookimpl(trylast=True)
-    def on_train_start(self, run: Any) -> None:
-        if not run.dist.is_main:
-            return
+    def open(self, run: Any) -> None:
         try:
             from mlflow import MlflowClient
             from mlflow.entities import Param
@@ -102,28 +99,16 @@ class MLflow:
             client.log_artifact(self._run_id, str(config_file), artifact_path=folder)
         self._client = client
 
-    def _write(self, step: int, metrics: dict[str, float]) -> None:
-        if self._client is not None:
-            from mlflow.entities import Metric
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
 
-            now = int(time.time() * 1000)
-            self._client.log_batch(self._run_id, metrics=[Metric(name, value, now, step)
-                                                          for name, value in metrics.items()])
-
-    @hookimpl(trylast=True)
-    def on_log(self, step: int, metrics: dict[str, float]) -> None:
-        self._write(step, metrics)
-
-    @hookimpl(trylast=True)
-    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self._write(step, metrics)
+        now = int(time.time() * 1000)
+        self._client.log_batch(self._run_id, metrics=[Metric(name, value, now, step) for name, value in metrics.items()])
 
     @hookimpl
     def on_checkpoint(self) -> dict[str, Any] | None:
         return {"run_id": self._run_id} if self._client is not None else None
 
-    @hookimpl(trylast=True)
-    def on_train_end(self, outcome: str) -> None:
-        if self._client is not None:
-            client, self._client = self._client, None
-            client.set_terminated(self._run_id, status=STATUS.get(outcome, "FINISHED"))
+    def close(self, outcome: str) -> None:
+        client, self._client = self._client, None
+        client.set_terminated(self._run_id, status=STATUS.get(outcome, "FINISHED"))

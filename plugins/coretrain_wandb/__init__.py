@@ -4,10 +4,9 @@
 directory under ``<output_dir>/wandb`` to ``wandb sync`` later) or "disabled"; unset follows
 ``WANDB_MODE``, else online. W&B's capture of the terminal is off (the progress view owns it).
 
-A logging backend: hooks are ``trylast`` (it sees what other plugins added) and only rank 0
-logs. The W&B run id is saved in checkpoints, so a resumed job continues the same run; a signal
-marks the run as preempting and ``on_train_end`` (every exit path) finishes it, exit code 1 after
-an exception. Needs ``pip install 'coretrain[wandb]'``.
+A :class:`~coretrain.backend.LoggingBackend` (after every other plugin, rank 0 only). The W&B
+run id is saved in checkpoints, so a resumed job continues the same run; a signal marks the run
+as preempting; every way a run ends finishes it, with exit code 1 after an exception. Needs ``pip install 'coretrain[wandb]'``.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import Any, Literal
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.backend import LoggingBackend
 from coretrain.errors import UserError
 
 
@@ -33,7 +33,7 @@ def _logged_in(wandb: Any) -> bool:
 
 
 @define(kw_only=True)
-class WandB:
+class WandB(LoggingBackend):
     """Log the run to Weights & Biases, online or offline."""
 
     mode: Literal["online", "offline", "disabled"] | None = None
@@ -54,10 +54,7 @@ class WandB:
     def on_resume(self, state: dict[str, Any]) -> None:
         self._resume_id = state.get("run_id")
 
-    @hookimpl(trylast=True)
-    def on_train_start(self, run: Any) -> None:
-        if not run.dist.is_main:
-            return
+    def open(self, run: Any) -> None:
         try:
             import wandb
         except ImportError:
@@ -77,15 +74,8 @@ class WandB:
             settings=wandb.Settings(console="off"))
         self._run.summary["world_size"] = run.dist.world_size
 
-    @hookimpl(trylast=True)
-    def on_log(self, step: int, metrics: dict[str, float]) -> None:
-        if self._run is not None:
-            self._run.log(metrics, step=step)
-
-    @hookimpl(trylast=True)
-    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        if self._run is not None:
-            self._run.log(metrics, step=step)
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._run.log(metrics, step=step)
 
     @hookimpl
     def on_checkpoint(self) -> dict[str, Any] | None:
@@ -96,9 +86,7 @@ class WandB:
         if self._run is not None:
             self._run.mark_preempting()
 
-    @hookimpl(trylast=True)
-    def on_train_end(self, outcome: str) -> None:
-        if self._run is not None:
-            wandb_run, self._run = self._run, None
-            wandb_run.summary["outcome"] = outcome
-            wandb_run.finish(exit_code=1 if outcome == "error" else 0)
+    def close(self, outcome: str) -> None:
+        wandb_run, self._run = self._run, None
+        wandb_run.summary["outcome"] = outcome
+        wandb_run.finish(exit_code=1 if outcome == "error" else 0)

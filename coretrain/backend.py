@@ -1,0 +1,56 @@
+"""The contract of a logging backend (TensorBoard, Comet, MLflow, W&B, yours), written once.
+
+A backend subclasses :class:`LoggingBackend` and fills in ``open``, ``write`` and ``close``;
+the hooks here guarantee what every backend must do:
+
+- ``trylast`` on every hook, so it records the metrics every other plugin added;
+- only rank 0 opens it, so a job on N ranks makes one run, not N;
+- ``close(outcome)`` runs on every way a run ends — completed, exit condition, signal,
+  exception — because ``on_train_end`` does (offline archives are written there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coretrain import hookimpl
+
+
+class LoggingBackend:
+    """Base class for plugins that send the run's metrics somewhere else."""
+
+    _opened = False
+
+    def open(self, run: Any) -> None:
+        """Start the backend's run (rank 0 only): create it, log the config."""
+        raise NotImplementedError
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one ``on_log`` or ``on_eval`` set of metrics."""
+        raise NotImplementedError
+
+    def close(self, outcome: str) -> None:
+        """Flush and end the backend's run; ``outcome`` is on_train_end's."""
+        raise NotImplementedError
+
+    @hookimpl(trylast=True)
+    def on_train_start(self, run: Any) -> None:
+        if run.dist.is_main:
+            self.open(run)
+            self._opened = True
+
+    @hookimpl(trylast=True)
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        if self._opened:
+            self.write(step, metrics)
+
+    @hookimpl(trylast=True)
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        if self._opened:
+            self.write(step, metrics)
+
+    @hookimpl(trylast=True)
+    def on_train_end(self, outcome: str) -> None:
+        if self._opened:
+            self._opened = False
+            self.close(outcome)
