@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from coretrain.errors import UserError
+from coretrain.errors import UserError, require
 
 Rows = list[dict[str, Any]]
 
@@ -58,10 +58,7 @@ def series(rows: Rows, name: str) -> tuple[list[int], list[float]]:
 
 def plot(rows: Rows, out_dir: Path, title: str) -> list[Path]:
     """One PNG per panel that has data; returns the files written."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise UserError("coretrain report needs matplotlib: pip install 'coretrain[report]'") from None
+    matplotlib = require("matplotlib", needed_by="coretrain report", extra="report")
     matplotlib.use("Agg")  # files only: no display needed (or wanted) on a cluster node
     import matplotlib.pyplot as plt
 

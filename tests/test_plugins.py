@@ -117,3 +117,11 @@ class WrongArgs:
 def test_an_implementation_with_unknown_arguments_is_rejected() -> None:
     with pytest.raises(UserError, match=r"plugin 'bad': hookimpl definition: on_log\(step.*Argument\(s\) {'loss'} are declared in the hookimpl"):
         Plugins().register("bad", WrongArgs())
+
+
+def test_a_missing_optional_dependency_names_the_extra_that_installs_it() -> None:
+    from coretrain.errors import require
+
+    assert require("json", needed_by="plugins.x", extra="x").dumps([]) == "[]"
+    with pytest.raises(UserError, match=r"^plugins\.x needs not-installed: pip install 'coretrain\[x\]'$"):
+        require("not_installed.sub", needed_by="plugins.x", extra="x")

@@ -25,7 +25,7 @@ from attrs import define, field
 
 from coretrain import hookimpl
 from coretrain.backend import LoggingBackend
-from coretrain.errors import UserError
+from coretrain.errors import UserError, require
 
 log = logging.getLogger("coretrain")
 
@@ -40,11 +40,7 @@ def _import_comet(offline: bool) -> Any:
     os.environ.setdefault("COMET_DISABLE_AUTO_LOGGING", "1")  # no "import comet_ml before torch" patching
     if offline:  # offline means no network: not even comet-ml's own crash reports to its Sentry
         os.environ.setdefault("COMET_ERROR_TRACKING_ENABLE", "false")
-    try:
-        import comet_ml
-    except ImportError:
-        raise UserError("plugins.comet needs the comet-ml package: pip install 'coretrain[comet]'") from None
-    return comet_ml
+    return require("comet_ml", needed_by="plugins.comet", extra="comet")
 
 
 @define(kw_only=True)

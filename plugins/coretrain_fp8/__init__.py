@@ -50,12 +50,10 @@ class FP8:
 
         import torch
 
-        from coretrain.errors import UserError
+        from coretrain.errors import UserError, require
 
-        try:
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        except ImportError:
-            raise UserError("plugins.fp8 needs torchao: pip install 'coretrain[fp8]'") from None
+        float8 = require("torchao.float8", needed_by="plugins.fp8", extra="fp8")
+        Float8LinearConfig, convert_to_float8_training = float8.Float8LinearConfig, float8.convert_to_float8_training
         if self.fp8_all_gather and self.recipe != "tensorwise":
             raise UserError("plugins.fp8.fp8_all_gather: only the tensorwise recipe supports it")
         hardware = run.device.type == "cuda" and torch.cuda.get_device_capability(run.device) >= (8, 9)

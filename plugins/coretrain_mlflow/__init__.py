@@ -21,7 +21,7 @@ from attrs import define, field
 
 from coretrain import hookimpl
 from coretrain.backend import LoggingBackend
-from coretrain.errors import UserError
+from coretrain.errors import require
 
 STATUS = {"completed": "FINISHED", "exit_interval": "FINISHED", "exit_duration": "FINISHED",
           "stopped": "FINISHED", "signal": "KILLED", "error": "FAILED"}
@@ -69,11 +69,8 @@ class MLflow(LoggingBackend):
         self._run_id = state.get("run_id")
 
     def open(self, run: Any) -> None:
-        try:
-            from mlflow import MlflowClient
-            from mlflow.entities import Param
-        except ImportError:
-            raise UserError("plugins.mlflow needs mlflow: pip install 'coretrain[mlflow]'") from None
+        MlflowClient = require("mlflow", needed_by="plugins.mlflow", extra="mlflow").MlflowClient
+        from mlflow.entities import Param
         output_dir = Path(run.output_dir).resolve()
         output_dir.mkdir(parents=True, exist_ok=True)
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{output_dir / 'mlflow.db'}"

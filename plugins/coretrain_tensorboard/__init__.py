@@ -12,7 +12,7 @@ from typing import Any
 from attrs import define, field
 
 from coretrain.backend import LoggingBackend
-from coretrain.errors import UserError
+from coretrain.errors import require
 
 
 @define(kw_only=True)
@@ -26,11 +26,8 @@ class TensorBoard(LoggingBackend):
     _writer: Any = field(default=None, init=False, repr=False)
 
     def open(self, run: Any) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise UserError("plugins.tensorboard needs the tensorboard package: "
-                            "pip install 'coretrain[tensorboard]'") from None
+        SummaryWriter = require("torch.utils.tensorboard", needed_by="plugins.tensorboard", extra="tensorboard",
+                                package="tensorboard").SummaryWriter
         log_dir = Path(self.log_dir) if self.log_dir else Path(run.output_dir) / "tensorboard"
         self._writer = SummaryWriter(log_dir=str(log_dir), flush_secs=self.flush_secs, purge_step=run.state.step + 1)
 

@@ -19,7 +19,7 @@ from attrs import define, field
 
 from coretrain import hookimpl
 from coretrain.backend import LoggingBackend
-from coretrain.errors import UserError
+from coretrain.errors import UserError, require
 
 
 def _logged_in(wandb: Any) -> bool:
@@ -55,10 +55,7 @@ class WandB(LoggingBackend):
         self._resume_id = state.get("run_id")
 
     def open(self, run: Any) -> None:
-        try:
-            import wandb
-        except ImportError:
-            raise UserError("plugins.wandb needs the wandb package: pip install 'coretrain[wandb]'") from None
+        wandb = require("wandb", needed_by="plugins.wandb", extra="wandb")
         mode = self.mode or os.environ.get("WANDB_MODE") or "online"
         if mode == "online" and not _logged_in(wandb):
             raise UserError("plugins.wandb: not logged in to W&B; set WANDB_API_KEY, run `wandb login`, "
