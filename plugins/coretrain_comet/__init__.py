@@ -64,11 +64,6 @@ class Comet(LoggingBackend):
     log_checkpoints: bool = False
     """Upload every committed checkpoint as a model (large: off by default)."""
     _experiment: Any = field(default=None, init=False, repr=False)
-    _resume_key: str | None = field(default=None, init=False, repr=False)
-
-    @hookimpl
-    def on_resume(self, state: dict[str, Any]) -> None:
-        self._resume_key = state.get("experiment_key")
 
     def open(self, run: Any) -> None:
         comet_ml = _import_comet(self.offline)
@@ -81,15 +76,15 @@ class Comet(LoggingBackend):
             directory = Path(self.offline_directory) if self.offline_directory else Path(run.output_dir) / "comet"
             directory.mkdir(parents=True, exist_ok=True)
             options["offline_directory"] = str(directory)
-            kind = comet_ml.ExistingOfflineExperiment if self._resume_key else comet_ml.OfflineExperiment
+            kind = comet_ml.ExistingOfflineExperiment if self.resumed_id else comet_ml.OfflineExperiment
         else:
             if not (self.api_key or os.environ.get("COMET_API_KEY") or comet_ml.get_config("comet.api_key")):
                 raise UserError("plugins.comet: no Comet API key; set COMET_API_KEY, plugins.comet.api_key, "
                                 "or log offline with plugins.comet.offline = true")
             options["api_key"] = self.api_key
-            kind = comet_ml.ExistingExperiment if self._resume_key else comet_ml.Experiment
-        if self._resume_key:
-            options["experiment_key"] = self._resume_key
+            kind = comet_ml.ExistingExperiment if self.resumed_id else comet_ml.Experiment
+        if self.resumed_id:
+            options["experiment_key"] = self.resumed_id
         experiment = kind(**options)
         experiment.set_name(self.experiment_name or run.config.run.name)
         if self.tags:
@@ -107,9 +102,8 @@ class Comet(LoggingBackend):
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self._experiment.log_metrics(metrics, step=step)
 
-    @hookimpl
-    def on_checkpoint(self) -> dict[str, Any] | None:
-        return {"experiment_key": self._experiment.get_key()} if self._experiment is not None else None
+    def run_id(self) -> str | None:
+        return self._experiment.get_key()
 
     @hookimpl(trylast=True)
     def on_checkpoint_saved(self, step: int, path: str) -> None:

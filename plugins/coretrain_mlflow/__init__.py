@@ -19,7 +19,6 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
 from coretrain.backend import LoggingBackend
 from coretrain.errors import require
 
@@ -64,10 +63,6 @@ class MLflow(LoggingBackend):
     _client: Any = field(default=None, init=False, repr=False)
     _run_id: str | None = field(default=None, init=False, repr=False)
 
-    @hookimpl
-    def on_resume(self, state: dict[str, Any]) -> None:
-        self._run_id = state.get("run_id")
-
     def open(self, run: Any) -> None:
         MlflowClient = require("mlflow", needed_by="plugins.mlflow", extra="mlflow").MlflowClient
         from mlflow.entities import Param
@@ -75,7 +70,8 @@ class MLflow(LoggingBackend):
         output_dir.mkdir(parents=True, exist_ok=True)
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{output_dir / 'mlflow.db'}"
         client = MlflowClient(tracking_uri=uri)
-        if self._run_id is not None and _exists(client, self._run_id):
+        if self.resumed_id is not None and _exists(client, self.resumed_id):
+            self._run_id = self.resumed_id
             client.update_run(self._run_id, status="RUNNING")
         else:
             name = self.experiment_name or run.config.run.name
@@ -102,9 +98,8 @@ class MLflow(LoggingBackend):
         now = int(time.time() * 1000)
         self._client.log_batch(self._run_id, metrics=[Metric(name, value, now, step) for name, value in metrics.items()])
 
-    @hookimpl
-    def on_checkpoint(self) -> dict[str, Any] | None:
-        return {"run_id": self._run_id} if self._client is not None else None
+    def run_id(self) -> str | None:
+        return self._run_id
 
     def close(self, outcome: str) -> None:
         client, self._client = self._client, None

@@ -48,11 +48,6 @@ class WandB(LoggingBackend):
     dir: str | None = None
     """Where W&B keeps its files; unset = <run.output_dir> (it adds wandb/)."""
     _run: Any = field(default=None, init=False, repr=False)
-    _resume_id: str | None = field(default=None, init=False, repr=False)
-
-    @hookimpl
-    def on_resume(self, state: dict[str, Any]) -> None:
-        self._resume_id = state.get("run_id")
 
     def open(self, run: Any) -> None:
         wandb = require("wandb", needed_by="plugins.wandb", extra="wandb")
@@ -67,16 +62,15 @@ class WandB(LoggingBackend):
         self._run = wandb.init(
             mode=mode, dir=str(directory), project=self.project or os.environ.get("WANDB_PROJECT") or run.config.run.name,
             entity=self.entity, name=self.name or run.config.run.name, group=self.group, tags=list(self.tags) or None,
-            config=config_as_dict(run.config), id=self._resume_id, resume="allow" if self._resume_id else None,
+            config=config_as_dict(run.config), id=self.resumed_id, resume="allow" if self.resumed_id else None,
             settings=wandb.Settings(console="off"))
         self._run.summary["world_size"] = run.dist.world_size
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(metrics, step=step)
 
-    @hookimpl
-    def on_checkpoint(self) -> dict[str, Any] | None:
-        return {"run_id": self._run.id} if self._run is not None else None
+    def run_id(self) -> str | None:
+        return self._run.id
 
     @hookimpl(trylast=True)
     def on_signal(self) -> None:
