@@ -17,6 +17,7 @@ import torch.distributed as dist
 from attrs import define
 
 from coretrain import hookimpl
+from coretrain.checkpoint import is_sharded
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -24,25 +25,26 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else tensor
 
 
-def _summed_over_shards(value: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-    if any(hasattr(p, "to_local") for p in params) and dist.is_initialized():
+def _whole_model(value: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """A sum over this rank's parameters -> over the model's (FSDP: each rank holds a shard)."""
+    if is_sharded(model):
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
 
 
-def param_norm(params: list[torch.Tensor]) -> torch.Tensor:
+def param_norm(model: torch.nn.Module) -> torch.Tensor:
     """L2 norm over all parameters."""
-    squares = torch.stack([_local(p.detach()).float().pow(2).sum() for p in params]).sum()
-    return _summed_over_shards(squares, params).sqrt()
+    squares = torch.stack([_local(p.detach()).float().pow(2).sum() for p in model.parameters()]).sum()
+    return _whole_model(squares, model).sqrt()
 
 
-def zero_grads(params: list[torch.Tensor]) -> torch.Tensor:
+def zero_grads(model: torch.nn.Module) -> torch.Tensor:
     """How many gradient entries are exactly zero (dead units, masked or unused parameters)."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(())
     count = torch.stack([(_local(g) == 0).sum() for g in grads]).sum().float()
-    return _summed_over_shards(count, params)
+    return _whole_model(count, model)
 
 
 @define(kw_only=True)
@@ -57,10 +59,10 @@ class ModelStats:
     @hookimpl
     def before_update(self, run: Any, step: int) -> None:
         if self.zero_grads and step % run.config.train.log_interval == 0:
-            run.log_tensors["zero_grads"] = zero_grads(list(run.model.parameters()))
+            run.log_tensors["zero_grads"] = zero_grads(run.model)
 
     @hookimpl
     def post_step(self, run: Any, step: int) -> None:
         if self.param_norm and step % run.config.train.log_interval == 0:
             with torch.no_grad():
-                run.log_tensors["params_norm"] = param_norm(list(run.model.parameters()))
+                run.log_tensors["params_norm"] = param_norm(run.model)
