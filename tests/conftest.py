@@ -24,6 +24,11 @@ def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: i
                           capture_output=True, text=True, timeout=timeout)
 
 
+def metrics_rows(out: Path) -> list[dict]:
+    """What the metrics-file plugin wrote in a run's output dir, one dict per logged step."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def tiny_gpt_config(output_dir: Path, **train: Any) -> str:
     """A GPT run on a few standard-library files that takes seconds on CPU."""
     settings = {"micro_batch_size": 8, "train_iters": 40, "log_interval": 5, "eval_iters": 2, **train}

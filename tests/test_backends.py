@@ -12,13 +12,10 @@ import time
 import zipfile
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import tiny_gpt_config
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+from conftest import metrics_rows, run_cli, tiny_gpt_config
 
 
 def by_name(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -45,7 +42,22 @@ def wait_for_logged_steps(out: Path, count: int, process: subprocess.Popen, time
     raise AssertionError(f"run did not log {count} steps: {process.communicate()}")
 
 
+def sigterm_after(config: Path, out: Path, intervals: int) -> tuple[int, str]:
+    """Start a real run, send it SIGTERM once it has logged ``intervals`` times; (exit code, stderr)."""
+    process = start_run(config, config.parent)
+    wait_for_logged_steps(out, intervals, process)
+    process.send_signal(signal.SIGTERM)                 # what SLURM or Kubernetes sends a preempted job
+    _, stderr = process.communicate(timeout=120)
+    return process.returncode, stderr
+
+
+def run_to_end(config: Path, *args: str) -> None:
+    result = run_cli("run", str(config), *args, cwd=config.parent)
+    assert result.returncode == 0, result.stderr
+
+
 def comet_archive(directory: Path) -> tuple[dict, list[dict]]:
+    """The one offline archive in ``directory``: experiment.json and the messages."""
     (archive,) = directory.glob("*.zip")
     with zipfile.ZipFile(archive) as zipped:
         experiment = json.loads(zipped.read("experiment.json"))
@@ -53,25 +65,53 @@ def comet_archive(directory: Path) -> tuple[dict, list[dict]]:
     return experiment, messages
 
 
+def comet_series(messages: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for message in messages:
+        if message["type"] == "metric_msg":
+            metric = message["payload"]["metric"]
+            series[metric["metricName"]].append((metric["step"], metric["metricValue"]))
+    return series
+
+
+def comet_others(messages: list[dict]) -> dict:
+    return {m["payload"]["key"]: m["payload"]["value"] for m in messages if m["type"] == "log_other"}
+
+
+def mlflow_run_of(out: Path) -> tuple[Any, Any]:
+    """(client, the one MLflow run) of experiment "tiny" in the run's default SQLite store."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    return client, run
+
+
+def mlflow_series(client: Any, run: Any) -> dict[str, list[tuple[int, float]]]:
+    return {name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+            for name in run.data.metrics}
+
+
+def tensorboard_series(out: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    return {name: [(e.step, e.value) for e in events.Scalars(name)] for name in events.Tags()["scalars"]}
+
+
 def test_comet_offline_archive_is_complete_after_a_real_sigterm(tmp_path: Path) -> None:
     out = tmp_path / "out"
     config = tmp_path / "c.toml"
     config.write_text(tiny_gpt_config(out, train_iters=100_000, log_interval=5, eval_interval=10)
                       + '\n[plugins.comet]\noffline = true\ntags = ["sigterm-test"]\n')
-    process = start_run(config, tmp_path)
-    wait_for_logged_steps(out, 4, process)
-    process.send_signal(signal.SIGTERM)                 # what SLURM or Kubernetes sends a preempted job
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, stderr
+    code, stderr = sigterm_after(config, out, 4)
+    assert code == 128 + signal.SIGTERM, stderr
 
     experiment, messages = comet_archive(out / "comet")  # without the handler comet-ml leaves a 22-byte empty zip
     assert experiment["tags"] == ["sigterm-test"]
-    logged: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for message in messages:
-        if message["type"] == "metric_msg":
-            metric = message["payload"]["metric"]
-            logged[metric["metricName"]].append((metric["step"], metric["metricValue"]))
-    expected = by_name(metrics(out))
+    logged = comet_series(messages)
+    expected = by_name(metrics_rows(out))
     # every metric, every step, the exact floats (comet-ml adds its own sys.* system metrics)
     assert {name: logged[name] for name in expected} == expected
     saved_at = int((out / "checkpoints" / "latest").read_text())   # the graceful path's checkpoint
@@ -83,7 +123,7 @@ def test_comet_offline_archive_is_complete_after_a_real_sigterm(tmp_path: Path) 
             param = message["payload"].get("param") or message["payload"]["params"]
             params[param["paramName"]] = param["paramValue"]
     assert params["train|train_iters"] == 100_000 and params["model|provider"] == "gpt"
-    others = {m["payload"]["key"]: m["payload"]["value"] for m in messages if m["type"] == "log_other"}
+    others = comet_others(messages)
     assert others["outcome"] == "signal" and others["signal"] == "SIGTERM"
     assets = [m["payload"]["additional_params"]["fileName"] for m in messages if m["type"] == "file_upload"]
     assert assets == ["config.toml"]
@@ -99,7 +139,7 @@ def test_an_online_backend_without_credentials_is_one_clear_error(tmp_path: Path
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMET_", "WANDB_"))}
     env["HOME"] = str(tmp_path)                                 # no ~/.netrc or ~/.comet.config to find
     result = subprocess.run([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120)     # run_cli would add os.environ back
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert message in result.stderr
 
@@ -109,42 +149,25 @@ def test_with_the_signal_handler_off_comet_warns_that_sigterm_loses_its_archive(
     config = tmp_path / "c.toml"
     config.write_text(tiny_gpt_config(out, train_iters=100_000, log_interval=5, exit_signal_handler=False)
                       + "\n[plugins.comet]\noffline = true\n")
-    process = start_run(config, tmp_path)
-    wait_for_logged_steps(out, 2, process)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == -signal.SIGTERM                  # killed, no Python code ran after
+    code, stderr = sigterm_after(config, out, 2)
+    assert code == -signal.SIGTERM                                 # killed, no Python code ran after
     assert "comet: SIGTERM is not handled" in stderr
     (archive,) = (out / "comet").glob("*.zip")
     assert zipfile.ZipFile(archive).namelist() == []              # comet-ml's own behaviour: the data is gone
 
 
-def run_to_end(config: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "coretrain", "run", str(config), *args], cwd=cwd,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return result
-
-
 def test_mlflow_sqlite_store_holds_metrics_jsonl_and_a_resumed_job_continues_the_same_run(tmp_path: Path) -> None:
-    from mlflow import MlflowClient
-
     out = tmp_path / "out"
     config = tmp_path / "c.toml"
     config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
                       + '\n[plugins.mlflow]\ntags = { team = "pretraining" }\n')
-    run_to_end(config, tmp_path, "--set", "train.exit_interval=10")       # job 1 stops at step 10
-    run_to_end(config, tmp_path)                                          # job 2 resumes to step 20
+    run_to_end(config, "--set", "train.exit_interval=10")                 # job 1 stops at step 10
+    run_to_end(config)                                                    # job 2 resumes to step 20
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    (experiment,) = [e for e in client.search_experiments() if e.name == "tiny"]
-    (mlflow_run,) = client.search_runs([experiment.experiment_id])        # one run across both jobs
+    client, mlflow_run = mlflow_run_of(out)                               # one run across both jobs
     assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.tags["team"] == "pretraining"
-    expected = by_name(metrics(out))
-    assert set(mlflow_run.data.metrics) == set(expected)
-    for name, series in expected.items():
-        history = sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, name))
-        assert history == series, name                                   # each step once, exact doubles
+    expected = by_name(metrics_rows(out))
+    assert mlflow_series(client, mlflow_run) == expected                  # each step once, exact doubles
     assert [step for step, _ in expected["loss"]] == [5, 10, 15, 20]
     params = mlflow_run.data.params
     assert params["train.train_iters"] == "20" and params["model.options.n_embd"] == "32"
@@ -192,19 +215,16 @@ def test_wandb_offline_run_holds_metrics_jsonl_across_a_sigterm_and_a_resume(tmp
     config = tmp_path / "c.toml"
     config.write_text(tiny_gpt_config(out, train_iters=100_000, log_interval=5, eval_interval=10)
                       + '\n[plugins.wandb]\nmode = "offline"\ntags = ["resume-test"]\n')
-    process = start_run(config, tmp_path)
-    wait_for_logged_steps(out, 3, process)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, stderr
+    code, stderr = sigterm_after(config, out, 3)
+    assert code == 128 + signal.SIGTERM, stderr
     stopped_at = int((out / "checkpoints" / "latest").read_text())
     end = (stopped_at // 5 + 2) * 5                                   # two more logged intervals
-    run_to_end(config, tmp_path, "--set", f"train.train_iters={end}")
+    run_to_end(config, "--set", f"train.train_iters={end}")
 
     first, second = sorted(out.glob("wandb/offline-run-*"))
     assert first.name.split("-")[-1] == second.name.split("-")[-1]     # the same W&B run id, continued
     series, records = wandb_history(out)
-    expected = by_name(metrics(out))
+    expected = by_name(metrics_rows(out))
     assert expected["loss"][-1][0] == end
     assert series == expected
     run_records = [r.run for r in records if r.WhichOneof("record_type") == "run"]      # one per job
@@ -220,59 +240,38 @@ ALL_FOUR = ('\n[plugins.tensorboard]\n[plugins.mlflow]\n[plugins.wandb]\nmode = 
 
 
 def test_a_crash_still_closes_every_backend_and_marks_the_run_failed(tmp_path: Path) -> None:
-    from mlflow import MlflowClient
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     out = tmp_path / "out"
     config = tmp_path / "c.toml"
     config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_iters=0) + ALL_FOUR
                       + '[plugins.fault-injection]\naction = "raise"\nstep = 12\n')
-    result = subprocess.run([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    result = run_cli("run", str(config), cwd=tmp_path)
     assert result.returncode == 1 and "fault-injection: raised on rank 0 at step 12" in result.stderr
-    events = EventAccumulator(str(out / "tensorboard"))
-    events.Reload()
-    assert [e.step for e in events.Scalars("loss")] == [5, 10]
+    assert [step for step, _ in tensorboard_series(out)["loss"]] == [5, 10]
     _, messages = comet_archive(out / "comet")
-    others = {m["payload"]["key"]: m["payload"]["value"] for m in messages if m["type"] == "log_other"}
-    assert others["outcome"] == "error"
-    assert [m["payload"]["metric"]["step"] for m in messages
-            if m["type"] == "metric_msg" and m["payload"]["metric"]["metricName"] == "loss"] == [5, 10]
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
-    assert mlflow_run.info.status == "FAILED" and mlflow_run.data.metrics["loss"] == metrics(out)[-1]["loss"]
+    assert comet_others(messages)["outcome"] == "error"
+    assert [step for step, _ in comet_series(messages)["loss"]] == [5, 10]
+    _, mlflow_run = mlflow_run_of(out)
+    assert mlflow_run.info.status == "FAILED" and mlflow_run.data.metrics["loss"] == metrics_rows(out)[-1]["loss"]
     series, records = wandb_history(out)
     assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [1]
     assert [step for step, _ in series["loss"]] == [5, 10]
 
 
 def test_all_four_backends_together_each_hold_every_logged_point(tmp_path: Path) -> None:
-    from mlflow import MlflowClient
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     out = tmp_path / "out"
     config = tmp_path / "c.toml"
     config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
                       + ALL_FOUR + "log_checkpoints = true\n[plugins.model-stats]\n")
-    run_to_end(config, tmp_path)
-    expected = by_name(metrics(out))
+    run_to_end(config)
+    expected = by_name(metrics_rows(out))
     assert {"params_norm", "zero_grads", "valid/loss", "tokens_per_second"} <= set(expected)
 
-    events = EventAccumulator(str(out / "tensorboard"))
-    events.Reload()
-    stored = {"tensorboard": {name: [(e.step, e.value) for e in events.Scalars(name)] for name in events.Tags()["scalars"]}}
+    stored = {"tensorboard": tensorboard_series(out)}
     _, messages = comet_archive(out / "comet")
     uploads = {m["payload"]["additional_params"]["fileName"] for m in messages if m["type"] == "file_upload"}
     assert {"config.toml", "step_00000020/model.pt", "step_00000020/rank_00000.pt"} <= uploads   # log_checkpoints
-    stored["comet"] = defaultdict(list)
-    for message in messages:
-        if message["type"] == "metric_msg":
-            metric = message["payload"]["metric"]
-            stored["comet"][metric["metricName"]].append((metric["step"], metric["metricValue"]))
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
-    stored["mlflow"] = {name: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, name))
-                        for name in mlflow_run.data.metrics}
+    stored["comet"] = comet_series(messages)
+    stored["mlflow"] = mlflow_series(*mlflow_run_of(out))
     stored["wandb"] = wandb_history(out)[0]
     for backend, series in stored.items():
         for name, points in expected.items():
@@ -282,18 +281,14 @@ def test_all_four_backends_together_each_hold_every_logged_point(tmp_path: Path)
 
 
 def test_on_two_ranks_only_rank_0_logs_and_each_backend_holds_one_run(tmp_path: Path) -> None:
-    from mlflow import MlflowClient
-
     out = tmp_path / "out"
     config = tmp_path / "c.toml"
     config.write_text(tiny_gpt_config(out, train_iters=10, log_interval=5, eval_iters=0) + ALL_FOUR)
-    run_to_end(config, tmp_path, "--nproc-per-node", "2")
-    expected = by_name(metrics(out))
+    run_to_end(config, "--nproc-per-node", "2")
+    expected = by_name(metrics_rows(out))
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
     (_, messages), = [comet_archive(out / "comet")]                      # exactly one archive
-    others = {m["payload"]["key"]: m["payload"]["value"] for m in messages if m["type"] == "log_other"}
-    assert others["world_size"] == 2
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert comet_others(messages)["world_size"] == 2
+    _, mlflow_run = mlflow_run_of(out)
     assert mlflow_run.data.tags["world_size"] == "2" and mlflow_run.data.metrics["loss"] == expected["loss"][-1][1]
     assert len(list(out.glob("wandb/offline-run-*"))) == 1 and wandb_history(out)[0] == expected

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, tiny_gpt_config
+from conftest import metrics_rows, run_cli, tiny_gpt_config
 
 
 def torchrun(*args: str, cwd: Path, env: dict[str, str] | None = None, nproc: int = 2,
@@ -25,7 +25,7 @@ def torchrun(*args: str, cwd: Path, env: dict[str, str] | None = None, nproc: in
 
 
 def logged(out: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r.get("loss", r.get("valid/loss"))) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    return [(r["step"], r.get("loss", r.get("valid/loss"))) for r in metrics_rows(out)]
 
 
 def write(directory: Path, name: str, **train: object) -> Path:
@@ -126,8 +126,8 @@ def test_fsdp_checkpoint_is_sharded_and_resumes_on_two_ranks_and_on_one(tmp_path
     for (s1, a), (s2, b) in zip(logged(tmp_path / "one"), logged(tmp_path / "full")):
         assert s1 == s2 and a == pytest.approx(b, rel=1e-5)
     # model-stats sums FSDP's shards: the whole model's norm, as the unsharded run measures it
-    norms = [[r["params_norm"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
-              if r["step"] > 10 and "params_norm" in r] for name in ("one", "full")]
+    norms = [[r["params_norm"] for r in metrics_rows(tmp_path / name) if r["step"] > 10 and "params_norm" in r]
+             for name in ("one", "full")]
     assert norms[0] and norms[0] == pytest.approx(norms[1], rel=1e-5)
 
     exported = run_cli("checkpoint", "export", str(tmp_path / "split"), "--to", str(tmp_path / "m.safetensors"),
@@ -174,7 +174,7 @@ warmup_steps = 2
     reported = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path)
     assert reported.returncode == 0, reported.stderr
     assert "stragglers at step 5: ranks [1] below thresholds" in reported.stdout
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "run")
     assert rows[-1]["step"] == 40 and rows[-1]["stragglers/min_relative_score"] < 0.7
 
     stopped = run_cli("run", str(config), "--nproc-per-node", "2", "--set", "plugins.stragglers.stop_if_detected=true",

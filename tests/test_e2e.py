@@ -9,11 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, tiny_gpt_config
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+from conftest import metrics_rows, run_cli, tiny_gpt_config
 
 
 def test_gpt_on_stdlib_text_learns_and_leaves_config_metrics_and_checkpoints(tmp_path: Path) -> None:
@@ -23,7 +19,7 @@ def test_gpt_on_stdlib_text_learns_and_leaves_config_metrics_and_checkpoints(tmp
     result = run_cli("run", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
 
-    rows = metrics(out)
+    rows = metrics_rows(out)
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [10, 20, 30, 40, 50, 60]
     assert train_rows[-1]["loss"] < 0.75 * train_rows[0]["loss"]          # learning, from ~5.5 (ln 256)
@@ -56,7 +52,7 @@ def test_exit_interval_then_rerun_resumes_and_each_step_is_logged_once(tmp_path:
     second = run_cli("run", str(config), cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stderr and "(step 10, 80 samples consumed)" in second.stderr
-    assert [r["step"] for r in metrics(out)] == [5, 10, 15, 20]
+    assert [r["step"] for r in metrics_rows(out)] == [5, 10, 15, 20]
 
 
 def test_checkpoints_load_with_weights_only(tmp_path: Path) -> None:
@@ -120,7 +116,7 @@ def test_logged_metrics_include_throughput_flops_mfu_time_and_memory(tmp_path: P
     config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=10, eval_iters=0))
     result = run_cli("run", str(config), "--set", "run.peak_tflops=0.5", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    first, last = [r for r in metrics(out) if "loss" in r]
+    first, last = [r for r in metrics_rows(out) if "loss" in r]
     assert last["consumed_tokens"] == last["consumed_samples"] * 32 == 20 * 8 * 32
     assert last["tokens_per_second_per_device"] == last["tokens_per_second"]          # one rank
     assert last["tflops_per_device"] > 0 and last["mfu"] == last["tflops_per_device"] / 0.5
@@ -162,7 +158,7 @@ def test_tensorboard_event_files_hold_what_metrics_jsonl_holds_even_after_sigter
     assert result.returncode == 143, result.stderr                          # closed on the signal path too
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    rows = metrics(out)
+    rows = metrics_rows(out)
     for name in ("loss", "lr", "grad_norm", "tokens_per_second", "valid/loss"):
         expected = [(r["step"], r[name]) for r in rows if name in r]
         stored = [(e.step, e.value) for e in events.Scalars(name)]
@@ -180,7 +176,7 @@ def test_report_plots_the_run_and_prints_its_summary(tmp_path: Path) -> None:
     assert run_cli("run", str(config), "--set", "run.peak_tflops=0.5", cwd=tmp_path).returncode == 0
     result = run_cli("report", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    rows = metrics(out)
+    rows = metrics_rows(out)
     last = [r for r in rows if "loss" in r][-1]
     assert f"→ {last['loss']:.4f}" in result.stdout and "best" in result.stdout and "MFU (median)" in result.stdout
     names = sorted(p.name for p in (out / "report").iterdir())

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, run_cli
+from conftest import REPO, metrics_rows, run_cli
 from helpers_inprocess import config, train
 
 from coretrain import hookimpl
@@ -43,7 +42,7 @@ lr = 0.01
 {guards}
 """)
     result = run_cli("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "out")
     return result, rows
 
 
@@ -248,7 +247,7 @@ def test_fp8_emulated_training_tracks_full_precision(tmp_path: Path) -> None:
         path.write_text(tiny_gpt_config(tmp_path / name, train_iters=30, log_interval=5, eval_iters=0) + tail)
         result = run_cli("run", str(path), cwd=tmp_path)
         assert result.returncode == 0, result.stderr
-        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [row["loss"] for row in metrics_rows(tmp_path / name)]
         if name == "fp8":
             assert "fp8: no FP8 tensor cores here (cpu); torchao emulates FP8 numerics" in result.stderr
             assert "fp8: tensorwise recipe on 4 Linear layers" in result.stderr   # qkv, proj, fc, mlp proj; not lm_head

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, tiny_gpt_config
+from conftest import metrics_rows, run_cli, tiny_gpt_config
 
 TRAIN_ITERS = 300
 
@@ -30,7 +30,7 @@ def write_config(directory: Path, extra: str = "") -> Path:
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    return [(r["step"], r["loss"]) for r in metrics_rows(out)]
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
