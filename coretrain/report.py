@@ -1,7 +1,7 @@
 """``coretrain report RUN_DIR``: a finished (or running) run's metrics.jsonl as PNG plots and a table.
 
 For a person who would rather look than read: one PNG per quantity (loss with validation
-loss, learning rate, grad norm, throughput, TFLOP/s and MFU, memory) against the step, in
+loss, learning rate, grad and parameter norm, throughput, TFLOP/s and MFU, memory) against the step, in
 ``RUN_DIR/report/``, and a rich summary on the terminal. Needs matplotlib
 (``pip install 'coretrain[report]'``); it is imported only by this command.
 """
@@ -125,8 +125,7 @@ def summary(rows: Rows) -> list[tuple[str, str]]:
         value = median(name)
         if value is not None:
             lines.append((label, fmt.format(value)))
-    peaks = [max(series(rows, name)[1]) for name in ("memory/max_allocated_gb", "memory/max_rss_gb")
-             if series(rows, name)[1]]
+    peaks = [max(values) for name in ("memory/max_allocated_gb", "memory/max_rss_gb") if (values := series(rows, name)[1])]
     if peaks:
         lines.append(("peak memory", f"{max(peaks):.2f} GB"))
     last = train[-1] if train else rows[-1]

@@ -2,7 +2,8 @@
 
 Floats are written with ``repr`` precision (json's default), so reading the file back gives
 exactly the values the run computed. On resume, lines after the resumed step (from the
-interrupted timeline) are dropped, so each step appears once.
+interrupted timeline) are dropped, so each step appears once. A
+:class:`~coretrain.backend.LoggingBackend`, so it records what every other plugin added.
 """
 
 from __future__ import annotations
@@ -13,21 +14,18 @@ from typing import IO, Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
+from coretrain.backend import LoggingBackend
 
 
 @define(kw_only=True)
-class MetricsFile:
+class MetricsFile(LoggingBackend):
     """Writes metrics.jsonl in the run's output dir (rank 0)."""
 
     filename: str = "metrics.jsonl"
     """File name inside run.output_dir."""
     _file: IO[str] | None = field(default=None, init=False, repr=False)
 
-    @hookimpl
-    def on_train_start(self, run: Any) -> None:
-        if not run.dist.is_main:
-            return
+    def open(self, run: Any) -> None:
         path = Path(run.output_dir) / self.filename
         if path.exists():
             kept = [line for line in path.read_text(encoding="utf-8").splitlines()
@@ -35,21 +33,9 @@ class MetricsFile:
             path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         self._file = open(path, "a", encoding="utf-8")
 
-    def _write(self, step: int, metrics: dict[str, float]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps({"step": step, **metrics}) + "\n")
-            self._file.flush()
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.flush()
 
-    @hookimpl
-    def on_log(self, step: int, metrics: dict[str, float]) -> None:
-        self._write(step, metrics)
-
-    @hookimpl
-    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self._write(step, metrics)
-
-    @hookimpl
-    def on_train_end(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+    def close(self, outcome: str) -> None:
+        self._file.close()
