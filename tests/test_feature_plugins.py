@@ -282,3 +282,17 @@ def test_model_stats_can_be_turned_off_one_by_one(tmp_path: Path, no_autoload: N
     train(config(tmp_path, train={"train_iters": 3, "log_interval": 3}, plugins={"model-stats": {"zero_grads": False}}),
           ("seen", seen))
     assert "params_norm" in seen.logs[3] and "zero_grads" not in seen.logs[3]
+
+
+def test_stragglers_individual_score_compares_a_rank_with_its_own_earlier_intervals(tmp_path: Path,
+                                                                                     no_autoload: None) -> None:
+    seen = LogRecorder()
+    run, code = train(config(tmp_path, train={"train_iters": 20, "log_interval": 5}, plugins={
+        "stragglers": {"report_interval": 0, "warmup_steps": 2},
+        "fault-injection": {"action": "sleep", "step": 11, "every_step": True, "sleep_seconds": 0.05}}),
+        ("seen", seen))
+    assert code == 0
+    first, slowed = seen.logs[5], seen.logs[15]
+    assert first["stragglers/min_individual_score"] == 1.0 and first["stragglers/count"] == 0   # nothing to compare yet
+    assert slowed["stragglers/min_individual_score"] < 0.2 and slowed["stragglers/count"] == 1
+    assert run.plugins.get("stragglers").last_report["stragglers"] == [0]

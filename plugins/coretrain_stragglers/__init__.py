@@ -5,7 +5,10 @@ Each rank times its steps (from the start of ``pre_step`` to ``post_step``). Eve
 best step times are gathered on every rank and scored in [0, 1]:
 
 - relative score = fastest rank's mean / this rank's mean (1 = as fast as the fastest);
-- individual score = this rank's best / this rank's current mean (1 = as fast as it ever was).
+- individual score = this rank's best interval mean so far in this job / its mean now
+  (1 = as fast as it has been; the first report is always 1). Comparing interval means, as
+  nvidia-resiliency-ext does, keeps one slow step (a GC pause, a noisy neighbour) from
+  flagging a healthy rank, which a best-single-step / mean ratio does on a busy host.
 
 Ranks under a threshold (0.7 by default) are stragglers; rank 0 prints the best and worst N,
 the scores join the logged metrics (``stragglers/...``), and ``stop_if_detected`` asks the
@@ -44,7 +47,7 @@ class Stragglers:
     _started: float = field(default=0.0, init=False, repr=False)
     _total: float = field(default=0.0, init=False, repr=False)
     _count: int = field(default=0, init=False, repr=False)
-    _best: float = field(default=float("inf"), init=False, repr=False)
+    _best_mean: float = field(default=float("inf"), init=False, repr=False)
     _reported_at: float = field(default=0.0, init=False, repr=False)
     _first_timed: int = field(default=0, init=False, repr=False)
 
@@ -64,7 +67,6 @@ class Stragglers:
         elapsed = time.perf_counter() - self._started
         self._total += elapsed
         self._count += 1
-        self._best = min(self._best, elapsed)
 
     @hookimpl(tryfirst=True)  # before the backends, so the scores are logged with the step
     def on_log(self, run: Any, step: int, metrics: dict[str, float]) -> None:
@@ -76,7 +78,8 @@ class Stragglers:
         if not max_over_ranks(int(due))[0]:
             return
         mean = self._total / max(self._count, 1)
-        local = torch.tensor([mean, self._best], dtype=torch.float64)
+        self._best_mean = min(self._best_mean, mean)
+        local = torch.tensor([mean, self._best_mean], dtype=torch.float64)
         if run.dist.world_size > 1:
             gathered = [torch.zeros_like(local) for _ in range(run.dist.world_size)]
             torch.distributed.all_gather(gathered, local)
@@ -105,5 +108,5 @@ class Stragglers:
                       f"(relative {self.relative_threshold}, individual {self.individual_threshold})", flush=True)
         if slow and self.stop_if_detected:
             run.control.request_stop(f"stragglers: ranks {slow} are slow")
-        self._total, self._count, self._best = 0.0, 0, float("inf")
+        self._total, self._count = 0.0, 0
         self._reported_at = time.monotonic()
