@@ -60,6 +60,13 @@ def tiny_gpt_config(output_dir: Path, **train: Any) -> str:
         """) + train_lines + "\n"
 
 
+def write_tiny_gpt(directory: Path, extra: str = "", **train: Any) -> tuple[Path, Path]:
+    """``directory/c.toml``: the tiny GPT run writing to ``directory/out``, then ``extra`` TOML; (config, out)."""
+    out, config = directory / "out", directory / "c.toml"
+    config.write_text(tiny_gpt_config(out, **train) + extra)
+    return config, out
+
+
 @pytest.fixture
 def no_autoload(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CORETRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import metrics_rows, run_cli, tiny_gpt_config
+from conftest import metrics_rows, run_cli, write_tiny_gpt
 
 
 def by_name(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -101,10 +101,8 @@ def tensorboard_series(out: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_comet_offline_archive_is_complete_after_a_real_sigterm(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=100_000, log_interval=5, eval_interval=10)
-                      + '\n[plugins.comet]\noffline = true\ntags = ["sigterm-test"]\n')
+    config, out = write_tiny_gpt(tmp_path, train_iters=100_000, log_interval=5, eval_interval=10,
+                                 extra='\n[plugins.comet]\noffline = true\ntags = ["sigterm-test"]\n')
     code, stderr = sigterm_after(config, out, 4)
     assert code == 128 + signal.SIGTERM, stderr
 
@@ -134,8 +132,7 @@ def test_comet_offline_archive_is_complete_after_a_real_sigterm(tmp_path: Path) 
     ('[plugins.wandb]\nmode = "online"', "plugins.wandb: not logged in to W&B; set WANDB_API_KEY, run `wandb login`"),
 ])
 def test_an_online_backend_without_credentials_is_one_clear_error(tmp_path: Path, table: str, message: str) -> None:
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(tmp_path / "out", train_iters=5) + f"\n{table}\n")
+    config, _ = write_tiny_gpt(tmp_path, train_iters=5, extra=f"\n{table}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMET_", "WANDB_"))}
     env["HOME"] = str(tmp_path)                                 # no ~/.netrc or ~/.comet.config to find
     result = subprocess.run([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path, env=env,
@@ -145,10 +142,8 @@ def test_an_online_backend_without_credentials_is_one_clear_error(tmp_path: Path
 
 
 def test_with_the_signal_handler_off_comet_warns_that_sigterm_loses_its_archive(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=100_000, log_interval=5, exit_signal_handler=False)
-                      + "\n[plugins.comet]\noffline = true\n")
+    config, out = write_tiny_gpt(tmp_path, train_iters=100_000, log_interval=5, exit_signal_handler=False,
+                                 extra="\n[plugins.comet]\noffline = true\n")
     code, stderr = sigterm_after(config, out, 2)
     assert code == -signal.SIGTERM                                 # killed, no Python code ran after
     assert "comet: SIGTERM is not handled" in stderr
@@ -157,10 +152,8 @@ def test_with_the_signal_handler_off_comet_warns_that_sigterm_loses_its_archive(
 
 
 def test_mlflow_sqlite_store_holds_metrics_jsonl_and_a_resumed_job_continues_the_same_run(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
-                      + '\n[plugins.mlflow]\ntags = { team = "pretraining" }\n')
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_interval=10,
+                                 extra='\n[plugins.mlflow]\ntags = { team = "pretraining" }\n')
     run_to_end(config, "--set", "train.exit_interval=10")                 # job 1 stops at step 10
     run_to_end(config)                                                    # job 2 resumes to step 20
 
@@ -211,10 +204,8 @@ def wandb_history(out: Path) -> tuple[dict[str, list[tuple[int, float]]], list]:
 
 
 def test_wandb_offline_run_holds_metrics_jsonl_across_a_sigterm_and_a_resume(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=100_000, log_interval=5, eval_interval=10)
-                      + '\n[plugins.wandb]\nmode = "offline"\ntags = ["resume-test"]\n')
+    config, out = write_tiny_gpt(tmp_path, train_iters=100_000, log_interval=5, eval_interval=10,
+                                 extra='\n[plugins.wandb]\nmode = "offline"\ntags = ["resume-test"]\n')
     code, stderr = sigterm_after(config, out, 3)
     assert code == 128 + signal.SIGTERM, stderr
     stopped_at = int((out / "checkpoints" / "latest").read_text())
@@ -240,10 +231,8 @@ ALL_FOUR = ('\n[plugins.tensorboard]\n[plugins.mlflow]\n[plugins.wandb]\nmode = 
 
 
 def test_a_crash_still_closes_every_backend_and_marks_the_run_failed(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_iters=0) + ALL_FOUR
-                      + '[plugins.fault-injection]\naction = "raise"\nstep = 12\n')
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0,
+                                 extra=ALL_FOUR + '[plugins.fault-injection]\naction = "raise"\nstep = 12\n')
     result = run_cli("run", str(config), cwd=tmp_path)
     assert result.returncode == 1 and "fault-injection: raised on rank 0 at step 12" in result.stderr
     assert [step for step, _ in tensorboard_series(out)["loss"]] == [5, 10]
@@ -258,10 +247,8 @@ def test_a_crash_still_closes_every_backend_and_marks_the_run_failed(tmp_path: P
 
 
 def test_all_four_backends_together_each_hold_every_logged_point(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
-                      + ALL_FOUR + "log_checkpoints = true\n[plugins.model-stats]\n")
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_interval=10,
+                                 extra=ALL_FOUR + "log_checkpoints = true\n[plugins.model-stats]\n")
     run_to_end(config)
     expected = by_name(metrics_rows(out))
     assert {"params_norm", "zero_grads", "valid/loss", "tokens_per_second"} <= set(expected)
@@ -281,9 +268,7 @@ def test_all_four_backends_together_each_hold_every_logged_point(tmp_path: Path)
 
 
 def test_on_two_ranks_only_rank_0_logs_and_each_backend_holds_one_run(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=10, log_interval=5, eval_iters=0) + ALL_FOUR)
+    config, out = write_tiny_gpt(tmp_path, train_iters=10, log_interval=5, eval_iters=0, extra=ALL_FOUR)
     run_to_end(config, "--nproc-per-node", "2")
     expected = by_name(metrics_rows(out))
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1

@@ -9,13 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics_rows, run_cli, tiny_gpt_config
+from conftest import metrics_rows, run_cli, write_tiny_gpt
 
 
 def test_gpt_on_stdlib_text_learns_and_leaves_config_metrics_and_checkpoints(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=60, log_interval=10, eval_interval=30))
+    config, out = write_tiny_gpt(tmp_path, train_iters=60, log_interval=10, eval_interval=30)
     result = run_cli("run", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
 
@@ -33,9 +31,7 @@ def test_gpt_on_stdlib_text_learns_and_leaves_config_metrics_and_checkpoints(tmp
 
 
 def test_metrics_file_keeps_full_precision_floats(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=5, log_interval=1, eval_iters=0))
+    config, out = write_tiny_gpt(tmp_path, train_iters=5, log_interval=1, eval_iters=0)
     assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
     text = (out / "metrics.jsonl").read_text().splitlines()[0]
     loss = json.loads(text)["loss"]
@@ -43,9 +39,7 @@ def test_metrics_file_keeps_full_precision_floats(tmp_path: Path) -> None:
 
 
 def test_exit_interval_then_rerun_resumes_and_each_step_is_logged_once(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_iters=0))
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0)
     first = run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000010"]
@@ -56,9 +50,7 @@ def test_exit_interval_then_rerun_resumes_and_each_step_is_logged_once(tmp_path:
 
 
 def test_checkpoints_load_with_weights_only(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=3, eval_iters=0))
+    config, out = write_tiny_gpt(tmp_path, train_iters=3, eval_iters=0)
     assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
     for name in ("model.pt", "optimizer.pt", "rank_00000.pt"):
         torch.load(out / "checkpoints" / "step_00000003" / name, weights_only=True)
@@ -76,9 +68,7 @@ def test_python_m_and_help_do_not_import_torch() -> None:
 
 
 def test_progress_live_view_can_be_forced_and_shows_the_run(tmp_path: Path) -> None:
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(tmp_path / "out", train_iters=10, log_interval=5)
-                      + "\n[plugins.progress]\nplain = false\n")
+    config, _ = write_tiny_gpt(tmp_path, train_iters=10, log_interval=5, extra="\n[plugins.progress]\nplain = false\n")
     result = run_cli("run", str(config), cwd=tmp_path, env={"COLUMNS": "100"})
     assert result.returncode == 0, result.stderr
     assert "─ coretrain ─" in result.stdout and "10/10" in result.stdout
@@ -89,9 +79,7 @@ def test_progress_live_view_can_be_forced_and_shows_the_run(tmp_path: Path) -> N
 def test_checkpoint_list_and_export(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=6, eval_iters=0) + "\n[checkpoint]\nsave_interval = 3\n")
+    config, out = write_tiny_gpt(tmp_path, train_iters=6, eval_iters=0, extra="\n[checkpoint]\nsave_interval = 3\n")
     assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
     (out / "checkpoints" / "step_00000009.tmp").mkdir()
     listing = run_cli("checkpoint", "list", str(out), cwd=tmp_path)
@@ -111,9 +99,7 @@ def test_checkpoint_list_and_export(tmp_path: Path) -> None:
 
 
 def test_logged_metrics_include_throughput_flops_mfu_time_and_memory(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=10, eval_iters=0))
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=10, eval_iters=0)
     result = run_cli("run", str(config), "--set", "run.peak_tflops=0.5", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     first, last = [r for r in metrics_rows(out) if "loss" in r]
@@ -126,9 +112,7 @@ def test_logged_metrics_include_throughput_flops_mfu_time_and_memory(tmp_path: P
 
 
 def test_progress_file_reports_nonzero_job_and_cumulative_throughput_across_jobs(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=10, eval_iters=0))
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=10, eval_iters=0)
     assert run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path).returncode == 0
     assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
     lines = [line.split("\t") for line in (out / "progress.txt").read_text().splitlines()]
@@ -150,10 +134,8 @@ def test_progress_file_reports_nonzero_job_and_cumulative_throughput_across_jobs
 def test_tensorboard_event_files_hold_what_metrics_jsonl_holds_even_after_sigterm(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
-                      + "\n[plugins.tensorboard]\n[plugins.fault-injection]\naction = \"sigterm\"\nstep = 16\n")
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_interval=10,
+                                 extra='\n[plugins.tensorboard]\n[plugins.fault-injection]\naction = "sigterm"\nstep = 16\n')
     result = run_cli("run", str(config), cwd=tmp_path)
     assert result.returncode == 143, result.stderr                          # closed on the signal path too
     events = EventAccumulator(str(out / "tensorboard"))
@@ -169,10 +151,8 @@ def test_tensorboard_event_files_hold_what_metrics_jsonl_holds_even_after_sigter
 def test_report_plots_the_run_and_prints_its_summary(tmp_path: Path) -> None:
     import matplotlib.image
 
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=20, log_interval=5, eval_interval=10)
-                      + "\n[plugins.model-stats]\n")
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_interval=10,
+                                 extra="\n[plugins.model-stats]\n")
     assert run_cli("run", str(config), "--set", "run.peak_tflops=0.5", cwd=tmp_path).returncode == 0
     result = run_cli("report", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -18,32 +18,36 @@ from coretrain import hookimpl
 TESTS = str(REPO / "tests")
 
 
-def faulty_run(tmp_path: Path, guards: str, nan_at: list[int] = (), spike_at: list[int] = (),
-               train_iters: int = 12) -> tuple[Any, list[dict]]:
+def plain_config(tmp_path: Path, tail: str, model: str = "helpers_inprocess:make_model", **train: Any) -> Path:
+    """The in-memory regression run of helpers_inprocess (or another ``model``), with extra TOML appended."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    settings = {"micro_batch_size": 8, "train_iters": 20, "log_interval": 5, "eval_iters": 0, **train}
     path = tmp_path / "c.toml"
     path.write_text(f"""
 [run]
 output_dir = "{tmp_path / 'out'}"
 [model]
-provider = "faulty_models:make_faulty"
-[model.options]
-nan_at = {list(nan_at)}
-spike_at = {list(spike_at)}
+provider = "{model}"
 [data]
 provider = "helpers_inprocess:make_data"
 [train]
-micro_batch_size = 8
-train_iters = {train_iters}
-log_interval = 1
-eval_iters = 0
+""" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items()) + f"\n{tail}\n")
+    return path
+
+
+def faulty_run(tmp_path: Path, guards: str, nan_at: list[int] = (), spike_at: list[int] = (),
+               train_iters: int = 12) -> tuple[Any, list[dict]]:
+    path = plain_config(tmp_path, f"""
+[model.options]
+nan_at = {list(nan_at)}
+spike_at = {list(spike_at)}
 [optimizer]
 lr = 0.01
 [plugins.guards]
 {guards}
-""")
+""", model="faulty_models:make_faulty", train_iters=train_iters, log_interval=1)
     result = run_cli("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
-    rows = metrics_rows(tmp_path / "out")
-    return result, rows
+    return result, metrics_rows(tmp_path / "out")
 
 
 def test_guards_skip_nan_and_spike_updates_and_keep_training(tmp_path: Path) -> None:
@@ -150,27 +154,6 @@ def test_batch_rampup_rounds_down_when_allowed_and_counts_what_it_left_out(tmp_p
         "rampup_batch_size": [6, 5, 20], "decrease_batch_size_if_needed": True}}), ("seen", seen))
     # wants 6, 6, 6 (rounded to 4), 11 (to 8), then 16
     assert seen.batches == [4, 4, 4, 8, 16, 16] and run.plugins.get("batch-rampup").samples_left_out == 2 + 2 + 2 + 3
-
-
-def plain_config(tmp_path: Path, tail: str) -> Path:
-    """The in-memory regression run of helpers_inprocess, with extra TOML appended."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "c.toml"
-    path.write_text(f"""
-[run]
-output_dir = "{tmp_path / 'out'}"
-[model]
-provider = "helpers_inprocess:make_model"
-[data]
-provider = "helpers_inprocess:make_data"
-[train]
-micro_batch_size = 8
-train_iters = 20
-log_interval = 5
-eval_iters = 0
-{tail}
-""")
-    return path
 
 
 def injected(tmp_path: Path, table: str) -> Any:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, tiny_gpt_config
+from conftest import run_cli, write_tiny_gpt
 
 from coretrain import hookimpl
 from coretrain.configload import load_config
@@ -26,10 +26,8 @@ def test_third_party_plugin_is_found_enabled_from_toml_and_called_in_a_real_run(
     assert "hooklog  coretrain-hooklog 0.1.0" in listing.stdout
     assert "hooks: on_checkpoint, on_eval, on_log, on_resume, on_train_end, on_train_start, post_step" in listing.stdout
 
-    out = tmp_path / "out"
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(out, train_iters=10, exit_interval=6, eval_interval=5)
-                      + '\n[plugins.hooklog]\npath = "calls.jsonl"\n')
+    config, out = write_tiny_gpt(tmp_path, train_iters=10, exit_interval=6, eval_interval=5,
+                                 extra='\n[plugins.hooklog]\npath = "calls.jsonl"\n')
     first = run_cli("run", str(config), cwd=tmp_path, env=env)
     assert first.returncode == 0, first.stderr
     second = run_cli("run", str(config), cwd=tmp_path, env=env)
@@ -46,8 +44,7 @@ def test_third_party_plugin_is_found_enabled_from_toml_and_called_in_a_real_run(
 
 def test_a_broken_plugin_is_named_with_its_distribution_and_cause_and_stops_the_run(site: Path, tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(site)}
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(tmp_path / "out", train_iters=2) + "\n[plugins.broken]\n")
+    config, _ = write_tiny_gpt(tmp_path, train_iters=2, extra="\n[plugins.broken]\n")
     result = run_cli("run", str(config), cwd=tmp_path, env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert ("error: plugin 'broken' (from coretrain-broken 0.1.0) failed to import coretrain_broken:Broken: "
@@ -58,8 +55,7 @@ def test_a_broken_plugin_is_named_with_its_distribution_and_cause_and_stops_the_
 
 
 def test_a_broken_plugin_that_is_not_enabled_is_never_imported(site: Path, tmp_path: Path) -> None:
-    config = tmp_path / "c.toml"
-    config.write_text(tiny_gpt_config(tmp_path / "out", train_iters=2, eval_iters=0))
+    config, _ = write_tiny_gpt(tmp_path, train_iters=2, eval_iters=0)
     result = run_cli("run", str(config), cwd=tmp_path, env={"PYTHONPATH": str(site)})
     assert result.returncode == 0, result.stderr
 
