@@ -86,10 +86,10 @@ class Stragglers:
         else:
             gathered = [local]
         means = [float(t[0]) for t in gathered]
-        bests = [float(t[1]) for t in gathered]
+        best_means = [float(t[1]) for t in gathered]
         fastest = min(means)
         relative = [fastest / m if m > 0 else 1.0 for m in means]
-        individual = [b / m if m > 0 else 1.0 for b, m in zip(bests, means)]
+        individual = [b / m if m > 0 else 1.0 for b, m in zip(best_means, means)]
         slow = [r for r in range(len(means))
                 if relative[r] < self.relative_threshold or individual[r] < self.individual_threshold]
         self.last_report = {"step": step, "relative": relative, "individual": individual, "stragglers": slow}
