@@ -8,17 +8,23 @@ Layout under ``<output_dir>/checkpoints/``::
         sharded/            every rank's shards of model + optimizer, written by
                             torch.distributed.checkpoint (FSDP2); .metadata last
         rank_00000.pt       every rank: train state, LR schedule, grad scaler, RNG, plugin states
+        checkpoint.json     rank 0: the manifest (layout, world size, optimizer, seq_length,
+                            whether validation at this step was logged, the resolved config)
     step_00000200.tmp/      an interrupted save: never loaded
     latest                  text: the newest committed step (a hint; the directories decide)
 
 Saving is synchronous, or with ``checkpoint.async_save`` the training thread only copies the
 state to host memory and a background thread writes, fsyncs and commits (:class:`Checkpointer`).
-Everything is loaded with ``weights_only=True``: RNG and plugin states are plain tensors,
-numbers, strings, lists and dicts, so no arbitrary object is ever unpickled.
+Every file is read through :mod:`coretrain.safeload` (torch's ``weights_only`` unpickler, a
+restricted unpickler for DCP's ``.metadata``), and the sharded reader is used only for a
+checkpoint whose manifest says it was written sharded: nothing in a checkpoint is ever run.
+Reading (:func:`read`) is separate from applying (:func:`apply`), so a resume can fall back
+past a corrupt checkpoint without having changed the run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -33,7 +39,8 @@ import attrs
 import numpy as np
 import torch
 
-from coretrain.errors import UserError
+from coretrain import safeload
+from coretrain.errors import CheckpointUnreadable, RunFailure, UserError
 from coretrain.run import Run, TrainState
 
 log = logging.getLogger("coretrain")
@@ -134,7 +141,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "full_tensor") for p in model.parameters())  # DTensor parameters
 
 
-def collect(run: Run, extra_state: dict[str, Any]) -> dict[str, Any]:
+def collect(run: Run, extra_state: dict[str, Any], validated: bool = False) -> dict[str, Any]:
     """This rank's files of the checkpoint: file name -> object to save."""
     state = {"train": {"step": run.state.step, "consumed_samples": run.state.consumed_samples,
                        "skipped_updates": run.state.skipped_updates},
@@ -142,7 +149,8 @@ def collect(run: Run, extra_state: dict[str, Any]) -> dict[str, Any]:
     if run.grad_scaler is not None:
         state["grad_scaler"] = run.grad_scaler.state_dict()
     files: dict[str, Any] = {f"rank_{run.dist.rank:05d}.pt": state}
-    if is_sharded(run.model):
+    sharded = is_sharded(run.model)
+    if sharded:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
@@ -150,6 +158,8 @@ def collect(run: Run, extra_state: dict[str, Any]) -> dict[str, Any]:
     elif run.dist.is_main:
         files["model.pt"] = run.unwrapped_model.state_dict()
         files["optimizer.pt"] = run.optimizer.state_dict()
+    if run.dist.is_main:
+        files[MANIFEST] = manifest(run, "sharded" if sharded else "replicated", validated)
     return files
 
 
@@ -170,8 +180,24 @@ def _write(tmp: Path, files: dict[str, Any]) -> None:
             import torch.distributed.checkpoint as dcp
 
             dcp.save(obj.state, checkpoint_id=str(tmp / name))
+        elif name.endswith(".json"):
+            _write_json_atomically(tmp / name, obj)
         else:
             _save_file(obj, tmp / name)
+
+
+def write_failure(root: Path, step: int, tmp: Path, exc: BaseException) -> RunFailure:
+    """A save that could not be written (full disk, quota, permissions): one line, the old ones kept."""
+    cause = exc
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: every rank's error
+    if failures:
+        cause = next(iter(failures.values()))
+    detail = f"{cause.strerror}: {cause.filename or tmp}" if isinstance(cause, OSError) and cause.strerror \
+        else f"{type(cause).__name__}: {cause}"
+    shutil.rmtree(tmp, ignore_errors=True)  # free what the failed save took
+    kept = complete_steps(root)
+    previous = f"the newest complete checkpoint (step {kept[-1]}) is untouched" if kept else "no earlier checkpoint exists"
+    return RunFailure(f"checkpoint step {step}: cannot write ({detail}); {previous}")
 
 
 def _commit(root: Path, step: int, tmp: Path, keep_last: int | None) -> None:
@@ -191,7 +217,10 @@ def write_and_commit(root: Path, step: int, files: dict[str, Any], is_main: bool
                      distributed: bool) -> Path:
     """The synchronous save: write into step_N.tmp on every rank, then rank 0 commits."""
     tmp = _begin(root, step, is_main, distributed)
-    _write(tmp, files)
+    try:
+        _write(tmp, files)
+    except Exception as exc:
+        raise write_failure(root, step, tmp, exc) from exc
     if distributed:
         _barrier()
     if is_main:
@@ -228,20 +257,23 @@ class Checkpointer:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def save(self, extra_state: dict[str, Any]) -> tuple[Path, float]:
+    def save(self, extra_state: dict[str, Any], validated: bool = False) -> tuple[Path, float]:
         """Start (async) or do (sync) the save of the current step; returns (dir, seconds blocked)."""
         self.wait()
         run = self.run
         started = time.perf_counter()
         root, step, distributed = checkpoint_root(run), run.state.step, run.dist.world_size > 1
-        files = collect(run, extra_state)
+        files = collect(run, extra_state, validated)
         if not self.asynchronous:
             write_and_commit(root, step, files, run.dist.is_main, run.config.checkpoint.keep_last, distributed)
             return step_dir(root, step), time.perf_counter() - started
 
         tmp = _begin(root, step, run.dist.is_main, distributed)
         rank_file = f"rank_{run.dist.rank:05d}.pt"
-        _write(tmp, {rank_file: files.pop(rank_file)})
+        try:
+            _write(tmp, {rank_file: files.pop(rank_file)})
+        except Exception as exc:
+            raise write_failure(root, step, tmp, exc) from exc
         sharded = files.pop("sharded", None)
         future = None
         if sharded is not None:
@@ -267,7 +299,7 @@ class Checkpointer:
             if self.run.dist.is_main:
                 _commit(root, step, tmp, self.run.config.checkpoint.keep_last)
         except BaseException as exc:  # handed to the training thread by wait()
-            self._error = exc
+            self._error = write_failure(root, step, tmp, exc) if isinstance(exc, Exception) else exc
 
     def done(self) -> int | None:
         """The step of an async save that has finished since the last call, if any (non-blocking)."""
@@ -300,25 +332,16 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def _load_file(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"{path}: checkpoint file missing; the checkpoint is incomplete") from None
-    except Exception as exc:  # truncated zip, bad pickle, foreign object: name the file
-        raise UserError(f"{path}: cannot load checkpoint file ({type(exc).__name__}: {exc})") from None
-
-
-def find_resume_dir(run: Run) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` asks for: newest complete one, an explicit path, or none."""
+def resume_candidates(run: Run) -> tuple[list[Path], bool]:
+    """The checkpoints ``checkpoint.resume`` allows, newest first, and whether it named one explicitly."""
     choice = run.config.checkpoint.resume
     if choice == "never":
-        return None
+        return [], False
     if choice != "auto":
         path = Path(choice)
         if not path.is_dir() or not STEP_DIR.match(path.name):
             raise UserError(f"checkpoint.resume: '{choice}' is not a checkpoint directory (step_NNNNNNNN)")
-        return path
+        return [path], True
     root = checkpoint_root(run)
     steps = complete_steps(root)
     newest = steps[-1] if steps else -1
@@ -326,49 +349,229 @@ def find_resume_dir(run: Run) -> Path | None:
         step = int(partial.name[5:13]) if partial.name[5:13].isdigit() else -1
         if step > newest:
             log.warning("ignoring incomplete checkpoint %s (its save never committed)", partial)
-    return step_dir(root, newest) if steps else None
+    return [step_dir(root, step) for step in reversed(steps)], False
+
+
+MANIFEST = "checkpoint.json"
+MANIFEST_FORMAT = 1
+
+
+def manifest(run: Run, layout: str, validated: bool) -> dict[str, Any]:
+    """What rank 0 records about a checkpoint, in plain JSON (read before any tensor file)."""
+    from coretrain import __version__
+
+    return {"format": MANIFEST_FORMAT, "coretrain": __version__, "step": run.state.step, "layout": layout,
+            "world_size": run.dist.world_size, "optimizer": run.config.optimizer.name,
+            "seq_length": run.datasets.seq_length if run.datasets else None, "validated": validated,
+            "config": config_as_dict(run.config)}
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The checkpoint's manifest; one written before manifests existed is described from its files."""
+    path = directory / MANIFEST
+    if not path.exists():
+        layout = "sharded" if (directory / "sharded").is_dir() and not (directory / "model.pt").exists() else "replicated"
+        return {"layout": layout, "validated": False}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointUnreadable(path, f"cannot read the manifest: {type(exc).__name__}: {exc}") from None
+    if not isinstance(data, dict) or data.get("layout") not in ("sharded", "replicated") \
+            or not isinstance(data.get("validated", False), bool) or not isinstance(data.get("config", {}), dict):
+        raise CheckpointUnreadable(path, "not a coretrain checkpoint manifest (layout, validated, config)")
+    return data
+
+
+def _write_json_atomically(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def mark_validated(directory: Path) -> None:
+    """Record that validation at this checkpoint's step ran and was logged (rank 0)."""
+    data = read_manifest(directory)
+    if (directory / MANIFEST).exists() and not data.get("validated"):
+        _write_json_atomically(directory / MANIFEST, {**data, "validated": True})
 
 
 def _load_sharded(run: Run, directory: Path, with_optimizer: bool) -> None:
     """Load a DCP checkpoint into the current model (sharded or not, any number of ranks)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    if not (directory / ".metadata").exists():
-        raise UserError(f"{directory}: no .metadata; the sharded checkpoint is incomplete")
     model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state} if with_optimizer else {"model": model_state}
     try:
-        dcp.load(state, checkpoint_id=str(directory))
+        dcp.load(state, storage_reader=safeload.dcp_reader(directory), planner=safeload.dcp_planner(directory),
+                 no_dist=run.dist.world_size == 1)
+    except CheckpointUnreadable:
+        raise
+    except CheckpointException as exc:  # DCP gathers every rank's failure: report ours, or the first
+        failures = list(exc.failures.values())
+        ours = next((f for f in failures if isinstance(f, CheckpointUnreadable)), None)
+        if ours is not None:
+            raise ours from None
+        raise safeload.unreadable(directory, failures[0] if failures else exc) from None
     except Exception as exc:  # name the checkpoint, keep the cause
-        raise UserError(f"{directory}: cannot load sharded checkpoint ({type(exc).__name__}: {exc})") from None
+        raise CheckpointUnreadable(directory, f"cannot load sharded checkpoint ({type(exc).__name__}: {exc})") from None
     set_state_dict(run.model, run.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"] if with_optimizer else {})
 
 
-def load(run: Run, path: Path) -> dict[str, Any]:
-    """Restore model, optimizer, schedule, counters and RNG from ``path``; return the rank state."""
-    state = _load_file(path / f"rank_{run.dist.rank:05d}.pt")
-    if (path / "sharded").is_dir():
-        _load_sharded(run, path / "sharded", with_optimizer=True)
+def check_model_fits(directory: Path, saved: dict[str, Any], model: torch.nn.Module, hint: str = "") -> None:
+    """One error naming the parameters whose names or shapes differ (a changed model config)."""
+    current = model.state_dict()
+    problems = [f"'{k}' is missing from the checkpoint" for k in current if k not in saved]
+    problems += [f"'{k}' is in the checkpoint but not in the model" for k in saved if k not in current]
+    problems += [f"'{k}' has shape {list(saved[k].shape)} in the checkpoint, {list(v.shape)} now"
+                 for k, v in current.items() if k in saved and hasattr(saved[k], "shape") and saved[k].shape != v.shape]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise UserError(f"{directory}: the checkpoint does not fit the model: {'; '.join(problems[:3])}{more}{hint}")
+
+
+@attrs.define
+class Restored:
+    """What :func:`read` found in a checkpoint, before anything of the run is changed."""
+
+    path: Path
+    manifest: dict[str, Any]
+    rank_state: dict[str, Any]
+    model: dict[str, Any] | None = None
+    optimizer: dict[str, Any] | None = None
+
+
+def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
+    """Read and check this rank's files of a checkpoint; changes nothing (so a caller may fall back)."""
+    info = read_manifest(path)
+    rank_file = path / f"rank_{run.dist.rank:05d}.pt"
+    rank_state = safeload.load_file(rank_file)
+    if not isinstance(rank_state, dict) or not isinstance(rank_state.get("train"), dict):
+        raise CheckpointUnreadable(rank_file, "not a coretrain rank state (no 'train' table)")
+    restored = Restored(path, info, rank_state)
+    if info["layout"] == "replicated":
+        restored.model = safeload.load_file(path / "model.pt")
+        if with_optimizer:
+            restored.optimizer = safeload.load_file(path / "optimizer.pt")
+    else:  # DCP reads it again when applying; reading it here lets a crafted or torn one fail early
+        metadata = path / "sharded" / ".metadata"
+        if not metadata.is_file():
+            raise CheckpointUnreadable(metadata, "missing; the sharded checkpoint is incomplete")
+        with open(metadata, "rb") as stream:
+            safeload.load_metadata(stream, metadata)
+    return restored
+
+
+def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
+    """Put a checkpoint read by :func:`read` into the run: model, optimizer, schedule, counters, RNG.
+
+    The optimizer's hyperparameters (lr, betas, weight decay, per-group overrides) come from
+    the config, not the checkpoint (Megatron's override_opt_param_scheduler): its moments and
+    step counts are what resume needs; the settings are what the user asked for now.
+    """
+    path, state = restored.path, restored.rank_state
+    hint = changed_keys_hint(restored.manifest.get("config"), run.config, ("model",))
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
+    if restored.manifest["layout"] == "sharded":
+        try:
+            _load_sharded(run, path / "sharded", with_optimizer=with_optimizer)
+        except CheckpointUnreadable as exc:
+            raise CheckpointUnreadable(exc.path, exc.reason + hint, unsafe=exc.unsafe) from None
     else:
-        run.unwrapped_model.load_state_dict(_load_file(path / "model.pt"))
-        run.optimizer.load_state_dict(_load_file(path / "optimizer.pt"))
+        assert restored.model is not None
+        check_model_fits(path, restored.model, run.unwrapped_model, hint)
+        run.unwrapped_model.load_state_dict(restored.model)
+        if with_optimizer:
+            try:
+                run.optimizer.load_state_dict(restored.optimizer)
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise UserError(f"{path / 'optimizer.pt'}: the optimizer state does not fit this optimizer ({exc}); "
+                                "if its parameter groups changed, set checkpoint.load_optimizer = false") from None
+    for group, settings in zip(run.optimizer.param_groups, configured):
+        group.update(settings)
     run.scheduler.load_state_dict(state["scheduler"])
     if run.grad_scaler is not None and "grad_scaler" in state:
         run.grad_scaler.load_state_dict(state["grad_scaler"])
     run.state = TrainState(**state["train"])
     set_rng_state(state["rng"])
-    return state
+
+
+def check_resumable(run: Run, info: dict[str, Any]) -> None:
+    """Refuse what a resume cannot carry over; say which optimizer/scheduler settings change.
+
+    The optimizer class and the sequence length are part of what the checkpoint means: a
+    change is an error naming the keys. Optimizer and scheduler hyperparameters may change:
+    the config's values are used from the first resumed step, and one warning lists them.
+    """
+    config, saved = run.config, info.get("config")
+    saved_optimizer = info.get("optimizer")
+    if saved_optimizer and saved_optimizer != config.optimizer.name and config.checkpoint.load_optimizer:
+        raise UserError(f"optimizer.name: the checkpoint was trained with '{saved_optimizer}', the config asks for "
+                        f"'{config.optimizer.name}'; its state cannot carry over: set checkpoint.load_optimizer = "
+                        "false to start the optimizer afresh (weights, step and data position are kept)")
+    saved_seq, seq = info.get("seq_length"), run.datasets.seq_length if run.datasets else None
+    if saved_seq is not None and seq is not None and saved_seq != seq:
+        hint = changed_keys_hint(saved, config, ("data", "model")) or "; the data provider reports it"
+        raise UserError(f"seq_length is {seq} now and {saved_seq} in the checkpoint{hint}: the data position and "
+                        "the model depend on it; resume with the old value or start a new run (another "
+                        "run.output_dir, or checkpoint.resume = \"never\")")
+    changed = [f"{key} {before!r} -> {after!r}" for key, before, after in config_changes(saved, config)
+               if key.split(".")[0] in ("optimizer", "scheduler") and key != "optimizer.name"]
+    if changed:
+        log.warning("resuming with changed settings; the config's values are used from now on: %s", ", ".join(changed))
+
+
+def changed_keys_hint(saved: dict[str, Any] | None, config: Any, sections: tuple[str, ...]) -> str:
+    changed = [f"{key} ({before!r} -> {after!r})" for key, before, after in config_changes(saved, config)
+               if key.split(".")[0] in sections]
+    return f"; changed since the checkpoint: {', '.join(changed)}" if changed else ""
+
+
+def config_changes(saved: dict[str, Any] | None, config: Any) -> list[tuple[str, Any, Any]]:
+    """(dotted key, checkpoint's value, current value) for every leaf that differs."""
+    if not saved:
+        return []
+    current = json.loads(json.dumps(config_as_dict(config)))  # tuples as lists, as the manifest has them
+    changes: list[tuple[str, Any, Any]] = []
+
+    def walk(before: Any, after: Any, prefix: str) -> None:
+        if isinstance(before, dict) and isinstance(after, dict):
+            for key in sorted(set(before) | set(after)):
+                walk(before.get(key), after.get(key), f"{prefix}{key}.")
+        elif before != after:
+            changes.append((prefix.rstrip("."), before, after))
+
+    walk(saved, current, "")
+    return changes
 
 
 def load_pretrained(run: Run, path: str) -> None:
     """Model weights only (fine-tuning): step 0, fresh optimizer."""
     directory = Path(path)
-    if (directory / "sharded").is_dir():
+    if not directory.exists():
+        raise UserError(f"checkpoint.pretrained: '{path}' does not exist")
+    if directory.is_file():
+        weights = safeload.load_file(directory)
+    elif read_manifest(directory)["layout"] == "sharded":
         _load_sharded(run, directory / "sharded", with_optimizer=False)
+        return
     else:
-        run.unwrapped_model.load_state_dict(_load_file(directory / "model.pt" if directory.is_dir() else directory))
+        weights = safeload.load_file(directory / "model.pt")
+    if not isinstance(weights, dict):
+        raise CheckpointUnreadable(directory, "not a state dict of model weights")
+    check_model_fits(directory, weights, run.unwrapped_model)
+    run.unwrapped_model.load_state_dict(weights)
+
+
+def config_as_dict(config: Any) -> dict[str, Any]:
+    from coretrain.configload import CONVERTER
+
+    return CONVERTER.unstructure(config)
 
 
 # --------------------------------------------------------------------------- inspecting and exporting
@@ -400,23 +603,48 @@ def export_weights(run_dir: Path, step: int | None, to: Path) -> Path:
     """Write the model weights of a complete checkpoint (newest by default) as safetensors."""
     from safetensors.torch import save_file
 
+    if not to.parent.is_dir():
+        raise UserError(f"--to: directory '{to.parent}' does not exist; create it first")
+    if to.is_dir():
+        raise UserError(f"--to: '{to}' is a directory; give a file name, e.g. {to / 'model.safetensors'}")
     complete = {c.step: c.path for c in list_checkpoints(run_dir) if c.complete}
     if not complete:
         raise UserError(f"{run_dir}: no complete checkpoint to export")
     if step is not None and step not in complete:
         raise UserError(f"--step {step}: no complete checkpoint at that step; complete: {sorted(complete)}")
     source = complete[step if step is not None else max(complete)]
-    if (source / "sharded").is_dir():  # gather the shards into one file first
-        import tempfile
-
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(str(source / "sharded"), str(Path(tmp) / "full.pt"))
-            weights = torch.load(Path(tmp) / "full.pt", weights_only=True)["model"]
+    if read_manifest(source)["layout"] == "sharded":  # gather the shards into one state dict
+        weights = read_sharded_model(source / "sharded")
     else:
-        weights = _load_file(source / "model.pt")
+        weights = safeload.load_file(source / "model.pt")
+    if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+        raise CheckpointUnreadable(source, "the model weights are not a dict of tensors")
     # tied parameters share storage; safetensors stores each name on its own
-    save_file({name: tensor.contiguous().clone() for name, tensor in weights.items()}, str(to),
-              metadata={"format": "pt", "source": str(source)})
+    try:
+        save_file({name: tensor.contiguous().clone() for name, tensor in weights.items()}, str(to),
+                  metadata={"format": "pt", "source": str(source)})
+    except OSError as exc:
+        raise RunFailure(f"cannot write {to}: {exc.strerror or exc}") from None
     return source
+
+
+def read_sharded_model(directory: Path) -> dict[str, torch.Tensor]:
+    """The full model state dict of a DCP checkpoint, in this one process, read safely."""
+    import torch.distributed.checkpoint as dcp
+
+    state: dict[str, Any] = {}
+    try:
+        dcp.load(state, storage_reader=safeload.dcp_reader(directory),
+                 planner=safeload.dcp_planner(directory, empty=True), no_dist=True)
+    except CheckpointUnreadable:
+        raise
+    except Exception as exc:
+        inner = getattr(exc, "failures", {}) or {}
+        ours = next((f for f in inner.values() if isinstance(f, CheckpointUnreadable)), None)
+        if ours is not None:
+            raise ours from None
+        raise safeload.unreadable(directory, exc) from None
+    model = state.get("model")
+    if not isinstance(model, dict):
+        raise CheckpointUnreadable(directory, "no model state in the sharded checkpoint")
+    return model

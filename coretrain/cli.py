@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-restarts", type=int, default=0, metavar="K",
                      help="with --nproc-per-node: restart the ranks up to K times after a failure; "
                           "each restart resumes from the newest complete checkpoint")
+    run.add_argument("--traceback", action="store_true",
+                     help="when a plugin or the run fails, print the full traceback on stderr too "
+                          "(it is always written to OUTPUT_DIR/traceback.log)")
     run.set_defaults(handler=cmd_run)
 
     ckpt = commands.add_parser("checkpoint", help="inspect and export a run's checkpoints")
@@ -71,13 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from coretrain.errors import USAGE_EXIT_CODE, UserError
+    from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, RunFailure, UserError
 
     try:
         return int(args.handler(args) or 0)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    except RunFailure as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return FAILURE_EXIT_CODE
+    except KeyboardInterrupt:  # before the run's own handler was installed
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 # --------------------------------------------------------------------------- commands
@@ -120,24 +129,72 @@ def launch_torchrun(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
         return launch_torchrun(args)
+    from coretrain.signals import Interrupted, SignalWatcher
+
+    signals = SignalWatcher().install()  # before torch is imported: no signal is lost in start-up
+    try:
+        return _train(args, signals)
+    except Interrupted as exc:
+        import signal
+
+        logging.getLogger("coretrain").info("stopped by %s during start-up; nothing was trained or saved",
+                                            signal.Signals(exc.signum).name)
+        return 128 + exc.signum
+    finally:
+        signals.uninstall()
+
+
+def _train(args: argparse.Namespace, signals: Any) -> int:
     from coretrain.configload import load_config
     from coretrain.pluginmanager import load_plugins
 
     _setup_logging()
     loaded = load_config(args.config, args.overrides)
+    signals.check()
     plugins = load_plugins(loaded.config, loaded.locations)
+    signals.check()
 
     from coretrain import dist
+    from coretrain.errors import FAILURE_EXIT_CODE, PluginError, RunFailure, UserError
     from coretrain.loop import Trainer
     from coretrain.run import build_run
 
     try:
-        code = Trainer(build_run(loaded.config, plugins)).train()
-    except BaseException:
+        code = Trainer(build_run(loaded.config, plugins, signals=signals), signals).train()
+    except (UserError, RunFailure, KeyboardInterrupt):
         dist.shutdown()
         raise
+    except Exception as exc:  # a plugin's or the core's failure: one line here, the traceback in a file
+        dist.shutdown()
+        where = _write_traceback(loaded.config.output_dir, exc, args.traceback)
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        message = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {first}"
+        print(f"error: {message}", file=sys.stderr)
+        print(f"  full traceback: {where}", file=sys.stderr)
+        return FAILURE_EXIT_CODE
     dist.shutdown(graceful=True)
     return code
+
+
+def _write_traceback(output_dir: str, exc: BaseException, to_stderr: bool) -> str:
+    """Append the traceback to OUTPUT_DIR/traceback.log (rank N: traceback.rankN.log); where it went."""
+    import datetime
+    import traceback
+    from pathlib import Path
+
+    text = "".join(traceback.format_exception(exc))
+    if to_stderr:
+        print(text, file=sys.stderr, end="")
+    rank = int(os.environ.get("RANK", "0"))
+    path = Path(output_dir) / ("traceback.log" if rank == 0 else f"traceback.rank{rank}.log")
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"--- {datetime.datetime.now().astimezone().isoformat(timespec='seconds')} pid {os.getpid()}\n{text}")
+    except OSError:
+        if not to_stderr:
+            print(text, file=sys.stderr, end="")
+        return "stderr (the output dir is not writable)"
+    return str(path)
 
 
 def cmd_checkpoint_list(args: argparse.Namespace) -> int:

@@ -136,6 +136,9 @@ class CheckpointConfig:
     async_save: bool = False
     pretrained: str | None = None
     """Load model weights only from this checkpoint (fine-tuning: step 0, fresh optimizer)."""
+    load_optimizer: bool = True
+    """On resume, load the optimizer's state; false starts it afresh (e.g. after changing
+    optimizer.name), keeping weights, step, schedule position and data position."""
 
 
 @define(kw_only=True)

@@ -32,3 +32,35 @@ def require(module: str, *, needed_by: str, extra: str, package: str | None = No
     except ImportError:
         package = package or module.split(".")[0].replace("_", "-")
         raise UserError(f"{needed_by} needs {package}: pip install 'coretrain[{extra}]'") from None
+
+
+class CheckpointUnreadable(UserError):
+    """A checkpoint file that cannot be loaded; ``unsafe`` when it holds more than plain data.
+
+    An automatic resume falls back to an older checkpoint past a corrupt one, never past an
+    unsafe one: a file that names code to run was crafted, and a person should look.
+    """
+
+    def __init__(self, path: object, reason: str, *, unsafe: bool = False) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason, self.unsafe = path, reason, unsafe
+
+
+FAILURE_EXIT_CODE = 1
+
+
+class PluginError(Exception):
+    """A plugin's hook raised: the run stops with one line naming plugin, hook and step (exit 1)."""
+
+    def __init__(self, plugin: str, hook: str, cause: BaseException, step: int | None = None) -> None:
+        super().__init__(plugin, hook, step)
+        self.plugin, self.hook, self.cause, self.step = plugin, hook, cause, step
+
+    def __str__(self) -> str:
+        at = f" at step {self.step}" if self.step is not None else ""
+        first = next((line for line in str(self.cause).splitlines() if line.strip()), "")
+        return f"plugin '{self.plugin}' failed in {self.hook}{at}: {type(self.cause).__name__}: {first}".rstrip(": ")
+
+
+class RunFailure(Exception):
+    """Something outside the user's config went wrong (a full disk, a failing write): one line, exit 1."""

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from coretrain import checkpoint
+from coretrain import checkpoint, safeload
 from coretrain import metrics as derived
 from coretrain.data import BatchReader, SampleOrder
 from coretrain.dist import max_over_ranks, mean_over_ranks
+from coretrain.errors import CheckpointUnreadable, PluginError, RunFailure
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
 
@@ -145,6 +146,17 @@ def evaluate(run: Run, dataset: Any, iters: int) -> dict[str, float]:
     return {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 50.0))}
 
 
+def out_of_memory(run: Run, exc: BaseException) -> str:
+    """One line with the sizes that decide memory, and what to lower."""
+    params = sum(p.numel() for p in run.model.parameters()) if run.model is not None else 0
+    seq = run.datasets.seq_length if run.datasets is not None else None
+    shape = f"micro_batch_size {run.config.train.micro_batch_size}" + (f" × seq_length {seq}" if seq else "")
+    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return (f"out of memory at step {run.state.step + 1} on {run.device} ({shape}, model {params / 1e6:.1f}M "
+            f"parameters): {first[:160]}; lower train.micro_batch_size (global_batch_size stays, through "
+            "gradient accumulation) or the model size")
+
+
 def autocast(run: Run) -> contextlib.AbstractContextManager:
     precision = run.config.run.precision
     if precision == "fp32":
@@ -155,29 +167,60 @@ def autocast(run: Run) -> contextlib.AbstractContextManager:
 class Trainer:
     """Drives one run from restore to on_train_end; returns the process exit code."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Run, signals: SignalWatcher | None = None) -> None:
         self.run = run
         self.hooks = ResolvedHooks(run)
         self.log = IntervalLog()
         self.last_saved_step = -1
         self.last_eval_step = -1
         self.checkpointer = checkpoint.Checkpointer(run)
-        self.signals = SignalWatcher(run.config.train.exit_signals if run.config.train.exit_signal_handler else [])
+        train = run.config.train
+        watched = train.exit_signals if train.exit_signal_handler else []
+        if signals is None:
+            signals = SignalWatcher(watched)
+        else:  # installed at start-up by the CLI: keep watching what the config asks for
+            signals.keep_only(watched)
+        self.signals = signals
         self.signum: int | None = None
 
     # ---------------------------------------------------------------- checkpoints
 
     def restore(self) -> None:
+        """Resume from the newest checkpoint that loads, falling back past corrupt ones.
+
+        Every rank reads its part first and the ranks agree on the verdict, so they all
+        resume from the same step; a file that names code to run stops the run instead.
+        """
         run = self.run
-        path = checkpoint.find_resume_dir(run)
-        if path is None:
+        candidates, explicit = checkpoint.resume_candidates(run)
+        if not candidates:
             if run.config.checkpoint.pretrained:
                 checkpoint.load_pretrained(run, run.config.checkpoint.pretrained)
                 log.info("loaded pretrained weights from %s", run.config.checkpoint.pretrained)
             return
-        state = checkpoint.load(run, path)
+        with_optimizer = run.config.checkpoint.load_optimizer
+        for tried, path in enumerate(candidates, start=1):
+            problem: CheckpointUnreadable | None = None
+            try:
+                restored = checkpoint.read(run, path, with_optimizer)
+            except CheckpointUnreadable as exc:
+                problem = exc
+            verdict = 0 if problem is None else 2 if problem.unsafe else 1
+            if run.dist.world_size > 1:
+                verdict = max_over_ranks(verdict)[0]
+            if verdict == 0:
+                break
+            problem = problem or CheckpointUnreadable(path, "another rank could not read its part of it")
+            if verdict == 2 or explicit or tried == len(candidates):
+                raise problem
+            log.warning("checkpoint %s is unusable (%s); falling back to the previous complete checkpoint "
+                        "(nothing is deleted)", path, problem.reason)
+        checkpoint.check_resumable(run, restored.manifest)
+        checkpoint.apply(run, restored, with_optimizer)
+        state = restored.rank_state
         self.log.restore(state.get("interval_log", {}), run.device)
         self.last_saved_step = run.state.step
+        self.last_eval_step = run.state.step if restored.manifest.get("validated") else -1
         plugin_states = state.get("plugins", {})
         run.plugins.call_each("on_resume", run=run, step=run.state.step,
                               per_plugin=lambda name: {"state": plugin_states.get(name, {})})
@@ -188,10 +231,19 @@ class Trainer:
         if not run.config.checkpoint.save or self.last_saved_step == run.state.step:
             return
         path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
-        plugin_states = {name: state for name, state in
-                         run.plugins.call_each("on_checkpoint", run=run, step=run.state.step, path=str(path)).items()
-                         if state is not None}
-        _, blocked = self.checkpointer.save({"plugins": plugin_states, "interval_log": self.log.pending()})
+        plugin_states = {}
+        for name, state in run.plugins.call_each("on_checkpoint", run=run, step=run.state.step, path=str(path)).items():
+            if state is None:
+                continue
+            try:  # a state no run could load again must not reach the disk
+                safeload.check_plain(state, "state")
+            except TypeError as exc:
+                raise PluginError(name, "on_checkpoint", TypeError(
+                    f"returned {exc}; a checkpoint holds tensors, numbers, str, bool, None and "
+                    "lists/dicts of these"), run.state.step) from None
+            plugin_states[name] = state
+        _, blocked = self.checkpointer.save({"plugins": plugin_states, "interval_log": self.log.pending()},
+                                            validated=self.last_eval_step == run.state.step)
         self.last_saved_step = run.state.step
         run.control.checkpoint_requested = False
         if self.checkpointer.in_flight:
@@ -208,33 +260,80 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
 
     def train(self) -> int:
+        """Restore, train, save, validate; ``on_train_end`` for every plugin however it ends."""
         run, hooks = self.run, self.hooks
         run.started_at = time.monotonic()
-        self.restore()
         outcome = "error"
         try:
             with self.signals:
-                if hooks.on_train_start:
-                    hooks.on_train_start(run=run)
-                outcome = "completed" if run.config.train.skip_train else self._steps()
-                if outcome == "completed":  # an exit condition means "stop now", as in Megatron
-                    self._final_eval()
-                    self.save()
-                self._saved(self.checkpointer.wait())  # a save in flight finishes before we leave
+                self.restore()
+                if self._signalled_during_start():
+                    outcome = "signal"
+                else:
+                    if hooks.on_train_start:
+                        hooks.on_train_start(run=run)
+                    outcome = "completed" if run.config.train.skip_train else self._steps()
+                    if outcome == "completed":  # an exit condition means "stop now", as in Megatron
+                        self.save()  # the trained weights first: a failing validation cannot lose them
+                        self._final_eval()
+                    self._saved(self.checkpointer.wait())  # a save in flight finishes before we leave
+                    self._mark_final_validation()
+        except PluginError as exc:
+            if exc.step is None:
+                exc.step = run.state.step
+            raise
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            raise RunFailure(out_of_memory(run, exc)) from exc
         finally:
             if outcome == "error" and self.checkpointer.in_flight:
                 with contextlib.suppress(Exception):  # the error in hand is the one to report
                     self.checkpointer.wait()
-            if hooks.on_train_end:
-                hooks.on_train_end(run=run, outcome=outcome)
+            try:
+                self._end(outcome)
+            finally:
+                if run.output_lock is not None:
+                    run.output_lock.release()
         if outcome == "signal":
             return 128 + self.signum
         return run.control.exit_code if outcome == "stopped" else 0
+
+    def _end(self, outcome: str) -> None:
+        """on_train_end on every plugin, even past one that raises; the first failure is re-raised
+        unless the run is already failing with another error."""
+        run = self.run
+        if not self.hooks.on_train_end:
+            return
+        errors = run.plugins.call_all("on_train_end", run=run, outcome=outcome)
+        for error in errors[1:]:
+            log.error("also: %s", error)
+        if errors and outcome != "error":
+            error = errors[0]
+            if isinstance(error, PluginError) and error.step is None:
+                error.step = run.state.step
+            raise error
+
+    def _signalled_during_start(self) -> bool:
+        """A signal that arrived while the run was being built and restored: stop before step one,
+        agreed across ranks (nothing new to save)."""
+        signum = self.signals.received or 0
+        if self.run.dist.world_size > 1:
+            signum = max_over_ranks(signum)[0]
+        if signum:
+            self.signum = signum
+            log.info("stopping before the first step: received %s", signal.Signals(signum).name)
+        return bool(signum)
 
     def _final_eval(self) -> None:
         run = self.run
         if run.config.train.eval_iters and run.datasets.valid is not None and self.last_eval_step != run.state.step:
             self._eval()
+
+    def _mark_final_validation(self) -> None:
+        """Tell the final checkpoint its validation was logged, so re-running a finished run adds no row."""
+        run = self.run
+        if run.dist.is_main and self.last_saved_step == run.state.step == self.last_eval_step \
+                and run.config.checkpoint.save:
+            checkpoint.mark_validated(checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step))
 
     def _eval(self) -> None:
         run = self.run
@@ -259,6 +358,7 @@ class Trainer:
         # deadline count for all, i.e. the start time is the minimum over ranks
         deadline = time.monotonic() + cfg.exit_duration_in_mins * 60 if cfg.exit_duration_in_mins else None
         check_exit = deadline is not None or cfg.exit_interval is not None or world > 1
+        agree_skip = world > 1 and hooks.before_update is not None
         signals, checkpointer = self.signals, self.checkpointer
         plain = getattr(model, "no_sync", None) is None and run.config.run.precision == "fp32"
         sharded_norm = checkpoint.is_sharded(model)  # FSDP2: the grad norm is a DTensor
@@ -290,6 +390,8 @@ class Trainer:
                 hooks.before_update(run=run, step=step, loss=loss.detach())
             grad_norm = None
             skipped = control.skip_reason is not None
+            if agree_skip:  # one rank's veto is every rank's: replicas must take the same updates
+                skipped = bool(max_over_ranks(int(skipped))[0])
             if skipped:
                 state.skipped_updates += 1
                 control.skip_reason = None
@@ -386,8 +488,10 @@ class Trainer:
             code = 2
         elif cfg.exit_interval and step % cfg.exit_interval == 0:
             code = 1
-        if self.run.dist.world_size > 1:
-            code, signum = max_over_ranks(code, signum)
+        if self.run.dist.world_size > 1:  # one exit code, and a checkpoint if any rank asks for one
+            code, signum, exit_code, wants_checkpoint = max_over_ranks(
+                code, signum, control.exit_code, int(control.checkpoint_requested))
+            control.exit_code, control.checkpoint_requested = exit_code, bool(wants_checkpoint)
         if code == 4:
             self.signum = signum
             control.request_stop(f"received {signal.Signals(signum).name}")

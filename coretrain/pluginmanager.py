@@ -10,6 +10,7 @@ in the ``coretrain.autoload`` group, so deciding what to load never imports anyt
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import os
 import textwrap
@@ -23,7 +24,7 @@ import pluggy
 from coretrain import hookspecs
 from coretrain.config import Config, world_size_from_env
 from coretrain.configload import Location, structure
-from coretrain.errors import UserError, did_you_mean
+from coretrain.errors import PluginError, RunFailure, UserError, did_you_mean
 
 GROUP = "coretrain"
 AUTOLOAD_GROUP = "coretrain.autoload"
@@ -158,6 +159,10 @@ class Plugins:
             raise UserError(f"plugin '{name}'{origin}: {detail}") from None
         if entry:
             self.entries[name] = entry
+        for caller in self.manager.get_hookcallers(plugin) or []:
+            for impl in caller.get_hookimpls():
+                if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
+                    impl.function = _naming_failures(impl.function, name, caller.name, impl.argnames)
 
     def get(self, name: str) -> object | None:
         return self.manager.get_plugin(name)
@@ -183,6 +188,21 @@ class Plugins:
             results[impl.plugin_name] = impl.function(*(arguments[arg] for arg in impl.argnames))
         return results
 
+    def call_all(self, hook_name: str, **kwargs: Any) -> list[BaseException]:
+        """Call every implementation in pluggy's order even if some raise; return what they raised.
+
+        For ``on_train_end``: one plugin's failure must not leave another's files open.
+        """
+        errors: list[BaseException] = []
+        for impl in reversed(getattr(self.manager.hook, hook_name).get_hookimpls()):
+            if impl.hookwrapper or impl.wrapper:
+                continue
+            try:
+                impl.function(*(kwargs[arg] for arg in impl.argnames))
+            except Exception as exc:
+                errors.append(exc)
+        return errors
+
     def check_pending(self) -> None:
         """A method named like a hook that matches no spec is a typo: make it an error."""
         try:
@@ -194,6 +214,23 @@ class Plugins:
                        or not getattr(self.manager.hook, n).has_spec()]
             hints = "; ".join(f"'{n}'{did_you_mean(n, known)}" for n in unknown) or str(exc)
             raise UserError(f"plugin '{plugin_name}' implements hooks that do not exist: {hints}") from None
+
+
+def _naming_failures(function: Callable[..., Any], plugin: str, hook: str, argnames: tuple[str, ...]) -> Callable[..., Any]:
+    """Wrap a hook implementation so an exception from it says which plugin, hook and step."""
+    step_at = argnames.index("step") if "step" in argnames else None
+
+    @functools.wraps(function)
+    def guarded(*args: Any) -> Any:
+        try:
+            return function(*args)
+        except (UserError, PluginError, RunFailure):
+            raise  # already says what to fix / who failed
+        except Exception as exc:
+            step = args[step_at] if step_at is not None and step_at < len(args) else None
+            raise PluginError(plugin, hook, exc, step) from exc
+
+    return guarded
 
 
 def _hook_like_methods(plugin: object) -> list[str]:

@@ -24,6 +24,8 @@ from coretrain.dist import DistInfo, init_distributed
 from coretrain.errors import UserError
 from coretrain.optim import WarmupDecayLR, build_optimizer
 from coretrain.pluginmanager import Plugins, is_import_path
+from coretrain.rundir import OutputDirLock
+from coretrain.signals import SignalWatcher
 from coretrain.tomlwrite import dumps
 
 
@@ -91,6 +93,8 @@ class Run:
     log_tensors: dict[str, torch.Tensor] = field(factory=dict)
     """Device scalars a plugin adds for the next ``on_log`` (e.g. a norm taken at the log step):
     read with the interval's one host sync, averaged over ranks, then cleared."""
+    output_lock: OutputDirLock | None = field(default=None, repr=False)
+    """Rank 0's lock on output_dir: one run per directory, for as long as this run lives."""
 
     @property
     def global_batch_size(self) -> int:
@@ -174,6 +178,8 @@ class ImportedDataProvider:
         if isinstance(result, Datasets):
             return result
         if isinstance(result, tuple):
+            if not 1 <= len(result) <= 3:
+                raise UserError(f"data.provider: returned a tuple of {len(result)} items; expected (train, valid, test)")
             return Datasets(**dict(zip(("train", "valid", "test"), result)))
         return Datasets(train=result)
 
@@ -190,8 +196,16 @@ def register_import_path_providers(config: Config, plugins: Plugins) -> None:
 # --------------------------------------------------------------------------- building
 
 
-def build_run(config: Config, plugins: Plugins, write_config: bool = True) -> Run:
-    """Construct everything the loop needs, in the documented order."""
+def build_run(config: Config, plugins: Plugins, write_config: bool = True,
+              signals: SignalWatcher | None = None) -> Run:
+    """Construct everything the loop needs, in the documented order.
+
+    With ``write_config`` (a real run, not `config show`) rank 0 first locks the output dir;
+    ``signals`` is checked between phases so a Ctrl-C during start-up ends it.
+    """
+    from coretrain.datachecks import check_datasets, check_model
+
+    check_signals = signals.check if signals is not None else (lambda: None)
     for section in ("model", "data"):
         if not getattr(config, section).provider:
             raise UserError(f"{section}.provider: not set; name a provider plugin (see `coretrain plugins`) "
@@ -211,8 +225,9 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True) -> Ru
     run = Run(config=config, plugins=plugins, dist=dist_info, device=device, output_dir=output_dir,
               micro_batches_per_step=micro)
     if dist_info.is_main and write_config:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        run.output_lock = OutputDirLock(output_dir).acquire()
         (output_dir / "config.toml").write_text(dumps(config_as_dict(config)), encoding="utf-8")
+    check_signals()
 
     train = config.train
     global_batch = run.global_batch_size
@@ -226,12 +241,17 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True) -> Ru
     run.datasets = plugins.hook.provide_datasets(run=run, context=context)
     if run.datasets is None:
         raise UserError(f"data.provider '{config.data.provider}' returned no datasets")
+    check_datasets(run.datasets, config.data.provider, global_batch=global_batch, micro_batch=train.micro_batch_size,
+                   validate=train.eval_iters > 0)
+    check_signals()
 
     model = plugins.hook.provide_model(run=run)
     if model is None:
         raise UserError(f"model.provider '{config.model.provider}' returned no model")
+    check_model(model, config.model.provider)
     run.model = model.to(device)
     plugins.hook.configure_model(run=run)
+    check_signals()
 
     overrides: dict[str, dict[str, float]] = {}
     for result in reversed(plugins.hook.param_group_overrides(run=run, model=run.model)):

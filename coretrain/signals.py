@@ -3,7 +3,16 @@
 Checkpointing inside a signal handler is how runs lose data (it can interrupt a save, a
 collective, a CUDA call). Here the handler stores the signal number; at the next step
 boundary the ranks agree on it, ``on_signal`` runs, a checkpoint is saved and the process
-exits with 128+signum. A second signal while the first is pending aborts at once.
+exits with 128+signum.
+
+The watcher is installed first thing in ``coretrain run``, before torch is imported, so a
+signal during start-up is never lost (Python's default SIGINT handler raises
+KeyboardInterrupt wherever the main thread is, and a finalizer or callback that swallows it
+lets the run go on); start-up checks :meth:`SignalWatcher.check` between its phases.
+
+A repeated SIGTERM or SIGUSR1 changes nothing: schedulers signal every process and torchrun
+forwards the signal again, so each worker may see it twice and must still checkpoint. Only
+SIGINT while a signal is pending — a person pressing Ctrl-C again — aborts at once.
 """
 
 from __future__ import annotations
@@ -14,26 +23,50 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+
+class Interrupted(Exception):
+    """A signal arrived during start-up: leave with 128+signum before training."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
 
 class SignalWatcher:
     """Installs recording handlers for the run and restores the previous ones afterwards."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str] = DEFAULT_SIGNALS) -> None:
         self.signums = [getattr(signal, name) for name in names]
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None:  # impatient second signal: leave now, as the default would
+        if self.received is None:
+            self.received = signum
+        elif signum == signal.SIGINT:  # impatient Ctrl-C: leave now, as the default would
             self.uninstall()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-            return
-        self.received = signum
 
-    def install(self) -> None:
+    def install(self) -> SignalWatcher:
         for signum in self.signums:
-            self._previous[signum] = signal.signal(signum, self._handle)
+            if signum not in self._previous:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def keep_only(self, names: Sequence[str]) -> None:
+        """Narrow the watched signals to the config's ``train.exit_signals`` (after start-up)."""
+        wanted = {getattr(signal, name) for name in names}
+        for signum in [s for s in self._previous if s not in wanted]:
+            signal.signal(signum, self._previous.pop(signum))
+        self.signums = [s for s in self.signums if s in wanted]
+
+    def check(self) -> None:
+        """Raise :class:`Interrupted` if a signal arrived (called between start-up phases)."""
+        if self.received is not None:
+            raise Interrupted(self.received)
 
     def uninstall(self) -> None:
         for signum, handler in self._previous.items():
@@ -41,8 +74,7 @@ class SignalWatcher:
         self._previous.clear()
 
     def __enter__(self) -> SignalWatcher:
-        self.install()
-        return self
+        return self.install()
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()

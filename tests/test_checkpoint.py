@@ -29,7 +29,8 @@ def test_rng_state_round_trips_through_weights_only_load(tmp_path: Path) -> None
     assert draws() == expected
 
 
-def test_resume_ignores_an_uncommitted_save_and_names_a_corrupt_file(tmp_path: Any, no_autoload: None) -> None:
+def test_resume_ignores_an_uncommitted_save_and_falls_back_past_a_corrupt_one(
+        tmp_path: Any, no_autoload: None, caplog: pytest.LogCaptureFixture) -> None:
     run, _ = train(config(tmp_path, train={"exit_interval": 4}))
     root = tmp_path / "out" / "checkpoints"
     (root / "step_00000008.tmp").mkdir()                 # a save that never committed
@@ -37,8 +38,13 @@ def test_resume_ignores_an_uncommitted_save_and_names_a_corrupt_file(tmp_path: A
     resumed, _ = train(config(tmp_path, train={"train_iters": 6}))
     assert resumed.state.step == 6                         # resumed from 4, not from the .tmp
     (root / "step_00000006" / "model.pt").write_bytes(b"truncated")
-    with pytest.raises(UserError, match=r"step_00000006/model.pt: cannot load checkpoint file"):
-        train(config(tmp_path, train={"train_iters": 8}))
+    fallback, _ = train(config(tmp_path, train={"train_iters": 8}), ("first", FirstWeights()))
+    assert fallback.state.step == 8 and "falling back" in caplog.text and "step_00000006" in caplog.text
+    assert (root / "step_00000006" / "model.pt").read_bytes() == b"truncated"   # the fallback deletes nothing
+    (root / "step_00000004" / "rank_00000.pt").write_bytes(b"")
+    (root / "step_00000008" / "optimizer.pt").unlink()
+    with pytest.raises(UserError, match=r"step_00000004/rank_00000.pt: cannot load checkpoint file: EOFError"):
+        train(config(tmp_path, train={"train_iters": 9}))       # nothing loadable left: the oldest's error
 
 
 def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path: Any, no_autoload: None) -> None:

@@ -13,7 +13,10 @@ dummy iterations).
 Better than Megatron: a bad loss never crashes a run whose action is "skip" or "warn"
 (Megatron's check_for_nan_in_loss_and_grad raises), and the spike window holds one value
 per step — the mean over micro-batches — not per-micro-batch sums, so it does not depend on
-the accumulation factor. Checking costs one host sync per step (the decision needs it).
+the accumulation factor. With several ranks the loss judged is the mean over ranks, so every
+rank decides alike (the loop also agrees on any veto: one rank's skip is every rank's).
+Checking costs one host sync per step (the decision needs it), and with several ranks one
+all-reduce of the loss.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, Literal
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.dist import mean_over_ranks
 
 log = logging.getLogger("coretrain")
 
@@ -55,6 +59,8 @@ class Guards:
         if step in self.iterations_to_skip:
             run.control.skip_update(f"step {step} is in iterations_to_skip")
             return
+        if run.dist.world_size > 1:  # judge what every rank sees: the mean loss over ranks
+            loss = mean_over_ranks(loss.detach().clone())
         value = float(loss)  # the one sync per step this guard needs
         problem = None
         if self.check_nan and not math.isfinite(value):

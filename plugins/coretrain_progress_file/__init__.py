@@ -5,12 +5,14 @@ checkpoints the job throughput (FLOPs of this job / this job's training time / d
 cumulative throughput over every job of the run, and FLOPs and tokens so far. Megatron
 Bridge's "Job throughput" is always 0 because it subtracts the FLOP count it has just
 updated; here the job's starting point is taken once, at job start, and the cumulative
-training time travels in the checkpoint.
+training time travels in the checkpoint. On resume, lines after the resumed step and a line
+cut short by a crash are dropped, as metrics.jsonl does.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,9 @@ from typing import Any
 from attrs import define, field
 
 from coretrain import hookimpl
+
+
+_STEP = re.compile(r"\tstep (\d+)\t")
 
 
 @define(kw_only=True)
@@ -42,8 +47,23 @@ class ProgressFile:
     def on_resume(self, state: dict[str, Any]) -> None:
         self._seconds_before = float(state.get("train_seconds", 0.0))
 
+    def _trim(self, run: Any) -> None:
+        """Keep whole lines up to the resumed step (the rest belongs to a timeline that was lost)."""
+        path = Path(run.output_dir) / self.filename
+        if not run.dist.is_main or not path.exists():
+            return
+        text = path.read_text(encoding="utf-8", errors="replace")
+        lines = text.split("\n")
+        lines = lines[:-1]  # the last piece is "" after a complete file, or a torn line
+        kept = [line for line in lines if (m := _STEP.search(line)) and int(m.group(1)) <= run.state.step]
+        if len(kept) != len(lines) or not text.endswith("\n") and text:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            os.replace(tmp, path)
+
     @hookimpl
     def on_train_start(self, run: Any) -> None:
+        self._trim(run)
         self._job_started = time.monotonic()
         self._job_start_samples = run.state.consumed_samples
         self._line(run, "job start")

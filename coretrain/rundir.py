@@ -1,0 +1,76 @@
+"""The run's output directory: created and checked once, held by one run at a time.
+
+Two runs writing one directory interleave metrics, overwrite each other's checkpoints and,
+worst, the second silently continues the first one's weights. Rank 0 therefore holds an
+exclusive ``flock`` on ``<output_dir>/.lock`` for the whole run. The OS drops the lock when
+the process ends in any way, SIGKILL included, so a crashed run never blocks its restart.
+The file itself stays (deleting a lock file races with the next taker); it only says who
+holds it, for the message the next run prints.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+from typing import IO
+
+from coretrain.errors import UserError
+
+LOCK_NAME = ".lock"
+
+
+def prepare(path: Path, key: str = "run.output_dir") -> None:
+    """Create ``path`` (and parents) or say in one line why it cannot be a run's directory."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{key}: '{path}' exists and is not a directory; choose another output dir") from None
+    except NotADirectoryError:
+        raise UserError(f"{key}: a parent of '{path}' is a file, not a directory") from None
+    except PermissionError:
+        raise UserError(f"{key}: no permission to create '{path}'") from None
+    except OSError as exc:
+        raise UserError(f"{key}: cannot create '{path}': {exc.strerror}") from None
+    if not path.is_dir():
+        raise UserError(f"{key}: '{path}' exists and is not a directory; choose another output dir")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{key}: '{path}' is not writable by this user")
+
+
+class OutputDirLock:
+    """An exclusive lock on a run's output dir, held until :meth:`release` or process exit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> OutputDirLock:
+        prepare(self.path)
+        lock_path = self.path / LOCK_NAME
+        handle = open(lock_path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise UserError(f"{self.path} is in use by {holder}; wait for that run to end, "
+                                "or give this one another run.output_dir") from None
+            raise UserError(f"{self.path}: cannot lock {lock_path}: {exc.strerror}") from None
+        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n")
+        handle.flush()
+        self._file = handle
+        return self
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the descriptor drops the flock
+            self._file = None

@@ -1,0 +1,156 @@
+"""Read checkpoint files without ever running code from them.
+
+Every file of a checkpoint goes through one of three readers here:
+
+- ``.pt`` files: ``torch.load(weights_only=True)``, torch's allowlist unpickler;
+- DCP's ``.metadata``: :class:`RestrictedUnpickler`, an allowlist of the classes that
+  torch.distributed.checkpoint's metadata is made of (DCP's own reader calls plain
+  ``pickle.load``, so a crafted ``.metadata`` would run code);
+- non-tensor items inside DCP shards (optimizer param groups): ``weights_only=True`` too
+  (DCP's planner loads them with ``weights_only=False``).
+
+A file that fails is a :class:`CheckpointUnreadable` naming it: ``unsafe`` when it holds
+something that is not plain data (a crafted or foreign file: the run stops), otherwise
+corrupt (truncated, garbage, missing: an automatic resume may fall back to an older one).
+What plugins hand over to be saved is checked to be loadable the same way (:func:`check_plain`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from coretrain.errors import CheckpointUnreadable
+
+_DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex", "StorageMeta",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata: only the allowlisted classes (and torch dtypes) may be named."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not allowed")
+
+
+def _reason(exc: BaseException) -> tuple[str, bool]:
+    """(one-line reason, unsafe?) for an exception raised while reading a checkpoint file."""
+    text = str(exc)
+    if isinstance(exc, pickle.UnpicklingError) and ("Weights only load failed" in text or "not allowed" in text):
+        found = re.search(r"GLOBAL [\w.]+", text)
+        what = found.group(0) if found else "an object that is not plain data"
+        return f"it names {what}, which a checkpoint never holds (a crafted or foreign file?); nothing was run", True
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}{': ' + first[:200] if first else ''}", False
+
+
+def unreadable(path: Path, exc: BaseException) -> CheckpointUnreadable:
+    reason, unsafe = _reason(exc)
+    return CheckpointUnreadable(path, f"cannot load checkpoint file: {reason}", unsafe=unsafe)
+
+
+def load_file(path: Path) -> Any:
+    """A ``.pt`` file of a checkpoint, through torch's allowlist unpickler."""
+    if not path.is_file():
+        raise CheckpointUnreadable(path, "checkpoint file missing; the checkpoint is incomplete")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, crafted pickle, garbage: name the file
+        raise unreadable(path, exc) from None
+
+
+def load_metadata(stream: IO[bytes], path: Path) -> Any:
+    try:
+        return RestrictedUnpickler(stream).load()
+    except Exception as exc:
+        raise unreadable(path, exc) from None
+
+
+def dcp_reader(directory: Path) -> Any:
+    """A torch.distributed.checkpoint FileSystemReader whose ``.metadata`` read is restricted."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = Path(self._get_metadata_path(kwargs.get("rank")))
+            if not path.is_file():
+                raise CheckpointUnreadable(path, "no .metadata; the sharded checkpoint is incomplete")
+            with open(path, "rb") as stream:
+                metadata = load_metadata(stream, path)
+            if type(metadata).__name__ != "Metadata":
+                raise CheckpointUnreadable(path, f"not DCP metadata (a {type(metadata).__name__})")
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(directory))
+
+
+def _safe_bytes(planner: Any, read_item: Any, value: io.BytesIO, where: Path) -> io.BytesIO:
+    """Load a non-tensor DCP item with weights_only; re-serialize the checked value for the planner."""
+    try:
+        obj = torch.load(value, weights_only=True)
+    except Exception as exc:
+        raise unreadable(where, exc) from None
+    checked = io.BytesIO()
+    torch.save(obj, checked)
+    checked.seek(0)
+    return checked
+
+
+def dcp_planner(directory: Path, *, empty: bool = False) -> Any:
+    """DCP's load planner (or the one that builds the state dict from metadata, for export),
+    with non-tensor items loaded through the allowlist unpickler."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+    base: Any = _EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner
+
+    class SafeLoadPlanner(base):  # type: ignore[misc, valid-type]
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            super().load_bytes(read_item, _safe_bytes(self, read_item, value, directory))
+
+    return SafeLoadPlanner()
+
+
+PLAIN_TYPES = (bool, int, float, str, type(None))
+
+
+def check_plain(obj: Any, where: str) -> None:
+    """Raise TypeError naming the first value a ``weights_only`` load would refuse."""
+    if isinstance(obj, PLAIN_TYPES) or type(obj) in (torch.Tensor, torch.nn.Parameter):
+        return
+    if type(obj) in (list, tuple):
+        for i, item in enumerate(obj):
+            check_plain(item, f"{where}[{i}]")
+        return
+    if type(obj) is dict:
+        for key, item in obj.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}: {key!r}")
+            check_plain(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}")
