@@ -84,9 +84,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class _WriteErrors:
+    """A file object that remembers the OSError of a failed write (torch.save reports only a
+    RuntimeError about the stream position, which hides a full disk)."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self.file.write(data))
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+
 def _save_file(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        recorder = _WriteErrors(f)
+        try:
+            torch.save(obj, recorder)
+        except Exception:
+            if recorder.error is not None:
+                raise OSError(recorder.error.errno, recorder.error.strerror, str(path)) from None
+            raise
         f.flush()
         os.fsync(f.fileno())
 
@@ -188,10 +212,7 @@ def _write(tmp: Path, files: dict[str, Any]) -> None:
 
 def write_failure(root: Path, step: int, tmp: Path, exc: BaseException) -> RunFailure:
     """A save that could not be written (full disk, quota, permissions): one line, the old ones kept."""
-    cause = exc
-    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: every rank's error
-    if failures:
-        cause = next(iter(failures.values()))
+    cause = safeload.first_failure(exc)  # DCP's CheckpointException wraps every rank's error
     detail = f"{cause.strerror}: {cause.filename or tmp}" if isinstance(cause, OSError) and cause.strerror \
         else f"{type(cause).__name__}: {cause}"
     shutil.rmtree(tmp, ignore_errors=True)  # free what the failed save took
@@ -219,7 +240,7 @@ def write_and_commit(root: Path, step: int, files: dict[str, Any], is_main: bool
     tmp = _begin(root, step, is_main, distributed)
     try:
         _write(tmp, files)
-    except Exception as exc:
+    except safeload.dcp_errors() as exc:
         raise write_failure(root, step, tmp, exc) from exc
     if distributed:
         _barrier()
@@ -272,7 +293,7 @@ class Checkpointer:
         rank_file = f"rank_{run.dist.rank:05d}.pt"
         try:
             _write(tmp, {rank_file: files.pop(rank_file)})
-        except Exception as exc:
+        except safeload.dcp_errors() as exc:
             raise write_failure(root, step, tmp, exc) from exc
         sharded = files.pop("sharded", None)
         future = None
@@ -299,7 +320,7 @@ class Checkpointer:
             if self.run.dist.is_main:
                 _commit(root, step, tmp, self.run.config.checkpoint.keep_last)
         except BaseException as exc:  # handed to the training thread by wait()
-            self._error = write_failure(root, step, tmp, exc) if isinstance(exc, Exception) else exc
+            self._error = write_failure(root, step, tmp, exc) if isinstance(exc, safeload.dcp_errors()) else exc
 
     def done(self) -> int | None:
         """The step of an async save that has finished since the last call, if any (non-blocking)."""
@@ -401,9 +422,9 @@ def mark_validated(directory: Path) -> None:
 def _load_sharded(run: Run, directory: Path, with_optimizer: bool) -> None:
     """Load a DCP checkpoint into the current model (sharded or not, any number of ranks)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    safeload.check_metadata(directory)
     model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state} if with_optimizer else {"model": model_state}
     try:
@@ -411,14 +432,8 @@ def _load_sharded(run: Run, directory: Path, with_optimizer: bool) -> None:
                  no_dist=run.dist.world_size == 1)
     except CheckpointUnreadable:
         raise
-    except CheckpointException as exc:  # DCP gathers every rank's failure: report ours, or the first
-        failures = list(exc.failures.values())
-        ours = next((f for f in failures if isinstance(f, CheckpointUnreadable)), None)
-        if ours is not None:
-            raise ours from None
-        raise safeload.unreadable(directory, failures[0] if failures else exc) from None
-    except Exception as exc:  # name the checkpoint, keep the cause
-        raise CheckpointUnreadable(directory, f"cannot load sharded checkpoint ({type(exc).__name__}: {exc})") from None
+    except safeload.dcp_errors() as exc:  # DCP gathers every rank's failure: report ours, or the first
+        raise safeload.dcp_unreadable(directory, exc) from None
     set_state_dict(run.model, run.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"] if with_optimizer else {})
 
@@ -459,11 +474,7 @@ def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
         if with_optimizer:
             restored.optimizer = safeload.load_file(path / "optimizer.pt")
     else:  # DCP reads it again when applying; reading it here lets a crafted or torn one fail early
-        metadata = path / "sharded" / ".metadata"
-        if not metadata.is_file():
-            raise CheckpointUnreadable(metadata, "missing; the sharded checkpoint is incomplete")
-        with open(metadata, "rb") as stream:
-            safeload.load_metadata(stream, metadata)
+        safeload.check_metadata(path / "sharded")
     return restored
 
 
@@ -630,20 +641,18 @@ def export_weights(run_dir: Path, step: int | None, to: Path) -> Path:
 
 def read_sharded_model(directory: Path) -> dict[str, torch.Tensor]:
     """The full model state dict of a DCP checkpoint, in this one process, read safely."""
-    import torch.distributed.checkpoint as dcp
+    # dcp.load fills a copy of the dict it is given; torch's own dcp_to_torch_save calls this instead
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    safeload.check_metadata(directory)
     state: dict[str, Any] = {}
     try:
-        dcp.load(state, storage_reader=safeload.dcp_reader(directory),
-                 planner=safeload.dcp_planner(directory, empty=True), no_dist=True)
+        _load_state_dict(state, storage_reader=safeload.dcp_reader(directory),
+                         planner=safeload.dcp_planner(directory, empty=True), no_dist=True)
     except CheckpointUnreadable:
         raise
-    except Exception as exc:
-        inner = getattr(exc, "failures", {}) or {}
-        ours = next((f for f in inner.values() if isinstance(f, CheckpointUnreadable)), None)
-        if ours is not None:
-            raise ours from None
-        raise safeload.unreadable(directory, exc) from None
+    except safeload.dcp_errors() as exc:
+        raise safeload.dcp_unreadable(directory, exc) from None
     model = state.get("model")
     if not isinstance(model, dict):
         raise CheckpointUnreadable(directory, "no model state in the sharded checkpoint")

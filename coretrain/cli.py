@@ -159,9 +159,11 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
     from coretrain.loop import Trainer
     from coretrain.run import build_run
 
+    from coretrain.signals import Interrupted
+
     try:
         code = Trainer(build_run(loaded.config, plugins, signals=signals), signals).train()
-    except (UserError, RunFailure, KeyboardInterrupt):
+    except (UserError, RunFailure, Interrupted, KeyboardInterrupt):
         dist.shutdown()
         raise
     except Exception as exc:  # a plugin's or the core's failure: one line here, the traceback in a file

@@ -14,29 +14,14 @@ import attrs
 from attrs import define, field
 
 from coretrain.errors import UserError
+from coretrain.validators import FieldValueError, fraction, in_range
+from coretrain.validators import non_negative as _non_negative
+from coretrain.validators import positive as _positive
 
 
 def world_size_from_env() -> int:
     """Ranks torchrun started (1 outside torchrun); read without importing torch."""
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-class FieldValueError(ValueError):
-    """A value of the right type but out of range; carries the field name for the key path."""
-
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(message)
-        self.name = name
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and value <= 0:
-        raise FieldValueError(attribute.name, f"must be > 0, got {value!r}")
-
-
-def _non_negative(instance: object, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and value < 0:
-        raise FieldValueError(attribute.name, f"must be >= 0, got {value!r}")
 
 
 def _signal_names(instance: object, attribute: attrs.Attribute, value: list[str]) -> None:
@@ -52,7 +37,8 @@ class RunConfig:
     """Identity and placement of the run."""
 
     name: str = "coretrain"
-    seed: int = 1234
+    seed: int = field(default=1234, validator=in_range(0, 2**32 - 1))
+    """Seeds Python, numpy and torch (numpy accepts 0 .. 2**32-1)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Autocast dtype for forward; fp16 adds a checkpointed grad scaler (and one sync per step
@@ -105,9 +91,10 @@ class OptimizerConfig:
     name: Literal["adamw", "adam", "sgd"] = "adamw"
     lr: float = field(default=3e-4, validator=_non_negative)
     weight_decay: float = field(default=0.01, validator=_non_negative)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = field(default=(0.9, 0.999), validator=fraction)
+    """Adam's moment decay rates, each in [0, 1)."""
     eps: float = field(default=1e-8, validator=_positive)
-    momentum: float = field(default=0.0, validator=_non_negative)
+    momentum: float = field(default=0.0, validator=fraction)
     """SGD only."""
 
 

@@ -8,6 +8,7 @@ Every mistake becomes one :class:`~coretrain.errors.UserError` that names the fi
 
 from __future__ import annotations
 
+import math
 import re
 import types
 import typing
@@ -26,7 +27,8 @@ from cattrs.errors import (
     IterableValidationNote,
 )
 
-from coretrain.config import Config, FieldValueError
+from coretrain.config import Config
+from coretrain.validators import FieldValueError
 from coretrain.errors import UserError, did_you_mean
 
 T = TypeVar("T")
@@ -53,6 +55,8 @@ def _strict(kind: type, accept: tuple[type, ...]) -> Any:
             raise TypeError("bool")
         if not isinstance(value, accept):
             raise TypeError(type(value).__name__)
+        if kind is float and not math.isfinite(value):  # nan / inf is never a setting
+            raise TypeError("not finite")
         return kind(value)
 
     return hook
@@ -145,7 +149,7 @@ def describe_type(tp: Any) -> str:
         return "a list" + (f" of {describe_type(args[0]).split(' ', 1)[-1]}s" if args else "")
     if origin in (dict, Mapping) or tp is dict or attrs.has(tp):
         return "a table"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+    return {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
 def describe_value(value: Any) -> str:
@@ -166,6 +170,12 @@ def read_toml(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, not a config file") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); "
+                        "TOML files are UTF-8: re-save it as UTF-8") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read config file: {exc.strerror}") from None
     try:

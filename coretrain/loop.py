@@ -213,8 +213,8 @@ class Trainer:
             problem = problem or CheckpointUnreadable(path, "another rank could not read its part of it")
             if verdict == 2 or explicit or tried == len(candidates):
                 raise problem
-            log.warning("checkpoint %s is unusable (%s); falling back to the previous complete checkpoint "
-                        "(nothing is deleted)", path, problem.reason)
+            log.warning("checkpoint %s is unusable: %s: %s; falling back to the previous complete checkpoint "
+                        "(nothing is deleted)", path, problem.path, problem.reason)
         checkpoint.check_resumable(run, restored.manifest)
         checkpoint.apply(run, restored, with_optimizer)
         state = restored.rank_state

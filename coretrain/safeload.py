@@ -62,7 +62,28 @@ def _reason(exc: BaseException) -> tuple[str, bool]:
         what = found.group(0) if found else "an object that is not plain data"
         return f"it names {what}, which a checkpoint never holds (a crafted or foreign file?); nothing was run", True
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    return f"{type(exc).__name__}{': ' + first[:200] if first else ''}", False
+    first = first.split(". ")[0][:200]  # torch's messages go on for sentences
+    return f"{type(exc).__name__}{': ' + first if first else ''}", False
+
+
+def dcp_errors() -> tuple[type[BaseException], ...]:
+    """What a DCP call may raise: DCP's CheckpointException derives from BaseException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def first_failure(exc: BaseException) -> BaseException:
+    """The underlying error of DCP's CheckpointException (which maps rank -> (error, stack))."""
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        return failure[0] if isinstance(failure, tuple) else failure
+    return exc
+
+
+def dcp_unreadable(directory: Path, exc: BaseException) -> CheckpointUnreadable:
+    """What a failed DCP load becomes: our own error if a restricted reader refused, else 'corrupt'."""
+    cause = first_failure(exc)
+    return cause if isinstance(cause, CheckpointUnreadable) else unreadable(directory, cause)
 
 
 def unreadable(path: Path, exc: BaseException) -> CheckpointUnreadable:
@@ -85,6 +106,16 @@ def load_metadata(stream: IO[bytes], path: Path) -> Any:
         return RestrictedUnpickler(stream).load()
     except Exception as exc:
         raise unreadable(path, exc) from None
+
+
+def check_metadata(directory: Path) -> None:
+    """Read a DCP directory's ``.metadata`` through the restricted unpickler before DCP touches it
+    (DCP logs a traceback and retries with other files when its reader fails)."""
+    path = directory / ".metadata"
+    if not path.is_file():
+        raise CheckpointUnreadable(path, "missing; the sharded checkpoint is incomplete")
+    with open(path, "rb") as stream:
+        load_metadata(stream, path)
 
 
 def dcp_reader(directory: Path) -> Any:

@@ -86,7 +86,7 @@ def test_missing_file_and_missing_base_and_bad_set(tmp_path: Path) -> None:
     assert_user_error(run_cli("config", "validate", str(ok), "--set", "train.lr", cwd=tmp_path),
                       "--set train.lr: expected KEY.PATH=VALUE")
     assert_user_error(run_cli("config", "validate", str(ok), "--set", "optimizer.lr=fast", cwd=tmp_path),
-                      "--set optimizer.lr=fast: optimizer.lr: expected a number, got 'fast' (string)")
+                      "--set optimizer.lr=fast: optimizer.lr: expected a finite number, got 'fast' (string)")
 
 
 def test_extends_cycle_is_reported(tmp_path: Path) -> None:

@@ -127,14 +127,18 @@ def test_async_save_resumes_exactly_too(tmp_path: Path, reference: Path) -> None
     assert_same_run(tmp_path / "out", reference)
 
 
-def test_a_second_signal_aborts_at_once() -> None:
+def test_a_repeated_sigterm_or_sigusr1_waits_but_a_second_ctrl_c_aborts_at_once() -> None:
     code = ("import os, signal, time\nfrom coretrain.signals import SignalWatcher\n"
-            "with SignalWatcher(['SIGUSR1']) as watcher:\n"
+            "with SignalWatcher() as watcher:\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"          # torchrun forwarding the scheduler's signal
             "    os.kill(os.getpid(), signal.SIGUSR1)\n"
             "    time.sleep(0.1)\n"
-            "    assert watcher.received == signal.SIGUSR1\n"
-            "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "    assert watcher.received == signal.SIGTERM\n"
+            "    print('survived repeats', flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"           # a person pressing Ctrl-C again
             "    time.sleep(5)\n"
-            "print('survived')\n")
+            "print('survived ctrl-c')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == -signal.SIGUSR1 and "survived" not in result.stdout
+    assert result.returncode == -signal.SIGINT and "survived repeats" in result.stdout
+    assert "survived ctrl-c" not in result.stdout

@@ -17,6 +17,7 @@ from typing import Any
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.validators import non_negative, positive
 
 log = logging.getLogger("coretrain")
 
@@ -25,11 +26,11 @@ log = logging.getLogger("coretrain")
 class GC:
     """Disable automatic GC; collect every `interval` steps on every rank at once."""
 
-    interval: int = 100
+    interval: int = field(default=100, validator=positive)
     """Full collection every N steps; 0 = never collect (automatic GC stays off)."""
     eval: bool = True
     """Also collect right before and right after each validation."""
-    freeze_after_warmup: int | None = None
+    freeze_after_warmup: int | None = field(default=None, validator=non_negative)
     """gc.freeze() after this step: objects alive then are never scanned again."""
     collections: int = field(default=0, init=False)
     _was_enabled: bool = field(default=True, init=False, repr=False)

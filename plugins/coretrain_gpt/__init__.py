@@ -17,26 +17,32 @@ from typing import Any
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.validators import FieldValueError, fraction, positive
 
 
 @define(kw_only=True)
 class GPTProvider:
     """A readable GPT language model (pre-norm, tied embeddings, fused attention)."""
 
-    n_layer: int = field(default=4)
+    n_layer: int = field(default=4, validator=positive)
     """Transformer blocks."""
-    n_head: int = 4
+    n_head: int = field(default=4, validator=positive)
     """Attention heads per block; must divide n_embd."""
-    n_embd: int = 128
+    n_embd: int = field(default=128, validator=positive)
     """Model width."""
-    vocab_size: int | None = None
+    vocab_size: int | None = field(default=None, validator=positive)
     """Token vocabulary; unset = the dataset's vocab_size."""
-    block_size: int | None = None
+    block_size: int | None = field(default=None, validator=positive)
     """Longest sequence; unset = the dataset's seq_length."""
-    dropout: float = 0.0
+    dropout: float = field(default=0.0, validator=fraction)
     """Dropout on attention, residual and embeddings."""
     bias: bool = False
     """Biases in Linear and LayerNorm layers (GPT-2 style)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise FieldValueError("n_head", f"must divide n_embd ({self.n_embd}), got {self.n_head}; "
+                                            f"try n_head = {next(h for h in range(self.n_head, 0, -1) if self.n_embd % h == 0)}")
 
     @hookimpl
     def provide_model(self, run: Any) -> Any:
@@ -50,7 +56,5 @@ class GPTProvider:
         if not vocab_size or not block_size:
             raise UserError("model.options: the dataset does not say its vocab_size / seq_length; "
                             "set model.options.vocab_size and model.options.block_size")
-        if self.n_embd % self.n_head:
-            raise UserError(f"model.options.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=self.n_layer,
                              n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout, bias=self.bias))

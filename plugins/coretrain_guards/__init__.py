@@ -29,6 +29,7 @@ from typing import Any, Literal
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.validators import exit_code, non_negative, positive
 from coretrain.dist import mean_over_ranks
 
 log = logging.getLogger("coretrain")
@@ -42,13 +43,13 @@ class Guards:
     """What to do about a bad loss."""
     check_nan: bool = True
     """Check the loss for NaN/Inf."""
-    spike_factor: float = 10.0
+    spike_factor: float = field(default=10.0, validator=non_negative)
     """A loss this many times the window's max is a spike; 0 disables the spike check."""
-    window: int = 100
+    window: int = field(default=100, validator=positive)
     """How many recent accepted steps the spike check compares against."""
-    iterations_to_skip: list[int] = field(factory=list)
+    iterations_to_skip: list[int] = field(factory=list, validator=positive)
     """Steps whose data is consumed without an update."""
-    exit_code: int = 3
+    exit_code: int = field(default=3, validator=exit_code)
     """Process exit code when action = "stop" fires."""
     nan_steps: int = field(default=0, init=False)
     spike_steps: int = field(default=0, init=False)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.validators import positive
 
 log = logging.getLogger("coretrain")
 
@@ -27,7 +28,7 @@ class Memory:
 
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """0 off, 1 after the optimizer step, 2 also after backward."""
-    train_sync_interval: int | None = None
+    train_sync_interval: int | None = field(default=None, validator=positive)
     """torch.cuda.synchronize() every N steps; unset = never."""
     _cuda: bool = field(default=False, init=False, repr=False)
 

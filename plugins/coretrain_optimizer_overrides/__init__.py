@@ -24,6 +24,7 @@ from typing import Any
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.validators import non_negative
 
 
 @define(kw_only=True)
@@ -31,10 +32,10 @@ class Rule:
     """Optimizer settings for the parameters whose names match ``pattern``."""
 
     pattern: str
-    lr_mult: float | None = None
-    weight_decay: float | None = None
-    max_lr: float | None = None
-    min_lr: float | None = None
+    lr_mult: float | None = field(default=None, validator=non_negative)
+    weight_decay: float | None = field(default=None, validator=non_negative)
+    max_lr: float | None = field(default=None, validator=non_negative)
+    min_lr: float | None = field(default=None, validator=non_negative)
 
     def settings(self) -> dict[str, float]:
         values = {"lr_mult": self.lr_mult, "weight_decay": self.weight_decay,

@@ -15,6 +15,7 @@ from typing import Any
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.validators import FieldValueError, positive
 
 log = logging.getLogger("coretrain")
 
@@ -23,9 +24,9 @@ log = logging.getLogger("coretrain")
 class Profiler:
     """torch.profiler on a step window; Chrome trace files per rank."""
 
-    start: int = 10
+    start: int = field(default=10, validator=positive)
     """First profiled step."""
-    end: int = 12
+    end: int = field(default=12, validator=positive)
     """Last profiled step (inclusive)."""
     ranks: list[int] = field(factory=lambda: [0])
     """Ranks to profile; empty = all."""
@@ -38,6 +39,10 @@ class Profiler:
 
     def _mine(self, run: Any) -> bool:
         return not self.ranks or run.dist.rank in self.ranks
+
+    def __attrs_post_init__(self) -> None:
+        if self.end < self.start:
+            raise FieldValueError("end", f"must be >= start ({self.start}), got {self.end}")
 
     @hookimpl(tryfirst=True)
     def pre_step(self, run: Any, step: int) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.validators import non_negative
 
 
 def eta(seconds: float) -> str:
@@ -28,7 +29,7 @@ class Progress:
 
     plain: bool | None = None
     """Force plain lines (true) or the live view (false); unset = live only on a terminal."""
-    events: int = 5
+    events: int = field(default=5, validator=non_negative)
     """How many recent events the live view shows."""
     _live: Any = field(default=None, init=False, repr=False)
     _bar: Any = field(default=None, init=False, repr=False)

@@ -27,21 +27,22 @@ from typing import Any
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.validators import in_range, non_negative, positive
 
 
 @define(kw_only=True)
 class Stragglers:
     """Score each rank's step time against the fastest rank and its own best."""
 
-    report_interval: float = 300.0
+    report_interval: float = field(default=300.0, validator=non_negative)
     """Seconds between reports (checked at log intervals); 0 = every log interval."""
-    relative_threshold: float = 0.7
-    individual_threshold: float = 0.7
-    report_count: int = 5
+    relative_threshold: float = field(default=0.7, validator=in_range(0, 1))
+    individual_threshold: float = field(default=0.7, validator=in_range(0, 1))
+    report_count: int = field(default=5, validator=positive)
     """How many best and worst ranks to print."""
     stop_if_detected: bool = False
     """Checkpoint and stop the run when a straggler is found."""
-    warmup_steps: int = 5
+    warmup_steps: int = field(default=5, validator=non_negative)
     """Steps not timed after start or resume (allocator, caches and compilation settle)."""
     last_report: dict[str, Any] = field(factory=dict, init=False)
     _started: float = field(default=0.0, init=False, repr=False)

@@ -17,6 +17,7 @@ from typing import Any
 from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.validators import fraction, positive
 
 
 def default_globs() -> list[str]:
@@ -34,11 +35,11 @@ class TextBytes:
 
     globs: list[str] = field(factory=list)
     """Glob patterns ('**' recurses); empty = the standard library's top-level *.py files."""
-    seq_length: int = 256
+    seq_length: int = field(default=256, validator=positive)
     """Tokens (bytes) per sample."""
-    valid_fraction: float = 0.05
+    valid_fraction: float = field(default=0.05, validator=fraction)
     """Share of files held out for validation (chosen by a hash of the file name)."""
-    max_bytes: int | None = None
+    max_bytes: int | None = field(default=None, validator=positive)
     """Read at most this many bytes of training text (files in sorted order)."""
 
     def files(self) -> list[str]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from attrs import define
+from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.validators import positive
 
 DTYPES = {"uint16": 2, "uint32": 4}
+MAX_GUESSED_VOCAB = 1 << 22  # 4M ids: above every real tokenizer, below an embedding that exhausts memory
 
 
 def open_tokens(path: str, dtype: str) -> Any:
@@ -22,14 +24,23 @@ def open_tokens(path: str, dtype: str) -> Any:
 
     from coretrain.errors import UserError
 
+    if os.path.isdir(path):
+        raise UserError(f"data.options: token file '{path}' is a directory; name the .bin file inside it")
     try:
         size = os.path.getsize(path)
     except OSError:
-        raise UserError(f"data.options: token file '{path}' not found") from None
+        raise UserError(f"data.options: token file '{path}' not found (relative to {os.getcwd()})") from None
     width = DTYPES[dtype]
+    if size == 0:
+        raise UserError(f"{path}: the token file is empty")
     if size % width:
         raise UserError(f"{path}: size {size} is not a multiple of {width} bytes; is dtype '{dtype}' right?")
-    return torch.from_file(path, shared=False, size=size // width, dtype=getattr(torch, dtype))
+    tokens = torch.from_file(path, shared=False, size=size // width, dtype=getattr(torch, dtype))
+    if dtype == "uint16" and tokens.numel() >= 64 and size % 4 == 0:
+        sample = tokens[:4096].to(torch.int64)
+        if bool((sample[1::2] == 0).all()) and bool((sample[0::2] != 0).any()):  # little-endian uint32 ids
+            raise UserError(f"{path}: every second uint16 is 0, as in a uint32 file; set data.options.dtype = 'uint32'")
+    return tokens
 
 
 def write_tokens(path: str, tokens: Any, dtype: str = "uint16") -> None:
@@ -57,18 +68,22 @@ class TokenFile:
     """Validation tokens; unset = no validation."""
     dtype: Literal["uint16", "uint32"] = "uint16"
     """Width of each token id in the file."""
-    seq_length: int = 1024
+    seq_length: int = field(default=1024, validator=positive)
     """Tokens per sample."""
-    vocab_size: int | None = None
+    vocab_size: int | None = field(default=None, validator=positive)
     """Vocabulary size, passed on to the model; unset = the largest id seen + 1 (scans the file)."""
 
     @hookimpl
     def provide_datasets(self, run: Any, context: Any) -> Any:
         from coretrain.data import TokenWindows
+        from coretrain.errors import UserError
         from coretrain.run import Datasets
 
         train_tokens = open_tokens(self.train_path, self.dtype)
         valid = TokenWindows(open_tokens(self.valid_path, self.dtype), self.seq_length) if self.valid_path else None
         vocab_size = self.vocab_size or max_token(train_tokens) + 1
+        if not self.vocab_size and vocab_size > MAX_GUESSED_VOCAB:
+            raise UserError(f"{self.train_path}: token ids go up to {vocab_size - 1}, far beyond any tokenizer's "
+                            f"vocabulary: is dtype '{self.dtype}' right? (or set data.options.vocab_size)")
         return Datasets(train=TokenWindows(train_tokens, self.seq_length), valid=valid,
                         seq_length=self.seq_length, vocab_size=vocab_size)

@@ -13,9 +13,10 @@ import hashlib
 import logging
 from typing import Any
 
-from attrs import define
+from attrs import define, field
 
 from coretrain import hookimpl
+from coretrain.validators import exit_code, positive
 
 log = logging.getLogger("coretrain")
 
@@ -36,9 +37,9 @@ def parameter_digests(model: Any) -> list[tuple[str, str]]:
 class WeightHash:
     """Every N steps, compare parameter hashes across data-parallel replicas."""
 
-    interval: int = 100
+    interval: int = field(default=100, validator=positive)
     """Compare every N steps."""
-    exit_code: int = 4
+    exit_code: int = field(default=4, validator=exit_code)
     """Process exit code when replicas differ."""
 
     @hookimpl

@@ -1,0 +1,485 @@
+"""Trust: nothing runs from a checkpoint, one run per directory, resumes that do what they say.
+
+Every case goes through the real CLI in a subprocess, with real files, real signals and a
+real file-size limit from the kernel; in-process only where a dataset must fail on cue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import metrics_rows, run_cli, write_tiny_gpt
+
+CKPT = Path("checkpoints")
+
+
+def step_dir(out: Path, step: int) -> Path:
+    return out / CKPT / f"step_{step:08d}"
+
+
+def one_error_line(stderr: str) -> str:
+    """The one `error:` message of a refused run (a config's problems are listed below it); no traceback."""
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("error:")]
+    assert len(starts) == 1, stderr
+    message = [lines[starts[0]]] + [line.strip() for line in lines[starts[0] + 1:] if line.startswith("  ")]
+    return " ".join(message)
+
+
+# --------------------------------------------------------------------------- 1. nothing executes
+
+
+class Payload:
+    """Unpickling this creates a file: what a crafted checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant(path: Path, marker: Path) -> None:
+    """Replace ``path`` with a file of the same kind whose loading would run the payload."""
+    name = path.name
+    if name == ".metadata" or name.endswith(".json"):
+        path.write_bytes(pickle.dumps(Payload(marker)))
+    elif name.endswith(".distcp"):
+        return  # made by make_sharded with the payload inside
+    else:
+        torch.save({"weights": Payload(marker)}, path)
+
+
+def make_sharded(step: Path, marker: Path | None) -> None:
+    """Rewrite a checkpoint as DCP writes it for FSDP (``sharded/``), optionally with a payload
+    as a non-tensor item (the optimizer's param-group values are stored that way)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.load(step / "model.pt", weights_only=True)
+    optimizer = torch.load(step / "optimizer.pt", weights_only=True)
+    names = list(model)
+    state = {"model": model, "optimizer": {
+        "state": {names[i]: s for i, s in optimizer["state"].items() if i < len(names)},
+        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+                         for g in optimizer["param_groups"]]}}
+    if marker is not None:
+        state["optimizer"]["param_groups"][0]["lr"] = Payload(marker)
+    dcp.save(state, checkpoint_id=str(step / "sharded"), no_dist=True)
+    (step / "model.pt").unlink()
+    (step / "optimizer.pt").unlink()
+    manifest = json.loads((step / "checkpoint.json").read_text())
+    (step / "checkpoint.json").write_text(json.dumps({**manifest, "layout": "sharded"}))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run that saved one checkpoint, at step 4."""
+    directory = tmp_path_factory.mktemp("finished")
+    config, out = write_tiny_gpt(directory, train_iters=4, log_interval=2, eval_iters=0)
+    result = run_cli("run", str(config), cwd=directory)
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+CASES = [  # (file holding the payload, layout, where the checkpoint is read)
+    *[(f, "replicated", path) for f in ("model.pt", "optimizer.pt", "rank_00000.pt", "checkpoint.json")
+      for path in ("resume", "pretrained", "export") if not (path != "resume" and f in ("optimizer.pt", "rank_00000.pt"))],
+    *[(f, "sharded", path) for f in ("sharded/.metadata", "sharded/__0_0.distcp")
+      for path in ("resume", "pretrained", "export") if not (path == "pretrained" and f.endswith(".distcp"))],
+]
+
+
+@pytest.mark.parametrize(("planted", "layout", "path"), CASES)
+def test_a_crafted_checkpoint_file_runs_nothing_and_is_named(
+        tmp_path: Path, finished: Path, planted: str, layout: str, path: str) -> None:
+    work = tmp_path / "w"
+    shutil.copytree(finished, work)
+    out, marker = work / "out", tmp_path / "PWNED"
+    step = step_dir(out, 4)
+    if layout == "sharded":
+        make_sharded(step, marker if planted.endswith(".distcp") else None)
+    target = step / planted
+    plant(target, marker)
+    config = work / "c.toml"
+    config.write_text(config.read_text().replace(str(finished), str(work)))
+    if path == "resume":
+        result = run_cli("run", str(config), "--set", "train.train_iters=6", cwd=work)
+    elif path == "pretrained":
+        result = run_cli("run", str(config), "--set", f"run.output_dir={tmp_path / 'new'}",
+                         "--set", f'checkpoint.pretrained="{step}"', cwd=work)
+    else:
+        result = run_cli("checkpoint", "export", str(out), "--to", str(tmp_path / "m.safetensors"), cwd=work)
+    assert not marker.exists(), "the payload ran"
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result.stderr)
+    named = target if not planted.endswith(".distcp") else step / "sharded"
+    assert str(named) in line, line
+
+
+def test_a_real_sharded_checkpoint_still_loads_through_the_restricted_readers(tmp_path: Path, finished: Path) -> None:
+    work = tmp_path / "w"
+    shutil.copytree(finished, work)
+    make_sharded(step_dir(work / "out", 4), None)
+    config = work / "c.toml"
+    config.write_text(config.read_text().replace(str(finished), str(work)))
+    resumed = run_cli("run", str(config), "--set", "train.train_iters=6", cwd=work)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "(step 4," in resumed.stderr
+    exported = run_cli("checkpoint", "export", str(work / "out"), "--step", "4", "--to", str(tmp_path / "m.st"), cwd=work)
+    assert exported.returncode == 0, exported.stderr
+
+
+# --------------------------------------------------------------------------- 2. one run per directory
+
+
+def wait_for(predicate: Any, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"condition not reached; exit code {process.poll()}")
+
+
+def logged_step(out: Path, step: int) -> Any:
+    def reached() -> bool:
+        path = out / "metrics.jsonl"
+        return path.exists() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines()
+                                     if line.endswith("}"))
+    return reached
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused_until_the_first_dies(tmp_path: Path) -> None:
+    config, out = write_tiny_gpt(tmp_path, train_iters=100000, log_interval=2, eval_iters=0)
+    first = subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(logged_step(out, 2), first)
+        second = run_cli("run", str(config), "--set", "optimizer.lr=0.01", "--set", "train.train_iters=10", cwd=tmp_path)
+        assert second.returncode == 2
+        line = one_error_line(second.stderr)
+        assert line.startswith(f"error: {out} is in use by pid {first.pid} on {socket.gethostname()} since ")
+        assert not (out / CKPT).exists()                                   # the refused run wrote nothing
+    finally:
+        first.kill()
+        first.wait()
+    after = run_cli("run", str(config), "--set", "train.train_iters=4", cwd=tmp_path)   # SIGKILL freed the lock
+    assert after.returncode == 0, after.stderr
+
+
+# --------------------------------------------------------------------------- 3. a resume uses the config it is given
+
+
+def test_resume_uses_and_logs_the_new_optimizer_settings(tmp_path: Path) -> None:
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0,
+                                 extra='\n[scheduler]\ndecay_style = "constant"\n')
+    first = run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    changed = ("--set", "optimizer.lr=0.01", "--set", "optimizer.betas=[0.8, 0.95]", "--set", "optimizer.weight_decay=0.2")
+    second = run_cli("run", str(config), *changed, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    warnings = [line for line in second.stderr.splitlines() if "changed settings" in line]
+    assert len(warnings) == 1
+    for fragment in ("optimizer.lr 0.003 -> 0.01", "optimizer.betas [0.9, 0.999] -> [0.8, 0.95]",
+                     "optimizer.weight_decay 0.01 -> 0.2"):
+        assert fragment in warnings[0]
+    groups = torch.load(step_dir(out, 20) / "optimizer.pt", weights_only=True)["param_groups"]
+    assert all((g["lr"], tuple(g["betas"]), g["weight_decay"]) == (0.01, (0.8, 0.95), 0.2) for g in groups)
+    assert [r["lr"] for r in metrics_rows(out)] == [0.003, 0.003, 0.01, 0.01]
+    saved = json.loads((step_dir(out, 20) / "checkpoint.json").read_text())["config"]["optimizer"]
+    assert (saved["lr"], saved["betas"], saved["weight_decay"]) == (0.01, [0.8, 0.95], 0.2)
+
+
+def test_resume_refuses_a_changed_model_shape_seq_length_or_optimizer_class(tmp_path: Path) -> None:
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0)
+    assert run_cli("run", str(config), "--set", "train.exit_interval=5", cwd=tmp_path).returncode == 0
+
+    wider = run_cli("run", str(config), "--set", "model.options.n_embd=64", cwd=tmp_path)
+    assert wider.returncode == 2
+    line = one_error_line(wider.stderr)
+    assert "does not fit the model" in line and "'wte.weight' has shape [256, 32] in the checkpoint, [256, 64] now" \
+        in line and "model.options.n_embd (32 -> 64)" in line
+
+    longer = run_cli("run", str(config), "--set", "data.options.seq_length=64", cwd=tmp_path)
+    assert longer.returncode == 2
+    assert "seq_length is 64 now and 32 in the checkpoint; changed since the checkpoint: data.options.seq_length " \
+           "(32 -> 64)" in one_error_line(longer.stderr)
+
+    sgd = run_cli("run", str(config), "--set", 'optimizer.name="sgd"', cwd=tmp_path)
+    assert sgd.returncode == 2
+    assert "optimizer.name: the checkpoint was trained with 'adamw', the config asks for 'sgd'" in one_error_line(sgd.stderr)
+    fresh = run_cli("run", str(config), "--set", 'optimizer.name="sgd"', "--set", "checkpoint.load_optimizer=false",
+                    cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "(step 5," in fresh.stderr and metrics_rows(out)[-1]["step"] == 20
+
+
+# --------------------------------------------------------------------------- 4. nothing blocks a restart, nothing twice
+
+
+def test_a_torn_metrics_line_is_dropped_and_a_rerun_of_a_finished_run_adds_no_rows(tmp_path: Path) -> None:
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_interval=10,
+                                 extra="\n[checkpoint]\nsave_interval = 10\n")
+    assert run_cli("run", str(config), "--set", "train.exit_interval=15", cwd=tmp_path).returncode == 0
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 16, "loss": 2.5')                                 # a write cut short
+    with open(out / "progress.txt", "a") as f:
+        f.write("2026-01-01 00:00:00\tjob x\tworld 1\tstep 17\tcheckp")
+    resumed = run_cli("run", str(config), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "dropped 1 unreadable line(s)" in resumed.stderr
+    rows = metrics_rows(out)
+    keys = [(r["step"], "valid/loss" in r) for r in rows]
+    assert keys == [(5, False), (10, False), (10, True), (15, False), (20, False), (20, True)]
+    progress = (out / "progress.txt").read_text()
+    assert progress.endswith("\n") and "checkp\n" not in progress and "step 17" not in progress
+
+    before = ((out / "metrics.jsonl").read_text(), (out / "progress.txt").read_text().count("checkpoint"))
+    again = run_cli("run", str(config), cwd=tmp_path)                     # already finished: adds nothing
+    assert again.returncode == 0, again.stderr
+    assert ((out / "metrics.jsonl").read_text(), (out / "progress.txt").read_text().count("checkpoint")) == before
+
+
+def limit_file_size(megabytes: int) -> Any:
+    def apply() -> None:  # in the child: a write past the limit fails with EFBIG, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (megabytes * 2**20, megabytes * 2**20))
+    return apply
+
+
+def test_a_save_that_cannot_be_written_is_one_error_and_keeps_the_previous_checkpoint(tmp_path: Path, site: Path) -> None:
+    config, out = write_tiny_gpt(tmp_path, train_iters=30, log_interval=5, eval_iters=0,
+                                 extra="\n[checkpoint]\nsave_interval = 10\n[plugins.misbehave]\n"
+                                       'at_step = 20\nstate = "big"\nbig_megabytes = 8\n')
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size(4))
+    assert result.returncode == 1, result.stderr
+    line = one_error_line(result.stderr)
+    assert line.startswith("error: checkpoint step 20: cannot write (File too large: ") and "rank_00000.pt)" in line
+    assert line.endswith("the newest complete checkpoint (step 10) is untouched")
+    assert sorted(p.name for p in (out / CKPT).iterdir()) == ["latest", "step_00000010"]
+    assert torch.load(step_dir(out, 10) / "model.pt", weights_only=True)
+    resumed = run_cli("run", str(config), "--set", "plugins.misbehave.enabled=false", cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    assert resumed.returncode == 0 and "(step 10," in resumed.stderr
+
+
+# --------------------------------------------------------------------------- 5. fail before training
+
+
+def test_a_validation_split_shorter_than_a_batch_fails_before_training(tmp_path: Path) -> None:
+    from coretrain_token_file import write_tokens
+
+    write_tokens(str(tmp_path / "train.bin"), [i % 50 for i in range(5000)])
+    write_tokens(str(tmp_path / "valid.bin"), list(range(20)))              # shorter than one sample
+    config = tmp_path / "c.toml"
+    config.write_text(write_tiny_gpt(tmp_path)[0].read_text().replace('provider = "text-bytes"', 'provider = "token-file"')
+                      .split("[data.options]")[0] + f'[data.options]\ntrain_path = "{tmp_path / "train.bin"}"\n'
+                      f'valid_path = "{tmp_path / "valid.bin"}"\nseq_length = 32\n[train]\nmicro_batch_size = 8\n'
+                      f'train_iters = 10\neval_iters = 2\n')
+    result = run_cli("run", str(config), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "the valid split has 0 sample(s), fewer than one global batch (8)" in one_error_line(result.stderr)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() and not (tmp_path / "out" / CKPT).exists()
+
+
+def test_the_final_checkpoint_is_saved_before_the_final_validation(tmp_path: Path, no_autoload: None) -> None:
+    from helpers_inprocess import config, train
+
+    calls = {"n": 0}
+
+    class BreaksInFinalValidation:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+        def __getitem__(self, i: int) -> Any:
+            calls["n"] += 1
+            if calls["n"] > 20:                                              # past the start-up check
+                raise OSError("the network filesystem went away")
+            return self.inner[i]
+
+    import helpers_inprocess
+
+    original = helpers_inprocess.make_data
+
+    def make_data(context: Any) -> Any:
+        datasets = original(context)
+        datasets.valid = BreaksInFinalValidation(datasets.valid)
+        return datasets
+
+    helpers_inprocess.make_data = make_data
+    try:
+        with pytest.raises(OSError, match="went away"):
+            train(config(tmp_path, train={"train_iters": 6, "eval_iters": 4}))
+    finally:
+        helpers_inprocess.make_data = original
+    assert (tmp_path / "out" / CKPT / "step_00000006" / "model.pt").is_file()   # the trained weights survived
+
+
+# --------------------------------------------------------------------------- 6, 7. plugins: state checked, failures named
+
+
+def test_a_plugin_state_no_run_could_load_is_refused_at_save_naming_the_plugin(tmp_path: Path, site: Path) -> None:
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0,
+                                 extra='\n[checkpoint]\nsave_interval = 5\n[plugins.misbehave]\nat_step = 10\nstate = "path"\n')
+    env = {"PYTHONPATH": str(site)}
+    result = run_cli("run", str(config), cwd=tmp_path, env=env)
+    assert result.returncode == 1
+    assert one_error_line(result.stderr).startswith(
+        "error: plugin 'misbehave' failed in on_checkpoint at step 10: TypeError: returned state['where'] is a "
+        "pathlib.PosixPath; a checkpoint holds tensors, numbers, str, bool, None and lists/dicts of these")
+    assert sorted(p.name for p in (out / CKPT).glob("step_*")) == ["step_00000005"]
+    resumed = run_cli("run", str(config), "--set", "plugins.misbehave.enabled=false", cwd=tmp_path, env=env)
+    assert resumed.returncode == 0 and "(step 5," in resumed.stderr
+
+
+def test_a_failing_hook_is_named_contained_and_every_backend_closes(tmp_path: Path, site: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0,
+                                 extra="\n[checkpoint]\nsave_interval = 5\n[plugins.tensorboard]\n"
+                                       '[plugins.misbehave]\nraise_in = "on_log"\nat_step = 10\n')
+    env = {"PYTHONPATH": str(site)}
+    result = run_cli("run", str(config), cwd=tmp_path, env=env)
+    assert result.returncode == 1
+    assert one_error_line(result.stderr) == ("error: plugin 'misbehave' failed in on_log at step 10: ValueError: "
+                                             f"misbehave: deliberate failure in on_log full traceback: {out}/traceback.log")
+    assert f"full traceback: {out / 'traceback.log'}" in result.stderr
+    assert "Traceback (most recent call last)" in (out / "traceback.log").read_text()
+    assert (step_dir(out, 5) / "model.pt").is_file()
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [5]                   # closed, so flushed
+
+    # one plugin raising in on_train_end: the others' on_train_end still run, backends close
+    shutil.rmtree(out)
+    ending = run_cli("run", str(config), "--set", 'plugins.misbehave.raise_in="on_train_end"', "--traceback",
+                     cwd=tmp_path, env=env)
+    assert ending.returncode == 1
+    assert "error: plugin 'misbehave' failed in on_train_end at step 20: ValueError" in ending.stderr
+    assert "Traceback (most recent call last)" in ending.stderr                # --traceback prints it too
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [5, 10, 15, 20]
+    assert metrics_rows(out)[-1]["step"] == 20
+
+
+# --------------------------------------------------------------------------- 8. corrupt newest falls back
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path) -> None:
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0,
+                                 extra="\n[checkpoint]\nsave_interval = 5\n")
+    assert run_cli("run", str(config), "--set", "train.exit_interval=15", cwd=tmp_path).returncode == 0
+    model = step_dir(out, 15) / "model.pt"
+    model.write_bytes(model.read_bytes()[:1000])                          # torn by a bad disk
+    result = run_cli("run", str(config), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    warning = next(line for line in result.stderr.splitlines() if "falling back" in line)
+    assert f"{step_dir(out, 15) / 'model.pt'}: cannot load checkpoint file: RuntimeError: PytorchStreamReader " \
+           "failed reading zip archive" in warning
+    assert "(step 10," in result.stderr
+    assert [r["step"] for r in metrics_rows(out)] == [5, 10, 15, 20]
+
+
+# --------------------------------------------------------------------------- 9. Ctrl-C from the first second
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.3, 0.6, 1.0, 1.5, 2.0, 3.0])
+def test_ctrl_c_during_start_up_stops_the_run(tmp_path: Path, delay: float) -> None:
+    config, out = write_tiny_gpt(tmp_path, train_iters=100000, log_interval=50, eval_iters=0)
+    process = subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)                              # ends: never trains 100000 steps
+    assert process.returncode in (130, -signal.SIGINT), stderr                 # -2: before Python ran our code
+    assert "Traceback" not in stderr
+    if process.returncode == 130:
+        assert "stopped by SIGINT during start-up" in stderr or "received SIGINT" in stderr, stderr
+
+
+# --------------------------------------------------------------------------- 10. every mistake: one line, exit 2
+
+
+MISTAKES = {
+    "seq_length = 0": ("--set", "data.options.seq_length=0", "data.options.seq_length: must be > 0, got 0"),
+    "n_head = 0": ("--set", "model.options.n_head=0", "model.options.n_head: must be > 0, got 0"),
+    "n_layer = -1": ("--set", "model.options.n_layer=-1", "model.options.n_layer: must be > 0, got -1"),
+    "n_head does not divide": ("--set", "model.options.n_head=5", "model.options.n_head: must divide n_embd (32)"),
+    "seed < 0": ("--set", "run.seed=-1", "run.seed: must be >= 0 and <= 4294967295, got -1"),
+    "seed >= 2**32": ("--set", "run.seed=4294967296", "run.seed: must be >= 0"),
+    "lr nan": ("--set", "optimizer.lr=nan", "optimizer.lr: expected a finite number, got nan"),
+    "lr inf": ("--set", "optimizer.lr=inf", "optimizer.lr: expected a finite number, got inf"),
+    "betas >= 1": ("--set", "optimizer.betas=[1.0, 0.9]", "optimizer.betas: must be >= 0 and < 1, got (1.0, 0.9)"),
+    "valid_fraction > 1": ("--set", "data.options.valid_fraction=1.5", "data.options.valid_fraction: must be >= 0 and < 1"),
+    "micro batch too large": ("--set", "train.micro_batch_size=1000000000000",
+                              "the train split has 6249 sample(s), fewer than one global batch (1000000000000)"),
+    "guards window 0": ("--set", "plugins.guards.window=0", "plugins.guards.window: must be > 0, got 0"),
+    "gc interval < 0": ("--set", "plugins.gc.interval=-5", "plugins.gc.interval: must be > 0, got -5"),
+}
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_a_config_mistake_is_one_error_line_with_exit_2(tmp_path: Path, name: str) -> None:
+    flag, value, expected = MISTAKES[name]
+    config, out = write_tiny_gpt(tmp_path, train_iters=5, eval_iters=0)
+    result = run_cli("run", str(config), flag, value, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert expected in one_error_line(result.stderr)
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_bad_files_and_providers_are_one_error_line_with_exit_2(tmp_path: Path) -> None:
+    from coretrain_token_file import write_tokens
+
+    config, out = write_tiny_gpt(tmp_path, train_iters=5, eval_iters=0)
+    cases: list[tuple[tuple[str, ...], str]] = []
+    (tmp_path / "afile").write_text("x")
+    cases.append((("--set", f"run.output_dir={tmp_path / 'afile'}"), "exists and is not a directory"))
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'[run]\nname = "caf\xe9"\n')
+    cases.append((("CONFIG", str(latin)), f"{latin}:2: not UTF-8 text (byte 0xe9)"))
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "adir.bin").mkdir()
+    write_tokens(str(tmp_path / "wide.bin"), [i % 300 + 1 for i in range(20000)], "uint32")
+    token_file = config.read_text().replace('provider = "text-bytes"', 'provider = "token-file"').split("[data.options]")
+    for name, expected in [("empty.bin", "the token file is empty"), ("adir.bin", "is a directory"),
+                           ("wide.bin", "every second uint16 is 0, as in a uint32 file")]:
+        path = tmp_path / f"tokens-{name}.toml"
+        path.write_text(token_file[0] + f'[data.options]\ntrain_path = "{tmp_path / name}"\nseq_length = 32\n'
+                        + "[train]" + token_file[1].split("[train]")[1])
+        cases.append((("CONFIG", str(path)), expected))
+    (tmp_path / "providers.py").write_text("def not_a_model():\n    return 'a string'\n"
+                                           "def not_datasets(context):\n    return 42\n")
+    cases.append((("--set", 'model.provider="providers:not_a_model"', "--set", "model.options={}"),
+                  "model.provider 'providers:not_a_model' returned a str, not a torch.nn.Module"))
+    cases.append((("--set", 'data.provider="providers:not_datasets"', "--set", "data.options={}"),
+                  "the train split is a int; coretrain reads samples by index"))
+    for args, expected in cases:
+        argv = [args[1]] if args[0] == "CONFIG" else [str(config), *args]
+        result = run_cli("run", *argv, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+        assert result.returncode == 2, (args, result.stderr)
+        assert expected in one_error_line(result.stderr), (args, result.stderr)
+
+    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    export = run_cli("checkpoint", "export", str(out), "--to", str(tmp_path / "missing" / "m.safetensors"), cwd=tmp_path)
+    assert export.returncode == 2
+    assert f"--to: directory '{tmp_path / 'missing'}' does not exist" in one_error_line(export.stderr)
