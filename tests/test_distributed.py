@@ -208,3 +208,48 @@ def test_fp8_with_fsdp_all_gather_runs_on_two_ranks_and_tracks_fp32(tmp_path: Pa
     assert "fp8: tensorwise recipe on 4 Linear layers" in result.stderr
     for (s1, a), (s2, b) in zip(logged(tmp_path / "ref"), logged(tmp_path / "fp8")):
         assert s1 == s2 and b == pytest.approx(a, rel=0.02)
+
+
+def test_a_nan_only_one_rank_sees_is_skipped_by_both_and_the_replicas_stay_equal(tmp_path: Path) -> None:
+    config = write(tmp_path, "run", train_iters=20, eval_iters=0)
+    config.write_text(config.read_text() + '\n[plugins.guards]\n[plugins.weight-hash]\ninterval = 5\n'
+                      '[plugins.fault-injection]\naction = "nan_loss"\nstep = 7\nranks = [1]\n')
+    result = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr                                     # weight-hash found no split
+    assert "fault-injection: nan_loss on rank 1 at step 7" in result.stderr
+    assert "guards: step 7: loss is nan; update skipped" in result.stderr            # rank 0 judged the mean too
+    rows = {r["step"]: r for r in metrics_rows(tmp_path / "run")}
+    assert (rows[5]["skipped_updates"], rows[10]["skipped_updates"], rows[20]["skipped_updates"]) == (0.0, 1.0, 1.0)
+    assert "replicas differ" not in result.stderr
+
+
+def descendants(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    found = [int(c) for c in children.read_text().split()] if children.exists() else []
+    return found + [d for c in found for d in descendants(c)]
+
+
+def test_a_preempted_job_whose_workers_get_sigterm_twice_still_checkpoints(tmp_path: Path) -> None:
+    config = write(tmp_path, "run", train_iters=5000, eval_interval=1000)
+    out = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", "2"],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while launcher.poll() is None and time.monotonic() < deadline:
+        if (out / "metrics.jsonl").exists() and any(json.loads(line)["step"] >= 12 for line in
+                                                    (out / "metrics.jsonl").read_text().splitlines()):
+            break
+        time.sleep(0.02)
+    workers = [p for p in descendants(launcher.pid)
+               if "coretrain" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    assert len(workers) >= 2
+    for pid in workers:                       # the scheduler signals every process of the job...
+        os.kill(pid, signal.SIGTERM)
+    launcher.send_signal(signal.SIGTERM)      # ...and the launcher forwards it to the workers again
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 143, stderr
+    step = int((out / "checkpoints" / "latest").read_text())
+    assert step >= 12
+    steps_saved = {torch.load(out / "checkpoints" / f"step_{step:08d}" / f"rank_{r:05d}.pt",
+                              weights_only=True)["train"]["step"] for r in (0, 1)}
+    assert steps_saved == {step}
