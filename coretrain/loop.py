@@ -146,14 +146,21 @@ def evaluate(run: Run, dataset: Any, iters: int) -> dict[str, float]:
     return {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 50.0))}
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's RuntimeError."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(exc)
+
+
 def out_of_memory(run: Run, exc: BaseException) -> str:
     """One line with the sizes that decide memory, and what to lower."""
     params = sum(p.numel() for p in run.model.parameters()) if run.model is not None else 0
     seq = run.datasets.seq_length if run.datasets is not None else None
     shape = f"micro_batch_size {run.config.train.micro_batch_size}" + (f" × seq_length {seq}" if seq else "")
-    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    text = str(exc)
+    detail = text[text.index("you tried"):].split(".")[0] if "you tried" in text else \
+        next((line for line in text.splitlines() if line.strip()), type(exc).__name__)[:160]
     return (f"out of memory at step {run.state.step + 1} on {run.device} ({shape}, model {params / 1e6:.1f}M "
-            f"parameters): {first[:160]}; lower train.micro_batch_size (global_batch_size stays, through "
+            f"parameters): {detail}; lower train.micro_batch_size (global_batch_size stays, through "
             "gradient accumulation) or the model size")
 
 
@@ -282,7 +289,9 @@ class Trainer:
             if exc.step is None:
                 exc.step = run.state.step
             raise
-        except (torch.OutOfMemoryError, MemoryError) as exc:
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            if not is_out_of_memory(exc):
+                raise
             raise RunFailure(out_of_memory(run, exc)) from exc
         finally:
             if outcome == "error" and self.checkpointer.in_flight:

@@ -210,13 +210,12 @@ def test_fp8_with_fsdp_all_gather_runs_on_two_ranks_and_tracks_fp32(tmp_path: Pa
         assert s1 == s2 and b == pytest.approx(a, rel=0.02)
 
 
-def test_a_nan_only_one_rank_sees_is_skipped_by_both_and_the_replicas_stay_equal(tmp_path: Path) -> None:
+def test_a_nan_only_one_rank_sees_is_skipped_by_both_and_the_replicas_stay_equal(tmp_path: Path, site: Path) -> None:
     config = write(tmp_path, "run", train_iters=20, eval_iters=0)
     config.write_text(config.read_text() + '\n[plugins.guards]\n[plugins.weight-hash]\ninterval = 5\n'
-                      '[plugins.fault-injection]\naction = "nan_loss"\nstep = 7\nranks = [1]\n')
-    result = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path)
+                      '[plugins.nan-loss]\nrank = 1\nat_step = 7\n')
+    result = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env={"PYTHONPATH": str(site)})
     assert result.returncode == 0, result.stderr                                     # weight-hash found no split
-    assert "fault-injection: nan_loss on rank 1 at step 7" in result.stderr
     assert "guards: step 7: loss is nan; update skipped" in result.stderr            # rank 0 judged the mean too
     rows = {r["step"]: r for r in metrics_rows(tmp_path / "run")}
     assert (rows[5]["skipped_updates"], rows[10]["skipped_updates"], rows[20]["skipped_updates"]) == (0.0, 1.0, 1.0)

@@ -483,3 +483,25 @@ def test_bad_files_and_providers_are_one_error_line_with_exit_2(tmp_path: Path) 
     export = run_cli("checkpoint", "export", str(out), "--to", str(tmp_path / "missing" / "m.safetensors"), cwd=tmp_path)
     assert export.returncode == 2
     assert f"--to: directory '{tmp_path / 'missing'}' does not exist" in one_error_line(export.stderr)
+
+
+def test_out_of_memory_in_a_step_is_one_line_with_the_sizes(tmp_path: Path) -> None:
+    (tmp_path / "hungry.py").write_text(
+        "import torch\n"
+        "class Hungry(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.w = torch.nn.Linear(32, 1)\n"
+        "    def forward(self, x, y):\n"
+        "        torch.empty(10**14)  # activations that cannot fit\n"
+        "        return self.w(x.float()).mean()\n"
+        "def build():\n"
+        "    return Hungry()\n")
+    config, out = write_tiny_gpt(tmp_path, train_iters=5, eval_iters=0)
+    result = run_cli("run", str(config), "--set", 'model.provider="hungry:build"', "--set", "model.options={}",
+                     cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 1
+    assert one_error_line(result.stderr) == (
+        "error: out of memory at step 1 on cpu (micro_batch_size 8 × seq_length 32, model 0.0M parameters): "
+        "you tried to allocate 400000000000000 bytes; lower train.micro_batch_size (global_batch_size stays, "
+        "through gradient accumulation) or the model size")

@@ -3,10 +3,7 @@
 At a chosen step (or at random with a seeded probability per step), on chosen ranks, before
 the step starts: ``hang`` (sleep until killed), ``raise`` (an exception, as a bug would),
 ``sigkill`` / ``sigterm`` (the signal to this process), or ``sleep`` (a slow rank; with
-``every_step`` from that step on). ``nan_loss`` acts at the update's veto point instead:
-the loss the other ``before_update`` hooks see on those ranks becomes NaN (a rank-local bad
-batch, for testing that guards decide alike on every rank). Used by the straggler, signal,
-restart and guard tests.
+``every_step`` from that step on). Used by the straggler, signal and restart tests.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ log = logging.getLogger("coretrain")
 class FaultInjection:
     """Hang, raise, SIGKILL, SIGTERM or sleep on chosen ranks at a chosen or random step."""
 
-    action: Literal["hang", "raise", "sigkill", "sigterm", "sleep", "nan_loss"]
+    action: Literal["hang", "raise", "sigkill", "sigterm", "sleep"]
     """What goes wrong."""
     step: int | None = None
     """The step it happens at (before the step runs)."""
@@ -55,15 +52,9 @@ class FaultInjection:
             return self._rng.random() < self.probability
         return False
 
-    @hookimpl(tryfirst=True)
-    def before_update(self, run: Any, step: int, loss: Any) -> None:
-        if self.action == "nan_loss" and self._due(run.dist.rank, step):
-            log.warning("fault-injection: nan_loss on rank %d at step %d", run.dist.rank, step)
-            loss.fill_(float("nan"))  # the tensor every later before_update sees
-
     @hookimpl
     def pre_step(self, run: Any, step: int) -> None:
-        if self.action == "nan_loss" or not self._due(run.dist.rank, step):
+        if not self._due(run.dist.rank, step):
             return
         if self.action != "sleep" or not self.every_step or step == self.step:
             log.warning("fault-injection: %s on rank %d at step %d", self.action, run.dist.rank, step)
