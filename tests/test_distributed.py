@@ -58,27 +58,38 @@ def test_world_size_that_does_not_divide_the_global_batch_is_a_clear_error(tmp_p
            "size (4 × 2 = 8)" in result.stderr
 
 
-def test_sigterm_to_the_launcher_stops_all_ranks_at_one_step_with_one_checkpoint(tmp_path: Path) -> None:
-    config = write(tmp_path, "run", train_iters=5000, eval_interval=1000)
-    out = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", "2"],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def launch_two_ranks_until_step(config: Path, out: Path, step: int) -> subprocess.Popen:
+    """`coretrain run --nproc-per-node 2` in the background, returned once metrics.jsonl reaches ``step``."""
+    launcher = subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", "2"],
+                                cwd=config.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while process.poll() is None and time.monotonic() < deadline:
-        if (out / "metrics.jsonl").exists() and any(json.loads(line)["step"] >= 23 for line in
+    while launcher.poll() is None and time.monotonic() < deadline:
+        if (out / "metrics.jsonl").exists() and any(json.loads(line)["step"] >= step for line in
                                                     (out / "metrics.jsonl").read_text().splitlines()):
             break
         time.sleep(0.02)
-    process.send_signal(signal.SIGTERM)
-    stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 143, stderr
+    return launcher
+
+
+def saved_by_both_ranks(out: Path) -> int:
+    """The latest checkpoint's step, asserting it is the newest complete one and both ranks saved it."""
     step = int((out / "checkpoints" / "latest").read_text())
     complete = sorted(p.name for p in (out / "checkpoints").glob("step_????????"))
     assert complete[-1] == f"step_{step:08d}"
     steps_saved = {torch.load(out / "checkpoints" / f"step_{step:08d}" / f"rank_{r:05d}.pt",
                               weights_only=True)["train"]["step"] for r in (0, 1)}
     assert steps_saved == {step}                                                    # both ranks, same step
-    assert f"stopping at step {step}: received SIGTERM" in stderr
+    return step
+
+
+def test_sigterm_to_the_launcher_stops_all_ranks_at_one_step_with_one_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    process = launch_two_ranks_until_step(write(tmp_path, "run", train_iters=5000, eval_interval=1000), out, 23)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr
+    step = saved_by_both_ranks(out)
+    assert step >= 23 and f"stopping at step {step}: received SIGTERM" in stderr
 
 
 def test_a_killed_rank_ends_the_job_and_a_restart_resumes(tmp_path: Path, site: Path) -> None:
@@ -229,16 +240,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def test_a_preempted_job_whose_workers_get_sigterm_twice_still_checkpoints(tmp_path: Path) -> None:
-    config = write(tmp_path, "run", train_iters=5000, eval_interval=1000)
     out = tmp_path / "run"
-    launcher = subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", "2"],
-                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while launcher.poll() is None and time.monotonic() < deadline:
-        if (out / "metrics.jsonl").exists() and any(json.loads(line)["step"] >= 12 for line in
-                                                    (out / "metrics.jsonl").read_text().splitlines()):
-            break
-        time.sleep(0.02)
+    launcher = launch_two_ranks_until_step(write(tmp_path, "run", train_iters=5000, eval_interval=1000), out, 12)
     workers = [p for p in descendants(launcher.pid)
                if "coretrain" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
     assert len(workers) >= 2
@@ -247,8 +250,4 @@ def test_a_preempted_job_whose_workers_get_sigterm_twice_still_checkpoints(tmp_p
     launcher.send_signal(signal.SIGTERM)      # ...and the launcher forwards it to the workers again
     _, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode == 143, stderr
-    step = int((out / "checkpoints" / "latest").read_text())
-    assert step >= 12
-    steps_saved = {torch.load(out / "checkpoints" / f"step_{step:08d}" / f"rank_{r:05d}.pt",
-                              weights_only=True)["train"]["step"] for r in (0, 1)}
-    assert steps_saved == {step}
+    assert saved_by_both_ranks(out) >= 12
