@@ -512,6 +512,34 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
     set_rng_state(state["rng"])
 
 
+def read_newest_loadable(run: Run, candidates: list[Path], explicit: bool, with_optimizer: bool) -> Restored:
+    """The newest of ``candidates`` every rank can read, falling back past corrupt ones.
+
+    Every rank reads its part first and the ranks agree on the verdict, so all of them resume
+    from the same step. A checkpoint named explicitly, or one whose file names code to run,
+    is never skipped: its error stops the run. Nothing is deleted.
+    """
+    from coretrain.dist import max_over_ranks
+
+    for tried, path in enumerate(candidates, start=1):
+        problem: CheckpointUnreadable | None = None
+        try:
+            restored = read(run, path, with_optimizer)
+        except CheckpointUnreadable as exc:
+            problem = exc
+        verdict = 0 if problem is None else 2 if problem.unsafe else 1
+        if run.dist.world_size > 1:
+            verdict = max_over_ranks(verdict)[0]
+        if verdict == 0:
+            return restored
+        problem = problem or CheckpointUnreadable(path, "another rank could not read its part of it")
+        if verdict == 2 or explicit or tried == len(candidates):
+            raise problem
+        log.warning("checkpoint %s is unusable: %s: %s; falling back to the previous complete checkpoint "
+                    "(nothing is deleted)", path, problem.path, problem.reason)
+    raise AssertionError("no candidates")  # callers pass at least one
+
+
 def check_resumable(run: Run, info: dict[str, Any]) -> None:
     """Refuse what a resume cannot carry over; say which optimizer/scheduler settings change.
 

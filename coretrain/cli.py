@@ -158,7 +158,6 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
     from coretrain.errors import FAILURE_EXIT_CODE, PluginError, RunFailure, UserError
     from coretrain.loop import Trainer
     from coretrain.run import build_run
-
     from coretrain.signals import Interrupted
 
     try:

@@ -14,7 +14,7 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.run.Run`):
         pre_step(run, step)
         for each micro-batch:  forward, loss, backward      # no hooks here
         before_update(run, step, loss)      veto point: run.control.skip_update(reason)
-        clip, optimizer.step(), scheduler.step()           # unless vetoed
+        clip, optimizer.step(), scheduler.step()           # unless any rank vetoed
         post_step(run, step, outputs)       outputs hold device tensors; no sync required
         every log_interval:   on_log(run, step, metrics)   ONE host sync per interval
         every eval_interval:  on_eval(run, step, metrics)
@@ -23,7 +23,9 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.run.Run`):
         signal agreed?        on_signal(run, signum) -> checkpoint -> exit 128+signum
         exit condition?       train_iters | exit_interval | exit_duration_in_mins |
                               run.control.request_stop(reason)
-    on_train_end(run, outcome)              always, also after an error (outcome "error")
+    on_train_end(run, outcome)              always, on every plugin even if one raises; also after
+                                            an error in restore (outcome "error") or a signal
+                                            before the first step, without on_train_start
 
 Rules every implementation can rely on:
 
@@ -31,7 +33,12 @@ Rules every implementation can rely on:
 - A hook no enabled plugin implements costs nothing: the loop resolves, once, which hooks
   have implementations and never calls the others.
 - Plugins ask the loop for things only through ``run.control`` (stop, checkpoint now, skip
-  this update); they never raise to steer the loop or reach into its locals.
+  this update); they never raise to steer the loop or reach into its locals. Requests are
+  agreed across ranks: an update is skipped if any rank vetoes it, a checkpoint saved if any
+  rank asks, the largest exit code wins.
+- A hook that raises ends the run: ``error: plugin 'NAME' failed in HOOK at step N``, exit 1,
+  the traceback in ``<output_dir>/traceback.log``. Raise :class:`coretrain.errors.UserError`
+  for a mistake the user can fix (exit 2, the message as is).
 - ``wrapper=True`` implementations may wrap any hook (e.g. to time it).
 - Per-step hooks (``pre_step``, ``before_update``, ``post_step``) must not force a host-device
   sync in the common case; do it every N steps or at ``on_log``. A value a plugin measures on
@@ -148,8 +155,9 @@ def on_eval(run: Run, step: int, metrics: dict[str, float]) -> None:
 def on_checkpoint(run: Run, step: int, path: str) -> dict[str, Any] | None:
     """A checkpoint of ``step`` is being written to ``path``.
 
-    Return this plugin's own state (tensors, numbers, strings, lists, dicts): it is saved
-    under the plugin's name and handed back to :func:`on_resume`.
+    Return this plugin's own state (tensors, numbers, str, bool, None, lists and dicts of
+    these; anything else stops the run naming the plugin): it is saved under the plugin's
+    name and handed back to :func:`on_resume`.
     """
 
 
@@ -175,4 +183,7 @@ def on_signal(run: Run, signum: int) -> None:
 @hookspec
 def on_train_end(run: Run, outcome: str) -> None:
     """Always called once: outcome is "completed", "exit_interval", "exit_duration",
-    "stopped" (a plugin's request), "signal" or "error". Flush and close here."""
+    "stopped" (a plugin's request), "signal" or "error". Flush and close here.
+
+    Also called when ``on_train_start`` was not (restore failed, or a signal arrived before
+    the first step), and on every plugin even when another one's raises."""

@@ -20,7 +20,7 @@ from coretrain import checkpoint, safeload
 from coretrain import metrics as derived
 from coretrain.data import BatchReader, SampleOrder
 from coretrain.dist import max_over_ranks, mean_over_ranks
-from coretrain.errors import CheckpointUnreadable, PluginError, RunFailure
+from coretrain.errors import PluginError, RunFailure
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
 
@@ -193,11 +193,7 @@ class Trainer:
     # ---------------------------------------------------------------- checkpoints
 
     def restore(self) -> None:
-        """Resume from the newest checkpoint that loads, falling back past corrupt ones.
-
-        Every rank reads its part first and the ranks agree on the verdict, so they all
-        resume from the same step; a file that names code to run stops the run instead.
-        """
+        """Resume from the newest checkpoint that loads (or load pretrained weights)."""
         run = self.run
         candidates, explicit = checkpoint.resume_candidates(run)
         if not candidates:
@@ -206,25 +202,10 @@ class Trainer:
                 log.info("loaded pretrained weights from %s", run.config.checkpoint.pretrained)
             return
         with_optimizer = run.config.checkpoint.load_optimizer
-        for tried, path in enumerate(candidates, start=1):
-            problem: CheckpointUnreadable | None = None
-            try:
-                restored = checkpoint.read(run, path, with_optimizer)
-            except CheckpointUnreadable as exc:
-                problem = exc
-            verdict = 0 if problem is None else 2 if problem.unsafe else 1
-            if run.dist.world_size > 1:
-                verdict = max_over_ranks(verdict)[0]
-            if verdict == 0:
-                break
-            problem = problem or CheckpointUnreadable(path, "another rank could not read its part of it")
-            if verdict == 2 or explicit or tried == len(candidates):
-                raise problem
-            log.warning("checkpoint %s is unusable: %s: %s; falling back to the previous complete checkpoint "
-                        "(nothing is deleted)", path, problem.path, problem.reason)
+        restored = checkpoint.read_newest_loadable(run, candidates, explicit, with_optimizer)
         checkpoint.check_resumable(run, restored.manifest)
         checkpoint.apply(run, restored, with_optimizer)
-        state = restored.rank_state
+        path, state = restored.path, restored.rank_state
         self.log.restore(state.get("interval_log", {}), run.device)
         self.last_saved_step = run.state.step
         self.last_eval_step = run.state.step if restored.manifest.get("validated") else -1
@@ -313,13 +294,17 @@ class Trainer:
         if not self.hooks.on_train_end:
             return
         errors = run.plugins.call_all("on_train_end", run=run, outcome=outcome)
-        for error in errors[1:]:
-            log.error("also: %s", error)
-        if errors and outcome != "error":
-            error = errors[0]
+        for error in errors:
             if isinstance(error, PluginError) and error.step is None:
                 error.step = run.state.step
-            raise error
+        if errors and outcome != "error":
+            errors, first = errors[1:], errors[0]
+        else:
+            first = None
+        for error in errors:  # the run already fails for another reason: say these too, then that one
+            log.error("also: %s", error)
+        if first is not None:
+            raise first
 
     def _signalled_during_start(self) -> bool:
         """A signal that arrived while the run was being built and restored: stop before step one,
