@@ -201,7 +201,7 @@ def _write_traceback(output_dir: str, exc: BaseException, to_stderr: bool) -> st
 def cmd_checkpoint_list(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coretrain.checkpoint import list_checkpoints
+    from coretrain.export import list_checkpoints
 
     found = list_checkpoints(Path(args.run_dir))
     latest = Path(args.run_dir) / "checkpoints" / "latest"
@@ -217,7 +217,7 @@ def cmd_checkpoint_list(args: argparse.Namespace) -> int:
 def cmd_checkpoint_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coretrain.checkpoint import export_weights
+    from coretrain.export import export_weights
 
     source = export_weights(Path(args.run_dir), args.step, Path(args.to))
     print(f"wrote {args.to} from {source}")

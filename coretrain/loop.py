@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from coretrain import checkpoint, safeload
+from coretrain import checkpoint, resume, safeload
 from coretrain import metrics as derived
 from coretrain.data import BatchReader, SampleOrder
 from coretrain.dist import max_over_ranks, mean_over_ranks
@@ -195,16 +195,16 @@ class Trainer:
     def restore(self) -> None:
         """Resume from the newest checkpoint that loads (or load pretrained weights)."""
         run = self.run
-        candidates, explicit = checkpoint.resume_candidates(run)
+        candidates, explicit = resume.resume_candidates(run)
         if not candidates:
             if run.config.checkpoint.pretrained:
-                checkpoint.load_pretrained(run, run.config.checkpoint.pretrained)
+                resume.load_pretrained(run, run.config.checkpoint.pretrained)
                 log.info("loaded pretrained weights from %s", run.config.checkpoint.pretrained)
             return
         with_optimizer = run.config.checkpoint.load_optimizer
-        restored = checkpoint.read_newest_loadable(run, candidates, explicit, with_optimizer)
-        checkpoint.check_resumable(run, restored.manifest)
-        checkpoint.apply(run, restored, with_optimizer)
+        restored = resume.read_newest_loadable(run, candidates, explicit, with_optimizer)
+        resume.check_resumable(run, restored.manifest)
+        resume.apply(run, restored, with_optimizer)
         path, state = restored.path, restored.rank_state
         self.log.restore(state.get("interval_log", {}), run.device)
         self.last_saved_step = run.state.step

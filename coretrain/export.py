@@ -1,0 +1,87 @@
+"""Look into a run's checkpoints and take the weights out: ``coretrain checkpoint list | export``.
+
+Works on any run directory, without building the run; sharded (FSDP) checkpoints are
+gathered into one state dict in this process, through the same restricted readers as resume.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from coretrain import safeload
+from coretrain.checkpoint import read_manifest
+from coretrain.errors import CheckpointUnreadable, RunFailure, UserError
+
+
+@attrs.define(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    complete: bool
+    size_bytes: int
+
+
+def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
+    """Every checkpoint directory of a run, complete or not, oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        raise UserError(f"{run_dir}: no checkpoints/ directory; is this a run's output dir?")
+    found = []
+    for path in root.iterdir():
+        match = re.match(r"^step_(\d{8})(\.tmp)?$", path.name)
+        if match and path.is_dir():
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            found.append(CheckpointInfo(int(match.group(1)), path, match.group(2) is None, size))
+    return sorted(found, key=lambda c: (c.step, c.complete))
+
+
+def export_weights(run_dir: Path, step: int | None, to: Path) -> Path:
+    """Write the model weights of a complete checkpoint (newest by default) as safetensors."""
+    from safetensors.torch import save_file
+
+    if not to.parent.is_dir():
+        raise UserError(f"--to: directory '{to.parent}' does not exist; create it first")
+    if to.is_dir():
+        raise UserError(f"--to: '{to}' is a directory; give a file name, e.g. {to / 'model.safetensors'}")
+    complete = {c.step: c.path for c in list_checkpoints(run_dir) if c.complete}
+    if not complete:
+        raise UserError(f"{run_dir}: no complete checkpoint to export")
+    if step is not None and step not in complete:
+        raise UserError(f"--step {step}: no complete checkpoint at that step; complete: {sorted(complete)}")
+    source = complete[step if step is not None else max(complete)]
+    if read_manifest(source)["layout"] == "sharded":  # gather the shards into one state dict
+        weights = read_sharded_model(source / "sharded")
+    else:
+        weights = safeload.load_file(source / "model.pt")
+    if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+        raise CheckpointUnreadable(source, "the model weights are not a dict of tensors")
+    # tied parameters share storage; safetensors stores each name on its own
+    try:
+        save_file({name: tensor.contiguous().clone() for name, tensor in weights.items()}, str(to),
+                  metadata={"format": "pt", "source": str(source)})
+    except OSError as exc:
+        raise RunFailure(f"cannot write {to}: {exc.strerror or exc}") from None
+    return source
+
+
+def read_sharded_model(directory: Path) -> dict[str, torch.Tensor]:
+    """The full model state dict of a DCP checkpoint, in this one process, read safely."""
+    # dcp.load fills a copy of the dict it is given; torch's own dcp_to_torch_save calls this instead
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    safeload.check_metadata(directory)
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=safeload.dcp_reader(directory),
+                         planner=safeload.dcp_planner(directory, empty=True), no_dist=True)
+    except safeload.dcp_errors() as exc:
+        raise safeload.dcp_unreadable(directory, exc) from None
+    model = state.get("model")
+    if not isinstance(model, dict):
+        raise CheckpointUnreadable(directory, "no model state in the sharded checkpoint")
+    return model

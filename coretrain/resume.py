@@ -1,0 +1,229 @@
+"""Resume a run from its checkpoints: choose, read safely, check, apply.
+
+Reading (:func:`read`) is separate from applying (:func:`apply`), so a resume can fall back
+past a corrupt checkpoint without having changed the run (:func:`read_newest_loadable`).
+What a resume may and may not change is decided in :func:`check_resumable` and :func:`apply`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from coretrain import safeload
+from coretrain.checkpoint import STEP_DIR, checkpoint_root, complete_steps, read_manifest, set_rng_state, step_dir
+from coretrain.errors import CheckpointUnreadable, UserError
+from coretrain.run import Run, TrainState, config_as_dict
+
+log = logging.getLogger("coretrain")
+
+
+def resume_candidates(run: Run) -> tuple[list[Path], bool]:
+    """The checkpoints ``checkpoint.resume`` allows, newest first, and whether it named one explicitly."""
+    choice = run.config.checkpoint.resume
+    if choice == "never":
+        return [], False
+    if choice != "auto":
+        path = Path(choice)
+        if not path.is_dir() or not STEP_DIR.match(path.name):
+            raise UserError(f"checkpoint.resume: '{choice}' is not a checkpoint directory (step_NNNNNNNN)")
+        return [path], True
+    root = checkpoint_root(run)
+    steps = complete_steps(root)
+    newest = steps[-1] if steps else -1
+    for partial in sorted(root.glob("step_*.tmp")) if root.is_dir() else []:
+        step = int(partial.name[5:13]) if partial.name[5:13].isdigit() else -1
+        if step > newest:
+            log.warning("ignoring incomplete checkpoint %s (its save never committed)", partial)
+    return [step_dir(root, step) for step in reversed(steps)], False
+
+
+def _load_sharded(run: Run, directory: Path, with_optimizer: bool) -> None:
+    """Load a DCP checkpoint into the current model (sharded or not, any number of ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    safeload.check_metadata(directory)
+    model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state} if with_optimizer else {"model": model_state}
+    try:
+        dcp.load(state, storage_reader=safeload.dcp_reader(directory), planner=safeload.dcp_planner(directory),
+                 no_dist=run.dist.world_size == 1)
+    except safeload.dcp_errors() as exc:  # DCP gathers every rank's failure: report ours, or the first
+        raise safeload.dcp_unreadable(directory, exc) from None
+    set_state_dict(run.model, run.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"] if with_optimizer else {})
+
+
+def check_model_fits(directory: Path, saved: dict[str, Any], model: torch.nn.Module, hint: str = "") -> None:
+    """One error naming the parameters whose names or shapes differ (a changed model config)."""
+    current = model.state_dict()
+    problems = [f"'{k}' is missing from the checkpoint" for k in current if k not in saved]
+    problems += [f"'{k}' is in the checkpoint but not in the model" for k in saved if k not in current]
+    problems += [f"'{k}' has shape {list(saved[k].shape)} in the checkpoint, {list(v.shape)} now"
+                 for k, v in current.items() if k in saved and hasattr(saved[k], "shape") and saved[k].shape != v.shape]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise UserError(f"{directory}: the checkpoint does not fit the model: {'; '.join(problems[:3])}{more}{hint}")
+
+
+@attrs.define
+class Restored:
+    """What :func:`read` found in a checkpoint, before anything of the run is changed."""
+
+    path: Path
+    manifest: dict[str, Any]
+    rank_state: dict[str, Any]
+    model: dict[str, Any] | None = None
+    optimizer: dict[str, Any] | None = None
+
+
+def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
+    """Read and check this rank's files of a checkpoint; changes nothing (so a caller may fall back)."""
+    info = read_manifest(path)
+    rank_file = path / f"rank_{run.dist.rank:05d}.pt"
+    rank_state = safeload.load_file(rank_file)
+    if not isinstance(rank_state, dict) or not isinstance(rank_state.get("train"), dict):
+        raise CheckpointUnreadable(rank_file, "not a coretrain rank state (no 'train' table)")
+    restored = Restored(path, info, rank_state)
+    if info["layout"] == "replicated":
+        restored.model = safeload.load_file(path / "model.pt")
+        if with_optimizer:
+            restored.optimizer = safeload.load_file(path / "optimizer.pt")
+    else:  # DCP reads it again when applying; reading it here lets a crafted or torn one fail early
+        safeload.check_metadata(path / "sharded")
+    return restored
+
+
+def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
+    """Put a checkpoint read by :func:`read` into the run: model, optimizer, schedule, counters, RNG.
+
+    The optimizer's hyperparameters (lr, betas, weight decay, per-group overrides) come from
+    the config, not the checkpoint (Megatron's override_opt_param_scheduler): its moments and
+    step counts are what resume needs; the settings are what the user asked for now.
+    """
+    path, state = restored.path, restored.rank_state
+    hint = changed_keys_hint(restored.manifest.get("config"), run.config, ("model",))
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
+    if restored.manifest["layout"] == "sharded":
+        try:
+            _load_sharded(run, path / "sharded", with_optimizer=with_optimizer)
+        except CheckpointUnreadable as exc:
+            raise CheckpointUnreadable(exc.path, exc.reason + hint, unsafe=exc.unsafe) from None
+    else:
+        assert restored.model is not None
+        check_model_fits(path, restored.model, run.unwrapped_model, hint)
+        run.unwrapped_model.load_state_dict(restored.model)
+        if with_optimizer:
+            try:
+                run.optimizer.load_state_dict(restored.optimizer)
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise UserError(f"{path / 'optimizer.pt'}: the optimizer state does not fit this optimizer ({exc}); "
+                                "if its parameter groups changed, set checkpoint.load_optimizer = false") from None
+    for group, settings in zip(run.optimizer.param_groups, configured):
+        group.update(settings)
+    run.scheduler.load_state_dict(state["scheduler"])
+    if run.grad_scaler is not None and "grad_scaler" in state:
+        run.grad_scaler.load_state_dict(state["grad_scaler"])
+    run.state = TrainState(**state["train"])
+    set_rng_state(state["rng"])
+
+
+def read_newest_loadable(run: Run, candidates: list[Path], explicit: bool, with_optimizer: bool) -> Restored:
+    """The newest of ``candidates`` every rank can read, falling back past corrupt ones.
+
+    Every rank reads its part first and the ranks agree on the verdict, so all of them resume
+    from the same step. A checkpoint named explicitly, or one whose file names code to run,
+    is never skipped: its error stops the run. Nothing is deleted.
+    """
+    from coretrain.dist import max_over_ranks
+
+    for tried, path in enumerate(candidates, start=1):
+        problem: CheckpointUnreadable | None = None
+        try:
+            restored = read(run, path, with_optimizer)
+        except CheckpointUnreadable as exc:
+            problem = exc
+        verdict = 0 if problem is None else 2 if problem.unsafe else 1
+        if run.dist.world_size > 1:
+            verdict = max_over_ranks(verdict)[0]
+        if verdict == 0:
+            return restored
+        problem = problem or CheckpointUnreadable(path, "another rank could not read its part of it")
+        if verdict == 2 or explicit or tried == len(candidates):
+            raise problem
+        log.warning("checkpoint %s is unusable: %s: %s; falling back to the previous complete checkpoint "
+                    "(nothing is deleted)", path, problem.path, problem.reason)
+    raise AssertionError("no candidates")  # callers pass at least one
+
+
+def check_resumable(run: Run, info: dict[str, Any]) -> None:
+    """Refuse what a resume cannot carry over; say which optimizer/scheduler settings change.
+
+    The optimizer class and the sequence length are part of what the checkpoint means: a
+    change is an error naming the keys. Optimizer and scheduler hyperparameters may change:
+    the config's values are used from the first resumed step, and one warning lists them.
+    """
+    config, saved = run.config, info.get("config")
+    saved_optimizer = info.get("optimizer")
+    if saved_optimizer and saved_optimizer != config.optimizer.name and config.checkpoint.load_optimizer:
+        raise UserError(f"optimizer.name: the checkpoint was trained with '{saved_optimizer}', the config asks for "
+                        f"'{config.optimizer.name}'; its state cannot carry over: set checkpoint.load_optimizer = "
+                        "false to start the optimizer afresh (weights, step and data position are kept)")
+    saved_seq, seq = info.get("seq_length"), run.datasets.seq_length if run.datasets else None
+    if saved_seq is not None and seq is not None and saved_seq != seq:
+        hint = changed_keys_hint(saved, config, ("data", "model")) or "; the data provider reports it"
+        raise UserError(f"seq_length is {seq} now and {saved_seq} in the checkpoint{hint}: the data position and "
+                        "the model depend on it; resume with the old value or start a new run (another "
+                        "run.output_dir, or checkpoint.resume = \"never\")")
+    changed = [f"{key} {before!r} -> {after!r}" for key, before, after in config_changes(saved, config)
+               if key.split(".")[0] in ("optimizer", "scheduler") and key != "optimizer.name"]
+    if changed:
+        log.warning("resuming with changed settings; the config's values are used from now on: %s", ", ".join(changed))
+
+
+def changed_keys_hint(saved: dict[str, Any] | None, config: Any, sections: tuple[str, ...]) -> str:
+    changed = [f"{key} ({before!r} -> {after!r})" for key, before, after in config_changes(saved, config)
+               if key.split(".")[0] in sections]
+    return f"; changed since the checkpoint: {', '.join(changed)}" if changed else ""
+
+
+def config_changes(saved: dict[str, Any] | None, config: Any) -> list[tuple[str, Any, Any]]:
+    """(dotted key, checkpoint's value, current value) for every leaf that differs."""
+    if not saved:
+        return []
+    current = json.loads(json.dumps(config_as_dict(config)))  # tuples as lists, as the manifest has them
+    changes: list[tuple[str, Any, Any]] = []
+
+    def walk(before: Any, after: Any, prefix: str) -> None:
+        if isinstance(before, dict) and isinstance(after, dict):
+            for key in sorted(set(before) | set(after)):
+                walk(before.get(key), after.get(key), f"{prefix}{key}.")
+        elif before != after:
+            changes.append((prefix.rstrip("."), before, after))
+
+    walk(saved, current, "")
+    return changes
+
+
+def load_pretrained(run: Run, path: str) -> None:
+    """Model weights only (fine-tuning): step 0, fresh optimizer."""
+    directory = Path(path)
+    if not directory.exists():
+        raise UserError(f"checkpoint.pretrained: '{path}' does not exist")
+    if directory.is_file():
+        weights = safeload.load_file(directory)
+    elif read_manifest(directory)["layout"] == "sharded":
+        _load_sharded(run, directory / "sharded", with_optimizer=False)
+        return
+    else:
+        weights = safeload.load_file(directory / "model.pt")
+    if not isinstance(weights, dict):
+        raise CheckpointUnreadable(directory, "not a state dict of model weights")
+    check_model_fits(directory, weights, run.unwrapped_model)
+    run.unwrapped_model.load_state_dict(weights)
