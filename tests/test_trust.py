@@ -433,7 +433,7 @@ MISTAKES = {
     "micro batch too large": ("--set", "train.micro_batch_size=1000000000000",
                               "the train split has 6249 sample(s), fewer than one global batch (1000000000000)"),
     "guards window 0": ("--set", "plugins.guards.window=0", "plugins.guards.window: must be > 0, got 0"),
-    "gc interval < 0": ("--set", "plugins.gc.interval=-5", "plugins.gc.interval: must be > 0, got -5"),
+    "gc interval < 0": ("--set", "plugins.gc.interval=-5", "plugins.gc.interval: must be >= 0, got -5"),
 }
 
 

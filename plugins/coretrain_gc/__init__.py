@@ -17,7 +17,7 @@ from typing import Any
 from attrs import define, field
 
 from coretrain import hookimpl
-from coretrain.validators import non_negative, positive
+from coretrain.validators import non_negative
 
 log = logging.getLogger("coretrain")
 
@@ -26,7 +26,7 @@ log = logging.getLogger("coretrain")
 class GC:
     """Disable automatic GC; collect every `interval` steps on every rank at once."""
 
-    interval: int = field(default=100, validator=positive)
+    interval: int = field(default=100, validator=non_negative)
     """Full collection every N steps; 0 = never collect (automatic GC stays off)."""
     eval: bool = True
     """Also collect right before and right after each validation."""

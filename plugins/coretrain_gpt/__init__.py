@@ -41,8 +41,8 @@ class GPTProvider:
 
     def __attrs_post_init__(self) -> None:
         if self.n_embd % self.n_head:
-            raise FieldValueError("n_head", f"must divide n_embd ({self.n_embd}), got {self.n_head}; "
-                                            f"try n_head = {next(h for h in range(self.n_head, 0, -1) if self.n_embd % h == 0)}")
+            fits = next(h for h in range(self.n_head, 0, -1) if self.n_embd % h == 0)
+            raise FieldValueError("n_head", f"must divide n_embd ({self.n_embd}), got {self.n_head}; try n_head = {fits}")
 
     @hookimpl
     def provide_model(self, run: Any) -> Any:

@@ -29,8 +29,8 @@ from typing import Any, Literal
 from attrs import define, field
 
 from coretrain import hookimpl
-from coretrain.validators import exit_code, non_negative, positive
 from coretrain.dist import mean_over_ranks
+from coretrain.validators import exit_code, non_negative, positive
 
 log = logging.getLogger("coretrain")
 
