@@ -9,7 +9,7 @@ Layout under ``<output_dir>/checkpoints/``::
                             torch.distributed.checkpoint (FSDP2); .metadata last
         rank_00000.pt       every rank: train state, LR schedule, grad scaler, RNG, plugin states
         checkpoint.json     rank 0: the manifest (layout, world size, optimizer, seq_length,
-                            whether validation at this step was logged, the resolved config)
+                            the splits evaluated and logged at this step, the resolved config)
     step_00000200.tmp/      an interrupted save: never loaded
     latest                  text: the newest committed step (a hint; the directories decide)
 
@@ -166,7 +166,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "full_tensor") for p in model.parameters())  # DTensor parameters
 
 
-def collect(run: Run, extra_state: dict[str, Any], validated: bool = False) -> dict[str, Any]:
+def collect(run: Run, extra_state: dict[str, Any], evaluated: list[str] | None = None) -> dict[str, Any]:
     """This rank's files of the checkpoint: file name -> object to save."""
     state = {"train": {"step": run.state.step, "consumed_samples": run.state.consumed_samples,
                        "skipped_updates": run.state.skipped_updates},
@@ -184,7 +184,7 @@ def collect(run: Run, extra_state: dict[str, Any], validated: bool = False) -> d
         files["model.pt"] = run.unwrapped_model.state_dict()
         files["optimizer.pt"] = run.optimizer.state_dict()
     if run.dist.is_main:
-        files[MANIFEST] = manifest(run, "sharded" if sharded else "replicated", validated)
+        files[MANIFEST] = manifest(run, "sharded" if sharded else "replicated", evaluated or [])
     return files
 
 
@@ -279,13 +279,13 @@ class Checkpointer:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def save(self, extra_state: dict[str, Any], validated: bool = False) -> tuple[Path, float]:
+    def save(self, extra_state: dict[str, Any], evaluated: list[str] | None = None) -> tuple[Path, float]:
         """Start (async) or do (sync) the save of the current step; returns (dir, seconds blocked)."""
         self.wait()
         run = self.run
         started = time.perf_counter()
         root, step, distributed = checkpoint_root(run), run.state.step, run.dist.world_size > 1
-        files = collect(run, extra_state, validated)
+        files = collect(run, extra_state, evaluated)
         if not self.asynchronous:
             write_and_commit(root, step, files, run.dist.is_main, run.config.checkpoint.keep_last, distributed)
             return step_dir(root, step), time.perf_counter() - started
@@ -354,13 +354,13 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def manifest(run: Run, layout: str, validated: bool) -> dict[str, Any]:
+def manifest(run: Run, layout: str, evaluated: list[str]) -> dict[str, Any]:
     """What rank 0 records about a checkpoint, in plain JSON (read before any tensor file)."""
     from coretrain import __version__
 
     return {"format": MANIFEST_FORMAT, "coretrain": __version__, "step": run.state.step, "layout": layout,
             "world_size": run.dist.world_size, "optimizer": run.config.optimizer.name,
-            "seq_length": run.datasets.seq_length if run.datasets else None, "validated": validated,
+            "seq_length": run.datasets.seq_length if run.datasets else None, "evaluated": evaluated,
             "config": config_as_dict(run.config)}
 
 
@@ -369,14 +369,14 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
     if not path.exists():
         layout = "sharded" if (directory / "sharded").is_dir() and not (directory / "model.pt").exists() else "replicated"
-        return {"layout": layout, "validated": False}
+        return {"layout": layout, "evaluated": []}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointUnreadable(path, f"cannot read the manifest: {type(exc).__name__}: {exc}") from None
     if not isinstance(data, dict) or data.get("layout") not in ("sharded", "replicated") \
-            or not isinstance(data.get("validated", False), bool) or not isinstance(data.get("config", {}), dict):
-        raise CheckpointUnreadable(path, "not a coretrain checkpoint manifest (layout, validated, config)")
+            or not isinstance(data.get("evaluated", []), list) or not isinstance(data.get("config", {}), dict):
+        raise CheckpointUnreadable(path, "not a coretrain checkpoint manifest (layout, evaluated, config)")
     return data
 
 
@@ -389,8 +389,8 @@ def _write_json_atomically(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def mark_validated(directory: Path) -> None:
-    """Record that validation at this checkpoint's step ran and was logged (rank 0)."""
+def mark_evaluated(directory: Path, splits: list[str]) -> None:
+    """Record which splits were evaluated (and logged) at this checkpoint's step (rank 0)."""
     data = read_manifest(directory)
-    if (directory / MANIFEST).exists() and not data.get("validated"):
-        _write_json_atomically(directory / MANIFEST, {**data, "validated": True})
+    if (directory / MANIFEST).exists() and sorted(data.get("evaluated", [])) != sorted(splits):
+        _write_json_atomically(directory / MANIFEST, {**data, "evaluated": sorted(splits)})

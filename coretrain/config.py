@@ -52,11 +52,35 @@ class RunConfig:
 
 
 @define(kw_only=True)
-class ProviderConfig:
-    """A model or dataset source: a provider plugin's name or an import path ``pkg.mod:callable``."""
+class ModelConfig:
+    """The model: a provider plugin's name or an import path ``pkg.mod:callable``, and its loss."""
 
     provider: str = ""
     options: dict[str, Any] = field(factory=dict)
+    loss: str | None = None
+    """For a model that returns outputs, not its loss: "cross_entropy", "mse", or an import path
+    ``pkg.mod:fn`` called as fn(outputs, target). The batch's last item (or its "labels" key)
+    is the target; the rest goes to the model. Unset: the model returns its loss."""
+
+
+@define(kw_only=True)
+class DataConfig:
+    """The datasets: a provider plugin's name or an import path, and how batches are loaded."""
+
+    provider: str = ""
+    options: dict[str, Any] = field(factory=dict)
+    num_workers: int = field(default=0, validator=_non_negative)
+    """DataLoader worker processes preparing batches off the training thread; 0 reads them in
+    the training loop (the in-memory fast path)."""
+    prefetch_factor: int = field(default=2, validator=_positive)
+    """Batches each worker prepares ahead."""
+    pin_memory: bool = True
+    """Page-locked host batches for faster copies to the GPU (only with workers and CUDA)."""
+    persistent_workers: bool = True
+    """Keep workers alive between evaluation passes."""
+    collate_fn: str | None = None
+    """Import path ``pkg.mod:fn`` turning a list of samples into a batch; unset = the
+    datasets' own ``collate_fn``, else torch's default_collate."""
 
 
 @define(kw_only=True)
@@ -73,7 +97,12 @@ class TrainConfig:
     eval_interval: int | None = field(default=None, validator=_positive)
     """Validate every N steps; unset = validate only after training."""
     eval_iters: int = field(default=10, validator=_non_negative)
-    """Batches per validation; 0 disables validation."""
+    """Global batches per validation (the same ones every time); 0 disables validation."""
+    eval_full: bool = False
+    """Validate on every sample of the split exactly once, split over ranks (eval_iters is
+    then ignored); the test split, if any, is evaluated the same way after training."""
+    eval_micro_batch_size: int | None = field(default=None, validator=_positive)
+    """Samples per forward in evaluation; unset = micro_batch_size."""
     skip_train: bool = False
     """Only validate (after loading a checkpoint, if any)."""
     log_interval: int = field(default=100, validator=_positive)
@@ -152,8 +181,8 @@ class Config:
     """The whole run, as read from TOML."""
 
     run: RunConfig = field(factory=RunConfig)
-    model: ProviderConfig = field(factory=ProviderConfig)
-    data: ProviderConfig = field(factory=ProviderConfig)
+    model: ModelConfig = field(factory=ModelConfig)
+    data: DataConfig = field(factory=DataConfig)
     train: TrainConfig = field(factory=TrainConfig)
     optimizer: OptimizerConfig = field(factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(factory=SchedulerConfig)

@@ -8,6 +8,7 @@ changing the number of ranks or micro-batches never changes which samples make a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,12 +43,13 @@ class SampleOrder:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def fetch(dataset: Any, indices: torch.Tensor) -> Any:
-    """One collated batch: the dataset's ``get_batch`` fast path, else per-sample + collate."""
+def fetch(dataset: Any, indices: torch.Tensor, collate: Callable[[list[Any]], Any] | None = None) -> Any:
+    """One collated batch: the dataset's ``get_batch`` fast path, else per-sample + collate
+    (the given ``collate``, else torch's default_collate)."""
     get_batch = getattr(dataset, "get_batch", None)
     if get_batch is not None:
         return get_batch(indices)
-    return default_collate([dataset[i] for i in indices.tolist()])
+    return (collate or default_collate)([dataset[i] for i in indices.tolist()])
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -67,11 +69,12 @@ class BatchReader:
     takes the r-th equal block and cuts it into micro-batches.
     """
 
-    def __init__(self, dataset: Any, order: SampleOrder, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(self, dataset: Any, order: SampleOrder, rank: int, world_size: int, device: torch.device,
+                 collate: Callable[[list[Any]], Any] | None = None) -> None:
         self.dataset, self.order, self.rank, self.world_size = dataset, order, rank, world_size
         self.device = device if device.type != "cpu" else None
         get_batch = getattr(dataset, "get_batch", None)
-        self.get_batch = get_batch if get_batch is not None else (lambda indices: fetch(dataset, indices))
+        self.get_batch = get_batch if get_batch is not None else (lambda indices: fetch(dataset, indices, collate))
 
     def read(self, start: int, global_batch_size: int, micro_batch_size: int) -> list[Any]:
         per_rank = global_batch_size // self.world_size

@@ -30,8 +30,11 @@ def check_model(model: Any, provider: str) -> None:
                         "(check the model options, e.g. a layer count of 0)")
 
 
-def check_datasets(datasets: Any, provider: str, *, global_batch: int, micro_batch: int, validate: bool) -> None:
-    """Fail before training on datasets the loop could not read to the end."""
+def check_datasets(datasets: Any, provider: str, *, global_batch: int, micro_batch: int, eval_needed: int) -> None:
+    """Fail before training on datasets the loop could not read to the end.
+
+    ``eval_needed``: samples the valid and test splits must have (one global batch for
+    ``eval_iters`` batches, one per rank for a full pass)."""
     from coretrain.run import Datasets
 
     if not isinstance(datasets, Datasets):
@@ -48,11 +51,13 @@ def check_datasets(datasets: Any, provider: str, *, global_batch: int, micro_bat
             if split == "train":
                 raise UserError(f"data.provider '{provider}' returned no train split")
             continue
-        needed = global_batch if split == "train" or (split == "valid" and validate) else 1
-        _check_split(dataset, split, provider, needed, min(micro_batch, needed), datasets.vocab_size)
+        needed = global_batch if split == "train" else eval_needed
+        _check_split(dataset, split, provider, needed, min(micro_batch, needed), datasets.vocab_size,
+                     datasets.collate_fn)
 
 
-def _check_split(dataset: Any, split: str, provider: str, needed: int, micro_batch: int, vocab_size: int | None) -> None:
+def _check_split(dataset: Any, split: str, provider: str, needed: int, micro_batch: int, vocab_size: int | None,
+                 collate: Any) -> None:
     where = f"data.provider '{provider}': the {split} split"
     if not hasattr(dataset, "__len__") or not (hasattr(dataset, "__getitem__") or hasattr(dataset, "get_batch")):
         raise UserError(f"{where} is a {describe(dataset)}; coretrain reads samples by index, so it needs "
@@ -62,12 +67,15 @@ def _check_split(dataset: Any, split: str, provider: str, needed: int, micro_bat
     except Exception as exc:
         raise UserError(f"{where}: len() failed: {type(exc).__name__}: {exc}") from None
     if length < needed:
-        fix = ("lower train.global_batch_size / micro_batch_size or give it more data" if split == "train" else
-               "lower the batch size, give it more data, or set train.eval_iters = 0")
-        raise UserError(f"{where} has {length} sample(s), fewer than one global batch ({needed}): {fix}")
+        if split == "train":
+            fix = "lower train.global_batch_size / micro_batch_size or give it more data"
+        else:
+            fix = "lower the batch size, give it more data, or set train.eval_full = true or train.eval_iters = 0"
+        raise UserError(f"{where} has {length} sample(s), fewer than {needed} (one global batch, or a sample "
+                        f"per rank for a full pass): {fix}")
     for indices in (torch.arange(micro_batch), torch.arange(length - 1, length)):
         try:
-            batch = fetch(dataset, indices)
+            batch = fetch(dataset, indices, collate)
         except Exception as exc:
             raise UserError(f"{where}: cannot read samples {indices.tolist()[:4]} of {length}: "
                             f"{type(exc).__name__}: {exc}") from None

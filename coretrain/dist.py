@@ -58,6 +58,13 @@ def max_over_ranks(*values: int) -> list[int]:
     return tensor.tolist()
 
 
+def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place sum over ranks (free when single-process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
 def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """In-place mean over ranks (SUM then divide: gloo has no AVG)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

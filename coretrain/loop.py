@@ -9,24 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import signal
 import time
 from typing import Any
 
 import torch
 
-from coretrain import checkpoint, resume, safeload
+from coretrain import checkpoint, outputs, resume, safeload
 from coretrain import metrics as derived
-from coretrain.data import BatchReader, SampleOrder
 from coretrain.dist import max_over_ranks, mean_over_ranks
+from coretrain.evaluate import Evaluator, autocast
+from coretrain.loader import StepPlan, TrainBatches
 from coretrain.errors import PluginError, RunFailure
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
 
 log = logging.getLogger("coretrain")
 
-EVAL_SEED_OFFSET = 1_000_003
 STOP_REASONS = ("exit_interval", "exit_duration", "stopped", "signal")  # codes 1..4, agreed across ranks
 
 
@@ -39,41 +38,30 @@ class ResolvedHooks:
             setattr(self, name, getattr(run.plugins.hook, name) if run.plugins.implemented(name) else None)
 
 
-def loss_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict):
-        return output["loss"]
-    return output.loss
-
-
-def forward(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    if isinstance(batch, (tuple, list)):
-        return loss_of(model(*batch))
-    if isinstance(batch, dict):
-        return loss_of(model(**batch))
-    return loss_of(model(batch))
-
-
 class IntervalLog:
     """The steps since the last log, turned into floats with one host sync at flush.
 
-    Per step this only appends references to the loss and grad-norm tensors (no device op,
-    no allocation); the backward graph they point to is already freed, so holding them for
-    one interval costs a few hundred bytes each.
+    Per step this only appends references to the loss, grad-norm and the model's named-value
+    tensors (no device op, no allocation); the backward graph they point to is already freed,
+    so holding them for one interval costs a few hundred bytes each.
     """
 
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
         self.grad_norms: list[torch.Tensor] = []
+        self.values: dict[str, list[torch.Tensor]] = {}
         self.samples = 0
         self.timed_steps = 0
         self.started = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int) -> None:
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int,
+            values: dict[str, torch.Tensor] | None) -> None:
         self.losses.append(loss)
         if grad_norm is not None:
             self.grad_norms.append(grad_norm)
+        if values:
+            for name, value in values.items():
+                self.values.setdefault(name, []).append(value)
         self.samples += samples
         self.timed_steps += 1
 
@@ -86,6 +74,8 @@ class IntervalLog:
             means = [torch.stack(self.losses).float().mean()]
             if self.grad_norms:
                 means.append(torch.stack(self.grad_norms).float().mean())
+            named = [f"train/{name}" for name in self.values]
+            means.extend(torch.stack(values).float().mean() for values in self.values.values())
             extra = list(run.log_tensors)
             means.extend(run.log_tensors[name].detach().float().to(means[0].device) for name in extra)
             run.log_tensors.clear()
@@ -96,7 +86,7 @@ class IntervalLog:
         metrics = {"loss": host[0], "lr": run.scheduler.last_lr}
         if self.grad_norms:
             metrics["grad_norm"] = host[1]
-        metrics.update(zip(extra, host[len(host) - len(extra):]))
+        metrics.update(zip(named + extra, host[len(host) - len(named) - len(extra):]))
         metrics.update({
             "global_batch_size": float(run.global_batch_size),
             "iteration_time": elapsed / timed if timed else 0.0,
@@ -110,7 +100,8 @@ class IntervalLog:
         metrics.update(derived.throughput(run, metrics["samples_per_second"], metrics["iteration_time"],
                                           time.monotonic() - run.started_at))
         metrics.update(derived.memory(run.device))
-        self.__init__()
+        self.losses, self.grad_norms, self.values = [], [], {}
+        self.restart_clock()
         return metrics
 
     def pending(self) -> dict[str, Any]:
@@ -119,31 +110,15 @@ class IntervalLog:
             return {}
         with torch.no_grad():
             return {"losses": torch.stack(self.losses).cpu(), "samples": self.samples,
-                    "grad_norms": torch.stack(self.grad_norms).cpu() if self.grad_norms else torch.empty(0)}
+                    "grad_norms": torch.stack(self.grad_norms).cpu() if self.grad_norms else torch.empty(0),
+                    "values": {name: torch.stack(values).cpu() for name, values in self.values.items()}}
 
     def restore(self, state: dict[str, Any], device: torch.device) -> None:
         if state:
             self.losses = list(state["losses"].to(device).unbind())
             self.grad_norms = list(state["grad_norms"].to(device).unbind())
+            self.values = {name: list(values.to(device).unbind()) for name, values in state.get("values", {}).items()}
             self.samples = int(state["samples"])
-
-
-@torch.no_grad()
-def evaluate(run: Run, dataset: Any, iters: int) -> dict[str, float]:
-    """Mean loss over the same ``iters`` global batches of ``dataset`` every time."""
-    model, train = run.model, run.config.train
-    order = SampleOrder(len(dataset), run.config.run.seed + EVAL_SEED_OFFSET)
-    was_training = model.training
-    model.eval()
-    losses = []
-    reader = BatchReader(dataset, order, run.dist.rank, run.dist.world_size, run.device)
-    for i in range(iters):
-        for batch in reader.read(i * run.global_batch_size, run.global_batch_size, train.micro_batch_size):
-            with autocast(run):
-                losses.append(forward(model, batch).detach().float())
-    model.train(was_training)
-    loss = mean_over_ranks(torch.stack(losses).mean()).item()
-    return {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 50.0))}
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -164,13 +139,6 @@ def out_of_memory(run: Run, exc: BaseException) -> str:
             "gradient accumulation) or the model size")
 
 
-def autocast(run: Run) -> contextlib.AbstractContextManager:
-    precision = run.config.run.precision
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(run.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
-
-
 class Trainer:
     """Drives one run from restore to on_train_end; returns the process exit code."""
 
@@ -179,7 +147,9 @@ class Trainer:
         self.hooks = ResolvedHooks(run)
         self.log = IntervalLog()
         self.last_saved_step = -1
-        self.last_eval_step = -1
+        self.evaluated_at: dict[str, int] = {}
+        """Split -> the last step it was evaluated (and logged) at."""
+        self._evaluators: dict[str, Evaluator] = {}
         self.checkpointer = checkpoint.Checkpointer(run)
         train = run.config.train
         watched = train.exit_signals if train.exit_signal_handler else []
@@ -208,7 +178,7 @@ class Trainer:
         path, state = restored.path, restored.rank_state
         self.log.restore(state.get("interval_log", {}), run.device)
         self.last_saved_step = run.state.step
-        self.last_eval_step = run.state.step if restored.manifest.get("validated") else -1
+        self.evaluated_at = {split: run.state.step for split in restored.manifest.get("evaluated", [])}
         plugin_states = state.get("plugins", {})
         run.plugins.call_each("on_resume", run=run, step=run.state.step,
                               per_plugin=lambda name: {"state": plugin_states.get(name, {})})
@@ -231,7 +201,7 @@ class Trainer:
                     "lists/dicts of these"), run.state.step) from None
             plugin_states[name] = state
         _, blocked = self.checkpointer.save({"plugins": plugin_states, "interval_log": self.log.pending()},
-                                            validated=self.last_eval_step == run.state.step)
+                                            evaluated=self._evaluated_now())
         self.last_saved_step = run.state.step
         run.control.checkpoint_requested = False
         if self.checkpointer.in_flight:
@@ -318,23 +288,33 @@ class Trainer:
         return bool(signum)
 
     def _final_eval(self) -> None:
-        run = self.run
-        if run.config.train.eval_iters and run.datasets.valid is not None and self.last_eval_step != run.state.step:
-            self._eval()
+        """After training: validation (unless done at this step) and the test split, once each."""
+        for split in ("valid", "test"):
+            if self.evaluated_at.get(split) != self.run.state.step:
+                self._eval(split)
+
+    def _evaluated_now(self) -> list[str]:
+        return sorted(split for split, step in self.evaluated_at.items() if step == self.run.state.step)
 
     def _mark_final_validation(self) -> None:
-        """Tell the final checkpoint its validation was logged, so re-running a finished run adds no row."""
+        """Tell the final checkpoint what was evaluated after it, so re-running a finished run adds no row."""
         run = self.run
-        if run.dist.is_main and self.last_saved_step == run.state.step == self.last_eval_step \
-                and run.config.checkpoint.save:
-            checkpoint.mark_validated(checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step))
+        if run.dist.is_main and self.last_saved_step == run.state.step and run.config.checkpoint.save:
+            checkpoint.mark_evaluated(checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step),
+                                      self._evaluated_now())
 
-    def _eval(self) -> None:
-        run = self.run
+    def _eval(self, split: str = "valid") -> None:
+        """Evaluate ``split`` if it exists and evaluation is on; hand the metrics to on_eval."""
+        run, train = self.run, self.run.config.train
+        dataset = getattr(run.datasets, split)
+        if dataset is None or not (train.eval_full or train.eval_iters):
+            return
+        if split not in self._evaluators:
+            self._evaluators[split] = Evaluator(run, dataset, split)
         started = time.perf_counter()
-        metrics = evaluate(run, run.datasets.valid, run.config.train.eval_iters)
-        self.log.started += time.perf_counter() - started  # validation time is not training time
-        self.last_eval_step = run.state.step
+        metrics = self._evaluators[split]()
+        self.log.started += time.perf_counter() - started  # evaluation time is not training time
+        self.evaluated_at[split] = run.state.step
         if self.hooks.on_eval:
             self.hooks.on_eval(run=run, step=run.state.step, metrics=metrics)
 
@@ -343,10 +323,11 @@ class Trainer:
         cfg = run.config.train
         model, optimizer, scheduler, control, state = run.model, run.optimizer, run.scheduler, run.control, run.state
         params = [p for p in model.parameters() if p.requires_grad]
-        reader = BatchReader(run.datasets.train, SampleOrder(len(run.datasets.train), run.config.run.seed),
-                             run.dist.rank, run.dist.world_size, run.device)
         micro_size, world, clip = cfg.micro_batch_size, run.dist.world_size, cfg.clip_grad
-        validate = bool(cfg.eval_iters and cfg.eval_interval and run.datasets.valid is not None)
+        plan = StepPlan(self._micro_batches_deciding(), micro_size, world, state.step, state.consumed_samples)
+        feed = TrainBatches(run, plan, state.step + 1)
+        loss_fn = run.loss_fn
+        validate = bool((cfg.eval_iters or cfg.eval_full) and cfg.eval_interval and run.datasets.valid is not None)
         save_interval = run.config.checkpoint.save_interval
         # each rank's own deadline; agreeing on the max stop code makes the earliest-started rank's
         # deadline count for all, i.e. the start time is the minimum over ranks
@@ -354,7 +335,7 @@ class Trainer:
         check_exit = deadline is not None or cfg.exit_interval is not None or world > 1
         agree_skip = world > 1 and hooks.before_update is not None
         signals, checkpointer = self.signals, self.checkpointer
-        plain = getattr(model, "no_sync", None) is None and run.config.run.precision == "fp32"
+        plain = getattr(model, "no_sync", None) is None and run.config.run.precision == "fp32" and loss_fn is None
         sharded_norm = checkpoint.is_sharded(model)  # FSDP2: the grad norm is a DTensor
         scaler = run.grad_scaler
         interval.started = time.perf_counter()
@@ -362,23 +343,21 @@ class Trainer:
 
         while state.step < cfg.train_iters:
             step = state.step + 1
-            n_micro = run.micro_batches_per_step
-            if hooks.num_micro_batches:
-                n_micro = hooks.num_micro_batches(run=run, step=step, consumed_samples=state.consumed_samples) or n_micro
-                run.micro_batches_per_step = n_micro
+            n_micro = run.micro_batches_per_step = plan.at(step)[0]
             global_batch = micro_size * n_micro * world
             if hooks.pre_step:
                 hooks.pre_step(run=run, step=step)
 
-            batches = reader.read(state.consumed_samples, global_batch, micro_size)
+            batches = feed.step(step)
+            values = None
             if n_micro == 1 and plain:  # the common case, with nothing a hand-written loop would not do
                 batch = batches[0]
-                loss = model(*batch) if type(batch) is tuple else forward(model, batch)
+                loss = model(*batch) if type(batch) is tuple else outputs.call_model(model, batch)
                 if type(loss) is not torch.Tensor:
-                    loss = loss_of(loss)
+                    loss, values = outputs.split_output(loss)
                 loss.backward()
             else:
-                loss = self._accumulate(batches)
+                loss, values = self._accumulate(batches)
 
             if hooks.before_update:
                 hooks.before_update(run=run, step=step, loss=loss.detach())
@@ -401,7 +380,7 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
             state.step = step
             state.consumed_samples += global_batch
-            interval.add(loss, grad_norm, global_batch)
+            interval.add(loss, grad_norm, global_batch, values)
             if step == first_step and step % cfg.log_interval:
                 interval.restart_clock()  # the first step warms up (compiles); rates leave it out
             if hooks.post_step:
@@ -413,7 +392,7 @@ class Trainer:
                 if hooks.on_log:
                     hooks.on_log(run=run, step=step, metrics=metrics)
             if validate and step % cfg.eval_interval == 0:
-                self._eval()
+                self._eval("valid")
 
             if checkpointer.in_flight:
                 self._saved(checkpointer.done())
@@ -452,23 +431,35 @@ class Trainer:
         run.scheduler.step(global_batch)
         return False, grad_norm
 
-    def _accumulate(self, batches: list[Any]) -> torch.Tensor:
-        """Forward and backward over the micro-batches (DDP syncs only on the last); mean loss."""
+    def _accumulate(self, batches: list[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward and backward over the micro-batches (DDP syncs only on the last);
+        the mean loss and the mean of each named value the model returned."""
         run, model = self.run, self.run.model
         no_sync = getattr(model, "no_sync", None)                                 # DDP
         set_gradient_sync = getattr(model, "set_requires_gradient_sync", None)    # FSDP2
-        n_micro, losses = len(batches), []
+        n_micro, losses, values = len(batches), [], []
         for i, batch in enumerate(batches):
             last = i == n_micro - 1
             if set_gradient_sync is not None:
                 set_gradient_sync(last)
             sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
             with sync, autocast(run):
-                loss = forward(model, batch)
+                loss, named = outputs.call(model, batch, run.loss_fn)
             scaled = loss / n_micro if n_micro > 1 else loss
             (run.grad_scaler.scale(scaled) if run.grad_scaler is not None else scaled).backward()
             losses.append(loss.detach())
-        return losses[0] if n_micro == 1 else torch.stack(losses).mean()
+            values.append(named)
+        if n_micro == 1:
+            return losses[0], values[0]
+        return torch.stack(losses).mean(), {name: torch.stack([v[name] for v in values]).float().mean()
+                                            for name in values[0]}
+
+    def _micro_batches_deciding(self) -> Any:
+        """Micro-batches for (step, consumed samples): a plugin's answer (rampup) or the configured."""
+        run, hook, default = self.run, self.hooks.num_micro_batches, self.run.micro_batches_per_step
+        if hook is None:
+            return lambda step, consumed: default
+        return lambda step, consumed: hook(run=run, step=step, consumed_samples=consumed) or default
 
     def _stop_reason(self, step: int, deadline: float | None) -> str | None:
         """Exit conditions, agreed across ranks so every rank stops at the same step."""

@@ -45,19 +45,16 @@ def throughput(run: Any, samples_per_second: float, iteration_time: float, elaps
     metrics = {"samples_per_second_per_device": samples_per_second / world,
                "elapsed_seconds": elapsed,
                "remaining_seconds": max(run.config.train.train_iters - run.state.step, 0) * iteration_time}
-    seq_length = run.datasets.seq_length
-    if not seq_length:
-        return metrics
-    tokens_per_second = samples_per_second * seq_length
-    metrics["tokens_per_second_per_device"] = tokens_per_second / world
-    metrics["consumed_tokens"] = float(run.state.consumed_samples * seq_length)
-    flops_per_token = run.flops_per_token
-    if flops_per_token:
-        tflops = tokens_per_second * flops_per_token / world / 1e12
+    if run.flops_per_sample:
+        tflops = samples_per_second * run.flops_per_sample / world / 1e12
         metrics["tflops_per_device"] = tflops
         peak = peak_tflops(run)
         if peak:
             metrics["mfu"] = tflops / peak
+    seq_length = run.datasets.seq_length
+    if seq_length:
+        metrics["tokens_per_second_per_device"] = samples_per_second * seq_length / world
+        metrics["consumed_tokens"] = float(run.state.consumed_samples * seq_length)
     return metrics
 
 

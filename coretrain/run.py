@@ -39,6 +39,9 @@ class Datasets:
     seq_length: int | None = None
     """Tokens per sample, for tokens/s and for model defaults."""
     vocab_size: int | None = None
+    collate_fn: Any = None
+    """Turns a list of samples into a batch; None = torch's default_collate (``data.collate_fn``
+    in the config takes precedence)."""
 
 
 @define(kw_only=True)
@@ -93,6 +96,11 @@ class Run:
     log_tensors: dict[str, torch.Tensor] = field(factory=dict)
     """Device scalars a plugin adds for the next ``on_log`` (e.g. a norm taken at the log step):
     read with the interval's one host sync, averaged over ranks, then cleared."""
+    flops_per_sample: float | None = None
+    """Training FLOPs (forward + backward) of one sample: the model's ``flops_per_token()`` ×
+    seq_length, else counted once before training (:mod:`coretrain.flops`)."""
+    loss_fn: Any = None
+    """``model.loss`` resolved: turns the model's outputs and the batch's target into the loss."""
     output_lock: OutputDirLock | None = field(default=None, repr=False)
     """Rank 0's lock on output_dir: one run per directory, for as long as this run lives."""
 
@@ -105,11 +113,6 @@ class Run:
         """The model without DDP-style wrappers (whose state_dict keys gain a 'module.' prefix)."""
         return getattr(self.model, "module", self.model)
 
-    @property
-    def flops_per_token(self) -> float | None:
-        model = self.unwrapped_model
-        method = getattr(model, "flops_per_token", None)
-        return float(method()) if callable(method) else None
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -204,6 +207,8 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
     ``signals`` is checked between phases so a Ctrl-C during start-up ends it.
     """
     from coretrain.datachecks import check_datasets, check_model
+    from coretrain.flops import flops_per_sample
+    from coretrain.outputs import resolve_loss
 
     check_signals = signals.check if signals is not None else (lambda: None)
     for section in ("model", "data"):
@@ -241,8 +246,12 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
     run.datasets = plugins.hook.provide_datasets(run=run, context=context)
     if run.datasets is None:
         raise UserError(f"data.provider '{config.data.provider}' returned no datasets")
+    if config.data.collate_fn:
+        run.datasets.collate_fn = import_callable(config.data.collate_fn, "data.collate_fn")
+    # a full pass needs a sample per rank; eval_iters batches need one global batch
+    eval_needed = dist_info.world_size if train.eval_full else global_batch if train.eval_iters else 1
     check_datasets(run.datasets, config.data.provider, global_batch=global_batch, micro_batch=train.micro_batch_size,
-                   validate=train.eval_iters > 0)
+                   eval_needed=eval_needed)
     check_signals()
 
     model = plugins.hook.provide_model(run=run)
@@ -250,6 +259,8 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
         raise UserError(f"model.provider '{config.model.provider}' returned no model")
     check_model(model, config.model.provider)
     run.model = model.to(device)
+    run.loss_fn = resolve_loss(config.model.loss)
+    run.flops_per_sample = flops_per_sample(run, run.loss_fn)
     plugins.hook.configure_model(run=run)
     check_signals()
 

@@ -293,7 +293,7 @@ def test_a_validation_split_shorter_than_a_batch_fails_before_training(tmp_path:
                       f'train_iters = 10\neval_iters = 2\n')
     result = run_cli("run", str(config), cwd=tmp_path)
     assert result.returncode == 2
-    assert "the valid split has 0 sample(s), fewer than one global batch (8)" in one_error_line(result.stderr)
+    assert "the valid split has 0 sample(s), fewer than 8 (one global batch" in one_error_line(result.stderr)
     assert not (tmp_path / "out" / "metrics.jsonl").exists() and not (tmp_path / "out" / CKPT).exists()
 
 
@@ -431,7 +431,7 @@ MISTAKES = {
     "betas >= 1": ("--set", "optimizer.betas=[1.0, 0.9]", "optimizer.betas: must be >= 0 and < 1, got (1.0, 0.9)"),
     "valid_fraction > 1": ("--set", "data.options.valid_fraction=1.5", "data.options.valid_fraction: must be >= 0 and < 1"),
     "micro batch too large": ("--set", "train.micro_batch_size=1000000000000",
-                              "the train split has 6249 sample(s), fewer than one global batch (1000000000000)"),
+                              "the train split has 6249 sample(s), fewer than 1000000000000 (one global batch"),
     "guards window 0": ("--set", "plugins.guards.window=0", "plugins.guards.window: must be > 0, got 0"),
     "gc interval < 0": ("--set", "plugins.gc.interval=-5", "plugins.gc.interval: must be >= 0, got -5"),
 }

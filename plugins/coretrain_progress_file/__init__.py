@@ -71,11 +71,11 @@ class ProgressFile:
     def figures(self, run: Any) -> dict[str, float]:
         """Job and cumulative throughput (TFLOP/s per device), FLOPs and tokens so far."""
         seq = run.datasets.seq_length or 0
-        flops_per_token = run.flops_per_token or 0.0
+        flops_per_sample = run.flops_per_sample or 0.0
         job_seconds = time.monotonic() - self._job_started
-        job_flops = (run.state.consumed_samples - self._job_start_samples) * seq * flops_per_token
+        job_flops = (run.state.consumed_samples - self._job_start_samples) * flops_per_sample
         total_tokens = run.state.consumed_samples * seq
-        total_flops = total_tokens * flops_per_token
+        total_flops = run.state.consumed_samples * flops_per_sample
         total_seconds = self._seconds_before + job_seconds
         world = run.dist.world_size
         return {"job_tflops_per_device": job_flops / job_seconds / world / 1e12 if job_seconds > 0 else 0.0,

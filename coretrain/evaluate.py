@@ -1,0 +1,99 @@
+"""Evaluation: the model's loss and named values over a split, averaged over every sample.
+
+Two ways, chosen by ``train.eval_full``:
+
+- a full pass: every sample of the split exactly once, rank r taking samples r, r+W, r+2W…
+  in micro-batches of ``train.eval_micro_batch_size``; the last, partial micro-batch counts
+  for the samples it has;
+- ``train.eval_iters`` global batches drawn from a seeded order, the same ones every time
+  (comparable from one validation to the next, and cheap on a large split).
+
+Values are summed weighted by the micro-batch's sample count and reduced over ranks with
+one collective, so the result is the mean over samples whatever the batch sizes and the
+number of ranks. ``ppl`` is reported for token-level losses only (datasets with a seq_length).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from coretrain import outputs
+from coretrain.data import SampleOrder, to_device
+from coretrain.dist import sum_over_ranks
+from coretrain.loader import MicroBatches
+
+EVAL_SEED_OFFSET = 1_000_003
+
+
+def index_chunks(run: Any, length: int) -> list[torch.Tensor]:
+    """This rank's micro-batches of sample indices for one evaluation of a split of ``length``."""
+    train, rank, world = run.config.train, run.dist.rank, run.dist.world_size
+    micro = train.eval_micro_batch_size or train.micro_batch_size
+    if train.eval_full:
+        return list(torch.arange(rank, length, world).split(micro))
+    order = SampleOrder(length, run.config.run.seed + EVAL_SEED_OFFSET)
+    global_batch = run.global_batch_size
+    per_rank = global_batch // world
+    return [chunk for i in range(train.eval_iters)
+            for chunk in order.indices(i * global_batch + rank * per_rank, per_rank).split(micro)]
+
+
+class Evaluator:
+    """Evaluates one split; its index chunks and DataLoader workers are made once and reused."""
+
+    def __init__(self, run: Any, dataset: Any, split: str) -> None:
+        self.run, self.dataset, self.split = run, dataset, split
+        self.chunks = index_chunks(run, len(dataset))
+        self._loader: Any = None
+        if run.config.data.num_workers:
+            cfg = run.config.data
+            self._loader = torch.utils.data.DataLoader(
+                MicroBatches(dataset, run.datasets.collate_fn), batch_size=None, sampler=self.chunks,
+                num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
+                pin_memory=cfg.pin_memory and run.device.type == "cuda",
+                persistent_workers=cfg.persistent_workers)
+
+    def _batches(self) -> Iterable[tuple[int, Any]]:
+        from coretrain.data import fetch
+
+        device = self.run.device if self.run.device.type != "cpu" else None
+        source = self._loader if self._loader is not None else (
+            fetch(self.dataset, chunk, self.run.datasets.collate_fn) for chunk in self.chunks)
+        for chunk, batch in zip(self.chunks, source):
+            yield len(chunk), (to_device(batch, device) if device is not None else batch)
+
+    @torch.no_grad()
+    def __call__(self) -> dict[str, float]:
+        run = self.run
+        model = run.model
+        was_training = model.training
+        model.eval()
+        totals: dict[str, torch.Tensor] = {}
+        try:
+            for count, batch in self._batches():
+                with autocast(run):
+                    loss, extras = outputs.call(model, batch, run.loss_fn)
+                for name, value in {"loss": loss, **extras}.items():
+                    weighted = value.detach().float().reshape(()) * count
+                    totals[name] = totals[name] + weighted if name in totals else weighted
+        finally:
+            model.train(was_training)
+        names = sorted(totals)
+        count = torch.tensor(float(sum(len(c) for c in self.chunks)), device=run.device)
+        summed = sum_over_ranks(torch.stack([count, *(totals[n].to(run.device) for n in names)])).tolist()
+        metrics = {f"{self.split}/{name}": value / summed[0] for name, value in zip(names, summed[1:])}
+        if run.datasets.seq_length:  # a token-level loss: its exponential is the perplexity
+            metrics[f"{self.split}/ppl"] = math.exp(min(metrics[f"{self.split}/loss"], 50.0))
+        return metrics
+
+
+def autocast(run: Any) -> contextlib.AbstractContextManager[Any]:
+    precision = run.config.run.precision
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(run.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)

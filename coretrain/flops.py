@@ -1,0 +1,44 @@
+"""FLOPs per training sample, for TFLOP/s and MFU of any model.
+
+A model that knows its cost says so with ``flops_per_token()`` (the ``gpt`` plugin uses
+Megatron's formula). Any other model — a CNN, a Hugging Face model, yours — is measured once
+before training: one micro-batch's forward under ``torch.utils.flop_counter.FlopCounterMode``,
+times 3 for forward + backward (backward costs about twice the forward, the convention MFU
+figures use). Counted on the plain model, before any wrapper (DDP, FSDP, compile) exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from coretrain import outputs
+from coretrain.data import fetch, to_device
+
+log = logging.getLogger("coretrain")
+
+
+def flops_per_sample(run: Any, loss_fn: outputs.LossFn | None) -> float | None:
+    model, datasets = run.model, run.datasets
+    method = getattr(model, "flops_per_token", None)
+    if callable(method) and datasets.seq_length:
+        return float(method()) * datasets.seq_length
+    from torch.utils.flop_counter import FlopCounterMode
+
+    count = min(run.config.train.micro_batch_size, len(datasets.train))
+    batch = fetch(datasets.train, torch.arange(count), datasets.collate_fn)
+    batch = to_device(batch, run.device) if run.device.type != "cpu" else batch
+    rng = torch.get_rng_state()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            outputs.call(model, batch, loss_fn)
+    except Exception as exc:  # an op the counter cannot trace must not stop training
+        log.warning("could not count the model's FLOPs (%s: %s); TFLOP/s and MFU are not reported",
+                    type(exc).__name__, exc)
+        return None
+    finally:
+        torch.set_rng_state(rng)  # counting must not change what training draws (dropout)
+    total = counter.get_total_flops()
+    return 3.0 * total / count if total else None

@@ -1,0 +1,110 @@
+"""What a model returns, turned into the loss the loop backpropagates and the values it logs.
+
+The contract (README, "Bring your own model and data"):
+
+- ``model(*batch)`` for tuple/list batches, ``model(**batch)`` for dicts, ``model(batch)`` else;
+- it returns the scalar loss; or a dict / object with ``loss`` and any other scalar
+  values (``{"loss": l, "accuracy": a}``), logged as ``train/NAME`` and ``valid/NAME``;
+- or, with ``model.loss`` set, it returns outputs (logits, or a dict / object with
+  ``logits``) and the configured loss turns them into the loss (Megatron's forward_step /
+  loss_func split): the batch's last item — or its ``labels`` key — is the target and the
+  rest is the model's input. ``cross_entropy`` also reports ``accuracy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from coretrain.errors import UserError
+
+LossFn = Callable[[Any, Any], Any]
+TARGET_KEY = "labels"
+
+
+def logits_of(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        return output["logits"]
+    return output.logits
+
+
+def cross_entropy(output: Any, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean cross entropy over samples (or tokens: [B, T, V] logits, [B, T] targets) and accuracy."""
+    logits = logits_of(output)
+    flat_logits, flat_target = logits.reshape(-1, logits.size(-1)), target.reshape(-1)
+    loss = torch.nn.functional.cross_entropy(flat_logits.float(), flat_target, ignore_index=-100)
+    with torch.no_grad():
+        counted = flat_target != -100
+        accuracy = ((flat_logits.argmax(-1) == flat_target) & counted).sum() / counted.sum().clamp(min=1)
+    return {"loss": loss, "accuracy": accuracy}
+
+
+def mse(output: Any, target: torch.Tensor) -> torch.Tensor:
+    prediction = logits_of(output)
+    return torch.nn.functional.mse_loss(prediction.float(), target.float().reshape(prediction.shape))
+
+
+BUILT_IN: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
+
+
+def resolve_loss(name: str | None) -> LossFn | None:
+    """The configured loss function, or None when the model returns its own loss."""
+    if name is None:
+        return None
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    if ":" not in name:
+        from coretrain.errors import did_you_mean
+
+        raise UserError(f"model.loss: '{name}' is neither a built-in loss ({', '.join(BUILT_IN)}) nor an import "
+                        f"path 'pkg.module:function'{did_you_mean(name, BUILT_IN)}")
+    from coretrain.run import import_callable
+
+    return import_callable(name, "model.loss")
+
+
+def split_output(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, other scalar tensors) from whatever the model or the loss function returned."""
+    if isinstance(output, torch.Tensor):
+        return output, {}
+    items = output if isinstance(output, dict) else getattr(output, "__dict__", None)
+    if items is None or "loss" not in items:
+        if hasattr(output, "loss"):  # e.g. a Hugging Face ModelOutput
+            return output.loss, {}
+        raise UserError(f"the model returned a {type(output).__name__} without a loss; return the loss, a dict "
+                        "with 'loss', or set model.loss to turn its outputs into one")
+    extras = {name: value.detach() for name, value in items.items()
+              if name != "loss" and isinstance(value, torch.Tensor) and value.numel() == 1}
+    return items["loss"], extras
+
+
+def call_model(model: torch.nn.Module, batch: Any) -> Any:
+    """``model(*batch)``, ``model(**batch)`` or ``model(batch)``, as the batch is shaped."""
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    if isinstance(batch, dict):
+        return model(**batch)
+    return model(batch)
+
+
+def call(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward: the loss and the named scalar values to log."""
+    if loss_fn is None:
+        return split_output(call_model(model, batch))
+    if isinstance(batch, dict):
+        inputs = dict(batch)
+        if TARGET_KEY not in inputs:
+            raise UserError(f"model.loss needs a target: dict batches carry it under '{TARGET_KEY}' "
+                            f"(this batch has {sorted(inputs)})")
+        target = inputs.pop(TARGET_KEY)
+        output = model(**inputs)
+    elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        *inputs_list, target = batch
+        output = model(*inputs_list)
+    else:
+        raise UserError("model.loss needs a target: a batch of (inputs..., target) or a dict with 'labels'")
+    return split_output(loss_fn(output, target))
