@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m coretrain` does: ./mymodule:build
+        sys.path.insert(0, os.getcwd())
     from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, RunFailure, UserError
 
     try:
@@ -232,7 +234,11 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     loaded = load_config(args.config, args.overrides)
     plugins = load_plugins(loaded.config, loaded.locations)
     micro_batches_per_step(loaded.config.train, world_size_from_env())
-    print(f"{args.config}: ok ({len(plugins.names())} plugins enabled: {', '.join(plugins.names()) or 'none'})")
+    names = plugins.names()
+    from coretrain.run import register_import_path_providers
+
+    register_import_path_providers(loaded.config, plugins)  # imports them and checks their options
+    print(f"{args.config}: ok ({len(names)} plugins enabled: {', '.join(names) or 'none'})")
     return 0
 
 

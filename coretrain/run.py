@@ -21,7 +21,7 @@ from coretrain import hookimpl
 from coretrain.config import Config, micro_batches_per_step
 from coretrain.control import Control
 from coretrain.dist import DistInfo, init_distributed
-from coretrain.errors import UserError
+from coretrain.errors import UserError, did_you_mean
 from coretrain.optim import WarmupDecayLR, build_optimizer
 from coretrain.pluginmanager import Plugins, is_import_path
 from coretrain.rundir import OutputDirLock
@@ -145,15 +145,24 @@ def import_callable(path: str, key: str) -> Any:
     return obj
 
 
+def check_options(fn: Any, options: dict[str, Any], key: str, available: tuple[str, ...]) -> None:
+    """The options fit ``fn``'s signature (``available`` names are passed by coretrain when asked for)."""
+    signature = inspect.signature(fn)
+    passed = {name: None for name in available if name in signature.parameters}
+    try:
+        signature.bind(**passed, **options)
+    except TypeError as exc:
+        accepted = [n for n in signature.parameters if n not in available]
+        hint = "".join(did_you_mean(k, accepted) for k in options if k not in signature.parameters)
+        raise UserError(f"{key}: options do not fit {fn.__module__}.{fn.__qualname__}: {exc}{hint}; "
+                        f"it accepts: {', '.join(accepted) or 'no options'}") from None
+
+
 def _call_with(fn: Any, options: dict[str, Any], key: str, **available: Any) -> Any:
     """Call ``fn(**options)``, also passing ``run`` / ``context`` when its signature asks for them."""
-    signature = inspect.signature(fn)
-    extra = {name: value for name, value in available.items() if name in signature.parameters}
-    try:
-        signature.bind(**extra, **options)
-    except TypeError as exc:
-        raise UserError(f"{key}: options do not fit {fn.__module__}.{fn.__qualname__}: {exc}") from None
-    return fn(**extra, **options)
+    check_options(fn, options, key, tuple(available))
+    parameters = inspect.signature(fn).parameters
+    return fn(**{name: value for name, value in available.items() if name in parameters}, **options)
 
 
 @define
@@ -188,12 +197,20 @@ class ImportedDataProvider:
 
 
 def register_import_path_providers(config: Config, plugins: Plugins) -> None:
+    """Import ``pkg.mod:fn`` providers, check their options against their signatures, register them."""
     if is_import_path(config.model.provider):
         fn = import_callable(config.model.provider, "model.provider")
+        check_options(fn, dict(config.model.options), "model.options", ("run",))
         plugins.register("model.provider", ImportedModelProvider(fn, dict(config.model.options)))
     if is_import_path(config.data.provider):
         fn = import_callable(config.data.provider, "data.provider")
+        check_options(fn, dict(config.data.options), "data.options", ("run", "context"))
         plugins.register("data.provider", ImportedDataProvider(fn, dict(config.data.options)))
+    if config.data.collate_fn:
+        import_callable(config.data.collate_fn, "data.collate_fn")
+    from coretrain.outputs import resolve_loss
+
+    resolve_loss(config.model.loss)
 
 
 # --------------------------------------------------------------------------- building

@@ -106,8 +106,14 @@ class Progress:
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         if not self._active:
             return
-        self._eval = metrics
-        self._event(f"step {step}: valid loss {metrics['valid/loss']:.4f} (ppl {metrics['valid/ppl']:.2f})")
+        split = next(iter(metrics)).split("/")[0] if metrics else "valid"
+        values = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"{split}/")}
+        if split == "valid":
+            self._eval = metrics
+        text = f"step {step}: {split} loss {values.get('loss', float('nan')):.4f}"
+        text += f" (ppl {values['ppl']:.2f})" if "ppl" in values else ""
+        text += "".join(f", {name} {value:.4g}" for name, value in values.items() if name not in ("loss", "ppl"))
+        self._event(text)
 
     @hookimpl
     def on_checkpoint(self, step: int, path: str) -> None:

@@ -1,0 +1,171 @@
+"""Bring your own workload: a classifier that returns logits, a user collate_fn, DataLoader
+workers, a model that returns named values, exact evaluation — through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import metrics_rows, run_cli
+from helpers_inprocess import train
+
+TESTS = str(Path(__file__).resolve().parent)
+
+
+def digits_config(directory: Path, name: str = "run", extra: str = "", data: str = "",
+                  **train_keys: Any) -> tuple[Path, Path]:
+    """The CNN-on-digits run: a model returning logits, model.loss, a full validation pass;
+    ``data``: more [data] keys (TOML lines), ``extra``: more tables."""
+    settings = {"micro_batch_size": 32, "train_iters": 30, "log_interval": 10, "eval_full": True,
+                "eval_micro_batch_size": 64, **train_keys}
+    out = directory / name
+    config = directory / f"{name}.toml"
+    config.write_text(f"""
+[run]
+output_dir = "{out}"
+threads = 1
+[model]
+provider = "workloads:cnn"
+loss = "cross_entropy"
+[data]
+provider = "workloads:digits"
+{data}
+[optimizer]
+lr = 0.01
+[train]
+""" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items()) + "\n" + extra)
+    return config, out
+
+
+def run_digits(config: Path, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
+    return run_cli("run", str(config), *args, cwd=config.parent, env={"PYTHONPATH": TESTS}, **kwargs)
+
+
+class EvalRecorder:
+    def __init__(self) -> None:
+        self.evals: list[tuple[int, dict[str, float]]] = []
+        self.logs: list[dict[str, float]] = []
+
+    from coretrain import hookimpl
+
+    @hookimpl
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.evals.append((step, dict(metrics)))
+
+    @hookimpl
+    def on_log(self, metrics: dict[str, float]) -> None:
+        self.logs.append(dict(metrics))
+
+
+def test_a_classifier_reports_accuracy_over_every_validation_sample_once(tmp_path: Path, no_autoload: None) -> None:
+    from coretrain.config import Config
+    from coretrain.configload import structure
+
+    config = structure({
+        "run": {"output_dir": str(tmp_path / "out"), "peak_tflops": 1.0},
+        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+        "data": {"provider": "workloads:digits"},
+        "train": {"micro_batch_size": 32, "train_iters": 20, "log_interval": 10, "eval_full": True,
+                  "eval_micro_batch_size": 64, "eval_interval": 10},
+        "optimizer": {"lr": 0.01}}, Config)
+    recorder = EvalRecorder()
+    run, code = train(config, ("recorder", recorder))
+    assert code == 0
+    valid_steps = [(step, m) for step, m in recorder.evals if "valid/accuracy" in m]
+    test_steps = [(step, m) for step, m in recorder.evals if "test/accuracy" in m]
+    assert [s for s, _ in valid_steps] == [10, 20] and [s for s, _ in test_steps] == [20]   # test once, at the end
+    model, valid = run.model.eval(), run.datasets.valid
+    with torch.no_grad():
+        logits = model(valid.images)                                      # all 359 samples at once, by hand
+    accuracy = (logits.argmax(-1) == valid.labels).float().mean().item()
+    loss = torch.nn.functional.cross_entropy(logits, valid.labels).item()
+    logged = valid_steps[-1][1]
+    assert logged["valid/accuracy"] == pytest.approx(accuracy, rel=1e-6) and accuracy > 0.5
+    assert logged["valid/loss"] == pytest.approx(loss, rel=1e-5)
+    assert "valid/ppl" not in logged                                      # not a token-level loss
+    # FLOPs counted for a model that does not declare them: 3 × the forward's
+    assert run.flops_per_sample and recorder.logs[-1]["tflops_per_device"] > 0
+    assert recorder.logs[-1]["mfu"] == recorder.logs[-1]["tflops_per_device"] / 1.0
+    assert "train/accuracy" in recorder.logs[-1] and "tokens_per_second" not in recorder.logs[-1]
+
+
+def test_a_full_evaluation_on_two_ranks_equals_one_rank(tmp_path: Path) -> None:
+    one_config, one = digits_config(tmp_path, "one", eval_interval=10)
+    two_config, two = digits_config(tmp_path, "two", eval_interval=10, micro_batch_size=16, global_batch_size=32)
+    assert run_digits(one_config).returncode == 0
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "coretrain", "run", str(two_config)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": TESTS})
+    assert result.returncode == 0, result.stderr
+    evals = [[r for r in metrics_rows(out) if "valid/loss" in r or "test/loss" in r] for out in (one, two)]
+    assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [10, 20, 30, 30]
+    for a, b in zip(*evals):                       # 359 valid samples: 180 on rank 0, 179 on rank 1
+        for key in ("valid/loss", "valid/accuracy", "test/loss", "test/accuracy"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_workers_and_a_user_collate_fn_read_the_same_samples_and_resume_exactly(tmp_path: Path) -> None:
+    collate = 'collate_fn = "workloads:as_dict"\n'
+    plain_config, plain = digits_config(tmp_path, "plain", data=collate + "num_workers = 0")
+    worker_config, workers = digits_config(tmp_path, "workers", data=collate + "num_workers = 2")
+    assert run_digits(plain_config).returncode == 0
+    first = run_digits(worker_config, "--set", "train.exit_interval=15")
+    assert first.returncode == 0, first.stderr
+    second = run_digits(worker_config)
+    assert second.returncode == 0 and "(step 15," in second.stderr, second.stderr
+    keys = ("step", "loss", "train/accuracy", "valid/loss", "valid/accuracy", "test/loss")
+    logged = [[{k: r[k] for k in keys if k in r} for r in metrics_rows(out)] for out in (plain, workers)]
+    assert logged[0] == logged[1] and any("train/accuracy" in r for r in logged[0])   # the same values, exactly
+    final = [torch.load(out / "checkpoints" / "step_00000030" / "model.pt", weights_only=True) for out in (plain, workers)]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])  # bit for bit
+
+
+def test_a_model_returning_named_values_has_them_logged_for_train_and_valid(tmp_path: Path) -> None:
+    config, out = digits_config(tmp_path)
+    config.write_text(config.read_text().replace('provider = "workloads:cnn"\nloss = "cross_entropy"',
+                                                 'provider = "workloads:cnn_with_accuracy"'))
+    result = run_digits(config)
+    assert result.returncode == 0, result.stderr
+    rows = metrics_rows(out)
+    assert [r["step"] for r in rows if "train/accuracy" in r] == [10, 20, 30]
+    final = [r for r in rows if "valid/accuracy" in r]
+    assert len(final) == 1 and 0 < final[0]["valid/accuracy"] <= 1 and "valid/ppl" not in final[0]
+
+
+def test_batch_rampup_with_workers_takes_the_same_batches_as_without(tmp_path: Path) -> None:
+    rampup = "\n[plugins.batch-rampup]\nrampup_batch_size = [32, 32, 320]\n"
+    configs = {}
+    for workers in (0, 2):
+        config, out = digits_config(tmp_path, f"w{workers}", extra=rampup, data=f"num_workers = {workers}",
+                                    micro_batch_size=32, global_batch_size=96, eval_full=False, eval_iters=0,
+                                    train_iters=12, log_interval=1)
+        result = run_digits(config)
+        assert result.returncode == 0, result.stderr
+        configs[workers] = [(r["step"], r["loss"], r["global_batch_size"]) for r in metrics_rows(out)]
+    assert configs[0] == configs[2] and {b for _, _, b in configs[0]} == {32.0, 64.0, 96.0}
+
+
+def test_the_console_script_imports_providers_from_the_current_directory_and_validate_checks_options(
+        tmp_path: Path) -> None:
+    (tmp_path / "mymodel.py").write_text("from workloads import CNN\n\ndef build(width=8):\n    return CNN(width)\n")
+    config, out = digits_config(tmp_path, train_iters=2, eval_full=False, eval_iters=0)
+    config.write_text(config.read_text().replace('provider = "workloads:cnn"', 'provider = "mymodel:build"'))
+    script = Path(sys.executable).parent / "coretrain"
+    env = {**os.environ, "PYTHONPATH": TESTS}                              # for workloads, not for mymodel
+    result = subprocess.run([str(script), "run", str(config)], cwd=tmp_path, capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    bad = subprocess.run([str(script), "config", "validate", str(config), "--set", "model.options.widht=4"],
+                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "model.options: options do not fit mymodel.build" in bad.stderr and "(did you mean 'width'?)" in bad.stderr
+    missing = subprocess.run([str(script), "config", "validate", str(config), "--set", 'model.provider="nomodule:build"'],
+                             cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert missing.returncode == 2 and "model.provider: cannot import 'nomodule:build'" in missing.stderr

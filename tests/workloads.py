@@ -1,0 +1,75 @@
+"""Workloads nobody here wrote: a small image classifier on synthetic digits, read sample by sample.
+
+Used through import paths (``workloads:digits``, ``workloads:cnn``) exactly as a user's own
+module would be.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from coretrain.run import Datasets
+
+CLASSES = 10
+
+
+class Digits(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """8×8 one-channel images: one noisy prototype per class; ``delay`` seconds of "I/O" per sample."""
+
+    def __init__(self, count: int, seed: int, delay: float = 0.0) -> None:
+        prototypes = torch.randn(CLASSES, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, CLASSES, (count,), generator=g)
+        self.images = prototypes[self.labels] + 1.2 * torch.randn(count, 1, 8, 8, generator=g)
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.delay:
+            time.sleep(self.delay)
+        return self.images[index], self.labels[index]
+
+
+def digits(context: Any = None, train: int = 1200, valid: int = 359, test: int = 201, delay: float = 0.0) -> Datasets:
+    return Datasets(train=Digits(train, 1, delay), valid=Digits(valid, 2, delay), test=Digits(test, 3, delay))
+
+
+def as_dict(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A user collate_fn: a dict batch whose target is under 'labels'."""
+    return {"pixels": torch.stack([s[0] for s in samples]), "labels": torch.stack([s[1] for s in samples])}
+
+
+class CNN(torch.nn.Module):
+    """Returns logits; the config's model.loss makes the loss."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(1, width, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(width, width, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+            torch.nn.Linear(width * 16, CLASSES))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.net(pixels)
+
+
+class CNNWithAccuracy(CNN):
+    """Returns its own loss and accuracy, as a dict."""
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        logits = super().forward(pixels)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels),
+                "accuracy": (logits.argmax(-1) == labels).float().mean()}
+
+
+def cnn(width: int = 16) -> torch.nn.Module:
+    return CNN(width)
+
+
+def cnn_with_accuracy(width: int = 16) -> torch.nn.Module:
+    return CNNWithAccuracy(width)
