@@ -53,7 +53,8 @@ class Evaluator:
         if run.config.data.num_workers:
             cfg = run.config.data
             self._loader = torch.utils.data.DataLoader(
-                MicroBatches(dataset, run.datasets.collate_fn), batch_size=None, sampler=self.chunks,
+                MicroBatches(dataset, run.datasets.collate_fn), batch_size=None,
+                sampler=[chunk.tolist() for chunk in self.chunks],
                 num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
                 pin_memory=cfg.pin_memory and run.device.type == "cuda",
                 persistent_workers=cfg.persistent_workers)

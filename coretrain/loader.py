@@ -49,32 +49,35 @@ class StepPlan:
 
 
 class RankBatchSampler:
-    """Index tensors of this rank's micro-batches, step after step, from ``first_step`` on."""
+    """Index lists of this rank's micro-batches, step after step, from ``first_step`` on.
+
+    Lists, not tensors: they go to the workers through a queue, where a tensor would cost a
+    shared-memory handoff per micro-batch."""
 
     def __init__(self, order: SampleOrder, plan: StepPlan, rank: int, world_size: int, micro_batch_size: int,
                  first_step: int) -> None:
         self.order, self.plan, self.rank, self.world = order, plan, rank, world_size
         self.micro, self.first_step = micro_batch_size, first_step
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[list[int]]:
         step = self.first_step
         while True:
             n_micro, consumed = self.plan.at(step)
             per_rank = self.micro * n_micro
             indices = self.order.indices(consumed + self.rank * per_rank, per_rank)
             for i in range(n_micro):
-                yield indices[i * self.micro:(i + 1) * self.micro]
+                yield indices[i * self.micro:(i + 1) * self.micro].tolist()
             step += 1
 
 
 class MicroBatches(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """A dataset whose item i is the collated micro-batch of the index tensor i (for workers)."""
+    """A dataset whose item for a list of indices is their collated micro-batch (for workers)."""
 
     def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any] | None) -> None:
         self.dataset, self.collate = dataset, collate
 
-    def __getitem__(self, indices: torch.Tensor) -> Any:
-        return fetch(self.dataset, indices, self.collate)
+    def __getitem__(self, indices: list[int]) -> Any:
+        return fetch(self.dataset, torch.as_tensor(indices, dtype=torch.long), self.collate)
 
 
 def data_loader(dataset: Any, sampler: Any, run: Any) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
