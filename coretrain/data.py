@@ -52,6 +52,14 @@ def fetch(dataset: Any, indices: torch.Tensor, collate: Callable[[list[Any]], An
     return (collate or default_collate)([dataset[i] for i in indices.tolist()])
 
 
+def batch_size(batch: Any) -> int:
+    """Samples in a collated batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    return next((batch_size(item) for item in items if isinstance(item, (torch.Tensor, dict, list, tuple))), 1)
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)

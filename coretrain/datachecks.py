@@ -58,10 +58,14 @@ def check_datasets(datasets: Any, provider: str, *, global_batch: int, micro_bat
 
 def _check_split(dataset: Any, split: str, provider: str, needed: int, micro_batch: int, vocab_size: int | None,
                  collate: Any) -> None:
+    from coretrain.loader import is_stream
+
     where = f"data.provider '{provider}': the {split} split"
+    if is_stream(dataset):  # read in order: nothing to count or index before training
+        return
     if not hasattr(dataset, "__len__") or not (hasattr(dataset, "__getitem__") or hasattr(dataset, "get_batch")):
-        raise UserError(f"{where} is a {describe(dataset)}; coretrain reads samples by index, so it needs "
-                        "__len__ and __getitem__ (or get_batch(indices))")
+        raise UserError(f"{where} is a {describe(dataset)}; a dataset is map-style (__len__ and __getitem__, or "
+                        "get_batch(indices)) or a stream (an IterableDataset, or anything iterable)")
     try:
         length = len(dataset)
     except Exception as exc:

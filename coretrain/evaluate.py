@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from coretrain import outputs
-from coretrain.data import SampleOrder, to_device
+from coretrain.data import SampleOrder, batch_size, fetch, to_device
 from coretrain.dist import sum_over_ranks
-from coretrain.loader import MicroBatches
+from coretrain.loader import MicroBatches, is_stream, stream_loader
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -44,13 +44,18 @@ def index_chunks(run: Any, length: int) -> list[torch.Tensor]:
 
 
 class Evaluator:
-    """Evaluates one split; its index chunks and DataLoader workers are made once and reused."""
+    """Evaluates one split; its index chunks and DataLoader workers are made once and reused.
+
+    A stream split is read from its start each time, this rank's share of it: all of it
+    with ``eval_full``, else its first ``eval_iters`` global batches' worth.
+    """
 
     def __init__(self, run: Any, dataset: Any, split: str) -> None:
         self.run, self.dataset, self.split = run, dataset, split
-        self.chunks = index_chunks(run, len(dataset))
+        self.stream = is_stream(dataset)
+        self.chunks = [] if self.stream else index_chunks(run, len(dataset))
         self._loader: Any = None
-        if run.config.data.num_workers:
+        if run.config.data.num_workers and not self.stream:
             cfg = run.config.data
             self._loader = torch.utils.data.DataLoader(
                 MicroBatches(dataset, run.datasets.collate_fn), batch_size=None,
@@ -60,11 +65,21 @@ class Evaluator:
                 persistent_workers=cfg.persistent_workers)
 
     def _batches(self) -> Iterable[tuple[int, Any]]:
-        from coretrain.data import fetch
-
-        device = self.run.device if self.run.device.type != "cpu" else None
+        run = self.run
+        device = run.device if run.device.type != "cpu" else None
+        if self.stream:
+            train = run.config.train
+            limit = None if train.eval_full else train.eval_iters * run.global_batch_size // run.dist.world_size
+            seen = 0
+            for batch in stream_loader(self.dataset, run, train.eval_micro_batch_size or train.micro_batch_size,
+                                       stateful=False):
+                if limit is not None and seen >= limit:
+                    return
+                seen += batch_size(batch)
+                yield batch_size(batch), (to_device(batch, device) if device is not None else batch)
+            return
         source = self._loader if self._loader is not None else (
-            fetch(self.dataset, chunk, self.run.datasets.collate_fn) for chunk in self.chunks)
+            fetch(self.dataset, chunk, run.datasets.collate_fn) for chunk in self.chunks)
         for chunk, batch in zip(self.chunks, source):
             yield len(chunk), (to_device(batch, device) if device is not None else batch)
 
@@ -75,8 +90,10 @@ class Evaluator:
         was_training = model.training
         model.eval()
         totals: dict[str, torch.Tensor] = {}
+        samples = 0
         try:
             for count, batch in self._batches():
+                samples += count
                 with autocast(run):
                     loss, extras = outputs.call(model, batch, run.loss_fn)
                 for name, value in {"loss": loss, **extras}.items():
@@ -85,7 +102,7 @@ class Evaluator:
         finally:
             model.train(was_training)
         names = sorted(totals)
-        count = torch.tensor(float(sum(len(c) for c in self.chunks)), device=run.device)
+        count = torch.tensor(float(samples), device=run.device)
         summed = sum_over_ranks(torch.stack([count, *(totals[n].to(run.device) for n in names)])).tolist()
         metrics = {f"{self.split}/{name}": value / summed[0] for name, value in zip(names, summed[1:])}
         if run.datasets.seq_length:  # a token-level loss: its exponential is the perplexity

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from coretrain import outputs
-from coretrain.data import fetch, to_device
+from coretrain.data import batch_size, to_device
 
 log = logging.getLogger("coretrain")
 
@@ -27,8 +27,10 @@ def flops_per_sample(run: Any, loss_fn: outputs.LossFn | None) -> float | None:
         return float(method()) * datasets.seq_length
     from torch.utils.flop_counter import FlopCounterMode
 
-    count = min(run.config.train.micro_batch_size, len(datasets.train))
-    batch = fetch(datasets.train, torch.arange(count), datasets.collate_fn)
+    from coretrain.loader import first_batch
+
+    batch = first_batch(datasets.train, run.config.train.micro_batch_size, datasets.collate_fn)
+    count = batch_size(batch)
     batch = to_device(batch, run.device) if run.device.type != "cpu" else batch
     rng = torch.get_rng_state()
     try:

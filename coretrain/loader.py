@@ -13,6 +13,13 @@ not depend on the number of ranks or workers:
 
 How many micro-batches a step takes is decided once per step, in order (:class:`StepPlan`),
 because the sampler runs ahead of the loop (batch-size rampup changes it on the way).
+
+A stream (an ``IterableDataset``, or anything iterable without ``__getitem__``) has no
+sample order to walk: :class:`RankStream` gives each rank and worker every k-th item, and
+torchdata's ``StatefulDataLoader`` carries the position in each worker's stream into the
+checkpoint — through the stream's own ``state_dict()`` / ``load_state_dict()`` when it has
+them, else by replaying the stream up to the saved position. Such a checkpoint resumes on
+the same number of ranks and workers only; the run says so at start.
 """
 
 from __future__ import annotations
@@ -23,6 +30,80 @@ from typing import Any
 import torch
 
 from coretrain.data import BatchReader, SampleOrder, fetch, to_device
+from coretrain.errors import UserError
+
+
+def is_stream(dataset: Any) -> bool:
+    """An iterable dataset: read in order, not by index."""
+    return isinstance(dataset, torch.utils.data.IterableDataset) or (
+        hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__"))
+
+
+class RankStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The items of a stream that are this rank's and this worker's: every (ranks × workers)-th.
+
+    Its state is the count of stream items passed so far, plus the stream's own state when
+    it has one; loading it resumes there (replaying a stream that has no state of its own).
+    """
+
+    def __init__(self, stream: Any, rank: int, world_size: int) -> None:
+        self.stream, self.rank, self.world = stream, rank, world_size
+        self.stateful = callable(getattr(stream, "state_dict", None)) and callable(getattr(stream, "load_state_dict", None))
+        self._position = 0
+        self._resume: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        slots, mine = self.world * workers, self.rank * workers + worker
+        start, resume, self._resume = 0, self._resume, None
+        if resume is not None:
+            start = int(resume["position"])
+            if self.stateful and resume.get("stream") is not None:
+                self.stream.load_state_dict(resume["stream"])
+        items = iter(self.stream)
+        if resume is not None and not (self.stateful and resume.get("stream") is not None):
+            for _ in range(start):  # no state of its own: replay up to where the checkpoint was
+                next(items, None)
+        self._position = start
+        for item in items:
+            self._position += 1
+            if (self._position - 1) % slots == mine:
+                yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self._position, "stream": self.stream.state_dict() if self.stateful else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = state
+
+
+def stream_loader(dataset: Any, run: Any, batch_size: int, stateful: bool) -> Any:
+    """A DataLoader of this rank's share of a stream, in micro-batches (the last partial one dropped
+    in training, kept in evaluation)."""
+    cfg = run.config.data
+    kwargs: dict[str, Any] = dict(batch_size=batch_size, collate_fn=run.datasets.collate_fn,
+                                  num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and run.device.type == "cuda",
+                                  drop_last=stateful, worker_init_fn=_one_thread)
+    if cfg.num_workers:
+        kwargs["prefetch_factor"] = cfg.prefetch_factor
+    stream = RankStream(dataset, run.dist.rank, run.dist.world_size)
+    if not stateful:
+        return torch.utils.data.DataLoader(stream, **kwargs)
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(stream, **kwargs)
+
+
+def first_batch(dataset: Any, count: int, collate: Any) -> Any:
+    """A batch of the first ``count`` samples of a split (indexable or stream)."""
+    if is_stream(dataset):
+        items = iter(dataset)
+        samples = [item for _, item in zip(range(count), items)]
+        if not samples:
+            raise UserError("the train split (a stream) yielded no samples")
+        return (collate or torch.utils.data.default_collate)(samples)
+    return fetch(dataset, torch.arange(min(count, len(dataset))), collate)
 
 
 class StepPlan:
@@ -94,14 +175,26 @@ def _one_thread(worker_id: int) -> None:
 
 
 class TrainBatches:
-    """The training loop's source of micro-batches (on the run's device), one step at a time."""
+    """The training loop's source of micro-batches (on the run's device), one step at a time.
 
-    def __init__(self, run: Any, plan: StepPlan, first_step: int) -> None:
+    ``state`` is what :meth:`state_dict` returned when the checkpoint resumed from was saved
+    (a stream's position); map-style datasets need none: consumed samples say where they are.
+    """
+
+    def __init__(self, run: Any, plan: StepPlan, first_step: int, state: dict[str, Any] | None = None) -> None:
         self.run, self.plan = run, plan
         dataset = run.datasets.train
-        order = SampleOrder(len(dataset), run.config.run.seed)
         self.device = run.device if run.device.type != "cpu" else None
         micro = run.config.train.micro_batch_size
+        self._stream: Any = None
+        if is_stream(dataset):
+            self._reader = None
+            self._stream = stream_loader(dataset, run, micro, stateful=True)
+            if state:
+                self._stream.load_state_dict(state["loader"])
+            self._iterator = iter(self._stream)
+            return
+        order = SampleOrder(len(dataset), run.config.run.seed)
         if run.config.data.num_workers == 0:
             self._reader: BatchReader | None = BatchReader(dataset, order, run.dist.rank, run.dist.world_size,
                                                             run.device, run.datasets.collate_fn)
@@ -118,5 +211,25 @@ class TrainBatches:
             micro = self.run.config.train.micro_batch_size
             return self._reader.read(consumed, micro * n_micro * self.run.dist.world_size, micro)
         assert self._iterator is not None
-        batches = [next(self._iterator) for _ in range(n_micro)]
+        batches = [self._next() for _ in range(n_micro)]
         return [to_device(b, self.device) for b in batches] if self.device is not None else batches
+
+    def _next(self) -> Any:
+        assert self._iterator is not None
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            if self._stream is None:
+                raise
+            self._iterator = iter(self._stream)  # a finite stream ended: the next pass over it
+            try:
+                return next(self._iterator)
+            except StopIteration:
+                raise UserError("the train split (a stream) has fewer samples than one micro-batch per rank "
+                                "and worker") from None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """A stream's position (per rank, per worker) for the checkpoint; None for map-style data."""
+        if self._stream is None:
+            return None
+        return {"loader": self._stream.state_dict(), "num_workers": self.run.config.data.num_workers}

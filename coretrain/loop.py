@@ -147,6 +147,9 @@ class Trainer:
         self.hooks = ResolvedHooks(run)
         self.log = IntervalLog()
         self.last_saved_step = -1
+        self.feed: TrainBatches | None = None
+        self._data_state: dict[str, Any] | None = None
+        """A stream's position from the checkpoint resumed from, for the feed made in _steps."""
         self.evaluated_at: dict[str, int] = {}
         """Split -> the last step it was evaluated (and logged) at."""
         self._evaluators: dict[str, Evaluator] = {}
@@ -173,9 +176,10 @@ class Trainer:
             return
         with_optimizer = run.config.checkpoint.load_optimizer
         restored = resume.read_newest_loadable(run, candidates, explicit, with_optimizer)
-        resume.check_resumable(run, restored.manifest)
+        resume.check_resumable(run, restored.manifest, restored.rank_state)
         resume.apply(run, restored, with_optimizer)
         path, state = restored.path, restored.rank_state
+        self._data_state = state.get("data")
         self.log.restore(state.get("interval_log", {}), run.device)
         self.last_saved_step = run.state.step
         self.evaluated_at = {split: run.state.step for split in restored.manifest.get("evaluated", [])}
@@ -200,7 +204,9 @@ class Trainer:
                     f"returned {exc}; a checkpoint holds tensors, numbers, str, bool, None and "
                     "lists/dicts of these"), run.state.step) from None
             plugin_states[name] = state
-        _, blocked = self.checkpointer.save({"plugins": plugin_states, "interval_log": self.log.pending()},
+        data_state = self.feed.state_dict() if self.feed is not None else self._data_state
+        _, blocked = self.checkpointer.save({"plugins": plugin_states, "interval_log": self.log.pending(),
+                                             **({"data": data_state} if data_state else {})},
                                             evaluated=self._evaluated_now())
         self.last_saved_step = run.state.step
         run.control.checkpoint_requested = False
@@ -325,7 +331,7 @@ class Trainer:
         params = [p for p in model.parameters() if p.requires_grad]
         micro_size, world, clip = cfg.micro_batch_size, run.dist.world_size, cfg.clip_grad
         plan = StepPlan(self._micro_batches_deciding(), micro_size, world, state.step, state.consumed_samples)
-        feed = TrainBatches(run, plan, state.step + 1)
+        feed = self.feed = TrainBatches(run, plan, state.step + 1, self._data_state)
         loss_fn = run.loss_fn
         validate = bool((cfg.eval_iters or cfg.eval_full) and cfg.eval_interval and run.datasets.valid is not None)
         save_interval = run.config.checkpoint.save_interval

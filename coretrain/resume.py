@@ -162,7 +162,7 @@ def read_newest_loadable(run: Run, candidates: list[Path], explicit: bool, with_
     raise AssertionError("no candidates")  # callers pass at least one
 
 
-def check_resumable(run: Run, info: dict[str, Any]) -> None:
+def check_resumable(run: Run, info: dict[str, Any], rank_state: dict[str, Any] | None = None) -> None:
     """Refuse what a resume cannot carry over; say which optimizer/scheduler settings change.
 
     The optimizer class and the sequence length are part of what the checkpoint means: a
@@ -181,6 +181,17 @@ def check_resumable(run: Run, info: dict[str, Any]) -> None:
         raise UserError(f"seq_length is {seq} now and {saved_seq} in the checkpoint{hint}: the data position and "
                         "the model depend on it; resume with the old value or start a new run (another "
                         "run.output_dir, or checkpoint.resume = \"never\")")
+    from coretrain.loader import is_stream
+
+    saved_world = info.get("world_size")
+    if run.datasets is not None and is_stream(run.datasets.train) and saved_world not in (None, run.dist.world_size):
+        raise UserError(f"the train split is a stream and the checkpoint was written on {saved_world} rank(s), this "
+                        f"run has {run.dist.world_size}: a stream's position is saved per rank, so it resumes on "
+                        f"{saved_world} rank(s) only")
+    data_state = (rank_state or {}).get("data") or {}
+    if "num_workers" in data_state and data_state["num_workers"] != run.config.data.num_workers:
+        raise UserError(f"data.num_workers: the checkpoint's stream position was saved with {data_state['num_workers']} "
+                        f"worker(s), the config asks for {run.config.data.num_workers}; resume with the same number")
     changed = [f"{key} {before!r} -> {after!r}" for key, before, after in config_changes(saved, config)
                if key.split(".")[0] in ("optimizer", "scheduler") and key != "optimizer.name"]
     if changed:

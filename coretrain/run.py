@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -270,6 +271,14 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
     check_datasets(run.datasets, config.data.provider, global_batch=global_batch, micro_batch=train.micro_batch_size,
                    eval_needed=eval_needed)
     check_signals()
+    from coretrain.loader import is_stream
+
+    if is_stream(run.datasets.train) and dist_info.is_main:
+        logging.getLogger("coretrain").warning(
+            "the train split is a stream: each rank and worker reads every %d-th item of it, and a checkpoint "
+            "resumes exactly only on %d rank(s) with data.num_workers = %d (the stream's position is saved per "
+            "rank and worker)", dist_info.world_size * max(config.data.num_workers, 1), dist_info.world_size,
+            config.data.num_workers)
 
     model = plugins.hook.provide_model(run=run)
     if model is None:

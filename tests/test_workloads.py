@@ -169,3 +169,24 @@ def test_the_console_script_imports_providers_from_the_current_directory_and_val
     missing = subprocess.run([str(script), "config", "validate", str(config), "--set", 'model.provider="nomodule:build"'],
                              cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
     assert missing.returncode == 2 and "model.provider: cannot import 'nomodule:build'" in missing.stderr
+
+
+@pytest.mark.parametrize(("stateful", "workers"), [(False, 0), (True, 2)])
+def test_a_stream_trains_stops_and_resumes_exactly(tmp_path: Path, stateful: bool, workers: int) -> None:
+    options = f"num_workers = {workers}\n[data.options]\nstateful = {json.dumps(stateful)}"
+    outs = []
+    for name, stop in (("whole", ()), ("split", ("--set", "train.exit_interval=15"))):
+        config, out = digits_config(tmp_path, name, data=options, eval_interval=15)
+        config.write_text(config.read_text().replace('"workloads:digits"', '"workloads:digit_stream"'))
+        first = run_digits(config, *stop)
+        assert first.returncode == 0, first.stderr
+        assert "the train split is a stream" in first.stderr
+        if stop:
+            second = run_digits(config)
+            assert second.returncode == 0 and "(step 15," in second.stderr, second.stderr
+        outs.append(out)
+    keys = ("step", "loss", "train/accuracy", "valid/loss", "valid/accuracy")
+    logged = [[{k: r[k] for k in keys if k in r} for r in metrics_rows(out)] for out in outs]
+    assert logged[0] == logged[1] and [r["step"] for r in logged[0] if "valid/loss" in r] == [15, 30]
+    final = [torch.load(out / "checkpoints" / "step_00000030" / "model.pt", weights_only=True) for out in outs]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])

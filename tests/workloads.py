@@ -73,3 +73,39 @@ def cnn(width: int = 16) -> torch.nn.Module:
 
 def cnn_with_accuracy(width: int = 16) -> torch.nn.Module:
     return CNNWithAccuracy(width)
+
+
+class DigitStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The digits as a stream read in order (a file, a socket): no length, no indexing."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        self.data = Digits(count, seed)
+
+    def __iter__(self) -> Any:
+        for i in range(len(self.data)):
+            yield self.data[i]
+
+
+class StatefulDigitStream(DigitStream):
+    """A stream that knows its position and can be put back there (the state_dict protocol)."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        super().__init__(count, seed)
+        self.position = 0
+
+    def __iter__(self) -> Any:
+        while self.position < len(self.data):
+            self.position += 1
+            yield self.data[self.position - 1]
+        self.position = 0  # the next pass starts over
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def digit_stream(context: Any = None, stateful: bool = False) -> Datasets:
+    kind = StatefulDigitStream if stateful else DigitStream
+    return Datasets(train=kind(1200, 1), valid=kind(359, 2))
