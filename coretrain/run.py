@@ -266,6 +266,9 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
         raise UserError(f"data.provider '{config.data.provider}' returned no datasets")
     if config.data.collate_fn:
         run.datasets.collate_fn = import_callable(config.data.collate_fn, "data.collate_fn")
+    from coretrain.loader import adapt
+
+    adapt(run.datasets)
     # a full pass needs a sample per rank; eval_iters batches need one global batch
     eval_needed = dist_info.world_size if train.eval_full else global_batch if train.eval_iters else 1
     check_datasets(run.datasets, config.data.provider, global_batch=global_batch, micro_batch=train.micro_batch_size,

@@ -190,3 +190,16 @@ def test_a_stream_trains_stops_and_resumes_exactly(tmp_path: Path, stateful: boo
     assert logged[0] == logged[1] and [r["step"] for r in logged[0] if "valid/loss" in r] == [15, 30]
     final = [torch.load(out / "checkpoints" / "step_00000030" / "model.pt", weights_only=True) for out in outs]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+def test_a_hugging_face_dataset_is_used_directly_and_resumes_exactly(tmp_path: Path) -> None:
+    outs = []
+    for name, stop in (("whole", ()), ("split", ("--set", "train.exit_interval=15"))):
+        config, out = digits_config(tmp_path, name)
+        config.write_text(config.read_text().replace('"workloads:digits"', '"workloads:hf_digits"'))
+        for args in ((*stop,), ()) if stop else ((),):
+            result = run_digits(config, *args)
+            assert result.returncode == 0, result.stderr
+        outs.append(out)
+    rows = [[(r["step"], r.get("loss"), r.get("valid/accuracy")) for r in metrics_rows(out)] for out in outs]
+    assert rows[0] == rows[1] and rows[0][-1][2] > 0.5                       # dict batches: model(pixels=, labels=)

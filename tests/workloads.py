@@ -109,3 +109,13 @@ class StatefulDigitStream(DigitStream):
 def digit_stream(context: Any = None, stateful: bool = False) -> Datasets:
     kind = StatefulDigitStream if stateful else DigitStream
     return Datasets(train=kind(1200, 1), valid=kind(359, 2))
+
+
+def hf_digits(context: Any = None) -> Datasets:
+    """The digits as Hugging Face datasets (built in memory, as load_dataset would from local files)."""
+    import datasets
+
+    def table(split: Digits) -> Any:
+        return datasets.Dataset.from_dict({"pixels": split.images.numpy(), "labels": split.labels.numpy()})
+
+    return Datasets(train=table(Digits(1200, 1)), valid=table(Digits(359, 2)))
