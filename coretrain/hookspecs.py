@@ -72,8 +72,10 @@ def provide_datasets(run: Run, context: DatasetContext) -> Datasets | None:
     """Build the train/valid/test datasets (Megatron's ``build_datasets(context)``).
 
     Called on the provider named by ``data.provider`` with its ``[data.options]`` as the
-    plugin's config. Datasets are map-style; a ``get_batch(indices)`` method, when present,
-    fetches a whole micro-batch at once (the fast path used by first-party datasets).
+    plugin's config. A split is map-style (``__len__`` + ``__getitem__``, or a
+    ``get_batch(indices)`` fast path fetching a whole micro-batch at once), a Hugging Face
+    ``datasets.Dataset``, or a stream (an ``IterableDataset``); see README, "Bring your own
+    model and data".
     """
 
 
@@ -82,9 +84,11 @@ def provide_model(run: Run) -> torch.nn.Module | None:
     """Build the model on CPU; the loop moves it to the run's device.
 
     Called after datasets, so ``run.datasets`` (vocab size, sequence length) may set defaults.
-    ``model(*batch)`` (or ``model(**batch)`` for dict batches) must return the scalar loss, or
-    an object with a ``loss`` attribute or key. A ``flops_per_token()`` method, when present,
-    feeds throughput and MFU reporting.
+    ``model(*batch)`` (or ``model(**batch)`` for dict batches) returns the scalar loss, a dict
+    or object with ``loss`` and other scalars to log, or — with ``model.loss`` set — outputs
+    the configured loss turns into the loss (:mod:`coretrain.outputs`). A
+    ``flops_per_token()`` method, when present, feeds throughput and MFU; otherwise the
+    FLOPs are counted once (:mod:`coretrain.flops`).
     """
 
 
@@ -148,7 +152,8 @@ def on_log(run: Run, step: int, metrics: dict[str, float]) -> None:
 
 @hookspec
 def on_eval(run: Run, step: int, metrics: dict[str, float]) -> None:
-    """After a validation pass; metrics are named ``valid/...``."""
+    """After an evaluation pass of one split: ``valid/...`` during and after training,
+    ``test/...`` once after it (loss, the model's named values, ppl for token losses)."""
 
 
 @hookspec

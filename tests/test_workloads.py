@@ -203,3 +203,20 @@ def test_a_hugging_face_dataset_is_used_directly_and_resumes_exactly(tmp_path: P
         outs.append(out)
     rows = [[(r["step"], r.get("loss"), r.get("valid/accuracy")) for r in metrics_rows(out)] for out in outs]
     assert rows[0] == rows[1] and rows[0][-1][2] > 0.5                       # dict batches: model(pixels=, labels=)
+
+
+@pytest.mark.parametrize(("example", "config", "expected"), [
+    ("classify", "classify.toml", "test loss"), ("custom-data", "lines.toml", "valid loss")])
+def test_the_bring_your_own_examples_run_from_their_directory(tmp_path: Path, example: str, config: str,
+                                                               expected: str) -> None:
+    from conftest import REPO
+
+    directory = tmp_path / example
+    import shutil
+
+    shutil.copytree(REPO / "examples" / example, directory)
+    script = Path(sys.executable).parent / "coretrain"
+    result = subprocess.run([str(script), "run", config, "--set", "train.train_iters=20", "--set",
+                             "train.eval_interval=10"], cwd=directory, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert expected in result.stdout and "accuracy" in result.stdout
