@@ -90,3 +90,18 @@ def test_gpt_loss_starts_near_uniform_and_flops_follow_the_palm_formula() -> Non
     assert model(idx).shape == (4, 32, 256)
     n = sum(p.numel() for p in model.parameters()) - 32 * 32     # tied head counted once, positions excluded
     assert model.flops_per_token() == 6 * n + 12 * 2 * 32 * 32
+
+
+def test_random_windows_are_fixed_by_seed_and_index_and_cover_the_text() -> None:
+    from coretrain.data import RandomWindows
+
+    tokens = torch.arange(10_000, dtype=torch.int32)
+    a, b, other = (RandomWindows(tokens, 16, 5000, seed) for seed in (1, 1, 2))
+    indices = torch.tensor([0, 7, 4999, 7])
+    x, y = a.get_batch(indices)
+    assert torch.equal(x, b.get_batch(indices)[0]) and not torch.equal(x, other.get_batch(indices)[0])
+    assert torch.equal(x[1], x[3]) and torch.equal(y[:, :-1], x[:, 1:])       # same index, same window; shifted
+    assert torch.equal(a[7][0], x[1])
+    starts = a.starts(torch.arange(5000))
+    assert int(starts.min()) >= 0 and int(starts.max()) < 10_000 - 16
+    assert len(set(starts.tolist())) > 3800 and starts.float().std() > 2700     # as uniform draws: ~3934, ~2882

@@ -175,3 +175,14 @@ def test_report_names_the_file_and_line_it_cannot_read(tmp_path: Path) -> None:
     broken = run_cli("report", str(tmp_path), cwd=tmp_path)
     assert broken.returncode == 2 and "metrics.jsonl:2: not a JSON object" in broken.stderr
     assert "Traceback" not in broken.stderr + missing.stderr
+
+
+def test_random_offset_windows_train_and_resume_exactly(tmp_path: Path) -> None:
+    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=2)
+    config.write_text(config.read_text().replace("max_bytes = 200000", 'max_bytes = 200000\nsampling = "random"'))
+    whole = run_cli("run", str(config), "--set", f"run.output_dir={tmp_path / 'whole'}", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr
+    assert run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path).returncode == 0
+    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    assert [(r["step"], r.get("loss")) for r in metrics_rows(out)] == \
+        [(r["step"], r.get("loss")) for r in metrics_rows(tmp_path / "whole")]

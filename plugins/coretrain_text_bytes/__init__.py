@@ -12,7 +12,7 @@ import glob
 import hashlib
 import sysconfig
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from attrs import define, field
 
@@ -41,6 +41,9 @@ class TextBytes:
     """Share of files held out for validation (chosen by a hash of the file name)."""
     max_bytes: int | None = field(default=None, validator=positive)
     """Read at most this many bytes of training text (files in sorted order)."""
+    sampling: Literal["windows", "random"] = "windows"
+    """Training samples: non-overlapping windows, or windows at seeded random offsets
+    (nanoGPT's get_batch), a fresh one for every sample of the run; validation stays fixed."""
 
     def files(self) -> list[str]:
         patterns = self.globs or default_globs()
@@ -51,7 +54,7 @@ class TextBytes:
     def provide_datasets(self, run: Any, context: Any) -> Any:
         import torch
 
-        from coretrain.data import TokenWindows
+        from coretrain.data import TokenWindows, windows
         from coretrain.errors import UserError
         from coretrain.run import Datasets
 
@@ -73,7 +76,8 @@ class TextBytes:
             blob = b"".join(chunks)[:limit]
             return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
-        train = TokenWindows(read(train_files, self.max_bytes), self.seq_length)
+        train = windows(read(train_files, self.max_bytes), self.seq_length, self.sampling, context.train_samples,
+                        context.seed)
         valid = TokenWindows(read(valid_files, None), self.seq_length)
         if len(train) == 0 or len(valid) == 0:
             raise UserError(f"data.options.seq_length ({self.seq_length}) is longer than the text read; lower it")

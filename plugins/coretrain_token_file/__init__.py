@@ -72,10 +72,13 @@ class TokenFile:
     """Tokens per sample."""
     vocab_size: int | None = field(default=None, validator=positive)
     """Vocabulary size, passed on to the model; unset = the largest id seen + 1 (scans the file)."""
+    sampling: Literal["windows", "random"] = "windows"
+    """Training samples: non-overlapping windows, or windows at seeded random offsets
+    (nanoGPT's get_batch), a fresh one for every sample of the run; validation stays fixed."""
 
     @hookimpl
     def provide_datasets(self, run: Any, context: Any) -> Any:
-        from coretrain.data import TokenWindows
+        from coretrain.data import TokenWindows, windows
         from coretrain.errors import UserError
         from coretrain.run import Datasets
 
@@ -85,5 +88,6 @@ class TokenFile:
         if not self.vocab_size and vocab_size > MAX_GUESSED_VOCAB:
             raise UserError(f"{self.train_path}: token ids go up to {vocab_size - 1}, far beyond any tokenizer's "
                             f"vocabulary: is dtype '{self.dtype}' right? (or set data.options.vocab_size)")
-        return Datasets(train=TokenWindows(train_tokens, self.seq_length), valid=valid,
+        train = windows(train_tokens, self.seq_length, self.sampling, context.train_samples, context.seed)
+        return Datasets(train=train, valid=valid,
                         seq_length=self.seq_length, vocab_size=vocab_size)
