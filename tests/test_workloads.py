@@ -220,3 +220,18 @@ def test_the_bring_your_own_examples_run_from_their_directory(tmp_path: Path, ex
                              "train.eval_interval=10"], cwd=directory, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert expected in result.stdout and "accuracy" in result.stdout
+
+
+def test_skip_train_evaluates_the_valid_and_test_splits_once(tmp_path: Path, no_autoload: None) -> None:
+    from coretrain.config import Config
+    from coretrain.configload import structure
+
+    recorder = EvalRecorder()
+    config = structure({"run": {"output_dir": str(tmp_path / "out")},
+                        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+                        "data": {"provider": "workloads:digits"},
+                        "train": {"micro_batch_size": 32, "train_iters": 5, "skip_train": True, "eval_full": True}},
+                       Config)
+    run, code = train(config, ("recorder", recorder))
+    assert code == 0 and run.state.step == 0 and recorder.logs == []
+    assert [sorted(k.split("/")[0] for k in m)[0] for _, m in recorder.evals] == ["valid", "test"]
