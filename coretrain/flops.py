@@ -4,7 +4,8 @@ A model that knows its cost says so with ``flops_per_token()`` (the ``gpt`` plug
 Megatron's formula). Any other model — a CNN, a Hugging Face model, yours — is measured once
 before training: one micro-batch's forward under ``torch.utils.flop_counter.FlopCounterMode``,
 times 3 for forward + backward (backward costs about twice the forward, the convention MFU
-figures use). Counted on the plain model, before any wrapper (DDP, FSDP, compile) exists.
+figures use). Counted on the plain model in eval mode, before any wrapper (DDP, FSDP,
+compile) exists, leaving the model and the RNG as they were.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def flops_per_sample(run: Any, loss_fn: outputs.LossFn | None) -> float | None:
     batch = first_batch(datasets.train, run.config.train.micro_batch_size, datasets.collate_fn)
     count = batch_size(batch)
     batch = to_device(batch, run.device) if run.device.type != "cpu" else batch
-    rng = torch.get_rng_state()
+    rng, was_training = torch.get_rng_state(), model.training
+    model.eval()  # counting must leave no trace: no BatchNorm statistics updated, no dropout drawn
     try:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             outputs.call(model, batch, loss_fn)
@@ -41,6 +43,7 @@ def flops_per_sample(run: Any, loss_fn: outputs.LossFn | None) -> float | None:
                     type(exc).__name__, exc)
         return None
     finally:
-        torch.set_rng_state(rng)  # counting must not change what training draws (dropout)
+        model.train(was_training)
+        torch.set_rng_state(rng)
     total = counter.get_total_flops()
     return 3.0 * total / count if total else None

@@ -472,7 +472,7 @@ def test_bad_files_and_providers_are_one_error_line_with_exit_2(tmp_path: Path) 
     cases.append((("--set", 'model.provider="providers:not_a_model"', "--set", "model.options={}"),
                   "model.provider 'providers:not_a_model' returned a str, not a torch.nn.Module"))
     cases.append((("--set", 'data.provider="providers:not_datasets"', "--set", "data.options={}"),
-                  "the train split is a int; coretrain reads samples by index"))
+                  "the train split is a int; a dataset is map-style (__len__ and __getitem__"))
     for args, expected in cases:
         argv = [args[1]] if args[0] == "CONFIG" else [str(config), *args]
         result = run_cli("run", *argv, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
