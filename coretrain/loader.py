@@ -156,9 +156,9 @@ class StepPlan:
             self._next_step += 1
         return self._decided[step]
 
-    def forget_before(self, step: int) -> None:
-        for old in [s for s in self._decided if s < step]:
-            del self._decided[old]
+    def forget(self, step: int) -> None:
+        """The loop is past ``step`` (and so is the sampler, which produced its batches)."""
+        self._decided.pop(step, None)
 
 
 class RankBatchSampler:
@@ -236,9 +236,9 @@ class TrainBatches:
             sampler = RankBatchSampler(order, plan, run.dist.rank, run.dist.world_size, micro, first_step)
             self._iterator = iter(data_loader(dataset, sampler, run))
 
-    def step(self, step: int) -> list[Any]:
-        n_micro, consumed = self.plan.at(step)
-        self.plan.forget_before(step)
+    def step(self, step: int, n_micro: int, consumed: int) -> list[Any]:
+        """The micro-batches of ``step``, which :meth:`StepPlan.at` gave as (n_micro, consumed)."""
+        self.plan.forget(step - 1)
         if self._reader is not None:
             micro = self.run.config.train.micro_batch_size
             return self._reader.read(consumed, micro * n_micro * self.run.dist.world_size, micro)

@@ -349,12 +349,13 @@ class Trainer:
 
         while state.step < cfg.train_iters:
             step = state.step + 1
-            n_micro = run.micro_batches_per_step = plan.at(step)[0]
+            n_micro, consumed = plan.at(step)
+            run.micro_batches_per_step = n_micro
             global_batch = micro_size * n_micro * world
             if hooks.pre_step:
                 hooks.pre_step(run=run, step=step)
 
-            batches = feed.step(step)
+            batches = feed.step(step, n_micro, consumed)
             values = None
             if n_micro == 1 and plain:  # the common case, with nothing a hand-written loop would not do
                 batch = batches[0]
