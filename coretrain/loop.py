@@ -17,15 +17,18 @@ import torch
 
 from coretrain import checkpoint, outputs, resume, safeload
 from coretrain import metrics as derived
-from coretrain.dist import max_over_ranks, mean_over_ranks
+from coretrain.dist import max_over_ranks, sum_over_ranks
 from coretrain.evaluate import Evaluator, autocast
 from coretrain.loader import StepPlan, TrainBatches
+from coretrain.timers import PhaseTimes
 from coretrain.errors import PluginError, RunFailure
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
 
 log = logging.getLogger("coretrain")
 
+INPUT_BOUND_SHARE = 0.3
+"""A run whose slowest rank waits this share of a step for data is told so, once."""
 STOP_REASONS = ("exit_interval", "exit_duration", "stopped", "signal")  # codes 1..4, agreed across ranks
 
 
@@ -46,13 +49,14 @@ class IntervalLog:
     so holding them for one interval costs a few hundred bytes each.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.losses: list[torch.Tensor] = []
         self.grad_norms: list[torch.Tensor] = []
         self.values: dict[str, list[torch.Tensor]] = {}
         self.samples = 0
         self.timed_steps = 0
         self.started = time.perf_counter()
+        self.times = PhaseTimes(device)
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int,
             values: dict[str, torch.Tensor] | None) -> None:
@@ -66,10 +70,13 @@ class IntervalLog:
         self.timed_steps += 1
 
     def restart_clock(self) -> None:
-        """Leave the steps so far out of the rates (warm-up: compilation, allocator, caches)."""
+        """Leave the steps so far out of the rates and phase times (warm-up: compilation, caches)."""
         self.samples, self.timed_steps, self.started = 0, 0, time.perf_counter()
+        self.times.reset()
 
     def flush(self, run: Run) -> dict[str, float]:
+        world, rank = run.dist.world_size, run.dist.rank
+        times = self.times.collect(self.timed_steps)  # host values; CUDA events read once complete
         with torch.no_grad():
             means = [torch.stack(self.losses).float().mean()]
             if self.grad_norms:
@@ -79,14 +86,21 @@ class IntervalLog:
             extra = list(run.log_tensors)
             means.extend(run.log_tensors[name].detach().float().to(means[0].device) for name in extra)
             run.log_tensors.clear()
-            # the mean over data-parallel ranks, as Megatron logs it; then the interval's one host sync
-            host = mean_over_ranks(torch.stack(means)).tolist()
+            device = means[0].device
+            host_values = torch.tensor([*times.values(), *(times["time/data"] if r == rank else 0.0
+                                                           for r in range(world))], device=device)
+            # the interval's one collective and host sync: sums over ranks, then means on the host
+            summed = sum_over_ranks(torch.cat([torch.stack(means), host_values])).tolist()
+        host = [value / world for value in summed[:len(means) + len(times)]]
+        data_waits = summed[len(means) + len(times):]  # each rank's own slot
         elapsed = time.perf_counter() - self.started
         timed = self.timed_steps
         metrics = {"loss": host[0], "lr": run.scheduler.last_lr}
         if self.grad_norms:
             metrics["grad_norm"] = host[1]
-        metrics.update(zip(named + extra, host[len(host) - len(named) - len(extra):]))
+        metrics.update(zip(named + extra, host[len(means) - len(named) - len(extra):len(means)]))
+        metrics.update(zip(times, host[len(means):]))
+        metrics["time/data_max"] = max(data_waits)
         metrics.update({
             "global_batch_size": float(run.global_batch_size),
             "iteration_time": elapsed / timed if timed else 0.0,
@@ -100,6 +114,8 @@ class IntervalLog:
         metrics.update(derived.throughput(run, metrics["samples_per_second"], metrics["iteration_time"],
                                           time.monotonic() - run.started_at))
         metrics.update(derived.memory(run.device))
+        if metrics["iteration_time"] > 0:
+            metrics["time/step"] = metrics["iteration_time"]
         self.losses, self.grad_norms, self.values = [], [], {}
         self.restart_clock()
         return metrics
@@ -145,9 +161,10 @@ class Trainer:
     def __init__(self, run: Run, signals: SignalWatcher | None = None) -> None:
         self.run = run
         self.hooks = ResolvedHooks(run)
-        self.log = IntervalLog()
+        self.log = IntervalLog(run.device)
         self.last_saved_step = -1
         self.feed: TrainBatches | None = None
+        self._said_input_bound = False
         self._data_state: dict[str, Any] | None = None
         """A stream's position from the checkpoint resumed from, for the feed made in _steps."""
         self.evaluated_at: dict[str, int] = {}
@@ -209,6 +226,7 @@ class Trainer:
                                              **({"data": data_state} if data_state else {})},
                                             evaluated=self._evaluated_now())
         self.last_saved_step = run.state.step
+        self.log.times.add("checkpoint", blocked)
         run.control.checkpoint_requested = False
         if self.checkpointer.in_flight:
             log.info("checkpoint step %d: training blocked %.3f s; writing in the background", run.state.step, blocked)
@@ -319,7 +337,9 @@ class Trainer:
             self._evaluators[split] = Evaluator(run, dataset, split)
         started = time.perf_counter()
         metrics = self._evaluators[split]()
-        self.log.started += time.perf_counter() - started  # evaluation time is not training time
+        seconds = time.perf_counter() - started
+        self.log.started += seconds  # evaluation time is not training time
+        self.log.times.add("eval", seconds)
         self.evaluated_at[split] = run.state.step
         if self.hooks.on_eval:
             self.hooks.on_eval(run=run, step=run.state.step, metrics=metrics)
@@ -345,6 +365,7 @@ class Trainer:
         sharded_norm = checkpoint.is_sharded(model)  # FSDP2: the grad norm is a DTensor
         scaler = run.grad_scaler
         interval.started = time.perf_counter()
+        times, perf_counter = interval.times, time.perf_counter
         first_step = state.step + 1
 
         while state.step < cfg.train_iters:
@@ -355,7 +376,12 @@ class Trainer:
             if hooks.pre_step:
                 hooks.pre_step(run=run, step=step)
 
+            started = perf_counter()
             batches = feed.step(step, n_micro, consumed)
+            data_ready = perf_counter()
+            events = times.events()
+            if events is not None:
+                events[0].record()
             values = None
             if n_micro == 1 and plain:  # the common case, with nothing a hand-written loop would not do
                 batch = batches[0]
@@ -365,6 +391,9 @@ class Trainer:
                 loss.backward()
             else:
                 loss, values = self._accumulate(batches)
+            backward_done = perf_counter()
+            if events is not None:
+                events[1].record()
 
             if hooks.before_update:
                 hooks.before_update(run=run, step=step, loss=loss.detach())
@@ -385,6 +414,9 @@ class Trainer:
                 optimizer.step()
                 scheduler.step(global_batch)
             optimizer.zero_grad(set_to_none=True)
+            if events is not None:
+                events[2].record()
+            times.step(started, data_ready, backward_done, perf_counter(), events)
             state.step = step
             state.consumed_samples += global_batch
             interval.add(loss, grad_norm, global_batch, values)
@@ -396,6 +428,7 @@ class Trainer:
 
             if step % cfg.log_interval == 0:
                 metrics = interval.flush(run)
+                self._say_if_input_bound(metrics)
                 if hooks.on_log:
                     hooks.on_log(run=run, step=step, metrics=metrics)
             if validate and step % cfg.eval_interval == 0:
@@ -460,6 +493,18 @@ class Trainer:
             return losses[0], values[0]
         return torch.stack(losses).mean(), {name: torch.stack([v[name] for v in values]).float().mean()
                                             for name in values[0]}
+
+    def _say_if_input_bound(self, metrics: dict[str, float]) -> None:
+        """Once per run: most of a step waits for data, and which setting helps."""
+        step_time = metrics.get("time/step", 0.0)
+        if self._said_input_bound or step_time <= 0 or metrics["time/data_max"] < INPUT_BOUND_SHARE * step_time:
+            return
+        self._said_input_bound = True
+        workers = self.run.config.data.num_workers
+        hint = ("set data.num_workers (batches are read in the training loop now)" if workers == 0 else
+                f"raise data.num_workers (now {workers}) or data.prefetch_factor, or make the dataset's reads cheaper")
+        log.warning("input-bound: %.0f%% of each step waits for data (%.1f ms of %.1f ms on the slowest rank); %s",
+                    100 * metrics["time/data_max"] / step_time, 1e3 * metrics["time/data_max"], 1e3 * step_time, hint)
 
     def _micro_batches_deciding(self) -> Any:
         """Micro-batches for (step, consumed samples): a plugin's answer (rampup) or the configured."""

@@ -235,3 +235,17 @@ def test_skip_train_evaluates_the_valid_and_test_splits_once(tmp_path: Path, no_
     run, code = train(config, ("recorder", recorder))
     assert code == 0 and run.state.step == 0 and recorder.logs == []
     assert [sorted(k.split("/")[0] for k in m)[0] for _, m in recorder.evals] == ["valid", "test"]
+
+
+def test_an_input_bound_run_logs_its_data_wait_and_says_so_once(tmp_path: Path) -> None:
+    config, out = digits_config(tmp_path, train_iters=12, log_interval=4, eval_full=False, eval_iters=0)
+    config.write_text(config.read_text().replace('provider = "workloads:digits"',
+                                                 'provider = "workloads:digits"\n[data.options]\ndelay = 0.002'))
+    result = run_digits(config)
+    assert result.returncode == 0, result.stderr
+    rows = metrics_rows(out)
+    for row in rows:                     # 32 samples x 2 ms read in the loop: most of every step
+        assert row["time/data"] > 0.5 * row["time/step"] and row["time/data_max"] == row["time/data"]
+        assert 0 < row["time/forward_backward"] < row["time/step"] and row["time/optimizer"] > 0
+    assert result.stderr.count("input-bound:") == 1 and "set data.num_workers" in result.stderr
+    assert all(" | data " in line for line in result.stdout.splitlines() if line.startswith("step "))

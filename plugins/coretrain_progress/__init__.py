@@ -23,6 +23,12 @@ def eta(seconds: float) -> str:
     return str(timedelta(seconds=int(max(seconds, 0))))
 
 
+def data_share(metrics: dict[str, float]) -> str:
+    """The share of a step spent waiting for data, e.g. "data 41%"."""
+    step = metrics.get("time/step", 0.0)
+    return f"data {100 * metrics.get('time/data', 0.0) / step:.0f}%" if step > 0 else "data -"
+
+
 @define(kw_only=True)
 class Progress:
     """Live progress view on a terminal; one line per log interval otherwise."""
@@ -82,6 +88,7 @@ class Progress:
                  f"lr {m['lr']:.2e}" if "lr" in m else "lr -",
                  f"{m['tokens_per_second']:,.0f} tok/s" if "tokens_per_second" in m else
                  (f"{m['samples_per_second']:,.1f} samples/s" if "samples_per_second" in m else ""),
+                 data_share(m) if m else "data -",
                  f"valid loss {self._eval['valid/loss']:.4f}" if "valid/loss" in self._eval else "valid -"]
         table.add_row(*cells)
         events = "\n".join(self._events)
@@ -100,7 +107,7 @@ class Progress:
         rate = (f"{metrics['tokens_per_second']:,.0f} tok/s" if "tokens_per_second" in metrics
                 else f"{metrics.get('samples_per_second', 0.0):,.1f} samples/s")
         print(f"step {step:>{len(str(self._total))}}/{self._total} | loss {metrics['loss']:.4f} | "
-              f"lr {metrics['lr']:.3e} | {rate} | ETA {eta(remaining)}", flush=True)
+              f"lr {metrics['lr']:.3e} | {rate} | {data_share(metrics)} | ETA {eta(remaining)}", flush=True)
 
     @hookimpl
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
