@@ -52,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--to", required=True, help="output file, e.g. model.safetensors")
     export.set_defaults(handler=cmd_checkpoint_export)
 
-    report = commands.add_parser("report", help="plot a run's metrics (PNG files) and print a summary")
-    report.add_argument("run_dir", help="the run's output dir (holds metrics.jsonl)")
+    report = commands.add_parser("report", help="plot a run's metrics (PNG files) and print a summary; "
+                                                "several runs: overlaid, with a comparison table")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's output dir (holds metrics.jsonl)")
     report.add_argument("--metrics", default=None, metavar="FILE", help="read this file instead of RUN_DIR/metrics.jsonl")
-    report.add_argument("--out", default=None, metavar="DIR", help="where the PNGs go (default: RUN_DIR/report)")
+    report.add_argument("--out", default=None, metavar="DIR",
+                        help="where the PNGs go (default: RUN_DIR/report; several runs: FIRST_RUN_DIR/report/compare)")
     report.set_defaults(handler=cmd_report)
 
     plugins = commands.add_parser("plugins", help="list installed plugins, their hooks and config fields")
@@ -339,7 +341,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     from coretrain.report import report
 
-    return report(Path(args.run_dir), Path(args.metrics) if args.metrics else None,
+    return report([Path(d) for d in args.run_dirs], Path(args.metrics) if args.metrics else None,
                   Path(args.out) if args.out else None)
 
 

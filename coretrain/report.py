@@ -1,8 +1,12 @@
-"""``coretrain report RUN_DIR``: a finished (or running) run's metrics.jsonl as PNG plots and a table.
+"""``coretrain report RUN_DIR [RUN_DIR ...]``: runs' metrics.jsonl as PNG plots and a table.
 
 For a person who would rather look than read: one PNG per quantity (loss with validation
-loss, learning rate, grad and parameter norm, throughput, TFLOP/s and MFU, memory) against the step, in
-``RUN_DIR/report/``, and a rich summary on the terminal. Needs matplotlib
+loss, learning rate, grad and parameter norm, throughput, TFLOP/s and MFU, memory, where the
+time of a step goes) against the step, in ``RUN_DIR/report/``, and a rich summary on the
+terminal. Given several runs — "did my change help?" — every panel overlays them, labelled
+by run name, loss is also drawn against samples (or tokens) and against wall time, and the
+table has a column per run and the differences of their final values (written to the first
+run's ``report/compare/``). A run still going is read as far as it got. Needs matplotlib
 (``pip install 'coretrain[report]'``); it is imported only by this command.
 """
 
@@ -27,6 +31,13 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
                                   ("samples_per_second_per_device", "samples/s")]),
     ("tflops", "TFLOP/s per device", [("tflops_per_device", "model TFLOP/s")]),
     ("memory", "GB", []),  # every memory/*_gb metric the run logged
+    ("time", "seconds per step", [("time/data", "waiting for data"), ("time/forward_backward", "forward + backward"),
+                                  ("time/optimizer", "optimizer step"), ("time/step", "whole step")]),
+]
+COMPARE_PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
+    # (file stem, x metric, x label, lines): loss against data seen and against wall time
+    ("loss_vs_samples", "consumed_samples", "samples", [("loss", "train"), ("valid/loss", "validation")]),
+    ("loss_vs_time", "elapsed_seconds", "wall time (s)", [("loss", "train"), ("valid/loss", "validation")]),
 ]
 
 
@@ -36,12 +47,16 @@ def read_metrics(path: Path) -> Rows:
         raise UserError(f"{path}: no such file; give the run's output dir (it holds metrics.jsonl), "
                         "or --metrics FILE")
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # a running job is writing this line right now
             raise UserError(f"{path}:{number}: not a JSON object ({exc.msg}); was the file edited by hand?") from None
         if not isinstance(row, dict) or "step" not in row:
             raise UserError(f"{path}:{number}: expected an object with a 'step', got {line[:60]!r}")
@@ -51,35 +66,52 @@ def read_metrics(path: Path) -> Rows:
     return rows
 
 
-def series(rows: Rows, name: str) -> tuple[list[int], list[float]]:
-    points = [(row["step"], row[name]) for row in rows if isinstance(row.get(name), (int, float))]
-    return [s for s, _ in points], [v for _, v in points]
+def series(rows: Rows, name: str, x: str = "step") -> tuple[list[float], list[float]]:
+    points = [(row[x], row[name]) for row in rows
+              if isinstance(row.get(name), (int, float)) and isinstance(row.get(x), (int, float))]
+    if x != "step":  # evaluation rows carry no x of their own: take the last train row's
+        last: dict[int, float] = {}
+        for row in rows:
+            if isinstance(row.get(x), (int, float)):
+                last[row["step"]] = row[x]
+        points = [(last.get(row["step"]), row[name]) for row in rows if isinstance(row.get(name), (int, float))]
+        points = [(px, v) for px, v in points if px is not None]
+    return [p for p, _ in points], [v for _, v in points]
 
 
-def plot(rows: Rows, out_dir: Path, title: str) -> list[Path]:
-    """One PNG per panel that has data; returns the files written."""
+def plot(runs: list[tuple[str, Rows]], out_dir: Path, title: str) -> list[Path]:
+    """One PNG per panel that has data, each run's curves overlaid; returns the files written."""
     matplotlib = require("matplotlib", needed_by="coretrain report", extra="report")
     matplotlib.use("Agg")  # files only: no display needed (or wanted) on a cluster node
     import matplotlib.pyplot as plt
 
-    memory = sorted({k for row in rows for k in row if k.startswith("memory/") and k.endswith("_gb")})
+    several = len(runs) > 1
+    memory = sorted({k for _, rows in runs for row in rows for k in row if k.startswith("memory/") and k.endswith("_gb")})
+    panels = [(stem, "step", "step", ylabel, lines) for stem, ylabel, lines in PANELS]
+    if several:
+        panels += [(stem, x, xlabel, "loss", lines) for stem, x, xlabel, lines in COMPARE_PANELS]
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for stem, ylabel, lines in PANELS:
+    for stem, x, xlabel, ylabel, lines in panels:
         if stem == "memory":
             lines = [(name, name.removeprefix("memory/").removesuffix("_gb")) for name in memory]
-        drawn = [(label, *series(rows, name)) for name, label in lines]
-        drawn = [(label, steps, values) for label, steps, values in drawn if steps]
-        if stem == "throughput":
-            drawn = drawn[:1]  # tokens/s when the data has tokens, else samples/s: one scale
+        drawn = []
+        for run_name, rows in runs:
+            curves = [(label, *series(rows, name, x)) for name, label in lines]
+            curves = [(f"{run_name}: {label}" if several else label, xs, ys) for label, xs, ys in curves if xs]
+            if stem == "throughput":
+                curves = curves[:1]  # tokens/s when the data has tokens, else samples/s: one scale
+            drawn += curves
         if not drawn:
             continue
         figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
-        for label, steps, values in drawn:
-            axes.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
-        if stem == "tflops":
-            _mfu_axis(axes, rows)
-        axes.set(xlabel="step", ylabel=ylabel, title=f"{title}: {stem.replace('_', ' ')}")
+        for label, xs, ys in drawn:
+            axes.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+        if stem == "tflops" and not several:
+            _mfu_axis(axes, runs[0][1])
+        if stem in ("memory", "time"):
+            axes.set_ylim(bottom=0)  # amounts: the scale starts at nothing
+        axes.set(xlabel=xlabel, ylabel=ylabel, title=f"{title}: {stem.replace('_', ' ')}")
         axes.grid(alpha=0.3)
         axes.legend(loc="best", fontsize="small")
         figure.tight_layout()
@@ -136,18 +168,64 @@ def summary(rows: Rows) -> list[tuple[str, str]]:
     return lines
 
 
-def report(run_dir: Path, metrics_file: Path | None = None, out_dir: Path | None = None) -> int:
+FINALS: list[tuple[str, str, str]] = [
+    # (what, how to get it from a run's rows, format) for the comparison table
+    ("steps", "last:step", "{:,.0f}"),
+    ("train loss (last)", "last:loss", "{:.4f}"),
+    ("validation loss (last)", "last:valid/loss", "{:.4f}"),
+    ("validation loss (best)", "min:valid/loss", "{:.4f}"),
+    ("tokens/s per device (median)", "median:tokens_per_second_per_device", "{:,.0f}"),
+    ("samples/s per device (median)", "median:samples_per_second_per_device", "{:,.1f}"),
+    ("TFLOP/s per device (median)", "median:tflops_per_device", "{:.2f}"),
+    ("iteration time (median)", "median:iteration_time", "{:.4f}"),
+    ("waiting for data, s/step (median)", "median:time/data", "{:.4f}"),
+    ("peak memory GB", "max:memory/max_rss_gb|memory/max_allocated_gb", "{:.2f}"),
+    ("wall time s", "last:elapsed_seconds", "{:,.1f}"),
+]
+
+
+def final(rows: Rows, how: str) -> float | None:
+    kind, names = how.split(":", 1)
+    for name in names.split("|"):
+        values = series(rows, name)[1]
+        if values:
+            return {"last": values[-1], "min": min(values), "max": max(values),
+                    "median": statistics.median(values)}[kind]
+    return None
+
+
+def report(run_dirs: list[Path], metrics_file: Path | None = None, out_dir: Path | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    rows = read_metrics(metrics_file or run_dir / "metrics.jsonl")
-    written = plot(rows, out_dir or run_dir / "report", run_dir.resolve().name)
-    table = Table(title=f"run {run_dir}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    for what, value in summary(rows):
-        table.add_row(what, value)
+    if metrics_file is not None and len(run_dirs) > 1:
+        raise UserError("--metrics reads one file; give one run, or drop --metrics to compare runs")
+    names = [run_dir.resolve().name for run_dir in run_dirs]
+    runs = [(name, read_metrics(metrics_file or run_dir / "metrics.jsonl")) for name, run_dir in zip(names, run_dirs)]
     console = Console(highlight=False)
+    if len(runs) == 1:
+        written = plot(runs, out_dir or run_dirs[0] / "report", names[0])
+        table = Table(title=f"run {run_dirs[0]}", show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        for what, value in summary(runs[0][1]):
+            table.add_row(what, value)
+    else:
+        written = plot(runs, out_dir or run_dirs[0] / "report" / "compare", " vs ".join(names))
+        table = Table(title=f"{len(runs)} runs", title_justify="left")
+        table.add_column("", style="bold")
+        for name in names:
+            table.add_column(name, justify="right")
+        table.add_column(f"{names[-1]} − {names[0]}", justify="right")
+        for what, how, fmt in FINALS:
+            values = [final(rows, how) for _, rows in runs]
+            if all(v is None for v in values):
+                continue
+            cells = [fmt.format(v) if v is not None else "-" for v in values]
+            first, last = values[0], values[-1]
+            difference = "-" if first is None or last is None else \
+                f"{last - first:+.4g}" + (f" ({(last - first) / abs(first):+.1%})" if first else "")
+            table.add_row(what, *cells, difference)
     console.print(table)
     for path in written:
         console.print(f"wrote {path}", soft_wrap=True)

@@ -161,7 +161,7 @@ def test_report_plots_the_run_and_prints_its_summary(tmp_path: Path) -> None:
     assert f"→ {last['loss']:.4f}" in result.stdout and "best" in result.stdout and "MFU (median)" in result.stdout
     names = sorted(p.name for p in (out / "report").iterdir())
     assert names == ["grad_norm.png", "loss.png", "lr.png", "memory.png", "params_norm.png", "tflops.png",
-                     "throughput.png"]
+                     "throughput.png", "time.png"]
     for name in names:
         height, width, _ = matplotlib.image.imread(out / "report" / name).shape
         assert (width, height) == (700, 400)
@@ -186,3 +186,26 @@ def test_random_offset_windows_train_and_resume_exactly(tmp_path: Path) -> None:
     assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
     assert [(r["step"], r.get("loss")) for r in metrics_rows(out)] == \
         [(r["step"], r.get("loss")) for r in metrics_rows(tmp_path / "whole")]
+
+
+def test_report_compares_runs_in_overlaid_plots_and_a_table_of_differences(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    config, _ = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_interval=10)
+    for name, lr in (("base", "3e-3"), ("faster", "1e-2")):
+        result = run_cli("run", str(config), "--set", f"run.output_dir={tmp_path / name}", "--set", f"optimizer.lr={lr}",
+                         cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    base, faster = (metrics_rows(tmp_path / n)[-1] for n in ("base", "faster"))
+    with open(tmp_path / "faster" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 25, "loss": 1.')                                  # a run still writing its next line
+    result = run_cli("report", str(tmp_path / "base"), str(tmp_path / "faster"), cwd=tmp_path, env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "base" / "report" / "compare"
+    names = sorted(p.name for p in out.iterdir())
+    assert {"loss.png", "loss_vs_samples.png", "loss_vs_time.png", "throughput.png", "memory.png", "time.png"} <= set(names)
+    assert matplotlib.image.imread(out / "loss.png").shape[:2] == (400, 700)
+    row = next(line for line in result.stdout.splitlines() if "validation loss (last)" in line)
+    difference = faster["valid/loss"] - base["valid/loss"]
+    assert f"{base['valid/loss']:.4f}" in row and f"{faster['valid/loss']:.4f}" in row and f"{difference:+.4g}" in row
+    assert "faster − base" in result.stdout
