@@ -20,7 +20,7 @@ from coretrain import __version__
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="TOML config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                        help="override a config value (TOML syntax; repeatable), e.g. --set train.lr=3e-4")
+                        help="override a config value (TOML syntax; repeatable), e.g. --set optimizer.lr=3e-4")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,9 +237,11 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     plugins = load_plugins(loaded.config, loaded.locations)
     micro_batches_per_step(loaded.config.train, world_size_from_env())
     names = plugins.names()
-    from coretrain.run import register_import_path_providers
+    from coretrain.run import build_run
 
-    register_import_path_providers(loaded.config, plugins)  # imports them and checks their options
+    # every check `run` makes before its first step (providers imported, their options, the splits,
+    # the model), without writing anything
+    build_run(loaded.config, plugins, write_config=False)
     print(f"{args.config}: ok ({len(names)} plugins enabled: {', '.join(names) or 'none'})")
     return 0
 

@@ -33,7 +33,7 @@ from coretrain.errors import UserError, did_you_mean
 
 T = TypeVar("T")
 
-Location = str  # "path/to/file.toml:12" or "--set train.lr=3e-4"
+Location = str  # "path/to/file.toml:12" or "--set optimizer.lr=3e-4"
 
 
 @attrs.define
@@ -244,11 +244,11 @@ def _nearest(locations: Mapping[tuple[str, ...], Location], path: tuple[str, ...
 
 
 def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
-    """``train.lr=3e-4`` -> (("train", "lr"), 0.0003); the value is TOML, bare words are strings."""
+    """``optimizer.lr=3e-4`` -> (("train", "lr"), 0.0003); the value is TOML, bare words are strings."""
     key, sep, value = text.partition("=")
     path = _split_key(key)
     if not sep or not all(path):
-        raise UserError(f"--set {text}: expected KEY.PATH=VALUE, e.g. --set train.lr=3e-4")
+        raise UserError(f"--set {text}: expected KEY.PATH=VALUE, e.g. --set optimizer.lr=3e-4")
     try:
         return path, tomli.loads(f"v = {value}")["v"]
     except tomli.TOMLDecodeError:

@@ -20,8 +20,13 @@ class UserError(Exception):
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """Return ``" (did you mean 'x'?)"`` for the closest choice, or ``""``."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    """Return ``" (did you mean 'x'?)"`` for the closest choice, or ``""``: a choice equal but
+    for case first ('adamW' is 'adamw', not 'adam'), else the closest spelling."""
+    options = [str(choice) for choice in choices]
+    same = [choice for choice in options if choice.lower() == word.lower()]
+    close = same or difflib.get_close_matches(word.lower(), [o.lower() for o in options], n=1, cutoff=0.6)
+    if close and not same:
+        close = [next(o for o in options if o.lower() == close[0])]
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

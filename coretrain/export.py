@@ -6,6 +6,7 @@ gathered into one state dict in this process, through the same restricted reader
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,9 @@ def export_weights(run_dir: Path, step: int | None, to: Path) -> Path:
     try:
         save_file({name: tensor.contiguous().clone() for name, tensor in weights.items()}, str(to),
                   metadata={"format": "pt", "source": str(source)})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(to, 0o666 & ~umask)  # safetensors creates it 0600; an export is for others to read
     except OSError as exc:
         raise RunFailure(f"cannot write {to}: {exc.strerror or exc}") from None
     return source

@@ -249,7 +249,6 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
               micro_batches_per_step=micro)
     if dist_info.is_main and write_config:
         run.output_lock = OutputDirLock(output_dir).acquire()
-        (output_dir / "config.toml").write_text(dumps(config_as_dict(config)), encoding="utf-8")
     check_signals()
 
     train = config.train
@@ -302,6 +301,8 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
                                   run.global_batch_size)
     if config.run.precision == "fp16":
         run.grad_scaler = torch.amp.GradScaler(device.type)
+    if dist_info.is_main and write_config:  # only a run that built is recorded: a rejected one leaves none
+        (output_dir / "config.toml").write_text(dumps(config_as_dict(config)), encoding="utf-8")
     return run
 
 

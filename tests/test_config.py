@@ -113,3 +113,11 @@ def test_resolved_config_written_by_a_run_loads_back_identically(tmp_path: Path)
     assert result.returncode == 0, result.stderr
     saved = tomli.loads((tmp_path / "out" / "config.toml").read_text())
     assert structure(saved, Config) == load_config(path, ["optimizer.lr=0.002"]).config
+
+
+def test_a_choice_differing_only_in_case_is_the_suggestion(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.toml", '[optimizer]\nname = "adamW"\n')
+    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
+                      "optimizer.name: expected one of 'adamw', 'adam', 'sgd', got 'adamW' (string) (did you mean 'adamw'?)")
+    bad_set = run_cli("config", "validate", str(path), "--set", "optimizer.lr", cwd=tmp_path)
+    assert "e.g. --set optimizer.lr=3e-4" in bad_set.stderr                  # an example that is itself valid

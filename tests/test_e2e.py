@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,9 @@ def test_checkpoint_list_and_export(tmp_path: Path) -> None:
                        cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr
     weights = load_file(str(tmp_path / "m.safetensors"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask       # readable as the user's files are
     saved = torch.load(out / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
     assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in saved)
     missing = run_cli("checkpoint", "export", str(out), "--step", "4", "--to", "x.safetensors", cwd=tmp_path)

@@ -444,7 +444,9 @@ def test_a_config_mistake_is_one_error_line_with_exit_2(tmp_path: Path, name: st
     result = run_cli("run", str(config), flag, value, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert expected in one_error_line(result.stderr)
-    assert not (out / "metrics.jsonl").exists()
+    assert not (out / "metrics.jsonl").exists() and not (out / "config.toml").exists()   # a rejected run records nothing
+    validated = run_cli("config", "validate", str(config), flag, value, cwd=tmp_path)    # validate refuses it alike
+    assert validated.returncode == 2 and expected in one_error_line(validated.stderr)
 
 
 def test_bad_files_and_providers_are_one_error_line_with_exit_2(tmp_path: Path) -> None:

@@ -60,8 +60,11 @@ class TextBytes:
 
         files = self.files()
         if len(files) < 2:
-            raise UserError(f"data.options.globs: {self.globs or default_globs()} matched {len(files)} file(s); "
-                            "need at least 2 (one for training, one for validation)")
+            import os
+
+            raise UserError(f"data.options.globs: {self.globs or default_globs()} matched {len(files)} file(s) "
+                            f"(relative patterns are resolved against {os.getcwd()}); need at least 2 (one for "
+                            "training, one for validation)")
         valid_files = [f for f in files if is_valid_file(f, self.valid_fraction)] or files[-1:]
         train_files = [f for f in files if f not in valid_files]
 
