@@ -213,3 +213,52 @@ def test_report_compares_runs_in_overlaid_plots_and_a_table_of_differences(tmp_p
     difference = faster["valid/loss"] - base["valid/loss"]
     assert f"{base['valid/loss']:.4f}" in row and f"{faster['valid/loss']:.4f}" in row and f"{difference:+.4g}" in row
     assert "faster − base" in result.stdout
+
+
+def run_in_terminal(argv: list[str], cwd: Path, cols: int = 120, rows: int = 40, timeout: float = 300) -> tuple[int, list[str]]:
+    """Run a command in a real pseudo-terminal of cols × rows; the screen a person would see at the end."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    import pyte
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    env = {**os.environ, "COLUMNS": str(cols), "LINES": str(rows), "TERM": "xterm-256color"}
+    process = subprocess.Popen(argv, cwd=cwd, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    screen = pyte.Screen(cols, rows)
+    stream = pyte.ByteStream(screen)
+    while True:
+        ready, _, _ = select.select([master], [], [], 0.1)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not data:
+                break
+            stream.feed(data)
+        elif process.poll() is not None:
+            break
+    os.close(master)
+    return process.wait(timeout=timeout), [line.rstrip() for line in screen.display]
+
+
+def test_the_live_view_leaves_exactly_one_panel_on_screen(tmp_path: Path) -> None:
+    config, out = write_tiny_gpt(tmp_path, train_iters=300, log_interval=10, eval_interval=100,
+                                 extra="\n[checkpoint]\nsave_interval = 100\n")
+    code, screen = run_in_terminal([sys.executable, "-m", "coretrain", "run", str(config)], tmp_path)
+    assert code == 0, "\n".join(screen)
+    text = "\n".join(screen)
+    assert sum(line.startswith("╭") and "coretrain" in line for line in screen) == 1, text   # no stale copies
+    assert sum(line.startswith("╰") for line in screen) == 1, text
+    top = next(i for i, line in enumerate(screen) if line.startswith("╭"))
+    above = "\n".join(screen[:top])
+    for step in (100, 200, 300):                                   # log lines print above the panel, once each
+        assert above.count(f"checkpoint step {step} saved") == 1, text
+    assert "completed at step 300" in text and "300/300" in text and "steps/s   ETA 0:00:00" in text
+    assert "step 100: valid loss" in text

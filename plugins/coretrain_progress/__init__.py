@@ -1,12 +1,18 @@
 """``progress``: what a person watching the run sees (rank 0 only).
 
-On a terminal, a rich Live panel: progress bar with ETA, loss, learning rate, tokens/s, the
-last validation and recent events (checkpoints, resume, stop). When stdout is not a
-terminal (CI, ``| tee``, a job log), one plain line per log interval instead.
+On a terminal, a rich Live panel: a progress bar that moves with every step (the panel is
+redrawn four times a second from the run's step counter, so no per-step hook), elapsed time,
+steps/s and an ETA from the first step, loss, learning rate, throughput, the share of a step
+spent waiting for data, the last validation and the last few events. The panel keeps one
+width and a fixed number of event lines, and while it is up every log line (the core's, a
+library's) is printed above it through rich, so nothing written to the terminal can leave a
+stale copy of it behind. When stdout is not a terminal (CI, ``| tee``, a job log), one plain
+line per log interval instead. Above ``run.log_level = "info"`` (``--quiet``) it stays silent.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections import deque
@@ -46,42 +52,69 @@ class Progress:
     _active: bool = field(default=False, init=False, repr=False)
     _started: float = field(default=0.0, init=False, repr=False)
     _total: int = field(default=0, init=False, repr=False)
+    _run: Any = field(default=None, init=False, repr=False)
+    _first_step: int = field(default=0, init=False, repr=False)
+    _streams: dict[Any, Any] = field(factory=dict, init=False, repr=False)
 
     @hookimpl
     def on_train_start(self, run: Any) -> None:
-        self._active = run.dist.is_main
+        self._active = run.dist.is_main and logging.getLogger("coretrain").isEnabledFor(logging.INFO)
         if not self._active:
             return
+        self._run = run
         self._total = run.config.train.train_iters
         self._started = time.perf_counter()
-        self._events = deque(maxlen=self.events)
+        self._first_step = run.state.step
         if not (self.plain if self.plain is not None else not sys.stdout.isatty()):
-            from rich.live import Live
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+            import shutil
 
-            self._bar = Bar(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+            from rich.live import Live
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn
+
+            rows = shutil.get_terminal_size().lines
+            self._events = deque(maxlen=max(1, min(self.events, rows - 8)))  # the panel always fits
+            self._bar = Bar(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), expand=True)
             self._task = self._bar.add_task("train", total=self._total, completed=run.state.step)
-            self._live = Live(self._render(), refresh_per_second=4, transient=False)
+            self._live = Live(self, refresh_per_second=4, transient=False, redirect_stdout=True, redirect_stderr=True)
             self._live.start()
+            self._log_above(True)
+        else:
+            self._events = deque(maxlen=self.events)
         params = sum(p.numel() for p in run.model.parameters())
         self._event(f"{run.config.run.name}: {params / 1e6:.2f}M parameters, global batch "
                     f"{run.global_batch_size}, {run.dist.world_size} rank(s) on {run.device.type}")
         if run.state.step:
             self._event(f"resumed at step {run.state.step}")
 
+    def _log_above(self, on: bool) -> None:
+        """While the panel is up, log handlers writing to the terminal write through rich's proxy,
+        which prints above the live region instead of over it."""
+        handlers = [h for h in logging.getLogger().handlers + logging.getLogger("coretrain").handlers
+                    if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+        for handler in handlers:
+            if on and handler.stream in (sys.__stderr__, sys.__stdout__):
+                self._streams[handler] = handler.setStream(sys.stderr)
+            elif not on and handler in self._streams:
+                handler.setStream(self._streams.pop(handler))
+
     def _event(self, text: str) -> None:
         stamp = time.strftime("%H:%M:%S")
         self._events.append(f"{stamp} {text}")
         if self._live is None and self._active:
             print(f"[{stamp}] {text}", flush=True)
-        elif self._live is not None:
-            self._live.update(self._render())
 
-    def _render(self) -> Any:
+    def __rich__(self) -> Any:
+        """The panel, drawn by rich's refresh thread from the run's current step."""
         from rich.console import Group
         from rich.panel import Panel
         from rich.table import Table
 
+        step = self._run.state.step
+        self._bar.update(self._task, completed=step)
+        elapsed = time.perf_counter() - self._started
+        done = step - self._first_step
+        rate = done / elapsed if elapsed > 0 and done else 0.0
+        timing = f"elapsed {eta(elapsed)}   {rate:,.1f} steps/s   ETA " + (eta((self._total - step) / rate) if rate else "-")
         table = Table.grid(padding=(0, 3))
         m = self._metrics
         cells = [f"loss [bold]{m['loss']:.4f}[/]" if "loss" in m else "loss -",
@@ -91,8 +124,8 @@ class Progress:
                  data_share(m) if m else "data -",
                  f"valid loss {self._eval['valid/loss']:.4f}" if "valid/loss" in self._eval else "valid -"]
         table.add_row(*cells)
-        events = "\n".join(self._events)
-        return Panel(Group(self._bar, table, f"[dim]{events}[/]"), title="coretrain", expand=False)
+        lines = list(self._events) + [""] * (self._events.maxlen - len(self._events))  # a fixed height
+        return Panel(Group(self._bar, timing, table, f"[dim]{chr(10).join(lines)}[/]"), title="coretrain", expand=True)
 
     @hookimpl
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
@@ -100,8 +133,6 @@ class Progress:
             return
         self._metrics = metrics
         if self._live is not None:
-            self._bar.update(self._task, completed=step)
-            self._live.update(self._render())
             return
         remaining = (self._total - step) * metrics.get("iteration_time", 0.0)
         rate = (f"{metrics['tokens_per_second']:,.0f} tok/s" if "tokens_per_second" in metrics
@@ -123,11 +154,6 @@ class Progress:
         self._event(text)
 
     @hookimpl
-    def on_checkpoint(self, step: int, path: str) -> None:
-        if self._active:
-            self._event(f"step {step}: checkpoint {path}")
-
-    @hookimpl
     def on_train_end(self, run: Any, outcome: str) -> None:
         if not self._active:
             return
@@ -137,3 +163,4 @@ class Progress:
         if self._live is not None:
             self._live.stop()
             self._live = None
+            self._log_above(False)
