@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-restarts", type=int, default=0, metavar="K",
                      help="with --nproc-per-node: restart the ranks up to K times after a failure; "
                           "each restart resumes from the newest complete checkpoint")
+    loudness = run.add_mutually_exclusive_group()
+    loudness.add_argument("-q", "--quiet", action="store_const", const="warning", dest="log_level",
+                          help="only warnings and errors (run.log_level = \"warning\"); no progress output")
+    loudness.add_argument("-v", "--verbose", action="store_const", const="debug", dest="log_level",
+                          help="debug messages too (run.log_level = \"debug\")")
     run.add_argument("--traceback", action="store_true",
                      help="when a plugin or the run fails, print the full traceback on stderr too "
                           "(it is always written to OUTPUT_DIR/traceback.log)")
@@ -96,10 +101,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------- commands
 
 
-def _setup_logging() -> None:
+def _setup_logging(level_name: str = "info") -> None:
+    """The console: rank 0 at ``level_name``, other ranks warnings and errors only; Python warnings
+    (from libraries coretrain calls) through the same handler, each distinct one once."""
+    import warnings
+
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+    level = getattr(logging, level_name.upper())
+    logging.basicConfig(level=level if rank == 0 else max(level, logging.WARNING), force=True,
                         format="coretrain: %(message)s" if rank == 0 else f"coretrain[rank {rank}]: %(message)s")
+    warnings.simplefilter("once")
+    logging.captureWarnings(True)
+    logging.getLogger("py.warnings").addFilter(_OnceEach())
+
+
+class _OnceEach(logging.Filter):
+    """Pass each distinct warning (category and text, wherever it was raised) once.
+
+    Python's "once" filter is undone by libraries that warn inside ``catch_warnings`` blocks
+    with filters of their own; a warning raised every step would then reach the console again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        first = record.getMessage().splitlines()[0] if record.getMessage() else ""
+        key = first.split(": ", 1)[-1]  # "path:line: Category: text" -> "Category: text"
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
 
 
 def launch_torchrun(args: argparse.Namespace) -> int:
@@ -152,8 +184,8 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
     from coretrain.configload import load_config
     from coretrain.pluginmanager import load_plugins
 
-    _setup_logging()
     loaded = load_config(args.config, args.overrides)
+    _setup_logging(args.log_level or loaded.config.run.log_level)
     signals.check()
     plugins = load_plugins(loaded.config, loaded.locations)
     signals.check()

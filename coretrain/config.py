@@ -49,6 +49,9 @@ class RunConfig:
     """Peak TFLOP/s of one device, for MFU; unset = a table of known GPUs."""
     threads: int | None = field(default=None, validator=_positive)
     """torch intra-op threads; unset leaves torch's default."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """What reaches the console (rank 0; other ranks print warnings and errors only);
+    ``coretrain run --quiet`` / ``--verbose`` override it."""
 
 
 @define(kw_only=True)

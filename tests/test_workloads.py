@@ -249,3 +249,19 @@ def test_an_input_bound_run_logs_its_data_wait_and_says_so_once(tmp_path: Path) 
         assert 0 < row["time/forward_backward"] < row["time/step"] and row["time/optimizer"] > 0
     assert result.stderr.count("input-bound:") == 1 and "set data.num_workers" in result.stderr
     assert all(" | data " in line for line in result.stdout.splitlines() if line.startswith("step "))
+
+
+def test_log_level_quiet_and_a_library_warning_shown_once(tmp_path: Path) -> None:
+    config, out = digits_config(tmp_path, train_iters=20, log_interval=5, eval_full=False, eval_iters=0)
+    config.write_text(config.read_text().replace('"workloads:cnn"', '"workloads:chatty_cnn"'))
+    normal = run_digits(config)
+    assert normal.returncode == 0, normal.stderr
+    assert normal.stderr.count("ChattyCNN: this argument is deprecated") == 1      # 20+ forwards, one line
+    assert "checkpoint step 20 saved" in normal.stderr and normal.stdout.count("step ") >= 4
+    quiet = run_digits(config, "--quiet", "--set", f"run.output_dir={tmp_path / 'quiet'}")
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout == "" and "checkpoint step" not in quiet.stderr
+    assert quiet.stderr.count("ChattyCNN: this argument is deprecated") == 1
+    assert metrics_rows(tmp_path / "quiet")[-1]["step"] == 20                     # quiet, not idle
+    by_config = run_digits(config, "--set", 'run.log_level="warning"', "--set", f"run.output_dir={tmp_path / 'w'}")
+    assert by_config.returncode == 0 and by_config.stdout == ""

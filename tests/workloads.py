@@ -119,3 +119,17 @@ def hf_digits(context: Any = None) -> Datasets:
         return datasets.Dataset.from_dict({"pixels": split.images.numpy(), "labels": split.labels.numpy()})
 
     return Datasets(train=table(Digits(1200, 1)), valid=table(Digits(359, 2)))
+
+
+class ChattyCNN(CNN):
+    """Warns on every forward, as a library deprecation often does."""
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        import warnings
+
+        warnings.warn("ChattyCNN: this argument is deprecated", UserWarning, stacklevel=2)
+        return super().forward(pixels)
+
+
+def chatty_cnn() -> torch.nn.Module:
+    return ChattyCNN()
