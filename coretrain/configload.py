@@ -110,6 +110,8 @@ def _problems(exc: BaseException, path: tuple[str, ...], cls: Any, data: Any) ->
             yield from _problems(sub, sub_path, sub_type, data)
     elif isinstance(exc, FieldValueError):
         yield path + (exc.name,), str(exc)
+    elif isinstance(exc, (ValueError, TypeError)) and attrs.has(cls) and isinstance(_lookup(data, path), Mapping):
+        yield _validator_problem(exc, path, cls)
     else:
         value = _lookup(data, path)
         expected = describe_type(cls)
@@ -120,6 +122,20 @@ def _problems(exc: BaseException, path: tuple[str, ...], cls: Any, data: Any) ->
         if choices and isinstance(value, str):
             message += did_you_mean(value, choices)
         yield path, message
+
+
+def _validator_problem(exc: BaseException, path: tuple[str, ...], cls: Any) -> tuple[tuple[str, ...], str]:
+    """A class's own check failed while it was built (an attrs validator such as ``gt(0)`` or
+    ``in_``, or ``__attrs_post_init__``): name the field when the error does, else the table."""
+    message = str(exc.args[0]) if exc.args else type(exc).__name__
+    names = {f.name for f in attrs.fields(cls)}
+    attribute = next((a for a in exc.args[1:] if isinstance(a, attrs.Attribute)), None)
+    quoted = re.match(r"^'(\w+)' (.*)$", message, re.S)
+    name = attribute.name if attribute is not None else quoted.group(1) if quoted else None
+    if name in names:
+        detail = quoted.group(2) if quoted and quoted.group(1) == name else message
+        return path + (name,), detail.rstrip(".")  # attrs' messages carry the value
+    return path, message
 
 
 _MISSING = object()

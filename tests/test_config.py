@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import tomli
 from conftest import run_cli, tiny_gpt_config
 
@@ -121,3 +122,27 @@ def test_a_choice_differing_only_in_case_is_the_suggestion(tmp_path: Path) -> No
                       "optimizer.name: expected one of 'adamw', 'adam', 'sgd', got 'adamW' (string) (did you mean 'adamw'?)")
     bad_set = run_cli("config", "validate", str(path), "--set", "optimizer.lr", cwd=tmp_path)
     assert "e.g. --set optimizer.lr=3e-4" in bad_set.stderr                  # an example that is itself valid
+
+
+def test_a_third_party_plugins_own_attrs_validators_name_the_option_and_the_set_flag(tmp_path: Path) -> None:
+    from attrs import define, field, validators
+
+    from coretrain.configload import structure
+    from coretrain.errors import UserError
+
+    @define(kw_only=True)
+    class LrCsv:
+        every: int = field(default=5, validator=validators.gt(0))
+        mode: str = field(default="a", validator=validators.in_(["a", "w"]))
+
+        def __attrs_post_init__(self) -> None:
+            if self.every == 7:
+                raise ValueError("every = 7 collides with the log interval")
+
+    where = {("plugins", "lr-csv", "every"): "--set plugins.lr-csv.every=0"}
+    for table, expected in [({"every": 0}, "--set plugins.lr-csv.every=0: plugins.lr-csv.every: must be > 0: 0"),
+                            ({"mode": "x"}, "plugins.lr-csv.mode: must be in ['a', 'w'] (got 'x')"),
+                            ({"every": 7}, "plugins.lr-csv: every = 7 collides with the log interval")]:
+        with pytest.raises(UserError) as error:
+            structure(table, LrCsv, prefix=("plugins", "lr-csv"), locations=where)
+        assert expected in str(error.value) and "expected a table" not in str(error.value)
