@@ -65,7 +65,8 @@ def launch_two_ranks_until_step(config: Path, out: Path, step: int) -> subproces
     deadline = time.monotonic() + 120
     while launcher.poll() is None and time.monotonic() < deadline:
         if (out / "metrics.jsonl").exists() and any(json.loads(line)["step"] >= step for line in
-                                                    (out / "metrics.jsonl").read_text().splitlines()):
+                                                    (out / "metrics.jsonl").read_text().splitlines()
+                                                    if line.endswith("}")):  # not a line being written
             break
         time.sleep(0.02)
     return launcher

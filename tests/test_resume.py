@@ -57,7 +57,8 @@ def wait_for_step(out: Path, step: int, process: subprocess.Popen, timeout: floa
     deadline = time.monotonic() + timeout
     metrics = out / "metrics.jsonl"
     while time.monotonic() < deadline and process.poll() is None:
-        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()):
+        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()
+                                    if line.endswith("}")):  # not a line being written
             return
         time.sleep(0.01)
     raise AssertionError(f"run never reached step {step}")
