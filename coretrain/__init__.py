@@ -5,7 +5,7 @@ Importing this package imports no torch: plugin authors only need :data:`hookimp
 
 import pluggy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 hookimpl = pluggy.HookimplMarker("coretrain")
 """Mark a plugin method as a hook implementation: ``@hookimpl`` / ``@hookimpl(trylast=True)``."""
