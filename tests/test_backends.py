@@ -18,6 +18,8 @@ import pytest
 from conftest import metrics_rows, run_cli, write_tiny_gpt
 
 
+pytestmark = pytest.mark.slow  # every logging backend in real CLI runs: the full suite, not the fast tier
+
 def by_name(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for row in rows:

@@ -16,6 +16,8 @@ import torch
 from conftest import metrics_rows, run_cli, tiny_gpt_config
 
 
+pytestmark = pytest.mark.slow  # torchrun with 2 gloo ranks: the full suite, not the fast tier
+
 def torchrun(*args: str, cwd: Path, env: dict[str, str] | None = None, nproc: int = 2,
              launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

@@ -13,6 +13,8 @@ import torch
 from conftest import metrics_rows, run_cli, write_tiny_gpt
 
 
+pytestmark = pytest.mark.slow  # the real CLI end to end: the full suite, not the fast tier
+
 def test_gpt_on_stdlib_text_learns_and_leaves_config_metrics_and_checkpoints(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=60, log_interval=10, eval_interval=30)
     result = run_cli("run", str(config), cwd=tmp_path)

@@ -15,6 +15,8 @@ from helpers_inprocess import config, train
 
 from coretrain import hookimpl
 
+pytestmark = pytest.mark.slow  # feature plugins in CLI runs: the full suite, not the fast tier
+
 TESTS = str(REPO / "tests")
 
 

@@ -19,6 +19,8 @@ from coretrain.configload import load_config
 from coretrain.errors import UserError
 from coretrain.pluginmanager import Plugins, discover, enabled_tables
 
+pytestmark = pytest.mark.slow  # pip installs of plugin packages: the full suite, not the fast tier
+
 def test_third_party_plugin_is_found_enabled_from_toml_and_called_in_a_real_run(site: Path, tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(site)}
     listing = run_cli("plugins", cwd=tmp_path, env=env)

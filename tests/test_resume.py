@@ -17,6 +17,8 @@ import pytest
 import torch
 from conftest import metrics_rows, run_cli, tiny_gpt_config
 
+pytestmark = pytest.mark.slow  # real signals and restarts of CLI runs: the full suite, not the fast tier
+
 TRAIN_ITERS = 300
 
 

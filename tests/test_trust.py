@@ -23,6 +23,8 @@ import pytest
 import torch
 from conftest import metrics_rows, run_cli, write_tiny_gpt
 
+pytestmark = pytest.mark.slow  # crafted files, signals and locks through the CLI: the full suite, not the fast tier
+
 CKPT = Path("checkpoints")
 
 

@@ -15,6 +15,8 @@ import torch
 from conftest import metrics_rows, run_cli
 from helpers_inprocess import train
 
+pytestmark = pytest.mark.slow  # user workloads through the CLI and torchrun: the full suite, not the fast tier
+
 TESTS = str(Path(__file__).resolve().parent)
 
 
