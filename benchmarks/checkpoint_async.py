@@ -40,13 +40,16 @@ def make_data() -> Datasets:
 
 
 def build(output_dir: str, asynchronous: bool):
-    cfg = structure({
-        "run": {"output_dir": output_dir},
-        "model": {"provider": "checkpoint_async:make_model"},
-        "data": {"provider": "checkpoint_async:make_data"},
-        "train": {"micro_batch_size": 2, "train_iters": 1, "eval_iters": 0},
-        "checkpoint": {"async_save": asynchronous, "resume": "never"},
-    }, Config)
+    cfg = structure(
+        {
+            "run": {"output_dir": output_dir},
+            "model": {"provider": "checkpoint_async:make_model"},
+            "data": {"provider": "checkpoint_async:make_data"},
+            "train": {"micro_batch_size": 2, "train_iters": 1, "eval_iters": 0},
+            "checkpoint": {"async_save": asynchronous, "resume": "never"},
+        },
+        Config,
+    )
     return build_run(cfg, load_plugins(cfg, installed={}))
 
 
@@ -83,11 +86,16 @@ def main() -> None:
         first_block = async_block_s.pop(0)  # the first async save allocates its staging buffers
         sync_s.pop(0), async_total_s.pop(0)
         sync, block, total = (statistics.median(v) for v in (sync_s, async_block_s, async_total_s))
-        print(f"checkpoint of a {params / 1e6:.0f}M-parameter GPT + AdamW state (~{size / 2**30:.2f} GiB), "
-              f"median of {args.rounds} rounds after a warm-up round, written under {Path.cwd()}")
+        print(
+            f"checkpoint of a {params / 1e6:.0f}M-parameter GPT + AdamW state (~{size / 2**30:.2f} GiB), "
+            f"median of {args.rounds} rounds after a warm-up round, written under {Path.cwd()}"
+        )
         print(f"  synchronous save          {sync:7.3f} s blocked   (rounds: {', '.join(f'{s:.3f}' for s in sync_s)})")
-        print(f"  async save: blocked       {block:7.3f} s           (rounds: {', '.join(f'{s:.3f}' for s in async_block_s)}; "
-              f"first save, allocating its staging buffers: {first_block:.3f} s)")
+        print(
+            f"  async save: blocked       {block:7.3f} s           "
+            f"(rounds: {', '.join(f'{s:.3f}' for s in async_block_s)}; "
+            f"first save, allocating its staging buffers: {first_block:.3f} s)"
+        )
         print(f"  async save: committed in  {total:7.3f} s (in the background)")
         print(f"  blocking ratio async/sync {block / sync:7.3f}   (target <= 0.10)")
 

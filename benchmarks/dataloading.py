@@ -51,8 +51,9 @@ class SlowImages(torch.utils.data.Dataset):  # type: ignore[type-arg]
 class CNN(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
-                                       torch.nn.Linear(16 * 64, CLASSES))
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(16 * 64, CLASSES)
+        )
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(self.net(images), labels)
@@ -73,8 +74,14 @@ def hand_written(steps: int, workers: int) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     params = list(model.parameters())
     start = time.perf_counter()
-    loader = torch.utils.data.DataLoader(SlowImages(), batch_size=BATCH, shuffle=True, num_workers=workers,
-                                         prefetch_factor=2 if workers else None, drop_last=True)
+    loader = torch.utils.data.DataLoader(
+        SlowImages(),
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=workers,
+        prefetch_factor=2 if workers else None,
+        drop_last=True,
+    )
     batches = iter(loader)
     for _ in range(steps):
         images, labels = next(batches)
@@ -89,16 +96,19 @@ def hand_written(steps: int, workers: int) -> float:
 
 
 def with_coretrain(steps: int, workers: int, output_dir: str) -> float:
-    cfg = structure({
-        "run": {"output_dir": output_dir, "seed": 0},
-        "model": {"provider": f"{__name__}:make_model"},
-        "data": {"provider": f"{__name__}:make_data", "num_workers": workers},
-        "train": {"micro_batch_size": BATCH, "train_iters": steps, "log_interval": steps, "eval_iters": 0},
-        "optimizer": {"lr": 1e-3},
-        "scheduler": {"decay_style": "constant"},
-        "checkpoint": {"save": False, "resume": "never"},
-        "plugins": {"progress": {"enabled": False}},
-    }, Config)
+    cfg = structure(
+        {
+            "run": {"output_dir": output_dir, "seed": 0},
+            "model": {"provider": f"{__name__}:make_model"},
+            "data": {"provider": f"{__name__}:make_data", "num_workers": workers},
+            "train": {"micro_batch_size": BATCH, "train_iters": steps, "log_interval": steps, "eval_iters": 0},
+            "optimizer": {"lr": 1e-3},
+            "scheduler": {"decay_style": "constant"},
+            "checkpoint": {"save": False, "resume": "never"},
+            "plugins": {"progress": {"enabled": False}},
+        },
+        Config,
+    )
     trainer = Trainer(build_run(cfg, load_plugins(cfg)))
     start = time.perf_counter()
     trainer.train()
@@ -123,11 +133,15 @@ def main(argv: list[str] | None = None) -> None:
             times["coretrain"].append(with_coretrain(args.steps, args.workers, f"{tmp}/w{i}"))
             times["none"].append(with_coretrain(args.steps, 0, f"{tmp}/n{i}"))
     hand, ours, none = (statistics.median(times[k]) * 1e3 for k in ("hand", "coretrain", "none"))
-    print(f"input-bound training, {args.rounds} interleaved rounds x {args.steps} steps "
-          f"(batch {BATCH}, {args.delay_ms:g} ms per sample, {args.workers} workers, CPU)")
+    print(
+        f"input-bound training, {args.rounds} interleaved rounds x {args.steps} steps "
+        f"(batch {BATCH}, {args.delay_ms:g} ms per sample, {args.workers} workers, CPU)"
+    )
     print(f"  hand-written loop, DataLoader  {hand:7.2f} ms/step")
-    print(f"  coretrain, data.num_workers    {ours:7.2f} ms/step   throughput {hand / ours:.3f} of the hand loop's "
-          "(goal >= 0.98)")
+    print(
+        f"  coretrain, data.num_workers    {ours:7.2f} ms/step   throughput {hand / ours:.3f} of the hand loop's "
+        "(goal >= 0.98)"
+    )
     print(f"  coretrain, no workers          {none:7.2f} ms/step   workers are {none / ours:.2f}x faster")
 
 

@@ -86,14 +86,17 @@ class StepTimer:
 
 
 def measure(steps: int, plugins: dict[str, Any], output_dir: str) -> list[float]:
-    cfg = structure({
-        "run": {"output_dir": output_dir},
-        "model": {"provider": "gc_variance:make_model"},
-        "data": {"provider": "gc_variance:make_data"},
-        "train": {"micro_batch_size": 32, "train_iters": steps, "log_interval": 100, "eval_iters": 0},
-        "checkpoint": {"save": False, "resume": "never"},
-        "plugins": plugins,
-    }, Config)
+    cfg = structure(
+        {
+            "run": {"output_dir": output_dir},
+            "model": {"provider": "gc_variance:make_model"},
+            "data": {"provider": "gc_variance:make_data"},
+            "train": {"micro_batch_size": 32, "train_iters": steps, "log_interval": 100, "eval_iters": 0},
+            "checkpoint": {"save": False, "resume": "never"},
+            "plugins": plugins,
+        },
+        Config,
+    )
     run_plugins = load_plugins(cfg)
     timer = StepTimer()
     run_plugins.register("timer", timer)
@@ -106,8 +109,10 @@ def measure(steps: int, plugins: dict[str, Any], output_dir: str) -> list[float]
 def describe(times: list[float]) -> str:
     ms = sorted(t * 1e3 for t in times)
     p99 = ms[int(0.99 * (len(ms) - 1))]
-    return (f"mean {statistics.mean(ms):6.2f} ms   std {statistics.stdev(ms):6.2f} ms   "
-            f"p99 {p99:6.2f} ms   max {ms[-1]:6.2f} ms")
+    return (
+        f"mean {statistics.mean(ms):6.2f} ms   std {statistics.stdev(ms):6.2f} ms   "
+        f"p99 {p99:6.2f} ms   max {ms[-1]:6.2f} ms"
+    )
 
 
 def main() -> None:
@@ -124,8 +129,10 @@ def main() -> None:
         del LONG_LIVED[1_000_000:]
         gc.collect()
         manual = measure(args.steps, {"gc": {"interval": 50, "freeze_after_warmup": 50}}, f"{tmp}/b")
-    print(f"step time over {len(automatic)} steps (3000 reference cycles and 2000 kept objects per step, "
-          "on 1M long-lived objects)")
+    print(
+        f"step time over {len(automatic)} steps (3000 reference cycles and 2000 kept objects per step, "
+        "on 1M long-lived objects)"
+    )
     print(f"  automatic GC        {describe(automatic)}")
     print(f"  gc plugin (50, frozen after warm-up)  {describe(manual)}")
     ratio = statistics.stdev(manual) / statistics.stdev(automatic)

@@ -35,8 +35,11 @@ LR, MIN_LR, WARMUP, EVAL_ITERS = 1e-3, 1e-4, 50, 40
 def prose() -> str:
     """Every string constant of pydoc_data/topics.py: Python's reference prose."""
     source = (Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py").read_text()
-    return "\n".join(node.value for node in ast.walk(ast.parse(source))
-                     if isinstance(node, ast.Constant) and isinstance(node.value, str))
+    return "\n".join(
+        node.value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    )
 
 
 def prepare(directory: Path) -> int:
@@ -57,20 +60,26 @@ def nanogpt(directory: Path, vocab: int, iters: int, seed: int) -> float:
     from coretrain_gpt.model import GPT, GPTConfig
 
     torch.manual_seed(seed)
-    data = {split: torch.from_numpy(np.fromfile(directory / f"{split}.bin", dtype=np.uint16).astype(np.int64))
-            for split in ("train", "val")}
+    data = {
+        split: torch.from_numpy(np.fromfile(directory / f"{split}.bin", dtype=np.uint16).astype(np.int64))
+        for split in ("train", "val")
+    }
 
     def get_batch(split: str) -> tuple[torch.Tensor, torch.Tensor]:
         d = data[split]
         ix = torch.randint(len(d) - BLOCK, (BATCH,))
-        return torch.stack([d[i:i + BLOCK] for i in ix]), torch.stack([d[i + 1:i + 1 + BLOCK] for i in ix])
+        return torch.stack([d[i : i + BLOCK] for i in ix]), torch.stack([d[i + 1 : i + 1 + BLOCK] for i in ix])
 
-    model = GPT(GPTConfig(vocab_size=vocab, block_size=BLOCK, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH,
-                          dropout=0.0, bias=False))
+    model = GPT(
+        GPTConfig(
+            vocab_size=vocab, block_size=BLOCK, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, dropout=0.0, bias=False
+        )
+    )
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=LR, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.99)
+    )
 
     def get_lr(it: int) -> float:
         if it < WARMUP:
@@ -98,7 +107,8 @@ def coretrain(directory: Path, iters: int, seed: int) -> float:
 
     out = directory / f"coretrain-{seed}"
     config = directory / f"coretrain-{seed}.toml"
-    config.write_text(textwrap.dedent(f"""\
+    config.write_text(
+        textwrap.dedent(f"""\
         [run]
         seed = {seed}
         output_dir = "{out}"
@@ -112,8 +122,8 @@ def coretrain(directory: Path, iters: int, seed: int) -> float:
         [data]
         provider = "token-file"
         [data.options]
-        train_path = "{directory / 'train.bin'}"
-        valid_path = "{directory / 'val.bin'}"
+        train_path = "{directory / "train.bin"}"
+        valid_path = "{directory / "val.bin"}"
         seq_length = {BLOCK}
         sampling = "random"
         [optimizer]
@@ -134,7 +144,8 @@ def coretrain(directory: Path, iters: int, seed: int) -> float:
         save = false
         [plugins.optimizer-overrides]
         no_decay_1d = true
-        """))
+        """)
+    )
     subprocess.run([sys.executable, "-m", "coretrain", "run", str(config)], check=True, capture_output=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return next(r["valid/loss"] for r in reversed(rows) if "valid/loss" in r)
@@ -156,8 +167,10 @@ def main(argv: list[str] | None = None) -> None:
             ours.append(coretrain(directory, args.iters, seed))
             print(f"  seed {seed}: nanoGPT loop val loss {theirs[-1]:.4f}   coretrain valid/loss {ours[-1]:.4f}")
     spread = statistics.pstdev(theirs + ours) if len(theirs) > 1 else float("nan")
-    print(f"  mean: nanoGPT {statistics.mean(theirs):.4f}, coretrain {statistics.mean(ours):.4f}, "
-          f"difference {statistics.mean(ours) - statistics.mean(theirs):+.4f} (spread of the runs {spread:.4f})")
+    print(
+        f"  mean: nanoGPT {statistics.mean(theirs):.4f}, coretrain {statistics.mean(ours):.4f}, "
+        f"difference {statistics.mean(ours) - statistics.mean(theirs):+.4f} (spread of the runs {spread:.4f})"
+    )
 
 
 if __name__ == "__main__":

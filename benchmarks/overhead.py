@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -76,7 +75,7 @@ def hand_written(steps: int) -> float:
         epoch, first = divmod((step - 1) * BATCH, SAMPLES)
         if first == 0:  # reshuffle every epoch, seeded like coretrain's sampler
             perm = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch))
-        x, y = data.get_batch(perm[first:first + BATCH])
+        x, y = data.get_batch(perm[first : first + BATCH])
         loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -88,16 +87,24 @@ def hand_written(steps: int) -> float:
 
 
 def config(output_dir: str, steps: int) -> Config:
-    return structure({
-        "run": {"output_dir": output_dir, "seed": 0},
-        "model": {"provider": f"{__name__}:make_model"},
-        "data": {"provider": f"{__name__}:make_data"},
-        "train": {"micro_batch_size": BATCH, "train_iters": steps, "log_interval": LOG_INTERVAL,
-                  "eval_iters": 0, "clip_grad": 1.0},
-        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
-        "scheduler": {"decay_style": "constant"},
-        "checkpoint": {"save": False, "resume": "never"},
-    }, Config)
+    return structure(
+        {
+            "run": {"output_dir": output_dir, "seed": 0},
+            "model": {"provider": f"{__name__}:make_model"},
+            "data": {"provider": f"{__name__}:make_data"},
+            "train": {
+                "micro_batch_size": BATCH,
+                "train_iters": steps,
+                "log_interval": LOG_INTERVAL,
+                "eval_iters": 0,
+                "clip_grad": 1.0,
+            },
+            "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+            "scheduler": {"decay_style": "constant"},
+            "checkpoint": {"save": False, "resume": "never"},
+        },
+        Config,
+    )
 
 
 def with_coretrain(steps: int, output_dir: str) -> float:
@@ -124,23 +131,31 @@ def startup(tmp: str) -> None:
     config_path.write_text(
         f'[run]\noutput_dir = "{tmp}/startup"\nthreads = 1\n[model]\nprovider = "overhead:make_model"\n'
         f'[data]\nprovider = "overhead:make_data"\n[train]\nmicro_batch_size = {BATCH}\ntrain_iters = 1\n'
-        "log_interval = 1\neval_iters = 0\n[checkpoint]\nsave = false\nresume = \"never\"\n")
+        'log_interval = 1\neval_iters = 0\n[checkpoint]\nsave = false\nresume = "never"\n'
+    )
     coretrain = [sys.executable, "-m", "coretrain"]
     env = {"PYTHONPATH": str(here)}
     help_s = wall([*coretrain, "--help"])
     python_s = wall([sys.executable, "-c", "pass"])
     torch_s = wall([sys.executable, "-c", "import torch"])
     first_step_s = wall([*coretrain, "run", str(config_path)], repeat=3, env=env)
-    hand_step = ("import torch, overhead; torch.set_num_threads(1); m = overhead.MLP(); d = overhead.Tensors(); "
-                 "o = torch.optim.AdamW(m.parameters(), lr=1e-3); m(*d.get_batch(torch.arange(32))).backward(); o.step()")
+    hand_step = (
+        "import torch, overhead; torch.set_num_threads(1); m = overhead.MLP(); d = overhead.Tensors(); "
+        "o = torch.optim.AdamW(m.parameters(), lr=1e-3); m(*d.get_batch(torch.arange(32))).backward(); o.step()"
+    )
     hand_step_s = wall([sys.executable, "-c", hand_step], repeat=3, env=env)
     print("\nstartup (median wall time of fresh processes)")
     print(f"  python -c pass                 {python_s * 1e3:7.0f} ms")
     print(f"  coretrain --help               {help_s * 1e3:7.0f} ms   (target <= 300 ms)")
     print(f"  python -c 'import torch'       {torch_s * 1e3:7.0f} ms")
-    print(f"  hand-written 1 step (MLP)      {hand_step_s * 1e3:7.0f} ms   (torch.optim's first use imports torch._dynamo)")
-    print(f"  coretrain run (1 step, MLP)    {first_step_s * 1e3:7.0f} ms   time to first step and exit: "
-          f"{1e3 * (first_step_s - hand_step_s):+.0f} ms over the hand-written script")
+    print(
+        f"  hand-written 1 step (MLP)      {hand_step_s * 1e3:7.0f} ms   "
+        "(torch.optim's first use imports torch._dynamo)"
+    )
+    print(
+        f"  coretrain run (1 step, MLP)    {first_step_s * 1e3:7.0f} ms   time to first step and exit: "
+        f"{1e3 * (first_step_s - hand_step_s):+.0f} ms over the hand-written script"
+    )
 
 
 def main() -> None:
@@ -161,12 +176,16 @@ def main() -> None:
                 core.append(c)
         h, c = statistics.median(hand) * 1e6, statistics.median(core) * 1e6
         paired = statistics.median((b - a) * 1e6 for a, b in zip(hand, core))  # per-round pairs cancel drift
-        print(f"per-step overhead, {args.rounds} interleaved rounds x {args.steps} steps "
-              f"(MLP {WIDTH}-wide, batch {BATCH}, CPU, 1 thread)")
+        print(
+            f"per-step overhead, {args.rounds} interleaved rounds x {args.steps} steps "
+            f"(MLP {WIDTH}-wide, batch {BATCH}, CPU, 1 thread)"
+        )
         print(f"  hand-written loop   {h:8.1f} us/step   (rounds: {', '.join(f'{x * 1e6:.1f}' for x in hand)})")
         print(f"  coretrain run       {c:8.1f} us/step   (rounds: {', '.join(f'{x * 1e6:.1f}' for x in core)})")
-        print(f"  overhead            {paired:+8.1f} us/step   ratio {c / h:.3f}   (median of per-round differences; "
-              "target <= +10 us/step)")
+        print(
+            f"  overhead            {paired:+8.1f} us/step   ratio {c / h:.3f}   (median of per-round differences; "
+            "target <= +10 us/step)"
+        )
         startup(tmp)
 
 

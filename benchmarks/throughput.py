@@ -46,8 +46,11 @@ CURRENT: dict[str, Any] = {}
 
 def make_model() -> torch.nn.Module:
     n_layer, n_head, n_embd, seq, _ = CURRENT["size"]
-    return GPT(GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                         dropout=0.0, bias=False))
+    return GPT(
+        GPTConfig(
+            vocab_size=VOCAB, block_size=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd, dropout=0.0, bias=False
+        )
+    )
 
 
 def make_data() -> Datasets:
@@ -94,7 +97,7 @@ def hand_written(steps: int, device: torch.device, precision: str, compiled: boo
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
     start = 0.0
     for step in range(1, steps + 1):
-        x, y = data.get_batch(perm[(step - 1) * micro:step * micro])
+        x, y = data.get_batch(perm[(step - 1) * micro : step * micro])
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(device, precision):
             loss = model(x, y)
@@ -116,8 +119,7 @@ def with_coretrain(steps: int, device: torch.device, precision: str, compiled: b
         "run": {"output_dir": tmp, "device": device.type, "precision": precision, "seed": 0},
         "model": {"provider": "throughput:make_model"},
         "data": {"provider": "throughput:make_data"},
-        "train": {"micro_batch_size": micro, "train_iters": steps, "log_interval": max(steps // 2, 1),
-                  "eval_iters": 0},
+        "train": {"micro_batch_size": micro, "train_iters": steps, "log_interval": max(steps // 2, 1), "eval_iters": 0},
         "optimizer": {"lr": 3e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]},
         "scheduler": {"decay_style": "constant"},
         "checkpoint": {"save": False, "resume": "never"},
@@ -162,9 +164,13 @@ def main() -> None:
         torch.set_num_threads(os.cpu_count() or 1)
     peak = peak_tflops(device, args.peak_tflops)
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    print(f"device: {label}; precision {precision}; compile {args.compile}; {steps} steps/round "
-          f"(first excluded), {args.rounds} interleaved rounds; peak {peak or 'unknown'} TFLOP/s")
-    print(f"{'size':>6} {'params':>8} {'hand tok/s':>12} {'coretrain tok/s':>16} {'ratio':>7} {'TFLOP/s':>8} {'MFU':>6}")
+    print(
+        f"device: {label}; precision {precision}; compile {args.compile}; {steps} steps/round "
+        f"(first excluded), {args.rounds} interleaved rounds; peak {peak or 'unknown'} TFLOP/s"
+    )
+    print(
+        f"{'size':>6} {'params':>8} {'hand tok/s':>12} {'coretrain tok/s':>16} {'ratio':>7} {'TFLOP/s':>8} {'MFU':>6}"
+    )
     for size in sizes:
         CURRENT["size"] = SIZES[size]
         n_layer, _, n_embd, seq, micro = SIZES[size]

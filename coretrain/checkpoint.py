@@ -68,8 +68,11 @@ def rng_state() -> dict[str, Any]:
     """Every generator a run may draw from, as plain lists and tensors (weights_only-safe)."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state(),
-                             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "torch": torch.get_rng_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -168,9 +171,16 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def collect(run: Run, extra_state: dict[str, Any], evaluated: list[str] | None = None) -> dict[str, Any]:
     """This rank's files of the checkpoint: file name -> object to save."""
-    state = {"train": {"step": run.state.step, "consumed_samples": run.state.consumed_samples,
-                       "skipped_updates": run.state.skipped_updates},
-             "scheduler": run.scheduler.state_dict(), "rng": rng_state(), **extra_state}
+    state = {
+        "train": {
+            "step": run.state.step,
+            "consumed_samples": run.state.consumed_samples,
+            "skipped_updates": run.state.skipped_updates,
+        },
+        "scheduler": run.scheduler.state_dict(),
+        "rng": rng_state(),
+        **extra_state,
+    }
     if run.grad_scaler is not None:
         state["grad_scaler"] = run.grad_scaler.state_dict()
     files: dict[str, Any] = {f"rank_{run.dist.rank:05d}.pt": state}
@@ -214,11 +224,16 @@ def _write(tmp: Path, files: dict[str, Any]) -> None:
 def write_failure(root: Path, step: int, tmp: Path, exc: BaseException) -> RunFailure:
     """A save that could not be written (full disk, quota, permissions): one line, the old ones kept."""
     cause = safeload.first_failure(exc)  # DCP's CheckpointException wraps every rank's error
-    detail = f"{cause.strerror}: {cause.filename or tmp}" if isinstance(cause, OSError) and cause.strerror \
+    detail = (
+        f"{cause.strerror}: {cause.filename or tmp}"
+        if isinstance(cause, OSError) and cause.strerror
         else f"{type(cause).__name__}: {cause}"
+    )
     shutil.rmtree(tmp, ignore_errors=True)  # free what the failed save took
     kept = complete_steps(root)
-    previous = f"the newest complete checkpoint (step {kept[-1]}) is untouched" if kept else "no earlier checkpoint exists"
+    previous = (
+        f"the newest complete checkpoint (step {kept[-1]}) is untouched" if kept else "no earlier checkpoint exists"
+    )
     return RunFailure(f"checkpoint step {step}: cannot write ({detail}); {previous}")
 
 
@@ -235,8 +250,9 @@ def _commit(root: Path, step: int, tmp: Path, keep_last: int | None) -> None:
     _apply_retention(root, keep_last)
 
 
-def write_and_commit(root: Path, step: int, files: dict[str, Any], is_main: bool, keep_last: int | None,
-                     distributed: bool) -> Path:
+def write_and_commit(
+    root: Path, step: int, files: dict[str, Any], is_main: bool, keep_last: int | None, distributed: bool
+) -> Path:
     """The synchronous save: write into step_N.tmp on every rank, then rank 0 commits."""
     tmp = _begin(root, step, is_main, distributed)
     try:
@@ -308,8 +324,9 @@ class Checkpointer:
         if distributed:
             _barrier()  # every rank's own file is written before anyone may commit
         self._pending_step = step
-        self._thread = threading.Thread(target=self._finish, name=f"checkpoint-{step}", daemon=False,
-                                        args=(root, step, tmp, staged, future))
+        self._thread = threading.Thread(
+            target=self._finish, name=f"checkpoint-{step}", daemon=False, args=(root, step, tmp, staged, future)
+        )
         self._thread.start()
         return step_dir(root, step), time.perf_counter() - started
 
@@ -358,24 +375,37 @@ def manifest(run: Run, layout: str, evaluated: list[str]) -> dict[str, Any]:
     """What rank 0 records about a checkpoint, in plain JSON (read before any tensor file)."""
     from coretrain import __version__
 
-    return {"format": MANIFEST_FORMAT, "coretrain": __version__, "step": run.state.step, "layout": layout,
-            "world_size": run.dist.world_size, "optimizer": run.config.optimizer.name,
-            "seq_length": run.datasets.seq_length if run.datasets else None, "evaluated": evaluated,
-            "config": config_as_dict(run.config)}
+    return {
+        "format": MANIFEST_FORMAT,
+        "coretrain": __version__,
+        "step": run.state.step,
+        "layout": layout,
+        "world_size": run.dist.world_size,
+        "optimizer": run.config.optimizer.name,
+        "seq_length": run.datasets.seq_length if run.datasets else None,
+        "evaluated": evaluated,
+        "config": config_as_dict(run.config),
+    }
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The checkpoint's manifest; one written before manifests existed is described from its files."""
     path = directory / MANIFEST
     if not path.exists():
-        layout = "sharded" if (directory / "sharded").is_dir() and not (directory / "model.pt").exists() else "replicated"
+        layout = (
+            "sharded" if (directory / "sharded").is_dir() and not (directory / "model.pt").exists() else "replicated"
+        )
         return {"layout": layout, "evaluated": []}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointUnreadable(path, f"cannot read the manifest: {type(exc).__name__}: {exc}") from None
-    if not isinstance(data, dict) or data.get("layout") not in ("sharded", "replicated") \
-            or not isinstance(data.get("evaluated", []), list) or not isinstance(data.get("config", {}), dict):
+    if (
+        not isinstance(data, dict)
+        or data.get("layout") not in ("sharded", "replicated")
+        or not isinstance(data.get("evaluated", []), list)
+        or not isinstance(data.get("config", {}), dict)
+    ):
         raise CheckpointUnreadable(path, "not a coretrain checkpoint manifest (layout, evaluated, config)")
     return data
 

@@ -19,8 +19,14 @@ from coretrain import __version__
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="TOML config file")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                        help="override a config value (TOML syntax; repeatable), e.g. --set optimizer.lr=3e-4")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a config value (TOML syntax; repeatable), e.g. --set optimizer.lr=3e-4",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,20 +36,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="train as the config says (works under torchrun too)")
     _add_config_args(run)
-    run.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                     help="start N ranks on this machine through torchrun (same as `torchrun --standalone "
-                          "--nproc-per-node N -m coretrain run CONFIG`)")
-    run.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                     help="with --nproc-per-node: restart the ranks up to K times after a failure; "
-                          "each restart resumes from the newest complete checkpoint")
+    run.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N ranks on this machine through torchrun (same as `torchrun --standalone "
+        "--nproc-per-node N -m coretrain run CONFIG`)",
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --nproc-per-node: restart the ranks up to K times after a failure; "
+        "each restart resumes from the newest complete checkpoint",
+    )
     loudness = run.add_mutually_exclusive_group()
-    loudness.add_argument("-q", "--quiet", action="store_const", const="warning", dest="log_level",
-                          help="only warnings and errors (run.log_level = \"warning\"); no progress output")
-    loudness.add_argument("-v", "--verbose", action="store_const", const="debug", dest="log_level",
-                          help="debug messages too (run.log_level = \"debug\")")
-    run.add_argument("--traceback", action="store_true",
-                     help="when a plugin or the run fails, print the full traceback on stderr too "
-                          "(it is always written to OUTPUT_DIR/traceback.log)")
+    loudness.add_argument(
+        "-q",
+        "--quiet",
+        action="store_const",
+        const="warning",
+        dest="log_level",
+        help='only warnings and errors (run.log_level = "warning"); no progress output',
+    )
+    loudness.add_argument(
+        "-v",
+        "--verbose",
+        action="store_const",
+        const="debug",
+        dest="log_level",
+        help='debug messages too (run.log_level = "debug")',
+    )
+    run.add_argument(
+        "--traceback",
+        action="store_true",
+        help="when a plugin or the run fails, print the full traceback on stderr too "
+        "(it is always written to OUTPUT_DIR/traceback.log)",
+    )
     run.set_defaults(handler=cmd_run)
 
     ckpt = commands.add_parser("checkpoint", help="inspect and export a run's checkpoints")
@@ -57,12 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--to", required=True, help="output file, e.g. model.safetensors")
     export.set_defaults(handler=cmd_checkpoint_export)
 
-    report = commands.add_parser("report", help="plot a run's metrics (PNG files) and print a summary; "
-                                                "several runs: overlaid, with a comparison table")
+    report = commands.add_parser(
+        "report",
+        help="plot a run's metrics (PNG files) and print a summary; several runs: overlaid, with a comparison table",
+    )
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's output dir (holds metrics.jsonl)")
-    report.add_argument("--metrics", default=None, metavar="FILE", help="read this file instead of RUN_DIR/metrics.jsonl")
-    report.add_argument("--out", default=None, metavar="DIR",
-                        help="where the PNGs go (default: RUN_DIR/report; several runs: FIRST_RUN_DIR/report/compare)")
+    report.add_argument(
+        "--metrics", default=None, metavar="FILE", help="read this file instead of RUN_DIR/metrics.jsonl"
+    )
+    report.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="where the PNGs go (default: RUN_DIR/report; several runs: FIRST_RUN_DIR/report/compare)",
+    )
     report.set_defaults(handler=cmd_report)
 
     plugins = commands.add_parser("plugins", help="list installed plugins, their hooks and config fields")
@@ -108,8 +147,11 @@ def _setup_logging(level_name: str = "info") -> None:
 
     rank = int(os.environ.get("RANK", "0"))
     level = getattr(logging, level_name.upper())
-    logging.basicConfig(level=level if rank == 0 else max(level, logging.WARNING), force=True,
-                        format="coretrain: %(message)s" if rank == 0 else f"coretrain[rank {rank}]: %(message)s")
+    logging.basicConfig(
+        level=level if rank == 0 else max(level, logging.WARNING),
+        force=True,
+        format="coretrain: %(message)s" if rank == 0 else f"coretrain[rank {rank}]: %(message)s",
+    )
     warnings.simplefilter("once")
     logging.captureWarnings(True)
     logging.getLogger("py.warnings").addFilter(_OnceEach())
@@ -147,8 +189,17 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     # Workers keep their own rendezvous store: with the agent's shared store, restarted gloo
     # groups connect to the dead attempt's ports (seen with torch 2.13; pytorch#167288).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
-            "-m", "coretrain", "run", args.config]
+    argv = [
+        "--standalone",
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "--max-restarts",
+        str(args.max_restarts),
+        "-m",
+        "coretrain",
+        "run",
+        args.config,
+    ]
     for override in args.overrides:
         argv += ["--set", override]
     try:
@@ -173,8 +224,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except Interrupted as exc:
         import signal
 
-        logging.getLogger("coretrain").info("stopped by %s during start-up; nothing was trained or saved",
-                                            signal.Signals(exc.signum).name)
+        logging.getLogger("coretrain").info(
+            "stopped by %s during start-up; nothing was trained or saved", signal.Signals(exc.signum).name
+        )
         return 128 + exc.signum
     finally:
         signals.uninstall()
@@ -226,7 +278,9 @@ def _write_traceback(output_dir: str, exc: BaseException, to_stderr: bool) -> st
     path = Path(output_dir) / ("traceback.log" if rank == 0 else f"traceback.rank{rank}.log")
     try:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(f"--- {datetime.datetime.now().astimezone().isoformat(timespec='seconds')} pid {os.getpid()}\n{text}")
+            f.write(
+                f"--- {datetime.datetime.now().astimezone().isoformat(timespec='seconds')} pid {os.getpid()}\n{text}"
+            )
     except OSError:
         if not to_stderr:
             print(text, file=sys.stderr, end="")
@@ -297,8 +351,10 @@ def cmd_config_show(args: argparse.Namespace) -> int:
             resolved[section]["options"], defaults[section]["options"] = table, default
         else:
             resolved["plugins"][name], defaults["plugins"][name] = table, default
-    print(f"# {args.config} resolved ({'extends, ' if 'extends' in loaded.path.read_text() else ''}--set applied); "
-          "'# default: ...' marks values you changed")
+    print(
+        f"# {args.config} resolved ({'extends, ' if 'extends' in loaded.path.read_text() else ''}--set applied); "
+        "'# default: ...' marks values you changed"
+    )
     print(render_annotated(resolved, defaults))
     if plugins.implemented("param_group_overrides"):
         print()
@@ -332,7 +388,9 @@ def _defaults_of(cls: type) -> dict[str, Any]:
     for f in attrs.fields(cls):
         if f.default is attrs.NOTHING or not f.init:
             continue
-        default = f.default.factory() if isinstance(f.default, attrs.Factory) and not f.default.takes_self else f.default
+        default = (
+            f.default.factory() if isinstance(f.default, attrs.Factory) and not f.default.takes_self else f.default
+        )
         values[f.name] = CONVERTER.unstructure(default)
     return values
 
@@ -375,8 +433,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     from coretrain.report import report
 
-    return report([Path(d) for d in args.run_dirs], Path(args.metrics) if args.metrics else None,
-                  Path(args.out) if args.out else None)
+    return report(
+        [Path(d) for d in args.run_dirs],
+        Path(args.metrics) if args.metrics else None,
+        Path(args.out) if args.out else None,
+    )
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -403,7 +464,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         providers = [h for h in hooks if h.startswith("provide_")]
         if providers:
             section = "model" if "provide_model" in providers else "data"
-            state = escape(f"provider: set {section}.provider = \"{name}\", options in [{section}.options]")
+            state = escape(f'provider: set {section}.provider = "{name}", options in [{section}.options]')
         elif entry.autoload:
             state = "[green]on by default[/] (disable: enabled = false)"
         else:
@@ -418,7 +479,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         for f in (f for f in attrs.fields(cls) if f.init):
             default = repr(defaults[f.name]) if f.name in defaults else "required"
             type_name = getattr(f.type, "__name__", None) or str(f.type)
-            console.print(f"    {f.name}: {escape(type_name)} = {escape(default)}"
-                          + (f"  [dim]{escape(docs[f.name])}[/]" if f.name in docs else ""))
+            console.print(
+                f"    {f.name}: {escape(type_name)} = {escape(default)}"
+                + (f"  [dim]{escape(docs[f.name])}[/]" if f.name in docs else "")
+            )
         console.print()
     return 0

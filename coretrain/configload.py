@@ -28,8 +28,8 @@ from cattrs.errors import (
 )
 
 from coretrain.config import Config
-from coretrain.validators import FieldValueError
 from coretrain.errors import UserError, did_you_mean
+from coretrain.validators import FieldValueError
 
 T = TypeVar("T")
 
@@ -75,9 +75,14 @@ def make_converter() -> cattrs.Converter:
 CONVERTER = make_converter()
 
 
-def structure(data: Mapping[str, Any], cls: type[T], *, prefix: tuple[str, ...] = (),
-              locations: Mapping[tuple[str, ...], Location] | None = None,
-              source: str = "") -> T:
+def structure(
+    data: Mapping[str, Any],
+    cls: type[T],
+    *,
+    prefix: tuple[str, ...] = (),
+    locations: Mapping[tuple[str, ...], Location] | None = None,
+    source: str = "",
+) -> T:
     """Structure ``data`` into ``cls`` or raise a UserError listing every problem with its key path."""
     try:
         return CONVERTER.structure(dict(data), cls)
@@ -93,7 +98,9 @@ def structure(data: Mapping[str, Any], cls: type[T], *, prefix: tuple[str, ...] 
         raise UserError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
-def _problems(exc: BaseException, path: tuple[str, ...], cls: Any, data: Any) -> typing.Iterator[tuple[tuple[str, ...], str]]:
+def _problems(
+    exc: BaseException, path: tuple[str, ...], cls: Any, data: Any
+) -> typing.Iterator[tuple[tuple[str, ...], str]]:
     if isinstance(exc, ForbiddenExtraKeysError):
         known = [f.name for f in attrs.fields(exc.cl)]
         for key in sorted(exc.extra_fields):
@@ -116,9 +123,12 @@ def _problems(exc: BaseException, path: tuple[str, ...], cls: Any, data: Any) ->
         value = _lookup(data, path)
         expected = describe_type(cls)
         message = f"expected {expected}, got {describe_value(value)}"
-        choices = [str(a) for arm in (typing.get_args(cls) if typing.get_origin(cls) in (typing.Union, types.UnionType)
-                                      else (cls,)) if typing.get_origin(arm) is typing.Literal
-                   for a in typing.get_args(arm)]  # Literal[...] or Literal[...] | None
+        choices = [
+            str(a)
+            for arm in (typing.get_args(cls) if typing.get_origin(cls) in (typing.Union, types.UnionType) else (cls,))
+            if typing.get_origin(arm) is typing.Literal
+            for a in typing.get_args(arm)
+        ]  # Literal[...] or Literal[...] | None
         if choices and isinstance(value, str):
             message += did_you_mean(value, choices)
         yield path, message
@@ -171,8 +181,9 @@ def describe_type(tp: Any) -> str:
 def describe_value(value: Any) -> str:
     if value is _MISSING:
         return "nothing"
-    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
-            dict: "table"}.get(type(value), type(value).__name__)
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "table"}.get(
+        type(value), type(value).__name__
+    )
     text = str(value).lower() if isinstance(value, bool) else repr(value)
     return f"{text if len(text) <= 40 else text[:37] + '...'} ({kind})"
 
@@ -189,9 +200,11 @@ def read_toml(path: Path) -> dict[str, Any]:
     except IsADirectoryError:
         raise UserError(f"{path}: is a directory, not a config file") from None
     except UnicodeDecodeError as exc:
-        line = path.read_bytes()[:exc.start].count(b"\n") + 1
-        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); "
-                        "TOML files are UTF-8: re-save it as UTF-8") from None
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise UserError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); "
+            "TOML files are UTF-8: re-save it as UTF-8"
+        ) from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read config file: {exc.strerror}") from None
     try:
@@ -276,7 +289,9 @@ def apply_override(data: dict[str, Any], path: tuple[str, ...], value: Any) -> N
     for i, key in enumerate(path[:-1]):
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
-            raise UserError(f"--set {'.'.join(path)}: {'.'.join(path[:i + 1])} is {describe_value(child)}, not a table")
+            raise UserError(
+                f"--set {'.'.join(path)}: {'.'.join(path[: i + 1])} is {describe_value(child)}, not a table"
+            )
         node = child
     node[path[-1]] = value
 

@@ -33,12 +33,12 @@ class SampleOrder:
     def indices(self, start: int, count: int) -> torch.Tensor:
         epoch, offset = divmod(start, self.length)
         if epoch == self._epoch and offset + count <= self.length:  # the common case, kept cheap
-            return self._perm[offset:offset + count]
+            return self._perm[offset : offset + count]
         parts = []
         while count > 0:
             epoch, offset = divmod(start, self.length)
             take = min(count, self.length - offset)
-            parts.append(self._permutation(epoch)[offset:offset + take])
+            parts.append(self._permutation(epoch)[offset : offset + take])
             start, count = start + take, count - take
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -77,8 +77,15 @@ class BatchReader:
     takes the r-th equal block and cuts it into micro-batches.
     """
 
-    def __init__(self, dataset: Any, order: SampleOrder, rank: int, world_size: int, device: torch.device,
-                 collate: Callable[[list[Any]], Any] | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        order: SampleOrder,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        collate: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
         self.dataset, self.order, self.rank, self.world_size = dataset, order, rank, world_size
         self.device = device if device.type != "cpu" else None
         get_batch = getattr(dataset, "get_batch", None)
@@ -90,7 +97,7 @@ class BatchReader:
         if per_rank == micro_batch_size:
             batches = [self.get_batch(indices)]
         else:
-            batches = [self.get_batch(indices[i:i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]
+            batches = [self.get_batch(indices[i : i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]
         if self.device is not None:
             batches = [to_device(b, self.device) for b in batches]
         return batches
@@ -117,7 +124,7 @@ class TokenWindows:
         if not 0 <= index < len(self):
             raise IndexError(index)
         start = index * self.seq_length
-        window = self.tokens[start:start + self.seq_length + 1].long()
+        window = self.tokens[start : start + self.seq_length + 1].long()
         return window[:-1], window[1:]
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +166,7 @@ class RandomWindows:
         if not 0 <= index < len(self):
             raise IndexError(index)
         start = int(self.starts(torch.tensor([index]))[0])
-        window = self.tokens[start:start + self.seq_length + 1].long()
+        window = self.tokens[start : start + self.seq_length + 1].long()
         return window[:-1], window[1:]
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

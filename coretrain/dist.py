@@ -33,8 +33,9 @@ def init_distributed(device_type: str, backend: str = "auto", timeout_minutes: f
         global _timeout
         _timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(chosen, timeout=_timeout)
-    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                    local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    return DistInfo(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0"))
+    )
 
 
 _control_group: object = None

@@ -39,8 +39,11 @@ def index_chunks(run: Any, length: int) -> list[torch.Tensor]:
     order = SampleOrder(length, run.config.run.seed + EVAL_SEED_OFFSET)
     global_batch = run.global_batch_size
     per_rank = global_batch // world
-    return [chunk for i in range(train.eval_iters)
-            for chunk in order.indices(i * global_batch + rank * per_rank, per_rank).split(micro)]
+    return [
+        chunk
+        for i in range(train.eval_iters)
+        for chunk in order.indices(i * global_batch + rank * per_rank, per_rank).split(micro)
+    ]
 
 
 class Evaluator:
@@ -58,11 +61,14 @@ class Evaluator:
         if run.config.data.num_workers and not self.stream:
             cfg = run.config.data
             self._loader = torch.utils.data.DataLoader(
-                MicroBatches(dataset, run.datasets.collate_fn), batch_size=None,
+                MicroBatches(dataset, run.datasets.collate_fn),
+                batch_size=None,
                 sampler=[chunk.tolist() for chunk in self.chunks],
-                num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
+                num_workers=cfg.num_workers,
+                prefetch_factor=cfg.prefetch_factor,
                 pin_memory=cfg.pin_memory and run.device.type == "cuda",
-                persistent_workers=cfg.persistent_workers)
+                persistent_workers=cfg.persistent_workers,
+            )
 
     def _batches(self) -> Iterable[tuple[int, Any]]:
         run = self.run
@@ -71,15 +77,19 @@ class Evaluator:
             train = run.config.train
             limit = None if train.eval_full else train.eval_iters * run.global_batch_size // run.dist.world_size
             seen = 0
-            for batch in stream_loader(self.dataset, run, train.eval_micro_batch_size or train.micro_batch_size,
-                                       stateful=False):
+            for batch in stream_loader(
+                self.dataset, run, train.eval_micro_batch_size or train.micro_batch_size, stateful=False
+            ):
                 if limit is not None and seen >= limit:
                     return
                 seen += batch_size(batch)
                 yield batch_size(batch), (to_device(batch, device) if device is not None else batch)
             return
-        source = self._loader if self._loader is not None else (
-            fetch(self.dataset, chunk, run.datasets.collate_fn) for chunk in self.chunks)
+        source = (
+            self._loader
+            if self._loader is not None
+            else (fetch(self.dataset, chunk, run.datasets.collate_fn) for chunk in self.chunks)
+        )
         for chunk, batch in zip(self.chunks, source):
             yield len(chunk), (to_device(batch, device) if device is not None else batch)
 

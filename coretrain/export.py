@@ -63,8 +63,11 @@ def export_weights(run_dir: Path, step: int | None, to: Path) -> Path:
         raise CheckpointUnreadable(source, "the model weights are not a dict of tensors")
     # tied parameters share storage; safetensors stores each name on its own
     try:
-        save_file({name: tensor.contiguous().clone() for name, tensor in weights.items()}, str(to),
-                  metadata={"format": "pt", "source": str(source)})
+        save_file(
+            {name: tensor.contiguous().clone() for name, tensor in weights.items()},
+            str(to),
+            metadata={"format": "pt", "source": str(source)},
+        )
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(to, 0o666 & ~umask)  # safetensors creates it 0600; an export is for others to read
@@ -81,8 +84,12 @@ def read_sharded_model(directory: Path) -> dict[str, torch.Tensor]:
     safeload.check_metadata(directory)
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=safeload.dcp_reader(directory),
-                         planner=safeload.dcp_planner(directory, empty=True), no_dist=True)
+        _load_state_dict(
+            state,
+            storage_reader=safeload.dcp_reader(directory),
+            planner=safeload.dcp_planner(directory, empty=True),
+            no_dist=True,
+        )
     except safeload.dcp_errors() as exc:
         raise safeload.dcp_unreadable(directory, exc) from None
     model = state.get("model")

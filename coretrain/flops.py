@@ -39,8 +39,9 @@ def flops_per_sample(run: Any, loss_fn: outputs.LossFn | None) -> float | None:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             outputs.call(model, batch, loss_fn)
     except Exception as exc:  # an op the counter cannot trace must not stop training
-        log.warning("could not count the model's FLOPs (%s: %s); TFLOP/s and MFU are not reported",
-                    type(exc).__name__, exc)
+        log.warning(
+            "could not count the model's FLOPs (%s: %s); TFLOP/s and MFU are not reported", type(exc).__name__, exc
+        )
         return None
     finally:
         model.train(was_training)

@@ -36,7 +36,8 @@ from coretrain.errors import UserError
 def is_stream(dataset: Any) -> bool:
     """An iterable dataset: read in order, not by index."""
     return isinstance(dataset, torch.utils.data.IterableDataset) or (
-        hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__"))
+        hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
+    )
 
 
 class RankStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
@@ -48,7 +49,9 @@ class RankStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 
     def __init__(self, stream: Any, rank: int, world_size: int) -> None:
         self.stream, self.rank, self.world = stream, rank, world_size
-        self.stateful = callable(getattr(stream, "state_dict", None)) and callable(getattr(stream, "load_state_dict", None))
+        self.stateful = callable(getattr(stream, "state_dict", None)) and callable(
+            getattr(stream, "load_state_dict", None)
+        )
         self._position = 0
         self._resume: dict[str, Any] | None = None
 
@@ -82,9 +85,14 @@ def stream_loader(dataset: Any, run: Any, batch_size: int, stateful: bool) -> An
     """A DataLoader of this rank's share of a stream, in micro-batches (the last partial one dropped
     in training, kept in evaluation)."""
     cfg = run.config.data
-    kwargs: dict[str, Any] = dict(batch_size=batch_size, collate_fn=run.datasets.collate_fn,
-                                  num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and run.device.type == "cuda",
-                                  drop_last=stateful, worker_init_fn=_one_thread)
+    kwargs: dict[str, Any] = dict(
+        batch_size=batch_size,
+        collate_fn=run.datasets.collate_fn,
+        num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory and run.device.type == "cuda",
+        drop_last=stateful,
+        worker_init_fn=_one_thread,
+    )
     if cfg.num_workers:
         kwargs["prefetch_factor"] = cfg.prefetch_factor
     stream = RankStream(dataset, run.dist.rank, run.dist.world_size)
@@ -113,8 +121,12 @@ class Columns:
 
 
 def is_hf_dataset(dataset: Any) -> bool:
-    return type(dataset).__module__.startswith("datasets.") and hasattr(dataset, "with_format") \
-        and hasattr(dataset, "column_names") and not is_stream(dataset)
+    return (
+        type(dataset).__module__.startswith("datasets.")
+        and hasattr(dataset, "with_format")
+        and hasattr(dataset, "column_names")
+        and not is_stream(dataset)
+    )
 
 
 def adapt(datasets: Any) -> None:
@@ -141,8 +153,14 @@ def first_batch(dataset: Any, count: int, collate: Any) -> Any:
 class StepPlan:
     """Micro-batches per rank for each step, decided once, in step order, whoever asks first."""
 
-    def __init__(self, decide: Callable[[int, int], int], micro_batch_size: int, world_size: int,
-                 last_step: int, consumed_samples: int) -> None:
+    def __init__(
+        self,
+        decide: Callable[[int, int], int],
+        micro_batch_size: int,
+        world_size: int,
+        last_step: int,
+        consumed_samples: int,
+    ) -> None:
         self._decide, self._per_micro = decide, micro_batch_size * world_size
         self._next_step, self._next_consumed = last_step + 1, consumed_samples
         self._decided: dict[int, tuple[int, int]] = {}
@@ -167,8 +185,9 @@ class RankBatchSampler:
     Lists, not tensors: they go to the workers through a queue, where a tensor would cost a
     shared-memory handoff per micro-batch."""
 
-    def __init__(self, order: SampleOrder, plan: StepPlan, rank: int, world_size: int, micro_batch_size: int,
-                 first_step: int) -> None:
+    def __init__(
+        self, order: SampleOrder, plan: StepPlan, rank: int, world_size: int, micro_batch_size: int, first_step: int
+    ) -> None:
         self.order, self.plan, self.rank, self.world = order, plan, rank, world_size
         self.micro, self.first_step = micro_batch_size, first_step
 
@@ -179,7 +198,7 @@ class RankBatchSampler:
             per_rank = self.micro * n_micro
             indices = self.order.indices(consumed + self.rank * per_rank, per_rank)
             for i in range(n_micro):
-                yield indices[i * self.micro:(i + 1) * self.micro].tolist()
+                yield indices[i * self.micro : (i + 1) * self.micro].tolist()
             step += 1
 
 
@@ -196,10 +215,15 @@ class MicroBatches(torch.utils.data.Dataset):  # type: ignore[type-arg]
 def data_loader(dataset: Any, sampler: Any, run: Any) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
     cfg = run.config.data
     return torch.utils.data.DataLoader(
-        MicroBatches(dataset, run.datasets.collate_fn), batch_size=None, sampler=sampler,
-        num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor,
-        pin_memory=cfg.pin_memory and run.device.type == "cuda", persistent_workers=False,
-        worker_init_fn=_one_thread)
+        MicroBatches(dataset, run.datasets.collate_fn),
+        batch_size=None,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        prefetch_factor=cfg.prefetch_factor,
+        pin_memory=cfg.pin_memory and run.device.type == "cuda",
+        persistent_workers=False,
+        worker_init_fn=_one_thread,
+    )
 
 
 def _one_thread(worker_id: int) -> None:
@@ -228,8 +252,9 @@ class TrainBatches:
             return
         order = SampleOrder(len(dataset), run.config.run.seed)
         if run.config.data.num_workers == 0:
-            self._reader: BatchReader | None = BatchReader(dataset, order, run.dist.rank, run.dist.world_size,
-                                                            run.device, run.datasets.collate_fn)
+            self._reader: BatchReader | None = BatchReader(
+                dataset, order, run.dist.rank, run.dist.world_size, run.device, run.datasets.collate_fn
+            )
             self._iterator: Iterator[Any] | None = None
         else:
             self._reader = None
@@ -257,8 +282,9 @@ class TrainBatches:
             try:
                 return next(self._iterator)
             except StopIteration:
-                raise UserError("the train split (a stream) has fewer samples than one micro-batch per rank "
-                                "and worker") from None
+                raise UserError(
+                    "the train split (a stream) has fewer samples than one micro-batch per rank and worker"
+                ) from None
 
     def state_dict(self) -> dict[str, Any] | None:
         """A stream's position (per rank, per worker) for the checkpoint; None for map-style data."""

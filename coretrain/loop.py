@@ -18,12 +18,12 @@ import torch
 from coretrain import checkpoint, outputs, resume, safeload
 from coretrain import metrics as derived
 from coretrain.dist import max_over_ranks, sum_over_ranks
+from coretrain.errors import PluginError, RunFailure
 from coretrain.evaluate import Evaluator, autocast
 from coretrain.loader import StepPlan, TrainBatches
-from coretrain.timers import PhaseTimes
-from coretrain.errors import PluginError, RunFailure
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
+from coretrain.timers import PhaseTimes
 
 log = logging.getLogger("coretrain")
 
@@ -36,8 +36,18 @@ class ResolvedHooks:
     """The hooks of this run, each None when no plugin implements it (so it costs nothing)."""
 
     def __init__(self, run: Run) -> None:
-        for name in ("num_micro_batches", "pre_step", "before_update", "post_step", "on_log", "on_eval",
-                     "on_train_start", "on_train_end", "on_signal", "on_checkpoint_saved"):
+        for name in (
+            "num_micro_batches",
+            "pre_step",
+            "before_update",
+            "post_step",
+            "on_log",
+            "on_eval",
+            "on_train_start",
+            "on_train_end",
+            "on_signal",
+            "on_checkpoint_saved",
+        ):
             setattr(self, name, getattr(run.plugins.hook, name) if run.plugins.implemented(name) else None)
 
 
@@ -58,8 +68,9 @@ class IntervalLog:
         self.started = time.perf_counter()
         self.times = PhaseTimes(device)
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int,
-            values: dict[str, torch.Tensor] | None) -> None:
+    def add(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int, values: dict[str, torch.Tensor] | None
+    ) -> None:
         self.losses.append(loss)
         if grad_norm is not None:
             self.grad_norms.append(grad_norm)
@@ -87,32 +98,38 @@ class IntervalLog:
             means.extend(run.log_tensors[name].detach().float().to(means[0].device) for name in extra)
             run.log_tensors.clear()
             device = means[0].device
-            host_values = torch.tensor([*times.values(), *(times["time/data"] if r == rank else 0.0
-                                                           for r in range(world))], device=device)
+            host_values = torch.tensor(
+                [*times.values(), *(times["time/data"] if r == rank else 0.0 for r in range(world))], device=device
+            )
             # the interval's one collective and host sync: sums over ranks, then means on the host
             summed = sum_over_ranks(torch.cat([torch.stack(means), host_values])).tolist()
-        host = [value / world for value in summed[:len(means) + len(times)]]
-        data_waits = summed[len(means) + len(times):]  # each rank's own slot
+        host = [value / world for value in summed[: len(means) + len(times)]]
+        data_waits = summed[len(means) + len(times) :]  # each rank's own slot
         elapsed = time.perf_counter() - self.started
         timed = self.timed_steps
         metrics = {"loss": host[0], "lr": run.scheduler.last_lr}
         if self.grad_norms:
             metrics["grad_norm"] = host[1]
-        metrics.update(zip(named + extra, host[len(means) - len(named) - len(extra):len(means)]))
-        metrics.update(zip(times, host[len(means):]))
+        metrics.update(zip(named + extra, host[len(means) - len(named) - len(extra) : len(means)]))
+        metrics.update(zip(times, host[len(means) :]))
         metrics["time/data_max"] = max(data_waits)
-        metrics.update({
-            "global_batch_size": float(run.global_batch_size),
-            "iteration_time": elapsed / timed if timed else 0.0,
-            "samples_per_second": self.samples / elapsed if timed and elapsed > 0 else 0.0,
-            "consumed_samples": float(run.state.consumed_samples),
-            "skipped_updates": float(run.state.skipped_updates),
-        })
+        metrics.update(
+            {
+                "global_batch_size": float(run.global_batch_size),
+                "iteration_time": elapsed / timed if timed else 0.0,
+                "samples_per_second": self.samples / elapsed if timed and elapsed > 0 else 0.0,
+                "consumed_samples": float(run.state.consumed_samples),
+                "skipped_updates": float(run.state.skipped_updates),
+            }
+        )
         seq_length = run.datasets.seq_length
         if seq_length:
             metrics["tokens_per_second"] = metrics["samples_per_second"] * seq_length
-        metrics.update(derived.throughput(run, metrics["samples_per_second"], metrics["iteration_time"],
-                                          time.monotonic() - run.started_at))
+        metrics.update(
+            derived.throughput(
+                run, metrics["samples_per_second"], metrics["iteration_time"], time.monotonic() - run.started_at
+            )
+        )
         metrics.update(derived.memory(run.device))
         if metrics["iteration_time"] > 0:
             metrics["time/step"] = metrics["iteration_time"]
@@ -125,9 +142,12 @@ class IntervalLog:
         if not self.losses:
             return {}
         with torch.no_grad():
-            return {"losses": torch.stack(self.losses).cpu(), "samples": self.samples,
-                    "grad_norms": torch.stack(self.grad_norms).cpu() if self.grad_norms else torch.empty(0),
-                    "values": {name: torch.stack(values).cpu() for name, values in self.values.items()}}
+            return {
+                "losses": torch.stack(self.losses).cpu(),
+                "samples": self.samples,
+                "grad_norms": torch.stack(self.grad_norms).cpu() if self.grad_norms else torch.empty(0),
+                "values": {name: torch.stack(values).cpu() for name, values in self.values.items()},
+            }
 
     def restore(self, state: dict[str, Any], device: torch.device) -> None:
         if state:
@@ -148,11 +168,16 @@ def out_of_memory(run: Run, exc: BaseException) -> str:
     seq = run.datasets.seq_length if run.datasets is not None else None
     shape = f"micro_batch_size {run.config.train.micro_batch_size}" + (f" × seq_length {seq}" if seq else "")
     text = str(exc)
-    detail = text[text.index("you tried"):].split(".")[0] if "you tried" in text else \
-        next((line for line in text.splitlines() if line.strip()), type(exc).__name__)[:160]
-    return (f"out of memory at step {run.state.step + 1} on {run.device} ({shape}, model {params / 1e6:.1f}M "
-            f"parameters): {detail}; lower train.micro_batch_size (global_batch_size stays, through "
-            "gradient accumulation) or the model size")
+    detail = (
+        text[text.index("you tried") :].split(".")[0]
+        if "you tried" in text
+        else next((line for line in text.splitlines() if line.strip()), type(exc).__name__)[:160]
+    )
+    return (
+        f"out of memory at step {run.state.step + 1} on {run.device} ({shape}, model {params / 1e6:.1f}M "
+        f"parameters): {detail}; lower train.micro_batch_size (global_batch_size stays, through "
+        "gradient accumulation) or the model size"
+    )
 
 
 class Trainer:
@@ -201,8 +226,9 @@ class Trainer:
         self.last_saved_step = run.state.step
         self.evaluated_at = {split: run.state.step for split in restored.manifest.get("evaluated", [])}
         plugin_states = state.get("plugins", {})
-        run.plugins.call_each("on_resume", run=run, step=run.state.step,
-                              per_plugin=lambda name: {"state": plugin_states.get(name, {})})
+        run.plugins.call_each(
+            "on_resume", run=run, step=run.state.step, per_plugin=lambda name: {"state": plugin_states.get(name, {})}
+        )
         log.info("resumed from %s (step %d, %d samples consumed)", path, run.state.step, run.state.consumed_samples)
 
     def save(self) -> None:
@@ -217,14 +243,24 @@ class Trainer:
             try:  # a state no run could load again must not reach the disk
                 safeload.check_plain(state, "state")
             except TypeError as exc:
-                raise PluginError(name, "on_checkpoint", TypeError(
-                    f"returned {exc}; a checkpoint holds tensors, numbers, str, bool, None and "
-                    "lists/dicts of these"), run.state.step) from None
+                raise PluginError(
+                    name,
+                    "on_checkpoint",
+                    TypeError(
+                        f"returned {exc}; a checkpoint holds tensors, numbers, str, bool, None and lists/dicts of these"
+                    ),
+                    run.state.step,
+                ) from None
             plugin_states[name] = state
         data_state = self.feed.state_dict() if self.feed is not None else self._data_state
-        _, blocked = self.checkpointer.save({"plugins": plugin_states, "interval_log": self.log.pending(),
-                                             **({"data": data_state} if data_state else {})},
-                                            evaluated=self._evaluated_now())
+        _, blocked = self.checkpointer.save(
+            {
+                "plugins": plugin_states,
+                "interval_log": self.log.pending(),
+                **({"data": data_state} if data_state else {}),
+            },
+            evaluated=self._evaluated_now(),
+        )
         self.last_saved_step = run.state.step
         self.log.times.add("checkpoint", blocked)
         run.control.checkpoint_requested = False
@@ -324,8 +360,9 @@ class Trainer:
         """Tell the final checkpoint what was evaluated after it, so re-running a finished run adds no row."""
         run = self.run
         if run.dist.is_main and self.last_saved_step == run.state.step and run.config.checkpoint.save:
-            checkpoint.mark_evaluated(checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step),
-                                      self._evaluated_now())
+            checkpoint.mark_evaluated(
+                checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step), self._evaluated_now()
+            )
 
     def _eval(self, split: str = "valid") -> None:
         """Evaluate ``split`` if it exists and evaluation is on; hand the metrics to on_eval."""
@@ -423,8 +460,13 @@ class Trainer:
             if step == first_step and step % cfg.log_interval:
                 interval.restart_clock()  # the first step warms up (compiles); rates leave it out
             if hooks.post_step:
-                hooks.post_step(run=run, step=step, outputs=StepOutputs(
-                    loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch))
+                hooks.post_step(
+                    run=run,
+                    step=step,
+                    outputs=StepOutputs(
+                        loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch
+                    ),
+                )
 
             if step % cfg.log_interval == 0:
                 metrics = interval.flush(run)
@@ -452,8 +494,9 @@ class Trainer:
                 return reason
         return "completed"
 
-    def _scaled_update(self, params: list[torch.Tensor], clip: float,
-                       global_batch: int) -> tuple[bool, torch.Tensor | None]:
+    def _scaled_update(
+        self, params: list[torch.Tensor], clip: float, global_batch: int
+    ) -> tuple[bool, torch.Tensor | None]:
         """fp16: unscale, clip, step unless gradients overflowed; (skipped, grad norm).
 
         Knowing whether to advance the schedule needs the overflow flag on the host: one sync
@@ -475,8 +518,8 @@ class Trainer:
         """Forward and backward over the micro-batches (DDP syncs only on the last);
         the mean loss and the mean of each named value the model returned."""
         run, model = self.run, self.run.model
-        no_sync = getattr(model, "no_sync", None)                                 # DDP
-        set_gradient_sync = getattr(model, "set_requires_gradient_sync", None)    # FSDP2
+        no_sync = getattr(model, "no_sync", None)  # DDP
+        set_gradient_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2
         n_micro, losses, values = len(batches), [], []
         for i, batch in enumerate(batches):
             last = i == n_micro - 1
@@ -491,8 +534,9 @@ class Trainer:
             values.append(named)
         if n_micro == 1:
             return losses[0], values[0]
-        return torch.stack(losses).mean(), {name: torch.stack([v[name] for v in values]).float().mean()
-                                            for name in values[0]}
+        return torch.stack(losses).mean(), {
+            name: torch.stack([v[name] for v in values]).float().mean() for name in values[0]
+        }
 
     def _say_if_input_bound(self, metrics: dict[str, float]) -> None:
         """Once per run: most of a step waits for data, and which setting helps."""
@@ -501,10 +545,18 @@ class Trainer:
             return
         self._said_input_bound = True
         workers = self.run.config.data.num_workers
-        hint = ("set data.num_workers (batches are read in the training loop now)" if workers == 0 else
-                f"raise data.num_workers (now {workers}) or data.prefetch_factor, or make the dataset's reads cheaper")
-        log.warning("input-bound: %.0f%% of each step waits for data (%.1f ms of %.1f ms on the slowest rank); %s",
-                    100 * metrics["time/data_max"] / step_time, 1e3 * metrics["time/data_max"], 1e3 * step_time, hint)
+        hint = (
+            "set data.num_workers (batches are read in the training loop now)"
+            if workers == 0
+            else f"raise data.num_workers (now {workers}) or data.prefetch_factor, or make the dataset's reads cheaper"
+        )
+        log.warning(
+            "input-bound: %.0f%% of each step waits for data (%.1f ms of %.1f ms on the slowest rank); %s",
+            100 * metrics["time/data_max"] / step_time,
+            1e3 * metrics["time/data_max"],
+            1e3 * step_time,
+            hint,
+        )
 
     def _micro_batches_deciding(self) -> Any:
         """Micro-batches for (step, consumed samples): a plugin's answer (rampup) or the configured."""
@@ -527,7 +579,8 @@ class Trainer:
             code = 1
         if self.run.dist.world_size > 1:  # one exit code, and a checkpoint if any rank asks for one
             code, signum, exit_code, wants_checkpoint = max_over_ranks(
-                code, signum, control.exit_code, int(control.checkpoint_requested))
+                code, signum, control.exit_code, int(control.checkpoint_requested)
+            )
             control.exit_code, control.checkpoint_requested = exit_code, bool(wants_checkpoint)
         if code == 4:
             self.signum = signum

@@ -42,9 +42,11 @@ def peak_tflops(run: Any) -> float | None:
 def throughput(run: Any, samples_per_second: float, iteration_time: float, elapsed: float) -> dict[str, float]:
     """Tokens, FLOPs and MFU per device, consumed tokens, elapsed and estimated remaining time."""
     world = run.dist.world_size
-    metrics = {"samples_per_second_per_device": samples_per_second / world,
-               "elapsed_seconds": elapsed,
-               "remaining_seconds": max(run.config.train.train_iters - run.state.step, 0) * iteration_time}
+    metrics = {
+        "samples_per_second_per_device": samples_per_second / world,
+        "elapsed_seconds": elapsed,
+        "remaining_seconds": max(run.config.train.train_iters - run.state.step, 0) * iteration_time,
+    }
     if run.flops_per_sample:
         tflops = samples_per_second * run.flops_per_sample / world / 1e12
         metrics["tflops_per_device"] = tflops

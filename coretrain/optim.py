@@ -13,8 +13,9 @@ from coretrain.config import OptimizerConfig, SchedulerConfig
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
-def build_optimizer(cfg: OptimizerConfig, model: torch.nn.Module,
-                    overrides: Mapping[str, Mapping[str, float]]) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: OptimizerConfig, model: torch.nn.Module, overrides: Mapping[str, Mapping[str, float]]
+) -> torch.optim.Optimizer:
     """One param group per distinct override set; ``lr_mult`` is kept on the group for the schedule."""
     groups: dict[tuple, dict[str, Any]] = {}
     for name, param in model.named_parameters():
@@ -45,8 +46,14 @@ class WarmupDecayLR:
     state a plain dict. Vetoed updates do not move it.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_lr: float, train_iters: int,
-                 global_batch_size: int = 1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        cfg: SchedulerConfig,
+        max_lr: float,
+        train_iters: int,
+        global_batch_size: int = 1,
+    ) -> None:
         self.optimizer, self.cfg, self.max_lr = optimizer, cfg, max_lr
         self.decay_iters = cfg.decay_iters or max(train_iters, 1)
         self.global_batch_size = global_batch_size

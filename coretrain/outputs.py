@@ -60,8 +60,10 @@ def resolve_loss(name: str | None) -> LossFn | None:
     if ":" not in name:
         from coretrain.errors import did_you_mean
 
-        raise UserError(f"model.loss: '{name}' is neither a built-in loss ({', '.join(BUILT_IN)}) nor an import "
-                        f"path 'pkg.module:function'{did_you_mean(name, BUILT_IN)}")
+        raise UserError(
+            f"model.loss: '{name}' is neither a built-in loss ({', '.join(BUILT_IN)}) nor an import "
+            f"path 'pkg.module:function'{did_you_mean(name, BUILT_IN)}"
+        )
     from coretrain.run import import_callable
 
     return import_callable(name, "model.loss")
@@ -75,10 +77,15 @@ def split_output(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     if items is None or "loss" not in items:
         if hasattr(output, "loss"):  # e.g. a Hugging Face ModelOutput
             return output.loss, {}
-        raise UserError(f"the model returned a {type(output).__name__} without a loss; return the loss, a dict "
-                        "with 'loss', or set model.loss to turn its outputs into one")
-    extras = {name: value.detach() for name, value in items.items()
-              if name != "loss" and isinstance(value, torch.Tensor) and value.numel() == 1}
+        raise UserError(
+            f"the model returned a {type(output).__name__} without a loss; return the loss, a dict "
+            "with 'loss', or set model.loss to turn its outputs into one"
+        )
+    extras = {
+        name: value.detach()
+        for name, value in items.items()
+        if name != "loss" and isinstance(value, torch.Tensor) and value.numel() == 1
+    }
     return items["loss"], extras
 
 
@@ -98,8 +105,10 @@ def call(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[to
     if isinstance(batch, dict):
         inputs = dict(batch)
         if TARGET_KEY not in inputs:
-            raise UserError(f"model.loss needs a target: dict batches carry it under '{TARGET_KEY}' "
-                            f"(this batch has {sorted(inputs)})")
+            raise UserError(
+                f"model.loss needs a target: dict batches carry it under '{TARGET_KEY}' "
+                f"(this batch has {sorted(inputs)})"
+            )
         target = inputs.pop(TARGET_KEY)
         output = model(**inputs)
     elif isinstance(batch, (tuple, list)) and len(batch) >= 2:

@@ -52,8 +52,7 @@ class PluginEntry:
             obj = metadata.EntryPoint(self.name, self.value, GROUP).load()
         except Exception as exc:  # a broken plugin must stop the run with its cause
             raise UserError(
-                f"plugin '{self.name}' (from {self.origin}) failed to import {self.value}: "
-                f"{type(exc).__name__}: {exc}"
+                f"plugin '{self.name}' (from {self.origin}) failed to import {self.value}: {type(exc).__name__}: {exc}"
             ) from None
         if not (inspect.isclass(obj) and attrs.has(obj)):
             raise UserError(
@@ -89,7 +88,9 @@ def is_import_path(provider: str) -> bool:
     return ":" in provider
 
 
-def enabled_tables(config: Config, installed: Mapping[str, PluginEntry]) -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
+def enabled_tables(
+    config: Config, installed: Mapping[str, PluginEntry]
+) -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
     """Decide which plugins a config turns on: name -> (config key path, table).
 
     Providers named by ``model.provider`` / ``data.provider`` take ``[model.options]`` /
@@ -135,7 +136,9 @@ def enabled_tables(config: Config, installed: Mapping[str, PluginEntry]) -> dict
 def _require_installed(name: str, key: str, installed: Mapping[str, PluginEntry]) -> None:
     if name not in installed:
         known = ", ".join(sorted(installed)) or f"none ({INSTALL_HINT})"
-        raise UserError(f"{key}: no plugin named '{name}' is installed{did_you_mean(name, installed)}; installed: {known}")
+        raise UserError(
+            f"{key}: no plugin named '{name}' is installed{did_you_mean(name, installed)}; installed: {known}"
+        )
 
 
 class Plugins:
@@ -173,8 +176,9 @@ class Plugins:
     def implemented(self, hook_name: str) -> bool:
         return bool(getattr(self.manager.hook, hook_name).get_hookimpls())
 
-    def call_each(self, hook_name: str, per_plugin: Callable[[str], dict[str, Any]] | None = None,
-                  **kwargs: Any) -> dict[str, Any]:
+    def call_each(
+        self, hook_name: str, per_plugin: Callable[[str], dict[str, Any]] | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
         """Call ``hook_name`` on each implementing plugin separately; results keyed by plugin name.
 
         Used for per-plugin state (on_checkpoint / on_resume): the result must be keyed by the
@@ -210,13 +214,18 @@ class Plugins:
         except pluggy.PluginValidationError as exc:
             plugin_name = self.manager.get_name(exc.plugin) or "?"
             known = [n for n in dir(hookspecs) if not n.startswith("_")]
-            unknown = [n for n in _hook_like_methods(exc.plugin) if not hasattr(self.manager.hook, n)
-                       or not getattr(self.manager.hook, n).has_spec()]
+            unknown = [
+                n
+                for n in _hook_like_methods(exc.plugin)
+                if not hasattr(self.manager.hook, n) or not getattr(self.manager.hook, n).has_spec()
+            ]
             hints = "; ".join(f"'{n}'{did_you_mean(n, known)}" for n in unknown) or str(exc)
             raise UserError(f"plugin '{plugin_name}' implements hooks that do not exist: {hints}") from None
 
 
-def _naming_failures(function: Callable[..., Any], plugin: str, hook: str, argnames: tuple[str, ...]) -> Callable[..., Any]:
+def _naming_failures(
+    function: Callable[..., Any], plugin: str, hook: str, argnames: tuple[str, ...]
+) -> Callable[..., Any]:
     """Wrap a hook implementation so an exception from it says which plugin, hook and step."""
     step_at = argnames.index("step") if "step" in argnames else None
 
@@ -242,8 +251,11 @@ def _hook_like_methods(plugin: object) -> list[str]:
     return names
 
 
-def load_plugins(config: Config, locations: Mapping[tuple[str, ...], Location] | None = None,
-                 installed: Mapping[str, PluginEntry] | None = None) -> Plugins:
+def load_plugins(
+    config: Config,
+    locations: Mapping[tuple[str, ...], Location] | None = None,
+    installed: Mapping[str, PluginEntry] | None = None,
+) -> Plugins:
     """Import, configure and register every plugin the config enables; check hook names."""
     installed = discover() if installed is None else installed
     plugins = Plugins()
@@ -273,8 +285,12 @@ def field_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
     for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
             docs[node.target.id] = following.value.value.strip().splitlines()[0]
     return docs

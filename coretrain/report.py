@@ -27,12 +27,23 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("lr", "learning rate", [("lr", "lr")]),
     ("grad_norm", "L2 norm", [("grad_norm", "gradients (before clipping)")]),
     ("params_norm", "L2 norm", [("params_norm", "parameters")]),
-    ("throughput", "per device", [("tokens_per_second_per_device", "tokens/s"),
-                                  ("samples_per_second_per_device", "samples/s")]),
+    (
+        "throughput",
+        "per device",
+        [("tokens_per_second_per_device", "tokens/s"), ("samples_per_second_per_device", "samples/s")],
+    ),
     ("tflops", "TFLOP/s per device", [("tflops_per_device", "model TFLOP/s")]),
     ("memory", "GB", []),  # every memory/*_gb metric the run logged
-    ("time", "seconds per step", [("time/data", "waiting for data"), ("time/forward_backward", "forward + backward"),
-                                  ("time/optimizer", "optimizer step"), ("time/step", "whole step")]),
+    (
+        "time",
+        "seconds per step",
+        [
+            ("time/data", "waiting for data"),
+            ("time/forward_backward", "forward + backward"),
+            ("time/optimizer", "optimizer step"),
+            ("time/step", "whole step"),
+        ],
+    ),
 ]
 COMPARE_PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     # (file stem, x metric, x label, lines): loss against data seen and against wall time
@@ -44,8 +55,7 @@ COMPARE_PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
 def read_metrics(path: Path) -> Rows:
     """The rows of a metrics.jsonl; a line that is not JSON is a UserError naming file and line."""
     if not path.is_file():
-        raise UserError(f"{path}: no such file; give the run's output dir (it holds metrics.jsonl), "
-                        "or --metrics FILE")
+        raise UserError(f"{path}: no such file; give the run's output dir (it holds metrics.jsonl), or --metrics FILE")
     rows = []
     text = path.read_text(encoding="utf-8")
     lines = text.splitlines()
@@ -67,8 +77,11 @@ def read_metrics(path: Path) -> Rows:
 
 
 def series(rows: Rows, name: str, x: str = "step") -> tuple[list[float], list[float]]:
-    points = [(row[x], row[name]) for row in rows
-              if isinstance(row.get(name), (int, float)) and isinstance(row.get(x), (int, float))]
+    points = [
+        (row[x], row[name])
+        for row in rows
+        if isinstance(row.get(name), (int, float)) and isinstance(row.get(x), (int, float))
+    ]
     if x != "step":  # evaluation rows carry no x of their own: take the last train row's
         last: dict[int, float] = {}
         for row in rows:
@@ -86,7 +99,9 @@ def plot(runs: list[tuple[str, Rows]], out_dir: Path, title: str) -> list[Path]:
     import matplotlib.pyplot as plt
 
     several = len(runs) > 1
-    memory = sorted({k for _, rows in runs for row in rows for k in row if k.startswith("memory/") and k.endswith("_gb")})
+    memory = sorted(
+        {k for _, rows in runs for row in rows for k in row if k.startswith("memory/") and k.endswith("_gb")}
+    )
     panels = [(stem, "step", "step", ylabel, lines) for stem, ylabel, lines in PANELS]
     if several:
         panels += [(stem, x, xlabel, "loss", lines) for stem, x, xlabel, lines in COMPARE_PANELS]
@@ -138,31 +153,47 @@ def summary(rows: Rows) -> list[tuple[str, str]]:
     lines = [("steps logged", f"{rows[0]['step']} … {rows[-1]['step']} ({len(train)} train, {len(valid)} validation)")]
     if train:
         best = min(train, key=lambda row: row["loss"])
-        lines.append(("train loss", f"{train[0]['loss']:.4f} → {train[-1]['loss']:.4f} "
-                                    f"(lowest {best['loss']:.4f} at step {best['step']})"))
+        lines.append(
+            (
+                "train loss",
+                f"{train[0]['loss']:.4f} → {train[-1]['loss']:.4f} (lowest {best['loss']:.4f} at step {best['step']})",
+            )
+        )
     if valid:
         best = min(valid, key=lambda row: row["valid/loss"])
-        lines.append(("validation loss", f"last {valid[-1]['valid/loss']:.4f} at step {valid[-1]['step']}; "
-                                         f"best {best['valid/loss']:.4f} at step {best['step']}"))
+        lines.append(
+            (
+                "validation loss",
+                f"last {valid[-1]['valid/loss']:.4f} at step {valid[-1]['step']}; "
+                f"best {best['valid/loss']:.4f} at step {best['step']}",
+            )
+        )
 
     def median(name: str) -> float | None:
         values = series(rows, name)[1]
         return statistics.median(values) if values else None
 
-    for name, label, fmt in (("tokens_per_second_per_device", "tokens/s per device (median)", "{:,.0f}"),
-                             ("samples_per_second_per_device", "samples/s per device (median)", "{:,.1f}"),
-                             ("tflops_per_device", "TFLOP/s per device (median)", "{:.2f}"),
-                             ("mfu", "MFU (median)", "{:.1%}"),
-                             ("iteration_time", "iteration time (median)", "{:.3f} s")):
+    for name, label, fmt in (
+        ("tokens_per_second_per_device", "tokens/s per device (median)", "{:,.0f}"),
+        ("samples_per_second_per_device", "samples/s per device (median)", "{:,.1f}"),
+        ("tflops_per_device", "TFLOP/s per device (median)", "{:.2f}"),
+        ("mfu", "MFU (median)", "{:.1%}"),
+        ("iteration_time", "iteration time (median)", "{:.3f} s"),
+    ):
         value = median(name)
         if value is not None:
             lines.append((label, fmt.format(value)))
-    peaks = [max(values) for name in ("memory/max_allocated_gb", "memory/max_rss_gb") if (values := series(rows, name)[1])]
+    peaks = [
+        max(values) for name in ("memory/max_allocated_gb", "memory/max_rss_gb") if (values := series(rows, name)[1])
+    ]
     if peaks:
         lines.append(("peak memory", f"{max(peaks):.2f} GB"))
     last = train[-1] if train else rows[-1]
-    for name, label in (("consumed_tokens", "tokens consumed"), ("consumed_samples", "samples consumed"),
-                        ("skipped_updates", "skipped updates")):
+    for name, label in (
+        ("consumed_tokens", "tokens consumed"),
+        ("consumed_samples", "samples consumed"),
+        ("skipped_updates", "skipped updates"),
+    ):
         if name in last:
             lines.append((label, f"{last[name]:,.0f}"))
     return lines
@@ -189,8 +220,9 @@ def final(rows: Rows, how: str) -> float | None:
     for name in names.split("|"):
         values = series(rows, name)[1]
         if values:
-            return {"last": values[-1], "min": min(values), "max": max(values),
-                    "median": statistics.median(values)}[kind]
+            return {"last": values[-1], "min": min(values), "max": max(values), "median": statistics.median(values)}[
+                kind
+            ]
     return None
 
 
@@ -223,8 +255,11 @@ def report(run_dirs: list[Path], metrics_file: Path | None = None, out_dir: Path
                 continue
             cells = [fmt.format(v) if v is not None else "-" for v in values]
             first, last = values[0], values[-1]
-            difference = "-" if first is None or last is None else \
-                f"{last - first:+.4g}" + (f" ({(last - first) / abs(first):+.1%})" if first else "")
+            difference = (
+                "-"
+                if first is None or last is None
+                else f"{last - first:+.4g}" + (f" ({(last - first) / abs(first):+.1%})" if first else "")
+            )
             table.add_row(what, *cells, difference)
     console.print(table)
     for path in written:

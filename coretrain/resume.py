@@ -52,12 +52,20 @@ def _load_sharded(run: Run, directory: Path, with_optimizer: bool) -> None:
     model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state} if with_optimizer else {"model": model_state}
     try:
-        dcp.load(state, storage_reader=safeload.dcp_reader(directory), planner=safeload.dcp_planner(directory),
-                 no_dist=run.dist.world_size == 1)
+        dcp.load(
+            state,
+            storage_reader=safeload.dcp_reader(directory),
+            planner=safeload.dcp_planner(directory),
+            no_dist=run.dist.world_size == 1,
+        )
     except safeload.dcp_errors() as exc:  # DCP gathers every rank's failure: report ours, or the first
         raise safeload.dcp_unreadable(directory, exc) from None
-    set_state_dict(run.model, run.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"] if with_optimizer else {})
+    set_state_dict(
+        run.model,
+        run.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"] if with_optimizer else {},
+    )
 
 
 def check_model_fits(directory: Path, saved: dict[str, Any], model: torch.nn.Module, hint: str = "") -> None:
@@ -65,8 +73,11 @@ def check_model_fits(directory: Path, saved: dict[str, Any], model: torch.nn.Mod
     current = model.state_dict()
     problems = [f"'{k}' is missing from the checkpoint" for k in current if k not in saved]
     problems += [f"'{k}' is in the checkpoint but not in the model" for k in saved if k not in current]
-    problems += [f"'{k}' has shape {list(saved[k].shape)} in the checkpoint, {list(v.shape)} now"
-                 for k, v in current.items() if k in saved and hasattr(saved[k], "shape") and saved[k].shape != v.shape]
+    problems += [
+        f"'{k}' has shape {list(saved[k].shape)} in the checkpoint, {list(v.shape)} now"
+        for k, v in current.items()
+        if k in saved and hasattr(saved[k], "shape") and saved[k].shape != v.shape
+    ]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise UserError(f"{directory}: the checkpoint does not fit the model: {'; '.join(problems[:3])}{more}{hint}")
@@ -123,8 +134,10 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
             try:
                 run.optimizer.load_state_dict(restored.optimizer)
             except (ValueError, KeyError, RuntimeError) as exc:
-                raise UserError(f"{path / 'optimizer.pt'}: the optimizer state does not fit this optimizer ({exc}); "
-                                "if its parameter groups changed, set checkpoint.load_optimizer = false") from None
+                raise UserError(
+                    f"{path / 'optimizer.pt'}: the optimizer state does not fit this optimizer ({exc}); "
+                    "if its parameter groups changed, set checkpoint.load_optimizer = false"
+                ) from None
     for group, settings in zip(run.optimizer.param_groups, configured):
         group.update(settings)
     run.scheduler.load_state_dict(state["scheduler"])
@@ -157,8 +170,12 @@ def read_newest_loadable(run: Run, candidates: list[Path], explicit: bool, with_
         problem = problem or CheckpointUnreadable(path, "another rank could not read its part of it")
         if verdict == 2 or explicit or tried == len(candidates):
             raise problem
-        log.warning("checkpoint %s is unusable: %s: %s; falling back to the previous complete checkpoint "
-                    "(nothing is deleted)", path, problem.path, problem.reason)
+        log.warning(
+            "checkpoint %s is unusable: %s: %s; falling back to the previous complete checkpoint (nothing is deleted)",
+            path,
+            problem.path,
+            problem.reason,
+        )
     raise AssertionError("no candidates")  # callers pass at least one
 
 
@@ -172,35 +189,49 @@ def check_resumable(run: Run, info: dict[str, Any], rank_state: dict[str, Any] |
     config, saved = run.config, info.get("config")
     saved_optimizer = info.get("optimizer")
     if saved_optimizer and saved_optimizer != config.optimizer.name and config.checkpoint.load_optimizer:
-        raise UserError(f"optimizer.name: the checkpoint was trained with '{saved_optimizer}', the config asks for "
-                        f"'{config.optimizer.name}'; its state cannot carry over: set checkpoint.load_optimizer = "
-                        "false to start the optimizer afresh (weights, step and data position are kept)")
+        raise UserError(
+            f"optimizer.name: the checkpoint was trained with '{saved_optimizer}', the config asks for "
+            f"'{config.optimizer.name}'; its state cannot carry over: set checkpoint.load_optimizer = "
+            "false to start the optimizer afresh (weights, step and data position are kept)"
+        )
     saved_seq, seq = info.get("seq_length"), run.datasets.seq_length if run.datasets else None
     if saved_seq is not None and seq is not None and saved_seq != seq:
         hint = changed_keys_hint(saved, config, ("data", "model")) or "; the data provider reports it"
-        raise UserError(f"seq_length is {seq} now and {saved_seq} in the checkpoint{hint}: the data position and "
-                        "the model depend on it; resume with the old value or start a new run (another "
-                        "run.output_dir, or checkpoint.resume = \"never\")")
+        raise UserError(
+            f"seq_length is {seq} now and {saved_seq} in the checkpoint{hint}: the data position and "
+            "the model depend on it; resume with the old value or start a new run (another "
+            'run.output_dir, or checkpoint.resume = "never")'
+        )
     from coretrain.loader import is_stream
 
     saved_world = info.get("world_size")
     if run.datasets is not None and is_stream(run.datasets.train) and saved_world not in (None, run.dist.world_size):
-        raise UserError(f"the train split is a stream and the checkpoint was written on {saved_world} rank(s), this "
-                        f"run has {run.dist.world_size}: a stream's position is saved per rank, so it resumes on "
-                        f"{saved_world} rank(s) only")
+        raise UserError(
+            f"the train split is a stream and the checkpoint was written on {saved_world} rank(s), this "
+            f"run has {run.dist.world_size}: a stream's position is saved per rank, so it resumes on "
+            f"{saved_world} rank(s) only"
+        )
     data_state = (rank_state or {}).get("data") or {}
     if "num_workers" in data_state and data_state["num_workers"] != run.config.data.num_workers:
-        raise UserError(f"data.num_workers: the checkpoint's stream position was saved with {data_state['num_workers']} "
-                        f"worker(s), the config asks for {run.config.data.num_workers}; resume with the same number")
-    changed = [f"{key} {before!r} -> {after!r}" for key, before, after in config_changes(saved, config)
-               if key.split(".")[0] in ("optimizer", "scheduler") and key != "optimizer.name"]
+        raise UserError(
+            f"data.num_workers: the checkpoint's stream position was saved with {data_state['num_workers']} "
+            f"worker(s), the config asks for {run.config.data.num_workers}; resume with the same number"
+        )
+    changed = [
+        f"{key} {before!r} -> {after!r}"
+        for key, before, after in config_changes(saved, config)
+        if key.split(".")[0] in ("optimizer", "scheduler") and key != "optimizer.name"
+    ]
     if changed:
         log.warning("resuming with changed settings; the config's values are used from now on: %s", ", ".join(changed))
 
 
 def changed_keys_hint(saved: dict[str, Any] | None, config: Any, sections: tuple[str, ...]) -> str:
-    changed = [f"{key} ({before!r} -> {after!r})" for key, before, after in config_changes(saved, config)
-               if key.split(".")[0] in sections]
+    changed = [
+        f"{key} ({before!r} -> {after!r})"
+        for key, before, after in config_changes(saved, config)
+        if key.split(".")[0] in sections
+    ]
     return f"; changed since the checkpoint: {', '.join(changed)}" if changed else ""
 
 

@@ -115,7 +115,6 @@ class Run:
         return getattr(self.model, "module", self.model)
 
 
-
 def resolve_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise UserError("run.device: 'cuda' requested but torch sees no CUDA device; use 'auto' or 'cpu'")
@@ -155,8 +154,10 @@ def check_options(fn: Any, options: dict[str, Any], key: str, available: tuple[s
     except TypeError as exc:
         accepted = [n for n in signature.parameters if n not in available]
         hint = "".join(did_you_mean(k, accepted) for k in options if k not in signature.parameters)
-        raise UserError(f"{key}: options do not fit {fn.__module__}.{fn.__qualname__}: {exc}{hint}; "
-                        f"it accepts: {', '.join(accepted) or 'no options'}") from None
+        raise UserError(
+            f"{key}: options do not fit {fn.__module__}.{fn.__qualname__}: {exc}{hint}; "
+            f"it accepts: {', '.join(accepted) or 'no options'}"
+        ) from None
 
 
 def _call_with(fn: Any, options: dict[str, Any], key: str, **available: Any) -> Any:
@@ -192,7 +193,9 @@ class ImportedDataProvider:
             return result
         if isinstance(result, tuple):
             if not 1 <= len(result) <= 3:
-                raise UserError(f"data.provider: returned a tuple of {len(result)} items; expected (train, valid, test)")
+                raise UserError(
+                    f"data.provider: returned a tuple of {len(result)} items; expected (train, valid, test)"
+                )
             return Datasets(**dict(zip(("train", "valid", "test"), result)))
         return Datasets(train=result)
 
@@ -217,8 +220,7 @@ def register_import_path_providers(config: Config, plugins: Plugins) -> None:
 # --------------------------------------------------------------------------- building
 
 
-def build_run(config: Config, plugins: Plugins, write_config: bool = True,
-              signals: SignalWatcher | None = None) -> Run:
+def build_run(config: Config, plugins: Plugins, write_config: bool = True, signals: SignalWatcher | None = None) -> Run:
     """Construct everything the loop needs, in the documented order.
 
     With ``write_config`` (a real run, not `config show`) rank 0 first locks the output dir;
@@ -231,8 +233,10 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
     check_signals = signals.check if signals is not None else (lambda: None)
     for section in ("model", "data"):
         if not getattr(config, section).provider:
-            raise UserError(f"{section}.provider: not set; name a provider plugin (see `coretrain plugins`) "
-                            f"or an import path 'pkg.module:function'")
+            raise UserError(
+                f"{section}.provider: not set; name a provider plugin (see `coretrain plugins`) "
+                f"or an import path 'pkg.module:function'"
+            )
     register_import_path_providers(config, plugins)
     if config.run.threads:
         torch.set_num_threads(config.run.threads)
@@ -245,8 +249,14 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
     seed_everything(config.run.seed)
 
     output_dir = Path(config.output_dir)
-    run = Run(config=config, plugins=plugins, dist=dist_info, device=device, output_dir=output_dir,
-              micro_batches_per_step=micro)
+    run = Run(
+        config=config,
+        plugins=plugins,
+        dist=dist_info,
+        device=device,
+        output_dir=output_dir,
+        micro_batches_per_step=micro,
+    )
     if dist_info.is_main and write_config:
         run.output_lock = OutputDirLock(output_dir).acquire()
     check_signals()
@@ -270,8 +280,13 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
     adapt(run.datasets)
     # a full pass needs a sample per rank; eval_iters batches need one global batch
     eval_needed = dist_info.world_size if train.eval_full else global_batch if train.eval_iters else 1
-    check_datasets(run.datasets, config.data.provider, global_batch=global_batch, micro_batch=train.micro_batch_size,
-                   eval_needed=eval_needed)
+    check_datasets(
+        run.datasets,
+        config.data.provider,
+        global_batch=global_batch,
+        micro_batch=train.micro_batch_size,
+        eval_needed=eval_needed,
+    )
     check_signals()
     from coretrain.loader import is_stream
 
@@ -279,8 +294,11 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
         logging.getLogger("coretrain").warning(
             "the train split is a stream: each rank and worker reads every %d-th item of it, and a checkpoint "
             "resumes exactly only on %d rank(s) with data.num_workers = %d (the stream's position is saved per "
-            "rank and worker)", dist_info.world_size * max(config.data.num_workers, 1), dist_info.world_size,
-            config.data.num_workers)
+            "rank and worker)",
+            dist_info.world_size * max(config.data.num_workers, 1),
+            dist_info.world_size,
+            config.data.num_workers,
+        )
 
     model = plugins.hook.provide_model(run=run)
     if model is None:
@@ -297,8 +315,9 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True,
         for name, values in (result or {}).items():
             overrides.setdefault(name, {}).update(values)
     run.optimizer = build_optimizer(config.optimizer, run.model, overrides)
-    run.scheduler = WarmupDecayLR(run.optimizer, config.scheduler, config.optimizer.lr, train.train_iters,
-                                  run.global_batch_size)
+    run.scheduler = WarmupDecayLR(
+        run.optimizer, config.scheduler, config.optimizer.lr, train.train_iters, run.global_batch_size
+    )
     if config.run.precision == "fp16":
         run.grad_scaler = torch.amp.GradScaler(device.type)
     if dist_info.is_main and write_config:  # only a run that built is recorded: a rejected one leaves none

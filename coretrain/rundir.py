@@ -59,8 +59,10 @@ class OutputDirLock:
             holder = handle.read().strip() or "another process"
             handle.close()
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise UserError(f"{self.path} is in use by {holder}; wait for that run to end, "
-                                "or give this one another run.output_dir") from None
+                raise UserError(
+                    f"{self.path} is in use by {holder}; wait for that run to end, "
+                    "or give this one another run.output_dir"
+                ) from None
             raise UserError(f"{self.path}: cannot lock {lock_path}: {exc.strerror}") from None
         since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         handle.seek(0)

@@ -29,8 +29,14 @@ from coretrain.errors import CheckpointUnreadable
 
 _DCP_METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex", "StorageMeta",
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},

@@ -30,8 +30,14 @@ class PhaseTimes:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         self._events.clear()
 
-    def step(self, started: float, data_ready: float, backward_done: float, updated: float,
-             events: tuple[Any, Any, Any] | None = None) -> None:
+    def step(
+        self,
+        started: float,
+        data_ready: float,
+        backward_done: float,
+        updated: float,
+        events: tuple[Any, Any, Any] | None = None,
+    ) -> None:
         """One step's host marks (and, on CUDA, its events: forward start, backward end, update end)."""
         seconds = self.seconds
         seconds["data"] += data_ready - started

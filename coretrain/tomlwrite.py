@@ -41,8 +41,7 @@ def value(obj: Any) -> str:
 
 def dumps(data: Mapping[str, Any], _prefix: tuple[str, ...] = ()) -> str:
     """Scalars of a table first, then each sub-table under its own ``[a.b]`` header."""
-    lines = [f"{key(k)} = {value(v)}" for k, v in data.items()
-             if v is not None and not isinstance(v, Mapping)]
+    lines = [f"{key(k)} = {value(v)}" for k, v in data.items() if v is not None and not isinstance(v, Mapping)]
     blocks = ["\n".join(lines)] if lines else []
     for k, v in data.items():
         if isinstance(v, Mapping):

@@ -17,11 +17,19 @@ REPO = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
-def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     """``python -m coretrain ARGS`` as a user would run it, output captured (not a terminal)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "coretrain", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "coretrain", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def metrics_rows(out: Path) -> list[dict]:
@@ -33,7 +41,8 @@ def tiny_gpt_config(output_dir: Path, **train: Any) -> str:
     """A GPT run on a few standard-library files that takes seconds on CPU."""
     settings = {"micro_batch_size": 8, "train_iters": 40, "log_interval": 5, "eval_iters": 2, **train}
     train_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())  # TOML's scalars and lists
-    return textwrap.dedent(f"""\
+    return (
+        textwrap.dedent(f"""\
         [run]
         name = "tiny"
         output_dir = "{output_dir}"
@@ -57,7 +66,10 @@ def tiny_gpt_config(output_dir: Path, **train: Any) -> str:
         lr = 3e-3
 
         [train]
-        """) + train_lines + "\n"
+        """)
+        + train_lines
+        + "\n"
+    )
 
 
 def write_tiny_gpt(directory: Path, extra: str = "", **train: Any) -> tuple[Path, Path]:
@@ -102,7 +114,21 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (broken / name).parent.mkdir(parents=True, exist_ok=True)
         (broken / name).write_text(textwrap.dedent(text))
     target = root / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(REPO / "examples" / "coretrain-hooklog"), str(broken),
-                    str(REPO / "tests" / "fixtures" / "coretrain-faults")], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(REPO / "examples" / "coretrain-hooklog"),
+            str(broken),
+            str(REPO / "tests" / "fixtures" / "coretrain-faults"),
+        ],
+        check=True,
+    )
     return target

@@ -18,8 +18,9 @@ class Regression(torch.nn.Module):
 
     def __init__(self, width: int = 16, dropout: float = 0.0) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Dropout(dropout),
-                                       torch.nn.Linear(width, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(width, 1)
+        )
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.mse_loss(self.net(x), y)

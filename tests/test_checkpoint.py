@@ -30,21 +30,22 @@ def test_rng_state_round_trips_through_weights_only_load(tmp_path: Path) -> None
 
 
 def test_resume_ignores_an_uncommitted_save_and_falls_back_past_a_corrupt_one(
-        tmp_path: Any, no_autoload: None, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Any, no_autoload: None, caplog: pytest.LogCaptureFixture
+) -> None:
     run, _ = train(config(tmp_path, train={"exit_interval": 4}))
     root = tmp_path / "out" / "checkpoints"
-    (root / "step_00000008.tmp").mkdir()                 # a save that never committed
+    (root / "step_00000008.tmp").mkdir()  # a save that never committed
     assert complete_steps(root) == [4]
     resumed, _ = train(config(tmp_path, train={"train_iters": 6}))
-    assert resumed.state.step == 6                         # resumed from 4, not from the .tmp
+    assert resumed.state.step == 6  # resumed from 4, not from the .tmp
     (root / "step_00000006" / "model.pt").write_bytes(b"truncated")
     fallback, _ = train(config(tmp_path, train={"train_iters": 8}), ("first", FirstWeights()))
     assert fallback.state.step == 8 and "falling back" in caplog.text and "step_00000006" in caplog.text
-    assert (root / "step_00000006" / "model.pt").read_bytes() == b"truncated"   # the fallback deletes nothing
+    assert (root / "step_00000006" / "model.pt").read_bytes() == b"truncated"  # the fallback deletes nothing
     (root / "step_00000004" / "rank_00000.pt").write_bytes(b"")
     (root / "step_00000008" / "optimizer.pt").unlink()
     with pytest.raises(UserError, match=r"step_00000004/rank_00000.pt: cannot load checkpoint file: EOFError"):
-        train(config(tmp_path, train={"train_iters": 9}))       # nothing loadable left: the oldest's error
+        train(config(tmp_path, train={"train_iters": 9}))  # nothing loadable left: the oldest's error
 
 
 def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path: Any, no_autoload: None) -> None:
@@ -62,9 +63,14 @@ class FirstWeights:
 def test_pretrained_loads_weights_only_and_starts_at_step_zero(tmp_path: Any, no_autoload: None) -> None:
     source, _ = train(config(tmp_path / "a", train={"train_iters": 6}))
     seen = FirstWeights()
-    target, _ = train(config(tmp_path / "b", train={"train_iters": 3},
-                             checkpoint={"pretrained": str(tmp_path / "a" / "out" / "checkpoints" / "step_00000006")}),
-                      ("seen", seen))
+    target, _ = train(
+        config(
+            tmp_path / "b",
+            train={"train_iters": 3},
+            checkpoint={"pretrained": str(tmp_path / "a" / "out" / "checkpoints" / "step_00000006")},
+        ),
+        ("seen", seen),
+    )
     assert seen.step == 0 and target.state.step == 3
     assert all(torch.equal(seen.weights[k], v) for k, v in source.model.state_dict().items())
-    assert target.scheduler.updates == 3                     # a fresh optimizer and schedule
+    assert target.scheduler.updates == 3  # a fresh optimizer and schedule

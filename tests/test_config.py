@@ -26,13 +26,13 @@ def assert_user_error(result, *fragments: str) -> None:
 
 
 def test_extends_then_set_overrides_in_that_order(tmp_path: Path) -> None:
-    write(tmp_path / "base.toml", '[train]\nmicro_batch_size = 4\ntrain_iters = 100\n[optimizer]\nlr = 0.1\n')
+    write(tmp_path / "base.toml", "[train]\nmicro_batch_size = 4\ntrain_iters = 100\n[optimizer]\nlr = 0.1\n")
     child = write(tmp_path / "child.toml", 'extends = "base.toml"\n[train]\ntrain_iters = 50\n')
     config = load_config(child, ["optimizer.lr=3e-4", "run.name=exp1", "optimizer.betas=[0.8, 0.9]"]).config
-    assert config.train.micro_batch_size == 4          # from base
-    assert config.train.train_iters == 50              # child beats base
-    assert config.optimizer.lr == 3e-4                 # --set beats both, typed by TOML
-    assert config.run.name == "exp1"                   # bare words are strings
+    assert config.train.micro_batch_size == 4  # from base
+    assert config.train.train_iters == 50  # child beats base
+    assert config.optimizer.lr == 3e-4  # --set beats both, typed by TOML
+    assert config.run.name == "exp1"  # bare words are strings
     assert config.optimizer.betas == (0.8, 0.9)
 
 
@@ -43,40 +43,56 @@ def test_bad_toml_names_file_line_and_column(tmp_path: Path) -> None:
 
 def test_wrong_type_names_line_key_path_and_expected_type(tmp_path: Path) -> None:
     path = write(tmp_path / "c.toml", '[train]\nlog_interval = 10\nmicro_batch_size = "four"\n')
-    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
-                      f"{path}:3: train.micro_batch_size: expected an integer, got 'four' (string)")
+    assert_user_error(
+        run_cli("config", "validate", str(path), cwd=tmp_path),
+        f"{path}:3: train.micro_batch_size: expected an integer, got 'four' (string)",
+    )
 
 
 def test_unknown_key_suggests_the_right_one(tmp_path: Path) -> None:
     path = write(tmp_path / "c.toml", "[train]\ntrain_iter = 10\n")
-    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
-                      "train.train_iter: unknown key (did you mean 'train_iters'?)")
+    assert_user_error(
+        run_cli("config", "validate", str(path), cwd=tmp_path),
+        "train.train_iter: unknown key (did you mean 'train_iters'?)",
+    )
 
 
 def test_unknown_plugin_suggests_the_installed_one(tmp_path: Path) -> None:
     path = write(tmp_path / "c.toml", '[model]\nprovider = "gtp"\n')
-    assert_user_error(run_cli("run", str(path), cwd=tmp_path),
-                      "model.provider: no plugin named 'gtp' is installed (did you mean 'gpt'?)")
+    assert_user_error(
+        run_cli("run", str(path), cwd=tmp_path),
+        "model.provider: no plugin named 'gtp' is installed (did you mean 'gpt'?)",
+    )
 
 
 def test_plugin_table_errors_use_the_plugin_key_path(tmp_path: Path) -> None:
-    path = write(tmp_path / "c.toml", '[model]\nprovider = "gpt"\n[model.options]\nn_layers = 2\n'
-                                      '[plugins.progress]\nplain = "yes"\n')
-    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
-                      "model.options.n_layers: unknown key (did you mean 'n_layer'?)")
+    path = write(
+        tmp_path / "c.toml",
+        '[model]\nprovider = "gpt"\n[model.options]\nn_layers = 2\n[plugins.progress]\nplain = "yes"\n',
+    )
+    assert_user_error(
+        run_cli("config", "validate", str(path), cwd=tmp_path),
+        "model.options.n_layers: unknown key (did you mean 'n_layer'?)",
+    )
     path = write(tmp_path / "d.toml", '[plugins.progress]\nplain = "yes"\n')
-    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
-                      f"{path}:2: plugins.progress.plain: expected true or false, got 'yes' (string)")
-    path = write(tmp_path / "e.toml", '[plugins.wandb]\nmode = "offlin"\n')             # an optional choice
-    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
-                      f"{path}:2: plugins.wandb.mode: expected one of 'online', 'offline', 'disabled', "
-                      "got 'offlin' (string) (did you mean 'offline'?)")
+    assert_user_error(
+        run_cli("config", "validate", str(path), cwd=tmp_path),
+        f"{path}:2: plugins.progress.plain: expected true or false, got 'yes' (string)",
+    )
+    path = write(tmp_path / "e.toml", '[plugins.wandb]\nmode = "offlin"\n')  # an optional choice
+    assert_user_error(
+        run_cli("config", "validate", str(path), cwd=tmp_path),
+        f"{path}:2: plugins.wandb.mode: expected one of 'online', 'offline', 'disabled', "
+        "got 'offlin' (string) (did you mean 'offline'?)",
+    )
 
 
 def test_inconsistent_batch_sizes(tmp_path: Path) -> None:
     path = write(tmp_path / "c.toml", "[train]\nmicro_batch_size = 4\nglobal_batch_size = 10\n")
-    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
-                      "train.global_batch_size (10) must be a multiple of train.micro_batch_size")
+    assert_user_error(
+        run_cli("config", "validate", str(path), cwd=tmp_path),
+        "train.global_batch_size (10) must be a multiple of train.micro_batch_size",
+    )
 
 
 def test_missing_file_and_missing_base_and_bad_set(tmp_path: Path) -> None:
@@ -84,10 +100,14 @@ def test_missing_file_and_missing_base_and_bad_set(tmp_path: Path) -> None:
     path = write(tmp_path / "c.toml", 'extends = "base.toml"\n')
     assert_user_error(run_cli("run", str(path), cwd=tmp_path), "extends: 'base.toml' not found")
     ok = write(tmp_path / "ok.toml", "")
-    assert_user_error(run_cli("config", "validate", str(ok), "--set", "train.lr", cwd=tmp_path),
-                      "--set train.lr: expected KEY.PATH=VALUE")
-    assert_user_error(run_cli("config", "validate", str(ok), "--set", "optimizer.lr=fast", cwd=tmp_path),
-                      "--set optimizer.lr=fast: optimizer.lr: expected a finite number, got 'fast' (string)")
+    assert_user_error(
+        run_cli("config", "validate", str(ok), "--set", "train.lr", cwd=tmp_path),
+        "--set train.lr: expected KEY.PATH=VALUE",
+    )
+    assert_user_error(
+        run_cli("config", "validate", str(ok), "--set", "optimizer.lr=fast", cwd=tmp_path),
+        "--set optimizer.lr=fast: optimizer.lr: expected a finite number, got 'fast' (string)",
+    )
 
 
 def test_extends_cycle_is_reported(tmp_path: Path) -> None:
@@ -102,10 +122,10 @@ def test_config_show_marks_non_defaults_and_includes_plugin_defaults(tmp_path: P
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "lr = 0.01  # default: 0.0003" in lines
-    assert "weight_decay = 0.01" in lines                  # a default, unmarked
-    assert "n_layer = 1  # default: 4" in lines            # provider options with their defaults
+    assert "weight_decay = 0.01" in lines  # a default, unmarked
+    assert "n_layer = 1  # default: 4" in lines  # provider options with their defaults
     assert "dropout = 0.0" in lines
-    assert "[plugins.progress]" in lines                    # autoloaded plugins show too
+    assert "[plugins.progress]" in lines  # autoloaded plugins show too
 
 
 def test_resolved_config_written_by_a_run_loads_back_identically(tmp_path: Path) -> None:
@@ -118,10 +138,12 @@ def test_resolved_config_written_by_a_run_loads_back_identically(tmp_path: Path)
 
 def test_a_choice_differing_only_in_case_is_the_suggestion(tmp_path: Path) -> None:
     path = write(tmp_path / "c.toml", '[optimizer]\nname = "adamW"\n')
-    assert_user_error(run_cli("config", "validate", str(path), cwd=tmp_path),
-                      "optimizer.name: expected one of 'adamw', 'adam', 'sgd', got 'adamW' (string) (did you mean 'adamw'?)")
+    assert_user_error(
+        run_cli("config", "validate", str(path), cwd=tmp_path),
+        "optimizer.name: expected one of 'adamw', 'adam', 'sgd', got 'adamW' (string) (did you mean 'adamw'?)",
+    )
     bad_set = run_cli("config", "validate", str(path), "--set", "optimizer.lr", cwd=tmp_path)
-    assert "e.g. --set optimizer.lr=3e-4" in bad_set.stderr                  # an example that is itself valid
+    assert "e.g. --set optimizer.lr=3e-4" in bad_set.stderr  # an example that is itself valid
 
 
 def test_a_third_party_plugins_own_attrs_validators_name_the_option_and_the_set_flag(tmp_path: Path) -> None:
@@ -140,9 +162,11 @@ def test_a_third_party_plugins_own_attrs_validators_name_the_option_and_the_set_
                 raise ValueError("every = 7 collides with the log interval")
 
     where = {("plugins", "lr-csv", "every"): "--set plugins.lr-csv.every=0"}
-    for table, expected in [({"every": 0}, "--set plugins.lr-csv.every=0: plugins.lr-csv.every: must be > 0: 0"),
-                            ({"mode": "x"}, "plugins.lr-csv.mode: must be in ['a', 'w'] (got 'x')"),
-                            ({"every": 7}, "plugins.lr-csv: every = 7 collides with the log interval")]:
+    for table, expected in [
+        ({"every": 0}, "--set plugins.lr-csv.every=0: plugins.lr-csv.every: must be > 0: 0"),
+        ({"mode": "x"}, "plugins.lr-csv.mode: must be in ['a', 'w'] (got 'x')"),
+        ({"every": 7}, "plugins.lr-csv: every = 7 collides with the log interval"),
+    ]:
         with pytest.raises(UserError) as error:
             structure(table, LrCsv, prefix=("plugins", "lr-csv"), locations=where)
         assert expected in str(error.value) and "expected a table" not in str(error.value)

@@ -35,6 +35,9 @@ def test_core_module_imports_no_plugin(path: Path) -> None:
 
 def test_without_any_plugin_installed_the_core_explains_what_is_missing(tmp_path: Any) -> None:
     config = structure({"model": {"provider": "gpt"}}, Config)
-    with pytest.raises(UserError, match=r"model.provider: no plugin named 'gpt' is installed; installed: none "
-                                        r"\(install one, e.g. `pip install -e ./plugins`"):
+    with pytest.raises(
+        UserError,
+        match=r"model.provider: no plugin named 'gpt' is installed; installed: none "
+        r"\(install one, e.g. `pip install -e ./plugins`",
+    ):
         load_plugins(config, installed={})

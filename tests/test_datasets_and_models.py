@@ -18,12 +18,12 @@ CONTEXT = DatasetContext(train_samples=100, valid_samples=10, test_samples=10, s
 
 def test_token_windows_batch_fast_path_equals_per_sample() -> None:
     windows = TokenWindows(torch.arange(100), seq_length=8)
-    assert len(windows) == 12                                   # (100 - 1) // 8
+    assert len(windows) == 12  # (100 - 1) // 8
     x, y = windows.get_batch(torch.tensor([3, 0, 11]))
     for row, i in enumerate([3, 0, 11]):
         sx, sy = windows[i]
         assert torch.equal(x[row], sx) and torch.equal(y[row], sy)
-    assert torch.equal(y[0], x[0] + 1)                          # targets are the next tokens
+    assert torch.equal(y[0], x[0] + 1)  # targets are the next tokens
 
 
 def test_sample_order_is_a_seeded_permutation_per_epoch_and_resumable() -> None:
@@ -31,7 +31,7 @@ def test_sample_order_is_a_seeded_permutation_per_epoch_and_resumable() -> None:
     stream = order.indices(0, 25)
     assert sorted(stream[:10].tolist()) == list(range(10)) and sorted(stream[10:20].tolist()) == list(range(10))
     assert not torch.equal(stream[:10], stream[10:20])
-    assert torch.equal(SampleOrder(10, seed=3).indices(7, 9), stream[7:16])   # position alone resumes
+    assert torch.equal(SampleOrder(10, seed=3).indices(7, 9), stream[7:16])  # position alone resumes
 
 
 def test_ranks_and_micro_batches_split_a_global_batch_without_changing_it() -> None:
@@ -54,7 +54,8 @@ def test_text_bytes_split_is_by_file_name_and_deterministic(tmp_path: Path) -> N
     assert all(f"file {name[1:-4]} " in valid_text for name in valid_names)
     assert datasets.vocab_size == 256 and datasets.seq_length == 16
     again = TextBytes(globs=[str(tmp_path / "*.txt")], seq_length=16, valid_fraction=0.25).provide_datasets(
-        run=None, context=CONTEXT)
+        run=None, context=CONTEXT
+    )
     assert torch.equal(again.train.tokens, datasets.train.tokens)
 
 
@@ -65,7 +66,9 @@ def test_token_file_memory_maps_uint16_and_uint32(tmp_path: Path) -> None:
         write_tokens(str(path), tokens, dtype)
         assert path.stat().st_size == len(tokens) * (2 if dtype == "uint16" else 4)
         assert open_tokens(str(path), dtype)[-1].item() == top
-        datasets = TokenFile(train_path=str(path), dtype=dtype, seq_length=10).provide_datasets(run=None, context=CONTEXT)
+        datasets = TokenFile(train_path=str(path), dtype=dtype, seq_length=10).provide_datasets(
+            run=None, context=CONTEXT
+        )
         assert datasets.vocab_size == top + 1
         x, y = datasets.train.get_batch(torch.tensor([2]))
         assert x[0].tolist() == tokens[20:30] and y[0].tolist() == tokens[21:31]
@@ -88,7 +91,7 @@ def test_gpt_loss_starts_near_uniform_and_flops_follow_the_palm_formula() -> Non
     loss = model(idx, targets)
     assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.1
     assert model(idx).shape == (4, 32, 256)
-    n = sum(p.numel() for p in model.parameters()) - 32 * 32     # tied head counted once, positions excluded
+    n = sum(p.numel() for p in model.parameters()) - 32 * 32  # tied head counted once, positions excluded
     assert model.flops_per_token() == 6 * n + 12 * 2 * 32 * 32
 
 
@@ -100,8 +103,8 @@ def test_random_windows_are_fixed_by_seed_and_index_and_cover_the_text() -> None
     indices = torch.tensor([0, 7, 4999, 7])
     x, y = a.get_batch(indices)
     assert torch.equal(x, b.get_batch(indices)[0]) and not torch.equal(x, other.get_batch(indices)[0])
-    assert torch.equal(x[1], x[3]) and torch.equal(y[:, :-1], x[:, 1:])       # same index, same window; shifted
+    assert torch.equal(x[1], x[3]) and torch.equal(y[:, :-1], x[:, 1:])  # same index, same window; shifted
     assert torch.equal(a[7][0], x[1])
     starts = a.starts(torch.arange(5000))
     assert int(starts.min()) >= 0 and int(starts.max()) < 10_000 - 16
-    assert len(set(starts.tolist())) > 3800 and starts.float().std() > 2700     # as uniform draws: ~3934, ~2882
+    assert len(set(starts.tolist())) > 3800 and starts.float().std() > 2700  # as uniform draws: ~3934, ~2882

@@ -15,15 +15,26 @@ import pytest
 import torch
 from conftest import metrics_rows, run_cli, tiny_gpt_config
 
-
 pytestmark = pytest.mark.slow  # torchrun with 2 gloo ranks: the full suite, not the fast tier
 
-def torchrun(*args: str, cwd: Path, env: dict[str, str] | None = None, nproc: int = 2,
-             launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               *launcher, "-m", "coretrain", *args]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+
+def torchrun(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, nproc: int = 2, launcher: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *launcher,
+        "-m",
+        "coretrain",
+        *args,
+    ]
+    return subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})}
+    )
 
 
 def logged(out: Path) -> list[tuple[int, float]]:
@@ -32,8 +43,14 @@ def logged(out: Path) -> list[tuple[int, float]]:
 
 def write(directory: Path, name: str, **train: object) -> Path:
     path = directory / f"{name}.toml"
-    settings = {"micro_batch_size": 4, "global_batch_size": 8, "train_iters": 20, "log_interval": 5,
-                "eval_interval": 10, **train}
+    settings = {
+        "micro_batch_size": 4,
+        "global_batch_size": 8,
+        "train_iters": 20,
+        "log_interval": 5,
+        "eval_interval": 10,
+        **train,
+    }
     path.write_text(tiny_gpt_config(directory / name, **settings) + "\n[checkpoint]\nsave_interval = 10\n")
     return path
 
@@ -43,32 +60,41 @@ def test_ddp_on_two_ranks_matches_one_rank_with_two_accumulation_steps(tmp_path:
     assert one.returncode == 0, one.stderr
     two = torchrun("run", str(write(tmp_path, "two")), cwd=tmp_path)
     assert two.returncode == 0, two.stderr
-    assert "2 rank(s) on cpu" in two.stdout and two.stdout.count("step 20/20") == 1   # only rank 0 draws
+    assert "2 rank(s) on cpu" in two.stdout and two.stdout.count("step 20/20") == 1  # only rank 0 draws
     a, b = logged(tmp_path / "one"), logged(tmp_path / "two")
     assert [s for s, _ in a] == [s for s, _ in b]
     assert a[0][1] > 4.5
     for (_, x), (_, y) in zip(a, b):
         assert y == pytest.approx(x, rel=1e-5, abs=1e-5)
     saved = torch.load(tmp_path / "two" / "checkpoints" / "step_00000020" / "model.pt", weights_only=True)
-    assert not any(k.startswith("module.") for k in saved)                          # unwrapped weights
+    assert not any(k.startswith("module.") for k in saved)  # unwrapped weights
 
 
 def test_world_size_that_does_not_divide_the_global_batch_is_a_clear_error(tmp_path: Path) -> None:
     result = torchrun("run", str(write(tmp_path, "odd", micro_batch_size=4, global_batch_size=4)), cwd=tmp_path)
     assert result.returncode != 0
-    assert "error: train.global_batch_size (4) must be a multiple of train.micro_batch_size × data-parallel " \
-           "size (4 × 2 = 8)" in result.stderr
+    assert (
+        "error: train.global_batch_size (4) must be a multiple of train.micro_batch_size × data-parallel "
+        "size (4 × 2 = 8)" in result.stderr
+    )
 
 
 def launch_two_ranks_until_step(config: Path, out: Path, step: int) -> subprocess.Popen:
     """`coretrain run --nproc-per-node 2` in the background, returned once metrics.jsonl reaches ``step``."""
-    launcher = subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", "2"],
-                                cwd=config.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", "2"],
+        cwd=config.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while launcher.poll() is None and time.monotonic() < deadline:
-        if (out / "metrics.jsonl").exists() and any(json.loads(line)["step"] >= step for line in
-                                                    (out / "metrics.jsonl").read_text().splitlines()
-                                                    if line.endswith("}")):  # not a line being written
+        if (out / "metrics.jsonl").exists() and any(
+            json.loads(line)["step"] >= step
+            for line in (out / "metrics.jsonl").read_text().splitlines()
+            if line.endswith("}")
+        ):  # not a line being written
             break
         time.sleep(0.02)
     return launcher
@@ -79,9 +105,11 @@ def saved_by_both_ranks(out: Path) -> int:
     step = int((out / "checkpoints" / "latest").read_text())
     complete = sorted(p.name for p in (out / "checkpoints").glob("step_????????"))
     assert complete[-1] == f"step_{step:08d}"
-    steps_saved = {torch.load(out / "checkpoints" / f"step_{step:08d}" / f"rank_{r:05d}.pt",
-                              weights_only=True)["train"]["step"] for r in (0, 1)}
-    assert steps_saved == {step}                                                    # both ranks, same step
+    steps_saved = {
+        torch.load(out / "checkpoints" / f"step_{step:08d}" / f"rank_{r:05d}.pt", weights_only=True)["train"]["step"]
+        for r in (0, 1)
+    }
+    assert steps_saved == {step}  # both ranks, same step
     return step
 
 
@@ -126,25 +154,28 @@ def test_fsdp_checkpoint_is_sharded_and_resumes_on_two_ranks_and_on_one(tmp_path
     assert (checkpoint / "sharded" / ".metadata").is_file() and not (checkpoint / "model.pt").exists()
     assert sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
-    shutil.copytree(tmp_path / "split", tmp_path / "one")                           # the same run, to resume on 1 rank
+    shutil.copytree(tmp_path / "split", tmp_path / "one")  # the same run, to resume on 1 rank
     one = tmp_path / "one.toml"
     one.write_text(split.read_text().replace(str(tmp_path / "split"), str(tmp_path / "one")))
 
     two_ranks = run_cli("run", str(split), "--nproc-per-node", "2", cwd=tmp_path)
     assert two_ranks.returncode == 0, two_ranks.stderr
-    assert logged(tmp_path / "split") == logged(tmp_path / "full")                  # same world size: exact
-    one_rank = run_cli("run", str(one), "--set", "distributed.strategy=none", cwd=tmp_path)   # resharded by DCP
+    assert logged(tmp_path / "split") == logged(tmp_path / "full")  # same world size: exact
+    one_rank = run_cli("run", str(one), "--set", "distributed.strategy=none", cwd=tmp_path)  # resharded by DCP
     assert one_rank.returncode == 0, one_rank.stderr
     assert "resumed from" in one_rank.stderr and "(step 10," in one_rank.stderr
     for (s1, a), (s2, b) in zip(logged(tmp_path / "one"), logged(tmp_path / "full")):
         assert s1 == s2 and a == pytest.approx(b, rel=1e-5)
     # model-stats sums FSDP's shards: the whole model's norm, as the unsharded run measures it
-    norms = [[r["params_norm"] for r in metrics_rows(tmp_path / name) if r["step"] > 10 and "params_norm" in r]
-             for name in ("one", "full")]
+    norms = [
+        [r["params_norm"] for r in metrics_rows(tmp_path / name) if r["step"] > 10 and "params_norm" in r]
+        for name in ("one", "full")
+    ]
     assert norms[0] and norms[0] == pytest.approx(norms[1], rel=1e-5)
 
-    exported = run_cli("checkpoint", "export", str(tmp_path / "split"), "--to", str(tmp_path / "m.safetensors"),
-                       cwd=tmp_path)
+    exported = run_cli(
+        "checkpoint", "export", str(tmp_path / "split"), "--to", str(tmp_path / "m.safetensors"), cwd=tmp_path
+    )
     assert exported.returncode == 0, exported.stderr
     from safetensors.torch import load_file
 
@@ -159,8 +190,16 @@ def test_async_save_on_two_ranks_resumes_exactly(tmp_path: Path, strategy: str) 
         configs[name].write_text(configs[name].read_text() + f'\n[distributed]\nstrategy = "{strategy}"\n')
     assert run_cli("run", str(configs["full"]), "--nproc-per-node", "2", cwd=tmp_path).returncode == 0
     async_save = ("--set", "checkpoint.async_save=true")
-    first = run_cli("run", str(configs["split"]), "--nproc-per-node", "2", *async_save, "--set", "train.exit_interval=10",
-                    cwd=tmp_path)
+    first = run_cli(
+        "run",
+        str(configs["split"]),
+        "--nproc-per-node",
+        "2",
+        *async_save,
+        "--set",
+        "train.exit_interval=10",
+        cwd=tmp_path,
+    )
     assert first.returncode == 0, first.stderr
     assert "checkpoint step 10: training blocked" in first.stderr
     second = run_cli("run", str(configs["split"]), "--nproc-per-node", "2", *async_save, cwd=tmp_path)
@@ -171,7 +210,9 @@ def test_async_save_on_two_ranks_resumes_exactly(tmp_path: Path, strategy: str) 
 
 def test_a_rank_slowed_by_injected_sleep_is_reported_and_can_stop_the_run(tmp_path: Path) -> None:
     config = write(tmp_path, "run", train_iters=40, eval_iters=0)
-    config.write_text(config.read_text() + """
+    config.write_text(
+        config.read_text()
+        + """
 [distributed]
 strategy = "none"
 [plugins.fault-injection]
@@ -183,15 +224,25 @@ ranks = [1]
 [plugins.stragglers]
 report_interval = 0
 warmup_steps = 2
-""")
+"""
+    )
     reported = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path)
     assert reported.returncode == 0, reported.stderr
     assert "stragglers at step 5: ranks [1] below thresholds" in reported.stdout
     rows = metrics_rows(tmp_path / "run")
     assert rows[-1]["step"] == 40 and rows[-1]["stragglers/min_relative_score"] < 0.7
 
-    stopped = run_cli("run", str(config), "--nproc-per-node", "2", "--set", "plugins.stragglers.stop_if_detected=true",
-                      "--set", f"run.output_dir={tmp_path / 'stop'}", cwd=tmp_path)
+    stopped = run_cli(
+        "run",
+        str(config),
+        "--nproc-per-node",
+        "2",
+        "--set",
+        "plugins.stragglers.stop_if_detected=true",
+        "--set",
+        f"run.output_dir={tmp_path / 'stop'}",
+        cwd=tmp_path,
+    )
     assert stopped.returncode == 0, stopped.stderr
     assert "stopping at step 5: stragglers: ranks [1] are slow" in stopped.stderr
     assert (tmp_path / "stop" / "checkpoints" / "step_00000005").is_dir()
@@ -203,12 +254,21 @@ def test_weight_hash_names_the_first_parameter_where_replicas_differ(tmp_path: P
     healthy = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path)
     assert healthy.returncode == 0, healthy.stderr
     config.write_text(config.read_text() + "\n[plugins.perturb-weights]\nrank = 1\nat_step = 7\n")
-    diverged = run_cli("run", str(config), "--nproc-per-node", "2", "--set", f"run.output_dir={tmp_path / 'bad'}",
-                       cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    diverged = run_cli(
+        "run",
+        str(config),
+        "--nproc-per-node",
+        "2",
+        "--set",
+        f"run.output_dir={tmp_path / 'bad'}",
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(site)},
+    )
     assert diverged.returncode == 4
-    assert ("weight-hash: step 10: replicas differ, first at parameter 'wte.weight' "
-            "(ranks grouped by value: [[0], [1]])") in diverged.stderr
-    assert not (tmp_path / "bad" / "checkpoints" / "step_00000010").exists()      # no state to trust
+    assert (
+        "weight-hash: step 10: replicas differ, first at parameter 'wte.weight' (ranks grouped by value: [[0], [1]])"
+    ) in diverged.stderr
+    assert not (tmp_path / "bad" / "checkpoints" / "step_00000010").exists()  # no state to trust
 
 
 def test_fp8_with_fsdp_all_gather_runs_on_two_ranks_and_tracks_fp32(tmp_path: Path) -> None:
@@ -225,11 +285,13 @@ def test_fp8_with_fsdp_all_gather_runs_on_two_ranks_and_tracks_fp32(tmp_path: Pa
 
 def test_a_nan_only_one_rank_sees_is_skipped_by_both_and_the_replicas_stay_equal(tmp_path: Path, site: Path) -> None:
     config = write(tmp_path, "run", train_iters=20, eval_iters=0)
-    config.write_text(config.read_text() + '\n[plugins.guards]\n[plugins.weight-hash]\ninterval = 5\n'
-                      '[plugins.nan-loss]\nrank = 1\nat_step = 7\n')
+    config.write_text(
+        config.read_text() + "\n[plugins.guards]\n[plugins.weight-hash]\ninterval = 5\n"
+        "[plugins.nan-loss]\nrank = 1\nat_step = 7\n"
+    )
     result = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env={"PYTHONPATH": str(site)})
-    assert result.returncode == 0, result.stderr                                     # weight-hash found no split
-    assert "guards: step 7: loss is nan; update skipped" in result.stderr            # rank 0 judged the mean too
+    assert result.returncode == 0, result.stderr  # weight-hash found no split
+    assert "guards: step 7: loss is nan; update skipped" in result.stderr  # rank 0 judged the mean too
     rows = {r["step"]: r for r in metrics_rows(tmp_path / "run")}
     assert (rows[5]["skipped_updates"], rows[10]["skipped_updates"], rows[20]["skipped_updates"]) == (0.0, 1.0, 1.0)
     assert "replicas differ" not in result.stderr
@@ -244,12 +306,15 @@ def descendants(pid: int) -> list[int]:
 def test_a_preempted_job_whose_workers_get_sigterm_twice_still_checkpoints(tmp_path: Path) -> None:
     out = tmp_path / "run"
     launcher = launch_two_ranks_until_step(write(tmp_path, "run", train_iters=5000, eval_interval=1000), out, 12)
-    workers = [p for p in descendants(launcher.pid)
-               if "coretrain" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    workers = [
+        p
+        for p in descendants(launcher.pid)
+        if "coretrain" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+    ]
     assert len(workers) >= 2
-    for pid in workers:                       # the scheduler signals every process of the job...
+    for pid in workers:  # the scheduler signals every process of the job...
         os.kill(pid, signal.SIGTERM)
-    launcher.send_signal(signal.SIGTERM)      # ...and the launcher forwards it to the workers again
+    launcher.send_signal(signal.SIGTERM)  # ...and the launcher forwards it to the workers again
     _, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode == 143, stderr
     assert saved_by_both_ranks(out) >= 12

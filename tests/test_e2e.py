@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import metrics_rows, run_cli, write_tiny_gpt
 
-
 pytestmark = pytest.mark.slow  # the real CLI end to end: the full suite, not the fast tier
+
 
 def test_gpt_on_stdlib_text_learns_and_leaves_config_metrics_and_checkpoints(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=60, log_interval=10, eval_interval=30)
@@ -23,7 +23,7 @@ def test_gpt_on_stdlib_text_learns_and_leaves_config_metrics_and_checkpoints(tmp
     rows = metrics_rows(out)
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [10, 20, 30, 40, 50, 60]
-    assert train_rows[-1]["loss"] < 0.75 * train_rows[0]["loss"]          # learning, from ~5.5 (ln 256)
+    assert train_rows[-1]["loss"] < 0.75 * train_rows[0]["loss"]  # learning, from ~5.5 (ln 256)
     assert [r["step"] for r in rows if "valid/loss" in r] == [30, 60]
     assert train_rows[0]["tokens_per_second"] > 0 and train_rows[0]["global_batch_size"] == 8
     assert (out / "config.toml").is_file()
@@ -38,7 +38,7 @@ def test_metrics_file_keeps_full_precision_floats(tmp_path: Path) -> None:
     assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
     text = (out / "metrics.jsonl").read_text().splitlines()[0]
     loss = json.loads(text)["loss"]
-    assert repr(loss) in text and len(repr(loss)) > 10                    # not rounded for display
+    assert repr(loss) in text and len(repr(loss)) > 10  # not rounded for display
 
 
 def test_exit_interval_then_rerun_resumes_and_each_step_is_logged_once(tmp_path: Path) -> None:
@@ -60,14 +60,20 @@ def test_checkpoints_load_with_weights_only(tmp_path: Path) -> None:
 
 
 def test_python_m_and_help_do_not_import_torch() -> None:
-    code = ("import sys, contextlib, io\nimport coretrain\nassert 'torch' not in sys.modules\n"
-            "from coretrain.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    try: main(['--help'])\n    except SystemExit: pass\n"
-            "assert 'torch' not in sys.modules, 'coretrain --help imported torch'\n")
+    code = (
+        "import sys, contextlib, io\nimport coretrain\nassert 'torch' not in sys.modules\n"
+        "from coretrain.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try: main(['--help'])\n    except SystemExit: pass\n"
+        "assert 'torch' not in sys.modules, 'coretrain --help imported torch'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert "run" in subprocess.run([sys.executable, "-m", "coretrain", "--help"], capture_output=True,
-                                   text=True, check=True).stdout
+    assert (
+        "run"
+        in subprocess.run(
+            [sys.executable, "-m", "coretrain", "--help"], capture_output=True, text=True, check=True
+        ).stdout
+    )
 
 
 def test_progress_live_view_can_be_forced_and_shows_the_run(tmp_path: Path) -> None:
@@ -91,13 +97,14 @@ def test_checkpoint_list_and_export(tmp_path: Path) -> None:
     assert [(r[0], r[2]) for r in rows] == [("3", "complete"), ("6", "complete"), ("9", "incomplete")]
     assert listing.stdout.splitlines()[-1] == "3 checkpoint(s); 2 complete; latest: 6"
 
-    exported = run_cli("checkpoint", "export", str(out), "--step", "3", "--to", str(tmp_path / "m.safetensors"),
-                       cwd=tmp_path)
+    exported = run_cli(
+        "checkpoint", "export", str(out), "--step", "3", "--to", str(tmp_path / "m.safetensors"), cwd=tmp_path
+    )
     assert exported.returncode == 0, exported.stderr
     weights = load_file(str(tmp_path / "m.safetensors"))
     umask = os.umask(0)
     os.umask(umask)
-    assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask       # readable as the user's files are
+    assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # readable as the user's files are
     saved = torch.load(out / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
     assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in saved)
     missing = run_cli("checkpoint", "export", str(out), "--step", "4", "--to", "x.safetensors", cwd=tmp_path)
@@ -110,7 +117,7 @@ def test_logged_metrics_include_throughput_flops_mfu_time_and_memory(tmp_path: P
     assert result.returncode == 0, result.stderr
     first, last = [r for r in metrics_rows(out) if "loss" in r]
     assert last["consumed_tokens"] == last["consumed_samples"] * 32 == 20 * 8 * 32
-    assert last["tokens_per_second_per_device"] == last["tokens_per_second"]          # one rank
+    assert last["tokens_per_second_per_device"] == last["tokens_per_second"]  # one rank
     assert last["tflops_per_device"] > 0 and last["mfu"] == last["tflops_per_device"] / 0.5
     assert first["remaining_seconds"] > 0 and last["remaining_seconds"] == 0
     assert last["elapsed_seconds"] > first["elapsed_seconds"] > 0
@@ -123,7 +130,12 @@ def test_progress_file_reports_nonzero_job_and_cumulative_throughput_across_jobs
     assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
     lines = [line.split("\t") for line in (out / "progress.txt").read_text().splitlines()]
     assert [(fields[3], fields[4]) for fields in lines] == [
-        ("step 0", "job start"), ("step 10", "checkpoint"), ("step 10", "job start"), ("step 20", "checkpoint")]
+        ("step 0", "job start"),
+        ("step 10", "checkpoint"),
+        ("step 10", "job start"),
+        ("step 20", "checkpoint"),
+    ]
+
     def figure(line: list[str], name: str) -> float:
         return float(next(field for field in line if field.startswith(name)).split()[len(name.split())])
 
@@ -140,10 +152,15 @@ def test_progress_file_reports_nonzero_job_and_cumulative_throughput_across_jobs
 def test_tensorboard_event_files_hold_what_metrics_jsonl_holds_even_after_sigterm(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_interval=10,
-                                 extra='\n[plugins.tensorboard]\n[plugins.fault-injection]\naction = "sigterm"\nstep = 16\n')
+    config, out = write_tiny_gpt(
+        tmp_path,
+        train_iters=20,
+        log_interval=5,
+        eval_interval=10,
+        extra='\n[plugins.tensorboard]\n[plugins.fault-injection]\naction = "sigterm"\nstep = 16\n',
+    )
     result = run_cli("run", str(config), cwd=tmp_path)
-    assert result.returncode == 143, result.stderr                          # closed on the signal path too
+    assert result.returncode == 143, result.stderr  # closed on the signal path too
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     rows = metrics_rows(out)
@@ -151,14 +168,15 @@ def test_tensorboard_event_files_hold_what_metrics_jsonl_holds_even_after_sigter
         expected = [(r["step"], r[name]) for r in rows if name in r]
         stored = [(e.step, e.value) for e in events.Scalars(name)]
         assert [s for s, _ in stored] == [s for s, _ in expected] and expected
-        assert all(v == pytest.approx(x, rel=1e-6) for (_, v), (_, x) in zip(stored, expected))   # float32 in TB
+        assert all(v == pytest.approx(x, rel=1e-6) for (_, v), (_, x) in zip(stored, expected))  # float32 in TB
 
 
 def test_report_plots_the_run_and_prints_its_summary(tmp_path: Path) -> None:
     import matplotlib.image
 
-    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_interval=10,
-                                 extra="\n[plugins.model-stats]\n")
+    config, out = write_tiny_gpt(
+        tmp_path, train_iters=20, log_interval=5, eval_interval=10, extra="\n[plugins.model-stats]\n"
+    )
     assert run_cli("run", str(config), "--set", "run.peak_tflops=0.5", cwd=tmp_path).returncode == 0
     result = run_cli("report", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -166,8 +184,16 @@ def test_report_plots_the_run_and_prints_its_summary(tmp_path: Path) -> None:
     last = [r for r in rows if "loss" in r][-1]
     assert f"→ {last['loss']:.4f}" in result.stdout and "best" in result.stdout and "MFU (median)" in result.stdout
     names = sorted(p.name for p in (out / "report").iterdir())
-    assert names == ["grad_norm.png", "loss.png", "lr.png", "memory.png", "params_norm.png", "tflops.png",
-                     "throughput.png", "time.png"]
+    assert names == [
+        "grad_norm.png",
+        "loss.png",
+        "lr.png",
+        "memory.png",
+        "params_norm.png",
+        "tflops.png",
+        "throughput.png",
+        "time.png",
+    ]
     for name in names:
         height, width, _ = matplotlib.image.imread(out / "report" / name).shape
         assert (width, height) == (700, 400)
@@ -190,8 +216,9 @@ def test_random_offset_windows_train_and_resume_exactly(tmp_path: Path) -> None:
     assert whole.returncode == 0, whole.stderr
     assert run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path).returncode == 0
     assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
-    assert [(r["step"], r.get("loss")) for r in metrics_rows(out)] == \
-        [(r["step"], r.get("loss")) for r in metrics_rows(tmp_path / "whole")]
+    assert [(r["step"], r.get("loss")) for r in metrics_rows(out)] == [
+        (r["step"], r.get("loss")) for r in metrics_rows(tmp_path / "whole")
+    ]
 
 
 def test_report_compares_runs_in_overlaid_plots_and_a_table_of_differences(tmp_path: Path) -> None:
@@ -199,17 +226,26 @@ def test_report_compares_runs_in_overlaid_plots_and_a_table_of_differences(tmp_p
 
     config, _ = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_interval=10)
     for name, lr in (("base", "3e-3"), ("faster", "1e-2")):
-        result = run_cli("run", str(config), "--set", f"run.output_dir={tmp_path / name}", "--set", f"optimizer.lr={lr}",
-                         cwd=tmp_path)
+        result = run_cli(
+            "run",
+            str(config),
+            "--set",
+            f"run.output_dir={tmp_path / name}",
+            "--set",
+            f"optimizer.lr={lr}",
+            cwd=tmp_path,
+        )
         assert result.returncode == 0, result.stderr
     base, faster = (metrics_rows(tmp_path / n)[-1] for n in ("base", "faster"))
     with open(tmp_path / "faster" / "metrics.jsonl", "a") as f:
-        f.write('{"step": 25, "loss": 1.')                                  # a run still writing its next line
+        f.write('{"step": 25, "loss": 1.')  # a run still writing its next line
     result = run_cli("report", str(tmp_path / "base"), str(tmp_path / "faster"), cwd=tmp_path, env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stderr
     out = tmp_path / "base" / "report" / "compare"
     names = sorted(p.name for p in out.iterdir())
-    assert {"loss.png", "loss_vs_samples.png", "loss_vs_time.png", "throughput.png", "memory.png", "time.png"} <= set(names)
+    assert {"loss.png", "loss_vs_samples.png", "loss_vs_time.png", "throughput.png", "memory.png", "time.png"} <= set(
+        names
+    )
     assert matplotlib.image.imread(out / "loss.png").shape[:2] == (400, 700)
     row = next(line for line in result.stdout.splitlines() if "validation loss (last)" in line)
     difference = faster["valid/loss"] - base["valid/loss"]
@@ -217,7 +253,9 @@ def test_report_compares_runs_in_overlaid_plots_and_a_table_of_differences(tmp_p
     assert "faster − base" in result.stdout
 
 
-def run_in_terminal(argv: list[str], cwd: Path, cols: int = 120, rows: int = 40, timeout: float = 300) -> tuple[int, list[str]]:
+def run_in_terminal(
+    argv: list[str], cwd: Path, cols: int = 120, rows: int = 40, timeout: float = 300
+) -> tuple[int, list[str]]:
     """Run a command in a real pseudo-terminal of cols × rows; the screen a person would see at the end."""
     import fcntl
     import pty
@@ -251,16 +289,17 @@ def run_in_terminal(argv: list[str], cwd: Path, cols: int = 120, rows: int = 40,
 
 
 def test_the_live_view_leaves_exactly_one_panel_on_screen(tmp_path: Path) -> None:
-    config, out = write_tiny_gpt(tmp_path, train_iters=300, log_interval=10, eval_interval=100,
-                                 extra="\n[checkpoint]\nsave_interval = 100\n")
+    config, out = write_tiny_gpt(
+        tmp_path, train_iters=300, log_interval=10, eval_interval=100, extra="\n[checkpoint]\nsave_interval = 100\n"
+    )
     code, screen = run_in_terminal([sys.executable, "-m", "coretrain", "run", str(config)], tmp_path)
     assert code == 0, "\n".join(screen)
     text = "\n".join(screen)
-    assert sum(line.startswith("╭") and "coretrain" in line for line in screen) == 1, text   # no stale copies
+    assert sum(line.startswith("╭") and "coretrain" in line for line in screen) == 1, text  # no stale copies
     assert sum(line.startswith("╰") for line in screen) == 1, text
     top = next(i for i, line in enumerate(screen) if line.startswith("╭"))
     above = "\n".join(screen[:top])
-    for step in (100, 200, 300):                                   # log lines print above the panel, once each
+    for step in (100, 200, 300):  # log lines print above the panel, once each
         assert above.count(f"checkpoint step {step} saved") == 1, text
     assert "completed at step 300" in text and "300/300" in text and "steps/s   ETA 0:00:00" in text
     assert "step 100: valid loss" in text

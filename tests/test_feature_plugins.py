@@ -25,21 +25,28 @@ def plain_config(tmp_path: Path, tail: str, model: str = "helpers_inprocess:make
     tmp_path.mkdir(parents=True, exist_ok=True)
     settings = {"micro_batch_size": 8, "train_iters": 20, "log_interval": 5, "eval_iters": 0, **train}
     path = tmp_path / "c.toml"
-    path.write_text(f"""
+    path.write_text(
+        f"""
 [run]
-output_dir = "{tmp_path / 'out'}"
+output_dir = "{tmp_path / "out"}"
 [model]
 provider = "{model}"
 [data]
 provider = "helpers_inprocess:make_data"
 [train]
-""" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items()) + f"\n{tail}\n")
+"""
+        + "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())
+        + f"\n{tail}\n"
+    )
     return path
 
 
-def faulty_run(tmp_path: Path, guards: str, nan_at: list[int] = (), spike_at: list[int] = (),
-               train_iters: int = 12) -> tuple[Any, list[dict]]:
-    path = plain_config(tmp_path, f"""
+def faulty_run(
+    tmp_path: Path, guards: str, nan_at: list[int] = (), spike_at: list[int] = (), train_iters: int = 12
+) -> tuple[Any, list[dict]]:
+    path = plain_config(
+        tmp_path,
+        f"""
 [model.options]
 nan_at = {list(nan_at)}
 spike_at = {list(spike_at)}
@@ -47,7 +54,11 @@ spike_at = {list(spike_at)}
 lr = 0.01
 [plugins.guards]
 {guards}
-""", model="faulty_models:make_faulty", train_iters=train_iters, log_interval=1)
+""",
+        model="faulty_models:make_faulty",
+        train_iters=train_iters,
+        log_interval=1,
+    )
     result = run_cli("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
     return result, metrics_rows(tmp_path / "out")
 
@@ -59,9 +70,13 @@ def test_guards_skip_nan_and_spike_updates_and_keep_training(tmp_path: Path) -> 
     assert "guards: step 8: loss spiked to" in result.stderr
     assert [r["skipped_updates"] for r in rows if r["step"] in (4, 5, 8, 12)] == [0.0, 1.0, 2.0, 2.0]
     assert [(r["nan_steps"], r["spike_steps"]) for r in rows if r["step"] in (4, 5, 8, 12)] == [
-        (0, 0), (1, 0), (1, 1), (1, 1)]
+        (0, 0),
+        (1, 0),
+        (1, 1),
+        (1, 1),
+    ]
     weights = torch.load(tmp_path / "out" / "checkpoints" / "step_00000012" / "model.pt", weights_only=True)
-    assert all(torch.isfinite(w).all() for w in weights.values())          # the NaN never reached the weights
+    assert all(torch.isfinite(w).all() for w in weights.values())  # the NaN never reached the weights
 
 
 def test_guards_warn_lets_the_update_through(tmp_path: Path) -> None:
@@ -94,8 +109,12 @@ class GCWatcher:
 
 def test_gc_turns_automatic_collection_off_collects_on_schedule_and_restores(tmp_path: Path, no_autoload: None) -> None:
     watcher = GCWatcher()
-    run, code = train(config(tmp_path, train={"train_iters": 10, "eval_interval": 5, "eval_iters": 1},
-                             plugins={"gc": {"interval": 4}}), ("watcher", watcher))
+    run, code = train(
+        config(
+            tmp_path, train={"train_iters": 10, "eval_interval": 5, "eval_iters": 1}, plugins={"gc": {"interval": 4}}
+        ),
+        ("watcher", watcher),
+    )
     assert code == 0 and gc.isenabled()
     assert watcher.enabled_during == {False}
     # at start, steps 4 and 8, before the evals at 5 and 10, after each eval (5, 10)
@@ -103,10 +122,15 @@ def test_gc_turns_automatic_collection_off_collects_on_schedule_and_restores(tmp
 
 
 def test_optimizer_overrides_set_groups_and_per_group_schedules(tmp_path: Path, no_autoload: None) -> None:
-    rules = [{"pattern": "net.0.*", "lr_mult": 0.5},
-             {"pattern": "net.3.weight", "max_lr": 0.02, "min_lr": 0.002}]
-    run, _ = train(config(tmp_path, train={"train_iters": 5}, scheduler={"decay_style": "linear", "min_lr": 0.001},
-                          plugins={"optimizer-overrides": {"rules": rules}}))
+    rules = [{"pattern": "net.0.*", "lr_mult": 0.5}, {"pattern": "net.3.weight", "max_lr": 0.02, "min_lr": 0.002}]
+    run, _ = train(
+        config(
+            tmp_path,
+            train={"train_iters": 5},
+            scheduler={"decay_style": "linear", "min_lr": 0.001},
+            plugins={"optimizer-overrides": {"rules": rules}},
+        )
+    )
     names = {id(p): n for n, p in run.model.named_parameters()}
     groups = {tuple(sorted(names[id(p)] for p in g["params"])): g for g in run.optimizer.param_groups}
     assert groups[("net.0.weight",)]["lr_mult"] == 0.5 and groups[("net.0.weight",)]["weight_decay"] == 0.01
@@ -133,15 +157,23 @@ class BatchLog:
         self.batches.append(outputs.global_batch_size)
 
 
-def test_batch_rampup_follows_megatrons_formula_and_the_schedule_counts_samples(tmp_path: Path, no_autoload: None) -> None:
+def test_batch_rampup_follows_megatrons_formula_and_the_schedule_counts_samples(
+    tmp_path: Path, no_autoload: None
+) -> None:
     seen = BatchLog()
-    run, _ = train(config(tmp_path, train={"micro_batch_size": 4, "global_batch_size": 16, "train_iters": 8},
-                          scheduler={"warmup_iters": 4, "decay_style": "constant"},
-                          plugins={"batch-rampup": {"rampup_batch_size": [4, 4, 48]}}), ("seen", seen))
+    run, _ = train(
+        config(
+            tmp_path,
+            train={"micro_batch_size": 4, "global_batch_size": 16, "train_iters": 8},
+            scheduler={"warmup_iters": 4, "decay_style": "constant"},
+            plugins={"batch-rampup": {"rampup_batch_size": [4, 4, 48]}},
+        ),
+        ("seen", seen),
+    )
     # 3 increments of 4 over 48 samples: +4 per 16 samples consumed (0,4,8,12 | 16,24 | 32,44 | >48)
     assert seen.batches == [4, 4, 4, 4, 8, 8, 12, 12]
     assert run.state.consumed_samples == sum(seen.batches) == 56
-    assert run.scheduler.position == 56 / 16                 # 3.5 full batches: still warming up
+    assert run.scheduler.position == 56 / 16  # 3.5 full batches: still warming up
     assert run.scheduler.last_lr == pytest.approx(0.01 * 3.5 / 4)
 
 
@@ -152,8 +184,14 @@ def test_batch_rampup_rounds_down_when_allowed_and_counts_what_it_left_out(tmp_p
     with pytest.raises(UserError, match="wants a global batch of 6"):
         train(config(tmp_path / "a", **settings, plugins={"batch-rampup": {"rampup_batch_size": [6, 5, 20]}}))
     seen = BatchLog()
-    run, _ = train(config(tmp_path / "b", **settings, plugins={"batch-rampup": {
-        "rampup_batch_size": [6, 5, 20], "decrease_batch_size_if_needed": True}}), ("seen", seen))
+    run, _ = train(
+        config(
+            tmp_path / "b",
+            **settings,
+            plugins={"batch-rampup": {"rampup_batch_size": [6, 5, 20], "decrease_batch_size_if_needed": True}},
+        ),
+        ("seen", seen),
+    )
     # wants 6, 6, 6 (rounded to 4), 11 (to 8), then 16
     assert seen.batches == [4, 4, 4, 8, 16, 16] and run.plugins.get("batch-rampup").samples_left_out == 2 + 2 + 2 + 3
 
@@ -173,20 +211,23 @@ def test_fault_injection_raise_crashes_like_a_bug_and_still_closes_the_run(tmp_p
     result = injected(tmp_path, 'action = "raise"\nstep = 4')
     assert result.returncode == 1
     assert "RuntimeError: fault-injection: raised on rank 0 at step 4" in result.stderr
-    assert "error at step 3" in result.stdout                                   # on_train_end ran
+    assert "error at step 3" in result.stdout  # on_train_end ran
 
 
 def test_fault_injection_at_random_is_seeded(tmp_path: Path) -> None:
     first = injected(tmp_path / "a", 'action = "sleep"\nsleep_seconds = 0.0\nprobability = 0.3\nseed = 5')
     second = injected(tmp_path / "b", 'action = "sleep"\nsleep_seconds = 0.0\nprobability = 0.3\nseed = 5')
     steps = [line.split("at step ")[1] for line in first.stderr.splitlines() if "fault-injection" in line]
-    assert steps and steps == [line.split("at step ")[1] for line in second.stderr.splitlines() if "fault-injection" in line]
+    assert steps and steps == [
+        line.split("at step ")[1] for line in second.stderr.splitlines() if "fault-injection" in line
+    ]
 
 
 def test_profiler_writes_a_chrome_trace_of_the_window(tmp_path: Path) -> None:
     path = plain_config(tmp_path, "[plugins.profiler]\nstart = 3\nend = 5")
-    result = run_cli("run", str(path), "--set", f"run.output_dir={tmp_path / 'prof'}", cwd=tmp_path,
-                     env={"PYTHONPATH": TESTS})
+    result = run_cli(
+        "run", str(path), "--set", f"run.output_dir={tmp_path / 'prof'}", cwd=tmp_path, env={"PYTHONPATH": TESTS}
+    )
     assert result.returncode == 0, result.stderr
     trace = json.loads((tmp_path / "prof" / "profile" / "rank0_steps3-5.json").read_text())
     names = {event.get("name", "") for event in trace["traceEvents"]}
@@ -197,7 +238,10 @@ def test_memory_plugin_says_once_that_a_cpu_run_has_nothing_to_do(tmp_path: Path
     path = plain_config(tmp_path, "[plugins.memory]\nempty_unused_memory_level = 2\ntrain_sync_interval = 5")
     result = run_cli("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
     assert result.returncode == 0, result.stderr
-    assert result.stderr.count("memory: CPU run; empty_unused_memory_level and train_sync_interval have nothing to do") == 1
+    assert (
+        result.stderr.count("memory: CPU run; empty_unused_memory_level and train_sync_interval have nothing to do")
+        == 1
+    )
 
 
 def test_compile_keeps_parameter_names_and_trains(tmp_path: Path) -> None:
@@ -206,7 +250,7 @@ def test_compile_keeps_parameter_names_and_trains(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "compile: model compiled with mode=default" in result.stderr
     saved = torch.load(tmp_path / "out" / "checkpoints" / "step_00000010" / "model.pt", weights_only=True)
-    assert sorted(saved) == ["net.0.bias", "net.0.weight", "net.3.bias", "net.3.weight"]   # no _orig_mod.
+    assert sorted(saved) == ["net.0.bias", "net.0.weight", "net.3.bias", "net.3.weight"]  # no _orig_mod.
 
 
 def test_the_first_step_and_validation_stay_out_of_the_throughput(tmp_path: Path, no_autoload: None) -> None:
@@ -220,7 +264,7 @@ def test_the_first_step_and_validation_stay_out_of_the_throughput(tmp_path: Path
 
     recorder = Recorder()
     train(config(tmp_path, train={"train_iters": 8, "log_interval": 4}), ("slow", SlowFirstStep()), ("r", recorder))
-    assert recorder.logs[0][1]["iteration_time"] < 0.1                       # not (0.5 + 3 × fast) / 4
+    assert recorder.logs[0][1]["iteration_time"] < 0.1  # not (0.5 + 3 × fast) / 4
 
 
 def test_fp8_emulated_training_tracks_full_precision(tmp_path: Path) -> None:
@@ -235,10 +279,10 @@ def test_fp8_emulated_training_tracks_full_precision(tmp_path: Path) -> None:
         losses[name] = [row["loss"] for row in metrics_rows(tmp_path / name)]
         if name == "fp8":
             assert "fp8: no FP8 tensor cores here (cpu); torchao emulates FP8 numerics" in result.stderr
-            assert "fp8: tensorwise recipe on 4 Linear layers" in result.stderr   # qkv, proj, fc, mlp proj; not lm_head
-    assert losses["fp8"] != losses["fp32"]                                      # FP8 rounding really happened
+            assert "fp8: tensorwise recipe on 4 Linear layers" in result.stderr  # qkv, proj, fc, mlp proj; not lm_head
+    assert losses["fp8"] != losses["fp32"]  # FP8 rounding really happened
     for full, fp8 in zip(losses["fp32"], losses["fp8"]):
-        assert fp8 == pytest.approx(full, rel=0.02)                             # stated tolerance: 2% per logged step
+        assert fp8 == pytest.approx(full, rel=0.02)  # stated tolerance: 2% per logged step
 
 
 class LogRecorder:
@@ -252,32 +296,49 @@ class LogRecorder:
 
 def test_model_stats_log_the_parameter_norm_and_zero_gradients_at_log_steps(tmp_path: Path, no_autoload: None) -> None:
     seen = LogRecorder()
-    run, code = train(config(tmp_path, train={"train_iters": 6, "log_interval": 3}, data={"options": {"dead_inputs": 2}},
-                             plugins={"model-stats": {}}), ("seen", seen))
+    run, code = train(
+        config(
+            tmp_path,
+            train={"train_iters": 6, "log_interval": 3},
+            data={"options": {"dead_inputs": 2}},
+            plugins={"model-stats": {}},
+        ),
+        ("seen", seen),
+    )
     assert code == 0 and sorted(seen.logs) == [3, 6]
     # two input features are always 0: their columns of the 16-wide first layer never get a gradient
     assert [seen.logs[step]["zero_grads"] for step in (3, 6)] == [2 * 16, 2 * 16]
     weights = torch.cat([p.detach().flatten() for p in run.model.parameters()])
-    assert seen.logs[6]["params_norm"] == pytest.approx(weights.norm().item(), rel=1e-6)   # after the last update
+    assert seen.logs[6]["params_norm"] == pytest.approx(weights.norm().item(), rel=1e-6)  # after the last update
     assert seen.logs[3]["params_norm"] != seen.logs[6]["params_norm"] and not run.log_tensors
 
 
 def test_model_stats_can_be_turned_off_one_by_one(tmp_path: Path, no_autoload: None) -> None:
     seen = LogRecorder()
-    train(config(tmp_path, train={"train_iters": 3, "log_interval": 3}, plugins={"model-stats": {"zero_grads": False}}),
-          ("seen", seen))
+    train(
+        config(tmp_path, train={"train_iters": 3, "log_interval": 3}, plugins={"model-stats": {"zero_grads": False}}),
+        ("seen", seen),
+    )
     assert "params_norm" in seen.logs[3] and "zero_grads" not in seen.logs[3]
 
 
-def test_stragglers_individual_score_compares_a_rank_with_its_own_earlier_intervals(tmp_path: Path,
-                                                                                     no_autoload: None) -> None:
+def test_stragglers_individual_score_compares_a_rank_with_its_own_earlier_intervals(
+    tmp_path: Path, no_autoload: None
+) -> None:
     seen = LogRecorder()
-    run, code = train(config(tmp_path, train={"train_iters": 20, "log_interval": 5}, plugins={
-        "stragglers": {"report_interval": 0, "warmup_steps": 2},
-        "fault-injection": {"action": "sleep", "step": 11, "every_step": True, "sleep_seconds": 0.05}}),
-        ("seen", seen))
+    run, code = train(
+        config(
+            tmp_path,
+            train={"train_iters": 20, "log_interval": 5},
+            plugins={
+                "stragglers": {"report_interval": 0, "warmup_steps": 2},
+                "fault-injection": {"action": "sleep", "step": 11, "every_step": True, "sleep_seconds": 0.05},
+            },
+        ),
+        ("seen", seen),
+    )
     assert code == 0
     first, slowed = seen.logs[5], seen.logs[15]
-    assert first["stragglers/min_individual_score"] == 1.0 and first["stragglers/count"] == 0   # nothing to compare yet
+    assert first["stragglers/min_individual_score"] == 1.0 and first["stragglers/count"] == 0  # nothing to compare yet
     assert slowed["stragglers/min_individual_score"] < 0.2 and slowed["stragglers/count"] == 1
     assert run.plugins.get("stragglers").last_report["stragglers"] == [0]

@@ -61,15 +61,18 @@ def test_global_batch_must_divide(tmp_path: Any, no_autoload: None) -> None:
 
 def test_logged_loss_is_mean_of_the_interval_and_lr_follows_schedule(tmp_path: Any, no_autoload: None) -> None:
     recorder = Recorder()
-    cfg = config(tmp_path, train={"train_iters": 6, "log_interval": 3},
-                 scheduler={"warmup_iters": 2, "decay_style": "linear", "min_lr": 0.001})
+    cfg = config(
+        tmp_path,
+        train={"train_iters": 6, "log_interval": 3},
+        scheduler={"warmup_iters": 2, "decay_style": "linear", "min_lr": 0.001},
+    )
     run, _ = train(cfg, ("recorder", recorder))
     assert [step for step, _ in recorder.logs] == [3, 6]
-    for (step, metrics), chunk in zip(recorder.logs, (recorder.step_losses[:3], recorder.step_losses[3:])):
+    for (_, metrics), chunk in zip(recorder.logs, (recorder.step_losses[:3], recorder.step_losses[3:])):
         assert metrics["loss"] == pytest.approx(sum(chunk) / 3, rel=1e-6)
-    assert run.scheduler.lr_at(1) == pytest.approx(0.005)          # warmup 1/2 of 0.01
-    assert run.scheduler.lr_at(3) == pytest.approx(0.01)           # first post-warmup update
-    assert run.scheduler.lr_at(6) == pytest.approx(0.001)          # decay_iters = train_iters -> min_lr
+    assert run.scheduler.lr_at(1) == pytest.approx(0.005)  # warmup 1/2 of 0.01
+    assert run.scheduler.lr_at(3) == pytest.approx(0.01)  # first post-warmup update
+    assert run.scheduler.lr_at(6) == pytest.approx(0.001)  # decay_iters = train_iters -> min_lr
     assert recorder.logs[-1][1]["lr"] == pytest.approx(0.001)
 
 
@@ -108,21 +111,27 @@ def test_a_vetoed_update_leaves_weights_and_schedule_alone(tmp_path: Any, no_aut
     assert run.scheduler.updates == 8
 
 
-def test_a_plugin_stop_request_ends_the_run_with_a_checkpoint_and_its_exit_code(tmp_path: Any, no_autoload: None) -> None:
+def test_a_plugin_stop_request_ends_the_run_with_a_checkpoint_and_its_exit_code(
+    tmp_path: Any, no_autoload: None
+) -> None:
     recorder = Recorder()
     run, code = train(config(tmp_path), ("veto", Veto(skip=set(), stop_at=4, exit_code=3)), ("recorder", recorder))
     assert (run.state.step, code, recorder.outcome) == (4, 3, "stopped")
     assert (tmp_path / "out" / "checkpoints" / "step_00000004").is_dir()
 
 
-@pytest.mark.parametrize(("eval_interval", "eval_iters", "expected"), [
-    (None, 2, [10]),        # unset interval: validate only after training
-    (4, 2, [4, 8, 10]),     # every 4 steps, and once more at the end
-    (5, 2, [5, 10]),        # the end coincides with an interval: not twice
-    (4, 0, []),             # eval_iters = 0 disables validation
-])
-def test_eval_cadence(tmp_path: Any, no_autoload: None, eval_interval: int | None, eval_iters: int,
-                      expected: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("eval_interval", "eval_iters", "expected"),
+    [
+        (None, 2, [10]),  # unset interval: validate only after training
+        (4, 2, [4, 8, 10]),  # every 4 steps, and once more at the end
+        (5, 2, [5, 10]),  # the end coincides with an interval: not twice
+        (4, 0, []),  # eval_iters = 0 disables validation
+    ],
+)
+def test_eval_cadence(
+    tmp_path: Any, no_autoload: None, eval_interval: int | None, eval_iters: int, expected: list[int]
+) -> None:
     recorder = Recorder()
     train_cfg: dict[str, Any] = {"eval_iters": eval_iters}
     if eval_interval:
@@ -163,8 +172,9 @@ def test_training_reduces_the_loss(tmp_path: Any, no_autoload: None) -> None:
 
 def test_exit_duration_stops_early_with_a_checkpoint(tmp_path: Any, no_autoload: None) -> None:
     recorder = Recorder()
-    run, code = train(config(tmp_path, train={"train_iters": 100000, "exit_duration_in_mins": 0.002}),
-                      ("recorder", recorder))
+    run, code = train(
+        config(tmp_path, train={"train_iters": 100000, "exit_duration_in_mins": 0.002}), ("recorder", recorder)
+    )
     assert code == 0 and recorder.outcome == "exit_duration" and 0 < run.state.step < 100000
     assert (tmp_path / "out" / "checkpoints" / f"step_{run.state.step:08d}").is_dir()
 
@@ -172,8 +182,9 @@ def test_exit_duration_stops_early_with_a_checkpoint(tmp_path: Any, no_autoload:
 def test_skip_train_only_validates_the_loaded_checkpoint(tmp_path: Any, no_autoload: None) -> None:
     train(config(tmp_path, train={"train_iters": 4}))
     recorder = Recorder()
-    run, _ = train(config(tmp_path, train={"train_iters": 8, "skip_train": True, "eval_iters": 2}),
-                   ("recorder", recorder))
+    run, _ = train(
+        config(tmp_path, train={"train_iters": 8, "skip_train": True, "eval_iters": 2}), ("recorder", recorder)
+    )
     assert run.state.step == 4 and recorder.evals == [4] and recorder.logs == []
 
 
@@ -186,7 +197,7 @@ def test_mixed_precision_trains_and_resumes_exactly(tmp_path: Any, no_autoload: 
     train(config(tmp_path / "split", run={"precision": precision}, train={"train_iters": 40, "exit_interval": 15}))
     resumed, _ = train(config(tmp_path / "split", run={"precision": precision}, train={"train_iters": 40}))
     if precision == "fp16":
-        assert resumed.grad_scaler.get_scale() == full.grad_scaler.get_scale()      # scaler state restored
+        assert resumed.grad_scaler.get_scale() == full.grad_scaler.get_scale()  # scaler state restored
     for a, b in zip(weights(full), weights(resumed)):
         assert torch.equal(a, b)
 
@@ -202,7 +213,9 @@ class Overflow:
 
 def test_fp16_overflow_skips_the_update_and_counts_it(tmp_path: Any, no_autoload: None) -> None:
     clean, _ = train(config(tmp_path / "a", run={"precision": "fp16"}, train={"train_iters": 6}))
-    run, _ = train(config(tmp_path / "b", run={"precision": "fp16"}, train={"train_iters": 6}), ("overflow", Overflow()))
+    run, _ = train(
+        config(tmp_path / "b", run={"precision": "fp16"}, train={"train_iters": 6}), ("overflow", Overflow())
+    )
     # the scaler starts at 2**16 and may back off on its own first; the injected overflow adds one
     assert run.state.skipped_updates == clean.state.skipped_updates + 1
     assert run.scheduler.updates == 6 - run.state.skipped_updates
@@ -234,8 +247,9 @@ def test_a_logging_backend_sees_what_every_other_plugin_added_and_is_closed(tmp_
     backend = RecordingBackend()
     # registered after the backend, a plain plugin would run before it anyway (pluggy calls the
     # newest first); registered before it, only trylast keeps the backend last
-    _, code = train(config(tmp_path, train={"train_iters": 4, "log_interval": 2}),
-                    ("adder", AddsAMetric()), ("backend", backend))
+    _, code = train(
+        config(tmp_path, train={"train_iters": 4, "log_interval": 2}), ("adder", AddsAMetric()), ("backend", backend)
+    )
     assert code == 0 and backend.outcome == "completed"
     assert [step for step, _ in backend.rows] == [2, 4]
     assert all(metrics["added_by_a_plain_plugin"] == 1.0 for _, metrics in backend.rows)

@@ -21,6 +21,7 @@ from coretrain.pluginmanager import Plugins, discover, enabled_tables
 
 pytestmark = pytest.mark.slow  # pip installs of plugin packages: the full suite, not the fast tier
 
+
 def test_third_party_plugin_is_found_enabled_from_toml_and_called_in_a_real_run(site: Path, tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(site)}
     listing = run_cli("plugins", cwd=tmp_path, env=env)
@@ -28,19 +29,28 @@ def test_third_party_plugin_is_found_enabled_from_toml_and_called_in_a_real_run(
     assert "hooklog  coretrain-hooklog 0.1.0" in listing.stdout
     assert "hooks: on_checkpoint, on_eval, on_log, on_resume, on_train_end, on_train_start, post_step" in listing.stdout
 
-    config, out = write_tiny_gpt(tmp_path, train_iters=10, exit_interval=6, eval_interval=5,
-                                 extra='\n[plugins.hooklog]\npath = "calls.jsonl"\n')
+    config, out = write_tiny_gpt(
+        tmp_path, train_iters=10, exit_interval=6, eval_interval=5, extra='\n[plugins.hooklog]\npath = "calls.jsonl"\n'
+    )
     first = run_cli("run", str(config), cwd=tmp_path, env=env)
     assert first.returncode == 0, first.stderr
     second = run_cli("run", str(config), cwd=tmp_path, env=env)
     assert second.returncode == 0, second.stderr
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
     assert [(c["hook"], c["step"]) for c in calls] == [
-        ("on_train_start", 0), ("on_log", 5), ("on_eval", 5), ("on_checkpoint", 6), ("on_train_end", 6),
-        ("on_resume", 6), ("on_train_start", 6), ("on_log", 10), ("on_eval", 10), ("on_checkpoint", 10),
+        ("on_train_start", 0),
+        ("on_log", 5),
+        ("on_eval", 5),
+        ("on_checkpoint", 6),
+        ("on_train_end", 6),
+        ("on_resume", 6),
+        ("on_train_start", 6),
+        ("on_log", 10),
+        ("on_eval", 10),
+        ("on_checkpoint", 10),
         ("on_train_end", 10),
     ]
-    assert calls[5]["steps_seen"] == 6 and calls[-1]["steps_seen"] == 10   # its state survived the restart
+    assert calls[5]["steps_seen"] == 6 and calls[-1]["steps_seen"] == 10  # its state survived the restart
     assert calls[4]["outcome"] == "exit_interval" and calls[-1]["outcome"] == "completed"
 
 
@@ -49,9 +59,11 @@ def test_a_broken_plugin_is_named_with_its_distribution_and_cause_and_stops_the_
     config, _ = write_tiny_gpt(tmp_path, train_iters=2, extra="\n[plugins.broken]\n")
     result = run_cli("run", str(config), cwd=tmp_path, env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert ("error: plugin 'broken' (from coretrain-broken 0.1.0) failed to import coretrain_broken:Broken: "
-            "ImportError: needs libfoo, which is not installed") in result.stderr
-    assert not (tmp_path / "out" / "metrics.jsonl").exists()       # stopped before training
+    assert (
+        "error: plugin 'broken' (from coretrain-broken 0.1.0) failed to import coretrain_broken:Broken: "
+        "ImportError: needs libfoo, which is not installed"
+    ) in result.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # stopped before training
     listing = run_cli("plugins", cwd=tmp_path, env=env)
     assert listing.returncode == 0 and "broken  coretrain-broken 0.1.0  broken: " in listing.stdout
 
@@ -63,10 +75,12 @@ def test_a_broken_plugin_that_is_not_enabled_is_never_imported(site: Path, tmp_p
 
 
 def test_discovery_reads_metadata_without_importing_plugins() -> None:
-    code = ("import sys; from coretrain.pluginmanager import discover; found = discover(); "
-            "assert {'gpt', 'text-bytes', 'token-file', 'progress', 'metrics-file'} <= set(found), found; "
-            "loaded = [m for m in sys.modules if m.startswith('coretrain_')]; assert not loaded, loaded; "
-            "assert 'torch' not in sys.modules")
+    code = (
+        "import sys; from coretrain.pluginmanager import discover; found = discover(); "
+        "assert {'gpt', 'text-bytes', 'token-file', 'progress', 'metrics-file'} <= set(found), found; "
+        "loaded = [m for m in sys.modules if m.startswith('coretrain_')]; assert not loaded, loaded; "
+        "assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -103,7 +117,9 @@ class Misspelled:
 def test_a_misspelled_hook_is_an_error_not_silence() -> None:
     plugins = Plugins()
     plugins.register("typo", Misspelled())
-    with pytest.raises(UserError, match=r"plugin 'typo' implements hooks that do not exist: 'on_lgo' \(did you mean 'on_log'\?\)"):
+    with pytest.raises(
+        UserError, match=r"plugin 'typo' implements hooks that do not exist: 'on_lgo' \(did you mean 'on_log'\?\)"
+    ):
         plugins.check_pending()
 
 
@@ -113,7 +129,10 @@ class WrongArgs:
 
 
 def test_an_implementation_with_unknown_arguments_is_rejected() -> None:
-    with pytest.raises(UserError, match=r"plugin 'bad': hookimpl definition: on_log\(step.*Argument\(s\) {'loss'} are declared in the hookimpl"):
+    with pytest.raises(
+        UserError,
+        match=r"plugin 'bad': hookimpl definition: on_log\(step.*Argument\(s\) {'loss'} are declared in the hookimpl",
+    ):
         Plugins().register("bad", WrongArgs())
 
 

@@ -26,7 +26,7 @@ def write_config(directory: Path, extra: str = "") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "c.toml"
     text = tiny_gpt_config(directory / "out", train_iters=TRAIN_ITERS, log_interval=5, eval_iters=0)
-    text = text.replace("n_embd = 32", "n_embd = 32\ndropout = 0.1")           # RNG state matters
+    text = text.replace("n_embd = 32", "n_embd = 32\ndropout = 0.1")  # RNG state matters
     path.write_text(text + "\n[checkpoint]\nsave_interval = 10\n" + extra)
     return path
 
@@ -40,10 +40,10 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_run(out: Path, reference: Path) -> None:
-    assert losses(out) == losses(reference)                                  # every logged loss, exactly
+    assert losses(out) == losses(reference)  # every logged loss, exactly
     ours, theirs = final_weights(out), final_weights(reference)
     assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[k], theirs[k]) for k in ours)                # atol = rtol = 0
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)  # atol = rtol = 0
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,9 @@ def wait_for_step(out: Path, step: int, process: subprocess.Popen, timeout: floa
     deadline = time.monotonic() + timeout
     metrics = out / "metrics.jsonl"
     while time.monotonic() < deadline and process.poll() is None:
-        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()
-                                    if line.endswith("}")):  # not a line being written
+        if metrics.exists() and any(
+            json.loads(line)["step"] >= step for line in metrics.read_text().splitlines() if line.endswith("}")
+        ):  # not a line being written
             return
         time.sleep(0.01)
     raise AssertionError(f"run never reached step {step}")
@@ -69,8 +70,13 @@ def wait_for_step(out: Path, step: int, process: subprocess.Popen, timeout: floa
 def test_sigterm_checkpoints_the_step_reached_exits_143_and_resumes_exactly(tmp_path: Path, reference: Path) -> None:
     config = write_config(tmp_path)
     out = tmp_path / "out"
-    process = subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "coretrain", "run", str(config)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_step(out, 23, process)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
@@ -79,7 +85,7 @@ def test_sigterm_checkpoints_the_step_reached_exits_143_and_resumes_exactly(tmp_
     assert 23 <= stopped_at < TRAIN_ITERS
     assert f"stopping at step {stopped_at}: received SIGTERM" in stderr
     assert (out / "checkpoints" / f"step_{stopped_at:08d}" / "model.pt").is_file()
-    assert "signal at step" in stdout                                         # progress saw on_train_end
+    assert "signal at step" in stdout  # progress saw on_train_end
 
     resumed = run_cli("run", str(config), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
@@ -87,13 +93,17 @@ def test_sigterm_checkpoints_the_step_reached_exits_143_and_resumes_exactly(tmp_
     assert_same_run(out, reference)
 
 
-@pytest.mark.parametrize(("point", "complete_before_restart"), [
-    ("before_write", [10]),        # killed as the save of step 20 began
-    ("mid_write", [10]),           # killed while writing step 20: its .tmp dir is never loaded
-    ("after_commit", [10, 20]),    # killed right after step 20 was committed
-])
+@pytest.mark.parametrize(
+    ("point", "complete_before_restart"),
+    [
+        ("before_write", [10]),  # killed as the save of step 20 began
+        ("mid_write", [10]),  # killed while writing step 20: its .tmp dir is never loaded
+        ("after_commit", [10, 20]),  # killed right after step 20 was committed
+    ],
+)
 def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(
-        tmp_path: Path, reference: Path, site: Path, point: str, complete_before_restart: list[int]) -> None:
+    tmp_path: Path, reference: Path, site: Path, point: str, complete_before_restart: list[int]
+) -> None:
     config = write_config(tmp_path, f'\n[plugins.kill-during-save]\nat_step = 20\npoint = "{point}"\n')
     out, env = tmp_path / "out", {"PYTHONPATH": str(site)}
     killed = run_cli("run", str(config), cwd=tmp_path, env=env)
@@ -114,15 +124,16 @@ def test_exit_interval_then_rerun_resumes_exactly(tmp_path: Path, reference: Pat
     config = write_config(tmp_path)
     first = run_cli("run", str(config), "--set", "train.exit_interval=37", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "37"   # mid log interval
+    assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "37"  # mid log interval
     assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
     assert_same_run(tmp_path / "out", reference)
 
 
 def test_async_save_resumes_exactly_too(tmp_path: Path, reference: Path) -> None:
     config = write_config(tmp_path)
-    first = run_cli("run", str(config), "--set", "train.exit_interval=55", "--set", "checkpoint.async_save=true",
-                    cwd=tmp_path)
+    first = run_cli(
+        "run", str(config), "--set", "train.exit_interval=55", "--set", "checkpoint.async_save=true", cwd=tmp_path
+    )
     assert first.returncode == 0, first.stderr
     assert "training blocked" in first.stderr and "writing in the background" in first.stderr
     second = run_cli("run", str(config), "--set", "checkpoint.async_save=true", cwd=tmp_path)
@@ -131,17 +142,19 @@ def test_async_save_resumes_exactly_too(tmp_path: Path, reference: Path) -> None
 
 
 def test_a_repeated_sigterm_or_sigusr1_waits_but_a_second_ctrl_c_aborts_at_once() -> None:
-    code = ("import os, signal, time\nfrom coretrain.signals import SignalWatcher\n"
-            "with SignalWatcher() as watcher:\n"
-            "    os.kill(os.getpid(), signal.SIGTERM)\n"
-            "    os.kill(os.getpid(), signal.SIGTERM)\n"          # torchrun forwarding the scheduler's signal
-            "    os.kill(os.getpid(), signal.SIGUSR1)\n"
-            "    time.sleep(0.1)\n"
-            "    assert watcher.received == signal.SIGTERM\n"
-            "    print('survived repeats', flush=True)\n"
-            "    os.kill(os.getpid(), signal.SIGINT)\n"           # a person pressing Ctrl-C again
-            "    time.sleep(5)\n"
-            "print('survived ctrl-c')\n")
+    code = (
+        "import os, signal, time\nfrom coretrain.signals import SignalWatcher\n"
+        "with SignalWatcher() as watcher:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"  # torchrun forwarding the scheduler's signal
+        "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "    time.sleep(0.1)\n"
+        "    assert watcher.received == signal.SIGTERM\n"
+        "    print('survived repeats', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"  # a person pressing Ctrl-C again
+        "    time.sleep(5)\n"
+        "print('survived ctrl-c')\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == -signal.SIGINT and "survived repeats" in result.stdout
     assert "survived ctrl-c" not in result.stdout

@@ -38,7 +38,7 @@ def one_error_line(stderr: str) -> str:
     lines = stderr.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("error:")]
     assert len(starts) == 1, stderr
-    message = [lines[starts[0]]] + [line.strip() for line in lines[starts[0] + 1:] if line.startswith("  ")]
+    message = [lines[starts[0]]] + [line.strip() for line in lines[starts[0] + 1 :] if line.startswith("  ")]
     return " ".join(message)
 
 
@@ -74,10 +74,16 @@ def make_sharded(step: Path, marker: Path | None) -> None:
     model = torch.load(step / "model.pt", weights_only=True)
     optimizer = torch.load(step / "optimizer.pt", weights_only=True)
     names = list(model)
-    state = {"model": model, "optimizer": {
-        "state": {names[i]: s for i, s in optimizer["state"].items() if i < len(names)},
-        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-                         for g in optimizer["param_groups"]]}}
+    state = {
+        "model": model,
+        "optimizer": {
+            "state": {names[i]: s for i, s in optimizer["state"].items() if i < len(names)},
+            "param_groups": [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+                for g in optimizer["param_groups"]
+            ],
+        },
+    }
     if marker is not None:
         state["optimizer"]["param_groups"][0]["lr"] = Payload(marker)
     dcp.save(state, checkpoint_id=str(step / "sharded"), no_dist=True)
@@ -98,16 +104,25 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 CASES = [  # (file holding the payload, layout, where the checkpoint is read)
-    *[(f, "replicated", path) for f in ("model.pt", "optimizer.pt", "rank_00000.pt", "checkpoint.json")
-      for path in ("resume", "pretrained", "export") if not (path != "resume" and f in ("optimizer.pt", "rank_00000.pt"))],
-    *[(f, "sharded", path) for f in ("sharded/.metadata", "sharded/__0_0.distcp")
-      for path in ("resume", "pretrained", "export") if not (path == "pretrained" and f.endswith(".distcp"))],
+    *[
+        (f, "replicated", path)
+        for f in ("model.pt", "optimizer.pt", "rank_00000.pt", "checkpoint.json")
+        for path in ("resume", "pretrained", "export")
+        if not (path != "resume" and f in ("optimizer.pt", "rank_00000.pt"))
+    ],
+    *[
+        (f, "sharded", path)
+        for f in ("sharded/.metadata", "sharded/__0_0.distcp")
+        for path in ("resume", "pretrained", "export")
+        if not (path == "pretrained" and f.endswith(".distcp"))
+    ],
 ]
 
 
 @pytest.mark.parametrize(("planted", "layout", "path"), CASES)
 def test_a_crafted_checkpoint_file_runs_nothing_and_is_named(
-        tmp_path: Path, finished: Path, planted: str, layout: str, path: str) -> None:
+    tmp_path: Path, finished: Path, planted: str, layout: str, path: str
+) -> None:
     work = tmp_path / "w"
     shutil.copytree(finished, work)
     out, marker = work / "out", tmp_path / "PWNED"
@@ -121,8 +136,15 @@ def test_a_crafted_checkpoint_file_runs_nothing_and_is_named(
     if path == "resume":
         result = run_cli("run", str(config), "--set", "train.train_iters=6", cwd=work)
     elif path == "pretrained":
-        result = run_cli("run", str(config), "--set", f"run.output_dir={tmp_path / 'new'}",
-                         "--set", f'checkpoint.pretrained="{step}"', cwd=work)
+        result = run_cli(
+            "run",
+            str(config),
+            "--set",
+            f"run.output_dir={tmp_path / 'new'}",
+            "--set",
+            f'checkpoint.pretrained="{step}"',
+            cwd=work,
+        )
     else:
         result = run_cli("checkpoint", "export", str(out), "--to", str(tmp_path / "m.safetensors"), cwd=work)
     assert not marker.exists(), "the payload ran"
@@ -141,7 +163,9 @@ def test_a_real_sharded_checkpoint_still_loads_through_the_restricted_readers(tm
     resumed = run_cli("run", str(config), "--set", "train.train_iters=6", cwd=work)
     assert resumed.returncode == 0, resumed.stderr
     assert "(step 4," in resumed.stderr
-    exported = run_cli("checkpoint", "export", str(work / "out"), "--step", "4", "--to", str(tmp_path / "m.st"), cwd=work)
+    exported = run_cli(
+        "checkpoint", "export", str(work / "out"), "--step", "4", "--to", str(tmp_path / "m.st"), cwd=work
+    )
     assert exported.returncode == 0, exported.stderr
 
 
@@ -160,26 +184,35 @@ def wait_for(predicate: Any, process: subprocess.Popen, timeout: float = 120) ->
 def logged_step(out: Path, step: int) -> Any:
     def reached() -> bool:
         path = out / "metrics.jsonl"
-        return path.exists() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines()
-                                     if line.endswith("}"))
+        return path.exists() and any(
+            json.loads(line)["step"] >= step for line in path.read_text().splitlines() if line.endswith("}")
+        )
+
     return reached
 
 
 def test_a_second_run_on_a_directory_in_use_is_refused_until_the_first_dies(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=100000, log_interval=2, eval_iters=0)
-    first = subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "coretrain", "run", str(config)],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(logged_step(out, 2), first)
-        second = run_cli("run", str(config), "--set", "optimizer.lr=0.01", "--set", "train.train_iters=10", cwd=tmp_path)
+        second = run_cli(
+            "run", str(config), "--set", "optimizer.lr=0.01", "--set", "train.train_iters=10", cwd=tmp_path
+        )
         assert second.returncode == 2
         line = one_error_line(second.stderr)
         assert line.startswith(f"error: {out} is in use by pid {first.pid} on {socket.gethostname()} since ")
-        assert not (out / CKPT).exists()                                   # the refused run wrote nothing
+        assert not (out / CKPT).exists()  # the refused run wrote nothing
     finally:
         first.kill()
         first.wait()
-    after = run_cli("run", str(config), "--set", "train.train_iters=4", cwd=tmp_path)   # SIGKILL freed the lock
+    after = run_cli("run", str(config), "--set", "train.train_iters=4", cwd=tmp_path)  # SIGKILL freed the lock
     assert after.returncode == 0, after.stderr
 
 
@@ -187,17 +220,28 @@ def test_a_second_run_on_a_directory_in_use_is_refused_until_the_first_dies(tmp_
 
 
 def test_resume_uses_and_logs_the_new_optimizer_settings(tmp_path: Path) -> None:
-    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0,
-                                 extra='\n[scheduler]\ndecay_style = "constant"\n')
+    config, out = write_tiny_gpt(
+        tmp_path, train_iters=20, log_interval=5, eval_iters=0, extra='\n[scheduler]\ndecay_style = "constant"\n'
+    )
     first = run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    changed = ("--set", "optimizer.lr=0.01", "--set", "optimizer.betas=[0.8, 0.95]", "--set", "optimizer.weight_decay=0.2")
+    changed = (
+        "--set",
+        "optimizer.lr=0.01",
+        "--set",
+        "optimizer.betas=[0.8, 0.95]",
+        "--set",
+        "optimizer.weight_decay=0.2",
+    )
     second = run_cli("run", str(config), *changed, cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     warnings = [line for line in second.stderr.splitlines() if "changed settings" in line]
     assert len(warnings) == 1
-    for fragment in ("optimizer.lr 0.003 -> 0.01", "optimizer.betas [0.9, 0.999] -> [0.8, 0.95]",
-                     "optimizer.weight_decay 0.01 -> 0.2"):
+    for fragment in (
+        "optimizer.lr 0.003 -> 0.01",
+        "optimizer.betas [0.9, 0.999] -> [0.8, 0.95]",
+        "optimizer.weight_decay 0.01 -> 0.2",
+    ):
         assert fragment in warnings[0]
     groups = torch.load(step_dir(out, 20) / "optimizer.pt", weights_only=True)["param_groups"]
     assert all((g["lr"], tuple(g["betas"]), g["weight_decay"]) == (0.01, (0.8, 0.95), 0.2) for g in groups)
@@ -213,19 +257,27 @@ def test_resume_refuses_a_changed_model_shape_seq_length_or_optimizer_class(tmp_
     wider = run_cli("run", str(config), "--set", "model.options.n_embd=64", cwd=tmp_path)
     assert wider.returncode == 2
     line = one_error_line(wider.stderr)
-    assert "does not fit the model" in line and "'wte.weight' has shape [256, 32] in the checkpoint, [256, 64] now" \
-        in line and "model.options.n_embd (32 -> 64)" in line
+    assert (
+        "does not fit the model" in line
+        and "'wte.weight' has shape [256, 32] in the checkpoint, [256, 64] now" in line
+        and "model.options.n_embd (32 -> 64)" in line
+    )
 
     longer = run_cli("run", str(config), "--set", "data.options.seq_length=64", cwd=tmp_path)
     assert longer.returncode == 2
-    assert "seq_length is 64 now and 32 in the checkpoint; changed since the checkpoint: data.options.seq_length " \
-           "(32 -> 64)" in one_error_line(longer.stderr)
+    assert (
+        "seq_length is 64 now and 32 in the checkpoint; changed since the checkpoint: data.options.seq_length "
+        "(32 -> 64)" in one_error_line(longer.stderr)
+    )
 
     sgd = run_cli("run", str(config), "--set", 'optimizer.name="sgd"', cwd=tmp_path)
     assert sgd.returncode == 2
-    assert "optimizer.name: the checkpoint was trained with 'adamw', the config asks for 'sgd'" in one_error_line(sgd.stderr)
-    fresh = run_cli("run", str(config), "--set", 'optimizer.name="sgd"', "--set", "checkpoint.load_optimizer=false",
-                    cwd=tmp_path)
+    assert "optimizer.name: the checkpoint was trained with 'adamw', the config asks for 'sgd'" in one_error_line(
+        sgd.stderr
+    )
+    fresh = run_cli(
+        "run", str(config), "--set", 'optimizer.name="sgd"', "--set", "checkpoint.load_optimizer=false", cwd=tmp_path
+    )
     assert fresh.returncode == 0, fresh.stderr
     assert "(step 5," in fresh.stderr and metrics_rows(out)[-1]["step"] == 20
 
@@ -234,11 +286,12 @@ def test_resume_refuses_a_changed_model_shape_seq_length_or_optimizer_class(tmp_
 
 
 def test_a_torn_metrics_line_is_dropped_and_a_rerun_of_a_finished_run_adds_no_rows(tmp_path: Path) -> None:
-    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_interval=10,
-                                 extra="\n[checkpoint]\nsave_interval = 10\n")
+    config, out = write_tiny_gpt(
+        tmp_path, train_iters=20, log_interval=5, eval_interval=10, extra="\n[checkpoint]\nsave_interval = 10\n"
+    )
     assert run_cli("run", str(config), "--set", "train.exit_interval=15", cwd=tmp_path).returncode == 0
     with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"step": 16, "loss": 2.5')                                 # a write cut short
+        f.write('{"step": 16, "loss": 2.5')  # a write cut short
     with open(out / "progress.txt", "a") as f:
         f.write("2026-01-01 00:00:00\tjob x\tworld 1\tstep 17\tcheckp")
     resumed = run_cli("run", str(config), cwd=tmp_path)
@@ -251,7 +304,7 @@ def test_a_torn_metrics_line_is_dropped_and_a_rerun_of_a_finished_run_adds_no_ro
     assert progress.endswith("\n") and "checkp\n" not in progress and "step 17" not in progress
 
     before = ((out / "metrics.jsonl").read_text(), (out / "progress.txt").read_text().count("checkpoint"))
-    again = run_cli("run", str(config), cwd=tmp_path)                     # already finished: adds nothing
+    again = run_cli("run", str(config), cwd=tmp_path)  # already finished: adds nothing
     assert again.returncode == 0, again.stderr
     assert ((out / "metrics.jsonl").read_text(), (out / "progress.txt").read_text().count("checkpoint")) == before
 
@@ -260,23 +313,40 @@ def limit_file_size(megabytes: int) -> Any:
     def apply() -> None:  # in the child: a write past the limit fails with EFBIG, as on a full disk
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (megabytes * 2**20, megabytes * 2**20))
+
     return apply
 
 
-def test_a_save_that_cannot_be_written_is_one_error_and_keeps_the_previous_checkpoint(tmp_path: Path, site: Path) -> None:
-    config, out = write_tiny_gpt(tmp_path, train_iters=30, log_interval=5, eval_iters=0,
-                                 extra="\n[checkpoint]\nsave_interval = 10\n[plugins.misbehave]\n"
-                                       'at_step = 20\nstate = "big"\nbig_megabytes = 8\n')
+def test_a_save_that_cannot_be_written_is_one_error_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, site: Path
+) -> None:
+    config, out = write_tiny_gpt(
+        tmp_path,
+        train_iters=30,
+        log_interval=5,
+        eval_iters=0,
+        extra="\n[checkpoint]\nsave_interval = 10\n[plugins.misbehave]\n"
+        'at_step = 20\nstate = "big"\nbig_megabytes = 8\n',
+    )
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size(4))
+    result = subprocess.run(
+        [sys.executable, "-m", "coretrain", "run", str(config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_file_size(4),
+    )
     assert result.returncode == 1, result.stderr
     line = one_error_line(result.stderr)
     assert line.startswith("error: checkpoint step 20: cannot write (File too large: ") and "rank_00000.pt)" in line
     assert line.endswith("the newest complete checkpoint (step 10) is untouched")
     assert sorted(p.name for p in (out / CKPT).iterdir()) == ["latest", "step_00000010"]
     assert torch.load(step_dir(out, 10) / "model.pt", weights_only=True)
-    resumed = run_cli("run", str(config), "--set", "plugins.misbehave.enabled=false", cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    resumed = run_cli(
+        "run", str(config), "--set", "plugins.misbehave.enabled=false", cwd=tmp_path, env={"PYTHONPATH": str(site)}
+    )
     assert resumed.returncode == 0 and "(step 10," in resumed.stderr
 
 
@@ -287,12 +357,17 @@ def test_a_validation_split_shorter_than_a_batch_fails_before_training(tmp_path:
     from coretrain_token_file import write_tokens
 
     write_tokens(str(tmp_path / "train.bin"), [i % 50 for i in range(5000)])
-    write_tokens(str(tmp_path / "valid.bin"), list(range(20)))              # shorter than one sample
+    write_tokens(str(tmp_path / "valid.bin"), list(range(20)))  # shorter than one sample
     config = tmp_path / "c.toml"
-    config.write_text(write_tiny_gpt(tmp_path)[0].read_text().replace('provider = "text-bytes"', 'provider = "token-file"')
-                      .split("[data.options]")[0] + f'[data.options]\ntrain_path = "{tmp_path / "train.bin"}"\n'
-                      f'valid_path = "{tmp_path / "valid.bin"}"\nseq_length = 32\n[train]\nmicro_batch_size = 8\n'
-                      f'train_iters = 10\neval_iters = 2\n')
+    config.write_text(
+        write_tiny_gpt(tmp_path)[0]
+        .read_text()
+        .replace('provider = "text-bytes"', 'provider = "token-file"')
+        .split("[data.options]")[0]
+        + f'[data.options]\ntrain_path = "{tmp_path / "train.bin"}"\n'
+        f'valid_path = "{tmp_path / "valid.bin"}"\nseq_length = 32\n[train]\nmicro_batch_size = 8\n'
+        f"train_iters = 10\neval_iters = 2\n"
+    )
     result = run_cli("run", str(config), cwd=tmp_path)
     assert result.returncode == 2
     assert "the valid split has 0 sample(s), fewer than 8 (one global batch" in one_error_line(result.stderr)
@@ -313,7 +388,7 @@ def test_the_final_checkpoint_is_saved_before_the_final_validation(tmp_path: Pat
 
         def __getitem__(self, i: int) -> Any:
             calls["n"] += 1
-            if calls["n"] > 20:                                              # past the start-up check
+            if calls["n"] > 20:  # past the start-up check
                 raise OSError("the network filesystem went away")
             return self.inner[i]
 
@@ -332,21 +407,27 @@ def test_the_final_checkpoint_is_saved_before_the_final_validation(tmp_path: Pat
             train(config(tmp_path, train={"train_iters": 6, "eval_iters": 4}))
     finally:
         helpers_inprocess.make_data = original
-    assert (tmp_path / "out" / CKPT / "step_00000006" / "model.pt").is_file()   # the trained weights survived
+    assert (tmp_path / "out" / CKPT / "step_00000006" / "model.pt").is_file()  # the trained weights survived
 
 
-# --------------------------------------------------------------------------- 6, 7. plugins: state checked, failures named
+# ----------------------------------------------------------------------- 6, 7. plugins: state checked, failures named
 
 
 def test_a_plugin_state_no_run_could_load_is_refused_at_save_naming_the_plugin(tmp_path: Path, site: Path) -> None:
-    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0,
-                                 extra='\n[checkpoint]\nsave_interval = 5\n[plugins.misbehave]\nat_step = 10\nstate = "path"\n')
+    config, out = write_tiny_gpt(
+        tmp_path,
+        train_iters=20,
+        log_interval=5,
+        eval_iters=0,
+        extra='\n[checkpoint]\nsave_interval = 5\n[plugins.misbehave]\nat_step = 10\nstate = "path"\n',
+    )
     env = {"PYTHONPATH": str(site)}
     result = run_cli("run", str(config), cwd=tmp_path, env=env)
     assert result.returncode == 1
     assert one_error_line(result.stderr).startswith(
         "error: plugin 'misbehave' failed in on_checkpoint at step 10: TypeError: returned state['where'] is a "
-        "pathlib.PosixPath; a checkpoint holds tensors, numbers, str, bool, None and lists/dicts of these")
+        "pathlib.PosixPath; a checkpoint holds tensors, numbers, str, bool, None and lists/dicts of these"
+    )
     assert sorted(p.name for p in (out / CKPT).glob("step_*")) == ["step_00000005"]
     resumed = run_cli("run", str(config), "--set", "plugins.misbehave.enabled=false", cwd=tmp_path, env=env)
     assert resumed.returncode == 0 and "(step 5," in resumed.stderr
@@ -355,28 +436,36 @@ def test_a_plugin_state_no_run_could_load_is_refused_at_save_naming_the_plugin(t
 def test_a_failing_hook_is_named_contained_and_every_backend_closes(tmp_path: Path, site: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0,
-                                 extra="\n[checkpoint]\nsave_interval = 5\n[plugins.tensorboard]\n"
-                                       '[plugins.misbehave]\nraise_in = "on_log"\nat_step = 10\n')
+    config, out = write_tiny_gpt(
+        tmp_path,
+        train_iters=20,
+        log_interval=5,
+        eval_iters=0,
+        extra="\n[checkpoint]\nsave_interval = 5\n[plugins.tensorboard]\n"
+        '[plugins.misbehave]\nraise_in = "on_log"\nat_step = 10\n',
+    )
     env = {"PYTHONPATH": str(site)}
     result = run_cli("run", str(config), cwd=tmp_path, env=env)
     assert result.returncode == 1
-    assert one_error_line(result.stderr) == ("error: plugin 'misbehave' failed in on_log at step 10: ValueError: "
-                                             f"misbehave: deliberate failure in on_log full traceback: {out}/traceback.log")
+    assert one_error_line(result.stderr) == (
+        "error: plugin 'misbehave' failed in on_log at step 10: ValueError: "
+        f"misbehave: deliberate failure in on_log full traceback: {out}/traceback.log"
+    )
     assert f"full traceback: {out / 'traceback.log'}" in result.stderr
     assert "Traceback (most recent call last)" in (out / "traceback.log").read_text()
     assert (step_dir(out, 5) / "model.pt").is_file()
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    assert [e.step for e in events.Scalars("loss")] == [5]                   # closed, so flushed
+    assert [e.step for e in events.Scalars("loss")] == [5]  # closed, so flushed
 
     # one plugin raising in on_train_end: the others' on_train_end still run, backends close
     shutil.rmtree(out)
-    ending = run_cli("run", str(config), "--set", 'plugins.misbehave.raise_in="on_train_end"', "--traceback",
-                     cwd=tmp_path, env=env)
+    ending = run_cli(
+        "run", str(config), "--set", 'plugins.misbehave.raise_in="on_train_end"', "--traceback", cwd=tmp_path, env=env
+    )
     assert ending.returncode == 1
     assert "error: plugin 'misbehave' failed in on_train_end at step 20: ValueError" in ending.stderr
-    assert "Traceback (most recent call last)" in ending.stderr                # --traceback prints it too
+    assert "Traceback (most recent call last)" in ending.stderr  # --traceback prints it too
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [5, 10, 15, 20]
@@ -387,16 +476,19 @@ def test_a_failing_hook_is_named_contained_and_every_backend_closes(tmp_path: Pa
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path) -> None:
-    config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0,
-                                 extra="\n[checkpoint]\nsave_interval = 5\n")
+    config, out = write_tiny_gpt(
+        tmp_path, train_iters=20, log_interval=5, eval_iters=0, extra="\n[checkpoint]\nsave_interval = 5\n"
+    )
     assert run_cli("run", str(config), "--set", "train.exit_interval=15", cwd=tmp_path).returncode == 0
     model = step_dir(out, 15) / "model.pt"
-    model.write_bytes(model.read_bytes()[:1000])                          # torn by a bad disk
+    model.write_bytes(model.read_bytes()[:1000])  # torn by a bad disk
     result = run_cli("run", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     warning = next(line for line in result.stderr.splitlines() if "falling back" in line)
-    assert f"{step_dir(out, 15) / 'model.pt'}: cannot load checkpoint file: RuntimeError: PytorchStreamReader " \
-           "failed reading zip archive" in warning
+    assert (
+        f"{step_dir(out, 15) / 'model.pt'}: cannot load checkpoint file: RuntimeError: PytorchStreamReader "
+        "failed reading zip archive" in warning
+    )
     assert "(step 10," in result.stderr
     assert [r["step"] for r in metrics_rows(out)] == [5, 10, 15, 20]
 
@@ -407,12 +499,17 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Pa
 @pytest.mark.parametrize("delay", [0.05, 0.6, 1.5, 3.0])
 def test_ctrl_c_during_start_up_stops_the_run(tmp_path: Path, delay: float) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=100000, log_interval=50, eval_iters=0)
-    process = subprocess.Popen([sys.executable, "-m", "coretrain", "run", str(config)], cwd=tmp_path,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "coretrain", "run", str(config)],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)                              # ends: never trains 100000 steps
-    assert process.returncode in (130, -signal.SIGINT), stderr                 # -2: before Python ran our code
+    _, stderr = process.communicate(timeout=120)  # ends: never trains 100000 steps
+    assert process.returncode in (130, -signal.SIGINT), stderr  # -2: before Python ran our code
     assert "Traceback" not in stderr
     if process.returncode == 130:
         assert "stopped by SIGINT during start-up" in stderr or "received SIGINT" in stderr, stderr
@@ -431,9 +528,16 @@ MISTAKES = {
     "lr nan": ("--set", "optimizer.lr=nan", "optimizer.lr: expected a finite number, got nan"),
     "lr inf": ("--set", "optimizer.lr=inf", "optimizer.lr: expected a finite number, got inf"),
     "betas >= 1": ("--set", "optimizer.betas=[1.0, 0.9]", "optimizer.betas: must be >= 0 and < 1, got (1.0, 0.9)"),
-    "valid_fraction > 1": ("--set", "data.options.valid_fraction=1.5", "data.options.valid_fraction: must be >= 0 and < 1"),
-    "micro batch too large": ("--set", "train.micro_batch_size=1000000000000",
-                              "the train split has 6249 sample(s), fewer than 1000000000000 (one global batch"),
+    "valid_fraction > 1": (
+        "--set",
+        "data.options.valid_fraction=1.5",
+        "data.options.valid_fraction: must be >= 0 and < 1",
+    ),
+    "micro batch too large": (
+        "--set",
+        "train.micro_batch_size=1000000000000",
+        "the train split has 6249 sample(s), fewer than 1000000000000 (one global batch",
+    ),
     "guards window 0": ("--set", "plugins.guards.window=0", "plugins.guards.window: must be > 0, got 0"),
     "gc interval < 0": ("--set", "plugins.gc.interval=-5", "plugins.gc.interval: must be >= 0, got -5"),
 }
@@ -446,16 +550,16 @@ def test_a_config_mistake_is_one_error_line_with_exit_2(tmp_path: Path, name: st
     result = run_cli("run", str(config), flag, value, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert expected in one_error_line(result.stderr)
-    assert not (out / "metrics.jsonl").exists() and not (out / "config.toml").exists()   # a rejected run records nothing
+    assert not (out / "metrics.jsonl").exists() and not (out / "config.toml").exists()  # a rejected run records nothing
 
 
 @pytest.mark.parametrize("name", ["n_head does not divide", "micro batch too large", "gc interval < 0"])
 def test_config_validate_refuses_what_run_refuses(tmp_path: Path, name: str) -> None:
-    flag, value, expected = MISTAKES[name]                  # a structure check, a dataset check, a plugin check
+    flag, value, expected = MISTAKES[name]  # a structure check, a dataset check, a plugin check
     config, out = write_tiny_gpt(tmp_path, train_iters=5, eval_iters=0)
     validated = run_cli("config", "validate", str(config), flag, value, cwd=tmp_path)
     assert validated.returncode == 2 and expected in one_error_line(validated.stderr)
-    assert not out.exists()                                 # and writes nothing
+    assert not out.exists()  # and writes nothing
 
 
 def test_bad_files_and_providers_are_one_error_line_with_exit_2(tmp_path: Path) -> None:
@@ -471,19 +575,37 @@ def test_bad_files_and_providers_are_one_error_line_with_exit_2(tmp_path: Path) 
     (tmp_path / "empty.bin").write_bytes(b"")
     (tmp_path / "adir.bin").mkdir()
     write_tokens(str(tmp_path / "wide.bin"), [i % 300 + 1 for i in range(20000)], "uint32")
-    token_file = config.read_text().replace('provider = "text-bytes"', 'provider = "token-file"').split("[data.options]")
-    for name, expected in [("empty.bin", "the token file is empty"), ("adir.bin", "is a directory"),
-                           ("wide.bin", "every second uint16 is 0, as in a uint32 file")]:
+    token_file = (
+        config.read_text().replace('provider = "text-bytes"', 'provider = "token-file"').split("[data.options]")
+    )
+    for name, expected in [
+        ("empty.bin", "the token file is empty"),
+        ("adir.bin", "is a directory"),
+        ("wide.bin", "every second uint16 is 0, as in a uint32 file"),
+    ]:
         path = tmp_path / f"tokens-{name}.toml"
-        path.write_text(token_file[0] + f'[data.options]\ntrain_path = "{tmp_path / name}"\nseq_length = 32\n'
-                        + "[train]" + token_file[1].split("[train]")[1])
+        path.write_text(
+            token_file[0]
+            + f'[data.options]\ntrain_path = "{tmp_path / name}"\nseq_length = 32\n'
+            + "[train]"
+            + token_file[1].split("[train]")[1]
+        )
         cases.append((("CONFIG", str(path)), expected))
-    (tmp_path / "providers.py").write_text("def not_a_model():\n    return 'a string'\n"
-                                           "def not_datasets(context):\n    return 42\n")
-    cases.append((("--set", 'model.provider="providers:not_a_model"', "--set", "model.options={}"),
-                  "model.provider 'providers:not_a_model' returned a str, not a torch.nn.Module"))
-    cases.append((("--set", 'data.provider="providers:not_datasets"', "--set", "data.options={}"),
-                  "the train split is a int; a dataset is map-style (__len__ and __getitem__"))
+    (tmp_path / "providers.py").write_text(
+        "def not_a_model():\n    return 'a string'\ndef not_datasets(context):\n    return 42\n"
+    )
+    cases.append(
+        (
+            ("--set", 'model.provider="providers:not_a_model"', "--set", "model.options={}"),
+            "model.provider 'providers:not_a_model' returned a str, not a torch.nn.Module",
+        )
+    )
+    cases.append(
+        (
+            ("--set", 'data.provider="providers:not_datasets"', "--set", "data.options={}"),
+            "the train split is a int; a dataset is map-style (__len__ and __getitem__",
+        )
+    )
     for args, expected in cases:
         argv = [args[1]] if args[0] == "CONFIG" else [str(config), *args]
         result = run_cli("run", *argv, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
@@ -491,7 +613,9 @@ def test_bad_files_and_providers_are_one_error_line_with_exit_2(tmp_path: Path) 
         assert expected in one_error_line(result.stderr), (args, result.stderr)
 
     assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
-    export = run_cli("checkpoint", "export", str(out), "--to", str(tmp_path / "missing" / "m.safetensors"), cwd=tmp_path)
+    export = run_cli(
+        "checkpoint", "export", str(out), "--to", str(tmp_path / "missing" / "m.safetensors"), cwd=tmp_path
+    )
     assert export.returncode == 2
     assert f"--to: directory '{tmp_path / 'missing'}' does not exist" in one_error_line(export.stderr)
 
@@ -507,12 +631,22 @@ def test_out_of_memory_in_a_step_is_one_line_with_the_sizes(tmp_path: Path) -> N
         "        torch.empty(10**14)  # activations that cannot fit\n"
         "        return self.w(x.float()).mean()\n"
         "def build():\n"
-        "    return Hungry()\n")
+        "    return Hungry()\n"
+    )
     config, out = write_tiny_gpt(tmp_path, train_iters=5, eval_iters=0)
-    result = run_cli("run", str(config), "--set", 'model.provider="hungry:build"', "--set", "model.options={}",
-                     cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    result = run_cli(
+        "run",
+        str(config),
+        "--set",
+        'model.provider="hungry:build"',
+        "--set",
+        "model.options={}",
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
     assert result.returncode == 1
     assert one_error_line(result.stderr) == (
         "error: out of memory at step 1 on cpu (micro_batch_size 8 × seq_length 32, model 0.0M parameters): "
         "you tried to allocate 400000000000000 bytes; lower train.micro_batch_size (global_batch_size stays, "
-        "through gradient accumulation) or the model size")
+        "through gradient accumulation) or the model size"
+    )

@@ -20,15 +20,23 @@ pytestmark = pytest.mark.slow  # user workloads through the CLI and torchrun: th
 TESTS = str(Path(__file__).resolve().parent)
 
 
-def digits_config(directory: Path, name: str = "run", extra: str = "", data: str = "",
-                  **train_keys: Any) -> tuple[Path, Path]:
+def digits_config(
+    directory: Path, name: str = "run", extra: str = "", data: str = "", **train_keys: Any
+) -> tuple[Path, Path]:
     """The CNN-on-digits run: a model returning logits, model.loss, a full validation pass;
     ``data``: more [data] keys (TOML lines), ``extra``: more tables."""
-    settings = {"micro_batch_size": 32, "train_iters": 30, "log_interval": 10, "eval_full": True,
-                "eval_micro_batch_size": 64, **train_keys}
+    settings = {
+        "micro_batch_size": 32,
+        "train_iters": 30,
+        "log_interval": 10,
+        "eval_full": True,
+        "eval_micro_batch_size": 64,
+        **train_keys,
+    }
     out = directory / name
     config = directory / f"{name}.toml"
-    config.write_text(f"""
+    config.write_text(
+        f"""
 [run]
 output_dir = "{out}"
 threads = 1
@@ -41,7 +49,11 @@ provider = "workloads:digits"
 [optimizer]
 lr = 0.01
 [train]
-""" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items()) + "\n" + extra)
+"""
+        + "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())
+        + "\n"
+        + extra
+    )
     return config, out
 
 
@@ -69,28 +81,38 @@ def test_a_classifier_reports_accuracy_over_every_validation_sample_once(tmp_pat
     from coretrain.config import Config
     from coretrain.configload import structure
 
-    config = structure({
-        "run": {"output_dir": str(tmp_path / "out"), "peak_tflops": 1.0},
-        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
-        "data": {"provider": "workloads:digits"},
-        "train": {"micro_batch_size": 32, "train_iters": 20, "log_interval": 10, "eval_full": True,
-                  "eval_micro_batch_size": 64, "eval_interval": 10},
-        "optimizer": {"lr": 0.01}}, Config)
+    config = structure(
+        {
+            "run": {"output_dir": str(tmp_path / "out"), "peak_tflops": 1.0},
+            "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+            "data": {"provider": "workloads:digits"},
+            "train": {
+                "micro_batch_size": 32,
+                "train_iters": 20,
+                "log_interval": 10,
+                "eval_full": True,
+                "eval_micro_batch_size": 64,
+                "eval_interval": 10,
+            },
+            "optimizer": {"lr": 0.01},
+        },
+        Config,
+    )
     recorder = EvalRecorder()
     run, code = train(config, ("recorder", recorder))
     assert code == 0
     valid_steps = [(step, m) for step, m in recorder.evals if "valid/accuracy" in m]
     test_steps = [(step, m) for step, m in recorder.evals if "test/accuracy" in m]
-    assert [s for s, _ in valid_steps] == [10, 20] and [s for s, _ in test_steps] == [20]   # test once, at the end
+    assert [s for s, _ in valid_steps] == [10, 20] and [s for s, _ in test_steps] == [20]  # test once, at the end
     model, valid = run.model.eval(), run.datasets.valid
     with torch.no_grad():
-        logits = model(valid.images)                                      # all 359 samples at once, by hand
+        logits = model(valid.images)  # all 359 samples at once, by hand
     accuracy = (logits.argmax(-1) == valid.labels).float().mean().item()
     loss = torch.nn.functional.cross_entropy(logits, valid.labels).item()
     logged = valid_steps[-1][1]
     assert logged["valid/accuracy"] == pytest.approx(accuracy, rel=1e-6) and accuracy > 0.5
     assert logged["valid/loss"] == pytest.approx(loss, rel=1e-5)
-    assert "valid/ppl" not in logged                                      # not a token-level loss
+    assert "valid/ppl" not in logged  # not a token-level loss
     # FLOPs counted for a model that does not declare them: 3 × the forward's
     assert run.flops_per_sample and recorder.logs[-1]["tflops_per_device"] > 0
     assert recorder.logs[-1]["mfu"] == recorder.logs[-1]["tflops_per_device"] / 1.0
@@ -101,13 +123,28 @@ def test_a_full_evaluation_on_two_ranks_equals_one_rank(tmp_path: Path) -> None:
     one_config, one = digits_config(tmp_path, "one", eval_interval=10)
     two_config, two = digits_config(tmp_path, "two", eval_interval=10, micro_batch_size=16, global_batch_size=32)
     assert run_digits(one_config).returncode == 0
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "-m", "coretrain", "run", str(two_config)], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "PYTHONPATH": TESTS})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "coretrain",
+            "run",
+            str(two_config),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": TESTS},
+    )
     assert result.returncode == 0, result.stderr
     evals = [[r for r in metrics_rows(out) if "valid/loss" in r or "test/loss" in r] for out in (one, two)]
     assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [10, 20, 30, 30]
-    for a, b in zip(*evals):                       # 359 valid samples: 180 on rank 0, 179 on rank 1
+    for a, b in zip(*evals):  # 359 valid samples: 180 on rank 0, 179 on rank 1
         for key in ("valid/loss", "valid/accuracy", "test/loss", "test/accuracy"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
@@ -124,15 +161,20 @@ def test_workers_and_a_user_collate_fn_read_the_same_samples_and_resume_exactly(
     assert second.returncode == 0 and "(step 15," in second.stderr, second.stderr
     keys = ("step", "loss", "train/accuracy", "valid/loss", "valid/accuracy", "test/loss")
     logged = [[{k: r[k] for k in keys if k in r} for r in metrics_rows(out)] for out in (plain, workers)]
-    assert logged[0] == logged[1] and any("train/accuracy" in r for r in logged[0])   # the same values, exactly
-    final = [torch.load(out / "checkpoints" / "step_00000030" / "model.pt", weights_only=True) for out in (plain, workers)]
+    assert logged[0] == logged[1] and any("train/accuracy" in r for r in logged[0])  # the same values, exactly
+    final = [
+        torch.load(out / "checkpoints" / "step_00000030" / "model.pt", weights_only=True) for out in (plain, workers)
+    ]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])  # bit for bit
 
 
 def test_a_model_returning_named_values_has_them_logged_for_train_and_valid(tmp_path: Path) -> None:
     config, out = digits_config(tmp_path)
-    config.write_text(config.read_text().replace('provider = "workloads:cnn"\nloss = "cross_entropy"',
-                                                 'provider = "workloads:cnn_with_accuracy"'))
+    config.write_text(
+        config.read_text().replace(
+            'provider = "workloads:cnn"\nloss = "cross_entropy"', 'provider = "workloads:cnn_with_accuracy"'
+        )
+    )
     result = run_digits(config)
     assert result.returncode == 0, result.stderr
     rows = metrics_rows(out)
@@ -145,9 +187,18 @@ def test_batch_rampup_with_workers_takes_the_same_batches_as_without(tmp_path: P
     rampup = "\n[plugins.batch-rampup]\nrampup_batch_size = [32, 32, 320]\n"
     configs = {}
     for workers in (0, 2):
-        config, out = digits_config(tmp_path, f"w{workers}", extra=rampup, data=f"num_workers = {workers}",
-                                    micro_batch_size=32, global_batch_size=96, eval_full=False, eval_iters=0,
-                                    train_iters=12, log_interval=1)
+        config, out = digits_config(
+            tmp_path,
+            f"w{workers}",
+            extra=rampup,
+            data=f"num_workers = {workers}",
+            micro_batch_size=32,
+            global_batch_size=96,
+            eval_full=False,
+            eval_iters=0,
+            train_iters=12,
+            log_interval=1,
+        )
         result = run_digits(config)
         assert result.returncode == 0, result.stderr
         configs[workers] = [(r["step"], r["loss"], r["global_batch_size"]) for r in metrics_rows(out)]
@@ -155,21 +206,35 @@ def test_batch_rampup_with_workers_takes_the_same_batches_as_without(tmp_path: P
 
 
 def test_the_console_script_imports_providers_from_the_current_directory_and_validate_checks_options(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     (tmp_path / "mymodel.py").write_text("from workloads import CNN\n\ndef build(width=8):\n    return CNN(width)\n")
     config, out = digits_config(tmp_path, train_iters=2, eval_full=False, eval_iters=0)
     config.write_text(config.read_text().replace('provider = "workloads:cnn"', 'provider = "mymodel:build"'))
     script = Path(sys.executable).parent / "coretrain"
-    env = {**os.environ, "PYTHONPATH": TESTS}                              # for workloads, not for mymodel
-    result = subprocess.run([str(script), "run", str(config)], cwd=tmp_path, capture_output=True, text=True,
-                            env=env, timeout=300)
+    env = {**os.environ, "PYTHONPATH": TESTS}  # for workloads, not for mymodel
+    result = subprocess.run(
+        [str(script), "run", str(config)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
+    )
     assert result.returncode == 0, result.stderr
-    bad = subprocess.run([str(script), "config", "validate", str(config), "--set", "model.options.widht=4"],
-                         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    bad = subprocess.run(
+        [str(script), "config", "validate", str(config), "--set", "model.options.widht=4"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "model.options: options do not fit mymodel.build" in bad.stderr and "(did you mean 'width'?)" in bad.stderr
-    missing = subprocess.run([str(script), "config", "validate", str(config), "--set", 'model.provider="nomodule:build"'],
-                             cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    missing = subprocess.run(
+        [str(script), "config", "validate", str(config), "--set", 'model.provider="nomodule:build"'],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert missing.returncode == 2 and "model.provider: cannot import 'nomodule:build'" in missing.stderr
 
 
@@ -204,13 +269,16 @@ def test_a_hugging_face_dataset_is_used_directly_and_resumes_exactly(tmp_path: P
             assert result.returncode == 0, result.stderr
         outs.append(out)
     rows = [[(r["step"], r.get("loss"), r.get("valid/accuracy")) for r in metrics_rows(out)] for out in outs]
-    assert rows[0] == rows[1] and rows[0][-1][2] > 0.5                       # dict batches: model(pixels=, labels=)
+    assert rows[0] == rows[1] and rows[0][-1][2] > 0.5  # dict batches: model(pixels=, labels=)
 
 
-@pytest.mark.parametrize(("example", "config", "expected"), [
-    ("classify", "classify.toml", "test loss"), ("custom-data", "lines.toml", "valid loss")])
-def test_the_bring_your_own_examples_run_from_their_directory(tmp_path: Path, example: str, config: str,
-                                                               expected: str) -> None:
+@pytest.mark.parametrize(
+    ("example", "config", "expected"),
+    [("classify", "classify.toml", "test loss"), ("custom-data", "lines.toml", "valid loss")],
+)
+def test_the_bring_your_own_examples_run_from_their_directory(
+    tmp_path: Path, example: str, config: str, expected: str
+) -> None:
     from conftest import REPO
 
     directory = tmp_path / example
@@ -218,8 +286,13 @@ def test_the_bring_your_own_examples_run_from_their_directory(tmp_path: Path, ex
 
     shutil.copytree(REPO / "examples" / example, directory)
     script = Path(sys.executable).parent / "coretrain"
-    result = subprocess.run([str(script), "run", config, "--set", "train.train_iters=20", "--set",
-                             "train.eval_interval=10"], cwd=directory, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [str(script), "run", config, "--set", "train.train_iters=20", "--set", "train.eval_interval=10"],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert expected in result.stdout and "accuracy" in result.stdout
 
@@ -229,11 +302,15 @@ def test_skip_train_evaluates_the_valid_and_test_splits_once(tmp_path: Path, no_
     from coretrain.configload import structure
 
     recorder = EvalRecorder()
-    config = structure({"run": {"output_dir": str(tmp_path / "out")},
-                        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
-                        "data": {"provider": "workloads:digits"},
-                        "train": {"micro_batch_size": 32, "train_iters": 5, "skip_train": True, "eval_full": True}},
-                       Config)
+    config = structure(
+        {
+            "run": {"output_dir": str(tmp_path / "out")},
+            "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+            "data": {"provider": "workloads:digits"},
+            "train": {"micro_batch_size": 32, "train_iters": 5, "skip_train": True, "eval_full": True},
+        },
+        Config,
+    )
     run, code = train(config, ("recorder", recorder))
     assert code == 0 and run.state.step == 0 and recorder.logs == []
     assert [sorted(k.split("/")[0] for k in m)[0] for _, m in recorder.evals] == ["valid", "test"]
@@ -241,12 +318,15 @@ def test_skip_train_evaluates_the_valid_and_test_splits_once(tmp_path: Path, no_
 
 def test_an_input_bound_run_logs_its_data_wait_and_says_so_once(tmp_path: Path) -> None:
     config, out = digits_config(tmp_path, train_iters=12, log_interval=4, eval_full=False, eval_iters=0)
-    config.write_text(config.read_text().replace('provider = "workloads:digits"',
-                                                 'provider = "workloads:digits"\n[data.options]\ndelay = 0.002'))
+    config.write_text(
+        config.read_text().replace(
+            'provider = "workloads:digits"', 'provider = "workloads:digits"\n[data.options]\ndelay = 0.002'
+        )
+    )
     result = run_digits(config)
     assert result.returncode == 0, result.stderr
     rows = metrics_rows(out)
-    for row in rows:                     # 32 samples x 2 ms read in the loop: most of every step
+    for row in rows:  # 32 samples x 2 ms read in the loop: most of every step
         assert row["time/data"] > 0.5 * row["time/step"] and row["time/data_max"] == row["time/data"]
         assert 0 < row["time/forward_backward"] < row["time/step"] and row["time/optimizer"] > 0
     assert result.stderr.count("input-bound:") == 1 and "set data.num_workers" in result.stderr
@@ -258,12 +338,12 @@ def test_log_level_quiet_and_a_library_warning_shown_once(tmp_path: Path) -> Non
     config.write_text(config.read_text().replace('"workloads:cnn"', '"workloads:chatty_cnn"'))
     normal = run_digits(config)
     assert normal.returncode == 0, normal.stderr
-    assert normal.stderr.count("ChattyCNN: this argument is deprecated") == 1      # 20+ forwards, one line
+    assert normal.stderr.count("ChattyCNN: this argument is deprecated") == 1  # 20+ forwards, one line
     assert "checkpoint step 20 saved" in normal.stderr and normal.stdout.count("step ") >= 4
     quiet = run_digits(config, "--quiet", "--set", f"run.output_dir={tmp_path / 'quiet'}")
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stdout == "" and "checkpoint step" not in quiet.stderr
     assert quiet.stderr.count("ChattyCNN: this argument is deprecated") == 1
-    assert metrics_rows(tmp_path / "quiet")[-1]["step"] == 20                     # quiet, not idle
+    assert metrics_rows(tmp_path / "quiet")[-1]["step"] == 20  # quiet, not idle
     by_config = run_digits(config, "--set", 'run.log_level="warning"', "--set", f"run.output_dir={tmp_path / 'w'}")
     assert by_config.returncode == 0 and by_config.stdout == ""

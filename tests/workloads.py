@@ -50,9 +50,14 @@ class CNN(torch.nn.Module):
     def __init__(self, width: int = 16) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(1, width, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Conv2d(width, width, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
-            torch.nn.Linear(width * 16, CLASSES))
+            torch.nn.Conv2d(1, width, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(width, width, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Flatten(),
+            torch.nn.Linear(width * 16, CLASSES),
+        )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.net(pixels)
@@ -63,8 +68,10 @@ class CNNWithAccuracy(CNN):
 
     def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
         logits = super().forward(pixels)
-        return {"loss": torch.nn.functional.cross_entropy(logits, labels),
-                "accuracy": (logits.argmax(-1) == labels).float().mean()}
+        return {
+            "loss": torch.nn.functional.cross_entropy(logits, labels),
+            "accuracy": (logits.argmax(-1) == labels).float().mean(),
+        }
 
 
 def cnn(width: int = 16) -> torch.nn.Module:

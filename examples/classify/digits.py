@@ -25,7 +25,7 @@ class Digits(torch.utils.data.Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.images[index], self.labels[index]          # (input, target): model.loss uses the last
+        return self.images[index], self.labels[index]  # (input, target): model.loss uses the last
 
 
 def build_data(train: int = 6000, valid: int = 1000, test: int = 1000) -> Datasets:
@@ -36,12 +36,17 @@ class SmallCNN(torch.nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(1, width, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Conv2d(width, 2 * width, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten())
+            torch.nn.Conv2d(1, width, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(width, 2 * width, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Flatten(),
+        )
         self.head = torch.nn.Linear(2 * width * 16, CLASSES)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(images))                 # logits; the loss is configured
+        return self.head(self.features(images))  # logits; the loss is configured
 
 
 def build_model(width: int = 16) -> torch.nn.Module:

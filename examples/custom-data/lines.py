@@ -21,16 +21,19 @@ class Lines(torch.utils.data.Dataset):
     """Every line of 8..96 characters in the chosen files, as byte tensors, read lazily from disk."""
 
     def __init__(self, files: list[Path]) -> None:
-        self.index = [(path, number) for path in files
-                      for number, line in enumerate(path.read_text(errors="replace").splitlines())
-                      if 8 <= len(line.encode()) <= MAX_LENGTH]
+        self.index = [
+            (path, number)
+            for path in files
+            for number, line in enumerate(path.read_text(errors="replace").splitlines())
+            if 8 <= len(line.encode()) <= MAX_LENGTH
+        ]
 
     def __len__(self) -> int:
         return len(self.index)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         path, number = self.index[i]
-        line = path.read_text(errors="replace").splitlines()[number]   # real file I/O per sample
+        line = path.read_text(errors="replace").splitlines()[number]  # real file I/O per sample
         return torch.tensor(list(line.encode()), dtype=torch.long)
 
 
@@ -40,8 +43,8 @@ def pad(samples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     inputs = torch.zeros(len(samples), length, dtype=torch.long)
     labels = torch.full((len(samples), length), -100, dtype=torch.long)
     for row, sample in enumerate(samples):
-        inputs[row, :len(sample) - 1] = sample[:-1]
-        labels[row, :len(sample) - 1] = sample[1:]
+        inputs[row, : len(sample) - 1] = sample[:-1]
+        labels[row, : len(sample) - 1] = sample[1:]
     return {"tokens": inputs, "labels": labels}
 
 
@@ -59,7 +62,7 @@ class CharGRU(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.rnn(self.embed(tokens))
-        return self.head(hidden)                                       # [batch, time, 256] logits
+        return self.head(hidden)  # [batch, time, 256] logits
 
 
 def build_model(width: int = 64) -> torch.nn.Module:

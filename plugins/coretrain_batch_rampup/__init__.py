@@ -41,8 +41,10 @@ class BatchRampup:
         start, increment, ramp_samples = self.rampup_batch_size
         target = run.config.train.micro_batch_size * run.micro_batches_per_step * run.dist.world_size
         if not (0 < start <= target and increment > 0 and ramp_samples >= 0 and (target - start) % increment == 0):
-            raise UserError(f"plugins.batch-rampup.rampup_batch_size: need 0 < start <= global_batch_size ({target}), "
-                            f"increment > 0 and (global - start) divisible by increment; got {self.rampup_batch_size}")
+            raise UserError(
+                f"plugins.batch-rampup.rampup_batch_size: need 0 < start <= global_batch_size ({target}), "
+                f"increment > 0 and (global - start) divisible by increment; got {self.rampup_batch_size}"
+            )
 
     def global_batch_at(self, consumed_samples: int, target: int) -> int:
         """Megatron's RampupBatchsizeNumMicroBatchesCalculator.update."""
@@ -66,9 +68,11 @@ class BatchRampup:
         usable = wanted // per_pass * per_pass
         if usable != wanted:
             if not self.decrease_batch_size_if_needed or usable == 0:
-                raise UserError(f"plugins.batch-rampup: step {step} wants a global batch of {wanted}, not a "
-                                f"multiple of micro_batch_size × data-parallel size ({per_pass}); set "
-                                "decrease_batch_size_if_needed = true or change the rampup")
+                raise UserError(
+                    f"plugins.batch-rampup: step {step} wants a global batch of {wanted}, not a "
+                    f"multiple of micro_batch_size × data-parallel size ({per_pass}); set "
+                    "decrease_batch_size_if_needed = true or change the rampup"
+                )
             self.samples_left_out += wanted - usable
         if usable != self._last:
             log.info("batch-rampup: global batch %d from step %d", usable, step)

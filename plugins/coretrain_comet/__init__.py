@@ -30,8 +30,14 @@ from coretrain.errors import UserError, require
 log = logging.getLogger("coretrain")
 
 QUIET = {  # comet-ml's automatic logging would patch torch and capture the terminal; the loop logs
-    "log_code": False, "log_graph": False, "auto_param_logging": False, "auto_metric_logging": False,
-    "parse_args": False, "auto_output_logging": False, "log_git_metadata": False, "log_git_patch": False,
+    "log_code": False,
+    "log_graph": False,
+    "auto_param_logging": False,
+    "auto_metric_logging": False,
+    "parse_args": False,
+    "auto_output_logging": False,
+    "log_git_metadata": False,
+    "log_git_patch": False,
     "display_summary_level": 0,
 }
 
@@ -68,10 +74,16 @@ class Comet(LoggingBackend):
     def open(self, run: Any) -> None:
         comet_ml = _import_comet(self.offline)
         if "SIGTERM" not in run.config.train.exit_signals or not run.config.train.exit_signal_handler:
-            log.warning("comet: SIGTERM is not handled (train.exit_signal_handler / exit_signals); a job killed "
-                        "by SIGTERM leaves its comet data unwritten")
-        options: dict[str, Any] = {**QUIET, "project_name": self.project_name, "workspace": self.workspace,
-                                   "log_env_details": self.log_env_details}
+            log.warning(
+                "comet: SIGTERM is not handled (train.exit_signal_handler / exit_signals); a job killed "
+                "by SIGTERM leaves its comet data unwritten"
+            )
+        options: dict[str, Any] = {
+            **QUIET,
+            "project_name": self.project_name,
+            "workspace": self.workspace,
+            "log_env_details": self.log_env_details,
+        }
         if self.offline:
             directory = Path(self.offline_directory) if self.offline_directory else Path(run.output_dir) / "comet"
             directory.mkdir(parents=True, exist_ok=True)
@@ -79,8 +91,10 @@ class Comet(LoggingBackend):
             kind = comet_ml.ExistingOfflineExperiment if self.resumed_id else comet_ml.OfflineExperiment
         else:
             if not (self.api_key or os.environ.get("COMET_API_KEY") or comet_ml.get_config("comet.api_key")):
-                raise UserError("plugins.comet: no Comet API key; set COMET_API_KEY, plugins.comet.api_key, "
-                                "or log offline with plugins.comet.offline = true")
+                raise UserError(
+                    "plugins.comet: no Comet API key; set COMET_API_KEY, plugins.comet.api_key, "
+                    "or log offline with plugins.comet.offline = true"
+                )
             options["api_key"] = self.api_key
             kind = comet_ml.ExistingExperiment if self.resumed_id else comet_ml.Experiment
         if self.resumed_id:

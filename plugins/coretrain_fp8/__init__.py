@@ -41,8 +41,12 @@ class FP8:
     def keep(self, module: Any, name: str) -> bool:
         import torch
 
-        return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
-                and module.out_features % 16 == 0 and not any(fnmatchcase(name, p) for p in self.skip))
+        return (
+            isinstance(module, torch.nn.Linear)
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+            and not any(fnmatchcase(name, p) for p in self.skip)
+        )
 
     @hookimpl(tryfirst=True)
     def configure_model(self, run: Any) -> None:

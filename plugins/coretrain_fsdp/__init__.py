@@ -44,19 +44,25 @@ class FSDP:
         from coretrain.errors import UserError
 
         if hasattr(run.model, "no_sync"):
-            raise UserError("plugins.fsdp: the model is already wrapped for data parallelism (ddp); "
-                            'enable one of them, e.g. distributed.strategy = "fsdp" and no [plugins.ddp]')
+            raise UserError(
+                "plugins.fsdp: the model is already wrapped for data parallelism (ddp); "
+                'enable one of them, e.g. distributed.strategy = "fsdp" and no [plugins.ddp]'
+            )
         if self.cpu_offload and run.device.type != "cuda":
             raise UserError("plugins.fsdp.cpu_offload: only meaningful on CUDA; the run is on CPU")
         if run.dist.world_size == 1:
             import torch.distributed as dist
 
             if not dist.is_initialized():  # a mesh needs a process group, even of one rank
-                dist.init_process_group("gloo" if run.device.type == "cpu" else "nccl", rank=0, world_size=1,
-                                        store=dist.HashStore())
+                dist.init_process_group(
+                    "gloo" if run.device.type == "cpu" else "nccl", rank=0, world_size=1, store=dist.HashStore()
+                )
         mesh = init_device_mesh(run.device.type, (run.dist.world_size,))
-        options = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward,
-                   "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()}
+        options = {
+            "mesh": mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        }
         for block in blocks_of(run.model, self.block_types):
             fully_shard(block, **options)
         fully_shard(run.model, **options)

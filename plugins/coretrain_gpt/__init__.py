@@ -42,19 +42,31 @@ class GPTProvider:
     def __attrs_post_init__(self) -> None:
         if self.n_embd % self.n_head:
             fits = next(h for h in range(self.n_head, 0, -1) if self.n_embd % h == 0)
-            raise FieldValueError("n_head", f"must divide n_embd ({self.n_embd}), got {self.n_head}; try n_head = {fits}")
+            raise FieldValueError(
+                "n_head", f"must divide n_embd ({self.n_embd}), got {self.n_head}; try n_head = {fits}"
+            )
 
     @hookimpl
     def provide_model(self, run: Any) -> Any:
         from coretrain.errors import UserError
-
         from coretrain_gpt.model import GPT, GPTConfig
 
         datasets = run.datasets
         vocab_size = self.vocab_size or (datasets.vocab_size if datasets else None)
         block_size = self.block_size or (datasets.seq_length if datasets else None)
         if not vocab_size or not block_size:
-            raise UserError("model.options: the dataset does not say its vocab_size / seq_length; "
-                            "set model.options.vocab_size and model.options.block_size")
-        return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=self.n_layer,
-                             n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout, bias=self.bias))
+            raise UserError(
+                "model.options: the dataset does not say its vocab_size / seq_length; "
+                "set model.options.vocab_size and model.options.block_size"
+            )
+        return GPT(
+            GPTConfig(
+                vocab_size=vocab_size,
+                block_size=block_size,
+                n_layer=self.n_layer,
+                n_head=self.n_head,
+                n_embd=self.n_embd,
+                dropout=self.dropout,
+                bias=self.bias,
+            )
+        )

@@ -6,8 +6,9 @@ server or another database. Open it with ``mlflow ui --backend-store-uri sqlite:
 
 A :class:`~coretrain.backend.LoggingBackend` (after every other plugin, rank 0 only). The
 MLflow run id is saved in checkpoints, so a resumed job logs into the same run; the run ends
-FINISHED, KILLED (signal) or FAILED (exception) on every way a run ends. Needs ``pip install 'coretrain[mlflow]'`` (mlflow-skinny: the client
-and its SQL store without the server's dependencies; ``pip install mlflow`` for the UI).
+FINISHED, KILLED (signal) or FAILED (exception) on every way a run ends. Needs
+``pip install 'coretrain[mlflow]'`` (mlflow-skinny: the client and its SQL store without the
+server's dependencies; ``pip install mlflow`` for the UI).
 """
 
 from __future__ import annotations
@@ -22,8 +23,14 @@ from attrs import define, field
 from coretrain.backend import LoggingBackend
 from coretrain.errors import require
 
-STATUS = {"completed": "FINISHED", "exit_interval": "FINISHED", "exit_duration": "FINISHED",
-          "stopped": "FINISHED", "signal": "KILLED", "error": "FAILED"}
+STATUS = {
+    "completed": "FINISHED",
+    "exit_interval": "FINISHED",
+    "exit_duration": "FINISHED",
+    "stopped": "FINISHED",
+    "signal": "KILLED",
+    "error": "FAILED",
+}
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -66,6 +73,7 @@ class MLflow(LoggingBackend):
     def open(self, run: Any) -> None:
         MlflowClient = require("mlflow", needed_by="plugins.mlflow", extra="mlflow").MlflowClient
         from mlflow.entities import Param
+
         output_dir = Path(run.output_dir).resolve()
         output_dir.mkdir(parents=True, exist_ok=True)
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{output_dir / 'mlflow.db'}"
@@ -76,16 +84,20 @@ class MLflow(LoggingBackend):
         else:
             name = self.experiment_name or run.config.run.name
             experiment = client.get_experiment_by_name(name)
-            experiment_id = experiment.experiment_id if experiment else client.create_experiment(
-                name, artifact_location=(output_dir / "mlartifacts").as_uri())
+            experiment_id = (
+                experiment.experiment_id
+                if experiment
+                else client.create_experiment(name, artifact_location=(output_dir / "mlartifacts").as_uri())
+            )
             tags = {"world_size": str(run.dist.world_size), **self.tags}
-            self._run_id = client.create_run(experiment_id, run_name=self.run_name or run.config.run.name,
-                                             tags=tags).info.run_id
+            self._run_id = client.create_run(
+                experiment_id, run_name=self.run_name or run.config.run.name, tags=tags
+            ).info.run_id
             from coretrain.run import config_as_dict
 
             params = [Param(key, value[:6000]) for key, value in flatten(config_as_dict(run.config)).items()]
             for start in range(0, len(params), 100):  # MLflow's limit per batch
-                client.log_batch(self._run_id, params=params[start:start + 100])
+                client.log_batch(self._run_id, params=params[start : start + 100])
         config_file = output_dir / "config.toml"  # each job's own (a resumed job may change settings)
         if config_file.is_file():
             folder = f"resumed_at_step_{run.state.step:08d}" if run.state.step else None
@@ -96,7 +108,9 @@ class MLflow(LoggingBackend):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._client.log_batch(self._run_id, metrics=[Metric(name, value, now, step) for name, value in metrics.items()])
+        self._client.log_batch(
+            self._run_id, metrics=[Metric(name, value, now, step) for name, value in metrics.items()]
+        )
 
     def run_id(self) -> str | None:
         return self._run_id

@@ -38,8 +38,12 @@ class Rule:
     min_lr: float | None = field(default=None, validator=non_negative)
 
     def settings(self) -> dict[str, float]:
-        values = {"lr_mult": self.lr_mult, "weight_decay": self.weight_decay,
-                  "max_lr": self.max_lr, "min_lr": self.min_lr}
+        values = {
+            "lr_mult": self.lr_mult,
+            "weight_decay": self.weight_decay,
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+        }
         return {k: v for k, v in values.items() if v is not None}
 
 
@@ -61,8 +65,10 @@ class OptimizerOverrides:
         names = [name for name, _ in model.named_parameters()]
         for rule in self.rules:
             if not any(fnmatchcase(name, rule.pattern) for name in names):
-                raise UserError(f"plugins.optimizer-overrides.rules: pattern {rule.pattern!r} matches no "
-                                f"parameter; names look like {names[:3]}")
+                raise UserError(
+                    f"plugins.optimizer-overrides.rules: pattern {rule.pattern!r} matches no "
+                    f"parameter; names look like {names[:3]}"
+                )
         for name, param in model.named_parameters():
             settings: dict[str, float] = {}
             if self.no_decay_1d and param.ndim <= 1:

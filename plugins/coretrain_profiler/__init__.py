@@ -55,8 +55,12 @@ class Profiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             if self.memory_snapshot:
                 torch.cuda.memory._record_memory_history()
-        self._profile = torch.profiler.profile(activities=activities, record_shapes=self.record_shapes,
-                                               profile_memory=self.profile_memory, with_stack=self.with_stack)
+        self._profile = torch.profiler.profile(
+            activities=activities,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+        )
         self._profile.__enter__()
 
     @hookimpl(trylast=True)

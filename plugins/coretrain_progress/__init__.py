@@ -69,7 +69,8 @@ class Progress:
             import shutil
 
             from rich.live import Live
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
+            from rich.progress import Progress as Bar
 
             rows = shutil.get_terminal_size().lines
             self._events = deque(maxlen=max(1, min(self.events, rows - 8)))  # the panel always fits
@@ -81,16 +82,21 @@ class Progress:
         else:
             self._events = deque(maxlen=self.events)
         params = sum(p.numel() for p in run.model.parameters())
-        self._event(f"{run.config.run.name}: {params / 1e6:.2f}M parameters, global batch "
-                    f"{run.global_batch_size}, {run.dist.world_size} rank(s) on {run.device.type}")
+        self._event(
+            f"{run.config.run.name}: {params / 1e6:.2f}M parameters, global batch "
+            f"{run.global_batch_size}, {run.dist.world_size} rank(s) on {run.device.type}"
+        )
         if run.state.step:
             self._event(f"resumed at step {run.state.step}")
 
     def _log_above(self, on: bool) -> None:
         """While the panel is up, log handlers writing to the terminal write through rich's proxy,
         which prints above the live region instead of over it."""
-        handlers = [h for h in logging.getLogger().handlers + logging.getLogger("coretrain").handlers
-                    if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+        handlers = [
+            h
+            for h in logging.getLogger().handlers + logging.getLogger("coretrain").handlers
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+        ]
         for handler in handlers:
             if on and handler.stream in (sys.__stderr__, sys.__stdout__):
                 self._streams[handler] = handler.setStream(sys.stderr)
@@ -114,15 +120,20 @@ class Progress:
         elapsed = time.perf_counter() - self._started
         done = step - self._first_step
         rate = done / elapsed if elapsed > 0 and done else 0.0
-        timing = f"elapsed {eta(elapsed)}   {rate:,.1f} steps/s   ETA " + (eta((self._total - step) / rate) if rate else "-")
+        timing = f"elapsed {eta(elapsed)}   {rate:,.1f} steps/s   ETA " + (
+            eta((self._total - step) / rate) if rate else "-"
+        )
         table = Table.grid(padding=(0, 3))
         m = self._metrics
-        cells = [f"loss [bold]{m['loss']:.4f}[/]" if "loss" in m else "loss -",
-                 f"lr {m['lr']:.2e}" if "lr" in m else "lr -",
-                 f"{m['tokens_per_second']:,.0f} tok/s" if "tokens_per_second" in m else
-                 (f"{m['samples_per_second']:,.1f} samples/s" if "samples_per_second" in m else ""),
-                 data_share(m) if m else "data -",
-                 f"valid loss {self._eval['valid/loss']:.4f}" if "valid/loss" in self._eval else "valid -"]
+        cells = [
+            f"loss [bold]{m['loss']:.4f}[/]" if "loss" in m else "loss -",
+            f"lr {m['lr']:.2e}" if "lr" in m else "lr -",
+            f"{m['tokens_per_second']:,.0f} tok/s"
+            if "tokens_per_second" in m
+            else (f"{m['samples_per_second']:,.1f} samples/s" if "samples_per_second" in m else ""),
+            data_share(m) if m else "data -",
+            f"valid loss {self._eval['valid/loss']:.4f}" if "valid/loss" in self._eval else "valid -",
+        ]
         table.add_row(*cells)
         lines = list(self._events) + [""] * (self._events.maxlen - len(self._events))  # a fixed height
         return Panel(Group(self._bar, timing, table, f"[dim]{chr(10).join(lines)}[/]"), title="coretrain", expand=True)
@@ -135,10 +146,16 @@ class Progress:
         if self._live is not None:
             return
         remaining = (self._total - step) * metrics.get("iteration_time", 0.0)
-        rate = (f"{metrics['tokens_per_second']:,.0f} tok/s" if "tokens_per_second" in metrics
-                else f"{metrics.get('samples_per_second', 0.0):,.1f} samples/s")
-        print(f"step {step:>{len(str(self._total))}}/{self._total} | loss {metrics['loss']:.4f} | "
-              f"lr {metrics['lr']:.3e} | {rate} | {data_share(metrics)} | ETA {eta(remaining)}", flush=True)
+        rate = (
+            f"{metrics['tokens_per_second']:,.0f} tok/s"
+            if "tokens_per_second" in metrics
+            else f"{metrics.get('samples_per_second', 0.0):,.1f} samples/s"
+        )
+        print(
+            f"step {step:>{len(str(self._total))}}/{self._total} | loss {metrics['loss']:.4f} | "
+            f"lr {metrics['lr']:.3e} | {rate} | {data_share(metrics)} | ETA {eta(remaining)}",
+            flush=True,
+        )
 
     @hookimpl
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:

@@ -21,7 +21,6 @@ from attrs import define, field
 
 from coretrain import hookimpl
 
-
 _STEP = re.compile(r"\tstep (\d+)\t")
 
 
@@ -78,14 +77,21 @@ class ProgressFile:
         total_flops = run.state.consumed_samples * flops_per_sample
         total_seconds = self._seconds_before + job_seconds
         world = run.dist.world_size
-        return {"job_tflops_per_device": job_flops / job_seconds / world / 1e12 if job_seconds > 0 else 0.0,
-                "cumulative_tflops_per_device": total_flops / total_seconds / world / 1e12 if total_seconds > 0 else 0.0,
-                "flops": total_flops, "tokens": float(total_tokens), "train_seconds": total_seconds}
+        return {
+            "job_tflops_per_device": job_flops / job_seconds / world / 1e12 if job_seconds > 0 else 0.0,
+            "cumulative_tflops_per_device": total_flops / total_seconds / world / 1e12 if total_seconds > 0 else 0.0,
+            "flops": total_flops,
+            "tokens": float(total_tokens),
+            "train_seconds": total_seconds,
+        }
 
     @hookimpl
     def on_checkpoint(self, run: Any) -> dict[str, Any]:
         figures = self.figures(run)
-        self._line(run, f"checkpoint\tjob throughput {figures['job_tflops_per_device']:.6g} TFLOP/s/device\t"
-                        f"cumulative throughput {figures['cumulative_tflops_per_device']:.6g} TFLOP/s/device\t"
-                        f"FLOPs {figures['flops']:.0f}\ttokens {figures['tokens']:.0f}")
+        self._line(
+            run,
+            f"checkpoint\tjob throughput {figures['job_tflops_per_device']:.6g} TFLOP/s/device\t"
+            f"cumulative throughput {figures['cumulative_tflops_per_device']:.6g} TFLOP/s/device\t"
+            f"FLOPs {figures['flops']:.0f}\ttokens {figures['tokens']:.0f}",
+        )
         return {"train_seconds": figures["train_seconds"]}

@@ -91,8 +91,11 @@ class Stragglers:
         fastest = min(means)
         relative = [fastest / m if m > 0 else 1.0 for m in means]
         individual = [b / m if m > 0 else 1.0 for b, m in zip(best_means, means)]
-        slow = [r for r in range(len(means))
-                if relative[r] < self.relative_threshold or individual[r] < self.individual_threshold]
+        slow = [
+            r
+            for r in range(len(means))
+            if relative[r] < self.relative_threshold or individual[r] < self.individual_threshold
+        ]
         self.last_report = {"step": step, "relative": relative, "individual": individual, "stragglers": slow}
         metrics["stragglers/min_relative_score"] = min(relative)
         metrics["stragglers/min_individual_score"] = min(individual)
@@ -101,12 +104,16 @@ class Stragglers:
             order = sorted(range(len(means)), key=lambda r: relative[r])
             rows = lambda ranks: ", ".join(  # noqa: E731
                 f"rank {r}: {means[r] * 1e3:.1f} ms/step (relative {relative[r]:.2f}, individual {individual[r]:.2f})"
-                for r in ranks)
+                for r in ranks
+            )
             n = self.report_count
             print(f"stragglers at step {step}: worst {rows(order[:n])}; best {rows(order[::-1][:n])}", flush=True)
             if slow:
-                print(f"stragglers at step {step}: ranks {slow} below thresholds "
-                      f"(relative {self.relative_threshold}, individual {self.individual_threshold})", flush=True)
+                print(
+                    f"stragglers at step {step}: ranks {slow} below thresholds "
+                    f"(relative {self.relative_threshold}, individual {self.individual_threshold})",
+                    flush=True,
+                )
         if slow and self.stop_if_detected:
             run.control.request_stop(f"stragglers: ranks {slow} are slow")
         self._total, self._count = 0.0, 0

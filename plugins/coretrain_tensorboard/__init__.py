@@ -26,8 +26,9 @@ class TensorBoard(LoggingBackend):
     _writer: Any = field(default=None, init=False, repr=False)
 
     def open(self, run: Any) -> None:
-        SummaryWriter = require("torch.utils.tensorboard", needed_by="plugins.tensorboard", extra="tensorboard",
-                                package="tensorboard").SummaryWriter
+        SummaryWriter = require(
+            "torch.utils.tensorboard", needed_by="plugins.tensorboard", extra="tensorboard", package="tensorboard"
+        ).SummaryWriter
         log_dir = Path(self.log_dir) if self.log_dir else Path(run.output_dir) / "tensorboard"
         self._writer = SummaryWriter(log_dir=str(log_dir), flush_secs=self.flush_secs, purge_step=run.state.step + 1)
 

@@ -62,9 +62,11 @@ class TextBytes:
         if len(files) < 2:
             import os
 
-            raise UserError(f"data.options.globs: {self.globs or default_globs()} matched {len(files)} file(s) "
-                            f"(relative patterns are resolved against {os.getcwd()}); need at least 2 (one for "
-                            "training, one for validation)")
+            raise UserError(
+                f"data.options.globs: {self.globs or default_globs()} matched {len(files)} file(s) "
+                f"(relative patterns are resolved against {os.getcwd()}); need at least 2 (one for "
+                "training, one for validation)"
+            )
         valid_files = [f for f in files if is_valid_file(f, self.valid_fraction)] or files[-1:]
         train_files = [f for f in files if f not in valid_files]
 
@@ -79,8 +81,9 @@ class TextBytes:
             blob = b"".join(chunks)[:limit]
             return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
-        train = windows(read(train_files, self.max_bytes), self.seq_length, self.sampling, context.train_samples,
-                        context.seed)
+        train = windows(
+            read(train_files, self.max_bytes), self.seq_length, self.sampling, context.train_samples, context.seed
+        )
         valid = TokenWindows(read(valid_files, None), self.seq_length)
         if len(train) == 0 or len(valid) == 0:
             raise UserError(f"data.options.seq_length ({self.seq_length}) is longer than the text read; lower it")

@@ -55,7 +55,7 @@ def max_token(tokens: Any, chunk: int = 1 << 24) -> int:
     """Largest id, scanning in chunks (torch has no max for uint16, and widening all would copy)."""
     import torch
 
-    return max(int(tokens[i:i + chunk].to(torch.int64).max()) for i in range(0, tokens.numel(), chunk))
+    return max(int(tokens[i : i + chunk].to(torch.int64).max()) for i in range(0, tokens.numel(), chunk))
 
 
 @define(kw_only=True)
@@ -86,8 +86,9 @@ class TokenFile:
         valid = TokenWindows(open_tokens(self.valid_path, self.dtype), self.seq_length) if self.valid_path else None
         vocab_size = self.vocab_size or max_token(train_tokens) + 1
         if not self.vocab_size and vocab_size > MAX_GUESSED_VOCAB:
-            raise UserError(f"{self.train_path}: token ids go up to {vocab_size - 1}, far beyond any tokenizer's "
-                            f"vocabulary: is dtype '{self.dtype}' right? (or set data.options.vocab_size)")
+            raise UserError(
+                f"{self.train_path}: token ids go up to {vocab_size - 1}, far beyond any tokenizer's "
+                f"vocabulary: is dtype '{self.dtype}' right? (or set data.options.vocab_size)"
+            )
         train = windows(train_tokens, self.seq_length, self.sampling, context.train_samples, context.seed)
-        return Datasets(train=train, valid=valid,
-                        seq_length=self.seq_length, vocab_size=vocab_size)
+        return Datasets(train=train, valid=valid, seq_length=self.seq_length, vocab_size=vocab_size)

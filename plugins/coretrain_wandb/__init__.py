@@ -6,7 +6,8 @@ directory under ``<output_dir>/wandb`` to ``wandb sync`` later) or "disabled"; u
 
 A :class:`~coretrain.backend.LoggingBackend` (after every other plugin, rank 0 only). The W&B
 run id is saved in checkpoints, so a resumed job continues the same run; a signal marks the run
-as preempting; every way a run ends finishes it, with exit code 1 after an exception. Needs ``pip install 'coretrain[wandb]'``.
+as preempting; every way a run ends finishes it, with exit code 1 after an exception. Needs
+``pip install 'coretrain[wandb]'``.
 """
 
 from __future__ import annotations
@@ -53,17 +54,27 @@ class WandB(LoggingBackend):
         wandb = require("wandb", needed_by="plugins.wandb", extra="wandb")
         mode = self.mode or os.environ.get("WANDB_MODE") or "online"
         if mode == "online" and not _logged_in(wandb):
-            raise UserError("plugins.wandb: not logged in to W&B; set WANDB_API_KEY, run `wandb login`, "
-                            'or log locally with plugins.wandb.mode = "offline"')
+            raise UserError(
+                "plugins.wandb: not logged in to W&B; set WANDB_API_KEY, run `wandb login`, "
+                'or log locally with plugins.wandb.mode = "offline"'
+            )
         directory = Path(self.dir) if self.dir else Path(run.output_dir)
         directory.mkdir(parents=True, exist_ok=True)
         from coretrain.run import config_as_dict
 
         self._run = wandb.init(
-            mode=mode, dir=str(directory), project=self.project or os.environ.get("WANDB_PROJECT") or run.config.run.name,
-            entity=self.entity, name=self.name or run.config.run.name, group=self.group, tags=list(self.tags) or None,
-            config=config_as_dict(run.config), id=self.resumed_id, resume="allow" if self.resumed_id else None,
-            settings=wandb.Settings(console="off"))
+            mode=mode,
+            dir=str(directory),
+            project=self.project or os.environ.get("WANDB_PROJECT") or run.config.run.name,
+            entity=self.entity,
+            name=self.name or run.config.run.name,
+            group=self.group,
+            tags=list(self.tags) or None,
+            config=config_as_dict(run.config),
+            id=self.resumed_id,
+            resume="allow" if self.resumed_id else None,
+            settings=wandb.Settings(console="off"),
+        )
         self._run.summary["world_size"] = run.dist.world_size
 
     def write(self, step: int, metrics: dict[str, float]) -> None:

@@ -62,8 +62,10 @@ class WeightHash:
                 groups: dict[str, list[int]] = {}
                 for rank, value in enumerate(values):
                     groups.setdefault(value, []).append(rank)
-                message = (f"weight-hash: step {step}: replicas differ, first at parameter '{name}' "
-                           f"(ranks grouped by value: {sorted(groups.values())})")
+                message = (
+                    f"weight-hash: step {step}: replicas differ, first at parameter '{name}' "
+                    f"(ranks grouped by value: {sorted(groups.values())})"
+                )
                 if run.dist.is_main:
                     log.error(message)
                 run.control.request_stop(message, checkpoint=False, exit_code=self.exit_code)
