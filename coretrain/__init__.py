@@ -1,7 +1,14 @@
 """coretrain: a small PyTorch training loop whose every feature is a plugin.
 
-Importing this package imports no torch: plugin authors only need :data:`hookimpl`.
+The public API — everything a plugin needs, first-party or third-party — is what ``__all__``
+lists, importable from ``coretrain`` itself. Importing this package imports no torch: the
+names below load their modules on first use.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 import pluggy
 
@@ -10,4 +17,47 @@ __version__ = "0.2.0"
 hookimpl = pluggy.HookimplMarker("coretrain")
 """Mark a plugin method as a hook implementation: ``@hookimpl`` / ``@hookimpl(trylast=True)``."""
 
-__all__ = ["__version__", "hookimpl"]
+_LAZY = {
+    # what every hook receives, and what it may ask for
+    "Run": "coretrain.run",
+    "TrainState": "coretrain.run",
+    "StepOutputs": "coretrain.run",
+    "Control": "coretrain.control",
+    "DistInfo": "coretrain.dist",
+    # data a provider returns
+    "Datasets": "coretrain.run",
+    "DatasetContext": "coretrain.run",
+    "TokenWindows": "coretrain.data",
+    "RandomWindows": "coretrain.data",
+    "windows": "coretrain.data",
+    # helpers plugins share with the core
+    "LoggingBackend": "coretrain.backend",
+    "UserError": "coretrain.errors",
+    "require": "coretrain.errors",
+    "config_as_dict": "coretrain.run",
+    "is_sharded": "coretrain.checkpoint",
+    "max_over_ranks": "coretrain.dist",
+    "mean_over_ranks": "coretrain.dist",
+    "sum_over_ranks": "coretrain.dist",
+    # validators for a plugin's config fields
+    "FieldValueError": "coretrain.validators",
+    "positive": "coretrain.validators",
+    "non_negative": "coretrain.validators",
+    "fraction": "coretrain.validators",
+    "in_range": "coretrain.validators",
+    "exit_code": "coretrain.validators",
+}
+
+__all__ = ["__version__", "hookimpl", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'coretrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -41,3 +41,41 @@ def test_without_any_plugin_installed_the_core_explains_what_is_missing(tmp_path
         r"\(install one, e.g. `pip install -e ./plugins`",
     ):
         load_plugins(config, installed={})
+
+
+def imports_from_core_internals(path: Path) -> list[str]:
+    """``from coretrain.X import ...`` / ``import coretrain.X`` statements, anywhere in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("coretrain."):
+            found.append(f"{path.name}:{node.lineno}: from {node.module}")
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{path.name}:{node.lineno}: import {a.name}" for a in node.names if a.name.startswith("coretrain.")
+            ]
+    return found
+
+
+PUBLIC_USERS = sorted(p for d in ("plugins", "examples") for p in (REPO / d).rglob("*.py") if "build" not in p.parts)
+
+
+@pytest.mark.parametrize("path", PUBLIC_USERS, ids=lambda p: str(p.relative_to(REPO)))
+def test_plugins_and_examples_use_only_the_public_api(path: Path) -> None:
+    """What a first-party plugin needs, a third party needs too: everything comes from `coretrain`."""
+    assert imports_from_core_internals(path) == []
+
+
+def test_the_public_api_is_importable_without_torch_and_complete() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, coretrain\n"
+        "assert 'torch' not in sys.modules\n"
+        "missing = [n for n in coretrain.__all__ if getattr(coretrain, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "print(len(coretrain.__all__))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(result.stdout) >= 20
+    assert (REPO / "coretrain" / "py.typed").is_file()

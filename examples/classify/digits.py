@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from coretrain.run import Datasets
+from coretrain import Datasets
 
 CLASSES = 10
 

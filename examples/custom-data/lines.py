@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from coretrain.run import Datasets
+from coretrain import Datasets
 
 MAX_LENGTH = 96
 

@@ -34,7 +34,7 @@ class BatchRampup:
     _target: int = field(default=0, init=False, repr=False)
 
     def _check(self, run: Any) -> None:
-        from coretrain.errors import UserError
+        from coretrain import UserError
 
         if len(self.rampup_batch_size) != 3:
             raise UserError("plugins.batch-rampup.rampup_batch_size: expected [start, increment, ramp_samples]")
@@ -61,7 +61,7 @@ class BatchRampup:
 
     @hookimpl
     def num_micro_batches(self, run: Any, step: int, consumed_samples: int) -> int:
-        from coretrain.errors import UserError
+        from coretrain import UserError
 
         per_pass = run.config.train.micro_batch_size * run.dist.world_size
         wanted = self.global_batch_at(consumed_samples, self._target)

@@ -23,9 +23,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.backend import LoggingBackend
-from coretrain.errors import UserError, require
+from coretrain import LoggingBackend, UserError, hookimpl, require
 
 log = logging.getLogger("coretrain")
 
@@ -103,7 +101,7 @@ class Comet(LoggingBackend):
         experiment.set_name(self.experiment_name or run.config.run.name)
         if self.tags:
             experiment.add_tags(list(self.tags))
-        from coretrain.run import config_as_dict
+        from coretrain import config_as_dict
 
         experiment.log_parameters(config_as_dict(run.config))
         experiment.log_other("world_size", run.dist.world_size)

@@ -36,7 +36,7 @@ class DDP:
         if run.dist.world_size == 1:
             log.info("ddp: single process, model left unwrapped")
             return
-        from coretrain.checkpoint import is_sharded
+        from coretrain import is_sharded
 
         if is_sharded(run.model):
             log.info("ddp: the model is already sharded (fsdp); not wrapping it again")

@@ -54,7 +54,7 @@ class FP8:
 
         import torch
 
-        from coretrain.errors import UserError, require
+        from coretrain import UserError, require
 
         float8 = require("torchao.float8", needed_by="plugins.fp8", extra="fp8")
         Float8LinearConfig, convert_to_float8_training = float8.Float8LinearConfig, float8.convert_to_float8_training

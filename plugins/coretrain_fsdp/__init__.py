@@ -41,7 +41,7 @@ class FSDP:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        from coretrain.errors import UserError
+        from coretrain import UserError
 
         if hasattr(run.model, "no_sync"):
             raise UserError(

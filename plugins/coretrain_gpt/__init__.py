@@ -16,8 +16,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.validators import FieldValueError, fraction, positive
+from coretrain import FieldValueError, fraction, hookimpl, positive
 
 
 @define(kw_only=True)
@@ -48,7 +47,7 @@ class GPTProvider:
 
     @hookimpl
     def provide_model(self, run: Any) -> Any:
-        from coretrain.errors import UserError
+        from coretrain import UserError
         from coretrain_gpt.model import GPT, GPTConfig
 
         datasets = run.datasets

@@ -28,9 +28,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.dist import mean_over_ranks
-from coretrain.validators import exit_code, non_negative, positive
+from coretrain import exit_code, hookimpl, mean_over_ranks, non_negative, positive
 
 log = logging.getLogger("coretrain")
 

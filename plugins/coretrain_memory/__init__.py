@@ -16,8 +16,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.validators import positive
+from coretrain import hookimpl, positive
 
 log = logging.getLogger("coretrain")
 

@@ -17,7 +17,7 @@ from typing import IO, Any
 
 from attrs import define, field
 
-from coretrain.backend import LoggingBackend
+from coretrain import LoggingBackend
 
 log = logging.getLogger("coretrain")
 

@@ -20,8 +20,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain.backend import LoggingBackend
-from coretrain.errors import require
+from coretrain import LoggingBackend, require
 
 STATUS = {
     "completed": "FINISHED",
@@ -93,7 +92,7 @@ class MLflow(LoggingBackend):
             self._run_id = client.create_run(
                 experiment_id, run_name=self.run_name or run.config.run.name, tags=tags
             ).info.run_id
-            from coretrain.run import config_as_dict
+            from coretrain import config_as_dict
 
             params = [Param(key, value[:6000]) for key, value in flatten(config_as_dict(run.config)).items()]
             for start in range(0, len(params), 100):  # MLflow's limit per batch

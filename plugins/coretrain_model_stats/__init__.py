@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from attrs import define
 
-from coretrain import hookimpl
-from coretrain.checkpoint import is_sharded
+from coretrain import hookimpl, is_sharded
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

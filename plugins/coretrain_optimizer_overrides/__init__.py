@@ -23,8 +23,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.validators import non_negative
+from coretrain import hookimpl, non_negative
 
 
 @define(kw_only=True)
@@ -59,7 +58,7 @@ class OptimizerOverrides:
 
     @hookimpl
     def param_group_overrides(self, model: Any) -> dict[str, dict[str, float]]:
-        from coretrain.errors import UserError
+        from coretrain import UserError
 
         overrides: dict[str, dict[str, float]] = {}
         names = [name for name, _ in model.named_parameters()]

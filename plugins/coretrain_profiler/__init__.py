@@ -14,8 +14,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.validators import FieldValueError, positive
+from coretrain import FieldValueError, hookimpl, positive
 
 log = logging.getLogger("coretrain")
 

@@ -21,8 +21,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.validators import non_negative
+from coretrain import hookimpl, non_negative
 
 
 def eta(seconds: float) -> str:

@@ -26,8 +26,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.validators import in_range, non_negative, positive
+from coretrain import hookimpl, in_range, non_negative, positive
 
 
 @define(kw_only=True)
@@ -73,7 +72,7 @@ class Stragglers:
     def on_log(self, run: Any, step: int, metrics: dict[str, float]) -> None:
         import torch
 
-        from coretrain.dist import max_over_ranks
+        from coretrain import max_over_ranks
 
         due = time.monotonic() - self._reported_at >= self.report_interval and self._count > 0
         if not max_over_ranks(int(due))[0]:

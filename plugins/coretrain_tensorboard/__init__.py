@@ -11,8 +11,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain.backend import LoggingBackend
-from coretrain.errors import require
+from coretrain import LoggingBackend, require
 
 
 @define(kw_only=True)

@@ -16,8 +16,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.validators import fraction, positive
+from coretrain import fraction, hookimpl, positive
 
 
 def default_globs() -> list[str]:
@@ -54,9 +53,7 @@ class TextBytes:
     def provide_datasets(self, run: Any, context: Any) -> Any:
         import torch
 
-        from coretrain.data import TokenWindows, windows
-        from coretrain.errors import UserError
-        from coretrain.run import Datasets
+        from coretrain import Datasets, TokenWindows, UserError, windows
 
         files = self.files()
         if len(files) < 2:

@@ -11,8 +11,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.validators import positive
+from coretrain import hookimpl, positive
 
 DTYPES = {"uint16": 2, "uint32": 4}
 MAX_GUESSED_VOCAB = 1 << 22  # 4M ids: above every real tokenizer, below an embedding that exhausts memory
@@ -22,7 +21,7 @@ def open_tokens(path: str, dtype: str) -> Any:
     """Memory-map ``path`` as a 1-D tensor of ``dtype`` token ids."""
     import torch
 
-    from coretrain.errors import UserError
+    from coretrain import UserError
 
     if os.path.isdir(path):
         raise UserError(f"data.options: token file '{path}' is a directory; name the .bin file inside it")
@@ -78,9 +77,7 @@ class TokenFile:
 
     @hookimpl
     def provide_datasets(self, run: Any, context: Any) -> Any:
-        from coretrain.data import TokenWindows, windows
-        from coretrain.errors import UserError
-        from coretrain.run import Datasets
+        from coretrain import Datasets, TokenWindows, UserError, windows
 
         train_tokens = open_tokens(self.train_path, self.dtype)
         valid = TokenWindows(open_tokens(self.valid_path, self.dtype), self.seq_length) if self.valid_path else None

@@ -18,9 +18,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.backend import LoggingBackend
-from coretrain.errors import UserError, require
+from coretrain import LoggingBackend, UserError, hookimpl, require
 
 
 def _logged_in(wandb: Any) -> bool:
@@ -60,7 +58,7 @@ class WandB(LoggingBackend):
             )
         directory = Path(self.dir) if self.dir else Path(run.output_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        from coretrain.run import config_as_dict
+        from coretrain import config_as_dict
 
         self._run = wandb.init(
             mode=mode,

@@ -15,8 +15,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
-from coretrain.validators import exit_code, positive
+from coretrain import exit_code, hookimpl, positive
 
 log = logging.getLogger("coretrain")
 
