@@ -32,6 +32,19 @@ def run_cli(
     )
 
 
+def start_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m coretrain ARGS`` in the background (to signal, kill or race it); stdout and stderr piped."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "coretrain", *args],
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def metrics_rows(out: Path) -> list[dict]:
     """What the metrics-file plugin wrote in a run's output dir, one dict per logged step."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import metrics_rows, run_cli, write_tiny_gpt
+from conftest import metrics_rows, run_cli, start_cli, write_tiny_gpt
 
 pytestmark = pytest.mark.slow  # every logging backend in real CLI runs: the full suite, not the fast tier
 
@@ -30,13 +30,7 @@ def by_name(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 
 def start_run(config: Path, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "coretrain", "run", str(config)],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_cli("run", str(config), cwd=cwd)
 
 
 def wait_for_logged_steps(out: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics_rows, run_cli, tiny_gpt_config
+from conftest import metrics_rows, run_cli, start_cli, tiny_gpt_config
 
 pytestmark = pytest.mark.slow  # torchrun with 2 gloo ranks: the full suite, not the fast tier
 
@@ -81,13 +81,7 @@ def test_world_size_that_does_not_divide_the_global_batch_is_a_clear_error(tmp_p
 
 def launch_two_ranks_until_step(config: Path, out: Path, step: int) -> subprocess.Popen:
     """`coretrain run --nproc-per-node 2` in the background, returned once metrics.jsonl reaches ``step``."""
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", "2"],
-        cwd=config.parent,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = start_cli("run", str(config), "--nproc-per-node", "2", cwd=config.parent)
     deadline = time.monotonic() + 120
     while launcher.poll() is None and time.monotonic() < deadline:
         if (out / "metrics.jsonl").exists() and any(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics_rows, run_cli, tiny_gpt_config
+from conftest import metrics_rows, run_cli, start_cli, tiny_gpt_config
 
 pytestmark = pytest.mark.slow  # real signals and restarts of CLI runs: the full suite, not the fast tier
 
@@ -70,13 +70,7 @@ def wait_for_step(out: Path, step: int, process: subprocess.Popen, timeout: floa
 def test_sigterm_checkpoints_the_step_reached_exits_143_and_resumes_exactly(tmp_path: Path, reference: Path) -> None:
     config = write_config(tmp_path)
     out = tmp_path / "out"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "coretrain", "run", str(config)],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = start_cli("run", str(config), cwd=tmp_path)
     wait_for_step(out, 23, process)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)

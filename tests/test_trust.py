@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import metrics_rows, run_cli, write_tiny_gpt
+from conftest import metrics_rows, run_cli, start_cli, write_tiny_gpt
 
 pytestmark = pytest.mark.slow  # crafted files, signals and locks through the CLI: the full suite, not the fast tier
 
@@ -193,13 +193,7 @@ def logged_step(out: Path, step: int) -> Any:
 
 def test_a_second_run_on_a_directory_in_use_is_refused_until_the_first_dies(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=100000, log_interval=2, eval_iters=0)
-    first = subprocess.Popen(
-        [sys.executable, "-m", "coretrain", "run", str(config)],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = start_cli("run", str(config), cwd=tmp_path)
     try:
         wait_for(logged_step(out, 2), first)
         second = run_cli(
@@ -499,13 +493,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Pa
 @pytest.mark.parametrize("delay", [0.05, 0.6, 1.5, 3.0])
 def test_ctrl_c_during_start_up_stops_the_run(tmp_path: Path, delay: float) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=100000, log_interval=50, eval_iters=0)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "coretrain", "run", str(config)],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = start_cli("run", str(config), cwd=tmp_path)
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)  # ends: never trains 100000 steps

@@ -21,10 +21,20 @@ TESTS = str(Path(__file__).resolve().parent)
 
 
 def digits_config(
-    directory: Path, name: str = "run", extra: str = "", data: str = "", **train_keys: Any
+    directory: Path,
+    name: str = "run",
+    extra: str = "",
+    data: str = "",
+    model: str = "workloads:cnn",
+    loss: str | None = "cross_entropy",
+    provider: str = "workloads:digits",
+    options: str = "",
+    **train_keys: Any,
 ) -> tuple[Path, Path]:
-    """The CNN-on-digits run: a model returning logits, model.loss, a full validation pass;
-    ``data``: more [data] keys (TOML lines), ``extra``: more tables."""
+    """The CNN-on-digits run: a model returning logits, model.loss, a full validation pass.
+
+    ``model`` / ``provider``: other import paths (``loss = None``: the model returns its loss);
+    ``data``: more [data] keys and ``options``: [data.options] keys (TOML lines); ``extra``: more tables."""
     settings = {
         "micro_batch_size": 32,
         "train_iters": 30,
@@ -41,11 +51,13 @@ def digits_config(
 output_dir = "{out}"
 threads = 1
 [model]
-provider = "workloads:cnn"
-loss = "cross_entropy"
+provider = "{model}"
+{f'loss = "{loss}"' if loss else ""}
 [data]
-provider = "workloads:digits"
+provider = "{provider}"
 {data}
+[data.options]
+{options}
 [optimizer]
 lr = 0.01
 [train]
@@ -169,12 +181,7 @@ def test_workers_and_a_user_collate_fn_read_the_same_samples_and_resume_exactly(
 
 
 def test_a_model_returning_named_values_has_them_logged_for_train_and_valid(tmp_path: Path) -> None:
-    config, out = digits_config(tmp_path)
-    config.write_text(
-        config.read_text().replace(
-            'provider = "workloads:cnn"\nloss = "cross_entropy"', 'provider = "workloads:cnn_with_accuracy"'
-        )
-    )
+    config, out = digits_config(tmp_path, model="workloads:cnn_with_accuracy", loss=None)
     result = run_digits(config)
     assert result.returncode == 0, result.stderr
     rows = metrics_rows(out)
@@ -209,8 +216,7 @@ def test_the_console_script_imports_providers_from_the_current_directory_and_val
     tmp_path: Path,
 ) -> None:
     (tmp_path / "mymodel.py").write_text("from workloads import CNN\n\ndef build(width=8):\n    return CNN(width)\n")
-    config, out = digits_config(tmp_path, train_iters=2, eval_full=False, eval_iters=0)
-    config.write_text(config.read_text().replace('provider = "workloads:cnn"', 'provider = "mymodel:build"'))
+    config, out = digits_config(tmp_path, model="mymodel:build", train_iters=2, eval_full=False, eval_iters=0)
     script = Path(sys.executable).parent / "coretrain"
     env = {**os.environ, "PYTHONPATH": TESTS}  # for workloads, not for mymodel
     result = subprocess.run(
@@ -240,11 +246,16 @@ def test_the_console_script_imports_providers_from_the_current_directory_and_val
 
 @pytest.mark.parametrize(("stateful", "workers"), [(False, 0), (True, 2)])
 def test_a_stream_trains_stops_and_resumes_exactly(tmp_path: Path, stateful: bool, workers: int) -> None:
-    options = f"num_workers = {workers}\n[data.options]\nstateful = {json.dumps(stateful)}"
     outs = []
     for name, stop in (("whole", ()), ("split", ("--set", "train.exit_interval=15"))):
-        config, out = digits_config(tmp_path, name, data=options, eval_interval=15)
-        config.write_text(config.read_text().replace('"workloads:digits"', '"workloads:digit_stream"'))
+        config, out = digits_config(
+            tmp_path,
+            name,
+            provider="workloads:digit_stream",
+            data=f"num_workers = {workers}",
+            options=f"stateful = {json.dumps(stateful)}",
+            eval_interval=15,
+        )
         first = run_digits(config, *stop)
         assert first.returncode == 0, first.stderr
         assert "the train split is a stream" in first.stderr
@@ -262,8 +273,7 @@ def test_a_stream_trains_stops_and_resumes_exactly(tmp_path: Path, stateful: boo
 def test_a_hugging_face_dataset_is_used_directly_and_resumes_exactly(tmp_path: Path) -> None:
     outs = []
     for name, stop in (("whole", ()), ("split", ("--set", "train.exit_interval=15"))):
-        config, out = digits_config(tmp_path, name)
-        config.write_text(config.read_text().replace('"workloads:digits"', '"workloads:hf_digits"'))
+        config, out = digits_config(tmp_path, name, provider="workloads:hf_digits")
         for args in ((*stop,), ()) if stop else ((),):
             result = run_digits(config, *args)
             assert result.returncode == 0, result.stderr
@@ -317,11 +327,8 @@ def test_skip_train_evaluates_the_valid_and_test_splits_once(tmp_path: Path, no_
 
 
 def test_an_input_bound_run_logs_its_data_wait_and_says_so_once(tmp_path: Path) -> None:
-    config, out = digits_config(tmp_path, train_iters=12, log_interval=4, eval_full=False, eval_iters=0)
-    config.write_text(
-        config.read_text().replace(
-            'provider = "workloads:digits"', 'provider = "workloads:digits"\n[data.options]\ndelay = 0.002'
-        )
+    config, out = digits_config(
+        tmp_path, options="delay = 0.002", train_iters=12, log_interval=4, eval_full=False, eval_iters=0
     )
     result = run_digits(config)
     assert result.returncode == 0, result.stderr
@@ -334,8 +341,9 @@ def test_an_input_bound_run_logs_its_data_wait_and_says_so_once(tmp_path: Path) 
 
 
 def test_log_level_quiet_and_a_library_warning_shown_once(tmp_path: Path) -> None:
-    config, out = digits_config(tmp_path, train_iters=20, log_interval=5, eval_full=False, eval_iters=0)
-    config.write_text(config.read_text().replace('"workloads:cnn"', '"workloads:chatty_cnn"'))
+    config, out = digits_config(
+        tmp_path, model="workloads:chatty_cnn", train_iters=20, log_interval=5, eval_full=False, eval_iters=0
+    )
     normal = run_digits(config)
     assert normal.returncode == 0, normal.stderr
     assert normal.stderr.count("ChattyCNN: this argument is deprecated") == 1  # 20+ forwards, one line
