@@ -18,17 +18,18 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def run_cli(
-    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 300
+    *args: str,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: int = 300,
+    command: tuple[str, ...] = (sys.executable, "-m", "coretrain"),
+    **popen: Any,
 ) -> subprocess.CompletedProcess:
-    """``python -m coretrain ARGS`` as a user would run it, output captured (not a terminal)."""
+    """``python -m coretrain ARGS`` (or ``command``, e.g. the console script) as a user would run it,
+    output captured (not a terminal); ``popen``: more subprocess.run arguments (preexec_fn)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "coretrain", *args],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        [*command, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **popen
     )
 
 

@@ -14,7 +14,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -322,16 +321,7 @@ def test_a_save_that_cannot_be_written_is_one_error_and_keeps_the_previous_check
         extra="\n[checkpoint]\nsave_interval = 10\n[plugins.misbehave]\n"
         'at_step = 20\nstate = "big"\nbig_megabytes = 8\n',
     )
-    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "coretrain", "run", str(config)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=limit_file_size(4),
-    )
+    result = run_cli("run", str(config), cwd=tmp_path, env={"PYTHONPATH": str(site)}, preexec_fn=limit_file_size(4))
     assert result.returncode == 1, result.stderr
     line = one_error_line(result.stderr)
     assert line.startswith("error: checkpoint step 20: cannot write (File too large: ") and "rank_00000.pt)" in line

@@ -18,6 +18,7 @@ from helpers_inprocess import train
 pytestmark = pytest.mark.slow  # user workloads through the CLI and torchrun: the full suite, not the fast tier
 
 TESTS = str(Path(__file__).resolve().parent)
+CONSOLE_SCRIPT = (str(Path(sys.executable).parent / "coretrain"),)
 
 
 def digits_config(
@@ -217,30 +218,16 @@ def test_the_console_script_imports_providers_from_the_current_directory_and_val
 ) -> None:
     (tmp_path / "mymodel.py").write_text("from workloads import CNN\n\ndef build(width=8):\n    return CNN(width)\n")
     config, out = digits_config(tmp_path, model="mymodel:build", train_iters=2, eval_full=False, eval_iters=0)
-    script = Path(sys.executable).parent / "coretrain"
-    env = {**os.environ, "PYTHONPATH": TESTS}  # for workloads, not for mymodel
-    result = subprocess.run(
-        [str(script), "run", str(config)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
-    )
+
+    def console(*args: str) -> subprocess.CompletedProcess:  # the console script, not python -m
+        return run_cli(*args, cwd=tmp_path, env={"PYTHONPATH": TESTS}, command=CONSOLE_SCRIPT)  # TESTS: workloads
+
+    result = console("run", str(config))
     assert result.returncode == 0, result.stderr
-    bad = subprocess.run(
-        [str(script), "config", "validate", str(config), "--set", "model.options.widht=4"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    bad = console("config", "validate", str(config), "--set", "model.options.widht=4")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "model.options: options do not fit mymodel.build" in bad.stderr and "(did you mean 'width'?)" in bad.stderr
-    missing = subprocess.run(
-        [str(script), "config", "validate", str(config), "--set", 'model.provider="nomodule:build"'],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    missing = console("config", "validate", str(config), "--set", 'model.provider="nomodule:build"')
     assert missing.returncode == 2 and "model.provider: cannot import 'nomodule:build'" in missing.stderr
 
 
@@ -295,13 +282,15 @@ def test_the_bring_your_own_examples_run_from_their_directory(
     import shutil
 
     shutil.copytree(REPO / "examples" / example, directory)
-    script = Path(sys.executable).parent / "coretrain"
-    result = subprocess.run(
-        [str(script), "run", config, "--set", "train.train_iters=20", "--set", "train.eval_interval=10"],
+    result = run_cli(
+        "run",
+        config,
+        "--set",
+        "train.train_iters=20",
+        "--set",
+        "train.eval_interval=10",
         cwd=directory,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        command=CONSOLE_SCRIPT,
     )
     assert result.returncode == 0, result.stderr
     assert expected in result.stdout and "accuracy" in result.stdout
