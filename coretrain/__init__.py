@@ -8,7 +8,7 @@ names below load their modules on first use.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -18,6 +18,9 @@ hookimpl = pluggy.HookimplMarker("coretrain")
 """Mark a plugin method as a hook implementation: ``@hookimpl`` / ``@hookimpl(trylast=True)``."""
 
 _LAZY = {
+    # the hook contract
+    "HOOK_API": "coretrain.hookspecs",
+    "Outcome": "coretrain.hookspecs",
     # what every hook receives, and what it may ask for
     "Run": "coretrain.run",
     "TrainState": "coretrain.run",
@@ -48,7 +51,47 @@ _LAZY = {
     "exit_code": "coretrain.validators",
 }
 
-__all__ = ["__version__", "hookimpl", *_LAZY]
+if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports on first use
+    from coretrain.backend import LoggingBackend
+    from coretrain.checkpoint import is_sharded
+    from coretrain.control import Control
+    from coretrain.data import RandomWindows, TokenWindows, windows
+    from coretrain.dist import DistInfo, max_over_ranks, mean_over_ranks, sum_over_ranks
+    from coretrain.errors import UserError, require
+    from coretrain.hookspecs import HOOK_API, Outcome
+    from coretrain.run import DatasetContext, Datasets, Run, StepOutputs, TrainState, config_as_dict
+    from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
+
+__all__ = [
+    "__version__",
+    "hookimpl",
+    "HOOK_API",
+    "Outcome",
+    "Run",
+    "TrainState",
+    "StepOutputs",
+    "Control",
+    "DistInfo",
+    "Datasets",
+    "DatasetContext",
+    "TokenWindows",
+    "RandomWindows",
+    "windows",
+    "LoggingBackend",
+    "UserError",
+    "require",
+    "config_as_dict",
+    "is_sharded",
+    "max_over_ranks",
+    "mean_over_ranks",
+    "sum_over_ranks",
+    "FieldValueError",
+    "positive",
+    "non_negative",
+    "fraction",
+    "in_range",
+    "exit_code",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -13,6 +13,11 @@ the hooks here guarantee what every backend must do:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coretrain.run import Run
+
 from typing import Any
 
 from coretrain import hookimpl
@@ -25,7 +30,7 @@ class LoggingBackend:
     resumed_id: str | None = None
     """The run id saved by the checkpoint this job resumed from; None on a fresh start."""
 
-    def open(self, run: Any) -> None:
+    def open(self, run: Run) -> None:
         """Start the backend's run (rank 0 only): create it, log the config."""
         raise NotImplementedError
 
@@ -51,7 +56,7 @@ class LoggingBackend:
         return {"run_id": run_id} if run_id else None
 
     @hookimpl(trylast=True)
-    def on_train_start(self, run: Any) -> None:
+    def on_train_start(self, run: Run) -> None:
         if run.dist.is_main:
             self.open(run)
             self._opened = True

@@ -71,9 +71,9 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "python": [version, list(internal), gauss],
         "torch": torch.get_rng_state(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "numpy": [name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, cached],
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -93,7 +93,8 @@ class _WriteErrors:
     RuntimeError about the stream position, which hides a full disk)."""
 
     def __init__(self, file: Any) -> None:
-        self.file, self.error = file, None
+        self.file = file
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -137,9 +138,9 @@ class HostStaging:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
 
-    def copy(self, obj: Any, path: tuple = (), memo: dict[int, torch.Tensor] | None = None) -> Any:
+    def copy(self, obj: Any, path: tuple[Any, ...] = (), memo: dict[int, torch.Tensor] | None = None) -> Any:
         """A deep copy of ``obj`` whose tensors live in the staging buffers (sharing preserved)."""
         memo = {} if memo is None else memo
         if isinstance(obj, torch.Tensor):
@@ -212,9 +213,9 @@ def _begin(root: Path, step: int, is_main: bool, distributed: bool) -> Path:
 def _write(tmp: Path, files: dict[str, Any]) -> None:
     for name, obj in files.items():
         if isinstance(obj, ShardedState):  # every rank writes its shards; .metadata comes last
-            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict_saver import save
 
-            dcp.save(obj.state, checkpoint_id=str(tmp / name))
+            save(obj.state, checkpoint_id=str(tmp / name))
         elif name.endswith(".json"):
             _write_json_atomically(tmp / name, obj)
         else:
@@ -315,9 +316,9 @@ class Checkpointer:
         sharded = files.pop("sharded", None)
         future = None
         if sharded is not None:
-            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict_saver import async_save
 
-            future = dcp.async_save(sharded.state, checkpoint_id=str(tmp / "sharded"), process_group=self._group)
+            future = async_save(sharded.state, checkpoint_id=str(tmp / "sharded"), process_group=self._group)
         staged = self._staging.copy(files)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land first

@@ -24,7 +24,7 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _signal_names(instance: object, attribute: attrs.Attribute, value: list[str]) -> None:
+def _signal_names(instance: object, attribute: attrs.Attribute[Any], value: list[str]) -> None:
     import signal
 
     for name in value:

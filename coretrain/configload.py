@@ -55,7 +55,8 @@ def _strict(kind: type, accept: tuple[type, ...]) -> Any:
             raise TypeError("bool")
         if not isinstance(value, accept):
             raise TypeError(type(value).__name__)
-        if kind is float and not math.isfinite(value):  # nan / inf is never a setting
+        if kind is float and isinstance(value, (int, float)) and not math.isfinite(value):
+            # nan / inf is never a setting
             raise TypeError("not finite")
         return kind(value)
 
@@ -141,10 +142,10 @@ def _validator_problem(exc: BaseException, path: tuple[str, ...], cls: Any) -> t
     names = {f.name for f in attrs.fields(cls)}
     attribute = next((a for a in exc.args[1:] if isinstance(a, attrs.Attribute)), None)
     quoted = re.match(r"^'(\w+)' (.*)$", message, re.S)
-    name = attribute.name if attribute is not None else quoted.group(1) if quoted else None
-    if name in names:
+    name: str | None = attribute.name if attribute is not None else quoted.group(1) if quoted else None
+    if name is not None and name in names:
         detail = quoted.group(2) if quoted and quoted.group(1) == name else message
-        return path + (name,), detail.rstrip(".")  # attrs' messages carry the value
+        return (*path, name), detail.rstrip(".")  # attrs' messages carry the value
     return path, message
 
 

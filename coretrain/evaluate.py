@@ -15,6 +15,11 @@ number of ranks. ``ppl`` is reported for token-level losses only (datasets with 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coretrain.run import Run
+
 import contextlib
 import math
 from collections.abc import Iterable
@@ -30,19 +35,19 @@ from coretrain.loader import MicroBatches, is_stream, stream_loader
 EVAL_SEED_OFFSET = 1_000_003
 
 
-def index_chunks(run: Any, length: int) -> list[torch.Tensor]:
+def index_chunks(run: Run, length: int) -> list[torch.Tensor]:
     """This rank's micro-batches of sample indices for one evaluation of a split of ``length``."""
     train, rank, world = run.config.train, run.dist.rank, run.dist.world_size
     micro = train.eval_micro_batch_size or train.micro_batch_size
     if train.eval_full:
-        return list(torch.arange(rank, length, world).split(micro))
+        return list(torch.split(torch.arange(rank, length, world), micro))
     order = SampleOrder(length, run.config.run.seed + EVAL_SEED_OFFSET)
     global_batch = run.global_batch_size
     per_rank = global_batch // world
     return [
         chunk
         for i in range(train.eval_iters)
-        for chunk in order.indices(i * global_batch + rank * per_rank, per_rank).split(micro)
+        for chunk in torch.split(order.indices(i * global_batch + rank * per_rank, per_rank), micro)
     ]
 
 
@@ -53,7 +58,7 @@ class Evaluator:
     with ``eval_full``, else its first ``eval_iters`` global batches' worth.
     """
 
-    def __init__(self, run: Any, dataset: Any, split: str) -> None:
+    def __init__(self, run: Run, dataset: Any, split: str) -> None:
         self.run, self.dataset, self.split = run, dataset, split
         self.stream = is_stream(dataset)
         self.chunks = [] if self.stream else index_chunks(run, len(dataset))
@@ -112,15 +117,15 @@ class Evaluator:
         finally:
             model.train(was_training)
         names = sorted(totals)
-        count = torch.tensor(float(samples), device=run.device)
-        summed = sum_over_ranks(torch.stack([count, *(totals[n].to(run.device) for n in names)])).tolist()
+        sample_count = torch.tensor(float(samples), device=run.device)
+        summed = sum_over_ranks(torch.stack([sample_count, *(totals[n].to(run.device) for n in names)])).tolist()
         metrics = {f"{self.split}/{name}": value / summed[0] for name, value in zip(names, summed[1:])}
         if run.datasets.seq_length:  # a token-level loss: its exponential is the perplexity
             metrics[f"{self.split}/ppl"] = math.exp(min(metrics[f"{self.split}/loss"], 50.0))
         return metrics
 
 
-def autocast(run: Any) -> contextlib.AbstractContextManager[Any]:
+def autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
     precision = run.config.run.precision
     if precision == "fp32":
         return contextlib.nullcontext()

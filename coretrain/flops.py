@@ -10,8 +10,12 @@ compile) exists, leaving the model and the RNG as they were.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coretrain.run import Run
+
 import logging
-from typing import Any
 
 import torch
 
@@ -21,7 +25,7 @@ from coretrain.data import batch_size, to_device
 log = logging.getLogger("coretrain")
 
 
-def flops_per_sample(run: Any, loss_fn: outputs.LossFn | None) -> float | None:
+def flops_per_sample(run: Run, loss_fn: outputs.LossFn | None) -> float | None:
     model, datasets = run.model, run.datasets
     method = getattr(model, "flops_per_token", None)
     if callable(method) and datasets.seq_length:

@@ -1,6 +1,6 @@
 """The hook contract between the core loop and plugins.
 
-One run, drawn as the loop calls it (``run`` is the :class:`coretrain.run.Run`)::
+One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
 
     provide_datasets(run, context)          firstresult   train/valid/test datasets
     provide_model(run)                      firstresult   the nn.Module (sees run.datasets)
@@ -37,9 +37,13 @@ Rules every implementation can rely on:
   agreed across ranks: an update is skipped if any rank vetoes it, a checkpoint saved if any
   rank asks, the largest exit code wins.
 - A hook that raises ends the run: ``error: plugin 'NAME' failed in HOOK at step N``, exit 1,
-  the traceback in ``<output_dir>/traceback.log``. Raise :class:`coretrain.errors.UserError`
+  the traceback in ``<output_dir>/traceback.log``. Raise :class:`coretrain.UserError`
   for a mistake the user can fix (exit 2, the message as is).
-- ``wrapper=True`` implementations may wrap any hook (e.g. to time it).
+- ``wrapper=True`` implementations (pluggy's new-style wrappers) may wrap any hook, e.g. to
+  time it. ``on_checkpoint``, ``on_resume`` and ``on_train_end`` are called plugin by plugin
+  (their results and failures belong to one plugin): a wrapper wraps each of those calls.
+- Every spec below says, in the same order: its arguments, what an implementation may
+  change, what it returns, on which ranks it runs, and whether it runs every step.
 - Per-step hooks (``pre_step``, ``before_update``, ``post_step``) must not force a host-device
   sync in the common case; do it every N steps or at ``on_log``. A value a plugin measures on
   the device goes into ``run.log_tensors[name]``: the next ``on_log`` reads it with the loop's
@@ -51,7 +55,7 @@ Rules every implementation can rely on:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pluggy
 
@@ -63,6 +67,15 @@ if TYPE_CHECKING:
 PROJECT = "coretrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
+HOOK_API = (1, 0)
+"""The version of this contract, (major, minor). A minor release adds hooks or arguments; a
+major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
+version it was written for): a plugin written for another major, or for a newer minor, is
+refused with one error naming it."""
+
+Outcome = Literal["completed", "exit_interval", "exit_duration", "stopped", "signal", "error"]
+"""How a run ended, as ``on_train_end`` is told."""
+
 
 # --------------------------------------------------------------------------- providers
 
@@ -71,11 +84,17 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 def provide_datasets(run: Run, context: DatasetContext) -> Datasets | None:
     """Build the train/valid/test datasets (Megatron's ``build_datasets(context)``).
 
-    Called on the provider named by ``data.provider`` with its ``[data.options]`` as the
-    plugin's config. A split is map-style (``__len__`` + ``__getitem__``, or a
-    ``get_batch(indices)`` fast path fetching a whole micro-batch at once), a Hugging Face
-    ``datasets.Dataset``, or a stream (an ``IterableDataset``); see README, "Bring your own
-    model and data".
+    Args: ``run`` — config, dist, device and output_dir are set; datasets, model and optimizer
+    are not built yet (reading them raises). ``context`` — samples each split will need and the
+    seed.
+    May change: nothing on ``run``.
+    Returns: :class:`coretrain.Datasets`; the first non-None answer wins. Called on the provider
+    named by ``data.provider`` with its ``[data.options]`` as the plugin's config. A split is
+    map-style (``__len__`` + ``__getitem__``, or a ``get_batch(indices)`` fast path fetching a
+    whole micro-batch at once), a Hugging Face ``datasets.Dataset``, or a stream (an
+    ``IterableDataset``); what it returns is checked before step 1 (README, "Bring your own
+    model and data").
+    Ranks: every rank, once, before training.
     """
 
 
@@ -83,36 +102,55 @@ def provide_datasets(run: Run, context: DatasetContext) -> Datasets | None:
 def provide_model(run: Run) -> torch.nn.Module | None:
     """Build the model on CPU; the loop moves it to the run's device.
 
-    Called after datasets, so ``run.datasets`` (vocab size, sequence length) may set defaults.
-    ``model(*batch)`` (or ``model(**batch)`` for dict batches) returns the scalar loss, a dict
-    or object with ``loss`` and other scalars to log, or — with ``model.loss`` set — outputs
-    the configured loss turns into the loss (:mod:`coretrain.outputs`). A
-    ``flops_per_token()`` method, when present, feeds throughput and MFU; otherwise the
-    FLOPs are counted once (:mod:`coretrain.flops`).
+    Args: ``run`` — as for provide_datasets, plus ``run.datasets`` (vocab size, sequence
+    length may set defaults).
+    May change: nothing on ``run``.
+    Returns: the ``nn.Module``; the first non-None answer wins. ``model(*batch)`` (or
+    ``model(**batch)`` for dict batches) returns the scalar loss, a dict or object with
+    ``loss`` and other scalars to log, or — with ``model.loss`` set — outputs the configured
+    loss turns into the loss (:mod:`coretrain.outputs`). A ``flops_per_token()`` method, when
+    present, feeds throughput and MFU; otherwise the FLOPs are counted once
+    (:mod:`coretrain.flops`).
+    Ranks: every rank, once, before training; seeded identically on every rank.
     """
 
 
 @hookspec
 def configure_model(run: Run) -> None:
-    """Replace ``run.model`` with a converted or wrapped one, in order.
+    """Convert or wrap the model.
 
-    Order by pluggy's markers: ``tryfirst`` for numerics that change modules (FP8), plain
-    for compilation, ``trylast`` for parallel wrappers (DDP, FSDP2) that must see the result.
+    Args: ``run`` — ``run.model`` is on the device; optimizer and scheduler are not built yet.
+    May change: ``run.model`` (assign the converted or wrapped module). Order by pluggy's
+    markers: ``tryfirst`` for numerics that change modules (FP8), plain for compilation,
+    ``trylast`` for parallel wrappers (DDP, FSDP2) that must see the result.
+    Returns: nothing.
+    Ranks: every rank, once, before training; every rank must wrap the same way.
     """
 
 
 @hookspec
 def param_group_overrides(run: Run, model: torch.nn.Module) -> dict[str, dict[str, float]] | None:
-    """Map parameter names to optimizer overrides (``lr_mult``, ``weight_decay``, ...).
+    """Per-parameter optimizer settings.
 
+    Args: ``run``; ``model`` — the configured model, whose ``named_parameters()`` names the keys.
+    May change: nothing.
+    Returns: parameter name -> overrides (``lr_mult``, ``weight_decay``, ``lr``, ...), or None.
     Results from all plugins are merged (later plugins win per key); the core builds one
     param group per distinct set of overrides.
+    Ranks: every rank, once, before the optimizer is built.
     """
 
 
 @hookspec(firstresult=True)
 def num_micro_batches(run: Run, step: int, consumed_samples: int) -> int | None:
-    """Micro-batches (per data-parallel rank) for this step; None keeps the configured value."""
+    """Micro-batches per data-parallel rank for ``step`` (batch-size rampup).
+
+    Args: ``step`` — 1-based; ``consumed_samples`` — samples consumed before this step.
+    May change: nothing. It is asked ahead of the step (data workers plan their batches), so it
+    must be a pure function of its arguments and the config.
+    Returns: a positive int, or None to keep the configured value; the first answer wins.
+    Ranks: every rank, with the same answer. Per step: yes, host arithmetic only.
+    """
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -120,49 +158,89 @@ def num_micro_batches(run: Run, step: int, consumed_samples: int) -> int | None:
 
 @hookspec
 def on_train_start(run: Run) -> None:
-    """Everything is built and (if resuming) restored; the first step is next."""
+    """Everything is built and, if resuming, restored; step ``run.state.step + 1`` is next.
+
+    Args: ``run`` — complete: model, optimizer, scheduler, datasets.
+    May change: plugin-owned state; open files and connections here, not in ``__init__``.
+    Returns: nothing.
+    Ranks: every rank, once (not at all if a signal or a failed restore ends the run first).
+    """
 
 
 @hookspec
 def pre_step(run: Run, step: int) -> None:
-    """Before the first micro-batch of ``step`` (1-based)."""
+    """Before the first micro-batch of ``step``.
+
+    Args: ``step`` — 1-based, the step about to run.
+    May change: plugin-owned state; ``run.control`` requests.
+    Returns: nothing.
+    Ranks: every rank. Per step: yes — no host-device sync.
+    """
 
 
 @hookspec
 def before_update(run: Run, step: int, loss: torch.Tensor) -> None:
-    """Gradients are ready; call ``run.control.skip_update(reason)`` to veto this update.
+    """Gradients are ready; the optimizer has not stepped.
 
-    ``loss`` is the step's mean loss over micro-batches, on device (reading it syncs).
+    Args: ``loss`` — the step's mean loss over micro-batches, a device tensor (reading it
+    syncs).
+    May change: gradients (``p.grad``, in place); ``run.control.skip_update(reason)`` vetoes
+    this update — on every rank when any rank vetoes (agreed with one collective per step, paid
+    only while some plugin implements this hook).
+    Returns: nothing.
+    Ranks: every rank. Per step: yes — a sync here costs every step; guards that must read
+    the loss do so knowingly.
     """
 
 
 @hookspec
 def post_step(run: Run, step: int, outputs: StepOutputs) -> None:
-    """After the update (or its veto). ``outputs`` hold device tensors: don't sync each step."""
+    """After the update (or its veto); ``run.state`` already counts this step.
+
+    Args: ``outputs`` — the step's loss, grad norm (None when not clipped or skipped), whether
+    the update was skipped and the global batch size; device tensors.
+    May change: plugin-owned state; ``run.log_tensors[name]`` (a device scalar for the next
+    ``on_log``); ``run.control`` requests (stop, checkpoint), honoured at the end of this step.
+    Returns: nothing.
+    Ranks: every rank. Per step: yes — don't read ``outputs`` on the host every step.
+    """
 
 
 @hookspec
 def on_log(run: Run, step: int, metrics: dict[str, float]) -> None:
-    """Every ``train.log_interval`` steps with host floats (one device sync per interval).
+    """Every ``train.log_interval`` steps: the interval's metrics as host floats.
 
-    ``tryfirst`` implementations may add entries to ``metrics`` (e.g. straggler scores);
-    the ones that record or display metrics see them.
+    Args: ``metrics`` — loss, lr, grad_norm, throughput, ``time/*``, the model's ``train/*``
+    values and ``run.log_tensors`` entries, averaged over the interval and over ranks (one
+    device sync per interval, the loop's).
+    May change: ``metrics`` — ``tryfirst`` implementations may add entries (e.g. straggler
+    scores) that the ones recording or displaying metrics see.
+    Returns: nothing.
+    Ranks: every rank, the same values; loggers write on rank 0 only.
     """
 
 
 @hookspec
 def on_eval(run: Run, step: int, metrics: dict[str, float]) -> None:
-    """After an evaluation pass of one split: ``valid/...`` during and after training,
-    ``test/...`` once after it (loss, the model's named values, ppl for token losses)."""
+    """After an evaluation pass of one split.
+
+    Args: ``metrics`` — ``valid/...`` during and after training, ``test/...`` once after it
+    (loss, the model's named values, ppl for token losses), averaged over ranks.
+    May change: ``metrics`` (``tryfirst`` implementations, as for on_log).
+    Returns: nothing.
+    Ranks: every rank, the same values. The model is back in train mode.
+    """
 
 
 @hookspec
 def on_checkpoint(run: Run, step: int, path: str) -> dict[str, Any] | None:
-    """A checkpoint of ``step`` is being written to ``path``.
+    """A checkpoint of ``step`` is being written to ``path`` (not yet committed).
 
-    Return this plugin's own state (tensors, numbers, str, bool, None, lists and dicts of
-    these; anything else stops the run naming the plugin): it is saved under the plugin's
-    name and handed back to :func:`on_resume`.
+    May change: nothing the checkpoint holds (model, optimizer) — it is being copied.
+    Returns: this plugin's own state — tensors, numbers, str, bool, None, lists and dicts of
+    these; anything else stops the run naming the plugin, before anything reaches the disk. It
+    is saved under the plugin's name, per rank, and handed back to :func:`on_resume`.
+    Ranks: every rank (each saves its own state). Called plugin by plugin.
     """
 
 
@@ -170,25 +248,44 @@ def on_checkpoint(run: Run, step: int, path: str) -> dict[str, Any] | None:
 def on_checkpoint_saved(run: Run, step: int, path: str) -> None:
     """The checkpoint of ``step`` is durable and committed at ``path``.
 
-    Called on the training thread: right after a synchronous save, or at the first step
-    boundary after an asynchronous save finished.
+    May change: plugin-owned state (e.g. upload the directory, prune elsewhere).
+    Returns: nothing.
+    Ranks: every rank, on the training thread: right after a synchronous save, or at the first
+    step boundary after an asynchronous save finished.
     """
 
 
 @hookspec
 def on_resume(run: Run, step: int, state: dict[str, Any]) -> None:
-    """The run resumed from ``step``; ``state`` is what this plugin returned from on_checkpoint."""
+    """The run resumed from ``step``, before ``on_train_start``.
+
+    Args: ``state`` — what this plugin returned from on_checkpoint on this rank ({} when it
+    saved nothing, e.g. it was not enabled then).
+    May change: plugin-owned state.
+    Returns: nothing.
+    Ranks: every rank, once. Called plugin by plugin.
+    """
 
 
 @hookspec
 def on_signal(run: Run, signum: int) -> None:
-    """All ranks agreed that ``signum`` arrived; a checkpoint and exit(128+signum) follow."""
+    """All ranks agreed that ``signum`` arrived; a checkpoint and exit(128+signum) follow.
+
+    May change: plugin-owned state (note why the run stops).
+    Returns: nothing.
+    Ranks: every rank, at the same step, once.
+    """
 
 
 @hookspec
-def on_train_end(run: Run, outcome: str) -> None:
-    """Always called once: outcome is "completed", "exit_interval", "exit_duration",
-    "stopped" (a plugin's request), "signal" or "error". Flush and close here.
+def on_train_end(run: Run, outcome: Outcome) -> None:
+    """The run is over: flush and close here.
 
-    Also called when ``on_train_start`` was not (restore failed, or a signal arrived before
-    the first step), and on every plugin even when another one's raises."""
+    Args: ``outcome`` — "completed", "exit_interval", "exit_duration", "stopped" (a plugin's
+    request), "signal" or "error".
+    May change: plugin-owned state only; nothing the loop does after this.
+    Returns: nothing; a raise is reported after every other plugin's on_train_end ran.
+    Ranks: every rank, exactly once, on every way a run ends — also when ``on_train_start``
+    was not called (restore failed, or a signal arrived before the first step). Called plugin
+    by plugin, so one plugin's failure does not skip another's.
+    """

@@ -24,6 +24,11 @@ the same number of ranks and workers only; the run says so at start.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coretrain.run import Run
+
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -81,7 +86,7 @@ class RankStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         self._resume = state
 
 
-def stream_loader(dataset: Any, run: Any, batch_size: int, stateful: bool) -> Any:
+def stream_loader(dataset: Any, run: Run, batch_size: int, stateful: bool) -> Any:
     """A DataLoader of this rank's share of a stream, in micro-batches (the last partial one dropped
     in training, kept in evaluation)."""
     cfg = run.config.data
@@ -212,7 +217,7 @@ class MicroBatches(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return fetch(self.dataset, torch.as_tensor(indices, dtype=torch.long), self.collate)
 
 
-def data_loader(dataset: Any, sampler: Any, run: Any) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+def data_loader(dataset: Any, sampler: Any, run: Run) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
     cfg = run.config.data
     return torch.utils.data.DataLoader(
         MicroBatches(dataset, run.datasets.collate_fn),
@@ -237,12 +242,14 @@ class TrainBatches:
     (a stream's position); map-style datasets need none: consumed samples say where they are.
     """
 
-    def __init__(self, run: Any, plan: StepPlan, first_step: int, state: dict[str, Any] | None = None) -> None:
+    def __init__(self, run: Run, plan: StepPlan, first_step: int, state: dict[str, Any] | None = None) -> None:
         self.run, self.plan = run, plan
         dataset = run.datasets.train
         self.device = run.device if run.device.type != "cpu" else None
         micro = run.config.train.micro_batch_size
         self._stream: Any = None
+        self._reader: BatchReader | None = None
+        self._iterator: Iterator[Any] | None = None
         if is_stream(dataset):
             self._reader = None
             self._stream = stream_loader(dataset, run, micro, stateful=True)
@@ -252,10 +259,9 @@ class TrainBatches:
             return
         order = SampleOrder(len(dataset), run.config.run.seed)
         if run.config.data.num_workers == 0:
-            self._reader: BatchReader | None = BatchReader(
+            self._reader = BatchReader(
                 dataset, order, run.dist.rank, run.dist.world_size, run.device, run.datasets.collate_fn
             )
-            self._iterator: Iterator[Any] | None = None
         else:
             self._reader = None
             sampler = RankBatchSampler(order, plan, run.dist.rank, run.dist.world_size, micro, first_step)

@@ -11,150 +11,72 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from attrs import frozen
 
 from coretrain import checkpoint, outputs, resume, safeload
-from coretrain import metrics as derived
-from coretrain.dist import max_over_ranks, sum_over_ranks
+from coretrain.dist import max_over_ranks
 from coretrain.errors import PluginError, RunFailure
 from coretrain.evaluate import Evaluator, autocast
+from coretrain.hookspecs import Outcome
+from coretrain.intervallog import IntervalLog
 from coretrain.loader import StepPlan, TrainBatches
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
-from coretrain.timers import PhaseTimes
 
 log = logging.getLogger("coretrain")
 
 INPUT_BOUND_SHARE = 0.3
 """A run whose slowest rank waits this share of a step for data is told so, once."""
-STOP_REASONS = ("exit_interval", "exit_duration", "stopped", "signal")  # codes 1..4, agreed across ranks
+STOP_REASONS: tuple[Outcome, ...] = ("exit_interval", "exit_duration", "stopped", "signal")
+"""Exit codes 1..4 of the loop's stop agreement: the largest over ranks wins."""
+
+
+@frozen
+class LoopSettings:
+    """What the loop decides once, before the first step, so a step only reads locals."""
+
+    plan: StepPlan
+    feed: TrainBatches
+    train_iters: int
+    micro_size: int
+    world: int
+    log_interval: int
+    eval_interval: int
+    validate: bool
+    save_interval: int
+    deadline: float | None
+    check_exit: bool
+    """An exit condition may hold at any step (or other ranks may have one): ask every step."""
+    agree_skip: bool
+    """Some plugin may veto an update on one rank: agree on it every step."""
+    plain: bool
+    """One micro-batch needs nothing a hand-written loop would not do (no no_sync, autocast, loss)."""
+    params: list[torch.nn.Parameter]
+    clip: float
+    sharded_norm: bool
 
 
 class ResolvedHooks:
-    """The hooks of this run, each None when no plugin implements it (so it costs nothing)."""
+    """This run's hooks, each None when no plugin implements it (a hook nobody implements costs
+    nothing: the loop tests for None instead of calling into pluggy)."""
 
     def __init__(self, run: Run) -> None:
-        for name in (
-            "num_micro_batches",
-            "pre_step",
-            "before_update",
-            "post_step",
-            "on_log",
-            "on_eval",
-            "on_train_start",
-            "on_train_end",
-            "on_signal",
-            "on_checkpoint_saved",
-        ):
-            setattr(self, name, getattr(run.plugins.hook, name) if run.plugins.implemented(name) else None)
-
-
-class IntervalLog:
-    """The steps since the last log, turned into floats with one host sync at flush.
-
-    Per step this only appends references to the loss, grad-norm and the model's named-value
-    tensors (no device op, no allocation); the backward graph they point to is already freed,
-    so holding them for one interval costs a few hundred bytes each.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.losses: list[torch.Tensor] = []
-        self.grad_norms: list[torch.Tensor] = []
-        self.values: dict[str, list[torch.Tensor]] = {}
-        self.samples = 0
-        self.timed_steps = 0
-        self.started = time.perf_counter()
-        self.times = PhaseTimes(device)
-
-    def add(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int, values: dict[str, torch.Tensor] | None
-    ) -> None:
-        self.losses.append(loss)
-        if grad_norm is not None:
-            self.grad_norms.append(grad_norm)
-        if values:
-            for name, value in values.items():
-                self.values.setdefault(name, []).append(value)
-        self.samples += samples
-        self.timed_steps += 1
-
-    def restart_clock(self) -> None:
-        """Leave the steps so far out of the rates and phase times (warm-up: compilation, caches)."""
-        self.samples, self.timed_steps, self.started = 0, 0, time.perf_counter()
-        self.times.reset()
-
-    def flush(self, run: Run) -> dict[str, float]:
-        world, rank = run.dist.world_size, run.dist.rank
-        times = self.times.collect(self.timed_steps)  # host values; CUDA events read once complete
-        with torch.no_grad():
-            means = [torch.stack(self.losses).float().mean()]
-            if self.grad_norms:
-                means.append(torch.stack(self.grad_norms).float().mean())
-            named = [f"train/{name}" for name in self.values]
-            means.extend(torch.stack(values).float().mean() for values in self.values.values())
-            extra = list(run.log_tensors)
-            means.extend(run.log_tensors[name].detach().float().to(means[0].device) for name in extra)
-            run.log_tensors.clear()
-            device = means[0].device
-            host_values = torch.tensor(
-                [*times.values(), *(times["time/data"] if r == rank else 0.0 for r in range(world))], device=device
-            )
-            # the interval's one collective and host sync: sums over ranks, then means on the host
-            summed = sum_over_ranks(torch.cat([torch.stack(means), host_values])).tolist()
-        host = [value / world for value in summed[: len(means) + len(times)]]
-        data_waits = summed[len(means) + len(times) :]  # each rank's own slot
-        elapsed = time.perf_counter() - self.started
-        timed = self.timed_steps
-        metrics = {"loss": host[0], "lr": run.scheduler.last_lr}
-        if self.grad_norms:
-            metrics["grad_norm"] = host[1]
-        metrics.update(zip(named + extra, host[len(means) - len(named) - len(extra) : len(means)]))
-        metrics.update(zip(times, host[len(means) :]))
-        metrics["time/data_max"] = max(data_waits)
-        metrics.update(
-            {
-                "global_batch_size": float(run.global_batch_size),
-                "iteration_time": elapsed / timed if timed else 0.0,
-                "samples_per_second": self.samples / elapsed if timed and elapsed > 0 else 0.0,
-                "consumed_samples": float(run.state.consumed_samples),
-                "skipped_updates": float(run.state.skipped_updates),
-            }
-        )
-        seq_length = run.datasets.seq_length
-        if seq_length:
-            metrics["tokens_per_second"] = metrics["samples_per_second"] * seq_length
-        metrics.update(
-            derived.throughput(
-                run, metrics["samples_per_second"], metrics["iteration_time"], time.monotonic() - run.started_at
-            )
-        )
-        metrics.update(derived.memory(run.device))
-        if metrics["iteration_time"] > 0:
-            metrics["time/step"] = metrics["iteration_time"]
-        self.losses, self.grad_norms, self.values = [], [], {}
-        self.restart_clock()
-        return metrics
-
-    def pending(self) -> dict[str, Any]:
-        """What a checkpoint must carry so the next log after resume averages the same steps."""
-        if not self.losses:
-            return {}
-        with torch.no_grad():
-            return {
-                "losses": torch.stack(self.losses).cpu(),
-                "samples": self.samples,
-                "grad_norms": torch.stack(self.grad_norms).cpu() if self.grad_norms else torch.empty(0),
-                "values": {name: torch.stack(values).cpu() for name, values in self.values.items()},
-            }
-
-    def restore(self, state: dict[str, Any], device: torch.device) -> None:
-        if state:
-            self.losses = list(state["losses"].to(device).unbind())
-            self.grad_norms = list(state["grad_norms"].to(device).unbind())
-            self.values = {name: list(values.to(device).unbind()) for name, values in state.get("values", {}).items()}
-            self.samples = int(state["samples"])
+        calls = run.plugins.calls
+        on = calls.implemented
+        self.num_micro_batches = calls.num_micro_batches if on("num_micro_batches") else None
+        self.on_train_start = calls.on_train_start if on("on_train_start") else None
+        self.pre_step = calls.pre_step if on("pre_step") else None
+        self.before_update = calls.before_update if on("before_update") else None
+        self.post_step = calls.post_step if on("post_step") else None
+        self.on_log = calls.on_log if on("on_log") else None
+        self.on_eval = calls.on_eval if on("on_eval") else None
+        self.on_checkpoint_saved = calls.on_checkpoint_saved if on("on_checkpoint_saved") else None
+        self.on_signal = calls.on_signal if on("on_signal") else None
+        self.on_train_end = calls.on_train_end if on("on_train_end") else None
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -164,8 +86,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 def out_of_memory(run: Run, exc: BaseException) -> str:
     """One line with the sizes that decide memory, and what to lower."""
-    params = sum(p.numel() for p in run.model.parameters()) if run.model is not None else 0
-    seq = run.datasets.seq_length if run.datasets is not None else None
+    params = sum(p.numel() for p in run.model.parameters()) if Run.model.is_built(run) else 0
+    seq = run.datasets.seq_length if Run.datasets.is_built(run) else None
     shape = f"micro_batch_size {run.config.train.micro_batch_size}" + (f" × seq_length {seq}" if seq else "")
     text = str(exc)
     detail = (
@@ -225,10 +147,7 @@ class Trainer:
         self.log.restore(state.get("interval_log", {}), run.device)
         self.last_saved_step = run.state.step
         self.evaluated_at = {split: run.state.step for split in restored.manifest.get("evaluated", [])}
-        plugin_states = state.get("plugins", {})
-        run.plugins.call_each(
-            "on_resume", run=run, step=run.state.step, per_plugin=lambda name: {"state": plugin_states.get(name, {})}
-        )
+        run.plugins.calls.on_resume(run=run, step=run.state.step, states=state.get("plugins", {}))
         log.info("resumed from %s (step %d, %d samples consumed)", path, run.state.step, run.state.consumed_samples)
 
     def save(self) -> None:
@@ -237,7 +156,7 @@ class Trainer:
             return
         path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
         plugin_states = {}
-        for name, state in run.plugins.call_each("on_checkpoint", run=run, step=run.state.step, path=str(path)).items():
+        for name, state in run.plugins.calls.on_checkpoint(run=run, step=run.state.step, path=str(path)).items():
             if state is None:
                 continue
             try:  # a state no run could load again must not reach the disk
@@ -262,7 +181,7 @@ class Trainer:
             evaluated=self._evaluated_now(),
         )
         self.last_saved_step = run.state.step
-        self.log.times.add("checkpoint", blocked)
+        self.log.exclude("checkpoint", blocked)
         run.control.checkpoint_requested = False
         if self.checkpointer.in_flight:
             log.info("checkpoint step %d: training blocked %.3f s; writing in the background", run.state.step, blocked)
@@ -281,7 +200,7 @@ class Trainer:
         """Restore, train, save, validate; ``on_train_end`` for every plugin however it ends."""
         run, hooks = self.run, self.hooks
         run.started_at = time.monotonic()
-        outcome = "error"
+        outcome: Outcome = "error"
         try:
             with self.signals:
                 self.restore()
@@ -313,24 +232,23 @@ class Trainer:
             finally:
                 if run.output_lock is not None:
                     run.output_lock.release()
-        if outcome == "signal":
+        if outcome == "signal" and self.signum is not None:
             return 128 + self.signum
         return run.control.exit_code if outcome == "stopped" else 0
 
-    def _end(self, outcome: str) -> None:
+    def _end(self, outcome: Outcome) -> None:
         """on_train_end on every plugin, even past one that raises; the first failure is re-raised
         unless the run is already failing with another error."""
         run = self.run
         if not self.hooks.on_train_end:
             return
-        errors = run.plugins.call_all("on_train_end", run=run, outcome=outcome)
+        errors = self.hooks.on_train_end(run=run, outcome=outcome)
         for error in errors:
             if isinstance(error, PluginError) and error.step is None:
                 error.step = run.state.step
+        first: BaseException | None = None
         if errors and outcome != "error":
             errors, first = errors[1:], errors[0]
-        else:
-            first = None
         for error in errors:  # the run already fails for another reason: say these too, then that one
             log.error("also: %s", error)
         if first is not None:
@@ -374,135 +292,169 @@ class Trainer:
             self._evaluators[split] = Evaluator(run, dataset, split)
         started = time.perf_counter()
         metrics = self._evaluators[split]()
-        seconds = time.perf_counter() - started
-        self.log.started += seconds  # evaluation time is not training time
-        self.log.times.add("eval", seconds)
+        self.log.exclude("eval", time.perf_counter() - started)  # evaluation time is not training time
         self.evaluated_at[split] = run.state.step
         if self.hooks.on_eval:
             self.hooks.on_eval(run=run, step=run.state.step, metrics=metrics)
 
-    def _steps(self) -> str:  # noqa: C901 - the loop reads best as one piece
-        run, hooks, interval = self.run, self.hooks, self.log
-        cfg = run.config.train
-        model, optimizer, scheduler, control, state = run.model, run.optimizer, run.scheduler, run.control, run.state
-        params = [p for p in model.parameters() if p.requires_grad]
-        micro_size, world, clip = cfg.micro_batch_size, run.dist.world_size, cfg.clip_grad
-        plan = StepPlan(self._micro_batches_deciding(), micro_size, world, state.step, state.consumed_samples)
-        feed = self.feed = TrainBatches(run, plan, state.step + 1, self._data_state)
-        loss_fn = run.loss_fn
-        validate = bool((cfg.eval_iters or cfg.eval_full) and cfg.eval_interval and run.datasets.valid is not None)
-        save_interval = run.config.checkpoint.save_interval
-        # each rank's own deadline; agreeing on the max stop code makes the earliest-started rank's
-        # deadline count for all, i.e. the start time is the minimum over ranks
-        deadline = time.monotonic() + cfg.exit_duration_in_mins * 60 if cfg.exit_duration_in_mins else None
-        check_exit = deadline is not None or cfg.exit_interval is not None or world > 1
-        agree_skip = world > 1 and hooks.before_update is not None
-        signals, checkpointer = self.signals, self.checkpointer
-        plain = getattr(model, "no_sync", None) is None and run.config.run.precision == "fp32" and loss_fn is None
-        sharded_norm = checkpoint.is_sharded(model)  # FSDP2: the grad norm is a DTensor
-        scaler = run.grad_scaler
-        interval.started = time.perf_counter()
-        times, perf_counter = interval.times, time.perf_counter
+    def _steps(self) -> Outcome:
+        """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""
+        run, hooks, state = self.run, self.hooks, self.run.state
+        loop = self._loop_settings()
+        times, perf_counter = self.log.times, time.perf_counter
         first_step = state.step + 1
-
-        while state.step < cfg.train_iters:
+        self.log.start_clock()
+        while state.step < loop.train_iters:
             step = state.step + 1
-            n_micro, consumed = plan.at(step)
+            n_micro, consumed = loop.plan.at(step)
             run.micro_batches_per_step = n_micro
-            global_batch = micro_size * n_micro * world
+            global_batch = loop.micro_size * n_micro * loop.world
             if hooks.pre_step:
                 hooks.pre_step(run=run, step=step)
 
             started = perf_counter()
-            batches = feed.step(step, n_micro, consumed)
+            batches = loop.feed.step(step, n_micro, consumed)
             data_ready = perf_counter()
             events = times.events()
             if events is not None:
                 events[0].record()
-            values = None
-            if n_micro == 1 and plain:  # the common case, with nothing a hand-written loop would not do
-                batch = batches[0]
-                loss = model(*batch) if type(batch) is tuple else outputs.call_model(model, batch)
-                if type(loss) is not torch.Tensor:
-                    loss, values = outputs.split_output(loss)
-                loss.backward()
-            else:
-                loss, values = self._accumulate(batches)
+            loss, values = self._forward_backward(batches, loop.plain)
             backward_done = perf_counter()
             if events is not None:
                 events[1].record()
-
-            if hooks.before_update:
-                hooks.before_update(run=run, step=step, loss=loss.detach())
-            grad_norm = None
-            skipped = control.skip_reason is not None
-            if agree_skip:  # one rank's veto is every rank's: replicas must take the same updates
-                skipped = bool(max_over_ranks(int(skipped))[0])
-            if skipped:
-                state.skipped_updates += 1
-                control.skip_reason = None
-            elif scaler is not None:
-                skipped, grad_norm = self._scaled_update(params, clip, global_batch)
-            else:
-                if clip > 0:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-                    if sharded_norm:
-                        grad_norm = grad_norm.full_tensor()
-                optimizer.step()
-                scheduler.step(global_batch)
-            optimizer.zero_grad(set_to_none=True)
+            skipped, grad_norm = self._update(loop, step, loss, global_batch)
             if events is not None:
                 events[2].record()
             times.step(started, data_ready, backward_done, perf_counter(), events)
+
             state.step = step
             state.consumed_samples += global_batch
-            interval.add(loss, grad_norm, global_batch, values)
-            if step == first_step and step % cfg.log_interval:
-                interval.restart_clock()  # the first step warms up (compiles); rates leave it out
+            self.log.add(loss, grad_norm, global_batch, values)
+            if step == first_step and step % loop.log_interval:
+                self.log.restart_clock()  # the first step warms up (compiles); rates leave it out
             if hooks.post_step:
-                hooks.post_step(
-                    run=run,
-                    step=step,
-                    outputs=StepOutputs(
-                        loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch
-                    ),
+                results = StepOutputs(
+                    loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch
                 )
-
-            if step % cfg.log_interval == 0:
-                metrics = interval.flush(run)
-                self._say_if_input_bound(metrics)
-                if hooks.on_log:
-                    hooks.on_log(run=run, step=step, metrics=metrics)
-            if validate and step % cfg.eval_interval == 0:
+                hooks.post_step(run=run, step=step, outputs=results)
+            if step % loop.log_interval == 0:
+                self._log(step)
+            if loop.validate and step % loop.eval_interval == 0:
                 self._eval("valid")
-
-            if checkpointer.in_flight:
-                self._saved(checkpointer.done())
-            reason = None
-            if check_exit or control.stop_reason is not None or signals.received is not None:
-                reason = self._stop_reason(step, deadline)
-            if reason == "signal" and hooks.on_signal:
-                hooks.on_signal(run=run, signum=self.signum)
-            if reason == "stopped":  # a plugin's stop says whether this state is worth saving
-                save_now = control.checkpoint_requested
-            else:
-                save_now = bool(reason or control.checkpoint_requested or (save_interval and step % save_interval == 0))
-            if save_now:
+            if self.checkpointer.in_flight:
+                self._saved(self.checkpointer.done())
+            reason = self._exit_condition(loop, step)
+            if self._checkpoint_due(loop, step, reason):
                 self.save()
-            if reason:
-                log.info("stopping at step %d: %s", step, control.stop_reason or reason)
+            if reason is not None:
+                log.info("stopping at step %d: %s", step, run.control.stop_reason or reason)
                 return reason
         return "completed"
 
+    def _loop_settings(self) -> LoopSettings:
+        """What the loop decides once, before the first step."""
+        run, cfg = self.run, self.run.config.train
+        state, world = run.state, run.dist.world_size
+        plan = StepPlan(self._micro_batches_deciding(), cfg.micro_batch_size, world, state.step, state.consumed_samples)
+        self.feed = TrainBatches(run, plan, state.step + 1, self._data_state)
+        # each rank's own deadline; agreeing on the max stop code makes the earliest-started rank's
+        # deadline count for all, i.e. the start time is the minimum over ranks
+        deadline = time.monotonic() + cfg.exit_duration_in_mins * 60 if cfg.exit_duration_in_mins else None
+        return LoopSettings(
+            plan=plan,
+            feed=self.feed,
+            train_iters=cfg.train_iters,
+            micro_size=cfg.micro_batch_size,
+            world=world,
+            log_interval=cfg.log_interval,
+            eval_interval=cfg.eval_interval or 0,
+            validate=bool((cfg.eval_iters or cfg.eval_full) and cfg.eval_interval and run.datasets.valid is not None),
+            save_interval=run.config.checkpoint.save_interval or 0,
+            deadline=deadline,
+            check_exit=deadline is not None or cfg.exit_interval is not None or world > 1,
+            agree_skip=world > 1 and self.hooks.before_update is not None,
+            plain=getattr(run.model, "no_sync", None) is None
+            and run.config.run.precision == "fp32"
+            and run.loss_fn is None,
+            params=[p for p in run.model.parameters() if p.requires_grad],
+            clip=cfg.clip_grad,
+            sharded_norm=checkpoint.is_sharded(run.model),
+        )
+
+    def _forward_backward(self, batches: list[Any], plain: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """The step's loss (and the model's named values) with gradients accumulated."""
+        if len(batches) == 1 and plain:  # the common case, with nothing a hand-written loop would not do
+            batch = batches[0]
+            model = self.run.model
+            result = model(*batch) if type(batch) is tuple else outputs.call_model(model, batch)
+            values = None
+            loss = result
+            if type(result) is not torch.Tensor:
+                loss, values = outputs.split_output(result)
+            loss.backward()
+            return loss, values
+        return self._accumulate(batches)
+
+    def _update(
+        self, loop: LoopSettings, step: int, loss: torch.Tensor, global_batch: int
+    ) -> tuple[bool, torch.Tensor | None]:
+        """before_update (the veto point), then clip and step unless any rank vetoed: (skipped, grad norm)."""
+        run, control = self.run, self.run.control
+        if self.hooks.before_update:
+            self.hooks.before_update(run=run, step=step, loss=loss.detach())
+        grad_norm = None
+        skipped = control.skip_reason is not None
+        if loop.agree_skip:  # one rank's veto is every rank's: replicas must take the same updates
+            skipped = bool(max_over_ranks(int(skipped))[0])
+        if skipped:
+            run.state.skipped_updates += 1
+            control.skip_reason = None
+        elif run.grad_scaler is not None:
+            skipped, grad_norm = self._scaled_update(run.grad_scaler, loop.params, loop.clip, global_batch)
+        else:
+            if loop.clip > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(loop.params, loop.clip)
+                if loop.sharded_norm:  # FSDP2: the norm is a DTensor
+                    grad_norm = grad_norm.full_tensor()  # type: ignore[attr-defined]
+            run.optimizer.step()
+            run.scheduler.step(global_batch)
+        run.optimizer.zero_grad(set_to_none=True)
+        return skipped, grad_norm
+
+    def _log(self, step: int) -> None:
+        """The interval's metrics with its one host sync, then on_log."""
+        metrics = self.log.flush(self.run)
+        self._say_if_input_bound(metrics)
+        if self.hooks.on_log:
+            self.hooks.on_log(run=self.run, step=step, metrics=metrics)
+
+    def _exit_condition(self, loop: LoopSettings, step: int) -> Outcome | None:
+        """Why training stops after this step, agreed across ranks (then on_signal); None = go on."""
+        run = self.run
+        if not (loop.check_exit or run.control.stop_reason is not None or self.signals.received is not None):
+            return None
+        reason = self._stop_reason(step, loop.deadline)
+        if reason == "signal" and self.hooks.on_signal and self.signum is not None:
+            self.hooks.on_signal(run=run, signum=self.signum)
+        return reason
+
+    def _checkpoint_due(self, loop: LoopSettings, step: int, reason: Outcome | None) -> bool:
+        """Every save_interval, when a plugin asks, and before stopping — except that a plugin's
+        stop says itself whether this state is worth saving."""
+        requested = self.run.control.checkpoint_requested
+        if reason == "stopped":
+            return requested
+        return bool(reason or requested or (loop.save_interval and step % loop.save_interval == 0))
+
     def _scaled_update(
-        self, params: list[torch.Tensor], clip: float, global_batch: int
+        self, scaler: torch.amp.GradScaler, params: list[torch.nn.Parameter], clip: float, global_batch: int
     ) -> tuple[bool, torch.Tensor | None]:
         """fp16: unscale, clip, step unless gradients overflowed; (skipped, grad norm).
 
         Knowing whether to advance the schedule needs the overflow flag on the host: one sync
         per step, as Megatron's fp16 path has.
         """
-        run, scaler = self.run, self.run.grad_scaler
+        run = self.run
         scaler.unscale_(run.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else None
         scale = scaler.get_scale()
@@ -529,7 +481,7 @@ class Trainer:
             with sync, autocast(run):
                 loss, named = outputs.call(model, batch, run.loss_fn)
             scaled = loss / n_micro if n_micro > 1 else loss
-            (run.grad_scaler.scale(scaled) if run.grad_scaler is not None else scaled).backward()
+            torch.autograd.backward(run.grad_scaler.scale(scaled) if run.grad_scaler is not None else scaled)
             losses.append(loss.detach())
             values.append(named)
         if n_micro == 1:
@@ -558,14 +510,14 @@ class Trainer:
             hint,
         )
 
-    def _micro_batches_deciding(self) -> Any:
+    def _micro_batches_deciding(self) -> Callable[[int, int], int]:
         """Micro-batches for (step, consumed samples): a plugin's answer (rampup) or the configured."""
         run, hook, default = self.run, self.hooks.num_micro_batches, self.run.micro_batches_per_step
         if hook is None:
             return lambda step, consumed: default
         return lambda step, consumed: hook(run=run, step=step, consumed_samples=consumed) or default
 
-    def _stop_reason(self, step: int, deadline: float | None) -> str | None:
+    def _stop_reason(self, step: int, deadline: float | None) -> Outcome | None:
         """Exit conditions, agreed across ranks so every rank stops at the same step."""
         cfg, control = self.run.config.train, self.run.control
         code, signum = 0, self.signals.received or 0

@@ -6,10 +6,14 @@ touches the device except reading CUDA allocator statistics, which does not sync
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coretrain.run import Run
+
 import os
 import resource
 import sys
-from typing import Any
 
 import torch
 
@@ -29,7 +33,7 @@ CUDA_MEMORY_KEYS = {  # Megatron's report_memory set: torch.cuda.memory_stats ke
 }
 
 
-def peak_tflops(run: Any) -> float | None:
+def peak_tflops(run: Run) -> float | None:
     """``run.peak_tflops`` if set, else the table's entry for this GPU, else unknown."""
     if run.config.run.peak_tflops:
         return run.config.run.peak_tflops
@@ -39,7 +43,7 @@ def peak_tflops(run: Any) -> float | None:
     return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
-def throughput(run: Any, samples_per_second: float, iteration_time: float, elapsed: float) -> dict[str, float]:
+def throughput(run: Run, samples_per_second: float, iteration_time: float, elapsed: float) -> dict[str, float]:
     """Tokens, FLOPs and MFU per device, consumed tokens, elapsed and estimated remaining time."""
     world = run.dist.world_size
     metrics = {

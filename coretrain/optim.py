@@ -17,7 +17,7 @@ def build_optimizer(
     cfg: OptimizerConfig, model: torch.nn.Module, overrides: Mapping[str, Mapping[str, float]]
 ) -> torch.optim.Optimizer:
     """One param group per distinct override set; ``lr_mult`` is kept on the group for the schedule."""
-    groups: dict[tuple, dict[str, Any]] = {}
+    groups: dict[tuple[tuple[str, float], ...], dict[str, Any]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -29,7 +29,10 @@ def build_optimizer(
         options: dict[str, Any] = {"momentum": cfg.momentum}
     else:
         options = {"betas": cfg.betas, "eps": cfg.eps}
-    return OPTIMIZERS[cfg.name](list(groups.values()), lr=cfg.lr, weight_decay=cfg.weight_decay, **options)
+    optimizer: torch.optim.Optimizer = OPTIMIZERS[cfg.name](
+        list(groups.values()), lr=cfg.lr, weight_decay=cfg.weight_decay, **options
+    )
+    return optimizer
 
 
 class WarmupDecayLR:

@@ -66,7 +66,8 @@ def resolve_loss(name: str | None) -> LossFn | None:
         )
     from coretrain.run import import_callable
 
-    return import_callable(name, "model.loss")
+    loss_fn: LossFn = import_callable(name, "model.loss")
+    return loss_fn
 
 
 def split_output(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -21,10 +21,11 @@ from typing import Any
 import attrs
 import pluggy
 
-from coretrain import hookspecs
+from coretrain import __version__, hookspecs
 from coretrain.config import Config, world_size_from_env
 from coretrain.configload import Location, structure
 from coretrain.errors import PluginError, RunFailure, UserError, did_you_mean
+from coretrain.hookcalls import HookCalls
 
 GROUP = "coretrain"
 AUTOLOAD_GROUP = "coretrain.autoload"
@@ -148,12 +149,11 @@ class Plugins:
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.manager.add_hookspecs(hookspecs)
         self.entries: dict[str, PluginEntry] = {}
-
-    @property
-    def hook(self) -> Any:
-        return self.manager.hook
+        self.calls = HookCalls(self.manager)
+        """Typed calls of every hook (the only way the core calls plugins)."""
 
     def register(self, name: str, plugin: object, entry: PluginEntry | None = None) -> None:
+        check_hook_api(name, plugin, entry)
         try:
             self.manager.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
@@ -165,7 +165,10 @@ class Plugins:
         for caller in self.manager.get_hookcallers(plugin) or []:
             for impl in caller.get_hookimpls():
                 if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
-                    impl.function = _naming_failures(impl.function, name, caller.name, impl.argnames)
+                    # Final in pluggy's types; replacing it is how the failure gets the plugin's name
+                    impl.function = _naming_failures(  # type: ignore[misc]
+                        impl.function, name, caller.name, impl.argnames
+                    )
 
     def get(self, name: str) -> object | None:
         return self.manager.get_plugin(name)
@@ -174,38 +177,7 @@ class Plugins:
         return [name for name, _ in self.manager.list_name_plugin()]
 
     def implemented(self, hook_name: str) -> bool:
-        return bool(getattr(self.manager.hook, hook_name).get_hookimpls())
-
-    def call_each(
-        self, hook_name: str, per_plugin: Callable[[str], dict[str, Any]] | None = None, **kwargs: Any
-    ) -> dict[str, Any]:
-        """Call ``hook_name`` on each implementing plugin separately; results keyed by plugin name.
-
-        Used for per-plugin state (on_checkpoint / on_resume): the result must be keyed by the
-        plugin that produced it, and ``per_plugin(name)`` adds arguments meant for one plugin.
-        """
-        results = {}
-        for impl in getattr(self.manager.hook, hook_name).get_hookimpls():
-            if impl.hookwrapper or impl.wrapper:
-                continue
-            arguments = {**kwargs, **(per_plugin(impl.plugin_name) if per_plugin else {})}
-            results[impl.plugin_name] = impl.function(*(arguments[arg] for arg in impl.argnames))
-        return results
-
-    def call_all(self, hook_name: str, **kwargs: Any) -> list[BaseException]:
-        """Call every implementation in pluggy's order even if some raise; return what they raised.
-
-        For ``on_train_end``: one plugin's failure must not leave another's files open.
-        """
-        errors: list[BaseException] = []
-        for impl in reversed(getattr(self.manager.hook, hook_name).get_hookimpls()):
-            if impl.hookwrapper or impl.wrapper:
-                continue
-            try:
-                impl.function(*(kwargs[arg] for arg in impl.argnames))
-            except Exception as exc:
-                errors.append(exc)
-        return errors
+        return self.calls.implemented(hook_name)
 
     def check_pending(self) -> None:
         """A method named like a hook that matches no spec is a typo: make it an error."""
@@ -221,6 +193,26 @@ class Plugins:
             ]
             hints = "; ".join(f"'{n}'{did_you_mean(n, known)}" for n in unknown) or str(exc)
             raise UserError(f"plugin '{plugin_name}' implements hooks that do not exist: {hints}") from None
+
+
+def check_hook_api(name: str, plugin: object, entry: PluginEntry | None = None) -> None:
+    """A plugin that says which hook API it was written for (``coretrain_hook_api = (1, 0)``)
+    runs on the same major with at least that minor; anything else is one error naming it."""
+    wanted = getattr(plugin, "coretrain_hook_api", None)
+    if wanted is None:
+        return
+    have = hookspecs.HOOK_API
+    origin = f" (from {entry.origin})" if entry else ""
+    if not (isinstance(wanted, tuple) and len(wanted) == 2 and all(isinstance(part, int) for part in wanted)):
+        raise UserError(
+            f"plugin '{name}'{origin}: coretrain_hook_api must be (major, minor), e.g. {have}; got {wanted!r}"
+        )
+    if wanted[0] != have[0] or wanted[1] > have[1]:
+        need = "a newer coretrain" if wanted > have else "a version of the plugin written for this coretrain"
+        raise UserError(
+            f"plugin '{name}'{origin} was written for hook API {wanted[0]}.{wanted[1]}, and this coretrain "
+            f"{__version__} provides {have[0]}.{have[1]}; install {need}, or disable the plugin"
+        )
 
 
 def _naming_failures(
@@ -262,7 +254,7 @@ def load_plugins(
     for name, (key_path, table) in enabled_tables(config, installed).items():
         entry = installed[name]
         cls = entry.load()
-        instance = structure(table, cls, prefix=key_path, locations=locations)
+        instance: object = structure(table, cls, prefix=key_path, locations=locations)
         plugins.register(name, instance, entry)
     plugins.check_pending()
     return plugins

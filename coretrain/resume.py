@@ -45,14 +45,14 @@ def resume_candidates(run: Run) -> tuple[list[Path], bool]:
 
 def _load_sharded(run: Run, directory: Path, with_optimizer: bool) -> None:
     """Load a DCP checkpoint into the current model (sharded or not, any number of ranks)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     safeload.check_metadata(directory)
     model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
     state = {"model": model_state, "optimizer": optimizer_state} if with_optimizer else {"model": model_state}
     try:
-        dcp.load(
+        load(
             state,
             storage_reader=safeload.dcp_reader(directory),
             planner=safeload.dcp_planner(directory),
@@ -63,8 +63,8 @@ def _load_sharded(run: Run, directory: Path, with_optimizer: bool) -> None:
     set_state_dict(
         run.model,
         run.optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"] if with_optimizer else {},
+        model_state_dict=model_state,
+        optim_state_dict=optimizer_state if with_optimizer else {},
     )
 
 
@@ -132,7 +132,7 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
         run.unwrapped_model.load_state_dict(restored.model)
         if with_optimizer:
             try:
-                run.optimizer.load_state_dict(restored.optimizer)
+                run.optimizer.load_state_dict(restored.optimizer or {})
             except (ValueError, KeyError, RuntimeError) as exc:
                 raise UserError(
                     f"{path / 'optimizer.pt'}: the optimizer state does not fit this optimizer ({exc}); "
@@ -205,7 +205,7 @@ def check_resumable(run: Run, info: dict[str, Any], rank_state: dict[str, Any] |
     from coretrain.loader import is_stream
 
     saved_world = info.get("world_size")
-    if run.datasets is not None and is_stream(run.datasets.train) and saved_world not in (None, run.dist.world_size):
+    if Run.datasets.is_built(run) and is_stream(run.datasets.train) and saved_world not in (None, run.dist.world_size):
         raise UserError(
             f"the train split is a stream and the checkpoint was written on {saved_world} rank(s), this "
             f"run has {run.dist.world_size}: a stream's position is saved per rank, so it resumes on "

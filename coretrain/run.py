@@ -12,7 +12,7 @@ import inspect
 import logging
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from coretrain.control import Control
 from coretrain.dist import DistInfo, init_distributed
 from coretrain.errors import UserError, did_you_mean
 from coretrain.optim import WarmupDecayLR, build_optimizer
+from coretrain.outputs import LossFn
 from coretrain.pluginmanager import Plugins, is_import_path
 from coretrain.rundir import OutputDirLock
 from coretrain.signals import SignalWatcher
@@ -74,9 +75,46 @@ class TrainState:
     skipped_updates: int = 0
 
 
+T = TypeVar("T")
+
+
+class Built(Generic[T]):
+    """A part of the run built in order: typed as always there, because every hook after the
+    one that builds it sees it; reading it earlier is a clear error, not an ``AttributeError``
+    on None three calls later."""
+
+    def __init__(self, built_by: str) -> None:
+        self.built_by = built_by
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, f"_{name}"
+
+    @overload
+    def __get__(self, run: None, owner: type) -> Built[T]: ...
+    @overload
+    def __get__(self, run: Run, owner: type) -> T: ...
+    def __get__(self, run: Run | None, owner: type) -> Built[T] | T:
+        if run is None:
+            return self
+        value: T | None = getattr(run, self.slot)
+        if value is None:
+            raise AttributeError(f"run.{self.name} is not built yet: it exists from {self.built_by} on")
+        return value
+
+    def __set__(self, run: Run, value: T) -> None:
+        setattr(run, self.slot, value)
+
+    def is_built(self, run: Run) -> bool:
+        return getattr(run, self.slot) is not None
+
+
 @define(kw_only=True)
 class Run:
-    """Everything about the run in progress, handed to every hook as ``run``."""
+    """Everything about the run in progress, handed to every hook as ``run``.
+
+    ``datasets``, ``model``, ``optimizer`` and ``scheduler`` are built in that order
+    (:func:`build_run`); every hook from ``on_train_start`` on sees all of them.
+    """
 
     config: Config
     plugins: Plugins
@@ -85,10 +123,10 @@ class Run:
     output_dir: Path
     control: Control = field(factory=Control)
     state: TrainState = field(factory=TrainState)
-    datasets: Datasets | None = None
-    model: torch.nn.Module | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: WarmupDecayLR | None = None
+    _datasets: Datasets | None = field(default=None, alias="datasets")
+    _model: torch.nn.Module | None = field(default=None, alias="model")
+    _optimizer: torch.optim.Optimizer | None = field(default=None, alias="optimizer")
+    _scheduler: WarmupDecayLR | None = field(default=None, alias="scheduler")
     grad_scaler: torch.amp.GradScaler | None = None
     """Present when run.precision = "fp16"."""
     micro_batches_per_step: int = 1
@@ -100,10 +138,15 @@ class Run:
     flops_per_sample: float | None = None
     """Training FLOPs (forward + backward) of one sample: the model's ``flops_per_token()`` ×
     seq_length, else counted once before training (:mod:`coretrain.flops`)."""
-    loss_fn: Any = None
+    loss_fn: LossFn | None = None
     """``model.loss`` resolved: turns the model's outputs and the batch's target into the loss."""
     output_lock: OutputDirLock | None = field(default=None, repr=False)
     """Rank 0's lock on output_dir: one run per directory, for as long as this run lives."""
+
+    datasets = Built[Datasets]("provide_datasets")
+    model = Built[torch.nn.Module]("provide_model")
+    optimizer = Built[torch.optim.Optimizer]("the optimizer's build, after param_group_overrides")
+    scheduler = Built[WarmupDecayLR]("the optimizer's build, after param_group_overrides")
 
     @property
     def global_batch_size(self) -> int:
@@ -112,7 +155,8 @@ class Run:
     @property
     def unwrapped_model(self) -> torch.nn.Module:
         """The model without DDP-style wrappers (whose state_dict keys gain a 'module.' prefix)."""
-        return getattr(self.model, "module", self.model)
+        module: torch.nn.Module = getattr(self.model, "module", self.model)
+        return module
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -175,8 +219,9 @@ class ImportedModelProvider:
     options: dict[str, Any]
 
     @hookimpl
-    def provide_model(self, run: Run) -> torch.nn.Module:
-        return _call_with(self.fn, self.options, "model.options", run=run)
+    def provide_model(self, run: Run) -> torch.nn.Module | None:
+        model: torch.nn.Module | None = _call_with(self.fn, self.options, "model.options", run=run)
+        return model
 
 
 @define
@@ -270,9 +315,10 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
         test_samples=global_batch * train.eval_iters,
         seed=config.run.seed,
     )
-    run.datasets = plugins.hook.provide_datasets(run=run, context=context)
-    if run.datasets is None:
+    datasets = plugins.calls.provide_datasets(run=run, context=context)
+    if datasets is None:
         raise UserError(f"data.provider '{config.data.provider}' returned no datasets")
+    run.datasets = datasets
     if config.data.collate_fn:
         run.datasets.collate_fn = import_callable(config.data.collate_fn, "data.collate_fn")
     from coretrain.loader import adapt
@@ -300,20 +346,17 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
             config.data.num_workers,
         )
 
-    model = plugins.hook.provide_model(run=run)
+    model = plugins.calls.provide_model(run=run)
     if model is None:
         raise UserError(f"model.provider '{config.model.provider}' returned no model")
     check_model(model, config.model.provider)
     run.model = model.to(device)
     run.loss_fn = resolve_loss(config.model.loss)
     run.flops_per_sample = flops_per_sample(run, run.loss_fn)
-    plugins.hook.configure_model(run=run)
+    plugins.calls.configure_model(run=run)
     check_signals()
 
-    overrides: dict[str, dict[str, float]] = {}
-    for result in reversed(plugins.hook.param_group_overrides(run=run, model=run.model)):
-        for name, values in (result or {}).items():
-            overrides.setdefault(name, {}).update(values)
+    overrides = plugins.calls.param_group_overrides(run=run, model=run.model)
     run.optimizer = build_optimizer(config.optimizer, run.model, overrides)
     run.scheduler = WarmupDecayLR(
         run.optimizer, config.scheduler, config.optimizer.lr, train.train_iters, run.global_batch_size
@@ -328,4 +371,5 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
 def config_as_dict(config: Config) -> dict[str, Any]:
     from coretrain.configload import CONVERTER
 
-    return CONVERTER.unstructure(config)
+    unstructured: dict[str, Any] = CONVERTER.unstructure(config)
+    return unstructured

@@ -82,7 +82,8 @@ def dcp_errors() -> tuple[type[BaseException], ...]:
 def first_failure(exc: BaseException) -> BaseException:
     """The underlying error of DCP's CheckpointException (which maps rank -> (error, stack))."""
     for failure in (getattr(exc, "failures", None) or {}).values():
-        return failure[0] if isinstance(failure, tuple) else failure
+        cause: BaseException = failure[0] if isinstance(failure, tuple) else failure
+        return cause
     return exc
 
 
@@ -126,7 +127,7 @@ def check_metadata(directory: Path) -> None:
 
 def dcp_reader(directory: Path) -> Any:
     """A torch.distributed.checkpoint FileSystemReader whose ``.metadata`` read is restricted."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -166,7 +167,7 @@ def dcp_planner(directory: Path, *, empty: bool = False) -> Any:
 
     base: Any = _EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner
 
-    class SafeLoadPlanner(base):  # type: ignore[misc, valid-type]
+    class SafeLoadPlanner(base):  # type: ignore[misc]
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             super().load_bytes(read_item, _safe_bytes(self, read_item, value, directory))
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
+from coretrain import Run, hookimpl
 
 log = logging.getLogger("coretrain")
 
@@ -33,7 +33,7 @@ class BatchRampup:
     _last: int = field(default=0, init=False, repr=False)
     _target: int = field(default=0, init=False, repr=False)
 
-    def _check(self, run: Any) -> None:
+    def _check(self, run: Run) -> None:
         from coretrain import UserError
 
         if len(self.rampup_batch_size) != 3:
@@ -55,12 +55,12 @@ class BatchRampup:
         return min(start + int(consumed_samples / per_increment) * increment, target)
 
     @hookimpl
-    def on_train_start(self, run: Any) -> None:
+    def on_train_start(self, run: Run) -> None:
         self._check(run)
         self._target = run.config.train.micro_batch_size * run.micro_batches_per_step * run.dist.world_size
 
     @hookimpl
-    def num_micro_batches(self, run: Any, step: int, consumed_samples: int) -> int:
+    def num_micro_batches(self, run: Run, step: int, consumed_samples: int) -> int:
         from coretrain import UserError
 
         per_pass = run.config.train.micro_batch_size * run.dist.world_size

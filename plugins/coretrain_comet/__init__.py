@@ -23,7 +23,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import LoggingBackend, UserError, hookimpl, require
+from coretrain import LoggingBackend, Run, UserError, hookimpl, require
 
 log = logging.getLogger("coretrain")
 
@@ -69,7 +69,7 @@ class Comet(LoggingBackend):
     """Upload every committed checkpoint as a model (large: off by default)."""
     _experiment: Any = field(default=None, init=False, repr=False)
 
-    def open(self, run: Any) -> None:
+    def open(self, run: Run) -> None:
         comet_ml = _import_comet(self.offline)
         if "SIGTERM" not in run.config.train.exit_signals or not run.config.train.exit_signal_handler:
             log.warning(
@@ -115,7 +115,8 @@ class Comet(LoggingBackend):
         self._experiment.log_metrics(metrics, step=step)
 
     def run_id(self) -> str | None:
-        return self._experiment.get_key()
+        key: str | None = self._experiment.get_key()
+        return key
 
     @hookimpl(trylast=True)
     def on_checkpoint_saved(self, step: int, path: str) -> None:

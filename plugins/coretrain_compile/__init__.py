@@ -9,11 +9,11 @@ its throughput figures. torch._dynamo is imported only when this plugin is enabl
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Literal
 
 from attrs import define
 
-from coretrain import hookimpl
+from coretrain import Run, hookimpl
 
 log = logging.getLogger("coretrain")
 
@@ -31,6 +31,6 @@ class Compile:
     backend: str = "inductor"
 
     @hookimpl
-    def configure_model(self, run: Any) -> None:
+    def configure_model(self, run: Run) -> None:
         run.model.compile(mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic, backend=self.backend)
         log.info("compile: model compiled with mode=%s backend=%s (first step compiles)", self.mode, self.backend)

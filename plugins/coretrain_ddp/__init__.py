@@ -9,11 +9,10 @@ the loop skips the all-reduce on all but the last micro-batch (``no_sync``).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from attrs import define
 
-from coretrain import hookimpl
+from coretrain import Run, hookimpl
 
 log = logging.getLogger("coretrain")
 
@@ -32,7 +31,7 @@ class DDP:
     """Promise the autograd graph is the same every step (enables more overlap)."""
 
     @hookimpl(trylast=True)
-    def configure_model(self, run: Any) -> None:
+    def configure_model(self, run: Run) -> None:
         if run.dist.world_size == 1:
             log.info("ddp: single process, model left unwrapped")
             return

@@ -13,11 +13,11 @@ import os
 import random
 import signal
 import time
-from typing import Any, Literal
+from typing import Literal
 
 from attrs import define, field
 
-from coretrain import hookimpl
+from coretrain import Run, hookimpl
 
 log = logging.getLogger("coretrain")
 
@@ -53,7 +53,7 @@ class FaultInjection:
         return False
 
     @hookimpl
-    def pre_step(self, run: Any, step: int) -> None:
+    def pre_step(self, run: Run, step: int) -> None:
         if not self._due(run.dist.rank, step):
             return
         if self.action != "sleep" or not self.every_step or step == self.step:

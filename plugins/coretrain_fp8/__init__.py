@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import hookimpl
+from coretrain import Run, hookimpl
 
 log = logging.getLogger("coretrain")
 
@@ -49,7 +49,7 @@ class FP8:
         )
 
     @hookimpl(tryfirst=True)
-    def configure_model(self, run: Any) -> None:
+    def configure_model(self, run: Run) -> None:
         import dataclasses
 
         import torch
@@ -74,7 +74,7 @@ class FP8:
             log.info("fp8: %s recipe on %d Linear layers", self.recipe, len(self.converted))
 
     @hookimpl
-    def post_step(self, run: Any) -> None:
+    def post_step(self, run: Run) -> None:
         if self.fp8_all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
+from coretrain import Run, hookimpl
 
 
 def blocks_of(model: Any, block_types: list[str]) -> list[Any]:
@@ -37,7 +37,7 @@ class FSDP:
     """Class names of the modules to shard individually; empty = children of every ModuleList."""
 
     @hookimpl(trylast=True)
-    def configure_model(self, run: Any) -> None:
+    def configure_model(self, run: Run) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -55,14 +55,13 @@ class FSDP:
 
             if not dist.is_initialized():  # a mesh needs a process group, even of one rank
                 dist.init_process_group(
-                    "gloo" if run.device.type == "cpu" else "nccl", rank=0, world_size=1, store=dist.HashStore()
+                    "gloo" if run.device.type == "cpu" else "nccl",
+                    rank=0,
+                    world_size=1,
+                    store=dist.HashStore(),  # type: ignore[attr-defined]
                 )
         mesh = init_device_mesh(run.device.type, (run.dist.world_size,))
-        options = {
-            "mesh": mesh,
-            "reshard_after_forward": self.reshard_after_forward,
-            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
-        }
+        offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
         for block in blocks_of(run.model, self.block_types):
-            fully_shard(block, **options)
-        fully_shard(run.model, **options)
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
+        fully_shard(run.model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)

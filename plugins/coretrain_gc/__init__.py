@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl, non_negative
+from coretrain import Run, hookimpl, non_negative
 
 log = logging.getLogger("coretrain")
 
@@ -39,13 +38,13 @@ class GC:
         self.collections += 1
 
     @hookimpl
-    def on_train_start(self, run: Any) -> None:
+    def on_train_start(self, run: Run) -> None:
         self._was_enabled = gc.isenabled()
         gc.disable()
         self._collect()
 
     @hookimpl
-    def post_step(self, run: Any, step: int) -> None:
+    def post_step(self, run: Run, step: int) -> None:
         train = run.config.train
         due = self.interval and step % self.interval == 0
         eval_next = self.eval and train.eval_interval and train.eval_iters and step % train.eval_interval == 0

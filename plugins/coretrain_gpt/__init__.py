@@ -16,7 +16,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import FieldValueError, fraction, hookimpl, positive
+from coretrain import FieldValueError, Run, fraction, hookimpl, positive
 
 
 @define(kw_only=True)
@@ -46,7 +46,7 @@ class GPTProvider:
             )
 
     @hookimpl
-    def provide_model(self, run: Any) -> Any:
+    def provide_model(self, run: Run) -> Any:
         from coretrain import UserError
         from coretrain_gpt.model import GPT, GPTConfig
 

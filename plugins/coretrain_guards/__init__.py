@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import exit_code, hookimpl, mean_over_ranks, non_negative, positive
+from coretrain import Run, exit_code, hookimpl, mean_over_ranks, non_negative, positive
 
 log = logging.getLogger("coretrain")
 
@@ -51,10 +51,10 @@ class Guards:
     """Process exit code when action = "stop" fires."""
     nan_steps: int = field(default=0, init=False)
     spike_steps: int = field(default=0, init=False)
-    _recent: deque = field(factory=deque, init=False, repr=False)
+    _recent: deque[float] = field(factory=deque, init=False, repr=False)
 
     @hookimpl
-    def before_update(self, run: Any, step: int, loss: Any) -> None:
+    def before_update(self, run: Run, step: int, loss: Any) -> None:
         if step in self.iterations_to_skip:
             run.control.skip_update(f"step {step} is in iterations_to_skip")
             return

@@ -12,11 +12,11 @@ On CPU there is nothing to do; the plugin says so once.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Literal
 
 from attrs import define, field
 
-from coretrain import hookimpl, positive
+from coretrain import Run, hookimpl, positive
 
 log = logging.getLogger("coretrain")
 
@@ -32,7 +32,7 @@ class Memory:
     _cuda: bool = field(default=False, init=False, repr=False)
 
     @hookimpl
-    def on_train_start(self, run: Any) -> None:
+    def on_train_start(self, run: Run) -> None:
         self._cuda = run.device.type == "cuda"
         if not self._cuda and run.dist.is_main:
             log.info("memory: CPU run; empty_unused_memory_level and train_sync_interval have nothing to do")

@@ -13,11 +13,11 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from attrs import define, field
 
-from coretrain import LoggingBackend
+from coretrain import LoggingBackend, Run
 
 log = logging.getLogger("coretrain")
 
@@ -56,7 +56,7 @@ class MetricsFile(LoggingBackend):
     """File name inside run.output_dir."""
     _file: IO[str] | None = field(default=None, init=False, repr=False)
 
-    def open(self, run: Any) -> None:
+    def open(self, run: Run) -> None:
         path = Path(run.output_dir) / self.filename
         if path.exists():
             kept, torn = rows_up_to(path, run.state.step)
@@ -66,8 +66,10 @@ class MetricsFile(LoggingBackend):
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        assert self._file is not None, "open() comes first"
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
 
     def close(self, outcome: str) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()

@@ -20,7 +20,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import LoggingBackend, require
+from coretrain import LoggingBackend, Run, require
 
 STATUS = {
     "completed": "FINISHED",
@@ -69,7 +69,7 @@ class MLflow(LoggingBackend):
     _client: Any = field(default=None, init=False, repr=False)
     _run_id: str | None = field(default=None, init=False, repr=False)
 
-    def open(self, run: Any) -> None:
+    def open(self, run: Run) -> None:
         MlflowClient = require("mlflow", needed_by="plugins.mlflow", extra="mlflow").MlflowClient
         from mlflow.entities import Param
 

@@ -10,13 +10,11 @@ shards are summed and all-reduced once, so the figures are the whole model's.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from attrs import define
 
-from coretrain import hookimpl, is_sharded
+from coretrain import Run, hookimpl, is_sharded
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -56,12 +54,12 @@ class ModelStats:
     """Log ``zero_grads``, the number of exactly-zero gradient entries before the update."""
 
     @hookimpl
-    def before_update(self, run: Any, step: int) -> None:
+    def before_update(self, run: Run, step: int) -> None:
         if self.zero_grads and step % run.config.train.log_interval == 0:
             run.log_tensors["zero_grads"] = zero_grads(run.model)
 
     @hookimpl
-    def post_step(self, run: Any, step: int) -> None:
+    def post_step(self, run: Run, step: int) -> None:
         if self.param_norm and step % run.config.train.log_interval == 0:
             with torch.no_grad():
                 run.log_tensors["params_norm"] = param_norm(run.model)

@@ -14,7 +14,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import FieldValueError, hookimpl, positive
+from coretrain import FieldValueError, Run, hookimpl, positive
 
 log = logging.getLogger("coretrain")
 
@@ -36,7 +36,7 @@ class Profiler:
     """CUDA only: record the allocator history and dump a snapshot at the end of the window."""
     _profile: Any = field(default=None, init=False, repr=False)
 
-    def _mine(self, run: Any) -> bool:
+    def _mine(self, run: Run) -> bool:
         return not self.ranks or run.dist.rank in self.ranks
 
     def __attrs_post_init__(self) -> None:
@@ -44,7 +44,7 @@ class Profiler:
             raise FieldValueError("end", f"must be >= start ({self.start}), got {self.end}")
 
     @hookimpl(tryfirst=True)
-    def pre_step(self, run: Any, step: int) -> None:
+    def pre_step(self, run: Run, step: int) -> None:
         if step != self.start or not self._mine(run):
             return
         import torch
@@ -63,16 +63,16 @@ class Profiler:
         self._profile.__enter__()
 
     @hookimpl(trylast=True)
-    def post_step(self, run: Any, step: int) -> None:
+    def post_step(self, run: Run, step: int) -> None:
         if self._profile is not None and step >= self.end:
             self._finish(run, step)
 
     @hookimpl
-    def on_train_end(self, run: Any) -> None:
+    def on_train_end(self, run: Run) -> None:
         if self._profile is not None:  # the run ended inside the window
             self._finish(run, run.state.step)
 
-    def _finish(self, run: Any, last: int) -> None:
+    def _finish(self, run: Run, last: int) -> None:
         import torch
 
         profile, self._profile = self._profile, None
@@ -84,6 +84,6 @@ class Profiler:
         log.info("profiler: wrote %s", trace)
         if self.memory_snapshot and run.device.type == "cuda":
             snapshot = directory / f"rank{run.dist.rank}_memory.pickle"
-            torch.cuda.memory._dump_snapshot(str(snapshot))
+            torch.cuda.memory._dump_snapshot(str(snapshot))  # type: ignore[no-untyped-call]
             torch.cuda.memory._record_memory_history(enabled=None)
             log.info("profiler: wrote %s", snapshot)

@@ -21,7 +21,10 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl, non_negative
+from coretrain import Run, hookimpl, non_negative
+
+EVENT_LINES = 5
+"""The live panel's event lines: a fixed height, so the panel never jumps."""
 
 
 def eta(seconds: float) -> str:
@@ -47,16 +50,16 @@ class Progress:
     _task: Any = field(default=None, init=False, repr=False)
     _metrics: dict[str, float] = field(factory=dict, init=False, repr=False)
     _eval: dict[str, float] = field(factory=dict, init=False, repr=False)
-    _events: deque = field(factory=lambda: deque(maxlen=5), init=False, repr=False)
+    _events: deque[str] = field(factory=lambda: deque(maxlen=EVENT_LINES), init=False, repr=False)
     _active: bool = field(default=False, init=False, repr=False)
     _started: float = field(default=0.0, init=False, repr=False)
     _total: int = field(default=0, init=False, repr=False)
-    _run: Any = field(default=None, init=False, repr=False)
+    _run: Run | None = field(default=None, init=False, repr=False)
     _first_step: int = field(default=0, init=False, repr=False)
     _streams: dict[Any, Any] = field(factory=dict, init=False, repr=False)
 
     @hookimpl
-    def on_train_start(self, run: Any) -> None:
+    def on_train_start(self, run: Run) -> None:
         self._active = run.dist.is_main and logging.getLogger("coretrain").isEnabledFor(logging.INFO)
         if not self._active:
             return
@@ -114,7 +117,7 @@ class Progress:
         from rich.panel import Panel
         from rich.table import Table
 
-        step = self._run.state.step
+        step = self._run.state.step if self._run is not None else 0
         self._bar.update(self._task, completed=step)
         elapsed = time.perf_counter() - self._started
         done = step - self._first_step
@@ -134,7 +137,7 @@ class Progress:
             f"valid loss {self._eval['valid/loss']:.4f}" if "valid/loss" in self._eval else "valid -",
         ]
         table.add_row(*cells)
-        lines = list(self._events) + [""] * (self._events.maxlen - len(self._events))  # a fixed height
+        lines = list(self._events) + [""] * (EVENT_LINES - len(self._events))  # a fixed height
         return Panel(Group(self._bar, timing, table, f"[dim]{chr(10).join(lines)}[/]"), title="coretrain", expand=True)
 
     @hookimpl
@@ -170,7 +173,7 @@ class Progress:
         self._event(text)
 
     @hookimpl
-    def on_train_end(self, run: Any, outcome: str) -> None:
+    def on_train_end(self, run: Run, outcome: str) -> None:
         if not self._active:
             return
         elapsed = time.perf_counter() - self._started

@@ -19,7 +19,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
+from coretrain import Run, hookimpl
 
 _STEP = re.compile(r"\tstep (\d+)\t")
 
@@ -34,7 +34,7 @@ class ProgressFile:
     _job_start_samples: int = field(default=0, init=False, repr=False)
     _seconds_before: float = field(default=0.0, init=False, repr=False)
 
-    def _line(self, run: Any, text: str) -> None:
+    def _line(self, run: Run, text: str) -> None:
         if not run.dist.is_main:
             return
         job = os.environ.get("SLURM_JOB_ID") or f"pid-{os.getpid()}"
@@ -46,7 +46,7 @@ class ProgressFile:
     def on_resume(self, state: dict[str, Any]) -> None:
         self._seconds_before = float(state.get("train_seconds", 0.0))
 
-    def _trim(self, run: Any) -> None:
+    def _trim(self, run: Run) -> None:
         """Keep whole lines up to the resumed step (the rest belongs to a timeline that was lost)."""
         path = Path(run.output_dir) / self.filename
         if not run.dist.is_main or not path.exists():
@@ -61,13 +61,13 @@ class ProgressFile:
             os.replace(tmp, path)
 
     @hookimpl
-    def on_train_start(self, run: Any) -> None:
+    def on_train_start(self, run: Run) -> None:
         self._trim(run)
         self._job_started = time.monotonic()
         self._job_start_samples = run.state.consumed_samples
         self._line(run, "job start")
 
-    def figures(self, run: Any) -> dict[str, float]:
+    def figures(self, run: Run) -> dict[str, float]:
         """Job and cumulative throughput (TFLOP/s per device), FLOPs and tokens so far."""
         seq = run.datasets.seq_length or 0
         flops_per_sample = run.flops_per_sample or 0.0
@@ -86,7 +86,7 @@ class ProgressFile:
         }
 
     @hookimpl
-    def on_checkpoint(self, run: Any) -> dict[str, Any]:
+    def on_checkpoint(self, run: Run) -> dict[str, Any]:
         figures = self.figures(run)
         self._line(
             run,

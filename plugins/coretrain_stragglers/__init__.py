@@ -22,11 +22,12 @@ rank that got slower than itself.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl, in_range, non_negative, positive
+from coretrain import Run, hookimpl, in_range, non_negative, positive
 
 
 @define(kw_only=True)
@@ -52,7 +53,7 @@ class Stragglers:
     _first_timed: int = field(default=0, init=False, repr=False)
 
     @hookimpl
-    def on_train_start(self, run: Any) -> None:
+    def on_train_start(self, run: Run) -> None:
         self._reported_at = time.monotonic()
         self._first_timed = run.state.step + self.warmup_steps + 1
 
@@ -69,7 +70,7 @@ class Stragglers:
         self._count += 1
 
     @hookimpl(tryfirst=True)  # before the backends, so the scores are logged with the step
-    def on_log(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+    def on_log(self, run: Run, step: int, metrics: dict[str, float]) -> None:
         import torch
 
         from coretrain import max_over_ranks
@@ -101,7 +102,7 @@ class Stragglers:
         metrics["stragglers/count"] = float(len(slow))
         if run.dist.is_main:
             order = sorted(range(len(means)), key=lambda r: relative[r])
-            rows = lambda ranks: ", ".join(  # noqa: E731
+            rows: Callable[[list[int]], str] = lambda ranks: ", ".join(  # noqa: E731
                 f"rank {r}: {means[r] * 1e3:.1f} ms/step (relative {relative[r]:.2f}, individual {individual[r]:.2f})"
                 for r in ranks
             )

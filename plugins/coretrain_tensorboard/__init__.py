@@ -11,7 +11,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import LoggingBackend, require
+from coretrain import LoggingBackend, Run, require
 
 
 @define(kw_only=True)
@@ -24,7 +24,7 @@ class TensorBoard(LoggingBackend):
     """How often the writer flushes to disk on its own."""
     _writer: Any = field(default=None, init=False, repr=False)
 
-    def open(self, run: Any) -> None:
+    def open(self, run: Run) -> None:
         SummaryWriter = require(
             "torch.utils.tensorboard", needed_by="plugins.tensorboard", extra="tensorboard", package="tensorboard"
         ).SummaryWriter

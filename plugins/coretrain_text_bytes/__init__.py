@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import fraction, hookimpl, positive
+from coretrain import Run, fraction, hookimpl, positive
 
 
 def default_globs() -> list[str]:
@@ -50,7 +50,7 @@ class TextBytes:
         return found
 
     @hookimpl
-    def provide_datasets(self, run: Any, context: Any) -> Any:
+    def provide_datasets(self, run: Run, context: Any) -> Any:
         import torch
 
         from coretrain import Datasets, TokenWindows, UserError, windows

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import hookimpl, positive
+from coretrain import Run, hookimpl, positive
 
 DTYPES = {"uint16": 2, "uint32": 4}
 MAX_GUESSED_VOCAB = 1 << 22  # 4M ids: above every real tokenizer, below an embedding that exhausts memory
@@ -76,7 +76,7 @@ class TokenFile:
     (nanoGPT's get_batch), a fresh one for every sample of the run; validation stays fixed."""
 
     @hookimpl
-    def provide_datasets(self, run: Any, context: Any) -> Any:
+    def provide_datasets(self, run: Run, context: Any) -> Any:
         from coretrain import Datasets, TokenWindows, UserError, windows
 
         train_tokens = open_tokens(self.train_path, self.dtype)

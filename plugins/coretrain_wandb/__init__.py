@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import LoggingBackend, UserError, hookimpl, require
+from coretrain import LoggingBackend, Run, UserError, hookimpl, require
 
 
 def _logged_in(wandb: Any) -> bool:
@@ -46,9 +46,9 @@ class WandB(LoggingBackend):
     tags: list[str] = field(factory=list)
     dir: str | None = None
     """Where W&B keeps its files; unset = <run.output_dir> (it adds wandb/)."""
-    _run: Any = field(default=None, init=False, repr=False)
+    _run: Any = field(default=None, init=False, repr=False)  # the wandb Run
 
-    def open(self, run: Any) -> None:
+    def open(self, run: Run) -> None:
         wandb = require("wandb", needed_by="plugins.wandb", extra="wandb")
         mode = self.mode or os.environ.get("WANDB_MODE") or "online"
         if mode == "online" and not _logged_in(wandb):
@@ -79,7 +79,8 @@ class WandB(LoggingBackend):
         self._run.log(metrics, step=step)
 
     def run_id(self) -> str | None:
-        return self._run.id
+        run_id: str | None = self._run.id
+        return run_id
 
     @hookimpl(trylast=True)
     def on_signal(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import exit_code, hookimpl, positive
+from coretrain import Run, exit_code, hookimpl, positive
 
 log = logging.getLogger("coretrain")
 
@@ -42,7 +42,7 @@ class WeightHash:
     """Process exit code when replicas differ."""
 
     @hookimpl
-    def post_step(self, run: Any, step: int) -> None:
+    def post_step(self, run: Run, step: int) -> None:
         if run.dist.world_size == 1 or step % self.interval:
             return
         import torch.distributed as dist

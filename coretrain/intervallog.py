@@ -1,0 +1,135 @@
+"""The steps since the last log, held as device tensors and turned into metrics with one sync.
+
+What ``on_log`` receives: loss, grad norm, the model's named values and plugins'
+``run.log_tensors``, averaged over the interval and over ranks with one collective; throughput,
+MFU, memory and where the time went (:mod:`coretrain.timers`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from coretrain import metrics as derived
+from coretrain.dist import sum_over_ranks
+from coretrain.run import Run
+from coretrain.timers import PhaseTimes
+
+
+class IntervalLog:
+    """The steps since the last log, turned into floats with one host sync at flush.
+
+    Per step this only appends references to the loss, grad-norm and the model's named-value
+    tensors (no device op, no allocation); the backward graph they point to is already freed,
+    so holding them for one interval costs a few hundred bytes each.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.grad_norms: list[torch.Tensor] = []
+        self.values: dict[str, list[torch.Tensor]] = {}
+        self.samples = 0
+        self.timed_steps = 0
+        self.started = time.perf_counter()
+        self.times = PhaseTimes(device)
+
+    def add(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int, values: dict[str, torch.Tensor] | None
+    ) -> None:
+        self.losses.append(loss)
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm)
+        if values:
+            for name, value in values.items():
+                self.values.setdefault(name, []).append(value)
+        self.samples += samples
+        self.timed_steps += 1
+
+    def start_clock(self) -> None:
+        """Training starts now (the steps restored from a checkpoint keep counting)."""
+        self.started = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """Leave the steps so far out of the rates and phase times (warm-up: compilation, caches)."""
+        self.samples, self.timed_steps, self.started = 0, 0, time.perf_counter()
+        self.times.reset()
+
+    def exclude(self, phase: str, seconds: float) -> None:
+        """An interval phase (eval, checkpoint) took ``seconds``: count it under its own name, and
+        (for evaluation) not as training time in the rates."""
+        self.times.add(phase, seconds)
+        if phase == "eval":
+            self.started += seconds
+
+    def flush(self, run: Run) -> dict[str, float]:
+        world, rank = run.dist.world_size, run.dist.rank
+        times = self.times.collect(self.timed_steps)  # host values; CUDA events read once complete
+        with torch.no_grad():
+            means = [torch.stack(self.losses).float().mean()]
+            if self.grad_norms:
+                means.append(torch.stack(self.grad_norms).float().mean())
+            named = [f"train/{name}" for name in self.values]
+            means.extend(torch.stack(values).float().mean() for values in self.values.values())
+            extra = list(run.log_tensors)
+            means.extend(run.log_tensors[name].detach().float().to(means[0].device) for name in extra)
+            run.log_tensors.clear()
+            device = means[0].device
+            host_values = torch.tensor(
+                [*times.values(), *(times["time/data"] if r == rank else 0.0 for r in range(world))], device=device
+            )
+            # the interval's one collective and host sync: sums over ranks, then means on the host
+            summed = sum_over_ranks(torch.cat([torch.stack(means), host_values])).tolist()
+        host = [value / world for value in summed[: len(means) + len(times)]]
+        data_waits = summed[len(means) + len(times) :]  # each rank's own slot
+        elapsed = time.perf_counter() - self.started
+        timed = self.timed_steps
+        metrics: dict[str, float] = {"loss": host[0], "lr": run.scheduler.last_lr}
+        if self.grad_norms:
+            metrics["grad_norm"] = host[1]
+        metrics.update(zip(named + extra, host[len(means) - len(named) - len(extra) : len(means)]))
+        metrics.update(zip(times, host[len(means) :]))
+        metrics["time/data_max"] = max(data_waits)
+        metrics.update(
+            {
+                "global_batch_size": float(run.global_batch_size),
+                "iteration_time": elapsed / timed if timed else 0.0,
+                "samples_per_second": self.samples / elapsed if timed and elapsed > 0 else 0.0,
+                "consumed_samples": float(run.state.consumed_samples),
+                "skipped_updates": float(run.state.skipped_updates),
+            }
+        )
+        seq_length = run.datasets.seq_length
+        if seq_length:
+            metrics["tokens_per_second"] = metrics["samples_per_second"] * seq_length
+        metrics.update(
+            derived.throughput(
+                run, metrics["samples_per_second"], metrics["iteration_time"], time.monotonic() - run.started_at
+            )
+        )
+        metrics.update(derived.memory(run.device))
+        if metrics["iteration_time"] > 0:
+            metrics["time/step"] = metrics["iteration_time"]
+        self.losses, self.grad_norms, self.values = [], [], {}
+        self.restart_clock()
+        return metrics
+
+    def pending(self) -> dict[str, Any]:
+        """What a checkpoint must carry so the next log after resume averages the same steps."""
+        if not self.losses:
+            return {}
+        with torch.no_grad():
+            return {
+                "losses": torch.stack(self.losses).cpu(),
+                "samples": self.samples,
+                "grad_norms": torch.stack(self.grad_norms).cpu() if self.grad_norms else torch.empty(0),
+                "values": {name: torch.stack(values).cpu() for name, values in self.values.items()},
+            }
+
+    def restore(self, state: dict[str, Any], device: torch.device) -> None:
+        if state:
+            self.losses = list(state["losses"].to(device).unbind())
+            self.grad_norms = list(state["grad_norms"].to(device).unbind())
+            self.values = {name: list(values.to(device).unbind()) for name, values in state.get("values", {}).items()}
+            self.samples = int(state["samples"])
