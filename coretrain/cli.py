@@ -1,4 +1,4 @@
-"""Command line: ``coretrain run | checkpoint | report | plugins | config show | config validate``.
+"""Command line: ``coretrain run | checkpoint | report | plugins | new-plugin | config show | config validate``.
 
 Only argparse is imported at module level, so ``coretrain --help`` starts fast and never
 imports torch; each command imports what it needs. A :class:`UserError` from anywhere
@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     plugins = commands.add_parser("plugins", help="list installed plugins, their hooks and config fields")
     plugins.set_defaults(handler=cmd_plugins)
+
+    scaffold = commands.add_parser(
+        "new-plugin", help="write a plugin package (entry point, one option, one hook, a test) ready to pip install"
+    )
+    scaffold.add_argument("name", help="the plugin's name, e.g. loss-spikes (enabled by [plugins.loss-spikes])")
+    scaffold.add_argument("--dir", default=None, metavar="D", help="where to write it (default: ./coretrain-NAME)")
+    scaffold.set_defaults(handler=cmd_new_plugin)
 
     config = commands.add_parser("config", help="inspect a config file")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
@@ -389,7 +396,7 @@ def _defaults_of(cls: type) -> dict[str, Any]:
         if f.default is attrs.NOTHING or not f.init:
             continue
         default = (
-            f.default.factory() if isinstance(f.default, attrs.Factory) and not f.default.takes_self else f.default
+            f.default.factory() if isinstance(f.default, attrs.Factory) and not f.default.takes_self else f.default  # type: ignore[arg-type]  # attrs.Factory is a class at run time
         )
         values[f.name] = CONVERTER.unstructure(default)
     return values
@@ -438,6 +445,16 @@ def cmd_report(args: argparse.Namespace) -> int:
         Path(args.metrics) if args.metrics else None,
         Path(args.out) if args.out else None,
     )
+
+
+def cmd_new_plugin(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coretrain.scaffold import new_plugin
+
+    root = new_plugin(args.name, Path(args.dir) if args.dir else None)
+    print(f"wrote {root}; next: cd {root} && pip install -e '.[test]' && pytest")
+    return 0
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

@@ -1,65 +1,36 @@
-"""Build and train runs in this process with tiny synthetic models and data (unit tests)."""
+"""In-process runs for the core's own unit tests, on coretrain.testing's tiny workload.
+
+The providers are named through this module ("helpers_inprocess:make_data") so a test can
+swap one for a variant; the builder is coretrain.testing's, with evaluation off by default.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.loop import Trainer
 from coretrain.pluginmanager import load_plugins
-from coretrain.run import Datasets, Run, build_run
+from coretrain.run import Run, build_run
+from coretrain.testing import TinyRegression as Regression
+from coretrain.testing import tiny_config
+from coretrain.testing import tiny_data as make_data
+from coretrain.testing import tiny_model as make_model
 
-
-class Regression(torch.nn.Module):
-    """A 2-layer MLP returning its MSE loss, so ``model(x, y)`` is the loss."""
-
-    def __init__(self, width: int = 16, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(width, 1)
-        )
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-
-class TensorPairs:
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
-
-
-def make_model(width: int = 16, dropout: float = 0.0) -> torch.nn.Module:
-    return Regression(width, dropout)
-
-
-def make_data(context: Any, samples: int = 256, valid: bool = True, dead_inputs: int = 0) -> Datasets:
-    """``dead_inputs``: that many input features are always 0 (their first-layer weights get no gradient)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(samples, 4, generator=g)
-    x[:, :dead_inputs] = 0.0
-    y = 0.5 * x.sum(dim=1, keepdim=True)
-    return Datasets(train=TensorPairs(x, y), valid=TensorPairs(x[:64], y[:64]) if valid else None)
+__all__ = ["Regression", "build", "config", "make_data", "make_model", "train"]
 
 
 def config(tmp_path: Any, **sections: dict[str, Any]) -> Config:
-    raw: dict[str, Any] = {
-        "run": {"output_dir": str(tmp_path / "out"), "seed": 7},
-        "model": {"provider": "helpers_inprocess:make_model"},
-        "data": {"provider": "helpers_inprocess:make_data"},
-        "train": {"micro_batch_size": 8, "train_iters": 10, "log_interval": 2, "eval_iters": 0},
-        "optimizer": {"lr": 0.01},
-    }
+    raw = tiny_config(
+        tmp_path / "out",
+        model={"provider": "helpers_inprocess:make_model"},
+        data={"provider": "helpers_inprocess:make_data"},
+        train={"eval_iters": 0},
+    )
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
+    raw["run"].pop("threads")  # the test process's own setting stays
     return structure(raw, Config)
 
 

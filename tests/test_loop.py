@@ -159,7 +159,7 @@ def test_hooks_nobody_implements_are_never_called(tmp_path: Any, no_autoload: No
 
 
 def test_import_path_provider_options_are_checked(tmp_path: Any, no_autoload: None) -> None:
-    with pytest.raises(UserError, match="model.options: options do not fit .*make_model"):
+    with pytest.raises(UserError, match="model.options: options do not fit .*tiny_model"):
         build(config(tmp_path, model={"options": {"widht": 3}}))
 
 

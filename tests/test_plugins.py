@@ -7,12 +7,13 @@ runs see through PYTHONPATH, exactly as `pip install coretrain-foo` would make t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, write_tiny_gpt
+from conftest import REPO, run_cli, write_tiny_gpt
 
 from coretrain import hookimpl
 from coretrain.configload import load_config
@@ -142,3 +143,41 @@ def test_a_missing_optional_dependency_names_the_extra_that_installs_it() -> Non
     assert require("json", needed_by="plugins.x", extra="x").dumps([]) == "[]"
     with pytest.raises(UserError, match=r"^plugins\.x needs not-installed: pip install 'coretrain\[x\]'$"):
         require("not_installed.sub", needed_by="plugins.x", extra="x")
+
+
+def _pytest_in(directory: Path, site: Path) -> subprocess.CompletedProcess:
+    """The package's own test suite, as its author runs it after installing it."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=directory,
+        env={**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_new_plugin_writes_a_package_that_installs_and_passes_its_tests(tmp_path: Path) -> None:
+    made = run_cli("new-plugin", "loss-spikes", "--dir", str(tmp_path / "pkg"), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    package = tmp_path / "pkg"
+    assert (package / "coretrain_loss_spikes" / "__init__.py").is_file() and (package / "README.md").is_file()
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", site, package],
+        check=True,
+    )
+    listing = run_cli("plugins", cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    assert "loss-spikes  coretrain-loss-spikes 0.1.0" in listing.stdout
+    tests = _pytest_in(package, site)
+    assert tests.returncode == 0 and "3 passed" in tests.stdout, tests.stdout + tests.stderr
+
+    again = run_cli("new-plugin", "loss-spikes", "--dir", str(package), cwd=tmp_path)
+    assert again.returncode == 2 and "exists and is not empty" in again.stderr
+    bad = run_cli("new-plugin", "Loss_Spikes", cwd=tmp_path)
+    assert bad.returncode == 2 and "is not a plugin name" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_example_plugin_passes_its_own_tests_once_installed(site: Path) -> None:
+    tests = _pytest_in(REPO / "examples" / "coretrain-hooklog", site)
+    assert tests.returncode == 0 and "4 passed" in tests.stdout, tests.stdout + tests.stderr

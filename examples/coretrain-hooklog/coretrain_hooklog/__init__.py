@@ -13,7 +13,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
+from coretrain import Outcome, Run, hookimpl
 
 
 @define(kw_only=True)
@@ -26,38 +26,40 @@ class HookLog:
     """Also record pre_step/post_step (off: those run every step)."""
     steps_seen: int = field(default=0, init=False)
 
-    def _record(self, run: Any, hook: str, **details: Any) -> None:
+    coretrain_hook_api = (1, 0)  # the hook contract this plugin was written for
+
+    def _record(self, run: Run, hook: str, **details: Any) -> None:
         with open(Path(run.output_dir) / self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"hook": hook, **details}) + "\n")
 
     @hookimpl
-    def on_train_start(self, run: Any) -> None:
+    def on_train_start(self, run: Run) -> None:
         self._record(run, "on_train_start", step=run.state.step)
 
     @hookimpl
-    def post_step(self, run: Any, step: int) -> None:
+    def post_step(self, run: Run, step: int) -> None:
         self.steps_seen += 1
         if self.every_step:
             self._record(run, "post_step", step=step)
 
     @hookimpl
-    def on_log(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+    def on_log(self, run: Run, step: int, metrics: dict[str, float]) -> None:
         self._record(run, "on_log", step=step, loss=metrics["loss"])
 
     @hookimpl
-    def on_eval(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+    def on_eval(self, run: Run, step: int, metrics: dict[str, float]) -> None:
         self._record(run, "on_eval", step=step, **metrics)
 
     @hookimpl
-    def on_checkpoint(self, run: Any, step: int) -> dict[str, Any]:
+    def on_checkpoint(self, run: Run, step: int) -> dict[str, Any]:
         self._record(run, "on_checkpoint", step=step)
         return {"steps_seen": self.steps_seen}
 
     @hookimpl
-    def on_resume(self, run: Any, step: int, state: dict[str, Any]) -> None:
+    def on_resume(self, run: Run, step: int, state: dict[str, Any]) -> None:
         self.steps_seen = state.get("steps_seen", 0)
         self._record(run, "on_resume", step=step, steps_seen=self.steps_seen)
 
     @hookimpl
-    def on_train_end(self, run: Any, outcome: str) -> None:
+    def on_train_end(self, run: Run, outcome: Outcome) -> None:
         self._record(run, "on_train_end", step=run.state.step, outcome=outcome, steps_seen=self.steps_seen)

@@ -1,0 +1,301 @@
+"""Test a plugin the way coretrain runs it — what ``pytester`` is to pytest plugins.
+
+A tiny model and dataset, a function that runs N steps in this process with your plugin
+instance (or its TOML table) and returns the metrics and every hook call, helpers to stop and
+resume, to send a real signal mid-run, and to run real ranks under torchrun::
+
+    from coretrain.testing import run_steps
+
+    def test_my_plugin_logs(tmp_path):
+        result = run_steps(tmp_path, steps=6, plugins={"mine": MyPlugin(every=2)})
+        assert result.exit_code == 0
+        assert [m["step"] for m in result.metrics] == [2, 4, 6]
+        assert result.hooks("on_log") == [2, 4, 6]
+
+The run is a real one: the config goes through the same loader and validators as a TOML
+file, plugins are registered and checked as installed ones are, and the loop, checkpoints
+and resume are the production code. Installed plugins stay off unless asked for
+(``tables={"name": {...}}``) so a test sees only what it enables.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from coretrain import hookimpl
+from coretrain.configload import deep_merge, load_config
+from coretrain.pluginmanager import AUTOLOAD_OFF_ENV, load_plugins
+from coretrain.run import DatasetContext, Datasets, Run, build_run
+from coretrain.tomlwrite import dumps
+
+TINY_MODEL = "coretrain.testing:tiny_model"
+TINY_DATA = "coretrain.testing:tiny_data"
+
+
+# --------------------------------------------------------------------------- a tiny workload
+
+
+class TinyRegression(torch.nn.Module):
+    """A 2-layer MLP on 4 features; ``model(x, y)`` returns its MSE loss (what Lightning's
+    BoringModel is to callbacks: small, deterministic, learns)."""
+
+    def __init__(self, width: int = 16, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(width, 1)
+        )
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+class TensorPairs(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A map-style dataset of (x, y) rows."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def tiny_model(width: int = 16, dropout: float = 0.0) -> torch.nn.Module:
+    """The model provider ``"coretrain.testing:tiny_model"``."""
+    return TinyRegression(width, dropout)
+
+
+def tiny_data(context: DatasetContext, samples: int = 256, valid: bool = True, dead_inputs: int = 0) -> Datasets:
+    """The data provider ``"coretrain.testing:tiny_data"``: y = 0.5·sum(x), fixed seed.
+
+    ``dead_inputs``: that many input features are always 0 (their first-layer weights get no gradient).
+    """
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 4, generator=g)
+    x[:, :dead_inputs] = 0.0
+    y = 0.5 * x.sum(dim=1, keepdim=True)
+    return Datasets(train=TensorPairs(x, y), valid=TensorPairs(x[:64], y[:64]) if valid else None)
+
+
+def tiny_config(output_dir: str | Path, **sections: Mapping[str, Any]) -> dict[str, Any]:
+    """A complete config as a TOML-shaped dict: the tiny workload, 10 steps, a log every 2, a
+    validation of 2 batches after training.
+
+    ``sections`` are merged in by table, e.g. ``train={"train_iters": 4}``,
+    ``plugins={"guards": {"action": "stop"}}``.
+    """
+    base: dict[str, Any] = {
+        "run": {"output_dir": str(output_dir), "seed": 7, "threads": 1},
+        "model": {"provider": TINY_MODEL},
+        "data": {"provider": TINY_DATA},
+        "train": {"micro_batch_size": 8, "train_iters": 10, "log_interval": 2, "eval_iters": 2},
+        "optimizer": {"lr": 0.01},
+    }
+    return deep_merge(base, {name: dict(values) for name, values in sections.items()})
+
+
+def write_config(path: Path, config: Mapping[str, Any]) -> Path:
+    """Write ``config`` as TOML (what a user would hand ``coretrain run``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dumps(config), encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------------- in-process runs
+
+
+@attrs.frozen
+class HookCall:
+    """One call of a hook, as the plugins received it."""
+
+    hook: str
+    step: int
+    """The ``step`` argument, or the run's step when the hook has none."""
+    plugins: tuple[str, ...]
+    """The plugins whose implementations ran (wrappers included), outermost last."""
+    kwargs: Mapping[str, Any] = attrs.field(repr=False)
+
+
+@attrs.define
+class Result:
+    """What one in-process run did."""
+
+    exit_code: int
+    run: Run
+    calls: list[HookCall]
+    output_dir: Path
+
+    @property
+    def metrics(self) -> list[dict[str, float]]:
+        """Each ``on_log``'s metrics (with ``step``), as the last plugin saw them."""
+        return [{"step": call.step, **call.kwargs["metrics"]} for call in self.calls if call.hook == "on_log"]
+
+    @property
+    def evals(self) -> list[dict[str, float]]:
+        """Each ``on_eval``'s metrics (with ``step``)."""
+        return [{"step": call.step, **call.kwargs["metrics"]} for call in self.calls if call.hook == "on_eval"]
+
+    def hooks(self, name: str | None = None) -> list[Any]:
+        """The steps at which hook ``name`` was called; without a name, every hook called, in order."""
+        if name is None:
+            return [call.hook for call in self.calls]
+        return [call.step for call in self.calls if call.hook == name]
+
+
+class MetricsObserver:
+    """Implements on_log and on_eval, so a run reports its metrics even when the plugin under
+    test does not implement them (the loop calls no hook nobody implements)."""
+
+    @hookimpl(trylast=True)
+    def on_log(self) -> None:
+        pass
+
+    @hookimpl(trylast=True)
+    def on_eval(self) -> None:
+        pass
+
+
+class HookRecorder:
+    """Records every hook call through pluggy's own call monitoring (nothing is wrapped)."""
+
+    def __init__(self) -> None:
+        self.calls: list[HookCall] = []
+        self._run: Run | None = None
+
+    def attach(self, plugins: Any) -> Any:
+        def before(hook_name: str, impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+            run = kwargs.get("run")
+            if isinstance(run, Run):
+                self._run = run
+
+        def after(outcome: Any, hook_name: str, impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+            step = kwargs.get("step")
+            if step is None:
+                step = self._run.state.step if self._run is not None else 0
+            recorded = {name: dict(value) if isinstance(value, dict) else value for name, value in kwargs.items()}
+            names = tuple(impl.plugin_name for impl in impls)
+            self.calls.append(HookCall(hook=hook_name, step=int(step), plugins=names, kwargs=recorded))
+
+        return plugins.manager.add_hookcall_monitoring(before, after)
+
+
+def run_steps(
+    tmp_path: str | Path,
+    steps: int = 10,
+    *,
+    plugins: Mapping[str, object] | None = None,
+    tables: Mapping[str, Mapping[str, Any]] | None = None,
+    config: Mapping[str, Mapping[str, Any]] | None = None,
+    autoload: bool = False,
+) -> Result:
+    """Train ``steps`` steps of the tiny workload (or what ``config`` names) in this process.
+
+    ``plugins``: instances to register under a name (your plugin, configured in Python);
+    ``tables``: installed plugins to enable with these ``[plugins.NAME]`` tables (your plugin as
+    a user turns it on); ``config``: more settings by table, e.g. ``{"train": {"log_interval": 5}}``.
+    A second call with the same ``tmp_path`` resumes from the newest checkpoint, as a restarted
+    job does. Errors are raised as the CLI would report them (:class:`coretrain.UserError` for
+    a mistake in the config, ``PluginError`` naming a failing plugin).
+    """
+    root = Path(tmp_path)
+    sections: dict[str, Any] = {name: dict(values) for name, values in (config or {}).items()}
+    sections["train"] = {"train_iters": steps, **sections.get("train", {})}
+    if tables:
+        sections["plugins"] = {**sections.get("plugins", {}), **{name: dict(t) for name, t in tables.items()}}
+    path = write_config(root / "config.toml", tiny_config(root / "out", **sections))
+    loaded = load_config(path)
+    previous = os.environ.get(AUTOLOAD_OFF_ENV)
+    if not autoload:
+        os.environ[AUTOLOAD_OFF_ENV] = "1"
+    try:
+        manager = load_plugins(loaded.config, loaded.locations)
+    finally:
+        if previous is None:
+            os.environ.pop(AUTOLOAD_OFF_ENV, None)
+        else:
+            os.environ[AUTOLOAD_OFF_ENV] = previous
+    for name, instance in (plugins or {}).items():
+        manager.register(name, instance)
+    manager.register("coretrain-testing-metrics", MetricsObserver())
+    manager.check_pending()
+    recorder = HookRecorder()
+    undo = recorder.attach(manager)
+    from coretrain import dist
+    from coretrain.loop import Trainer
+
+    try:
+        run = build_run(loaded.config, manager)
+        code = Trainer(run).train()
+    finally:
+        undo()
+        dist.shutdown()
+    return Result(exit_code=code, run=run, calls=recorder.calls, output_dir=Path(loaded.config.output_dir))
+
+
+def stop_and_resume(tmp_path: str | Path, stop_at: int, steps: int = 10, **options: Any) -> tuple[Result, Result]:
+    """Train until ``stop_at`` (an exit condition: checkpoint, exit 0), then resume to ``steps``
+    in a new run object, as a requeued job does; ``options`` as for :func:`run_steps` (plugin
+    instances are reused: pass factories' results per call yourself when state must not leak)."""
+    config = {name: dict(values) for name, values in options.pop("config", {}).items()}
+    first_config = {**config, "train": {**config.get("train", {}), "exit_interval": stop_at}}
+    first = run_steps(tmp_path, steps, config=first_config, **options)
+    second = run_steps(tmp_path, steps, config=config, **options)
+    return first, second
+
+
+@attrs.define
+class SignalAt:
+    """A plugin that sends this process a real signal after step ``step`` — to test what your
+    plugin does when a job is preempted (``on_signal``, the checkpoint, exit 128+signum)."""
+
+    step: int
+    signum: int = signal.SIGTERM
+
+    @hookimpl
+    def post_step(self, step: int) -> None:
+        if step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+def run_until_signal(tmp_path: str | Path, step: int, signum: int = signal.SIGTERM, **options: Any) -> Result:
+    """:func:`run_steps` with a real ``signum`` delivered to this process after ``step``."""
+    plugins = {**options.pop("plugins", {}), "coretrain-testing-signal": SignalAt(step, signum)}
+    return run_steps(tmp_path, plugins=plugins, **options)
+
+
+# --------------------------------------------------------------------------- real ranks
+
+
+def run_ranks(
+    tmp_path: str | Path,
+    nproc: int = 2,
+    steps: int = 10,
+    *,
+    config: Mapping[str, Mapping[str, Any]] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc-per-node NPROC -m coretrain run`` on the tiny workload, gloo on CPU,
+    one torch thread per rank. Plugins must be installed (entry points) to run in the ranks;
+    enable them through ``config={"plugins": {...}}``. Returns the finished process (stdout and
+    stderr captured); the run's files are under ``tmp_path / "out"``."""
+    root = Path(tmp_path)
+    sections: dict[str, Any] = {name: dict(values) for name, values in (config or {}).items()}
+    sections["train"] = {"train_iters": steps, **sections.get("train", {})}
+    sections["distributed"] = {"backend": "gloo", **sections.get("distributed", {})}
+    path = write_config(root / "config.toml", tiny_config(root / "out", **sections))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    command += ["-m", "coretrain", "run", str(path)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(command, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,188 @@
+"""The contract a third-party plugin builds on: the testing harness, wrappers on every hook,
+the hook API version, on_train_end on every way a run ends."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from attrs import define, field
+
+from coretrain import HOOK_API, Run, UserError, hookimpl
+from coretrain.hookspecs import PROJECT
+from coretrain.pluginmanager import Plugins
+from coretrain.testing import run_steps, run_until_signal, stop_and_resume
+
+SPECS = sorted(
+    name
+    for name, fn in vars(__import__("coretrain.hookspecs", fromlist=["x"])).items()
+    if getattr(fn, f"{PROJECT}_spec", None) is not None
+)
+
+
+@define
+class Counter:
+    """A small plugin: counts steps, logs its count, keeps it across resume."""
+
+    every: int = 1
+    steps: int = 0
+    ends: list[str] = field(factory=list)
+    signals: list[int] = field(factory=list)
+
+    @hookimpl
+    def post_step(self, step: int) -> None:
+        self.steps += 1
+
+    @hookimpl
+    def on_log(self, run: Run, metrics: dict[str, float]) -> None:
+        metrics["counter/steps"] = float(self.steps)
+
+    @hookimpl
+    def on_checkpoint(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    @hookimpl
+    def on_resume(self, state: dict[str, Any]) -> None:
+        self.steps = int(state.get("steps", 0))
+
+    @hookimpl
+    def on_signal(self, signum: int) -> None:
+        self.signals.append(signum)
+
+    @hookimpl
+    def on_train_end(self, outcome: str) -> None:
+        self.ends.append(outcome)
+
+
+def test_run_steps_returns_the_metrics_and_every_hook_call(tmp_path: Path) -> None:
+    counter = Counter()
+    result = run_steps(tmp_path, steps=6, plugins={"counter": counter})
+    assert result.exit_code == 0
+    assert [m["step"] for m in result.metrics] == [2, 4, 6]
+    assert [m["counter/steps"] for m in result.metrics] == [2.0, 4.0, 6.0]  # what the plugin added
+    assert result.metrics[-1]["loss"] < result.metrics[0]["loss"]  # the tiny workload learns
+    assert result.hooks("post_step") == [1, 2, 3, 4, 5, 6]
+    order = result.hooks()  # hooks no plugin implements are never called (on_train_start here)
+    assert order[:2] == ["provide_datasets", "provide_model"] and "on_train_start" not in order
+    assert order.index("post_step") < order.index("on_log") and order[-1] == "on_train_end"
+    assert counter.ends == ["completed"]
+    assert result.evals and result.evals[-1]["step"] == 6  # the final validation
+
+
+def test_stop_and_resume_hands_each_plugin_its_state(tmp_path: Path) -> None:
+    first, second = stop_and_resume(tmp_path, stop_at=4, steps=8, plugins={"counter": Counter()})
+    assert first.exit_code == 0 and first.run.state.step == 4
+    assert second.run.state.step == 8
+    assert second.hooks("on_resume") == [4]
+    assert second.hooks("post_step") == [5, 6, 7, 8]
+    # the instance was reused, but on_resume set the count from the checkpoint: 4 saved + 4 new
+    assert second.metrics[-1]["counter/steps"] == 8.0
+
+
+def test_a_real_signal_checkpoints_and_exits_128_plus_signum(tmp_path: Path) -> None:
+    counter = Counter()
+    result = run_until_signal(tmp_path, step=3, steps=10, plugins={"counter": counter})
+    assert result.exit_code == 128 + signal.SIGTERM
+    assert result.hooks("on_signal") == [3]
+    assert result.hooks("on_checkpoint") == [3]
+    assert counter.signals == [signal.SIGTERM] and counter.ends == ["signal"]
+
+
+def _wrapper(name: str) -> Any:
+    def wrap(self: Any, run: Run) -> Any:
+        self.entered.append(name)
+        result = yield
+        self.left.append(name)
+        return result
+
+    wrap.__name__ = name
+    return hookimpl(wrapper=True)(wrap)
+
+
+def wrapping_plugin() -> Any:
+    """A plugin with a new-style wrapper on every hook of the spec."""
+    members = {name: _wrapper(name) for name in SPECS}
+    cls = type("WrapEverything", (), members)
+    plugin = cls()
+    plugin.entered, plugin.left = [], []
+    return plugin
+
+
+def test_wrappers_wrap_every_hook(tmp_path: Path) -> None:
+    """Including the hooks called plugin by plugin (on_checkpoint, on_resume, on_train_end)."""
+    wrapper = wrapping_plugin()
+    stopped = run_until_signal(tmp_path, step=3, steps=6, plugins={"counter": Counter(), "wrap": wrapper})
+    assert stopped.exit_code == 128 + signal.SIGTERM
+    resumed = run_steps(tmp_path, steps=6, plugins={"counter": Counter(), "wrap": wrapper})
+    assert resumed.exit_code == 0
+    assert sorted(set(wrapper.entered)) == SPECS
+    assert wrapper.entered.count("on_train_end") == wrapper.left.count("on_train_end") >= 2
+    # each wrapped per-plugin call still delivered the plugin's own state
+    assert resumed.metrics[-1]["counter/steps"] == 6.0
+
+
+def test_a_wrapper_sees_the_per_plugin_result(tmp_path: Path) -> None:
+    @define
+    class Rewrite:
+        @hookimpl(wrapper=True)
+        def on_checkpoint(self) -> Any:
+            states = yield  # pluggy's list of results: here, of one plugin's call
+            return [{**state, "wrapped": True} for state in states]
+
+    first, second = stop_and_resume(tmp_path, stop_at=2, steps=4, plugins={"counter": Counter(), "rewrite": Rewrite()})
+    resumes = [call for call in second.calls if call.hook == "on_resume"]
+    assert resumes and second.metrics[-1]["counter/steps"] == 4.0
+    import torch
+
+    saved = torch.load(tmp_path / "out/checkpoints/step_00000002/rank_00000.pt", weights_only=True)
+    assert saved["plugins"]["counter"] == {"steps": 2, "wrapped": True}
+
+
+@pytest.mark.parametrize(
+    ("wanted", "message"),
+    [
+        ((HOOK_API[0] + 1, 0), "was written for hook API 2.0"),
+        ((HOOK_API[0], HOOK_API[1] + 1), "install a newer coretrain"),
+        ((0, 9), "install a version of the plugin written for this coretrain"),
+        ("1.0", "coretrain_hook_api must be (major, minor)"),
+    ],
+)
+def test_a_plugin_for_another_hook_api_is_one_error_naming_it(wanted: Any, message: str) -> None:
+    @define
+    class Old:
+        coretrain_hook_api = wanted
+
+        @hookimpl
+        def on_log(self) -> None:
+            pass
+
+    with pytest.raises(UserError) as caught:
+        Plugins().register("old-plugin", Old())
+    assert "plugin 'old-plugin'" in str(caught.value) and message in str(caught.value)
+
+
+def test_a_plugin_for_this_hook_api_registers() -> None:
+    @define
+    class Current:
+        coretrain_hook_api = HOOK_API
+
+        @hookimpl
+        def on_log(self) -> None:
+            pass
+
+    plugins = Plugins()
+    plugins.register("current", Current())
+    assert plugins.implemented("on_log")
+
+
+def test_on_train_end_runs_when_restore_fails(tmp_path: Path) -> None:
+    counter = Counter()
+    run_steps(tmp_path, steps=4, plugins={"counter": counter})
+    (tmp_path / "out/checkpoints/step_00000004/rank_00000.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "out/checkpoints/step_00000004/model.pt").write_bytes(b"not a checkpoint")
+    explicit = {"checkpoint": {"resume": str(tmp_path / "out/checkpoints/step_00000004")}}
+    with pytest.raises(UserError, match="cannot load checkpoint file"):
+        run_steps(tmp_path, steps=6, plugins={"counter": counter}, config=explicit)
+    assert counter.ends == ["completed", "error"]
