@@ -41,7 +41,6 @@ class LoadedConfig:
     """The structured config plus what is needed to explain it."""
 
     config: Config
-    raw: dict[str, Any]
     locations: dict[tuple[str, ...], Location]
     path: Path
 
@@ -307,4 +306,4 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Loade
         apply_override(raw, key_path, value)
         locations[key_path] = f"--set {text}"
     config = structure(raw, Config, locations=locations, source=str(path))
-    return LoadedConfig(config=config, raw=raw, locations=locations, path=path)
+    return LoadedConfig(config=config, locations=locations, path=path)

@@ -7,7 +7,6 @@ gathered into one state dict in this process, through the same restricted reader
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import attrs
 import torch
 
 from coretrain import safeload
-from coretrain.checkpoint import read_manifest
+from coretrain.checkpoint import read_manifest, step_dirs
 from coretrain.errors import CheckpointUnreadable, RunFailure, UserError
 
 
@@ -32,13 +31,10 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         raise UserError(f"{run_dir}: no checkpoints/ directory; is this a run's output dir?")
-    found = []
-    for path in root.iterdir():
-        match = re.match(r"^step_(\d{8})(\.tmp)?$", path.name)
-        if match and path.is_dir():
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-            found.append(CheckpointInfo(int(match.group(1)), path, match.group(2) is None, size))
-    return sorted(found, key=lambda c: (c.step, c.complete))
+    return [
+        CheckpointInfo(step, path, committed, sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+        for step, committed, path in step_dirs(root)
+    ]
 
 
 def export_weights(run_dir: Path, step: int | None, to: Path) -> Path:

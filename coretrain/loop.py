@@ -24,6 +24,7 @@ from coretrain.evaluate import Evaluator, autocast
 from coretrain.hookspecs import Outcome
 from coretrain.intervallog import IntervalLog
 from coretrain.loader import StepPlan, TrainBatches
+from coretrain.optim import WarmupDecayLR
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
 
@@ -58,6 +59,9 @@ class LoopSettings:
     params: list[torch.nn.Parameter]
     clip: float
     sharded_norm: bool
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: WarmupDecayLR
 
 
 class ResolvedHooks:
@@ -318,7 +322,7 @@ class Trainer:
             events = times.events()
             if events is not None:
                 events[0].record()
-            loss, values = self._forward_backward(batches, loop.plain)
+            loss, values = self._forward_backward(loop, batches)
             backward_done = perf_counter()
             if events is not None:
                 events[1].record()
@@ -379,13 +383,18 @@ class Trainer:
             params=[p for p in run.model.parameters() if p.requires_grad],
             clip=cfg.clip_grad,
             sharded_norm=checkpoint.is_sharded(run.model),
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
         )
 
-    def _forward_backward(self, batches: list[Any], plain: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    def _forward_backward(
+        self, loop: LoopSettings, batches: list[Any]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """The step's loss (and the model's named values) with gradients accumulated."""
-        if len(batches) == 1 and plain:  # the common case, with nothing a hand-written loop would not do
+        if len(batches) == 1 and loop.plain:  # the common case, with nothing a hand-written loop would not do
             batch = batches[0]
-            model = self.run.model
+            model = loop.model
             result = model(*batch) if type(batch) is tuple else outputs.call_model(model, batch)
             values = None
             loss = result
@@ -416,9 +425,9 @@ class Trainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(loop.params, loop.clip)
                 if loop.sharded_norm:  # FSDP2: the norm is a DTensor
                     grad_norm = grad_norm.full_tensor()  # type: ignore[attr-defined]
-            run.optimizer.step()
-            run.scheduler.step(global_batch)
-        run.optimizer.zero_grad(set_to_none=True)
+            loop.optimizer.step()
+            loop.scheduler.step(global_batch)
+        loop.optimizer.zero_grad(set_to_none=True)
         return skipped, grad_norm
 
     def _log(self, step: int) -> None:

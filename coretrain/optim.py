@@ -60,7 +60,6 @@ class WarmupDecayLR:
         self.optimizer, self.cfg, self.max_lr = optimizer, cfg, max_lr
         self.decay_iters = cfg.decay_iters or max(train_iters, 1)
         self.global_batch_size = global_batch_size
-        self.updates = 0
         self.samples = 0
         self._applied: tuple[bool, float] | None = None
         self._apply()
@@ -80,10 +79,9 @@ class WarmupDecayLR:
 
     def lr_at(self, update: float, max_lr: float | None = None, min_lr: float | None = None) -> float:
         """Learning rate of the ``update``-th (1-based, in full global batches) update."""
-        max_lr = self.max_lr if max_lr is None else max_lr
-        min_lr = self.cfg.min_lr if min_lr is None else min_lr
-        warmup, fraction = self.factors(update)
-        return max_lr * fraction if warmup else min_lr + (max_lr - min_lr) * fraction
+        top = self.max_lr if max_lr is None else max_lr
+        low = self.cfg.min_lr if min_lr is None else min_lr
+        return _rate(*self.factors(update), top, low)
 
     @property
     def position(self) -> float:
@@ -103,19 +101,22 @@ class WarmupDecayLR:
         for group in self.optimizer.param_groups:
             top = group.setdefault("max_lr", self.max_lr)
             low = group.setdefault("min_lr", self.cfg.min_lr)
-            base = top * fraction if warmup else low + (top - low) * fraction
-            group["lr"] = base * group.setdefault("lr_mult", 1.0)
+            group["lr"] = _rate(warmup, fraction, top, low) * group.setdefault("lr_mult", 1.0)
 
     def step(self, samples: int | None = None) -> None:
         """One update used ``samples`` samples (default: a full global batch)."""
-        self.updates += 1
         self.samples += self.global_batch_size if samples is None else samples
         self._apply()
 
     def state_dict(self) -> dict[str, int]:
-        return {"updates": self.updates, "samples": self.samples}
+        return {"samples": self.samples}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.updates, self.samples = int(state["updates"]), int(state["samples"])
+        self.samples = int(state["samples"])
         self._applied = None
         self._apply()
+
+
+def _rate(warmup: bool, fraction: float, top: float, low: float) -> float:
+    """The schedule's one formula: a fraction of the peak in warmup, else between min and peak."""
+    return top * fraction if warmup else low + (top - low) * fraction

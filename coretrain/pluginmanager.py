@@ -23,7 +23,7 @@ import pluggy
 
 from coretrain import __version__, hookspecs
 from coretrain.config import Config, world_size_from_env
-from coretrain.configload import Location, structure
+from coretrain.configload import CONVERTER, Location, structure
 from coretrain.errors import PluginError, RunFailure, UserError, did_you_mean
 from coretrain.hookcalls import HookCalls
 
@@ -286,3 +286,15 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = following.value.value.strip().splitlines()[0]
     return docs
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """Each option's default, as plain data (a required option has none)."""
+    values = {}
+    for f in attrs.fields(cls):
+        if f.default is attrs.NOTHING or not f.init:
+            continue
+        factory = f.default if isinstance(f.default, attrs.Factory) else None  # type: ignore[arg-type]
+        default = factory.factory() if factory is not None and not factory.takes_self else f.default
+        values[f.name] = CONVERTER.unstructure(default)
+    return values

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from coretrain import safeload
-from coretrain.checkpoint import STEP_DIR, checkpoint_root, complete_steps, read_manifest, set_rng_state, step_dir
+from coretrain.checkpoint import checkpoint_root, parse_step_dir, read_manifest, set_rng_state, step_dir, step_dirs
 from coretrain.errors import CheckpointUnreadable, UserError
 from coretrain.run import Run, TrainState, config_as_dict
 
@@ -30,15 +30,16 @@ def resume_candidates(run: Run) -> tuple[list[Path], bool]:
         return [], False
     if choice != "auto":
         path = Path(choice)
-        if not path.is_dir() or not STEP_DIR.match(path.name):
+        parsed = parse_step_dir(path.name)
+        if not path.is_dir() or parsed is None or not parsed[1]:
             raise UserError(f"checkpoint.resume: '{choice}' is not a checkpoint directory (step_NNNNNNNN)")
         return [path], True
     root = checkpoint_root(run)
-    steps = complete_steps(root)
+    found = step_dirs(root)
+    steps = [step for step, committed, _ in found if committed]
     newest = steps[-1] if steps else -1
-    for partial in sorted(root.glob("step_*.tmp")) if root.is_dir() else []:
-        step = int(partial.name[5:13]) if partial.name[5:13].isdigit() else -1
-        if step > newest:
+    for step, committed, partial in found:
+        if not committed and step > newest:
             log.warning("ignoring incomplete checkpoint %s (its save never committed)", partial)
     return [step_dir(root, step) for step in reversed(steps)], False
 

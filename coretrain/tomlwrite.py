@@ -39,15 +39,39 @@ def value(obj: Any) -> str:
     raise TypeError(f"cannot write {type(obj).__name__} as TOML")
 
 
-def dumps(data: Mapping[str, Any], _prefix: tuple[str, ...] = ()) -> str:
-    """Scalars of a table first, then each sub-table under its own ``[a.b]`` header."""
-    lines = [f"{key(k)} = {value(v)}" for k, v in data.items() if v is not None and not isinstance(v, Mapping)]
-    blocks = ["\n".join(lines)] if lines else []
+_NO_DEFAULT = object()
+
+
+def dumps(data: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> str:
+    """Scalars of a table first, then each sub-table under its own ``[a.b]`` header.
+
+    With ``defaults`` (the same shape: ``coretrain config show``), unset values appear as
+    comments and each value that differs from its default says what the default was.
+    """
+    return "\n\n".join(block.rstrip("\n") for block in _blocks(data, defaults, ()) if block.strip()) + "\n"
+
+
+def _blocks(data: Mapping[str, Any], defaults: Mapping[str, Any] | None, path: tuple[str, ...]) -> list[str]:
+    written = (_line(k, v, defaults) for k, v in data.items() if not isinstance(v, Mapping))
+    lines = [line for line in written if line is not None]
+    blocks = []
+    if lines or (path and not data):
+        header = "[" + ".".join(key(p) for p in path) + "]\n" if path else ""
+        blocks.append(header + "\n".join(lines))
     for k, v in data.items():
         if isinstance(v, Mapping):
-            path = (*_prefix, k)
-            header = "[" + ".".join(key(p) for p in path) + "]"
-            body = dumps(v, path)
-            has_scalars = any(not isinstance(x, Mapping) and x is not None for x in v.values())
-            blocks.append(f"{header}\n{body}" if has_scalars or not v else body)
-    return "\n\n".join(b.rstrip("\n") for b in blocks if b) + "\n"
+            sub = defaults.get(k, {}) if defaults is not None else None
+            blocks += _blocks(v, sub if isinstance(sub, Mapping) or sub is None else {}, (*path, k))
+    return blocks
+
+
+def _line(name: str, obj: Any, defaults: Mapping[str, Any] | None) -> str | None:
+    if defaults is None:
+        return None if obj is None else f"{key(name)} = {value(obj)}"
+    line = f"# {key(name)} = (unset)" if obj is None else f"{key(name)} = {value(obj)}"
+    default = defaults.get(name, _NO_DEFAULT)
+    if default is _NO_DEFAULT:
+        return line + "  # set (no default)"
+    if default != obj:
+        return line + f"  # default: {'(unset)' if default is None else value(default)}"
+    return line

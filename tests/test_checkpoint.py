@@ -73,4 +73,4 @@ def test_pretrained_loads_weights_only_and_starts_at_step_zero(tmp_path: Any, no
     )
     assert seen.step == 0 and target.state.step == 3
     assert all(torch.equal(seen.weights[k], v) for k, v in source.model.state_dict().items())
-    assert target.scheduler.updates == 3  # a fresh optimizer and schedule
+    assert target.scheduler.position == 3  # a fresh optimizer and schedule

@@ -27,7 +27,7 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "coretrain").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((REPO / "coretrain").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO)))
 def test_core_module_imports_no_plugin(path: Path) -> None:
     assert PLUGIN_MODULES, "no plugin packages found next to the core"
     assert not imported_modules(path) & PLUGIN_MODULES
@@ -87,3 +87,37 @@ def test_the_public_api_is_importable_without_torch_and_complete() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(result.stdout) >= 20
     assert (REPO / "coretrain" / "py.typed").is_file()
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """Core modules imported when ``path`` is imported (not in functions, not for type checking)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("coretrain"):
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from pkg import module`
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("coretrain"))
+    return found
+
+
+def test_the_core_has_no_import_cycles() -> None:
+    modules = {module_name(p): p for p in (REPO / "coretrain").rglob("*.py")}
+    graph = {name: {m for m in top_level_imports(path) if m in modules and m != name} for name, path in modules.items()}
+    cycles = []
+
+    def visit(name: str, stack: list[str]) -> None:
+        if name in stack:
+            cycles.append(" -> ".join([*stack[stack.index(name) :], name]))
+            return
+        for imported in sorted(graph[name]):
+            visit(imported, [*stack, name])
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert not cycles, cycles[:5]

@@ -108,7 +108,7 @@ def test_a_vetoed_update_leaves_weights_and_schedule_alone(tmp_path: Any, no_aut
     run, code = train(config(tmp_path), ("veto", Veto(skip={2, 5})))
     assert code == 0 and run.state.step == 10
     assert run.state.skipped_updates == 2
-    assert run.scheduler.updates == 8
+    assert run.scheduler.position == 8
 
 
 def test_a_plugin_stop_request_ends_the_run_with_a_checkpoint_and_its_exit_code(
@@ -218,7 +218,7 @@ def test_fp16_overflow_skips_the_update_and_counts_it(tmp_path: Any, no_autoload
     )
     # the scaler starts at 2**16 and may back off on its own first; the injected overflow adds one
     assert run.state.skipped_updates == clean.state.skipped_updates + 1
-    assert run.scheduler.updates == 6 - run.state.skipped_updates
+    assert run.scheduler.position == 6 - run.state.skipped_updates
     assert all(torch.isfinite(p).all() for p in run.model.parameters())
 
 

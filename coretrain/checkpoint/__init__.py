@@ -1,0 +1,52 @@
+"""Save and restore a run: one directory per step, committed by an atomic rename.
+
+Layout under ``<output_dir>/checkpoints/``::
+
+    step_00000100/          complete: the rename from its temporary name is the commit
+        model.pt            rank 0: model state_dict          } replicated models
+        optimizer.pt        rank 0: optimizer state_dict      }
+        sharded/            every rank's shards of model + optimizer, written by
+                            torch.distributed.checkpoint (FSDP2); .metadata last
+        rank_00000.pt       every rank: train state, LR schedule, grad scaler, RNG, plugin states
+        checkpoint.json     rank 0: the manifest (layout, world size, optimizer, seq_length,
+                            the splits evaluated and logged at this step, the resolved config)
+    step_00000200.tmp/      an interrupted save: never loaded
+    latest                  text: the newest committed step (a hint; the directories decide)
+
+Saving is synchronous, or with ``checkpoint.async_save`` the training thread only copies the
+state to host memory and a background thread writes, fsyncs and commits (:class:`Checkpointer`).
+Resuming is :mod:`coretrain.resume`; listing and exporting :mod:`coretrain.export`. Both read
+every file through :mod:`coretrain.safeload` (torch's ``weights_only`` unpickler, a restricted
+unpickler for DCP's ``.metadata``) and use the sharded reader only for a checkpoint whose
+manifest says it was written sharded: nothing in a checkpoint is ever run.
+
+Layout and commit: :mod:`.layout`; what is saved: :mod:`.state`; writing, synchronous or in
+the background: :mod:`.writer`.
+"""
+
+from coretrain.checkpoint.layout import (
+    MANIFEST,
+    complete_steps,
+    mark_evaluated,
+    parse_step_dir,
+    read_manifest,
+    step_dir,
+    step_dirs,
+)
+from coretrain.checkpoint.state import is_sharded, rng_state, set_rng_state
+from coretrain.checkpoint.writer import Checkpointer, checkpoint_root
+
+__all__ = [
+    "MANIFEST",
+    "Checkpointer",
+    "checkpoint_root",
+    "complete_steps",
+    "is_sharded",
+    "mark_evaluated",
+    "parse_step_dir",
+    "read_manifest",
+    "rng_state",
+    "set_rng_state",
+    "step_dir",
+    "step_dirs",
+]

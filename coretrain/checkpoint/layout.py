@@ -1,0 +1,150 @@
+"""Where a checkpoint lives and how it is committed: step directories, the manifest, retention.
+
+A save writes into ``step_N.tmp/`` on every rank; rank 0 commits it with an atomic rename
+once every file is durable. Everything that names or finds a step directory is here, once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coretrain import safeload
+from coretrain.errors import CheckpointUnreadable, RunFailure
+
+STEP_DIR = re.compile(r"^step_(\d{8})(\.tmp)?$")
+MANIFEST = "checkpoint.json"
+MANIFEST_FORMAT = 1
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    """Where the save of ``step`` is written before its commit."""
+    return root / f"step_{step:08d}.tmp"
+
+
+def parse_step_dir(name: str) -> tuple[int, bool] | None:
+    """(step, committed) for a step directory's name; None for any other name."""
+    match = STEP_DIR.match(name)
+    return (int(match.group(1)), match.group(2) is None) if match else None
+
+
+def step_dirs(root: Path) -> list[tuple[int, bool, Path]]:
+    """Every step directory under ``root``, committed or not: (step, committed, path), by step."""
+    if not root.is_dir():
+        return []
+    found = [(*parsed, p) for p in root.iterdir() if p.is_dir() and (parsed := parse_step_dir(p.name))]
+    return sorted(found, key=lambda item: (item[0], item[1]))
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps with a committed checkpoint, oldest first."""
+    return [step for step, committed, _ in step_dirs(root) if committed]
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def begin(root: Path, step: int, is_main: bool, distributed: bool) -> Path:
+    """Rank 0 makes a fresh step_N.tmp; every rank returns it once it exists."""
+    tmp = tmp_dir(root, step)
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if distributed:
+        barrier()
+    return tmp
+
+
+def commit(root: Path, step: int, tmp: Path, keep_last: int | None) -> None:
+    """Rank 0, once every file is durable: fsync, rename (the commit), update latest, retention."""
+    final = step_dir(root, step)
+    fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    (root / "latest.tmp").write_text(f"{step}\n")
+    os.replace(root / "latest.tmp", root / "latest")
+    apply_retention(root, keep_last)
+
+
+def apply_retention(root: Path, keep_last: int | None) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints; the newest complete one always stays."""
+    if not keep_last:
+        return
+    for step in complete_steps(root)[:-keep_last]:
+        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+
+
+def write_failure(root: Path, step: int, tmp: Path, exc: BaseException) -> RunFailure:
+    """A save that could not be written (full disk, quota, permissions): one line, the old ones kept."""
+    cause = safeload.first_failure(exc)  # DCP's CheckpointException wraps every rank's error
+    detail = (
+        f"{cause.strerror}: {cause.filename or tmp}"
+        if isinstance(cause, OSError) and cause.strerror
+        else f"{type(cause).__name__}: {cause}"
+    )
+    shutil.rmtree(tmp, ignore_errors=True)  # free what the failed save took
+    kept = complete_steps(root)
+    previous = (
+        f"the newest complete checkpoint (step {kept[-1]}) is untouched" if kept else "no earlier checkpoint exists"
+    )
+    return RunFailure(f"checkpoint step {step}: cannot write ({detail}); {previous}")
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The checkpoint's manifest; one written before manifests existed is described from its files."""
+    path = directory / MANIFEST
+    if not path.exists():
+        layout = (
+            "sharded" if (directory / "sharded").is_dir() and not (directory / "model.pt").exists() else "replicated"
+        )
+        return {"layout": layout, "evaluated": []}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointUnreadable(path, f"cannot read the manifest: {type(exc).__name__}: {exc}") from None
+    if (
+        not isinstance(data, dict)
+        or data.get("layout") not in ("sharded", "replicated")
+        or not isinstance(data.get("evaluated", []), list)
+        or not isinstance(data.get("config", {}), dict)
+    ):
+        raise CheckpointUnreadable(path, "not a coretrain checkpoint manifest (layout, evaluated, config)")
+    return data
+
+
+def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def mark_evaluated(directory: Path, splits: list[str]) -> None:
+    """Record which splits were evaluated (and logged) at this checkpoint's step (rank 0)."""
+    data = read_manifest(directory)
+    if (directory / MANIFEST).exists() and sorted(data.get("evaluated", [])) != sorted(splits):
+        write_json_atomically(directory / MANIFEST, {**data, "evaluated": sorted(splits)})

@@ -1,0 +1,94 @@
+"""What a checkpoint holds, collected from the run: per-rank state, model, optimizer, manifest."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from coretrain.checkpoint.layout import MANIFEST, MANIFEST_FORMAT
+from coretrain.run import Run, config_as_dict
+
+
+def rng_state() -> dict[str, Any]:
+    """Every generator a run may draw from, as plain lists and tensors (weights_only-safe)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "torch": torch.get_rng_state(),
+        "numpy": [name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, cached],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@attrs.define
+class ShardedState:
+    """Model + optimizer state of a sharded (FSDP2) model: saved collectively with DCP."""
+
+    state: dict[str, Any]
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "full_tensor") for p in model.parameters())  # DTensor parameters
+
+
+def collect(run: Run, extra_state: dict[str, Any], evaluated: list[str] | None = None) -> dict[str, Any]:
+    """This rank's files of the checkpoint: file name -> object to save."""
+    state = {
+        "train": {
+            "step": run.state.step,
+            "consumed_samples": run.state.consumed_samples,
+            "skipped_updates": run.state.skipped_updates,
+        },
+        "scheduler": run.scheduler.state_dict(),
+        "rng": rng_state(),
+        **extra_state,
+    }
+    if run.grad_scaler is not None:
+        state["grad_scaler"] = run.grad_scaler.state_dict()
+    files: dict[str, Any] = {f"rank_{run.dist.rank:05d}.pt": state}
+    sharded = is_sharded(run.model)
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
+        files["sharded"] = ShardedState({"model": model_state, "optimizer": optimizer_state})
+    elif run.dist.is_main:
+        files["model.pt"] = run.unwrapped_model.state_dict()
+        files["optimizer.pt"] = run.optimizer.state_dict()
+    if run.dist.is_main:
+        files[MANIFEST] = manifest(run, "sharded" if sharded else "replicated", evaluated or [])
+    return files
+
+
+def manifest(run: Run, layout: str, evaluated: list[str]) -> dict[str, Any]:
+    """What rank 0 records about a checkpoint, in plain JSON (read before any tensor file)."""
+    from coretrain import __version__
+
+    return {
+        "format": MANIFEST_FORMAT,
+        "coretrain": __version__,
+        "step": run.state.step,
+        "layout": layout,
+        "world_size": run.dist.world_size,
+        "optimizer": run.config.optimizer.name,
+        "seq_length": run.datasets.seq_length,
+        "evaluated": evaluated,
+        "config": config_as_dict(run.config),
+    }

@@ -1,0 +1,210 @@
+"""Writing a checkpoint: synchronously, or staged to host memory and written by a background thread."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coretrain import safeload
+from coretrain.checkpoint.layout import (
+    barrier,
+    begin,
+    commit,
+    step_dir,
+    write_failure,
+    write_json_atomically,
+)
+from coretrain.checkpoint.state import ShardedState, collect
+from coretrain.run import Run
+
+
+def checkpoint_root(run: Run) -> Path:
+    return run.output_dir / "checkpoints"
+
+
+class _WriteErrors:
+    """A file object that remembers the OSError of a failed write (torch.save reports only a
+    RuntimeError about the stream position, which hides a full disk)."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self.file.write(data))
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        recorder = _WriteErrors(f)
+        try:
+            torch.save(obj, recorder)
+        except Exception:
+            if recorder.error is not None:
+                raise OSError(recorder.error.errno, recorder.error.strerror, str(path)) from None
+            raise
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class HostStaging:
+    """Host-memory copies of the state, in buffers kept from one save to the next.
+
+    The first async save allocates them (and pays for first-touching the pages); later saves
+    only copy into them, which is what keeps the training thread's share of an async save
+    small. Buffers are pinned when the source lives on a GPU. Costs one host copy of the state
+    for the life of the run, as torch.distributed.checkpoint's async staging does.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(self, obj: Any, path: tuple[Any, ...] = (), memo: dict[int, torch.Tensor] | None = None) -> Any:
+        """A deep copy of ``obj`` whose tensors live in the staging buffers (sharing preserved)."""
+        memo = {} if memo is None else memo
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in memo:
+                buffer = self._buffers.get(path)
+                if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
+                    buffer = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
+                    self._buffers[path] = buffer
+                buffer.copy_(obj.detach(), non_blocking=obj.is_cuda)
+                memo[id(obj)] = buffer
+            return memo[id(obj)]
+        if isinstance(obj, dict):
+            return {k: self.copy(v, (*path, k), memo) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.copy(v, (*path, i), memo) for i, v in enumerate(obj))
+        return obj
+
+
+def write_files(tmp: Path, files: dict[str, Any]) -> None:
+    for name, obj in files.items():
+        if isinstance(obj, ShardedState):  # every rank writes its shards; .metadata comes last
+            from torch.distributed.checkpoint.state_dict_saver import save
+
+            save(obj.state, checkpoint_id=str(tmp / name))
+        elif name.endswith(".json"):
+            write_json_atomically(tmp / name, obj)
+        else:
+            _save_file(obj, tmp / name)
+
+
+def write_andcommit(
+    root: Path, step: int, files: dict[str, Any], is_main: bool, keep_last: int | None, distributed: bool
+) -> Path:
+    """The synchronous save: write into step_N.tmp on every rank, then rank 0 commits."""
+    tmp = begin(root, step, is_main, distributed)
+    try:
+        write_files(tmp, files)
+    except safeload.dcp_errors() as exc:
+        raise write_failure(root, step, tmp, exc) from exc
+    if distributed:
+        barrier()
+    if is_main:
+        commit(root, step, tmp, keep_last)
+    if distributed:
+        barrier()
+    return step_dir(root, step)
+
+
+class Checkpointer:
+    """Saves checkpoints synchronously, or asynchronously with ``checkpoint.async_save``.
+
+    Async: the training thread writes the small per-rank file, copies the rest to host memory
+    (reused staging buffers; for sharded models DCP's ``async_save`` stages its own) and
+    returns; a background thread writes, waits for DCP, and on rank 0 commits. Every rank's
+    small file is on disk before any background work starts, and DCP's coordinator writes
+    ``.metadata`` only after every rank's shards, so rank 0 commits only a complete step.
+    One save is in flight at a time; :meth:`wait` (before the next save and before the
+    process leaves) finishes it and re-raises its error.
+    """
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.asynchronous = run.config.checkpoint.async_save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending_step: int | None = None
+        self._staging = HostStaging()
+        self._group: Any = None
+        if self.asynchronous and run.dist.world_size > 1:  # DCP's background collectives get their own group
+            self._group = torch.distributed.new_group(backend="gloo")
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def save(self, extra_state: dict[str, Any], evaluated: list[str] | None = None) -> tuple[Path, float]:
+        """Start (async) or do (sync) the save of the current step; returns (dir, seconds blocked)."""
+        self.wait()
+        run = self.run
+        started = time.perf_counter()
+        root, step, distributed = checkpoint_root(run), run.state.step, run.dist.world_size > 1
+        files = collect(run, extra_state, evaluated)
+        if not self.asynchronous:
+            write_andcommit(root, step, files, run.dist.is_main, run.config.checkpoint.keep_last, distributed)
+            return step_dir(root, step), time.perf_counter() - started
+
+        tmp = begin(root, step, run.dist.is_main, distributed)
+        rank_file = f"rank_{run.dist.rank:05d}.pt"
+        try:
+            write_files(tmp, {rank_file: files.pop(rank_file)})
+        except safeload.dcp_errors() as exc:
+            raise write_failure(root, step, tmp, exc) from exc
+        sharded = files.pop("sharded", None)
+        future = None
+        if sharded is not None:
+            from torch.distributed.checkpoint.state_dict_saver import async_save
+
+            future = async_save(sharded.state, checkpoint_id=str(tmp / "sharded"), process_group=self._group)
+        staged = self._staging.copy(files)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies must land first
+        if distributed:
+            barrier()  # every rank's own file is written before anyone may commit
+        self._pending_step = step
+        self._thread = threading.Thread(
+            target=self._finish, name=f"checkpoint-{step}", daemon=False, args=(root, step, tmp, staged, future)
+        )
+        self._thread.start()
+        return step_dir(root, step), time.perf_counter() - started
+
+    def _finish(self, root: Path, step: int, tmp: Path, staged: dict[str, Any], future: Any) -> None:
+        try:
+            write_files(tmp, staged)
+            if future is not None:
+                future.result()
+            if self.run.dist.is_main:
+                commit(root, step, tmp, self.run.config.checkpoint.keep_last)
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._error = write_failure(root, step, tmp, exc) if isinstance(exc, safeload.dcp_errors()) else exc
+
+    def done(self) -> int | None:
+        """The step of an async save that has finished since the last call, if any (non-blocking)."""
+        if self._thread is None or self._thread.is_alive():
+            return None
+        return self.wait()
+
+    def wait(self) -> int | None:
+        """Block until the save in flight is committed; returns its step."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        step, self._thread, self._pending_step = self._pending_step, None, None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return step

@@ -1,0 +1,46 @@
+"""``coretrain checkpoint list | export``: look into a run's checkpoints without building the run."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add(commands: Any) -> None:
+    """Add this module's command(s) to ``coretrain``'s subcommands."""
+    ckpt = commands.add_parser("checkpoint", help="inspect and export a run's checkpoints")
+    ckpt_commands = ckpt.add_subparsers(dest="checkpoint_command", required=True, metavar="SUBCOMMAND")
+    listing = ckpt_commands.add_parser("list", help="steps, sizes, complete or not")
+    listing.add_argument("run_dir", help="the run's output dir (holds checkpoints/)")
+    listing.set_defaults(handler=cmd_checkpoint_list)
+    export = ckpt_commands.add_parser("export", help="model weights of a checkpoint as .safetensors")
+    export.add_argument("run_dir", help="the run's output dir (holds checkpoints/)")
+    export.add_argument("--step", type=int, default=None, help="which step (default: newest complete)")
+    export.add_argument("--to", required=True, help="output file, e.g. model.safetensors")
+    export.set_defaults(handler=cmd_checkpoint_export)
+
+
+def cmd_checkpoint_list(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coretrain.export import list_checkpoints
+
+    found = list_checkpoints(Path(args.run_dir))
+    latest = Path(args.run_dir) / "checkpoints" / "latest"
+    newest = latest.read_text().strip() if latest.exists() else "-"
+    print(f"{'step':>10}  {'size':>10}  state       path")
+    for info in found:
+        state = "complete" if info.complete else "incomplete"
+        print(f"{info.step:>10}  {info.size_bytes / 2**20:>8.1f}MB  {state:<10}  {info.path}")
+    print(f"{len(found)} checkpoint(s); {sum(i.complete for i in found)} complete; latest: {newest}")
+    return 0
+
+
+def cmd_checkpoint_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coretrain.export import export_weights
+
+    source = export_weights(Path(args.run_dir), args.step, Path(args.to))
+    print(f"wrote {args.to} from {source}")
+    return 0
