@@ -8,10 +8,16 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomli
+
+from coretrain.configload import deep_merge
+from coretrain.testing import write_config
+from coretrain.tomlwrite import dumps
 
 REPO = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -51,46 +57,38 @@ def metrics_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def tiny_gpt_config(output_dir: Path, **train: Any) -> str:
+def gpt_preset(output_dir: Path) -> dict[str, Any]:
     """A GPT run on a few standard-library files that takes seconds on CPU."""
-    settings = {"micro_batch_size": 8, "train_iters": 40, "log_interval": 5, "eval_iters": 2, **train}
-    train_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())  # TOML's scalars and lists
-    return (
-        textwrap.dedent(f"""\
-        [run]
-        name = "tiny"
-        output_dir = "{output_dir}"
-        threads = 1
+    return {
+        "run": {"name": "tiny", "output_dir": str(output_dir), "threads": 1},
+        "model": {"provider": "gpt", "options": {"n_layer": 1, "n_head": 2, "n_embd": 32}},
+        "data": {
+            "provider": "text-bytes",
+            "options": {"globs": [f"{STDLIB}/a*.py", f"{STDLIB}/b*.py"], "seq_length": 32, "max_bytes": 200000},
+        },
+        "optimizer": {"lr": 3e-3},
+        "train": {"micro_batch_size": 8, "train_iters": 40, "log_interval": 5, "eval_iters": 2},
+    }
 
-        [model]
-        provider = "gpt"
-        [model.options]
-        n_layer = 1
-        n_head = 2
-        n_embd = 32
 
-        [data]
-        provider = "text-bytes"
-        [data.options]
-        globs = ["{STDLIB}/a*.py", "{STDLIB}/b*.py"]
-        seq_length = 32
-        max_bytes = 200000
+def config_file(path: Path, preset: Mapping[str, Any], extra: str | Mapping[str, Any] = "", **train: Any) -> Path:
+    """The tests' one config builder: ``preset`` (a complete config as a dict), ``train`` keys,
+    then ``extra`` tables (TOML text or a dict) merged on top, written as TOML to ``path``."""
+    data = deep_merge(dict(preset), {"train": train})
+    if extra:
+        data = deep_merge(data, tomli.loads(extra) if isinstance(extra, str) else extra)
+    return write_config(path, data)
 
-        [optimizer]
-        lr = 3e-3
 
-        [train]
-        """)
-        + train_lines
-        + "\n"
-    )
+def tiny_gpt_config(output_dir: Path, **train: Any) -> str:
+    """The GPT preset as TOML text (for tests that append tables to it)."""
+    return dumps(deep_merge(gpt_preset(output_dir), {"train": train}))
 
 
 def write_tiny_gpt(directory: Path, extra: str = "", **train: Any) -> tuple[Path, Path]:
     """``directory/c.toml``: the tiny GPT run writing to ``directory/out``, then ``extra`` TOML; (config, out)."""
-    out, config = directory / "out", directory / "c.toml"
-    config.write_text(tiny_gpt_config(out, **train) + extra)
-    return config, out
+    out = directory / "out"
+    return config_file(directory / "c.toml", gpt_preset(out), extra, **train), out
 
 
 @pytest.fixture

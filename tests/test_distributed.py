@@ -21,20 +21,9 @@ pytestmark = pytest.mark.slow  # torchrun with 2 gloo ranks: the full suite, not
 def torchrun(
     *args: str, cwd: Path, env: dict[str, str] | None = None, nproc: int = 2, launcher: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        *launcher,
-        "-m",
-        "coretrain",
-        *args,
-    ]
-    return subprocess.run(
-        command, cwd=cwd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})}
-    )
+    """``torchrun --standalone --nproc-per-node NPROC [LAUNCHER...] -m coretrain ARGS``."""
+    command = (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *launcher)
+    return run_cli(*args, cwd=cwd, env=env, command=(*command, "-m", "coretrain"))
 
 
 def logged(out: Path) -> list[tuple[int, float]]:

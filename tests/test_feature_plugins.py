@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, metrics_rows, run_cli
+from conftest import REPO, config_file, metrics_rows, run_cli
 from helpers_inprocess import config, train
 
 from coretrain import hookimpl
+from coretrain.testing import tiny_config
 
 pytestmark = pytest.mark.slow  # feature plugins in CLI runs: the full suite, not the fast tier
 
@@ -22,23 +23,14 @@ TESTS = str(REPO / "tests")
 
 def plain_config(tmp_path: Path, tail: str, model: str = "helpers_inprocess:make_model", **train: Any) -> Path:
     """The in-memory regression run of helpers_inprocess (or another ``model``), with extra TOML appended."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    settings = {"micro_batch_size": 8, "train_iters": 20, "log_interval": 5, "eval_iters": 0, **train}
-    path = tmp_path / "c.toml"
-    path.write_text(
-        f"""
-[run]
-output_dir = "{tmp_path / "out"}"
-[model]
-provider = "{model}"
-[data]
-provider = "helpers_inprocess:make_data"
-[train]
-"""
-        + "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())
-        + f"\n{tail}\n"
+    preset = tiny_config(
+        tmp_path / "out",
+        model={"provider": model},
+        data={"provider": "helpers_inprocess:make_data"},
+        train={"micro_batch_size": 8, "train_iters": 20, "log_interval": 5, "eval_iters": 0},
     )
-    return path
+    preset["run"].pop("threads")
+    return config_file(tmp_path / "c.toml", preset, tail, **train)
 
 
 def faulty_run(

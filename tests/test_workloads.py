@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomli
 import torch
-from conftest import metrics_rows, run_cli
+from conftest import config_file, metrics_rows, run_cli
 from helpers_inprocess import train
+
+from coretrain.configload import deep_merge
 
 pytestmark = pytest.mark.slow  # user workloads through the CLI and torchrun: the full suite, not the fast tier
 
@@ -36,38 +39,22 @@ def digits_config(
 
     ``model`` / ``provider``: other import paths (``loss = None``: the model returns its loss);
     ``data``: more [data] keys and ``options``: [data.options] keys (TOML lines); ``extra``: more tables."""
-    settings = {
-        "micro_batch_size": 32,
-        "train_iters": 30,
-        "log_interval": 10,
-        "eval_full": True,
-        "eval_micro_batch_size": 64,
-        **train_keys,
-    }
     out = directory / name
-    config = directory / f"{name}.toml"
-    config.write_text(
-        f"""
-[run]
-output_dir = "{out}"
-threads = 1
-[model]
-provider = "{model}"
-{f'loss = "{loss}"' if loss else ""}
-[data]
-provider = "{provider}"
-{data}
-[data.options]
-{options}
-[optimizer]
-lr = 0.01
-[train]
-"""
-        + "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())
-        + "\n"
-        + extra
-    )
-    return config, out
+    preset = {
+        "run": {"output_dir": str(out), "threads": 1},
+        "model": {"provider": model, **({"loss": loss} if loss else {})},
+        "data": {"provider": provider},
+        "optimizer": {"lr": 0.01},
+        "train": {
+            "micro_batch_size": 32,
+            "train_iters": 30,
+            "log_interval": 10,
+            "eval_full": True,
+            "eval_micro_batch_size": 64,
+        },
+    }
+    tables = tomli.loads(f"[data]\n{data}\n[data.options]\n{options}\n")
+    return config_file(directory / f"{name}.toml", deep_merge(preset, tables), extra, **train_keys), out
 
 
 def run_digits(config: Path, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
