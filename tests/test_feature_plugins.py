@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 from pathlib import Path
@@ -88,104 +87,6 @@ def test_guards_iterations_to_skip_consume_data_without_updates(tmp_path: Path) 
     result, rows = faulty_run(tmp_path, "iterations_to_skip = [3, 4]")
     assert result.returncode == 0, result.stderr
     assert rows[-1]["skipped_updates"] == 2.0 and rows[-1]["consumed_samples"] == 12 * 8
-
-
-class GCWatcher:
-    def __init__(self) -> None:
-        self.enabled_during: set[bool] = set()
-
-    @hookimpl
-    def pre_step(self) -> None:
-        self.enabled_during.add(gc.isenabled())
-
-
-def test_gc_turns_automatic_collection_off_collects_on_schedule_and_restores(tmp_path: Path, no_autoload: None) -> None:
-    watcher = GCWatcher()
-    run, code = train(
-        config(
-            tmp_path, train={"train_iters": 10, "eval_interval": 5, "eval_iters": 1}, plugins={"gc": {"interval": 4}}
-        ),
-        ("watcher", watcher),
-    )
-    assert code == 0 and gc.isenabled()
-    assert watcher.enabled_during == {False}
-    # at start, steps 4 and 8, before the evals at 5 and 10, after each eval (5, 10)
-    assert run.plugins.get("gc").collections == 1 + 2 + 2 + 2
-
-
-def test_optimizer_overrides_set_groups_and_per_group_schedules(tmp_path: Path, no_autoload: None) -> None:
-    rules = [{"pattern": "net.0.*", "lr_mult": 0.5}, {"pattern": "net.3.weight", "max_lr": 0.02, "min_lr": 0.002}]
-    run, _ = train(
-        config(
-            tmp_path,
-            train={"train_iters": 5},
-            scheduler={"decay_style": "linear", "min_lr": 0.001},
-            plugins={"optimizer-overrides": {"rules": rules}},
-        )
-    )
-    names = {id(p): n for n, p in run.model.named_parameters()}
-    groups = {tuple(sorted(names[id(p)] for p in g["params"])): g for g in run.optimizer.param_groups}
-    assert groups[("net.0.weight",)]["lr_mult"] == 0.5 and groups[("net.0.weight",)]["weight_decay"] == 0.01
-    assert groups[("net.0.bias",)]["weight_decay"] == 0.0 and groups[("net.0.bias",)]["lr_mult"] == 0.5
-    assert groups[("net.3.bias",)]["weight_decay"] == 0.0
-    # after the last update the schedule sits at each group's own min_lr (times its multiplier)
-    assert groups[("net.3.weight",)]["lr"] == pytest.approx(0.002)
-    assert groups[("net.0.weight",)]["lr"] == pytest.approx(0.5 * 0.001)
-
-
-def test_optimizer_overrides_pattern_that_matches_nothing_is_an_error(tmp_path: Path, no_autoload: None) -> None:
-    from coretrain.errors import UserError
-
-    with pytest.raises(UserError, match="pattern 'encoder.*' matches no parameter"):
-        train(config(tmp_path, plugins={"optimizer-overrides": {"rules": [{"pattern": "encoder.*"}]}}))
-
-
-class BatchLog:
-    def __init__(self) -> None:
-        self.batches: list[int] = []
-
-    @hookimpl
-    def post_step(self, outputs: Any) -> None:
-        self.batches.append(outputs.global_batch_size)
-
-
-def test_batch_rampup_follows_megatrons_formula_and_the_schedule_counts_samples(
-    tmp_path: Path, no_autoload: None
-) -> None:
-    seen = BatchLog()
-    run, _ = train(
-        config(
-            tmp_path,
-            train={"micro_batch_size": 4, "global_batch_size": 16, "train_iters": 8},
-            scheduler={"warmup_iters": 4, "decay_style": "constant"},
-            plugins={"batch-rampup": {"rampup_batch_size": [4, 4, 48]}},
-        ),
-        ("seen", seen),
-    )
-    # 3 increments of 4 over 48 samples: +4 per 16 samples consumed (0,4,8,12 | 16,24 | 32,44 | >48)
-    assert seen.batches == [4, 4, 4, 4, 8, 8, 12, 12]
-    assert run.state.consumed_samples == sum(seen.batches) == 56
-    assert run.scheduler.position == 56 / 16  # 3.5 full batches: still warming up
-    assert run.scheduler.last_lr == pytest.approx(0.01 * 3.5 / 4)
-
-
-def test_batch_rampup_rounds_down_when_allowed_and_counts_what_it_left_out(tmp_path: Path, no_autoload: None) -> None:
-    from coretrain.errors import UserError
-
-    settings = {"train": {"micro_batch_size": 4, "global_batch_size": 16, "train_iters": 6}}
-    with pytest.raises(UserError, match="wants a global batch of 6"):
-        train(config(tmp_path / "a", **settings, plugins={"batch-rampup": {"rampup_batch_size": [6, 5, 20]}}))
-    seen = BatchLog()
-    run, _ = train(
-        config(
-            tmp_path / "b",
-            **settings,
-            plugins={"batch-rampup": {"rampup_batch_size": [6, 5, 20], "decrease_batch_size_if_needed": True}},
-        ),
-        ("seen", seen),
-    )
-    # wants 6, 6, 6 (rounded to 4), 11 (to 8), then 16
-    assert seen.batches == [4, 4, 4, 8, 16, 16] and run.plugins.get("batch-rampup").samples_left_out == 2 + 2 + 2 + 3
 
 
 def injected(tmp_path: Path, table: str) -> Any:

@@ -1,0 +1,101 @@
+"""First-party plugins tested as a third party tests theirs: in-process runs of
+coretrain.testing, each plugin enabled by its TOML table."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+
+from coretrain import UserError, hookimpl
+from coretrain.testing import run_steps
+
+
+class GCWatcher:
+    def __init__(self) -> None:
+        self.enabled_during: set[bool] = set()
+
+    @hookimpl
+    def pre_step(self) -> None:
+        self.enabled_during.add(gc.isenabled())
+
+
+def test_gc_turns_automatic_collection_off_collects_on_schedule_and_restores(tmp_path: Path) -> None:
+    watcher = GCWatcher()
+    result = run_steps(
+        tmp_path,
+        steps=10,
+        tables={"gc": {"interval": 4}},
+        plugins={"watcher": watcher},
+        config={"train": {"eval_interval": 5, "eval_iters": 1}},
+    )
+    assert result.exit_code == 0 and gc.isenabled()
+    assert watcher.enabled_during == {False}
+    # at start, steps 4 and 8, before the evals at 5 and 10, after each eval (5, 10)
+    assert result.run.plugins.get("gc").collections == 1 + 2 + 2 + 2  # type: ignore[union-attr]
+
+
+def test_optimizer_overrides_set_groups_and_per_group_schedules(tmp_path: Path) -> None:
+    rules = [{"pattern": "net.0.*", "lr_mult": 0.5}, {"pattern": "net.3.weight", "max_lr": 0.02, "min_lr": 0.002}]
+    result = run_steps(
+        tmp_path,
+        steps=5,
+        tables={"optimizer-overrides": {"rules": rules}},
+        config={"scheduler": {"decay_style": "linear", "min_lr": 0.001}},
+    )
+    run = result.run
+    names = {id(p): n for n, p in run.model.named_parameters()}
+    groups = {tuple(sorted(names[id(p)] for p in g["params"])): g for g in run.optimizer.param_groups}
+    assert groups[("net.0.weight",)]["lr_mult"] == 0.5 and groups[("net.0.weight",)]["weight_decay"] == 0.01
+    assert groups[("net.0.bias",)]["weight_decay"] == 0.0 and groups[("net.0.bias",)]["lr_mult"] == 0.5
+    assert groups[("net.3.bias",)]["weight_decay"] == 0.0
+    # after the last update the schedule sits at each group's own min_lr (times its multiplier)
+    assert groups[("net.3.weight",)]["lr"] == pytest.approx(0.002)
+    assert groups[("net.0.weight",)]["lr"] == pytest.approx(0.5 * 0.001)
+
+
+def test_optimizer_overrides_pattern_that_matches_nothing_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="pattern 'encoder.*' matches no parameter"):
+        run_steps(tmp_path, tables={"optimizer-overrides": {"rules": [{"pattern": "encoder.*"}]}})
+
+
+class BatchLog:
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    @hookimpl
+    def post_step(self, outputs: object) -> None:
+        self.batches.append(outputs.global_batch_size)  # type: ignore[attr-defined]
+
+
+def test_batch_rampup_follows_megatrons_formula_and_the_schedule_counts_samples(tmp_path: Path) -> None:
+    seen = BatchLog()
+    result = run_steps(
+        tmp_path,
+        steps=8,
+        tables={"batch-rampup": {"rampup_batch_size": [4, 4, 48]}},
+        plugins={"seen": seen},
+        config={
+            "train": {"micro_batch_size": 4, "global_batch_size": 16},
+            "scheduler": {"warmup_iters": 4, "decay_style": "constant"},
+        },
+    )
+    # 3 increments of 4 over 48 samples: +4 per 16 samples consumed (0,4,8,12 | 16,24 | 32,44 | >48)
+    assert seen.batches == [4, 4, 4, 4, 8, 8, 12, 12]
+    assert result.run.state.consumed_samples == sum(seen.batches) == 56
+    assert result.run.scheduler.position == 56 / 16  # 3.5 full batches: still warming up
+    assert result.run.scheduler.last_lr == pytest.approx(0.01 * 3.5 / 4)
+    assert [m["global_batch_size"] for m in result.metrics] == [4.0, 4.0, 8.0, 12.0]  # what on_log reports
+
+
+def test_batch_rampup_rounds_down_when_allowed_and_counts_what_it_left_out(tmp_path: Path) -> None:
+    settings = {"train": {"micro_batch_size": 4, "global_batch_size": 16}}
+    with pytest.raises(UserError, match="wants a global batch of 6"):
+        run_steps(tmp_path / "a", steps=6, config=settings, tables={"batch-rampup": {"rampup_batch_size": [6, 5, 20]}})
+    seen = BatchLog()
+    table = {"rampup_batch_size": [6, 5, 20], "decrease_batch_size_if_needed": True}
+    result = run_steps(tmp_path / "b", steps=6, config=settings, tables={"batch-rampup": table}, plugins={"seen": seen})
+    # wants 6, 6, 6 (rounded to 4), 11 (to 8), then 16
+    assert seen.batches == [4, 4, 4, 8, 16, 16]
+    assert result.run.plugins.get("batch-rampup").samples_left_out == 2 + 2 + 2 + 3  # type: ignore[union-attr]
