@@ -29,11 +29,14 @@ def run_cli(
     env: dict[str, str] | None = None,
     timeout: int = 300,
     command: tuple[str, ...] = (sys.executable, "-m", "coretrain"),
+    inherit_env: bool = True,
     **popen: Any,
 ) -> subprocess.CompletedProcess:
-    """``python -m coretrain ARGS`` (or ``command``, e.g. the console script) as a user would run it,
-    output captured (not a terminal); ``popen``: more subprocess.run arguments (preexec_fn)."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    """``python -m coretrain ARGS`` (or ``command``, e.g. the console script, torchrun, pytest) as a
+    user would run it, output captured (not a terminal); ``env`` adds to this process's
+    environment, or replaces it with ``inherit_env=False``; ``popen``: more subprocess.run
+    arguments (preexec_fn)."""
+    full_env = {**(os.environ if inherit_env else {}), "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [*command, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **popen
     )

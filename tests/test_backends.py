@@ -7,7 +7,6 @@ import os
 import signal
 import struct
 import subprocess
-import sys
 import time
 import zipfile
 from collections import defaultdict
@@ -149,14 +148,7 @@ def test_an_online_backend_without_credentials_is_one_clear_error(tmp_path: Path
     config, _ = write_tiny_gpt(tmp_path, train_iters=5, extra=f"\n{table}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMET_", "WANDB_"))}
     env["HOME"] = str(tmp_path)  # no ~/.netrc or ~/.comet.config to find
-    result = subprocess.run(
-        [sys.executable, "-m", "coretrain", "run", str(config)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )  # run_cli would add os.environ back
+    result = run_cli("run", str(config), cwd=tmp_path, env=env, inherit_env=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert message in result.stderr
 

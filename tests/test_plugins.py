@@ -7,7 +7,6 @@ runs see through PYTHONPATH, exactly as `pip install coretrain-foo` would make t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -147,13 +146,13 @@ def test_a_missing_optional_dependency_names_the_extra_that_installs_it() -> Non
 
 def _pytest_in(directory: Path, site: Path) -> subprocess.CompletedProcess:
     """The package's own test suite, as its author runs it after installing it."""
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+    return run_cli(
+        "-q",
+        "-p",
+        "no:cacheprovider",
         cwd=directory,
-        env={**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
+        env={"PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"},
+        command=(sys.executable, "-m", "pytest"),
     )
 
 
@@ -180,4 +179,4 @@ def test_new_plugin_writes_a_package_that_installs_and_passes_its_tests(tmp_path
 
 def test_the_example_plugin_passes_its_own_tests_once_installed(site: Path) -> None:
     tests = _pytest_in(REPO / "examples" / "coretrain-hooklog", site)
-    assert tests.returncode == 0 and "4 passed" in tests.stdout, tests.stdout + tests.stderr
+    assert tests.returncode == 0 and "5 passed" in tests.stdout, tests.stdout + tests.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from coretrain_hooklog import HookLog
 
-from coretrain.testing import run_steps, stop_and_resume
+from coretrain.testing import run_ranks, run_steps, stop_and_resume
 
 
 def calls(out: Path) -> list[dict]:
@@ -43,3 +43,12 @@ def test_the_count_of_steps_survives_a_restart(tmp_path: Path) -> None:
 def test_enabled_from_its_toml_table_when_installed(tmp_path: Path) -> None:
     result = run_steps(tmp_path, steps=2, tables={"hooklog": {"path": "calls.jsonl"}})
     assert (result.output_dir / "calls.jsonl").is_file()
+
+
+def test_two_ranks_each_record_the_same_steps(tmp_path: Path) -> None:
+    finished = run_ranks(tmp_path, nproc=2, steps=4, config={"plugins": {"hooklog": {"every_step": True}}})
+    assert finished.returncode == 0, finished.stderr
+    # both ranks append to the same file: every post_step twice, the run's end twice
+    recorded = calls(tmp_path / "out")
+    assert sorted(c["step"] for c in recorded if c["hook"] == "post_step") == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert [c["outcome"] for c in recorded if c["hook"] == "on_train_end"] == ["completed", "completed"]
