@@ -37,26 +37,64 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
     ]
 
 
-def export_weights(run_dir: Path, step: int | None, to: Path) -> Path:
-    """Write the model weights of a complete checkpoint (newest by default) as safetensors."""
+def export(run_dir: Path, step: int | None, to: Path, export_format: str, options: dict[str, Any]) -> str:
+    """Write the model weights of a complete checkpoint (newest by default) in ``export_format``:
+    ``safetensors`` here, any other format by the plugin of the run's config that writes it."""
+    source = pick_checkpoint(run_dir, step)
+    if export_format == "safetensors":
+        write_safetensors(read_model_state(source), source, to)
+        return f"wrote {to} from {source}"
+    from coretrain.config import Config
+    from coretrain.configload import structure
+    from coretrain.pluginmanager import load_plugins
+
+    config = read_manifest(source).get("config") or {}
+    if not config:
+        raise UserError(f"{source}: the checkpoint does not record its config (written by coretrain < 0.2)")
+    plugins = load_plugins(structure(config, Config))
+    written = plugins.calls.export_model(
+        state=read_model_state(source),
+        config=config,
+        run_dir=run_dir,
+        export_format=export_format,
+        to=to,
+        options=options,
+    )
+    if written is None:
+        raise UserError(
+            f"--format {export_format}: no plugin of this run writes that format; 'safetensors' is built in "
+            "(the hf model provider adds 'hf')"
+        )
+    return f"{written} from {source}"
+
+
+def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
+    complete = {c.step: c.path for c in list_checkpoints(run_dir) if c.complete}
+    if not complete:
+        raise UserError(f"{run_dir}: no complete checkpoint to export")
+    if step is not None and step not in complete:
+        raise UserError(f"--step {step}: no complete checkpoint at that step; complete: {sorted(complete)}")
+    return complete[step if step is not None else max(complete)]
+
+
+def read_model_state(source: Path) -> dict[str, torch.Tensor]:
+    """The full model state dict of a complete checkpoint, read safely (shards gathered)."""
+    if read_manifest(source)["layout"] == "sharded":
+        weights = read_sharded_model(source / "sharded")
+    else:
+        weights = safeload.load_file(source / "model.pt")
+    if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+        raise CheckpointUnreadable(source, "the model weights are not a dict of tensors")
+    return weights
+
+
+def write_safetensors(weights: dict[str, torch.Tensor], source: Path, to: Path) -> None:
     from safetensors.torch import save_file
 
     if not to.parent.is_dir():
         raise UserError(f"--to: directory '{to.parent}' does not exist; create it first")
     if to.is_dir():
         raise UserError(f"--to: '{to}' is a directory; give a file name, e.g. {to / 'model.safetensors'}")
-    complete = {c.step: c.path for c in list_checkpoints(run_dir) if c.complete}
-    if not complete:
-        raise UserError(f"{run_dir}: no complete checkpoint to export")
-    if step is not None and step not in complete:
-        raise UserError(f"--step {step}: no complete checkpoint at that step; complete: {sorted(complete)}")
-    source = complete[step if step is not None else max(complete)]
-    if read_manifest(source)["layout"] == "sharded":  # gather the shards into one state dict
-        weights = read_sharded_model(source / "sharded")
-    else:
-        weights = safeload.load_file(source / "model.pt")
-    if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
-        raise CheckpointUnreadable(source, "the model weights are not a dict of tensors")
     # tied parameters share storage; safetensors stores each name on its own
     try:
         save_file(
@@ -69,7 +107,6 @@ def export_weights(run_dir: Path, step: int | None, to: Path) -> Path:
         os.chmod(to, 0o666 & ~umask)  # safetensors creates it 0600; an export is for others to read
     except OSError as exc:
         raise RunFailure(f"cannot write {to}: {exc.strerror or exc}") from None
-    return source
 
 
 def read_sharded_model(directory: Path) -> dict[str, torch.Tensor]:

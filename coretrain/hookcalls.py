@@ -17,6 +17,8 @@ import pluggy
 from coretrain.hookspecs import Outcome
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from coretrain.run import DatasetContext, Datasets, Run, StepOutputs
@@ -83,6 +85,20 @@ class HookCalls:
 
     def on_signal(self, run: Run, signum: int) -> None:
         self._hook.on_signal(run=run, signum=signum)
+
+    def export_model(
+        self,
+        state: dict[str, torch.Tensor],
+        config: dict[str, Any],
+        run_dir: Path,
+        export_format: str,
+        to: Path,
+        options: dict[str, Any],
+    ) -> str | None:
+        answer = self._hook.export_model(
+            state=state, config=config, run_dir=run_dir, export_format=export_format, to=to, options=options
+        )
+        return cast("str | None", answer)
 
     # ---------------------------------------------------------------- plugin by plugin
 

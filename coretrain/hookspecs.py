@@ -60,6 +60,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import pluggy
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from coretrain.run import DatasetContext, Datasets, Run, StepOutputs
@@ -67,7 +69,7 @@ if TYPE_CHECKING:
 PROJECT = "coretrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
-HOOK_API = (1, 0)
+HOOK_API = (1, 1)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -288,4 +290,30 @@ def on_train_end(run: Run, outcome: Outcome) -> None:
     Ranks: every rank, exactly once, on every way a run ends — also when ``on_train_start``
     was not called (restore failed, or a signal arrived before the first step). Called plugin
     by plugin, so one plugin's failure does not skip another's.
+    """
+
+
+# --------------------------------------------------------------------------- after training (hook API 1.1)
+
+
+@hookspec(firstresult=True)
+def export_model(
+    state: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    run_dir: Path,
+    export_format: str,
+    to: Path,
+    options: dict[str, Any],
+) -> str | None:
+    """Write a checkpoint's model weights in ``export_format`` (``coretrain checkpoint export
+    --format NAME``): e.g. the ``hf`` provider writes a ``save_pretrained`` directory.
+
+    Args: ``state`` — the full (unsharded) model state dict, keys as the provided model names
+    them; ``config`` — the run's resolved config as plain data; ``run_dir`` — the run's output
+    dir (files the plugin wrote there while training); ``to`` — the destination the user named;
+    ``options`` — the command's flags (``merge_lora``).
+    May change: nothing but ``to``.
+    Returns: a one-line description of what was written, or None when this plugin does not
+    write ``export_format`` (the first answer wins; none is an error naming the format).
+    Ranks: one process, no run: the plugins of the run's saved config are loaded, not started.
     """

@@ -91,7 +91,7 @@ def test_a_real_signal_checkpoints_and_exits_128_plus_signum(tmp_path: Path) -> 
 
 
 def _wrapper(name: str) -> Any:
-    def wrap(self: Any, run: Run) -> Any:
+    def wrap(self: Any) -> Any:
         self.entered.append(name)
         result = yield
         self.left.append(name)
@@ -117,7 +117,7 @@ def test_wrappers_wrap_every_hook(tmp_path: Path) -> None:
     assert stopped.exit_code == 128 + signal.SIGTERM
     resumed = run_steps(tmp_path, steps=6, plugins={"counter": Counter(), "wrap": wrapper})
     assert resumed.exit_code == 0
-    assert sorted(set(wrapper.entered)) == SPECS
+    assert sorted(set(wrapper.entered)) == [name for name in SPECS if name != "export_model"]  # not a run's
     assert wrapper.entered.count("on_train_end") == wrapper.left.count("on_train_end") >= 2
     # each wrapped per-plugin call still delivered the plugin's own state
     assert resumed.metrics[-1]["counter/steps"] == 6.0

@@ -13,10 +13,22 @@ def add(commands: Any) -> None:
     listing = ckpt_commands.add_parser("list", help="steps, sizes, complete or not")
     listing.add_argument("run_dir", help="the run's output dir (holds checkpoints/)")
     listing.set_defaults(handler=cmd_checkpoint_list)
-    export = ckpt_commands.add_parser("export", help="model weights of a checkpoint as .safetensors")
+    export = ckpt_commands.add_parser(
+        "export", help="model weights of a checkpoint: one .safetensors file, or a plugin's format (hf)"
+    )
     export.add_argument("run_dir", help="the run's output dir (holds checkpoints/)")
     export.add_argument("--step", type=int, default=None, help="which step (default: newest complete)")
-    export.add_argument("--to", required=True, help="output file, e.g. model.safetensors")
+    export.add_argument(
+        "--to", required=True, help="output: a file for safetensors (model.safetensors), a new directory for hf"
+    )
+    export.add_argument(
+        "--format",
+        default="safetensors",
+        dest="export_format",
+        metavar="NAME",
+        help="safetensors (default), or a format a plugin of the run writes: hf (a save_pretrained directory)",
+    )
+    export.add_argument("--merge-lora", action="store_true", help="with LoRA: merge the adapters into the base weights")
     export.set_defaults(handler=cmd_checkpoint_export)
 
 
@@ -39,8 +51,8 @@ def cmd_checkpoint_list(args: argparse.Namespace) -> int:
 def cmd_checkpoint_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coretrain.export import export_weights
+    from coretrain.export import export
 
-    source = export_weights(Path(args.run_dir), args.step, Path(args.to))
-    print(f"wrote {args.to} from {source}")
+    options = {"merge_lora": args.merge_lora}
+    print(export(Path(args.run_dir), args.step, Path(args.to), args.export_format, options))
     return 0

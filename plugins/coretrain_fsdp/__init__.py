@@ -16,12 +16,14 @@ from coretrain import Run, hookimpl
 
 
 def blocks_of(model: Any, block_types: list[str]) -> list[Any]:
-    """The modules to shard one by one: instances of ``block_types`` (class names), or by
-    default every child of every ``nn.ModuleList`` (a transformer's layer stack)."""
+    """The modules to shard one by one: instances of ``block_types`` (class names); by default
+    the model's own ``_no_split_modules`` (Hugging Face models name their transformer blocks
+    there), else every child of every ``nn.ModuleList`` (a transformer's layer stack)."""
     import torch
 
-    if block_types:
-        return [m for m in model.modules() if type(m).__name__ in block_types]
+    names = set(block_types) or {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+    if names:
+        return [m for m in model.modules() if type(m).__name__ in names]
     return [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
 
 
@@ -34,7 +36,8 @@ class FSDP:
     cpu_offload: bool = False
     """Keep sharded parameters and optimizer state in host memory (CUDA only)."""
     block_types: list[str] = field(factory=list)
-    """Class names of the modules to shard individually; empty = children of every ModuleList."""
+    """Class names of the modules to shard individually; empty = the model's _no_split_modules
+    (Hugging Face), else the children of every ModuleList."""
 
     @hookimpl(trylast=True)
     def configure_model(self, run: Run) -> None:

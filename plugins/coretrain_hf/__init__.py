@@ -1,0 +1,134 @@
+"""``hf``: a Hugging Face ``transformers`` model as coretrain's model, and back out.
+
+    [model]
+    provider = "hf"
+    [model.options]
+    path = "models/tiny-llama"          # a local save_pretrained directory
+    # or, for a randomly initialised model:
+    # config = { model_type = "llama", hidden_size = 256, num_hidden_layers = 4, ... }
+    task = "causal-lm"                  # or "sequence-classification"
+    dtype = "float32"
+
+Labels are shifted exactly once, whatever the data provider sends (:mod:`coretrain_hf.model`).
+``coretrain checkpoint export RUN_DIR --format hf --to DIR`` writes a directory that
+``AutoModelForCausalLM.from_pretrained(DIR)`` loads (:mod:`coretrain_hf.export`). Nothing is
+downloaded: ``path`` is read with ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from attrs import define, field
+
+from coretrain import FieldValueError, Run, UserError, hookimpl, positive, require
+
+TASKS = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NEEDED_BY = 'model.provider = "hf"'
+
+
+@define(kw_only=True)
+class HFModel:
+    """A Hugging Face transformers model: from a local directory, or a config table (random init)."""
+
+    path: str | None = None
+    """A local ``save_pretrained`` directory (config.json + safetensors, sharded or not)."""
+    config: dict[str, Any] = field(factory=dict)
+    """Config fields: with ``path``, overrides of its config; without, the whole config of a
+    randomly initialised model (``model_type`` required; vocab_size and
+    max_position_embeddings default to the data's)."""
+    task: Literal["causal-lm", "sequence-classification"] = "causal-lm"
+    """What the model is trained for."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype (mixed precision is run.precision's job; this stores the weights so)."""
+    num_labels: int | None = field(default=None, validator=positive)
+    """Classes, for sequence-classification (unset = the model config's)."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel: PyTorch's scaled_dot_product_attention, or the reference one."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.path is None and not self.config:
+            raise FieldValueError("path", 'set path (a save_pretrained directory) or config = { model_type = "..." }')
+        if self.path is None and "model_type" not in self.config:
+            raise FieldValueError("config", 'needs model_type, e.g. config = { model_type = "llama", ... }')
+
+    @hookimpl
+    def provide_model(self, run: Run) -> torch.nn.Module:
+        from coretrain_hf.model import CausalLM, SequenceClassifier
+
+        transformers = require("transformers", needed_by=NEEDED_BY, extra="hf")
+        transformers.utils.logging.disable_progress_bar()  # coretrain shows its own progress
+        config = self.model_config(run.datasets.vocab_size, run.datasets.seq_length)
+        auto = getattr(transformers, TASKS[self.task])
+        options: dict[str, Any] = {"dtype": DTYPES[self.dtype], "attn_implementation": self.attn_implementation}
+        try:
+            if self.path is not None:
+                hf = auto.from_pretrained(self.path, config=config, local_files_only=True, **options)
+            else:
+                hf = auto.from_config(config, **options)
+        except (OSError, ValueError, KeyError) as exc:
+            raise UserError(f"model.options: transformers cannot build the model: {exc}") from None
+        check_vocab(hf.config, run.datasets.vocab_size)
+        if self.task == "causal-lm":
+            return CausalLM(hf, run.datasets.seq_length)
+        return SequenceClassifier(hf)
+
+    def model_config(self, vocab_size: int | None = None, seq_length: int | None = None) -> Any:
+        """The transformers config this plugin's options describe."""
+        transformers = require("transformers", needed_by=NEEDED_BY, extra="hf")
+        fields = dict(self.config)
+        if self.num_labels is not None:
+            fields["num_labels"] = self.num_labels
+        try:
+            if self.path is not None:
+                directory = Path(self.path)
+                if not (directory / "config.json").is_file():
+                    raise UserError(
+                        f"model.options.path: {directory} has no config.json; give a directory written by "
+                        "save_pretrained (downloaded models: the snapshot directory)"
+                    )
+                return transformers.AutoConfig.from_pretrained(directory, local_files_only=True, **fields)
+            model_type = fields.pop("model_type")
+            if vocab_size:
+                fields.setdefault("vocab_size", vocab_size)
+            if seq_length:
+                fields.setdefault("max_position_embeddings", seq_length)
+            return transformers.AutoConfig.for_model(model_type, **fields)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"model.options.config: {exc}") from None
+
+    @hookimpl
+    def on_train_start(self, run: Run) -> None:
+        if run.dist.is_main:
+            from coretrain_hf.export import save_config
+            from coretrain_hf.model import wrapped_model
+
+            save_config(wrapped_model(run.unwrapped_model), run.output_dir)
+
+    @hookimpl
+    def export_model(
+        self,
+        state: dict[str, torch.Tensor],
+        config: dict[str, Any],
+        run_dir: Path,
+        export_format: str,
+        to: Path,
+        options: dict[str, Any],
+    ) -> str | None:
+        if export_format != "hf":
+            return None
+        from coretrain_hf.export import save_pretrained
+
+        return save_pretrained(self, state, config, run_dir, to, options)
+
+
+def check_vocab(config: Any, data_vocab: int | None) -> None:
+    """Token ids the data can produce must index the model's embeddings."""
+    if data_vocab and getattr(config, "vocab_size", None) and data_vocab > config.vocab_size:
+        raise UserError(
+            f"model.options: the data's vocab_size ({data_vocab}) exceeds the model's ({config.vocab_size}); "
+            "use the model's own tokenizer, or set config = { vocab_size = ... } for a new model"
+        )

@@ -1,0 +1,224 @@
+"""Hugging Face in and out: the ``hf`` provider on tiny local models, labels shifted once,
+export back to a ``from_pretrained`` directory with the same logits. Nothing is downloaded:
+models are built from a config and saved with ``save_pretrained`` in the test."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import STDLIB
+
+from coretrain import UserError
+from coretrain.export import export
+from coretrain.testing import run_ranks, run_steps
+
+transformers = pytest.importorskip("transformers")
+from coretrain_hf.model import CausalLM  # noqa: E402
+
+VOCAB = 256
+
+
+def tiny_llama(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama as a user's downloaded model: a save_pretrained directory."""
+    directory = tmp_path_factory.mktemp("models") / "tiny-llama"
+    tiny_llama().save_pretrained(directory)
+    return directory
+
+
+def llama_table(**fields: Any) -> dict[str, Any]:
+    """A tiny Llama's config table, for a randomly initialised model."""
+    base = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    return {**base, "num_attention_heads": 2, "num_key_value_heads": 2, **fields}
+
+
+def text_run(model_dir: Path, **train: Any) -> dict[str, Any]:
+    """Sections of a run of the hf provider on byte-level text (token ids < 256)."""
+    return {
+        "model": {"provider": "hf", "options": {"path": str(model_dir)}},
+        "data": {
+            "provider": "text-bytes",
+            "options": {"globs": [f"{STDLIB}/a*.py"], "seq_length": 32, "max_bytes": 60000},
+        },
+        "optimizer": {"lr": 3e-3},
+        "train": {"micro_batch_size": 4, "log_interval": 5, **train},
+    }
+
+
+# --------------------------------------------------------------------------- labels shifted once
+
+
+def test_each_batch_convention_is_shifted_exactly_once() -> None:
+    hf = tiny_llama().eval()
+    model = CausalLM(hf)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    logits = hf(input_ids=ids).logits
+    by_hand = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    # HF's convention: labels aligned with input_ids, the shift happens inside
+    assert torch.allclose(model(input_ids=ids), by_hand, atol=1e-6)
+    assert torch.allclose(model(input_ids=ids, labels=ids), by_hand, atol=1e-6)
+    # coretrain's text batches: targets already shifted; the same tokens predict the same targets
+    pre_shifted = model(ids[:, :-1], ids[:, 1:])
+    assert torch.allclose(pre_shifted, by_hand, atol=1e-6)
+    # the obvious hand-written wrapper shifts twice and learns a different objective
+    twice = hf(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss
+    assert not torch.allclose(twice, by_hand, atol=1e-3)
+
+
+def test_masked_labels_and_padding_take_no_loss() -> None:
+    hf = tiny_llama().eval()
+    model = CausalLM(hf)
+    ids = torch.randint(0, VOCAB, (1, 10))
+    labels = ids.clone()
+    labels[:, :6] = -100  # a prompt: no loss on it
+    logits = hf(input_ids=ids).logits
+    by_hand = F.cross_entropy(logits[0, 5:-1], ids[0, 6:])
+    assert torch.allclose(model(input_ids=ids, labels=labels), by_hand, atol=1e-6)
+    mask = torch.ones_like(ids)
+    mask[:, 8:] = 0  # right padding: never a target
+    logits = hf(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(
+        model(input_ids=ids, attention_mask=mask), F.cross_entropy(logits[0, :7], ids[0, 1:8]), atol=1e-6
+    )
+
+
+# --------------------------------------------------------------------------- in and out
+
+
+def test_train_export_from_pretrained_gives_the_same_logits(tmp_path: Path, llama_dir: Path) -> None:
+    result = run_steps(tmp_path, steps=10, config=text_run(llama_dir))
+    assert result.exit_code == 0
+    losses = [m["loss"] for m in result.metrics]
+    assert losses[-1] < losses[0]
+    # FLOPs per token known from the config (6N + 12·L·H·T): TFLOP/s and MFU are reported
+    assert result.run.flops_per_sample == result.run.model.flops_per_token() * 32
+    assert result.metrics[-1]["tflops_per_device"] > 0
+    trained = result.run.model.hf.eval()
+    written = export(result.output_dir, None, tmp_path / "exported", "hf", {"merge_lora": False})
+    assert "LlamaForCausalLM" in written
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True).eval()
+    ids = torch.randint(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, trained(ids).logits)
+        untrained = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, local_files_only=True)
+        assert not torch.allclose(untrained(ids).logits, trained(ids).logits)
+
+
+def test_a_config_table_builds_a_fresh_model_sized_by_the_data(tmp_path: Path) -> None:
+    sections = text_run(Path("unused"))
+    sections["model"]["options"] = {"config": llama_table()}
+    result = run_steps(tmp_path, steps=4, config=sections)
+    config = result.run.model.hf.config
+    assert config.vocab_size == 256 and config.max_position_embeddings == 32  # from text-bytes
+    assert (result.output_dir / "hf-config" / "config.json").is_file()
+
+
+def test_sequence_classification_learns_and_logs_accuracy(tmp_path: Path) -> None:
+    sections = {
+        "model": {
+            "provider": "hf",
+            "options": {
+                "task": "sequence-classification",
+                "num_labels": 2,
+                "config": {
+                    "model_type": "llama",
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 2,
+                    "vocab_size": 16,
+                    "pad_token_id": 0,
+                },
+            },
+        },  # fmt: skip
+        "data": {"provider": "test_hf:parity_data"},
+        "optimizer": {"lr": 1e-2},
+        "train": {"micro_batch_size": 16, "log_interval": 10, "eval_iters": 2},
+    }
+    result = run_steps(tmp_path, steps=60, config=sections)
+    assert result.evals[-1]["valid/accuracy"] > 0.9
+    assert result.metrics[-1]["train/accuracy"] > result.metrics[0]["train/accuracy"]
+
+
+def parity_data(context: Any) -> Any:
+    """Label: whether the sequence starts with token 1 (a classifier's first, easy task)."""
+    from coretrain import Datasets
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 16, (512, 8), generator=g)
+    labels = torch.randint(0, 2, (512,), generator=g)
+    ids[:, 0] = labels  # token 0 or 1 first
+    ids[:, 0] += 1
+    pairs = list(zip(ids, labels))
+    return Datasets(train=pairs[:448], valid=pairs[448:])
+
+
+sys.modules.setdefault("test_hf", sys.modules[__name__])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"path": "/nonexistent/model"}, "has no config.json"),
+        ({"config": {"hidden_size": 8}}, "needs model_type"),
+        ({}, "set path (a save_pretrained directory) or config"),
+        ({"config": {"model_type": "no-such-architecture"}}, "model.options.config"),
+    ],
+)
+def test_bad_model_options_are_one_clear_error(tmp_path: Path, options: dict[str, Any], message: str) -> None:
+    sections = text_run(Path("unused"))
+    sections["model"]["options"] = options
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run_steps(tmp_path, steps=2, config=sections)
+
+
+def test_a_vocabulary_larger_than_the_models_is_refused(tmp_path: Path) -> None:
+    sections = text_run(Path("unused"))
+    sections["model"]["options"] = {"config": llama_table(vocab_size=100)}
+    with pytest.raises(UserError, match=r"the data's vocab_size \(256\) exceeds the model's \(100\)"):
+        run_steps(tmp_path, steps=2, config=sections)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_train_and_export_from_pretrained(tmp_path: Path, llama_dir: Path, strategy: str) -> None:
+    sections = text_run(llama_dir, global_batch_size=8, eval_iters=0)
+    sections["distributed"] = {"strategy": strategy}
+    finished = run_ranks(tmp_path, nproc=2, steps=6, config=sections)
+    assert finished.returncode == 0, finished.stderr
+    layout = "sharded" if strategy == "fsdp" else "replicated"
+    assert f'"layout": "{layout}"' in (tmp_path / "out/checkpoints/step_00000006/checkpoint.json").read_text()
+    export(tmp_path / "out", None, tmp_path / "exported", "hf", {"merge_lora": False})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+
+
+def test_a_format_no_plugin_writes_is_one_clear_error(tmp_path: Path, llama_dir: Path) -> None:
+    result = run_steps(tmp_path, steps=2, config=text_run(llama_dir, eval_iters=0))
+    with pytest.raises(UserError, match="--format onnx: no plugin of this run writes that format"):
+        export(result.output_dir, None, tmp_path / "x", "onnx", {})
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(UserError, match="exists and is not an empty directory"):
+        export(result.output_dir, None, tmp_path / "full", "hf", {})
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
