@@ -222,3 +222,151 @@ def test_a_format_no_plugin_writes_is_one_clear_error(tmp_path: Path, llama_dir:
     with pytest.raises(UserError, match="exists and is not an empty directory"):
         export(result.output_dir, None, tmp_path / "full", "hf", {})
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+# --------------------------------------------------------------------------- text data with a tokenizer
+
+
+CORPUS = [f"def function_{i}(x):\n    return x * {i} + {i % 7}" for i in range(400)]
+PROSE = [f"The quick brown fox {i} jumps over the lazy dog number {i * 3}." for i in range(400)]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level BPE tokenizer trained here, saved as a user's downloaded tokenizer is."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(
+        CORPUS + PROSE, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    directory = tmp_path_factory.mktemp("tok") / "tokenizer"
+    fast.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def text_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    import json
+
+    root = tmp_path_factory.mktemp("text")
+    (root / "code.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(CORPUS)))
+    (root / "prose.txt").write_text("\n".join(PROSE) + "\n")
+    import datasets
+
+    datasets.Dataset.from_dict({"body": PROSE}).to_parquet(str(root / "prose.parquet"))
+    return {"code": root / "code.jsonl", "prose": root / "prose.txt", "parquet": root / "prose.parquet"}
+
+
+def tokenized_run(tokenizer_dir: Path, data_path: list[Any], cache: Path, **options: Any) -> dict[str, Any]:
+    return {
+        "model": {"provider": "hf", "options": {"config": llama_table()}},
+        "data": {
+            "provider": "hf-text",
+            "options": {
+                "tokenizer": str(tokenizer_dir),
+                "data_path": [str(p) if isinstance(p, Path) else p for p in data_path],
+                "seq_length": 16,
+                "cache_dir": str(cache),
+                **options,
+            },
+        },
+        "optimizer": {"lr": 3e-3},
+        "train": {"micro_batch_size": 4, "log_interval": 2},
+    }
+
+
+def test_text_is_tokenized_once_with_eos_and_packed(
+    tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    sections = tokenized_run(tokenizer_dir, [text_files["code"]], tmp_path / "cache")
+    with caplog.at_level("INFO", logger="coretrain"):
+        first = run_steps(tmp_path / "a", steps=4, config=sections)
+    assert sum("tokenizing" in r.message for r in caplog.records) == 1
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    stream = [t for text in CORPUS[:3] for t in tokenizer(text, add_special_tokens=False)["input_ids"] + [2]]
+    inputs, targets = first.run.datasets.train[0]
+    assert inputs.tolist() == stream[:16] and targets.tolist() == stream[1:17]  # documents packed, EOS between
+    assert first.run.datasets.vocab_size == len(tokenizer)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="coretrain"):
+        second = run_steps(tmp_path / "b", steps=4, config=sections)  # another run: the cache is reused
+    assert not any("tokenizing" in r.message for r in caplog.records)
+    assert [m["loss"] for m in second.metrics] == [m["loss"] for m in first.metrics]
+    assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
+
+
+def test_sources_are_blended_by_weight_and_split_in_order(
+    tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path]
+) -> None:
+    sections = tokenized_run(
+        tokenizer_dir,
+        [0.25, text_files["code"], 0.75, text_files["parquet"]],
+        tmp_path / "cache",
+        text_field="body",
+        split=[0.8, 0.2, 0.0],
+    )
+    sections["data"]["options"]["text_field"] = "text"
+    with pytest.raises(UserError, match="has no column 'text'; its columns: body"):
+        run_steps(tmp_path / "bad", steps=2, config=sections)
+    sections = tokenized_run(
+        tokenizer_dir, [0.25, text_files["code"], 0.75, text_files["prose"]], tmp_path / "cache", split=[0.8, 0.2, 0]
+    )
+    result = run_steps(tmp_path / "run", steps=8, config=sections)
+    train = result.run.datasets.train
+    assert len(train) == 8 * 4  # sized to the samples the run uses
+    share = train.source_of.float().mean().item()  # source 1 is the prose
+    assert share == 0.75
+    valid = result.run.datasets.valid
+    code_windows = valid.sources[0]
+    assert result.run.datasets.test is None  # a zero share makes no split
+    # each source's valid windows are the ones right after its train windows, in the same stream
+    train_code = train.sources[0]
+    train_tokens = len(train_code) * 16
+    offset = (code_windows.tokens.data_ptr() - train_code.tokens.data_ptr()) // code_windows.tokens.element_size()
+    assert offset == train_tokens and len(code_windows) == round(len(train_code) / 0.8 * 0.2)
+
+
+def test_text_data_resumes_exactly(tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path]) -> None:
+    from coretrain.testing import stop_and_resume
+
+    sections = tokenized_run(tokenizer_dir, [0.5, text_files["code"], 0.5, text_files["prose"]], tmp_path / "cache")
+    straight = run_steps(tmp_path / "straight", steps=8, config=sections)
+    first, resumed = stop_and_resume(tmp_path / "split", stop_at=4, steps=8, config=sections)
+    assert [m["loss"] for m in first.metrics + resumed.metrics] == [m["loss"] for m in straight.metrics]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"data_path": []}, "data_path: needs at least one file"),
+        ({"data_path": ["/no/such.jsonl"]}, "no such file"),
+        ({"data_path": ["notes.docx"]}, "expected a .txt, .jsonl, .json, .parquet file"),
+        ({"data_path": [0.5, "a.txt", "b.txt"]}, "expected [path, ...] or [weight, path"),
+        ({"tokenizer": "/no/tokenizer"}, "is not a directory (a saved tokenizer)"),
+        ({"split": [1, 0]}, "split: needs three shares"),
+    ],
+)
+def test_bad_text_options_are_one_clear_error(
+    tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path], options: dict[str, Any], message: str
+) -> None:
+    sections = tokenized_run(tokenizer_dir, [text_files["code"]], tmp_path / "cache")
+    sections["data"]["options"].update(options)
+    with pytest.raises(UserError) as caught:
+        run_steps(tmp_path, steps=2, config=sections)
+    assert message in str(caught.value)
+
+
+@pytest.mark.slow
+def test_two_ranks_share_one_tokenization(tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path]) -> None:
+    sections = tokenized_run(tokenizer_dir, [0.5, text_files["code"], 0.5, text_files["prose"]], tmp_path / "cache")
+    sections["train"].update(global_batch_size=8, eval_iters=1)
+    finished = run_ranks(tmp_path, nproc=2, steps=4, config=sections)
+    assert finished.returncode == 0, finished.stderr
+    # one entry per source, committed, whichever rank came first built it under the lock
+    assert len(list((tmp_path / "cache").glob("*.bin"))) == 2 and len(list((tmp_path / "cache").glob("*.json"))) == 2
+    assert not list((tmp_path / "cache").glob("*.tmp"))
