@@ -111,15 +111,25 @@ class Evaluator:
                 samples += count
                 with autocast(run):
                     loss, extras = outputs.call(model, batch, run.loss_fn)
+                tokens = extras.get(outputs.NUM_TOKENS)
                 for name, value in {"loss": loss, **extras}.items():
-                    weighted = value.detach().float().reshape(()) * count
+                    if name == outputs.NUM_TOKENS:
+                        continue
+                    weight = tokens if name == "loss" and tokens is not None else count
+                    weighted = value.detach().float().reshape(()) * weight
                     totals[name] = totals[name] + weighted if name in totals else weighted
+                if tokens is not None:  # the loss is per token: its normaliser is the tokens, not the samples
+                    totals["_tokens"] = totals.get("_tokens", torch.zeros((), device=tokens.device)) + tokens.float()
         finally:
             model.train(was_training)
         names = sorted(totals)
         sample_count = torch.tensor(float(samples), device=run.device)
         summed = sum_over_ranks(torch.stack([sample_count, *(totals[n].to(run.device) for n in names)])).tolist()
-        metrics = {f"{self.split}/{name}": value / summed[0] for name, value in zip(names, summed[1:])}
+        sums = dict(zip(names, summed[1:]))
+        tokens = sums.pop("_tokens", None)
+        metrics = {f"{self.split}/{name}": value / summed[0] for name, value in sums.items()}
+        if tokens:
+            metrics[f"{self.split}/loss"] = sums["loss"] / tokens
         if run.datasets.seq_length:  # a token-level loss: its exponential is the perplexity
             metrics[f"{self.split}/ppl"] = math.exp(min(metrics[f"{self.split}/loss"], 50.0))
         return metrics

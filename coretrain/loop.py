@@ -18,7 +18,7 @@ import torch
 from attrs import frozen
 
 from coretrain import checkpoint, outputs, resume, safeload
-from coretrain.dist import max_over_ranks
+from coretrain.dist import max_over_ranks, sum_over_ranks
 from coretrain.errors import PluginError, RunFailure
 from coretrain.evaluate import Evaluator, autocast
 from coretrain.hookspecs import Outcome
@@ -396,13 +396,17 @@ class Trainer:
             batch = batches[0]
             model = loop.model
             result = model(*batch) if type(batch) is tuple else outputs.call_model(model, batch)
-            values = None
-            loss = result
-            if type(result) is not torch.Tensor:
-                loss, values = outputs.split_output(result)
-            loss.backward()
-            return loss, values
-        return self._accumulate(batches)
+            if type(result) is torch.Tensor:
+                torch.autograd.backward(result)
+                return result, None
+            loss, values = outputs.split_output(result)
+            tokens = values.get(outputs.NUM_TOKENS)
+            if tokens is None:
+                torch.autograd.backward(loss)
+                return loss, values
+            torch.autograd.backward(loss * tokens)
+            return self._per_token(loop, [loss.detach()], [values])
+        return self._accumulate(loop, batches)
 
     def _update(
         self, loop: LoopSettings, step: int, loss: torch.Tensor, global_batch: int
@@ -475,9 +479,10 @@ class Trainer:
         run.scheduler.step(global_batch)
         return False, grad_norm
 
-    def _accumulate(self, batches: list[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _accumulate(self, loop: LoopSettings, batches: list[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward and backward over the micro-batches (DDP syncs only on the last);
-        the mean loss and the mean of each named value the model returned."""
+        the mean loss and the mean of each named value the model returned (per-token
+        weighting when the model says its tokens, :data:`coretrain.outputs.NUM_TOKENS`)."""
         run, model = self.run, self.run.model
         no_sync = getattr(model, "no_sync", None)  # DDP
         set_gradient_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2
@@ -489,15 +494,35 @@ class Trainer:
             sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
             with sync, autocast(run):
                 loss, named = outputs.call(model, batch, run.loss_fn)
-            scaled = loss / n_micro if n_micro > 1 else loss
+            tokens = named.get(outputs.NUM_TOKENS)
+            scaled = loss * tokens if tokens is not None else loss / n_micro if n_micro > 1 else loss
             torch.autograd.backward(run.grad_scaler.scale(scaled) if run.grad_scaler is not None else scaled)
             losses.append(loss.detach())
             values.append(named)
+        if outputs.NUM_TOKENS in values[0]:
+            return self._per_token(loop, losses, values)
         if n_micro == 1:
             return losses[0], values[0]
         return torch.stack(losses).mean(), {
             name: torch.stack([v[name] for v in values]).float().mean() for name in values[0]
         }
+
+    def _per_token(
+        self, loop: LoopSettings, losses: list[torch.Tensor], values: list[dict[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Megatron's per-token loss: gradients of sum(loss_i · tokens_i) scaled by
+        world / (tokens over every micro-batch and rank) — data parallelism averages over ranks —
+        so each token weighs the same however the tokens fall into micro-batches, padding and
+        ranks. One all-reduce of the token count per step; no host sync."""
+        counts = torch.stack([v[outputs.NUM_TOKENS].float() for v in values])
+        total = sum_over_ranks(counts.sum()).clamp(min=1.0)
+        scale = loop.world / total
+        for param in loop.params:
+            if param.grad is not None:
+                param.grad.mul_(scale)
+        loss = (torch.stack(losses).float() * counts).sum() * scale  # this rank's share of the global mean
+        named = {name: torch.stack([v[name] for v in values]).float().mean() for name in values[0]}
+        return loss, named
 
     def _say_if_input_bound(self, metrics: dict[str, float]) -> None:
         """Once per run: most of a step waits for data, and which setting helps."""

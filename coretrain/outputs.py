@@ -70,6 +70,12 @@ def resolve_loss(name: str | None) -> LossFn | None:
     return loss_fn
 
 
+NUM_TOKENS = "num_tokens"
+"""A model that returns this next to ``loss`` (its loss is the mean over that many tokens) gets
+Megatron's per-token loss: each micro-batch weighs by its tokens, normalised by the step's
+tokens over every micro-batch and rank — so padding and uneven lengths change nothing."""
+
+
 def split_output(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, other scalar tensors) from whatever the model or the loss function returned."""
     if isinstance(output, torch.Tensor):

@@ -74,8 +74,8 @@ def test_each_batch_convention_is_shifted_exactly_once() -> None:
     logits = hf(input_ids=ids).logits
     by_hand = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     # HF's convention: labels aligned with input_ids, the shift happens inside
-    assert torch.allclose(model(input_ids=ids), by_hand, atol=1e-6)
-    assert torch.allclose(model(input_ids=ids, labels=ids), by_hand, atol=1e-6)
+    assert torch.allclose(model(input_ids=ids)["loss"], by_hand, atol=1e-6)
+    assert torch.allclose(model(input_ids=ids, labels=ids)["loss"], by_hand, atol=1e-6)
     # coretrain's text batches: targets already shifted; the same tokens predict the same targets
     pre_shifted = model(ids[:, :-1], ids[:, 1:])
     assert torch.allclose(pre_shifted, by_hand, atol=1e-6)
@@ -92,12 +92,13 @@ def test_masked_labels_and_padding_take_no_loss() -> None:
     labels[:, :6] = -100  # a prompt: no loss on it
     logits = hf(input_ids=ids).logits
     by_hand = F.cross_entropy(logits[0, 5:-1], ids[0, 6:])
-    assert torch.allclose(model(input_ids=ids, labels=labels), by_hand, atol=1e-6)
+    assert torch.allclose(model(input_ids=ids, labels=labels)["loss"], by_hand, atol=1e-6)
+    assert model(input_ids=ids, labels=labels)["num_tokens"] == 4
     mask = torch.ones_like(ids)
     mask[:, 8:] = 0  # right padding: never a target
     logits = hf(input_ids=ids, attention_mask=mask).logits
     assert torch.allclose(
-        model(input_ids=ids, attention_mask=mask), F.cross_entropy(logits[0, :7], ids[0, 1:8]), atol=1e-6
+        model(input_ids=ids, attention_mask=mask)["loss"], F.cross_entropy(logits[0, :7], ids[0, 1:8]), atol=1e-6
     )
 
 
@@ -234,10 +235,11 @@ PROSE = [f"The quick brown fox {i} jumps over the lazy dog number {i * 3}." for 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A byte-level BPE tokenizer trained here, saved as a user's downloaded tokenizer is."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.train_from_iterator(
         CORPUS + PROSE, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
     )
@@ -370,3 +372,106 @@ def test_two_ranks_share_one_tokenization(tmp_path: Path, tokenizer_dir: Path, t
     # one entry per source, committed, whichever rank came first built it under the lock
     assert len(list((tmp_path / "cache").glob("*.bin"))) == 2 and len(list((tmp_path / "cache").glob("*.json"))) == 2
     assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+# --------------------------------------------------------------------------- instruction tuning
+
+
+SFT_RECORDS = [
+    {"prompt": "Q: add 2 and 3\nA:", "response": " 5"},
+    {"prompt": "Q: say something about the fox\nA:", "response": " The quick brown fox jumps over the lazy dog."},
+]
+
+
+class FirstStep:
+    """Records the first step's loss and gradients, and each example's own loss (before the update)."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.grads: dict[str, torch.Tensor] = {}
+
+    from coretrain import hookimpl
+
+    @hookimpl
+    def before_update(self, run: Any, step: int, loss: torch.Tensor) -> None:
+        if step == 1:
+            self.loss = loss.item()
+            self.grads = {n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None}
+
+
+def sft_run(tokenizer_dir: Path, path: Path, micro: int, **options: Any) -> dict[str, Any]:
+    return {
+        "model": {"provider": "hf", "options": {"config": llama_table()}},
+        "data": {
+            "provider": "hf-sft",
+            "options": {"tokenizer": str(tokenizer_dir), "data_path": [str(path)], "split": [1, 0, 0], **options},
+        },
+        "optimizer": {"lr": 1e-3},
+        "train": {"micro_batch_size": micro, "global_batch_size": 2, "log_interval": 1, "eval_iters": 0},
+    }
+
+
+def test_a_padded_batch_and_the_same_examples_unpadded_give_the_same_loss_and_gradients(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    import json
+
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in SFT_RECORDS))
+    padded, separate = FirstStep(), FirstStep()
+    run_steps(tmp_path / "padded", steps=1, config=sft_run(tokenizer_dir, path, micro=2), plugins={"r": padded})
+    run_steps(tmp_path / "separate", steps=1, config=sft_run(tokenizer_dir, path, micro=1), plugins={"r": separate})
+    assert padded.loss == pytest.approx(separate.loss, abs=1e-6)
+    assert padded.grads.keys() == separate.grads.keys()
+    for name, grad in padded.grads.items():
+        assert torch.allclose(grad, separate.grads[name], atol=1e-6), name
+    # and it is the mean over response tokens, not the mean of the two examples' means
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    counts = [len(tokenizer(r["response"], add_special_tokens=False)["input_ids"]) + 1 for r in SFT_RECORDS]
+    assert counts[0] != counts[1]
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(tmp_path / "padded/out/hf-config")
+    )
+    torch.manual_seed(7)  # the run's seed: the same initial weights
+    model = transformers.AutoModelForCausalLM.from_config(model.config)
+    means = []
+    for record in SFT_RECORDS:
+        prompt = tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+        full = prompt + tokenizer(record["response"], add_special_tokens=False)["input_ids"] + [2]
+        logits = model(input_ids=torch.tensor([full])).logits[0, len(prompt) - 1 : -1]
+        means.append(F.cross_entropy(logits, torch.tensor(full[len(prompt) :])).item())
+    per_token = (means[0] * counts[0] + means[1] * counts[1]) / sum(counts)
+    assert padded.loss == pytest.approx(per_token, abs=1e-5)
+    assert abs(padded.loss - sum(means) / 2) > 1e-3
+
+
+def test_chat_records_use_the_chat_template_and_mask_the_prompt(tokenizer_dir: Path) -> None:
+    from coretrain_hf.sft import HFSFT, chat_ids
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
+    sft = HFSFT(tokenizer=str(tokenizer_dir), data_path=["x.jsonl"])
+    messages = [{"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": "5"}]
+    ids, labels = sft.encode({"messages": messages}, tokenizer)
+    prompt = chat_ids(tokenizer, messages[:1], generation_prompt=True)
+    assert (labels[: len(prompt)] == -100).all() and torch.equal(labels[len(prompt) :], ids[len(prompt) :])
+    assert ids.tolist() == chat_ids(tokenizer, messages, generation_prompt=False)
+    text = tokenizer.decode(ids[len(prompt) :])
+    assert text.replace(" ", "").startswith("5</s>")  # the answer and its end: the only tokens with a loss
+    with pytest.raises(UserError, match="has neither 'messages' nor 'prompt' and 'response'"):
+        sft.encode({"question": "?"}, tokenizer)
+
+
+def test_packed_sft_trains_on_windows(tmp_path: Path, tokenizer_dir: Path) -> None:
+    import json
+
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in SFT_RECORDS * 20))
+    sections = sft_run(tokenizer_dir, path, micro=2, packing=True, seq_length=24)
+    result = run_steps(tmp_path, steps=6, config=sections)
+    sample = result.run.datasets.train[0]
+    assert sample["input_ids"].shape == (24,) and (sample["labels"] == -100).any()
+    assert result.metrics[-1]["loss"] < result.metrics[0]["loss"]

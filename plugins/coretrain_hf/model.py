@@ -10,7 +10,8 @@ Two batch conventions meet here, and mixing them up silently trains the wrong ob
 
 :class:`CausalLM` takes either and computes the loss itself (the model is called without
 ``labels``), so neither convention is shifted twice. The loss is the mean over the tokens that
-count (labels != -100).
+count (labels != -100); for dict batches the model also returns ``num_tokens``, so the loop
+averages over every real token of the step, not over micro-batches (Megatron's per-token loss).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class CausalLM(torch.nn.Module):
         self.hf: Any = hf  # a transformers PreTrainedModel
         self.seq_length = seq_length
 
-    def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor:
-        if args:  # coretrain's (input_ids, targets): already shifted
+    def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        if args:  # coretrain's (input_ids, targets): already shifted, every position a target
             input_ids, targets = args
             logits = self.hf(input_ids=input_ids).logits
             return token_loss(logits, targets)
@@ -43,7 +44,10 @@ class CausalLM(torch.nn.Module):
             if mask is not None:
                 labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
         logits = self.hf(**batch).logits
-        return token_loss(logits[:, :-1], labels[:, 1:])  # the one shift: position t predicts t + 1
+        targets = labels[:, 1:]  # the one shift: position t predicts t + 1
+        # masked and padded batches differ in how many tokens count: say so, and the loop weighs
+        # every token alike across micro-batches and ranks (coretrain.outputs.NUM_TOKENS)
+        return {"loss": token_loss(logits[:, :-1], targets), "num_tokens": (targets != IGNORE_INDEX).sum()}
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6·N (matmuls, embeddings excluded) + 12·L·H·T (attention)."""

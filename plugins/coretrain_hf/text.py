@@ -49,6 +49,7 @@ from coretrain import (
     positive,
     require,
 )
+from coretrain_hf.splits import bounds, check_shares
 
 log = logging.getLogger("coretrain")
 
@@ -78,10 +79,7 @@ class HFText:
 
     def __attrs_post_init__(self) -> None:
         blend(self.data_path)  # raises FieldValueError naming data_path
-        if len(self.split) != 3 or sum(self.split) <= 0:
-            raise FieldValueError(
-                "split", f"needs three shares (train, valid, test) with a positive sum, got {self.split}"
-            )
+        check_shares(self.split)
 
     @hookimpl
     def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets:
@@ -209,18 +207,10 @@ def build(path: Path, tokenizer: Any, options: HFText, data: Path, meta: Path, c
 def split_windows(tokens: torch.Tensor, seq_length: int, shares: list[float]) -> list[TokenWindows | None]:
     """Consecutive windows of one source divided in order into train, valid, test."""
     windows = max((tokens.numel() - 1) // seq_length, 0)
-    total = sum(shares)
-    bounds = [0]
-    for share in shares[:-1]:
-        bounds.append(bounds[-1] + round(windows * share / total))
-    bounds.append(windows)
-    parts: list[TokenWindows | None] = []
-    for start, end in zip(bounds, bounds[1:]):
-        end = max(start, min(end, windows))
-        parts.append(
-            TokenWindows(tokens[start * seq_length : end * seq_length + 1], seq_length) if end > start else None
-        )
-    return parts
+    return [
+        TokenWindows(tokens[start * seq_length : end * seq_length + 1], seq_length) if end > start else None
+        for start, end in bounds(windows, shares)
+    ]
 
 
 def blended(parts: list[TokenWindows | None], weights: list[float], size: int) -> Any:
