@@ -155,6 +155,10 @@ class CheckpointConfig:
     async_save: bool = False
     pretrained: str | None = None
     """Load model weights only from this checkpoint (fine-tuning: step 0, fresh optimizer)."""
+    save_frozen: bool = True
+    """Save the parameters that do not train (requires_grad false) too; false saves only what
+    trains (e.g. LoRA adapters), and a resume takes the rest from the model provider again
+    (the same pretrained path)."""
     load_optimizer: bool = True
     """On resume, load the optimizer's state; false starts it afresh (e.g. after changing
     optimizer.name), keeping weights, step, schedule position and data position."""

@@ -17,6 +17,7 @@ import torch
 
 from coretrain import safeload
 from coretrain.checkpoint import checkpoint_root, parse_step_dir, read_manifest, set_rng_state, step_dir, step_dirs
+from coretrain.checkpoint.state import dcp_options, frozen_names
 from coretrain.errors import CheckpointUnreadable, UserError
 from coretrain.run import Run, TrainState, config_as_dict
 
@@ -44,13 +45,14 @@ def resume_candidates(run: Run) -> tuple[list[Path], bool]:
     return [step_dir(root, step) for step in reversed(steps)], False
 
 
-def _load_sharded(run: Run, directory: Path, with_optimizer: bool) -> None:
+def _load_sharded(run: Run, directory: Path, with_optimizer: bool, with_frozen: bool) -> None:
     """Load a DCP checkpoint into the current model (sharded or not, any number of ranks)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
 
     safeload.check_metadata(directory)
-    model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
+    options = dcp_options(with_frozen)
+    model_state, optimizer_state = get_state_dict(run.model, run.optimizer, options=options)
     state = {"model": model_state, "optimizer": optimizer_state} if with_optimizer else {"model": model_state}
     try:
         load(
@@ -66,13 +68,18 @@ def _load_sharded(run: Run, directory: Path, with_optimizer: bool) -> None:
         run.optimizer,
         model_state_dict=model_state,
         optim_state_dict=optimizer_state if with_optimizer else {},
+        options=options,
     )
 
 
-def check_model_fits(directory: Path, saved: dict[str, Any], model: torch.nn.Module, hint: str = "") -> None:
-    """One error naming the parameters whose names or shapes differ (a changed model config)."""
+def check_model_fits(
+    directory: Path, saved: dict[str, Any], model: torch.nn.Module, hint: str = "", frozen_saved: bool = True
+) -> None:
+    """One error naming the parameters whose names or shapes differ (a changed model config);
+    a checkpoint saved without frozen parameters may lack exactly those."""
     current = model.state_dict()
-    problems = [f"'{k}' is missing from the checkpoint" for k in current if k not in saved]
+    optional = set() if frozen_saved else frozen_names(model)
+    problems = [f"'{k}' is missing from the checkpoint" for k in current if k not in saved and k not in optional]
     problems += [f"'{k}' is in the checkpoint but not in the model" for k in saved if k not in current]
     problems += [
         f"'{k}' has shape {list(saved[k].shape)} in the checkpoint, {list(v.shape)} now"
@@ -124,13 +131,14 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
     configured = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
     if restored.manifest["layout"] == "sharded":
         try:
-            _load_sharded(run, path / "sharded", with_optimizer=with_optimizer)
+            _load_sharded(run, path / "sharded", with_optimizer, restored.manifest.get("frozen_saved", True))
         except CheckpointUnreadable as exc:
             raise CheckpointUnreadable(exc.path, exc.reason + hint, unsafe=exc.unsafe) from None
     else:
         assert restored.model is not None
-        check_model_fits(path, restored.model, run.unwrapped_model, hint)
-        run.unwrapped_model.load_state_dict(restored.model)
+        frozen_saved = restored.manifest.get("frozen_saved", True)
+        check_model_fits(path, restored.model, run.unwrapped_model, hint, frozen_saved)
+        run.unwrapped_model.load_state_dict(restored.model, strict=frozen_saved)
         if with_optimizer:
             try:
                 run.optimizer.load_state_dict(restored.optimizer or {})
@@ -259,14 +267,17 @@ def load_pretrained(run: Run, path: str) -> None:
     directory = Path(path)
     if not directory.exists():
         raise UserError(f"checkpoint.pretrained: '{path}' does not exist")
+    frozen_saved = True
     if directory.is_file():
         weights = safeload.load_file(directory)
-    elif read_manifest(directory)["layout"] == "sharded":
-        _load_sharded(run, directory / "sharded", with_optimizer=False)
-        return
     else:
+        info = read_manifest(directory)
+        frozen_saved = info.get("frozen_saved", True)
+        if info["layout"] == "sharded":
+            _load_sharded(run, directory / "sharded", with_optimizer=False, with_frozen=frozen_saved)
+            return
         weights = safeload.load_file(directory / "model.pt")
     if not isinstance(weights, dict):
         raise CheckpointUnreadable(directory, "not a state dict of model weights")
-    check_model_fits(directory, weights, run.unwrapped_model)
-    run.unwrapped_model.load_state_dict(weights)
+    check_model_fits(directory, weights, run.unwrapped_model, frozen_saved=frozen_saved)
+    run.unwrapped_model.load_state_dict(weights, strict=frozen_saved)

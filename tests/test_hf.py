@@ -475,3 +475,66 @@ def test_packed_sft_trains_on_windows(tmp_path: Path, tokenizer_dir: Path) -> No
     sample = result.run.datasets.train[0]
     assert sample["input_ids"].shape == (24,) and (sample["labels"] == -100).any()
     assert result.metrics[-1]["loss"] < result.metrics[0]["loss"]
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+def lora_run(llama_dir: Path) -> dict[str, Any]:
+    sections = text_run(llama_dir, eval_iters=0, log_interval=1)
+    sections["checkpoint"] = {"save_frozen": False}
+    sections["optimizer"] = {"lr": 1e-2}
+    return sections
+
+
+def test_lora_trains_and_saves_only_adapters_and_exports_merged_or_as_adapters(tmp_path: Path, llama_dir: Path) -> None:
+    import safetensors.torch
+
+    result = run_steps(tmp_path, steps=6, config=lora_run(llama_dir), tables={"lora": LORA})
+    peft_model = result.run.model.hf
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, local_files_only=True)
+    q_proj = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    assert torch.equal(q_proj.base_layer.weight, base.model.layers[0].self_attn.q_proj.weight)  # base untouched
+    assert q_proj.lora_B["default"].weight.abs().sum() > 0  # B starts at zero: it trained
+    trained = {id(p) for group in result.run.optimizer.param_groups for p in group["params"]}
+    assert trained == {id(p) for n, p in peft_model.named_parameters() if "lora_" in n}
+    saved = torch.load(tmp_path / "out/checkpoints/step_00000006/model.pt", weights_only=True)
+    assert saved and all("lora_" in name for name in saved)  # the adapters only
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        expected = result.run.model.eval()(ids, ids)  # the trained model's loss on a batch
+
+    export(result.output_dir, None, tmp_path / "merged", "hf", {"merge_lora": True})
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    delta = q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight * (LORA["alpha"] / LORA["rank"])
+    assert torch.allclose(merged.model.layers[0].self_attn.q_proj.weight, q_proj.base_layer.weight + delta, atol=1e-6)
+    assert torch.equal(merged.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)
+
+    written = export(result.output_dir, None, tmp_path / "adapters", "hf", {"merge_lora": False})
+    assert "PeftModel.from_pretrained" in written
+    import peft
+
+    reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapters")
+    with torch.no_grad():
+        for model in (merged, reloaded):
+            logits = model(input_ids=ids).logits
+            assert torch.allclose(F.cross_entropy(logits.reshape(-1, VOCAB), ids.reshape(-1)), expected, atol=1e-5)
+    assert safetensors.torch.load_file(tmp_path / "adapters/adapter_model.safetensors")  # adapters, not the base
+
+
+def test_a_lora_run_resumes_exactly_from_adapter_only_checkpoints(tmp_path: Path, llama_dir: Path) -> None:
+    from coretrain.testing import stop_and_resume
+
+    straight = run_steps(tmp_path / "straight", steps=6, config=lora_run(llama_dir), tables={"lora": LORA})
+    first, resumed = stop_and_resume(
+        tmp_path / "split", stop_at=3, steps=6, config=lora_run(llama_dir), tables={"lora": LORA}
+    )
+    assert [m["loss"] for m in first.metrics + resumed.metrics] == [m["loss"] for m in straight.metrics]
+
+
+def test_lora_target_modules_that_match_nothing_name_the_linear_modules(tmp_path: Path, llama_dir: Path) -> None:
+    with pytest.raises(UserError, match=r"plugins.lora.target_modules: .*the model's Linear modules: .*q_proj"):
+        run_steps(tmp_path, steps=2, config=lora_run(llama_dir), tables={"lora": {"target_modules": ["attn_qkv"]}})

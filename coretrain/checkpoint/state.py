@@ -64,17 +64,34 @@ def collect(run: Run, extra_state: dict[str, Any], evaluated: list[str] | None =
         state["grad_scaler"] = run.grad_scaler.state_dict()
     files: dict[str, Any] = {f"rank_{run.dist.rank:05d}.pt": state}
     sharded = is_sharded(run.model)
+    with_frozen = run.config.checkpoint.save_frozen
     if sharded:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
+        model_state, optimizer_state = get_state_dict(run.model, run.optimizer, options=dcp_options(with_frozen))
         files["sharded"] = ShardedState({"model": model_state, "optimizer": optimizer_state})
     elif run.dist.is_main:
-        files["model.pt"] = run.unwrapped_model.state_dict()
+        model_state = run.unwrapped_model.state_dict()
+        if not with_frozen:
+            frozen = frozen_names(run.unwrapped_model)
+            model_state = {name: value for name, value in model_state.items() if name not in frozen}
+        files["model.pt"] = model_state
         files["optimizer.pt"] = run.optimizer.state_dict()
     if run.dist.is_main:
         files[MANIFEST] = manifest(run, "sharded" if sharded else "replicated", evaluated or [])
     return files
+
+
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """State-dict names of the parameters that do not train (tied names included)."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def dcp_options(with_frozen: bool) -> Any:
+    """torch.distributed.checkpoint's state-dict options: frozen parameters in or out."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=not with_frozen)
 
 
 def manifest(run: Run, layout: str, evaluated: list[str]) -> dict[str, Any]:
@@ -86,6 +103,7 @@ def manifest(run: Run, layout: str, evaluated: list[str]) -> dict[str, Any]:
         "coretrain": __version__,
         "step": run.state.step,
         "layout": layout,
+        "frozen_saved": run.config.checkpoint.save_frozen,
         "world_size": run.dist.world_size,
         "optimizer": run.config.optimizer.name,
         "seq_length": run.datasets.seq_length,

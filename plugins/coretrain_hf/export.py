@@ -4,7 +4,8 @@ The checkpoint holds the wrapper's state dict (keys prefixed ``hf.``); the model
 one the run trained with, saved by the provider in ``RUN_DIR/hf-config/``. The weights are
 loaded into a freshly built transformers model (strictly: every key must fit) and written with
 its own ``save_pretrained``, so tied weights, sharding and the config come out as transformers
-expects. The tokenizer the run's data used is copied alongside.
+expects. The tokenizer the run's data used is copied alongside. LoRA adapters are written as a
+PEFT adapter directory, or with ``--merge-lora`` merged into the base weights.
 """
 
 from __future__ import annotations
@@ -49,13 +50,43 @@ def save_pretrained(
     )
     weights = {name.removeprefix(PREFIX): tensor for name, tensor in state.items()}
     auto = getattr(transformers, TASKS[provider.task])
-    model = auto.from_config(hf_config, dtype=DTYPES[provider.dtype])
-    load_strictly(model, weights)
-    what = "model"
+    lora = lora_settings(config)
+    if lora is None:
+        model = auto.from_config(hf_config, dtype=DTYPES[provider.dtype])
+        load_strictly(model, weights)
+        what = "model"
+    else:
+        from coretrain_hf.lora import export_adapters
+
+        frozen_saved = config.get("checkpoint", {}).get("save_frozen", True)
+        if frozen_saved:
+            base = auto.from_config(hf_config, dtype=DTYPES[provider.dtype])
+        elif provider.path is not None:  # the checkpoint holds the adapters; the base is where it came from
+            base = auto.from_pretrained(
+                provider.path, config=hf_config, local_files_only=True, dtype=DTYPES[provider.dtype]
+            )
+        else:
+            raise UserError(
+                "the checkpoint holds only the adapters (checkpoint.save_frozen = false) and the base model was "
+                "randomly initialised (no model.options.path): its weights are not saved anywhere"
+            )
+        model, what = export_adapters(base, weights, lora, merge=bool(options.get("merge_lora")))
+        if not options.get("merge_lora") and provider.path is not None:
+            model.peft_config["default"].base_model_name_or_path = str(Path(provider.path).resolve())
     to.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(to)
     copied = copy_tokenizer(config, to)
     return f"wrote {to}: {type(model).__name__} {what}" + (f", tokenizer from {copied}" if copied else "")
+
+
+def lora_settings(config: dict[str, Any]) -> Any:
+    """The run's [plugins.lora] settings, when it trained adapters."""
+    table = dict(config.get("plugins", {}).get("lora") or {})
+    if "lora" not in config.get("plugins", {}) or not table.pop("enabled", True):
+        return None
+    from coretrain_hf.lora import LoRA
+
+    return LoRA(**table)
 
 
 def load_strictly(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
