@@ -65,7 +65,7 @@ def export(run_dir: Path, step: int | None, to: Path, export_format: str, option
             f"--format {export_format}: no plugin of this run writes that format; 'safetensors' is built in "
             "(the hf model provider adds 'hf')"
         )
-    return f"{written} from {source}"
+    return f"{written} (checkpoint {source})"
 
 
 def pick_checkpoint(run_dir: Path, step: int | None) -> Path:

@@ -538,3 +538,34 @@ def test_a_lora_run_resumes_exactly_from_adapter_only_checkpoints(tmp_path: Path
 def test_lora_target_modules_that_match_nothing_name_the_linear_modules(tmp_path: Path, llama_dir: Path) -> None:
     with pytest.raises(UserError, match=r"plugins.lora.target_modules: .*the model's Linear modules: .*q_proj"):
         run_steps(tmp_path, steps=2, config=lora_run(llama_dir), tables={"lora": {"target_modules": ["attn_qkv"]}})
+
+
+@pytest.mark.slow
+def test_the_hf_finetune_example_trains_exports_and_loads_back(tmp_path: Path) -> None:
+    from conftest import REPO, metrics_rows, run_cli
+
+    example = REPO / "examples" / "hf-finetune"
+    assets = tmp_path / "assets"
+    made = run_cli(str(example / "make_assets.py"), str(assets), cwd=tmp_path, command=(sys.executable,))
+    assert made.returncode == 0, made.stderr
+    out = tmp_path / "run"
+    overrides = [
+        f"run.output_dir={json_str(out)}",
+        f"model.options.path={json_str(assets / 'tiny-llama')}",
+        f"data.options.tokenizer={json_str(assets / 'tokenizer')}",
+        f"data.options.data_path=[{json_str(assets / 'instructions.jsonl')}]",
+    ]
+    trained = run_cli("run", str(example / "finetune.toml"), *(a for o in overrides for a in ("--set", o)), cwd=REPO)
+    assert trained.returncode == 0, trained.stderr
+    rows = metrics_rows(out)
+    assert [r["valid/loss"] for r in rows if "valid/loss" in r][-1] < rows[0]["loss"]
+    exported = run_cli(
+        "checkpoint", "export", str(out), "--format", "hf", "--merge-lora", "--to", str(tmp_path / "hf"), cwd=tmp_path
+    )
+    assert exported.returncode == 0 and "with the LoRA adapters merged" in exported.stdout, exported.stderr
+    answered = run_cli(str(example / "load_back.py"), str(tmp_path / "hf"), cwd=tmp_path, command=(sys.executable,))
+    assert answered.returncode == 0 and answered.stdout.count("->") == 2, answered.stderr
+
+
+def json_str(path: Path) -> str:
+    return '"' + str(path) + '"'

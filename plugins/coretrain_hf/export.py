@@ -76,7 +76,7 @@ def save_pretrained(
     to.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(to)
     copied = copy_tokenizer(config, to)
-    return f"wrote {to}: {type(model).__name__} {what}" + (f", tokenizer from {copied}" if copied else "")
+    return f"wrote {to}: {type(model).__name__} {what}" + (f", tokenizer copied from {copied}" if copied else "")
 
 
 def lora_settings(config: dict[str, Any]) -> Any:
