@@ -569,3 +569,22 @@ def test_the_hf_finetune_example_trains_exports_and_loads_back(tmp_path: Path) -
 
 def json_str(path: Path) -> str:
     return '"' + str(path) + '"'
+
+
+def test_fp8_keeps_the_models_output_head_in_high_precision(tmp_path: Path, llama_dir: Path) -> None:
+    result = run_steps(tmp_path, steps=4, config=text_run(llama_dir, eval_iters=0, log_interval=2), tables={"fp8": {}})
+    converted = result.run.plugins.get("fp8").converted  # type: ignore[union-attr]
+    assert "hf.model.layers.0.self_attn.q_proj" in converted and len(converted) == 14  # 7 Linear per block
+    assert not any("lm_head" in name for name in converted)
+    assert all(m["loss"] == m["loss"] for m in result.metrics)  # finite under emulated FP8
+
+
+@pytest.mark.slow
+def test_the_compile_plugin_compiles_an_hf_model(tmp_path: Path, llama_dir: Path) -> None:
+    eager = run_steps(tmp_path / "eager", steps=4, config=text_run(llama_dir, eval_iters=0, log_interval=2))
+    compiled = run_steps(
+        tmp_path / "compiled", steps=4, config=text_run(llama_dir, eval_iters=0, log_interval=2), tables={"compile": {}}
+    )
+    assert compiled.run.model._compiled_call_impl is not None  # compiled in place: names unchanged
+    for a, b in zip(eager.metrics, compiled.metrics):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)

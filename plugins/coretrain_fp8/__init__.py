@@ -31,7 +31,8 @@ class FP8:
     recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     """torchao float8 recipe."""
     skip: list[str] = field(factory=lambda: ["lm_head", "output", "head"])
-    """fnmatch patterns of Linear module names kept in high precision."""
+    """fnmatch patterns of Linear module names kept in high precision (matched against the full
+    name and its last part, so "lm_head" also keeps a wrapped model's hf.lm_head)."""
     fp8_all_gather: bool = False
     """With FSDP2 and the tensorwise recipe: all-gather parameters in FP8."""
     emulate: bool | None = None
@@ -45,7 +46,7 @@ class FP8:
             isinstance(module, torch.nn.Linear)
             and module.in_features % 16 == 0
             and module.out_features % 16 == 0
-            and not any(fnmatchcase(name, p) for p in self.skip)
+            and not any(fnmatchcase(name, p) or fnmatchcase(name.rsplit(".", 1)[-1], p) for p in self.skip)
         )
 
     @hookimpl(tryfirst=True)
