@@ -19,7 +19,7 @@ from coretrain import safeload
 from coretrain.checkpoint import checkpoint_root, parse_step_dir, read_manifest, set_rng_state, step_dir, step_dirs
 from coretrain.checkpoint.state import dcp_options, frozen_names
 from coretrain.errors import CheckpointUnreadable, UserError
-from coretrain.run import Run, TrainState, config_as_dict
+from coretrain.run import Run, TrainState, config_as_dict, seed_everything
 
 log = logging.getLogger("coretrain")
 
@@ -103,12 +103,22 @@ class Restored:
 
 
 def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
-    """Read and check this rank's files of a checkpoint; changes nothing (so a caller may fall back)."""
+    """Read and check this rank's files of a checkpoint; changes nothing (so a caller may fall back).
+
+    On another number of ranks than the checkpoint's: a rank the checkpoint did not have takes
+    rank 0's file (train state, schedule and plugin states are the same on every rank) with
+    its random streams derived from (seed, rank, step); every rank gets the pending log
+    interval averaged over all saved ranks, so the next logged loss still covers every rank's
+    steps."""
     info = read_manifest(path)
-    rank_file = path / f"rank_{run.dist.rank:05d}.pt"
-    rank_state = safeload.load_file(rank_file)
-    if not isinstance(rank_state, dict) or not isinstance(rank_state.get("train"), dict):
-        raise CheckpointUnreadable(rank_file, "not a coretrain rank state (no 'train' table)")
+    saved_world = int(info.get("world_size") or run.dist.world_size)
+    rank = run.dist.rank
+    own = rank if rank < saved_world else 0
+    rank_state = _rank_state(path, own)
+    if saved_world != run.dist.world_size:
+        if rank >= saved_world:
+            rank_state["rng"] = None
+        rank_state["interval_log"] = _merged_interval_log(path, saved_world, own, rank_state.get("interval_log") or {})
     restored = Restored(path, info, rank_state)
     if info["layout"] == "replicated":
         restored.model = safeload.load_file(path / "model.pt")
@@ -117,6 +127,33 @@ def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
     else:  # DCP reads it again when applying; reading it here lets a crafted or torn one fail early
         safeload.check_metadata(path / "sharded")
     return restored
+
+
+def _rank_state(path: Path, rank: int) -> dict[str, Any]:
+    rank_file = path / f"rank_{rank:05d}.pt"
+    rank_state = safeload.load_file(rank_file)
+    if not isinstance(rank_state, dict) or not isinstance(rank_state.get("train"), dict):
+        raise CheckpointUnreadable(rank_file, "not a coretrain rank state (no 'train' table)")
+    return rank_state
+
+
+def _merged_interval_log(path: Path, saved_world: int, own_rank: int, own: dict[str, Any]) -> dict[str, Any]:
+    """The saved ranks' pending interval, averaged over them step by step."""
+    if not own:
+        return {}
+    logs = [own if r == own_rank else (_rank_state(path, r).get("interval_log") or {}) for r in range(saved_world)]
+    logs = [log_ for log_ in logs if log_]
+
+    def mean(key: str) -> torch.Tensor:
+        return torch.stack([log_[key].float() for log_ in logs]).mean(0)
+
+    names = own.get("values", {})
+    return {
+        "losses": mean("losses"),
+        "samples": own["samples"],
+        "grad_norms": mean("grad_norms") if own["grad_norms"].numel() else own["grad_norms"],
+        "values": {name: torch.stack([log_["values"][name].float() for log_ in logs]).mean(0) for name in names},
+    }
 
 
 def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
@@ -153,7 +190,10 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
     if run.grad_scaler is not None and "grad_scaler" in state:
         run.grad_scaler.load_state_dict(state["grad_scaler"])
     run.state = TrainState(**state["train"])
-    set_rng_state(state["rng"])
+    if state["rng"] is not None:
+        set_rng_state(state["rng"])
+    else:  # a rank the checkpoint did not have: its own streams, fixed by (seed, rank, step)
+        seed_everything((run.config.run.seed + 1_000_003 * run.dist.rank + run.state.step) % 2**32)
 
 
 def read_newest_loadable(run: Run, candidates: list[Path], explicit: bool, with_optimizer: bool) -> Restored:

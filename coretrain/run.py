@@ -26,7 +26,7 @@ from coretrain.errors import UserError, did_you_mean
 from coretrain.optim import WarmupDecayLR, build_optimizer
 from coretrain.outputs import LossFn
 from coretrain.pluginmanager import Plugins, is_import_path
-from coretrain.rundir import OutputDirLock
+from coretrain.rundir import OutputDirLock, check_shared
 from coretrain.signals import SignalWatcher
 from coretrain.tomlwrite import dumps
 
@@ -304,6 +304,8 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     )
     if dist_info.is_main and write_config:
         run.output_lock = OutputDirLock(output_dir).acquire()
+    if write_config and dist_info.world_size > 1:
+        check_shared(output_dir, dist_info.rank, dist_info.world_size)
     check_signals()
 
     train = config.train

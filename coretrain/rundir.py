@@ -76,3 +76,37 @@ class OutputDirLock:
         if self._file is not None:
             self._file.close()  # closing the descriptor drops the flock
             self._file = None
+
+
+SHARED_CHECK = ".shared-check"
+
+
+def check_shared(path: Path, rank: int, world_size: int) -> None:
+    """Every rank must see the files rank 0 writes here: a checkpoint's ranks write into one
+    directory, and resume reads every rank's file. Rank 0 writes a random token; every rank
+    reads it back; the ranks agree on the first one that cannot (one collective, at start)."""
+    import secrets
+
+    import torch
+
+    from coretrain.dist import max_over_ranks
+
+    token = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        token[0] = secrets.randbits(62)
+        (path / SHARED_CHECK).write_text(str(int(token[0])))
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast(token, src=0)
+    try:
+        seen = int((path / SHARED_CHECK).read_text())
+    except (OSError, ValueError):
+        seen = -1
+    blind = rank + 1 if seen != int(token[0]) else 0
+    worst = max_over_ranks(blind)[0] if world_size > 1 else blind
+    if worst:
+        raise UserError(
+            f"run.output_dir: {path} is not one directory for every rank: rank {worst - 1} on "
+            f"{socket.gethostname() if blind else 'another node'} does not see what rank 0 wrote there; "
+            "checkpoints need a directory all nodes share (a network filesystem such as NFS or Lustre), "
+            "e.g. an absolute path on it"
+        )

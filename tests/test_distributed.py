@@ -301,3 +301,28 @@ def test_a_preempted_job_whose_workers_get_sigterm_twice_still_checkpoints(tmp_p
     _, stderr = launcher.communicate(timeout=120)
     assert launcher.returncode == 143, stderr
     assert saved_by_both_ranks(out) >= 12
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_checkpoint_resumes_on_more_and_on_fewer_ranks_with_the_same_losses(tmp_path: Path, strategy: str) -> None:
+    """2 → 4 and 4 → 2 ranks at the same global batch: after the resume every step reads the
+    uninterrupted run's samples, and the logged losses (the pending interval merged) agree."""
+
+    def config(name: str) -> Path:
+        path = write(tmp_path, name, micro_batch_size=2, global_batch_size=8, eval_iters=0, log_interval=4)
+        path.write_text(path.read_text() + f'\n[distributed]\nstrategy = "{strategy}"\n')
+        return path
+
+    full = torchrun("run", str(config("full")), cwd=tmp_path, nproc=2)
+    assert full.returncode == 0, full.stderr
+    for name, before, after in (("grow", 2, 4), ("shrink", 4, 2)):
+        path = config(name)
+        first = torchrun("run", str(path), "--set", "train.exit_interval=10", cwd=tmp_path, nproc=before)
+        assert first.returncode == 0, first.stderr
+        resumed = torchrun("run", str(path), cwd=tmp_path, nproc=after)
+        assert resumed.returncode == 0, resumed.stderr
+        assert f"{after} rank(s) on cpu" in resumed.stdout and "(step 10," in resumed.stderr
+        reference, got = logged(tmp_path / "full"), logged(tmp_path / name)
+        assert [s for s, _ in got] == [s for s, _ in reference]
+        for (step, x), (_, y) in zip(reference, got):
+            assert y == pytest.approx(x, rel=1e-6), (name, step)  # step 12 holds steps 9–10 from before
