@@ -173,8 +173,11 @@ class DistributedConfig:
     starts more than one rank, else none. Its settings go in [plugins.NAME]."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto = nccl on CUDA, gloo on CPU."""
-    timeout_minutes: float = field(default=10.0, validator=_positive)
-    """Collective timeout: a rank that dies or hangs ends the job after this long, not never."""
+    init_timeout_seconds: float = field(default=600.0, validator=_positive)
+    """Start-up and the first step (compilation, loading, a slow filesystem), evaluation and
+    checkpoints: a rank that makes no progress for this long is named and the job ends."""
+    step_timeout_seconds: float = field(default=300.0, validator=_positive)
+    """After the first step: a rank stuck this long in one step is named and the job ends."""
 
     def resolved_strategy(self, world_size: int) -> str | None:
         """The parallelism plugin to enable, if any."""

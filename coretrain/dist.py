@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device_type: str, backend: str = "auto", timeout_minutes: float = 10.0) -> DistInfo:
+def init_distributed(device_type: str, backend: str = "auto", timeout_seconds: float = 600.0) -> DistInfo:
     """Join the process group torchrun set up (gloo on CPU, nccl on CUDA); single process otherwise."""
     world_size = world_size_from_env()
     if world_size == 1:
@@ -31,7 +32,7 @@ def init_distributed(device_type: str, backend: str = "auto", timeout_minutes: f
     if not dist.is_initialized():
         chosen = backend if backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
         global _timeout
-        _timeout = datetime.timedelta(minutes=timeout_minutes)
+        _timeout = datetime.timedelta(seconds=timeout_seconds)
         dist.init_process_group(chosen, timeout=_timeout)
     return DistInfo(
         rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0"))
@@ -57,6 +58,42 @@ def max_over_ranks(*values: int) -> list[int]:
     tensor = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_cpu_group())
     return tensor.tolist()
+
+
+class OneStepLate:
+    """Maxima over ranks without blocking: the values proposed at one step are all-reduced in
+    the background and read at the next, by when the tiny CPU all-reduce has long finished.
+
+    Every rank calls :meth:`exchange` once per step, so all of them act on the same agreed
+    values at the same step — one step after the proposal (DESIGN: agreement must not put a
+    blocking collective on every step)."""
+
+    def __init__(self, size: int) -> None:
+        self._values = torch.zeros(size, dtype=torch.int64)
+        self._work: Any = None
+
+    def exchange(self, *proposal: int, now: bool = False) -> list[int]:
+        """The agreed maxima of the previous step's proposals (zeros at the first); propose these.
+
+        ``now``: on a step that decides something anyway (a checkpoint is due), agree on these
+        proposals too, blocking — a stop that forbids saving must stop the save it coincides with."""
+        agreed = [0] * len(proposal)
+        if self._work is not None:
+            self._work.wait()  # finished a step ago: returns at once
+            agreed = self._values.tolist()
+            self._work = None
+        if now:
+            current = max_over_ranks(*proposal)
+            return [max(a, b) for a, b in zip(agreed, current)]
+        self._values = torch.tensor(proposal, dtype=torch.int64)
+        self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=_cpu_group(), async_op=True)
+        return agreed
+
+    def finish(self) -> None:
+        """Wait for the proposal in flight (before the ranks' next collectives or shutdown)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
 
 
 def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:

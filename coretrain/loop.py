@@ -18,7 +18,7 @@ import torch
 from attrs import frozen
 
 from coretrain import checkpoint, outputs, resume, safeload
-from coretrain.dist import max_over_ranks, sum_over_ranks
+from coretrain.dist import OneStepLate, max_over_ranks, sum_over_ranks
 from coretrain.errors import PluginError, RunFailure
 from coretrain.evaluate import Evaluator, autocast
 from coretrain.hookspecs import Outcome
@@ -27,6 +27,7 @@ from coretrain.loader import StepPlan, TrainBatches
 from coretrain.optim import WarmupDecayLR
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
+from coretrain.watchdog import Watchdog
 
 log = logging.getLogger("coretrain")
 
@@ -130,6 +131,12 @@ class Trainer:
             signals.keep_only(watched)
         self.signals = signals
         self.signum: int | None = None
+        self.agreement = OneStepLate(4)
+        """Stop code, signal, exit code, checkpoint request: proposed each step, agreed the next."""
+        timeouts = run.config.distributed
+        self.watchdog = Watchdog(
+            run.dist.rank, timeouts.init_timeout_seconds, timeouts.step_timeout_seconds, run.output_dir
+        )
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -158,6 +165,7 @@ class Trainer:
         run = self.run
         if not run.config.checkpoint.save or self.last_saved_step == run.state.step:
             return
+        self.watchdog.beat(run.state.step, "checkpoint")
         path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
         plugin_states = {}
         for name, state in run.plugins.calls.on_checkpoint(run=run, step=run.state.step, path=str(path)).items():
@@ -205,6 +213,8 @@ class Trainer:
         run, hooks = self.run, self.hooks
         run.started_at = time.monotonic()
         outcome: Outcome = "error"
+        if run.dist.world_size > 1:  # a hung rank blocks the others: name it and end the job
+            self.watchdog.start()
         try:
             with self.signals:
                 self.restore()
@@ -228,6 +238,7 @@ class Trainer:
                 raise
             raise RunFailure(out_of_memory(run, exc)) from exc
         finally:
+            self.watchdog.stop()
             if outcome == "error" and self.checkpointer.in_flight:
                 with contextlib.suppress(Exception):  # the error in hand is the one to report
                     self.checkpointer.wait()
@@ -292,6 +303,7 @@ class Trainer:
         dataset = getattr(run.datasets, split)
         if dataset is None or not (train.eval_full or train.eval_iters):
             return
+        self.watchdog.beat(run.state.step, "eval")
         if split not in self._evaluators:
             self._evaluators[split] = Evaluator(run, dataset, split)
         started = time.perf_counter()
@@ -303,7 +315,7 @@ class Trainer:
 
     def _steps(self) -> Outcome:
         """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""
-        run, hooks, state = self.run, self.hooks, self.run.state
+        run, hooks, state, watchdog = self.run, self.hooks, self.run.state, self.watchdog
         loop = self._loop_settings()
         times, perf_counter = self.log.times, time.perf_counter
         first_step = state.step + 1
@@ -313,12 +325,15 @@ class Trainer:
             n_micro, consumed = loop.plan.at(step)
             run.micro_batches_per_step = n_micro
             global_batch = loop.micro_size * n_micro * loop.world
+            watchdog.beat(step, "pre_step")
             if hooks.pre_step:
                 hooks.pre_step(run=run, step=step)
 
+            watchdog.beat(step, "data")
             started = perf_counter()
             batches = loop.feed.step(step, n_micro, consumed)
             data_ready = perf_counter()
+            watchdog.beat(step, "forward_backward")
             events = times.events()
             if events is not None:
                 events[0].record()
@@ -326,6 +341,7 @@ class Trainer:
             backward_done = perf_counter()
             if events is not None:
                 events[1].record()
+            watchdog.beat(step, "update")
             skipped, grad_norm = self._update(loop, step, loss, global_batch)
             if events is not None:
                 events[2].record()
@@ -336,23 +352,29 @@ class Trainer:
             self.log.add(loss, grad_norm, global_batch, values)
             if step == first_step and step % loop.log_interval:
                 self.log.restart_clock()  # the first step warms up (compiles); rates leave it out
+            watchdog.beat(step, "post_step")
             if hooks.post_step:
                 results = StepOutputs(
                     loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch
                 )
                 hooks.post_step(run=run, step=step, outputs=results)
             if step % loop.log_interval == 0:
+                watchdog.beat(step, "log")
                 self._log(step)
             if loop.validate and step % loop.eval_interval == 0:
                 self._eval("valid")
             if self.checkpointer.in_flight:
                 self._saved(self.checkpointer.done())
+            watchdog.beat(step, "agreement")
             reason = self._exit_condition(loop, step)
+            watchdog.warmed_up = True
             if self._checkpoint_due(loop, step, reason):
                 self.save()
             if reason is not None:
                 log.info("stopping at step %d: %s", step, run.control.stop_reason or reason)
+                self.agreement.finish()
                 return reason
+        self.agreement.finish()
         return "completed"
 
     def _loop_settings(self) -> LoopSettings:
@@ -552,7 +574,12 @@ class Trainer:
         return lambda step, consumed: hook(run=run, step=step, consumed_samples=consumed) or default
 
     def _stop_reason(self, step: int, deadline: float | None) -> Outcome | None:
-        """Exit conditions, agreed across ranks so every rank stops at the same step."""
+        """Exit conditions, agreed across ranks so every rank stops at the same step.
+
+        What only one rank may see (a signal, a plugin's stop or checkpoint request, its clock
+        passing the deadline) is agreed one step late through a non-blocking all-reduce, so a
+        plain step waits on no collective; what every rank computes alike (exit_interval) acts
+        at once."""
         cfg, control = self.run.config.train, self.run.control
         code, signum = 0, self.signals.received or 0
         if signum:
@@ -561,16 +588,18 @@ class Trainer:
             code = 3
         elif deadline is not None and time.monotonic() >= deadline:
             code = 2
-        elif cfg.exit_interval and step % cfg.exit_interval == 0:
-            code = 1
         if self.run.dist.world_size > 1:  # one exit code, and a checkpoint if any rank asks for one
-            code, signum, exit_code, wants_checkpoint = max_over_ranks(
-                code, signum, control.exit_code, int(control.checkpoint_requested)
+            save_interval = self.run.config.checkpoint.save_interval
+            deciding = step == cfg.train_iters or bool(save_interval and step % save_interval == 0)
+            code, signum, exit_code, wants_checkpoint = self.agreement.exchange(
+                code, signum, control.exit_code, int(control.checkpoint_requested), now=deciding
             )
             control.exit_code, control.checkpoint_requested = exit_code, bool(wants_checkpoint)
+        if not code and cfg.exit_interval and step % cfg.exit_interval == 0:
+            code = 1
         if code == 4:
             self.signum = signum
             control.request_stop(f"received {signal.Signals(signum).name}")
-        elif code == 3 and control.stop_reason is None:
-            control.request_stop("another rank requested a stop")
+        elif code == 3 and control.stop_reason is None:  # the agreed request says whether to save
+            control.request_stop("another rank requested a stop", checkpoint=control.checkpoint_requested)
         return STOP_REASONS[code - 1] if code else None

@@ -286,7 +286,7 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     if config.run.threads:
         torch.set_num_threads(config.run.threads)
     device = resolve_device(config.run.device)
-    dist_info = init_distributed(device.type, config.distributed.backend, config.distributed.timeout_minutes)
+    dist_info = init_distributed(device.type, config.distributed.backend, config.distributed.init_timeout_seconds)
     if device.type == "cuda":
         device = torch.device("cuda", dist_info.local_rank)
         torch.cuda.set_device(device)

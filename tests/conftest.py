@@ -42,11 +42,17 @@ def run_cli(
     )
 
 
-def start_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``python -m coretrain ARGS`` in the background (to signal, kill or race it); stdout and stderr piped."""
+def start_cli(
+    *args: str,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    command: tuple[str, ...] = (sys.executable, "-m", "coretrain"),
+) -> subprocess.Popen:
+    """``python -m coretrain ARGS`` (or ``command``) in the background (to signal, kill or race it);
+    stdout and stderr piped."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "coretrain", *args],
+        [*command, *args],
         cwd=cwd,
         env=full_env,
         stdout=subprocess.PIPE,

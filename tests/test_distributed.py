@@ -191,6 +191,10 @@ def test_async_save_on_two_ranks_resumes_exactly(tmp_path: Path, strategy: str) 
     assert logged(tmp_path / "split") == logged(tmp_path / "full")
 
 
+def complete_checkpoints(out: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_????????"))
+
+
 def test_a_rank_slowed_by_injected_sleep_is_reported_and_can_stop_the_run(tmp_path: Path) -> None:
     config = write(tmp_path, "run", train_iters=40, eval_iters=0)
     config.write_text(
@@ -227,8 +231,9 @@ warmup_steps = 2
         cwd=tmp_path,
     )
     assert stopped.returncode == 0, stopped.stderr
-    assert "stopping at step 5: stragglers: ranks [1] are slow" in stopped.stderr
-    assert (tmp_path / "stop" / "checkpoints" / "step_00000005").is_dir()
+    # requested at step 5 (its log step), agreed by every rank without blocking, acted on at step 6
+    assert "stopping at step 6: stragglers: ranks [1] are slow" in stopped.stderr
+    assert complete_checkpoints(tmp_path / "stop") == [6]
 
 
 def test_weight_hash_names_the_first_parameter_where_replicas_differ(tmp_path: Path, site: Path) -> None:
@@ -326,3 +331,37 @@ def test_a_checkpoint_resumes_on_more_and_on_fewer_ranks_with_the_same_losses(tm
         assert [s for s, _ in got] == [s for s, _ in reference]
         for (step, x), (_, y) in zip(reference, got):
             assert y == pytest.approx(x, rel=1e-6), (name, step)  # step 12 holds steps 9–10 from before
+
+
+def test_an_output_dir_the_nodes_do_not_share_is_one_clear_error(tmp_path: Path) -> None:
+    """Two "nodes" on one machine, each in its own working directory: a relative output_dir is
+    then two directories, as a node-local disk would be."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nodes = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir()
+        (cwd / "c.toml").write_text(tiny_gpt_config(Path("out"), train_iters=4))
+        launcher = (sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}")
+        launcher += ("--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "coretrain")
+        nodes.append(start_cli("run", "c.toml", cwd=cwd, command=launcher))
+    outputs = [node.communicate(timeout=180) for node in nodes]
+    assert all(node.returncode != 0 for node in nodes)
+    message = "is not one directory for every rank: rank 1 on"
+    assert message in outputs[1][1] and "checkpoints need a directory all nodes share" in outputs[1][1]
+    assert not (tmp_path / "node1" / "out" / "checkpoints").exists()
+
+
+def test_a_hung_rank_is_named_with_its_step_and_phase_and_the_job_ends(tmp_path: Path) -> None:
+    config = write(tmp_path, "run", train_iters=40, eval_iters=0)
+    hang = '[plugins.fault-injection]\naction = "hang"\nstep = 6\nranks = [1]\n'
+    config.write_text(config.read_text() + "\n[distributed]\nstep_timeout_seconds = 3\n" + hang)
+    # with no watchdog this would hang until the test's own timeout, not end with an error
+    result = torchrun("run", str(config), cwd=tmp_path)
+    assert result.returncode != 0
+    assert "error: rank 1: no progress for 3 s at step 6, last in pre_step" in result.stderr
+    assert "hang.rank1.log" in {p.name for p in (tmp_path / "run").iterdir()}

@@ -1,0 +1,75 @@
+"""A rank that makes no progress is named, and the job ends, within its timeout.
+
+A collective timeout alone names the wrong rank: the ranks waiting in an all-reduce time out
+and report themselves, while the rank that hung — in a plugin's hook, a data worker, a
+deadlock — says nothing. Here the loop marks where it is (``beat(step, phase)``: two attribute
+writes and a clock read), and a daemon thread per rank checks the marks: after
+``distributed.step_timeout_seconds`` without one (``init_timeout_seconds`` before the first
+step completes, and during evaluation and checkpoints, which may take long) it prints
+``rank 1: no progress for 60 s at step 412, last in pre_step`` and ends the process, so the
+launcher takes the job down. A rank waiting in a collective for a hung peer says so too
+(``last in agreement``): the line whose phase is not a collective names the culprit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("coretrain")
+
+HANG_EXIT_CODE = 124
+"""The process's exit code when the watchdog ends it (timeout(1)'s)."""
+LONG_PHASES = frozenset({"start", "eval", "checkpoint"})
+"""Phases that may take long by design: judged by the long (start-up) timeout."""
+WAITING_PHASES = frozenset({"forward_backward", "update", "log", "agreement"})
+"""Phases that wait in collectives for the other ranks: given a grace period, so that the rank
+that really hung (in a local phase) reports first and names itself."""
+
+
+class Watchdog:
+    """Ends this process when the loop stops beating; one per rank."""
+
+    def __init__(self, rank: int, init_timeout: float, step_timeout: float, output_dir: Path | None = None) -> None:
+        self.rank, self.init_timeout, self.step_timeout = rank, init_timeout, step_timeout
+        self.output_dir = output_dir
+        self.step, self.phase, self.at = 0, "start", time.monotonic()
+        self.warmed_up = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="coretrain-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def beat(self, step: int, phase: str) -> None:
+        """The loop is at ``phase`` of ``step`` now."""
+        self.step, self.phase, self.at = step, phase, time.monotonic()
+
+    def _timeout(self) -> float:
+        timeout = self.init_timeout if not self.warmed_up or self.phase in LONG_PHASES else self.step_timeout
+        return timeout + (max(5.0, timeout / 4) if self.phase in WAITING_PHASES else 0.0)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.step_timeout / 10)):
+            idle = time.monotonic() - self.at
+            if idle > self._timeout():
+                self._report(idle)
+                os._exit(HANG_EXIT_CODE)  # the loop is stuck: no clean way out of it
+
+    def _report(self, idle: float) -> None:
+        line = f"rank {self.rank}: no progress for {idle:.0f} s at step {self.step}, last in {self.phase}"
+        print(f"error: {line}; ending this rank (exit {HANG_EXIT_CODE})", file=sys.stderr, flush=True)
+        if self.output_dir is not None:
+            try:
+                with open(self.output_dir / f"hang.rank{self.rank}.log", "a", encoding="utf-8") as f:
+                    f.write(line + "\n")
+            except OSError:
+                pass
