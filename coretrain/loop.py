@@ -316,6 +316,7 @@ class Trainer:
     def _steps(self) -> Outcome:
         """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""
         run, hooks, state, watchdog = self.run, self.hooks, self.run.state, self.watchdog
+        watch = run.dist.world_size > 1  # the watchdog runs only where a hung rank blocks others
         loop = self._loop_settings()
         times, perf_counter = self.log.times, time.perf_counter
         first_step = state.step + 1
@@ -325,15 +326,18 @@ class Trainer:
             n_micro, consumed = loop.plan.at(step)
             run.micro_batches_per_step = n_micro
             global_batch = loop.micro_size * n_micro * loop.world
-            watchdog.beat(step, "pre_step")
+            if watch:
+                watchdog.beat(step, "pre_step")
             if hooks.pre_step:
                 hooks.pre_step(run=run, step=step)
 
-            watchdog.beat(step, "data")
+            if watch:
+                watchdog.beat(step, "data")
             started = perf_counter()
             batches = loop.feed.step(step, n_micro, consumed)
             data_ready = perf_counter()
-            watchdog.beat(step, "forward_backward")
+            if watch:
+                watchdog.beat(step, "forward_backward")
             events = times.events()
             if events is not None:
                 events[0].record()
@@ -341,7 +345,8 @@ class Trainer:
             backward_done = perf_counter()
             if events is not None:
                 events[1].record()
-            watchdog.beat(step, "update")
+            if watch:
+                watchdog.beat(step, "update")
             skipped, grad_norm = self._update(loop, step, loss, global_batch)
             if events is not None:
                 events[2].record()
@@ -352,22 +357,26 @@ class Trainer:
             self.log.add(loss, grad_norm, global_batch, values)
             if step == first_step and step % loop.log_interval:
                 self.log.restart_clock()  # the first step warms up (compiles); rates leave it out
-            watchdog.beat(step, "post_step")
+            if watch:
+                watchdog.beat(step, "post_step")
             if hooks.post_step:
                 results = StepOutputs(
                     loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch
                 )
                 hooks.post_step(run=run, step=step, outputs=results)
             if step % loop.log_interval == 0:
-                watchdog.beat(step, "log")
+                if watch:
+                    watchdog.beat(step, "log")
                 self._log(step)
             if loop.validate and step % loop.eval_interval == 0:
                 self._eval("valid")
             if self.checkpointer.in_flight:
                 self._saved(self.checkpointer.done())
-            watchdog.beat(step, "agreement")
+            if watch:
+                watchdog.beat(step, "agreement")
             reason = self._exit_condition(loop, step)
-            watchdog.warmed_up = True
+            if watch:
+                watchdog.warmed_up = True
             if self._checkpoint_due(loop, step, reason):
                 self.save()
             if reason is not None:
