@@ -477,7 +477,7 @@ class Trainer:
         run = self.run
         if not (loop.check_exit or run.control.stop_reason is not None or self.signals.received is not None):
             return None
-        reason = self._stop_reason(step, loop.deadline)
+        reason = self._stop_reason(loop, step)
         if reason == "signal" and self.hooks.on_signal and self.signum is not None:
             self.hooks.on_signal(run=run, signum=self.signum)
         return reason
@@ -582,7 +582,7 @@ class Trainer:
             return lambda step, consumed: default
         return lambda step, consumed: hook(run=run, step=step, consumed_samples=consumed) or default
 
-    def _stop_reason(self, step: int, deadline: float | None) -> Outcome | None:
+    def _stop_reason(self, loop: LoopSettings, step: int) -> Outcome | None:
         """Exit conditions, agreed across ranks so every rank stops at the same step.
 
         What only one rank may see (a signal, a plugin's stop or checkpoint request, its clock
@@ -595,11 +595,10 @@ class Trainer:
             code = 4
         elif control.stop_reason is not None:
             code = 3
-        elif deadline is not None and time.monotonic() >= deadline:
+        elif loop.deadline is not None and time.monotonic() >= loop.deadline:
             code = 2
         if self.run.dist.world_size > 1:  # one exit code, and a checkpoint if any rank asks for one
-            save_interval = self.run.config.checkpoint.save_interval
-            deciding = step == cfg.train_iters or bool(save_interval and step % save_interval == 0)
+            deciding = step == loop.train_iters or bool(loop.save_interval and step % loop.save_interval == 0)
             code, signum, exit_code, wants_checkpoint = self.agreement.exchange(
                 code, signum, control.exit_code, int(control.checkpoint_requested), now=deciding
             )

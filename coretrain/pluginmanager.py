@@ -90,7 +90,7 @@ def is_import_path(provider: str) -> bool:
 
 
 def enabled_tables(
-    config: Config, installed: Mapping[str, PluginEntry]
+    config: Config, installed: Mapping[str, PluginEntry], autoload: bool | None = None
 ) -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
     """Decide which plugins a config turns on: name -> (config key path, table).
 
@@ -127,7 +127,9 @@ def enabled_tables(
             chosen[name] = (("plugins", name), table)
         elif not enabled:
             chosen.pop(name, None)
-    if os.environ.get(AUTOLOAD_OFF_ENV, "") not in ("1", "true", "yes"):
+    if autoload is None:
+        autoload = os.environ.get(AUTOLOAD_OFF_ENV, "") not in ("1", "true", "yes")
+    if autoload:
         for name, entry in installed.items():
             if entry.autoload and name not in config.plugins and name not in chosen:
                 chosen[name] = (("plugins", name), {})
@@ -247,11 +249,13 @@ def load_plugins(
     config: Config,
     locations: Mapping[tuple[str, ...], Location] | None = None,
     installed: Mapping[str, PluginEntry] | None = None,
+    autoload: bool | None = None,
 ) -> Plugins:
-    """Import, configure and register every plugin the config enables; check hook names."""
+    """Import, configure and register every plugin the config enables; check hook names.
+    ``autoload``: whether on-by-default plugins load (None: unless the environment says not)."""
     installed = discover() if installed is None else installed
     plugins = Plugins()
-    for name, (key_path, table) in enabled_tables(config, installed).items():
+    for name, (key_path, table) in enabled_tables(config, installed, autoload).items():
         entry = installed[name]
         cls = entry.load()
         instance: object = structure(table, cls, prefix=key_path, locations=locations)

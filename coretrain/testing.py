@@ -33,7 +33,7 @@ import torch
 
 from coretrain import hookimpl
 from coretrain.configload import deep_merge, load_config
-from coretrain.pluginmanager import AUTOLOAD_OFF_ENV, load_plugins
+from coretrain.pluginmanager import load_plugins
 from coretrain.run import DatasetContext, Datasets, Run, build_run
 from coretrain.tomlwrite import dumps
 
@@ -215,16 +215,7 @@ def run_steps(
         sections["plugins"] = {**sections.get("plugins", {}), **{name: dict(t) for name, t in tables.items()}}
     path = write_config(root / "config.toml", tiny_config(root / "out", **sections))
     loaded = load_config(path)
-    previous = os.environ.get(AUTOLOAD_OFF_ENV)
-    if not autoload:
-        os.environ[AUTOLOAD_OFF_ENV] = "1"
-    try:
-        manager = load_plugins(loaded.config, loaded.locations)
-    finally:
-        if previous is None:
-            os.environ.pop(AUTOLOAD_OFF_ENV, None)
-        else:
-            os.environ[AUTOLOAD_OFF_ENV] = previous
+    manager = load_plugins(loaded.config, loaded.locations, autoload=autoload)
     for name, instance in (plugins or {}).items():
         manager.register(name, instance)
     manager.register("coretrain-testing-metrics", MetricsObserver())

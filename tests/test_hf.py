@@ -4,6 +4,7 @@ models are built from a config and saved with ``save_pretrained`` in the test.""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import STDLIB
 
-from coretrain import UserError
+from coretrain import UserError, hookimpl
 from coretrain.export import export
 from coretrain.testing import run_ranks, run_steps
 
@@ -253,7 +254,6 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def text_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    import json
 
     root = tmp_path_factory.mktemp("text")
     (root / "code.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(CORPUS)))
@@ -305,14 +305,7 @@ def test_text_is_tokenized_once_with_eos_and_packed(
 def test_sources_are_blended_by_weight_and_split_in_order(
     tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path]
 ) -> None:
-    sections = tokenized_run(
-        tokenizer_dir,
-        [0.25, text_files["code"], 0.75, text_files["parquet"]],
-        tmp_path / "cache",
-        text_field="body",
-        split=[0.8, 0.2, 0.0],
-    )
-    sections["data"]["options"]["text_field"] = "text"
+    sections = tokenized_run(tokenizer_dir, [text_files["parquet"]], tmp_path / "cache", text_field="text")
     with pytest.raises(UserError, match="has no column 'text'; its columns: body"):
         run_steps(tmp_path / "bad", steps=2, config=sections)
     sections = tokenized_run(
@@ -390,8 +383,6 @@ class FirstStep:
         self.loss = 0.0
         self.grads: dict[str, torch.Tensor] = {}
 
-    from coretrain import hookimpl
-
     @hookimpl
     def before_update(self, run: Any, step: int, loss: torch.Tensor) -> None:
         if step == 1:
@@ -414,7 +405,6 @@ def sft_run(tokenizer_dir: Path, path: Path, micro: int, **options: Any) -> dict
 def test_a_padded_batch_and_the_same_examples_unpadded_give_the_same_loss_and_gradients(
     tmp_path: Path, tokenizer_dir: Path
 ) -> None:
-    import json
 
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in SFT_RECORDS))
@@ -466,7 +456,6 @@ def test_chat_records_use_the_chat_template_and_mask_the_prompt(tokenizer_dir: P
 
 
 def test_packed_sft_trains_on_windows(tmp_path: Path, tokenizer_dir: Path) -> None:
-    import json
 
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in SFT_RECORDS * 20))
@@ -568,7 +557,7 @@ def test_the_hf_finetune_example_trains_exports_and_loads_back(tmp_path: Path) -
 
 
 def json_str(path: Path) -> str:
-    return '"' + str(path) + '"'
+    return json.dumps(str(path))  # a TOML string for --set
 
 
 def test_fp8_keeps_the_models_output_head_in_high_precision(tmp_path: Path, llama_dir: Path) -> None:

@@ -41,6 +41,7 @@ from coretrain import (
     require,
 )
 from coretrain_hf.splits import bounds, check_shares
+from coretrain_hf.tokenizer import load_tokenizer
 
 IGNORE_INDEX = -100
 READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -76,13 +77,9 @@ class HFSFT:
 
     @hookimpl
     def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets:
-        transformers = require("transformers", needed_by=NEEDED_BY, extra="hf")
         datasets = require("datasets", needed_by=NEEDED_BY, extra="hf")
         datasets.disable_progress_bars()
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise UserError(f"data.options.tokenizer: cannot load a tokenizer from {self.tokenizer}: {exc}") from None
+        tokenizer = load_tokenizer(self.tokenizer, NEEDED_BY)
         examples = [self.encode(record, tokenizer) for record in self.records(datasets)]
         examples = [e for e in examples if (e[1] != IGNORE_INDEX).any()]
         if not examples:

@@ -50,6 +50,7 @@ from coretrain import (
     require,
 )
 from coretrain_hf.splits import bounds, check_shares
+from coretrain_hf.tokenizer import load_tokenizer
 
 log = logging.getLogger("coretrain")
 
@@ -83,15 +84,9 @@ class HFText:
 
     @hookimpl
     def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets:
-        transformers = require("transformers", needed_by=NEEDED_BY, extra="hf")
         require("datasets", needed_by=NEEDED_BY, extra="hf")
+        tokenizer = load_tokenizer(self.tokenizer, NEEDED_BY)
         directory = Path(self.tokenizer)
-        if not directory.is_dir():
-            raise UserError(f"data.options.tokenizer: {directory} is not a directory (a saved tokenizer)")
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise UserError(f"data.options.tokenizer: cannot load a tokenizer from {directory}: {exc}") from None
         if self.append_eos and tokenizer.eos_token_id is None:
             raise UserError(f"data.options.tokenizer: {directory} has no EOS token; set append_eos = false")
         cache = Path(self.cache_dir or os.environ.get("CORETRAIN_CACHE") or Path.home() / ".cache/coretrain/tokens")
