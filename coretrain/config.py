@@ -169,8 +169,13 @@ class DistributedConfig:
     """How ranks cooperate; the wrapping itself (DDP, FSDP2) comes from plugins."""
 
     strategy: str = "auto"
-    """A parallelism plugin's name ("ddp", "fsdp"), "none", or "auto": "ddp" when torchrun
-    starts more than one rank, else none. Its settings go in [plugins.NAME]."""
+    """The data-parallel plugin's name ("ddp", "fsdp"), "none", or "auto": with more than one
+    data-parallel replica "ddp", or "fsdp" when tp_size > 1; else none. Its settings go in
+    [plugins.NAME]."""
+    tp_size: int = field(default=1, validator=_positive)
+    """Tensor-parallel degree: each group of tp_size neighbouring ranks splits every layer of
+    one model replica (the ``tensor-parallel`` plugin; settings in [plugins.tensor-parallel]);
+    data parallel = ranks / tp_size."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto = nccl on CUDA, gloo on CPU."""
     init_timeout_seconds: float = field(default=600.0, validator=_positive)
@@ -180,9 +185,11 @@ class DistributedConfig:
     """After the first step: a rank stuck this long in one step is named and the job ends."""
 
     def resolved_strategy(self, world_size: int) -> str | None:
-        """The parallelism plugin to enable, if any."""
+        """The data-parallel plugin to enable, if any (DDP cannot hold tensor-parallel weights)."""
         if self.strategy == "auto":
-            return "ddp" if world_size > 1 else None
+            if world_size // self.tp_size <= 1:
+                return None
+            return "fsdp" if self.tp_size > 1 else "ddp"
         return None if self.strategy == "none" else self.strategy
 
 

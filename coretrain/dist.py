@@ -11,22 +11,50 @@ import torch.distributed as dist
 from attrs import define
 
 from coretrain.config import world_size_from_env
+from coretrain.errors import UserError
 
 
 @define(frozen=True)
 class DistInfo:
+    """Who this process is. Ranks form a (data parallel × tensor parallel) grid, tensor
+    parallel innermost (the ranks of one TP group are neighbours, on one machine), as in
+    torchtitan and Megatron: ranks ``dp_rank * tp_size .. + tp_size - 1`` share one batch."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    tp_size: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: how many different batches one step reads."""
+        return self.world_size // self.tp_size
 
-def init_distributed(device_type: str, backend: str = "auto", timeout_seconds: float = 600.0) -> DistInfo:
+    @property
+    def dp_rank(self) -> int:
+        """Which of those batches this rank reads (the same for every rank of a TP group)."""
+        return self.rank // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+
+def init_distributed(
+    device_type: str, backend: str = "auto", timeout_seconds: float = 600.0, tp_size: int = 1
+) -> DistInfo:
     """Join the process group torchrun set up (gloo on CPU, nccl on CUDA); single process otherwise."""
     world_size = world_size_from_env()
+    if world_size % tp_size:
+        fits = max(t for t in range(1, tp_size + 1) if world_size % t == 0)
+        raise UserError(
+            f"distributed.tp_size ({tp_size}) must divide the number of ranks ({world_size}); "
+            f"start a multiple of {tp_size} ranks, or set distributed.tp_size = {fits}"
+        )
     if world_size == 1:
         return DistInfo()
     if not dist.is_initialized():
@@ -35,8 +63,41 @@ def init_distributed(device_type: str, backend: str = "auto", timeout_seconds: f
         _timeout = datetime.timedelta(seconds=timeout_seconds)
         dist.init_process_group(chosen, timeout=_timeout)
     return DistInfo(
-        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0"))
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        tp_size=tp_size,
     )
+
+
+_mesh: Any = None
+
+
+def device_mesh(device_type: str, info: DistInfo) -> Any:
+    """The run's DeviceMesh, built once: dims ("dp",), or ("dp", "tp") with tensor parallelism.
+
+    Parallelism plugins share it (FSDP2 shards over ``mesh["dp"]``, tensor parallelism splits
+    over ``mesh["tp"]``): a 2-D layout works only when both come from one mesh. Every rank must
+    ask for it (creating it is collective). A single process gets a process group of one."""
+    global _mesh
+    if _mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo" if device_type == "cpu" else "nccl",
+                rank=0,
+                world_size=1,
+                store=dist.HashStore(),  # type: ignore[attr-defined]
+            )
+        if info.tp_size == 1:
+            _mesh = init_device_mesh(device_type, (info.world_size,), mesh_dim_names=("dp",))
+        else:
+            _mesh = init_device_mesh(device_type, (info.dp_size, info.tp_size), mesh_dim_names=("dp", "tp"))
+            # one group over both dims (torchtitan does the same): a norm partial on both, as
+            # gradient clipping has, is then reduced once instead of once per dimension
+            _mesh[("dp", "tp")]._flatten("dp_tp")
+    return _mesh
 
 
 _control_group: object = None
@@ -114,9 +175,9 @@ def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
 def shutdown(graceful: bool = False) -> None:
     """Leave the process group; ``graceful`` first waits for every rank, so no rank tears down
     its connections while another is still in a collective (gloo aborts on that)."""
-    global _control_group
+    global _control_group, _mesh
     if graceful and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-    _control_group = None
+    _control_group = _mesh = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

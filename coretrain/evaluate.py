@@ -37,7 +37,7 @@ EVAL_SEED_OFFSET = 1_000_003
 
 def index_chunks(run: Run, length: int) -> list[torch.Tensor]:
     """This rank's micro-batches of sample indices for one evaluation of a split of ``length``."""
-    train, rank, world = run.config.train, run.dist.rank, run.dist.world_size
+    train, rank, world = run.config.train, run.dist.dp_rank, run.dist.dp_size
     micro = train.eval_micro_batch_size or train.micro_batch_size
     if train.eval_full:
         return list(torch.split(torch.arange(rank, length, world), micro))
@@ -80,7 +80,7 @@ class Evaluator:
         device = run.device if run.device.type != "cpu" else None
         if self.stream:
             train = run.config.train
-            limit = None if train.eval_full else train.eval_iters * run.global_batch_size // run.dist.world_size
+            limit = None if train.eval_full else train.eval_iters * run.global_batch_size // run.dist.dp_size
             seen = 0
             for batch in stream_loader(
                 self.dataset, run, train.eval_micro_batch_size or train.micro_batch_size, stateful=False

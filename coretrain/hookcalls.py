@@ -48,6 +48,9 @@ class HookCalls:
     def configure_model(self, run: Run) -> None:
         self._hook.configure_model(run=run)
 
+    def tensor_parallel_plan(self, run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
+        return cast("dict[str, Any] | None", self._hook.tensor_parallel_plan(run=run, model=model))
+
     def param_group_overrides(self, run: Run, model: torch.nn.Module) -> dict[str, dict[str, float]]:
         """The plugins' overrides merged: later plugins (in pluggy's call order) win per key."""
         merged: dict[str, dict[str, float]] = {}

@@ -5,7 +5,8 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
     provide_datasets(run, context)          firstresult   train/valid/test datasets
     provide_model(run)                      firstresult   the nn.Module (sees run.datasets)
     configure_model(run)                    each, ordered  replace run.model: FP8 (tryfirst),
-                                                           compile, DDP/FSDP (trylast)
+                                                           tensor parallel, compile, DDP/FSDP (trylast)
+      tensor_parallel_plan(run, model)      firstresult   asked by the tensor-parallel plugin
     param_group_overrides(run, model)       collected     per-parameter lr_mult / weight_decay
     [resume: on_resume(run, step, state) for each plugin, with the state it saved]
     on_train_start(run)
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
 PROJECT = "coretrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
-HOOK_API = (1, 1)
+HOOK_API = (1, 2)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -127,6 +128,23 @@ def configure_model(run: Run) -> None:
     ``trylast`` for parallel wrappers (DDP, FSDP2) that must see the result.
     Returns: nothing.
     Ranks: every rank, once, before training; every rank must wrap the same way.
+    """
+
+
+@hookspec(firstresult=True)
+def tensor_parallel_plan(run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
+    """How to split ``model`` over a tensor-parallel group (hook API 1.2).
+
+    Args: ``run`` — ``run.dist.tp_size`` ranks split each layer; ``model`` — the module
+    ``provide_model`` returned (before any wrapper).
+    May change: nothing.
+    Returns: module path -> ``torch.distributed.tensor.parallel.ParallelStyle``, as
+    ``parallelize_module`` takes it (``*`` matches one path part, e.g. ``"blocks.*.mlp.fc"``),
+    or None when this plugin does not know the model; the first answer wins. The model provider
+    answers for its own model (the ``gpt`` plugin: column/row-wise attention and MLP, sequence
+    parallel norms). Raise :class:`coretrain.UserError` when the model cannot be split that way
+    (e.g. heads not divisible by the TP degree).
+    Ranks: every rank, once, during ``configure_model``; every rank returns the same plan.
     """
 
 

@@ -100,7 +100,7 @@ def stream_loader(dataset: Any, run: Run, batch_size: int, stateful: bool) -> An
     )
     if cfg.num_workers:
         kwargs["prefetch_factor"] = cfg.prefetch_factor
-    stream = RankStream(dataset, run.dist.rank, run.dist.world_size)
+    stream = RankStream(dataset, run.dist.dp_rank, run.dist.dp_size)
     if not stateful:
         return torch.utils.data.DataLoader(stream, **kwargs)
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -260,11 +260,11 @@ class TrainBatches:
         order = SampleOrder(len(dataset), run.config.run.seed)
         if run.config.data.num_workers == 0:
             self._reader = BatchReader(
-                dataset, order, run.dist.rank, run.dist.world_size, run.device, run.datasets.collate_fn
+                dataset, order, run.dist.dp_rank, run.dist.dp_size, run.device, run.datasets.collate_fn
             )
         else:
             self._reader = None
-            sampler = RankBatchSampler(order, plan, run.dist.rank, run.dist.world_size, micro, first_step)
+            sampler = RankBatchSampler(order, plan, run.dist.dp_rank, run.dist.dp_size, micro, first_step)
             self._iterator = iter(data_loader(dataset, sampler, run))
 
     def step(self, step: int, n_micro: int, consumed: int) -> list[Any]:
@@ -272,7 +272,7 @@ class TrainBatches:
         self.plan.forget(step - 1)
         if self._reader is not None:
             micro = self.run.config.train.micro_batch_size
-            return self._reader.read(consumed, micro * n_micro * self.run.dist.world_size, micro)
+            return self._reader.read(consumed, micro * n_micro * self.run.dist.dp_size, micro)
         assert self._iterator is not None
         batches = [self._next() for _ in range(n_micro)]
         return [to_device(b, self.device) for b in batches] if self.device is not None else batches

@@ -46,6 +46,8 @@ class LoopSettings:
     train_iters: int
     micro_size: int
     world: int
+    dp_size: int
+    """Data-parallel replicas (world / tensor-parallel degree): the batches one step reads."""
     log_interval: int
     eval_interval: int
     validate: bool
@@ -325,7 +327,7 @@ class Trainer:
             step = state.step + 1
             n_micro, consumed = loop.plan.at(step)
             run.micro_batches_per_step = n_micro
-            global_batch = loop.micro_size * n_micro * loop.world
+            global_batch = loop.micro_size * n_micro * loop.dp_size
             if watch:
                 watchdog.beat(step, "pre_step")
             if hooks.pre_step:
@@ -390,7 +392,9 @@ class Trainer:
         """What the loop decides once, before the first step."""
         run, cfg = self.run, self.run.config.train
         state, world = run.state, run.dist.world_size
-        plan = StepPlan(self._micro_batches_deciding(), cfg.micro_batch_size, world, state.step, state.consumed_samples)
+        plan = StepPlan(
+            self._micro_batches_deciding(), cfg.micro_batch_size, run.dist.dp_size, state.step, state.consumed_samples
+        )
         self.feed = TrainBatches(run, plan, state.step + 1, self._data_state)
         # each rank's own deadline; agreeing on the max stop code makes the earliest-started rank's
         # deadline count for all, i.e. the start time is the minimum over ranks
@@ -401,6 +405,7 @@ class Trainer:
             train_iters=cfg.train_iters,
             micro_size=cfg.micro_batch_size,
             world=world,
+            dp_size=run.dist.dp_size,
             log_interval=cfg.log_interval,
             eval_interval=cfg.eval_interval or 0,
             validate=bool((cfg.eval_iters or cfg.eval_full) and cfg.eval_interval and run.datasets.valid is not None),

@@ -30,6 +30,8 @@ from coretrain.hookcalls import HookCalls
 GROUP = "coretrain"
 AUTOLOAD_GROUP = "coretrain.autoload"
 AUTOLOAD_OFF_ENV = "CORETRAIN_DISABLE_PLUGIN_AUTOLOAD"
+TENSOR_PARALLEL = "tensor-parallel"
+"""The plugin ``distributed.tp_size > 1`` turns on, as ``distributed.strategy`` turns on its own."""
 INSTALL_HINT = "install one, e.g. `pip install -e ./plugins` for the first-party plugins"
 
 
@@ -115,6 +117,9 @@ def enabled_tables(
     if strategy is not None:
         _require_installed(strategy, "distributed.strategy", installed)
         chosen[strategy] = (("plugins", strategy), {})
+    if config.distributed.tp_size > 1:
+        _require_installed(TENSOR_PARALLEL, "distributed.tp_size", installed)
+        chosen[TENSOR_PARALLEL] = (("plugins", TENSOR_PARALLEL), {})
     for name, table in config.plugins.items():
         if not isinstance(table, dict):
             raise UserError(f"plugins.{name}: expected a table, e.g. [plugins.{name}]")
@@ -123,7 +128,7 @@ def enabled_tables(
         enabled = table.pop("enabled", True)
         if not isinstance(enabled, bool):
             raise UserError(f"plugins.{name}.enabled: expected true or false, got {enabled!r}")
-        if enabled and (name not in chosen or name == strategy):
+        if enabled and (name not in chosen or name in (strategy, TENSOR_PARALLEL)):
             chosen[name] = (("plugins", name), table)
         elif not enabled:
             chosen.pop(name, None)

@@ -193,7 +193,7 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
     if state["rng"] is not None:
         set_rng_state(state["rng"])
     else:  # a rank the checkpoint did not have: its own streams, fixed by (seed, rank, step)
-        seed_everything((run.config.run.seed + 1_000_003 * run.dist.rank + run.state.step) % 2**32)
+        seed_everything((run.config.run.seed + 1_000_003 * run.dist.dp_rank + run.state.step) % 2**32)
 
 
 def read_newest_loadable(run: Run, candidates: list[Path], explicit: bool, with_optimizer: bool) -> Restored:

@@ -150,7 +150,16 @@ class Run:
 
     @property
     def global_batch_size(self) -> int:
-        return self.config.train.micro_batch_size * self.micro_batches_per_step * self.dist.world_size
+        return self.config.train.micro_batch_size * self.micro_batches_per_step * self.dist.dp_size
+
+    def device_mesh(self) -> Any:
+        """The run's ``DeviceMesh``: dims ("dp",), or ("dp", "tp") with ``distributed.tp_size > 1``.
+
+        Built on first use, shared by every parallelism plugin (FSDP2 shards over
+        ``mesh["dp"]``, tensor parallelism splits over ``mesh["tp"]``); every rank must call it."""
+        from coretrain.dist import device_mesh
+
+        return device_mesh(self.device.type, self.dist)
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
@@ -286,11 +295,16 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     if config.run.threads:
         torch.set_num_threads(config.run.threads)
     device = resolve_device(config.run.device)
-    dist_info = init_distributed(device.type, config.distributed.backend, config.distributed.init_timeout_seconds)
+    dist_info = init_distributed(
+        device.type,
+        config.distributed.backend,
+        config.distributed.init_timeout_seconds,
+        config.distributed.tp_size,
+    )
     if device.type == "cuda":
         device = torch.device("cuda", dist_info.local_rank)
         torch.cuda.set_device(device)
-    micro = micro_batches_per_step(config.train, dist_info.world_size)
+    micro = micro_batches_per_step(config.train, dist_info.dp_size)
     seed_everything(config.run.seed)
 
     output_dir = Path(config.output_dir)
@@ -327,7 +341,7 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
 
     adapt(run.datasets)
     # a full pass needs a sample per rank; eval_iters batches need one global batch
-    eval_needed = dist_info.world_size if train.eval_full else global_batch if train.eval_iters else 1
+    eval_needed = dist_info.dp_size if train.eval_full else global_batch if train.eval_iters else 1
     check_datasets(
         run.datasets,
         config.data.provider,
@@ -343,8 +357,8 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
             "the train split is a stream: each rank and worker reads every %d-th item of it, and a checkpoint "
             "resumes exactly only on %d rank(s) with data.num_workers = %d (the stream's position is saved per "
             "rank and worker)",
-            dist_info.world_size * max(config.data.num_workers, 1),
-            dist_info.world_size,
+            dist_info.dp_size * max(config.data.num_workers, 1),
+            dist_info.dp_size,
             config.data.num_workers,
         )
 

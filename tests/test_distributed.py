@@ -266,7 +266,7 @@ def test_fp8_with_fsdp_all_gather_runs_on_two_ranks_and_tracks_fp32(tmp_path: Pa
     config.write_text(config.read_text() + '\n[distributed]\nstrategy = "fsdp"\n[plugins.fp8]\nfp8_all_gather = true\n')
     result = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "fp8: tensorwise recipe on 4 Linear layers" in result.stderr
+    assert "fp8: tensorwise recipe on 6 Linear layers" in result.stderr
     for (s1, a), (s2, b) in zip(logged(tmp_path / "ref"), logged(tmp_path / "fp8")):
         assert s1 == s2 and b == pytest.approx(a, rel=0.02)
 

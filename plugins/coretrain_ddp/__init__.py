@@ -32,6 +32,13 @@ class DDP:
 
     @hookimpl(trylast=True)
     def configure_model(self, run: Run) -> None:
+        if run.dist.tp_size > 1:
+            from coretrain import UserError
+
+            raise UserError(
+                "plugins.ddp: DDP cannot average gradients of tensor-parallel (DTensor) weights; "
+                f'with distributed.tp_size = {run.dist.tp_size} use distributed.strategy = "fsdp" (or "auto")'
+            )
         if run.dist.world_size == 1:
             log.info("ddp: single process, model left unwrapped")
             return

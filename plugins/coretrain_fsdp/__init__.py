@@ -1,7 +1,8 @@
 """``fsdp``: fully sharded data parallelism with FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-Shards each transformer block, then the root (torchtitan's recipe), over a 1-D device mesh of
-all ranks. Parameters become DTensors, so checkpoints are saved sharded with
+Shards each transformer block, then the root (torchtitan's recipe), over the data-parallel
+dimension of the run's device mesh (all ranks; with ``distributed.tp_size`` > 1, one rank of
+each tensor-parallel group, for 2-D parallelism). Parameters become DTensors, so checkpoints are saved sharded with
 torch.distributed.checkpoint and can be resumed on a different number of ranks.
 Enable with ``distributed.strategy = "fsdp"`` (options in ``[plugins.fsdp]``).
 """
@@ -41,7 +42,6 @@ class FSDP:
 
     @hookimpl(trylast=True)
     def configure_model(self, run: Run) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         from coretrain import UserError
@@ -53,17 +53,7 @@ class FSDP:
             )
         if self.cpu_offload and run.device.type != "cuda":
             raise UserError("plugins.fsdp.cpu_offload: only meaningful on CUDA; the run is on CPU")
-        if run.dist.world_size == 1:
-            import torch.distributed as dist
-
-            if not dist.is_initialized():  # a mesh needs a process group, even of one rank
-                dist.init_process_group(
-                    "gloo" if run.device.type == "cpu" else "nccl",
-                    rank=0,
-                    world_size=1,
-                    store=dist.HashStore(),  # type: ignore[attr-defined]
-                )
-        mesh = init_device_mesh(run.device.type, (run.dist.world_size,))
+        mesh = run.device_mesh()["dp"]  # with tensor parallelism: 2-D, the "tp" splits kept inside
         offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
         for block in blocks_of(run.model, self.block_types):
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)

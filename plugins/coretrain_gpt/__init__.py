@@ -69,3 +69,48 @@ class GPTProvider:
                 bias=self.bias,
             )
         )
+
+    @hookimpl
+    def tensor_parallel_plan(self, run: Run, model: Any) -> dict[str, Any] | None:
+        """torchtitan's plan, for this model: attention heads and the MLP's hidden units split
+        over the group (column-wise in, row-wise out), the vocabulary split in the embedding
+        and the tied output head, and the norms and residual stream sequence-parallel (each
+        rank holds 1/tp of the positions between the attention and MLP blocks)."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            PrepareModuleOutput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        from coretrain import UserError
+        from coretrain_gpt.model import GPT
+
+        if not isinstance(model, GPT):
+            return None
+        tp, cfg = run.dist.tp_size, model.cfg
+        seq_length = run.datasets.seq_length or cfg.block_size
+        for what, size in (("model.options.n_head", cfg.n_head), ("the sequence length", seq_length)):
+            if size % tp:
+                raise UserError(
+                    f"distributed.tp_size ({tp}) must divide {what} ({size}): each rank takes an equal share"
+                )
+        gather_positions = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        return {
+            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "drop": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+            "blocks.*.ln_1": SequenceParallel(),
+            "blocks.*.attn": gather_positions,
+            "blocks.*.attn.q": ColwiseParallel(),
+            "blocks.*.attn.k": ColwiseParallel(),
+            "blocks.*.attn.v": ColwiseParallel(),
+            "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "blocks.*.ln_2": SequenceParallel(),
+            "blocks.*.mlp": gather_positions,
+            "blocks.*.mlp.fc": ColwiseParallel(),
+            "blocks.*.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln_f": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }

@@ -27,21 +27,35 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Separate q, k, v projections, so tensor parallelism can give each rank whole heads."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.register_load_state_dict_pre_hook(_split_fused_qkv)  # type: ignore[no-untyped-call]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # -1: the heads this rank holds (all of them, unless tensor parallelism split them)
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        out: torch.Tensor = self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+        out: torch.Tensor = self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(B, T, -1)))
         return out
+
+
+def _split_fused_qkv(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *args: object) -> None:
+    """Read checkpoints of coretrain 0.2, whose attention had one fused ``qkv`` Linear."""
+    for kind in ("weight", "bias"):
+        fused = state_dict.pop(f"{prefix}qkv.{kind}", None)
+        if fused is not None:
+            for name, part in zip("qkv", fused.chunk(3, dim=0)):
+                state_dict[f"{prefix}{name}.{kind}"] = part
 
 
 class MLP(nn.Module):

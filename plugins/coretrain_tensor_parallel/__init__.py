@@ -1,0 +1,182 @@
+"""``tensor-parallel``: split each layer of the model over ``distributed.tp_size`` ranks
+(Megatron-style tensor parallelism with PyTorch's DTensor ``parallelize_module``).
+
+    [distributed]
+    tp_size = 2          # data parallel = ranks / 2; with more than one replica, FSDP2 shards
+                         # over the "dp" dimension of the same 2-D mesh (torchtitan's layout)
+
+The plan — which module is split column-wise, which row-wise, where sequence parallelism
+runs — comes from the model provider's ``tensor_parallel_plan`` hook (the ``gpt`` plugin
+has one), or from this plugin's ``plan`` option for a model whose provider has none::
+
+    [plugins.tensor-parallel]
+    plan = { "layers.*.fc1" = "colwise", "layers.*.fc2" = "rowwise", "head" = "colwise_replicate" }
+
+Parameters the plan leaves out are replicated over the group as DTensors, so every parameter
+lives on the same mesh (gradient clipping, optimizers and DCP checkpoints see one kind);
+those modules must see the same input on every rank of the group, which holds outside
+sequence-parallel regions. Weights tied before splitting (an output head sharing the
+embedding) are tied again after.
+"""
+
+from __future__ import annotations
+
+import logging
+from fnmatch import fnmatch
+from typing import Any
+
+from attrs import define, field
+
+from coretrain import FieldValueError, Run, UserError, hookimpl
+
+STYLES = {
+    "colwise": "split output features; output stays split (feeds a rowwise layer)",
+    "rowwise": "split input features; output summed over the group",
+    "colwise_replicate": "split output features, then gathered (a head whose output is used whole)",
+    "embedding": "split the vocabulary of an nn.Embedding; output summed over the group",
+}
+
+
+def _known_styles(instance: object, attribute: Any, value: dict[str, str]) -> None:
+    for path, style in value.items():
+        if style not in STYLES:
+            raise FieldValueError(f"{attribute.name}.{path}", f"unknown style {style!r}; one of: {', '.join(STYLES)}")
+
+
+def style_of(name: str) -> Any:
+    """The ParallelStyle a ``plan`` option's word stands for."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel()
+    if name == "colwise_replicate":
+        return ColwiseParallel(output_layouts=Replicate())
+    return RowwiseParallel(input_layouts=Replicate())  # embedding
+
+
+def unmatched(model: Any, plan: dict[str, Any]) -> list[str]:
+    """The plan's keys that name no module (``parallelize_module`` would only warn and go on)."""
+    paths = [name.split(".") for name, _ in model.named_modules() if name]
+    return [
+        key
+        for key in plan
+        if key and not any(len(p) == len(key.split(".")) and all(map(fnmatch, p, key.split("."))) for p in paths)
+    ]
+
+
+def tied_parameters(model: Any) -> list[list[tuple[Any, str]]]:
+    """Groups of (module, attribute) holding one shared parameter."""
+    owners: dict[int, list[tuple[Any, str]]] = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, attr))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def replicate_rest(model: Any, mesh: Any) -> list[str]:
+    """Make every parameter the plan did not split a Replicate DTensor of the group, with its
+    module's plain inputs and outputs converted at the boundary; the modules' names."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    def to_dtensor(_module: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+
+    def to_local(_module: Any, _inputs: Any, output: Any) -> Any:
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    replicated = []
+    for name, module in model.named_modules():
+        plain = {k: p for k, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)}
+        if not plain:
+            continue
+        for attr, param in plain.items():
+            module._parameters[attr] = torch.nn.Parameter(
+                distribute_tensor(param.data, mesh, [Replicate()]), requires_grad=param.requires_grad
+            )
+        for attr, buffer in module._buffers.items():
+            if buffer is not None and not isinstance(buffer, DTensor):
+                module._buffers[attr] = distribute_tensor(buffer, mesh, [Replicate()])
+        module.register_forward_pre_hook(to_dtensor)
+        module.register_forward_hook(to_local)
+        replicated.append(name or "(root)")
+    return replicated
+
+
+def tie_again(groups: list[list[tuple[Any, str]]]) -> None:
+    """Point every holder of a formerly shared parameter at the first holder's (split) one."""
+    for (first, first_attr), *others in groups:
+        param = getattr(first, first_attr)
+        for module, attr in others:
+            mine = getattr(module, attr)
+            if getattr(mine, "placements", None) != getattr(param, "placements", None):
+                raise UserError(
+                    f"plugins.tensor-parallel: tied weights {type(first).__name__}.{first_attr} and "
+                    f"{type(module).__name__}.{attr} are split differently ({param.placements} vs "
+                    f"{mine.placements}); give both the same style (e.g. embedding and colwise)"
+                )
+            setattr(module, attr, param)
+
+
+@define(kw_only=True)
+class TensorParallel:
+    """Tensor parallelism over the "tp" dimension of the run's device mesh."""
+
+    plan: dict[str, str] = field(factory=dict, validator=_known_styles)
+    """Module path (``*`` matches one part) -> colwise | rowwise | colwise_replicate | embedding;
+    empty = the model provider's own plan."""
+
+    @hookimpl(tryfirst=True)
+    def configure_model(self, run: Run) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        tp = run.dist.tp_size
+        if tp == 1:
+            raise UserError(
+                "plugins.tensor-parallel: distributed.tp_size is 1, so there is nothing to split; "
+                "set distributed.tp_size = 2 (or more), or remove [plugins.tensor-parallel]"
+            )
+        model = run.model
+        plan = (
+            {path: style_of(style) for path, style in self.plan.items()}
+            if self.plan
+            else run.plugins.calls.tensor_parallel_plan(run=run, model=model)
+        )
+        if not plan:
+            linears = [n for n, m in model.named_modules() if type(m).__name__ == "Linear"][:6]
+            raise UserError(
+                f"plugins.tensor-parallel: model.provider '{run.config.model.provider}' gives no "
+                f"tensor-parallel plan; give one, e.g. [plugins.tensor-parallel] plan = "
+                f'{{ "{linears[0] if linears else "layers.*.fc1"}" = "colwise", ... }} '
+                f"(Linear modules: {', '.join(linears) or 'none'})"
+            )
+        missing = unmatched(model, plan)
+        if missing:
+            top = ", ".join(name for name, _ in model.named_children())
+            raise UserError(
+                f"plugins.tensor-parallel: plan key(s) {', '.join(missing)} match no module of the "
+                f"model (its top-level modules: {top})"
+            )
+        mesh = run.device_mesh()["tp"]
+        ties = tied_parameters(model)
+        parallelize_module(model, mesh, plan)
+        replicated = replicate_rest(model, mesh)
+        tie_again(ties)
+        if run.dist.is_main:
+            logging.getLogger("coretrain").info(
+                "tensor-parallel: %d ranks per group split %d plan entries; data parallel over %d; "
+                "replicated in each group: %s",
+                tp,
+                len(plan),
+                run.dist.dp_size,
+                ", ".join(replicated) or "nothing",
+            )

@@ -1,0 +1,119 @@
+"""Tensor parallelism (and 2-D with FSDP2) on real torchrun gloo ranks, against one rank."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import config_file, gpt_preset, metrics_rows, run_cli
+
+from coretrain.testing import run_ranks, tiny_config, write_config
+
+
+def torchrun(*args: str, cwd: Path, nproc: int) -> subprocess.CompletedProcess[str]:
+    command = (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}")
+    return run_cli(*args, cwd=cwd, command=(*command, "-m", "coretrain"), env={"OMP_NUM_THREADS": "1"})
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in metrics_rows(out) if "loss" in row}
+
+
+def assert_same_losses(reference: dict[int, float], got: dict[int, float], first_step: int = 1) -> None:
+    assert sorted(got) == [s for s in sorted(reference) if s >= first_step]
+    for step, loss in got.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_gpt_on_tp2_by_dp2_matches_one_rank_and_its_checkpoint_resumes_at_tp1_and_tp4(tmp_path: Path) -> None:
+    """4 ranks as 2 tensor-parallel groups of 2 (FSDP2 over the data-parallel dimension), 20
+    steps against one process; the DCP checkpoint of step 10 then resumes on 2 ranks without
+    tensor parallelism and on 4 ranks as one group of 4, and every step matches."""
+    preset = gpt_preset(tmp_path / "unused")
+    preset["model"]["options"] = {"n_layer": 2, "n_head": 4, "n_embd": 32}
+
+    def config(name: str, checkpoint: dict[str, object] | None = None, **distributed: object) -> Path:
+        train = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 20, "log_interval": 1, "eval_iters": 0}
+        extra = {
+            "run": {"output_dir": str(tmp_path / name)},
+            "checkpoint": {"save_interval": 10, **(checkpoint or {})},
+            "distributed": distributed,
+        }
+        return config_file(tmp_path / f"{name}.toml", preset, extra, **train)
+
+    one = run_cli("run", str(config("one")), cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    reference = losses(tmp_path / "one")
+    assert len(reference) == 20 and reference[20] < reference[1]
+
+    tp2 = torchrun("run", str(config("tp2", tp_size=2)), cwd=tmp_path, nproc=4)
+    assert tp2.returncode == 0, tp2.stderr
+    assert "tensor-parallel: 2 ranks per group split 14 plan entries; data parallel over 2" in tp2.stderr
+    assert_same_losses(reference, losses(tmp_path / "tp2"))
+    step_10 = tmp_path / "tp2" / "checkpoints" / "step_00000010"
+    assert len(list((step_10 / "sharded").glob("*.distcp"))) == 4  # written sharded by DCP
+
+    resume = {"resume": str(step_10)}
+    tp1 = torchrun("run", str(config("tp1", resume, strategy="fsdp")), cwd=tmp_path, nproc=2)
+    assert tp1.returncode == 0, tp1.stderr
+    assert "resumed at step 10" in tp1.stdout
+    assert_same_losses(reference, losses(tmp_path / "tp1"), first_step=11)
+
+    tp4 = torchrun("run", str(config("tp4", resume, tp_size=4)), cwd=tmp_path, nproc=4)
+    assert tp4.returncode == 0, tp4.stderr
+    assert "4 ranks per group" in tp4.stderr and "data parallel over 1" in tp4.stderr
+    assert_same_losses(reference, losses(tmp_path / "tp4"), first_step=11)
+
+
+@pytest.mark.slow
+def test_a_model_without_a_provider_plan_takes_one_from_the_config(tmp_path: Path) -> None:
+    """The tiny regression model (an import-path provider: no plan of its own) on 2 ranks of
+    tensor parallelism: no plan is one error naming its Linear modules, a key that matches
+    nothing is one error, DDP is refused, and the config's plan trains as one rank does."""
+
+    def ranks(name: str, tp: dict[str, object] | None, strategy: str = "auto") -> subprocess.CompletedProcess[str]:
+        config: dict[str, dict[str, object]] = {
+            "distributed": {"tp_size": 2, "strategy": strategy},
+            "train": {"log_interval": 1},
+        }
+        if tp is not None:
+            config["plugins"] = {"tensor-parallel": tp}
+        return run_ranks(tmp_path / name, 2, steps=10, config=config)
+
+    no_plan = ranks("none", None)
+    assert no_plan.returncode != 0  # torchrun: 1 for any failed rank; each rank printed its error
+    assert "gives no tensor-parallel plan" in no_plan.stderr and "(Linear modules: net.0, net.3)" in no_plan.stderr
+
+    typo = ranks("typo", {"plan": {"net.0": "colwise", "net.4": "rowwise"}})
+    assert typo.returncode != 0
+    assert "plan key(s) net.4 match no module of the model (its top-level modules: net)" in typo.stderr
+
+    ddp = ranks("ddp", {"plan": {"net.0": "colwise", "net.3": "rowwise"}}, strategy="ddp")
+    assert ddp.returncode != 0 and 'use distributed.strategy = "fsdp"' in ddp.stderr
+
+    split = ranks("split", {"plan": {"net.0": "colwise", "net.3": "rowwise"}})
+    assert split.returncode == 0, split.stderr
+    one = write_config(tmp_path / "one.toml", tiny_config(tmp_path / "one", train={"log_interval": 1}))
+    assert run_cli("run", str(one), cwd=tmp_path).returncode == 0
+    assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "split" / "out"))
+
+
+def test_a_tp_size_that_does_not_divide_the_ranks_or_an_unknown_style_is_one_error(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "c.toml", tiny_config(tmp_path / "out", distributed={"tp_size": 2}))
+    result = run_cli("run", str(config), cwd=tmp_path)
+    assert result.returncode == 2
+    assert (
+        "error: distributed.tp_size (2) must divide the number of ranks (1); start a multiple of 2 ranks, "
+        "or set distributed.tp_size = 1" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+    bad = tiny_config(
+        tmp_path / "out", distributed={"tp_size": 2}, plugins={"tensor-parallel": {"plan": {"net.0": "column"}}}
+    )
+    result = run_cli("run", str(write_config(tmp_path / "bad.toml", bad)), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "plugins.tensor-parallel.plan.net.0" in result.stderr and "unknown style 'column'" in result.stderr
