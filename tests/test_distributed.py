@@ -346,9 +346,8 @@ def test_an_output_dir_the_nodes_do_not_share_is_one_clear_error(tmp_path: Path)
         cwd = tmp_path / f"node{node}"
         cwd.mkdir()
         (cwd / "c.toml").write_text(tiny_gpt_config(Path("out"), train_iters=4))
-        launcher = (sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}")
-        launcher += ("--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "coretrain")
-        nodes.append(start_cli("run", "c.toml", cwd=cwd, command=launcher))
+        launch = ("--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"127.0.0.1:{port}")
+        nodes.append(start_cli("run", "c.toml", *launch, cwd=cwd))  # coretrain's launcher, a fixed 2 machines
     outputs = [node.communicate(timeout=180) for node in nodes]
     assert all(node.returncode != 0 for node in nodes)
     message = "is not one directory for every rank: rank 1 on"

@@ -19,21 +19,59 @@ def add(commands: Any) -> None:
     """Add this module's command(s) to ``coretrain``'s subcommands."""
     run = commands.add_parser("run", help="train as the config says (works under torchrun too)")
     add_config_args(run)
-    run.add_argument(
+    launch = run.add_argument_group(
+        "launching ranks (torchrun's launcher, in this process; run the same command on every machine)"
+    )
+    launch.add_argument(
         "--nproc-per-node",
         type=int,
         default=None,
         metavar="N",
-        help="start N ranks on this machine through torchrun (same as `torchrun --standalone "
-        "--nproc-per-node N -m coretrain run CONFIG`)",
+        help="start N ranks on this machine (same as `torchrun --standalone --nproc-per-node N "
+        "-m coretrain run CONFIG`); default 1 with --nnodes",
     )
-    run.add_argument(
+    launch.add_argument(
+        "--nnodes",
+        default=None,
+        metavar="N|MIN:MAX",
+        help="machines in the job; MIN:MAX for an elastic job that starts with MIN, takes machines "
+        "that join up to MAX and, given --max-restarts, goes on without one that leaves (each "
+        "change stops the ranks with a checkpoint and restarts them from it)",
+    )
+    launch.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the machines meet (with --nnodes): a free port on a host every machine reaches; "
+        "that host's launcher keeps the meeting point, so it must stay up",
+    )
+    launch.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="this machine's place, 0..N-1, with a fixed --nnodes N (ranks R*nproc ..); "
+        "unset, machines are numbered as they arrive",
+    )
+    launch.add_argument(
+        "--rdzv-id",
+        default="coretrain",
+        metavar="ID",
+        help="the job's name at the endpoint, the same on every machine (default: coretrain)",
+    )
+    launch.add_argument(
+        "--rdzv-conf",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="rendezvous settings, as torchrun takes them (e.g. join_timeout=900,last_call_timeout=30)",
+    )
+    launch.add_argument(
         "--max-restarts",
         type=int,
         default=0,
         metavar="K",
-        help="with --nproc-per-node: restart the ranks up to K times after a failure; "
-        "each restart resumes from the newest complete checkpoint",
+        help="restart the ranks up to K times after a failure; each restart resumes from the "
+        "newest complete checkpoint",
     )
     loudness = run.add_mutually_exclusive_group()
     loudness.add_argument(
@@ -110,19 +148,7 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     # Workers keep their own rendezvous store: with the agent's shared store, restarted gloo
     # groups connect to the dead attempt's ports (seen with torch 2.13; pytorch#167288).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    argv = [
-        "--standalone",
-        "--nproc-per-node",
-        str(args.nproc_per_node),
-        "--max-restarts",
-        str(args.max_restarts),
-        "-m",
-        "coretrain",
-        "run",
-        args.config,
-    ]
-    for override in args.overrides:
-        argv += ["--set", override]
+    argv = torchrun_arguments(args)
     try:
         torchrun(argv)
     except SignalException as exc:
@@ -134,12 +160,66 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     return 0
 
 
+def torchrun_arguments(args: argparse.Namespace) -> list[str]:
+    """torchrun's command line for this command's launch flags (one machine: --standalone;
+    several: c10d rendezvous at --rdzv-endpoint, or torchrun's static one with --node-rank)."""
+    from coretrain.errors import UserError
+
+    nnodes = args.nnodes or "1"
+    low, _, high = nnodes.partition(":")
+    if not (low.isdigit() and (high or low).isdigit() and 1 <= int(low) <= int(high or low)):
+        raise UserError(f"--nnodes {nnodes}: expected a number of machines N or MIN:MAX (e.g. 2 or 1:4)")
+    several = int(high or low) > 1
+    if not several:
+        argv = ["--standalone"]
+    elif not args.rdzv_endpoint:
+        raise UserError(
+            f"--nnodes {nnodes}: the machines need a meeting point; add --rdzv-endpoint HOST:PORT "
+            "(a free port on a host every machine reaches, the same on every machine)"
+        )
+    elif args.node_rank is not None:
+        if high:
+            raise UserError(
+                f"--node-rank {args.node_rank}: an elastic job (--nnodes {nnodes}) numbers machines as "
+                "they join; leave --node-rank out"
+            )
+        if not 0 <= args.node_rank < int(low):
+            raise UserError(f"--node-rank {args.node_rank}: expected 0..{int(low) - 1} (--nnodes {nnodes})")
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        argv = ["--nnodes", nnodes, "--node-rank", str(args.node_rank), "--master-addr", host, "--master-port", port]
+    else:
+        argv = ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
+        argv += ["--rdzv-id", args.rdzv_id] + (["--rdzv-conf", args.rdzv_conf] if args.rdzv_conf else [])
+    argv += ["--nproc-per-node", str(args.nproc_per_node or 1), "--max-restarts", str(args.max_restarts)]
+    argv += ["-m", "coretrain", "run", args.config]
+    for override in args.overrides:
+        argv += ["--set", override]
+    return argv
+
+
+def stop_with_the_launcher() -> None:
+    """A rank torchrun started gets SIGTERM when its launcher dies (Linux): killed alone, the
+    launcher would leave its ranks training, and the other machines' ranks waiting on them.
+    SIGTERM is the graceful stop: every rank agrees, checkpoints and exits."""
+    import signal
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the launcher died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
+    if (args.nproc_per_node or args.nnodes) and "LOCAL_RANK" not in os.environ:
         return launch_torchrun(args)
     from coretrain.signals import Interrupted, SignalWatcher
 
     signals = SignalWatcher().install()  # before torch is imported: no signal is lost in start-up
+    stop_with_the_launcher()
     try:
         return _train(args, signals)
     except Interrupted as exc:

@@ -1,0 +1,112 @@
+"""``coretrain run --nnodes``: several "machines" on this one, each its own launcher process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import metrics_rows, run_cli, write_tiny_gpt
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the ranks a launcher started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def job_starts(out: Path) -> list[int]:
+    """The world size of every job start progress.txt recorded."""
+    path = out / "progress.txt"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [int(line.split("\tworld ")[1].split("\t")[0]) for line in lines if line.endswith("job start")]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a launcher's death reaches its ranks on Linux")
+def test_an_elastic_job_takes_a_machine_that_joins_and_goes_on_without_one_whose_launcher_was_killed(
+    tmp_path: Path,
+) -> None:
+    """Machine A starts alone (--nnodes 1:2); machine B joins: the ranks stop with a checkpoint
+    and resume on 2. Then B's launcher is SIGKILLed alone: its rank stops with it (checkpoint),
+    A restarts its rank, resumes on 1 and finishes. No environment variable is set."""
+    slow_steps = '[plugins.fault-injection]\naction = "sleep"\nstep = 1\nevery_step = true\nsleep_seconds = 0.1\n'
+    config, out = write_tiny_gpt(
+        tmp_path, slow_steps + "[checkpoint]\nsave_interval = 5\n", micro_batch_size=4, global_batch_size=8
+    )
+    config.write_text(config.read_text().replace("train_iters = 40", "train_iters = 200"))
+    port = free_port()
+    launch = ("--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=1")
+    command = [sys.executable, "-m", "coretrain", "run", str(config), *launch, "--max-restarts", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env["OMP_NUM_THREADS"] = "1"
+
+    def machine(name: str) -> subprocess.Popen[bytes]:
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    a = machine("a")
+    b = None
+    try:
+        wait_for(lambda: job_starts(out) == [1] and (out / "checkpoints" / "step_00000010").is_dir(), "A training")
+        b = machine("b")
+        wait_for(lambda: job_starts(out) == [1, 2], "the job to grow to 2 ranks")
+        wait_for(lambda: bool(children(b.pid)), "B's rank")
+        rank_of_b = children(b.pid)[0]
+        step_before_kill = metrics_rows(out)[-1]["step"]
+        b.send_signal(signal.SIGKILL)  # the launcher alone; its rank is not signalled by anyone else
+        wait_for(lambda: not Path(f"/proc/{rank_of_b}").exists(), "B's rank to stop with its launcher", 60)
+        assert a.wait(timeout=240) == 0, (tmp_path / "a.log").read_text()[-3000:]
+    finally:
+        for launcher in (a, b):
+            if launcher is not None and launcher.poll() is None:
+                launcher.kill()
+    log = (tmp_path / "a.log").read_text()
+    assert job_starts(out) == [1, 2, 1]
+    assert log.count("received SIGTERM") == 2  # both changes stopped the ranks with a checkpoint
+    assert log.count("resumed at step") == 2
+    rows = [row for row in metrics_rows(out) if "loss" in row]
+    assert rows[-1]["step"] == 200
+    assert [row["step"] for row in rows] == sorted({row["step"] for row in rows})  # each step logged once
+    assert step_before_kill < 200
+
+
+def test_launch_flags_that_cannot_work_are_one_error(tmp_path: Path) -> None:
+    config, _ = write_tiny_gpt(tmp_path)
+    cases = {
+        ("--nnodes", "2"): "error: --nnodes 2: the machines need a meeting point; add --rdzv-endpoint HOST:PORT",
+        ("--nnodes", "3:2"): "error: --nnodes 3:2: expected a number of machines N or MIN:MAX (e.g. 2 or 1:4)",
+        ("--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"): "error: --node-rank 2: expected 0..1",
+        ("--nnodes", "1:2", "--node-rank", "0", "--rdzv-endpoint", "h:1"): "numbers machines as they join",
+    }
+    for flags, message in cases.items():
+        result = run_cli("run", str(config), *flags, cwd=tmp_path)
+        assert result.returncode == 2 and message in result.stderr, (flags, result.stderr)
+        assert "Traceback" not in result.stderr
