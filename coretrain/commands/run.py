@@ -141,6 +141,7 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     torchrun itself answers a SIGTERM with a traceback and exit 1; here the job exits with
     128+signum, like a single-process run, once the ranks have checkpointed.
     """
+    argv = torchrun_arguments(args)  # a mistake in the flags is reported before torch loads
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
@@ -148,7 +149,6 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     # Workers keep their own rendezvous store: with the agent's shared store, restarted gloo
     # groups connect to the dead attempt's ports (seen with torch 2.13; pytorch#167288).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    argv = torchrun_arguments(args)
     try:
         torchrun(argv)
     except SignalException as exc:
