@@ -100,15 +100,18 @@ def device_mesh(device_type: str, info: DistInfo) -> Any:
     return _mesh
 
 
-_control_group: object = None
+_UNDECIDED = object()
+_control_group: object = _UNDECIDED
 _timeout = datetime.timedelta(minutes=10)
 
 
 def _cpu_group() -> object:
-    """A gloo group for decisions, so agreeing never syncs the GPU stream (None = default group)."""
+    """A gloo group for decisions, so agreeing never syncs the GPU stream (None = the default
+    group, already gloo); decided once — it is asked every step."""
     global _control_group
-    if _control_group is None and dist.get_backend() != "gloo":
-        _control_group = dist.new_group(backend="gloo", timeout=_timeout)
+    if _control_group is _UNDECIDED:
+        gloo = dist.get_backend() == "gloo"
+        _control_group = None if gloo else dist.new_group(backend="gloo", timeout=_timeout)
     return _control_group
 
 
@@ -178,6 +181,6 @@ def shutdown(graceful: bool = False) -> None:
     global _control_group, _mesh
     if graceful and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-    _control_group = _mesh = None
+    _control_group, _mesh = _UNDECIDED, None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
