@@ -1,0 +1,113 @@
+"""What grows with the number of ranks: collectives per step, checkpoint files and metadata.
+
+    python benchmarks/scale.py [--ranks 1 2 4 8] [--layers 2 4]
+
+For each strategy (ddp, fsdp), GPT depth and rank count, trains the tiny byte-level GPT for 4
+steps under torchrun (gloo, one thread per rank), saving a checkpoint at step 4, with the
+``profiler`` plugin tracing step 3 on rank 0. Reports the collectives in that step's trace (every
+``c10d::`` op between pre_step and post_step: DDP's gradient all-reduce, FSDP's all-gathers and
+reduce-scatters, the gradient-norm all-reduce; coretrain's own agreement runs after post_step,
+one asynchronous all-reduce of 4 integers a step — benchmarks/agreement.py), the files of the
+step-4 checkpoint, their bytes, and the size of DCP's ``.metadata`` (sharded checkpoints) and
+of coretrain's ``checkpoint.json``. The README's "At 1,000 GPUs"
+section extrapolates from these figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+STDLIB = Path(os.__file__).parent
+
+
+def config(out: Path, layers: int, strategy: str) -> str:
+    return f"""
+[run]
+output_dir = "{out}"
+threads = 1
+[model]
+provider = "gpt"
+[model.options]
+n_layer = {layers}
+n_head = 2
+n_embd = 32
+[data]
+provider = "text-bytes"
+[data.options]
+globs = ["{STDLIB}/a*.py"]
+seq_length = 32
+max_bytes = 100000
+[train]
+micro_batch_size = 1
+global_batch_size = 8
+train_iters = 4
+log_interval = 4
+eval_iters = 0
+[checkpoint]
+save_interval = 4
+[distributed]
+strategy = "{strategy}"
+[plugins.profiler]
+start = 3
+end = 3
+"""
+
+
+def measure(ranks: int, layers: int, strategy: str) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        path = Path(tmp) / "c.toml"
+        path.write_text(config(out, layers, strategy))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run([*command, "-m", "coretrain", "run", str(path)], check=True, capture_output=True, env=env)
+        trace = json.loads(next((out / "profile").glob("rank0_*.json")).read_text())
+        ops = collections.Counter(
+            e["name"].removeprefix("c10d::").rstrip("_")
+            for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e.get("name", "").startswith("c10d::")
+        )
+        step = out / "checkpoints" / "step_00000004"
+        files = [p for p in step.rglob("*") if p.is_file()]
+        metadata = step / "sharded" / ".metadata"
+        return {
+            "collectives": dict(sorted(ops.items())),
+            "files": len(files),
+            "bytes": sum(p.stat().st_size for p in files),
+            "metadata": metadata.stat().st_size if metadata.exists() else 0,
+            "manifest": (step / "checkpoint.json").stat().st_size,
+            "rank_file": (step / "rank_00000.pt").stat().st_size,
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    print("tiny GPT (n_embd 32), 4 steps, checkpoint at step 4, gloo on CPU; collectives of step 3 on rank 0")
+    print(
+        f"{'strategy':<8} {'layers':>6} {'ranks':>5} {'files':>5} {'bytes':>9} {'.metadata':>9} "
+        f"{'manifest':>8} {'rank_0':>6}  collectives in one step"
+    )
+    for strategy in ("ddp", "fsdp"):
+        for layers in args.layers:
+            for ranks in args.ranks:
+                m = measure(ranks, layers, strategy)
+                ops = ", ".join(f"{name} {count}" for name, count in m["collectives"].items()) or "none"  # type: ignore[attr-defined]
+                print(
+                    f"{strategy:<8} {layers:>6} {ranks:>5} {m['files']:>5} {m['bytes']:>9} {m['metadata']:>9} "
+                    f"{m['manifest']:>8} {m['rank_file']:>6}  {ops}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
