@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from coretrain import metrics as derived
-from coretrain.dist import sum_over_ranks
+from coretrain.dist import mean_over_ranks, sum_over_ranks
 from coretrain.run import Run
 from coretrain.timers import PhaseTimes
 
@@ -115,16 +115,31 @@ class IntervalLog:
         self.restart_clock()
         return metrics
 
-    def pending(self) -> dict[str, Any]:
-        """What a checkpoint must carry so the next log after resume averages the same steps."""
+    def pending(self, over_ranks: bool = False) -> dict[str, Any]:
+        """What a checkpoint must carry so the next log after resume averages the same steps.
+
+        ``over_ranks``: averaged over all ranks, step by step (one all-reduce; every rank must
+        call it) — what a resume on another number of ranks continues from, so no rank has to
+        read every other rank's file."""
         if not self.losses:
             return {}
         with torch.no_grad():
+            series = {
+                "losses": torch.stack(self.losses).float(),
+                "grad_norms": torch.stack(self.grad_norms).float() if self.grad_norms else None,
+                **{f"values/{name}": torch.stack(values).float() for name, values in self.values.items()},
+            }
+            if over_ranks:
+                present = {name: t for name, t in series.items() if t is not None}
+                flat = mean_over_ranks(torch.cat(list(present.values())))
+                parts = torch.split(flat, [t.numel() for t in present.values()])
+                series.update({name: part.view_as(t) for (name, t), part in zip(present.items(), parts)})
+            on_host = {name: t.cpu() if t is not None else torch.empty(0) for name, t in series.items()}
             return {
-                "losses": torch.stack(self.losses).cpu(),
+                "losses": on_host["losses"],
                 "samples": self.samples,
-                "grad_norms": torch.stack(self.grad_norms).cpu() if self.grad_norms else torch.empty(0),
-                "values": {name: torch.stack(values).cpu() for name, values in self.values.items()},
+                "grad_norms": on_host["grad_norms"],
+                "values": {name: on_host[f"values/{name}"] for name in self.values},
             }
 
     def restore(self, state: dict[str, Any], device: torch.device) -> None:

@@ -190,6 +190,7 @@ class Trainer:
             {
                 "plugins": plugin_states,
                 "interval_log": self.log.pending(),
+                **({"interval_log_mean": self.log.pending(over_ranks=True)} if run.dist.world_size > 1 else {}),
                 **({"data": data_state} if data_state else {}),
             },
             evaluated=self._evaluated_now(),

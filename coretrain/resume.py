@@ -118,7 +118,8 @@ def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
     if saved_world != run.dist.world_size:
         if rank >= saved_world:
             rank_state["rng"] = None
-        rank_state["interval_log"] = _merged_interval_log(path, saved_world, own, rank_state.get("interval_log") or {})
+        # the pending interval as every saved rank had it, averaged when it was saved
+        rank_state["interval_log"] = rank_state.get("interval_log_mean", rank_state.get("interval_log"))
     restored = Restored(path, info, rank_state)
     if info["layout"] == "replicated":
         restored.model = safeload.load_file(path / "model.pt")
@@ -135,25 +136,6 @@ def _rank_state(path: Path, rank: int) -> dict[str, Any]:
     if not isinstance(rank_state, dict) or not isinstance(rank_state.get("train"), dict):
         raise CheckpointUnreadable(rank_file, "not a coretrain rank state (no 'train' table)")
     return rank_state
-
-
-def _merged_interval_log(path: Path, saved_world: int, own_rank: int, own: dict[str, Any]) -> dict[str, Any]:
-    """The saved ranks' pending interval, averaged over them step by step."""
-    if not own:
-        return {}
-    logs = [own if r == own_rank else (_rank_state(path, r).get("interval_log") or {}) for r in range(saved_world)]
-    logs = [log_ for log_ in logs if log_]
-
-    def mean(key: str) -> torch.Tensor:
-        return torch.stack([log_[key].float() for log_ in logs]).mean(0)
-
-    names = own.get("values", {})
-    return {
-        "losses": mean("losses"),
-        "samples": own["samples"],
-        "grad_norms": mean("grad_norms") if own["grad_norms"].numel() else own["grad_norms"],
-        "values": {name: torch.stack([log_["values"][name].float() for log_ in logs]).mean(0) for name in names},
-    }
 
 
 def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
