@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import STDLIB
+from conftest import STDLIB, metrics_rows
 
 from coretrain import UserError, hookimpl
 from coretrain.export import export
@@ -213,6 +213,21 @@ def test_two_ranks_train_and_export_from_pretrained(tmp_path: Path, llama_dir: P
     export(tmp_path / "out", None, tmp_path / "exported", "hf", {"merge_lora": False})
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
     assert type(loaded).__name__ == "LlamaForCausalLM"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_takes_the_transformers_plan_and_matches_one_rank(tmp_path: Path, llama_dir: Path) -> None:
+    sections = text_run(llama_dir, global_batch_size=8, eval_iters=0, log_interval=1)
+    one = run_steps(tmp_path / "one", steps=8, config=sections)
+    split = run_ranks(tmp_path / "tp", nproc=2, steps=8, config={**sections, "distributed": {"tp_size": 2}})
+    assert split.returncode == 0, split.stderr
+    # LlamaConfig.base_model_tp_plan: q, k, v, gate, up column-wise; o, down row-wise
+    assert "tensor-parallel: 2 ranks per group split 7 plan entries" in split.stderr
+    assert "replicated in each group: hf.model.embed_tokens, hf.model.layers.0.input_layernorm" in split.stderr
+    manifest = (tmp_path / "tp/out/checkpoints/step_00000008/checkpoint.json").read_text()
+    assert '"layout": "sharded"' in manifest
+    got = [row["loss"] for row in metrics_rows(tmp_path / "tp" / "out")]
+    assert got == pytest.approx([row["loss"] for row in one.metrics], rel=1e-5)
 
 
 def test_a_format_no_plugin_writes_is_one_clear_error(tmp_path: Path, llama_dir: Path) -> None:
