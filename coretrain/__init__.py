@@ -10,12 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-import pluggy
-
 __version__ = "0.2.0"
 
-hookimpl = pluggy.HookimplMarker("coretrain")
-"""Mark a plugin method as a hook implementation: ``@hookimpl`` / ``@hookimpl(trylast=True)``."""
 
 _LAZY = {
     # the hook contract
@@ -52,6 +48,10 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports on first use
+    import pluggy
+
+    hookimpl: pluggy.HookimplMarker
+    """Mark a plugin method as a hook implementation: ``@hookimpl`` / ``@hookimpl(trylast=True)``."""
     from coretrain.backend import LoggingBackend
     from coretrain.checkpoint import is_sharded
     from coretrain.control import Control
@@ -95,6 +95,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "hookimpl":  # pluggy loads on first use too: `python -m coretrain` starts quicker
+        import pluggy
+
+        globals()[name] = pluggy.HookimplMarker("coretrain")
+        return globals()[name]
     if name not in _LAZY:
         raise AttributeError(f"module 'coretrain' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)
