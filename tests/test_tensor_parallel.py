@@ -41,6 +41,7 @@ def test_gpt_on_tp2_by_dp2_matches_one_rank_and_its_checkpoint_resumes_at_tp1_an
             "run": {"output_dir": str(tmp_path / name)},
             "checkpoint": {"save_interval": 10, **(checkpoint or {})},
             "distributed": distributed,
+            "plugins": {"model-stats": {}},  # its norm must add up replicated and split weights alike
         }
         return config_file(tmp_path / f"{name}.toml", preset, extra, **train)
 
@@ -53,6 +54,8 @@ def test_gpt_on_tp2_by_dp2_matches_one_rank_and_its_checkpoint_resumes_at_tp1_an
     assert tp2.returncode == 0, tp2.stderr
     assert "tensor-parallel: 2 ranks per group split 14 plan entries; data parallel over 2" in tp2.stderr
     assert_same_losses(reference, losses(tmp_path / "tp2"))
+    norms = [[row["params_norm"] for row in metrics_rows(tmp_path / name)] for name in ("one", "tp2")]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
     step_10 = tmp_path / "tp2" / "checkpoints" / "step_00000010"
     assert len(list((step_10 / "sharded").glob("*.distcp"))) == 4  # written sharded by DCP
 

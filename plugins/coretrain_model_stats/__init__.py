@@ -4,11 +4,15 @@ Megatron's ``--log-params-norm`` and ``--log-num-zeros-in-grad``. Each costs a p
 parameters, so it runs on the last step of each log interval and nowhere else: the zero count
 right before that step's update (the gradients the optimizer is about to use), the norm right
 after it (the weights the logged loss leads to). Both stay on the device in
-``run.log_tensors`` until the loop's one host sync of the interval. Under FSDP the local
-shards are summed and all-reduced once, so the figures are the whole model's.
+``run.log_tensors`` until the loop's one host sync of the interval. With DTensor parameters
+(FSDP2, tensor parallelism) each rank sums its local shards, weighted by how many ranks hold
+the same elements, and one all-reduce gives the whole model's figures.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,30 +22,41 @@ from coretrain import Run, hookimpl, is_sharded
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)  # a DTensor shard (FSDP2)
+    to_local = getattr(tensor, "to_local", None)  # a DTensor shard (FSDP2, tensor parallel)
     return to_local() if to_local is not None else tensor
 
 
-def _whole_model(value: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
-    """A sum over this rank's parameters -> over the model's (FSDP: each rank holds a shard)."""
+def _holders(tensor: torch.Tensor) -> int:
+    """How many ranks hold each element of this rank's part: the ranks outside its mesh times
+    the mesh dimensions it is replicated over (1 for a plain tensor: the sum stays local)."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return 1
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    replicated = math.prod(mesh.size(i) for i, placement in enumerate(placements) if placement.is_replicate())
+    return int(dist.get_world_size() // mesh.size() * replicated)
+
+
+def _whole_model(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], model: torch.nn.Module) -> torch.Tensor:
+    """Per-parameter sums over this rank's parts (value, the parameter) -> over the model's."""
+    total = torch.stack([value / _holders(param) for value, param in parts]).sum()
     if is_sharded(model):
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total
 
 
 def param_norm(model: torch.nn.Module) -> torch.Tensor:
     """L2 norm over all parameters."""
-    squares = torch.stack([_local(p.detach()).float().pow(2).sum() for p in model.parameters()]).sum()
-    return _whole_model(squares, model).sqrt()
+    params = list(model.parameters())
+    return _whole_model([(_local(p.detach()).float().pow(2).sum(), p) for p in params], model).sqrt()
 
 
 def zero_grads(model: torch.nn.Module) -> torch.Tensor:
     """How many gradient entries are exactly zero (dead units, masked or unused parameters)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
+    parts = [((_local(p.grad) == 0).sum().float(), p) for p in model.parameters() if p.grad is not None]
+    if not parts:
         return torch.zeros(())
-    count = torch.stack([(_local(g) == 0).sum() for g in grads]).sum().float()
-    return _whole_model(count, model)
+    return _whole_model(parts, model)
 
 
 @define(kw_only=True)
