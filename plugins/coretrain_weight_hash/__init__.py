@@ -4,7 +4,8 @@ Every ``interval`` steps each rank hashes its parameters (SHA-256 of their bytes
 ranks compare one combined digest; on a mismatch they compare per parameter, rank 0 names
 the first parameter that differs and on which ranks, and the run stops with ``exit_code``
 and without a checkpoint (the replicas disagree, so there is no single state to save).
-Sharded (FSDP) parameters are different on each rank by design and are not compared.
+DTensor parameters (FSDP2 shards, tensor-parallel splits) are different on each rank by design
+and are not compared.
 """
 
 from __future__ import annotations
