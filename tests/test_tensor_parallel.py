@@ -120,3 +120,25 @@ def test_a_tp_size_that_does_not_divide_the_ranks_or_an_unknown_style_is_one_err
     result = run_cli("run", str(write_config(tmp_path / "bad.toml", bad)), cwd=tmp_path)
     assert result.returncode == 2
     assert "plugins.tensor-parallel.plan.net.0" in result.stderr and "unknown style 'column'" in result.stderr
+
+
+@pytest.mark.slow
+def test_weight_hash_compares_the_weights_a_tensor_parallel_group_replicates(tmp_path: Path, site: Path) -> None:
+    """On tp 2, the norms are replicated in the group and the projections split: a healthy run
+    raises no alarm (split parts are not compared with each other), and a norm nudged on one
+    rank is named."""
+    preset = gpt_preset(tmp_path / "unused")
+    preset["model"]["options"] = {"n_layer": 1, "n_head": 2, "n_embd": 32}
+    extra = {"distributed": {"tp_size": 2}, "plugins": {"weight-hash": {"interval": 5}}}
+
+    def run(name: str, **plugins: dict[str, object]) -> subprocess.CompletedProcess[str]:
+        tables = {**extra, "run": {"output_dir": str(tmp_path / name)}, "plugins": {**extra["plugins"], **plugins}}
+        config = config_file(tmp_path / f"{name}.toml", preset, tables, train_iters=12, eval_iters=0)
+        return run_cli(*("run", str(config), "--nproc-per-node", "2"), cwd=tmp_path, env={"PYTHONPATH": str(site)})
+
+    healthy = run("healthy")
+    assert healthy.returncode == 0, healthy.stderr
+    assert "replicas differ" not in healthy.stderr
+    nudged = run("nudged", **{"perturb-weights": {"rank": 1, "at_step": 7, "parameter": "ln_f.weight"}})
+    assert nudged.returncode == 4, nudged.stderr
+    assert "replicas differ, first at parameter 'ln_f.weight' (ranks grouped by value: [[0], [1]])" in nudged.stderr
