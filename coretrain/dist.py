@@ -39,10 +39,6 @@ class DistInfo:
         """Which of those batches this rank reads (the same for every rank of a TP group)."""
         return self.rank // self.tp_size
 
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp_size
-
 
 def init_distributed(
     device_type: str, backend: str = "auto", timeout_seconds: float = 600.0, tp_size: int = 1

@@ -319,7 +319,7 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     if dist_info.is_main and write_config:
         run.output_lock = OutputDirLock(output_dir).acquire()
     if write_config and dist_info.world_size > 1:
-        check_shared(output_dir, dist_info.rank, dist_info.world_size)
+        check_shared(output_dir, dist_info.rank)
     check_signals()
 
     train = config.train

@@ -81,28 +81,26 @@ class OutputDirLock:
 SHARED_CHECK = ".shared-check"
 
 
-def check_shared(path: Path, rank: int, world_size: int) -> None:
+def check_shared(path: Path, rank: int) -> None:
     """Every rank must see the files rank 0 writes here: a checkpoint's ranks write into one
     directory, and resume reads every rank's file. Rank 0 writes a random token; every rank
-    reads it back; the ranks agree on the first one that cannot (one collective, at start)."""
+    reads it back; the ranks agree on the first one that cannot (two tiny CPU all-reduces, at
+    start: the token reaches the others as the maximum of it and their zeros)."""
     import secrets
-
-    import torch
 
     from coretrain.dist import max_over_ranks
 
-    token = torch.zeros(1, dtype=torch.int64)
+    written = 0
     if rank == 0:
-        token[0] = secrets.randbits(62)
-        (path / SHARED_CHECK).write_text(str(int(token[0])))
-    if torch.distributed.is_initialized():
-        torch.distributed.broadcast(token, src=0)
+        written = secrets.randbits(62)
+        (path / SHARED_CHECK).write_text(str(written))
+    token = max_over_ranks(written)[0]
     try:
         seen = int((path / SHARED_CHECK).read_text())
     except (OSError, ValueError):
         seen = -1
-    blind = rank + 1 if seen != int(token[0]) else 0
-    worst = max_over_ranks(blind)[0] if world_size > 1 else blind
+    blind = rank + 1 if seen != token else 0
+    worst = max_over_ranks(blind)[0]
     if worst:
         raise UserError(
             f"run.output_dir: {path} is not one directory for every rank: rank {worst - 1} on "
