@@ -30,7 +30,7 @@ import torch
 from coretrain import outputs
 from coretrain.data import SampleOrder, batch_size, fetch, to_device
 from coretrain.dist import sum_over_ranks
-from coretrain.loader import MicroBatches, is_stream, stream_loader
+from coretrain.loader import MicroBatches, is_stream, stream_loader, worker_init_fn
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -73,6 +73,7 @@ class Evaluator:
                 prefetch_factor=cfg.prefetch_factor,
                 pin_memory=cfg.pin_memory and run.device.type == "cuda",
                 persistent_workers=cfg.persistent_workers,
+                worker_init_fn=worker_init_fn(run),
             )
 
     def _batches(self) -> Iterable[tuple[int, Any]]:

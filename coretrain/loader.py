@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from coretrain.run import Run
 
+import functools
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -96,7 +98,7 @@ def stream_loader(dataset: Any, run: Run, batch_size: int, stateful: bool) -> An
         num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory and run.device.type == "cuda",
         drop_last=stateful,
-        worker_init_fn=_one_thread,
+        worker_init_fn=worker_init_fn(run),
     )
     if cfg.num_workers:
         kwargs["prefetch_factor"] = cfg.prefetch_factor
@@ -227,12 +229,28 @@ def data_loader(dataset: Any, sampler: Any, run: Run) -> torch.utils.data.DataLo
         prefetch_factor=cfg.prefetch_factor,
         pin_memory=cfg.pin_memory and run.device.type == "cuda",
         persistent_workers=False,
-        worker_init_fn=_one_thread,
+        worker_init_fn=worker_init_fn(run),
     )
 
 
-def _one_thread(worker_id: int) -> None:
+def worker_init_fn(run: Run) -> Callable[[int], None]:
+    """What every DataLoader worker of the run does first (picklable, for spawned workers too).
+
+    A scheduler's SIGTERM (``scancel``, a container stop, a node drain) and a terminal's Ctrl-C
+    reach the whole process group. The main process turns the signals it watches into an agreed
+    checkpoint; a worker must not die of them first, or the main process sees a dead worker
+    instead of its next batch (Megatron's ``exit_signal_handler_for_dataloader``). Workers
+    still end with the main process: the DataLoader shuts them down, and they watch their
+    parent."""
+    train = run.config.train
+    names = train.exit_signals if train.exit_signal_handler else []
+    return functools.partial(_init_worker, tuple(int(getattr(signal, name)) for name in names))
+
+
+def _init_worker(ignored: tuple[int, ...], worker_id: int) -> None:
     torch.set_num_threads(1)  # workers prepare data; the training process owns the cores
+    for signum in ignored:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 class TrainBatches:

@@ -85,8 +85,8 @@ def cnn_with_accuracy(width: int = 16) -> torch.nn.Module:
 class DigitStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """The digits as a stream read in order (a file, a socket): no length, no indexing."""
 
-    def __init__(self, count: int, seed: int) -> None:
-        self.data = Digits(count, seed)
+    def __init__(self, count: int, seed: int, delay: float = 0.0) -> None:
+        self.data = Digits(count, seed, delay)
 
     def __iter__(self) -> Any:
         for i in range(len(self.data)):
@@ -96,8 +96,8 @@ class DigitStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 class StatefulDigitStream(DigitStream):
     """A stream that knows its position and can be put back there (the state_dict protocol)."""
 
-    def __init__(self, count: int, seed: int) -> None:
-        super().__init__(count, seed)
+    def __init__(self, count: int, seed: int, delay: float = 0.0) -> None:
+        super().__init__(count, seed, delay)
         self.position = 0
 
     def __iter__(self) -> Any:
@@ -113,9 +113,9 @@ class StatefulDigitStream(DigitStream):
         self.position = state["position"]
 
 
-def digit_stream(context: Any = None, stateful: bool = False) -> Datasets:
+def digit_stream(context: Any = None, stateful: bool = False, delay: float = 0.0) -> Datasets:
     kind = StatefulDigitStream if stateful else DigitStream
-    return Datasets(train=kind(1200, 1), valid=kind(359, 2))
+    return Datasets(train=kind(1200, 1, delay), valid=kind(359, 2, delay))
 
 
 def hf_digits(context: Any = None) -> Datasets:
