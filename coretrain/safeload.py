@@ -3,9 +3,9 @@
 Every file of a checkpoint goes through one of three readers here:
 
 - ``.pt`` files: ``torch.load(weights_only=True)``, torch's allowlist unpickler;
-- DCP's ``.metadata``: :class:`RestrictedUnpickler`, an allowlist of the classes that
-  torch.distributed.checkpoint's metadata is made of (DCP's own reader calls plain
-  ``pickle.load``, so a crafted ``.metadata`` would run code);
+- DCP's ``.metadata``: :mod:`coretrain.dcpmetadata`, an unpickler that names only the classes
+  DCP metadata is made of and changes nothing but the objects it makes (DCP's own reader calls
+  plain ``pickle.load``, so a crafted ``.metadata`` would run code);
 - non-tensor items inside DCP shards (optimizer param groups): ``weights_only=True`` too
   (DCP's planner loads them with ``weights_only=False``).
 
@@ -25,44 +25,15 @@ from typing import IO, Any
 
 import torch
 
+from coretrain import dcpmetadata
 from coretrain.errors import CheckpointUnreadable
-
-_DCP_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
-        "ChunkStorageMetadata",
-        "BytesStorageMetadata",
-        "MetadataIndex",
-        "StorageMeta",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata: only the allowlisted classes (and torch dtypes) may be named."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _DCP_METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not allowed")
 
 
 def _reason(exc: BaseException) -> tuple[str, bool]:
     """(one-line reason, unsafe?) for an exception raised while reading a checkpoint file."""
     text = str(exc)
+    if isinstance(exc, dcpmetadata.Refused):
+        return f"{text}, which a checkpoint never holds (a crafted or foreign file?); nothing was run", True
     if isinstance(exc, pickle.UnpicklingError) and ("Weights only load failed" in text or "not allowed" in text):
         found = re.search(r"GLOBAL [\w.]+", text)
         what = found.group(0) if found else "an object that is not plain data"
@@ -109,8 +80,9 @@ def load_file(path: Path) -> Any:
 
 
 def load_metadata(stream: IO[bytes], path: Path) -> Any:
+    """DCP ``Metadata`` from ``stream``, or a :class:`CheckpointUnreadable` naming ``path``."""
     try:
-        return RestrictedUnpickler(stream).load()
+        return dcpmetadata.load(stream)
     except Exception as exc:
         raise unreadable(path, exc) from None
 
@@ -136,8 +108,6 @@ def dcp_reader(directory: Path) -> Any:
                 raise CheckpointUnreadable(path, "no .metadata; the sharded checkpoint is incomplete")
             with open(path, "rb") as stream:
                 metadata = load_metadata(stream, path)
-            if type(metadata).__name__ != "Metadata":
-                raise CheckpointUnreadable(path, f"not DCP metadata (a {type(metadata).__name__})")
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             if getattr(metadata, "storage_meta", None) is None:
