@@ -2,7 +2,7 @@
 
 Two runs writing one directory interleave metrics, overwrite each other's checkpoints and,
 worst, the second silently continues the first one's weights. Rank 0 therefore holds an
-exclusive ``flock`` on ``<output_dir>/.lock`` for the whole run. The OS drops the lock when
+exclusive ``flock`` on the directory (and on ``<output_dir>/.lock``) for the whole run. The OS drops the lock when
 the process ends in any way, SIGKILL included, so a crashed run never blocks its restart.
 The file itself stays (deleting a lock file races with the next taker); it only says who
 holds it, for the message the next run prints.
@@ -42,40 +42,70 @@ def prepare(path: Path, key: str = "run.output_dir") -> None:
 
 
 class OutputDirLock:
-    """An exclusive lock on a run's output dir, held until :meth:`release` or process exit."""
+    """An exclusive lock on a run's output dir, held until :meth:`release` or process exit.
+
+    The lock is held on the directory itself, which a stray ``rm .lock`` cannot take away
+    (a lock on the file alone let a second run take the directory once the file was deleted,
+    and both trained into it). ``.lock`` is locked too, for older coretrain versions, and
+    names the holder. Where the filesystem cannot lock a directory (NFS emulates ``flock``
+    with byte-range locks, which a directory opened for reading cannot take), the file lock
+    is what remains.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file: IO[str] | None = None
+        self._directory: int | None = None
 
     def acquire(self) -> OutputDirLock:
         prepare(self.path)
         lock_path = self.path / LOCK_NAME
+        directory = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(directory, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(directory)
+            if exc.errno in _HELD:
+                raise self._in_use(lock_path) from None
+            directory = -1  # this filesystem cannot lock a directory: the file lock alone
         handle = open(lock_path, "a+", encoding="utf-8")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
             handle.close()
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise UserError(
-                    f"{self.path} is in use by {holder}; wait for that run to end, "
-                    "or give this one another run.output_dir"
-                ) from None
+            if directory >= 0:
+                os.close(directory)
+            if exc.errno in _HELD:
+                raise self._in_use(lock_path) from None
             raise UserError(f"{self.path}: cannot lock {lock_path}: {exc.strerror}") from None
         since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n")
         handle.flush()
-        self._file = handle
+        self._file, self._directory = handle, directory if directory >= 0 else None
         return self
+
+    def _in_use(self, lock_path: Path) -> UserError:
+        try:
+            holder = lock_path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            holder = ""
+        return UserError(
+            f"{self.path} is in use by {holder or 'another process (its .lock file was removed)'}; "
+            "wait for that run to end, or give this one another run.output_dir"
+        )
 
     def release(self) -> None:
         if self._file is not None:
-            self._file.close()  # closing the descriptor drops the flock
+            self._file.close()  # closing the descriptors drops the locks
             self._file = None
+        if self._directory is not None:
+            os.close(self._directory)
+            self._directory = None
+
+
+_HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 
 SHARED_CHECK = ".shared-check"

@@ -209,6 +209,26 @@ def test_a_second_run_on_a_directory_in_use_is_refused_until_the_first_dies(tmp_
     assert after.returncode == 0, after.stderr
 
 
+def test_deleting_the_lock_file_of_a_live_run_does_not_let_a_second_run_in(tmp_path: Path) -> None:
+    config, out = write_tiny_gpt(tmp_path, train_iters=100000, log_interval=2, eval_iters=0)
+    first = start_cli("run", str(config), cwd=tmp_path)
+    try:
+        wait_for(logged_step(out, 2), first)
+        (out / ".lock").unlink()  # a stray `rm`, a cleanup script
+        second = run_cli("run", str(config), "--set", "train.train_iters=10", cwd=tmp_path)
+        assert second.returncode == 2, second.stderr
+        line = one_error_line(second.stderr)
+        assert line.startswith(f"error: {out} is in use by "), line
+        assert first.poll() is None  # the first run goes on, alone
+        assert not (out / CKPT).exists()
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM
+    steps = [row["step"] for row in metrics_rows(out)]
+    assert steps == sorted(set(steps))  # one run's rows, never two runs interleaved
+
+
 # --------------------------------------------------------------------------- 3. a resume uses the config it is given
 
 
