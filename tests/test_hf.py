@@ -5,6 +5,7 @@ models are built from a config and saved with ``save_pretrained`` in the test.""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -315,6 +316,45 @@ def test_text_is_tokenized_once_with_eos_and_packed(
     assert not any("tokenizing" in r.message for r in caplog.records)
     assert [m["loss"] for m in second.metrics] == [m["loss"] for m in first.metrics]
     assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
+
+
+def test_an_edit_that_keeps_size_and_mtime_is_tokenized_again(
+    tmp_path: Path, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox\n" * 40)
+    sections = tokenized_run(tokenizer_dir, [corpus], tmp_path / "cache")
+    run_steps(tmp_path / "a", steps=1, config=sections)
+    stat = corpus.stat()
+    corpus.write_text("the lazy dog sleeps\n" * 40)  # same size
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as rsync -a, cp -p or tar leave it
+    assert corpus.stat().st_size == stat.st_size and corpus.stat().st_mtime_ns == stat.st_mtime_ns
+    with caplog.at_level("INFO", logger="coretrain"):
+        edited = run_steps(tmp_path / "b", steps=1, config=sections)
+    assert sum("tokenizing" in r.message for r in caplog.records) == 1
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    expected = tokenizer("the lazy dog sleeps", add_special_tokens=False)["input_ids"]
+    assert edited.run.datasets.train[0][0].tolist()[: len(expected)] == expected  # the new text, not the cached
+
+
+@pytest.mark.parametrize("damage", ["truncated-tokens", "garbage-summary", "missing-tokens"])
+def test_a_damaged_cache_entry_is_rebuilt_with_a_warning(
+    tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path], damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = tmp_path / "cache"
+    sections = tokenized_run(tokenizer_dir, [text_files["code"]], cache)
+    first = run_steps(tmp_path / "a", steps=2, config=sections)
+    (tokens,) = cache.glob("*.bin")
+    if damage == "truncated-tokens":
+        tokens.write_bytes(tokens.read_bytes()[:-3])
+    elif damage == "garbage-summary":
+        tokens.with_suffix(".json").write_bytes(b"\x00{not json")
+    else:
+        tokens.unlink()
+    with caplog.at_level("INFO", logger="coretrain"):
+        again = run_steps(tmp_path / "b", steps=2, config=sections)
+    assert any("is damaged; tokenizing" in r.message for r in caplog.records)
+    assert [m["loss"] for m in again.metrics] == [m["loss"] for m in first.metrics]
 
 
 def test_sources_are_blended_by_weight_and_split_in_order(

@@ -12,8 +12,10 @@ Each file is read with the ``datasets`` library (``.txt``: one document per line
 /``.json``/``.parquet``: the ``text_field`` column), tokenized with the tokenizer without its
 special tokens, each document followed by EOS, and the whole stream stored once as a
 memory-mapped token file in the cache (``cache_dir``, default ``~/.cache/coretrain/tokens``),
-keyed by the file's path, size and mtime and the tokenizer's files. The first process to need
-it builds it under a file lock; every other rank, and every later run, reads it.
+keyed by a hash of the file's bytes (not its size and mtime, which ``rsync -a``, ``cp -p`` and
+``tar`` keep through an edit) and of the tokenizer's files. The first process to need it
+builds it under a file lock; every other rank, and every later run, reads it. An entry whose
+files do not fit each other (torn, truncated, edited) is rebuilt, with a warning.
 
 The stream is cut into consecutive windows of ``seq_length + 1`` tokens (input and shifted
 target, as the other text providers), documents packed back to back. The split rule: each
@@ -30,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +58,7 @@ from coretrain_hf.tokenizer import load_tokenizer
 log = logging.getLogger("coretrain")
 
 READERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: keyed by content
 NEEDED_BY = 'data.provider = "hf-text"'
 
 
@@ -135,16 +138,29 @@ def blend(data_path: list[Any]) -> list[tuple[float, Path]]:
     return result
 
 
+def content_digest(path: Path) -> str:
+    """A fast hash of the file's bytes (xxh3, several GB/s; blake2b without xxhash)."""
+    try:
+        import xxhash
+
+        digest: Any = xxhash.xxh3_128()
+    except ImportError:
+        digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as stream:
+        while chunk := stream.read(1 << 22):
+            digest.update(chunk)
+    return str(digest.hexdigest())
+
+
 def cache_key(path: Path, tokenizer_dir: Path, options: HFText) -> str:
-    """Changes when the file, the tokenizer or how the text is read changes."""
-    stat = path.stat()
+    """Changes when the file's content, the tokenizer or how the text is read changes."""
     tokenizer_files = sorted(
         p for p in tokenizer_dir.iterdir() if p.is_file() and p.suffix in (".json", ".model", ".txt")
     )
     digest = hashlib.sha256()
     for item in tokenizer_files:
         digest.update(item.name.encode() + item.read_bytes())
-    recipe = [CACHE_FORMAT, str(path.resolve()), stat.st_size, stat.st_mtime_ns, digest.hexdigest()]
+    recipe = [CACHE_FORMAT, path.suffix, content_digest(path), digest.hexdigest()]
     recipe += [options.text_field, options.append_eos]
     return f"{path.stem}-{hashlib.sha256(json.dumps(recipe).encode()).hexdigest()[:16]}"
 
@@ -154,28 +170,52 @@ def cached_tokens(path: Path, tokenizer: Any, tokenizer_dir: Path, options: HFTe
     cache.mkdir(parents=True, exist_ok=True)
     key = cache_key(path, tokenizer_dir, options)
     data, meta = cache / f"{key}.bin", cache / f"{key}.json"
-    if not meta.exists():
+    info = entry_info(data, meta)
+    if info is None:
         with open(cache / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then read its result
-            if not meta.exists():
+            info = entry_info(data, meta)
+            if info is None:
+                if meta.exists():
+                    log.warning("hf-text: the cache entry %s is damaged; tokenizing %s again", meta, path)
                 build(path, tokenizer, options, data, meta, cache)
-    info = json.loads(meta.read_text())
+                info = entry_info(data, meta)
+    if info is None:
+        raise UserError(f"data.options.cache_dir: {meta} was written but cannot be read back; remove it")
     if not info["tokens"]:
         raise UserError(f"data.options.data_path: {path} holds no text")
     # mapped, not read: pages load as batches touch them (private: never written back)
     return torch.from_file(str(data), shared=False, size=info["tokens"], dtype=getattr(torch, info["dtype"]))
 
 
+def entry_info(data: Path, meta: Path) -> dict[str, Any] | None:
+    """A committed cache entry's summary, or None when it is missing or its files do not fit."""
+    try:
+        info = json.loads(meta.read_text(encoding="utf-8"))
+        tokens, dtype = info["tokens"], np.dtype(info["dtype"])
+        size = data.stat().st_size
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if type(tokens) is not int or dtype.name not in ("uint16", "uint32") or size != tokens * dtype.itemsize:
+        return None
+    return dict(info)
+
+
 def build(path: Path, tokenizer: Any, options: HFText, data: Path, meta: Path, cache: Path) -> None:
     datasets = require("datasets", needed_by=NEEDED_BY, extra="hf")
     datasets.disable_progress_bars()
     log.info("hf-text: tokenizing %s into %s (once; later runs and other ranks read it)", path, data)
-    try:
-        rows = datasets.load_dataset(
-            READERS[path.suffix], data_files=str(path), split="train", cache_dir=str(cache / "datasets")
-        )
-    except Exception as exc:  # the library's errors for malformed files vary by format
-        raise UserError(f"data.options.data_path: cannot read {path}: {type(exc).__name__}: {exc}") from None
+    # a private datasets cache, gone afterwards: its own is keyed by path and mtime, and would
+    # hand back the rows of a file since edited in place (the tokens are what is kept)
+    with tempfile.TemporaryDirectory(dir=cache, prefix="datasets-") as scratch:
+        try:
+            rows = datasets.load_dataset(READERS[path.suffix], data_files=str(path), split="train", cache_dir=scratch)
+        except Exception as exc:  # the library's errors for malformed files vary by format
+            raise UserError(f"data.options.data_path: cannot read {path}: {type(exc).__name__}: {exc}") from None
+        write_tokens(rows, path, tokenizer, options, data, meta)
+
+
+def write_tokens(rows: Any, path: Path, tokenizer: Any, options: HFText, data: Path, meta: Path) -> None:
     column = "text" if path.suffix == ".txt" else options.text_field
     if column not in rows.column_names:
         raise UserError(
