@@ -7,6 +7,7 @@ gathered into one state dict in this process, through the same restricted reader
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,7 @@ def export(run_dir: Path, step: int | None, to: Path, export_format: str, option
     ``safetensors`` here, any other format by the plugin of the run's config that writes it."""
     source = pick_checkpoint(run_dir, step)
     if export_format == "safetensors":
-        write_safetensors(read_model_state(source), source, to)
-        return f"wrote {to} from {source}"
+        return write_safetensors(read_model_state(source), source, to)
     from coretrain.config import Config
     from coretrain.configload import structure
     from coretrain.pluginmanager import load_plugins
@@ -88,25 +88,45 @@ def read_model_state(source: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def write_safetensors(weights: dict[str, torch.Tensor], source: Path, to: Path) -> None:
+def write_safetensors(weights: dict[str, torch.Tensor], source: Path, to: Path) -> str:
+    """Write ``to`` whole or not at all (a temporary file beside it, renamed over it); what was done."""
     from safetensors.torch import save_file
 
-    if not to.parent.is_dir():
-        raise UserError(f"--to: directory '{to.parent}' does not exist; create it first")
-    if to.is_dir():
-        raise UserError(f"--to: '{to}' is a directory; give a file name, e.g. {to / 'model.safetensors'}")
-    # tied parameters share storage; safetensors stores each name on its own
-    try:
+    replacing = check_export_target(to)
+    partial = to.parent / f".{to.name}.{os.getpid()}.tmp"
+    try:  # tied parameters share storage; safetensors stores each name on its own
         save_file(
             {name: tensor.contiguous().clone() for name, tensor in weights.items()},
-            str(to),
+            str(partial),
             metadata={"format": "pt", "source": str(source)},
         )
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(to, 0o666 & ~umask)  # safetensors creates it 0600; an export is for others to read
-    except OSError as exc:
-        raise RunFailure(f"cannot write {to}: {exc.strerror or exc}") from None
+        os.chmod(partial, 0o666 & ~umask)  # safetensors creates it 0600; an export is for others to read
+        os.replace(partial, to)
+    except Exception as exc:  # OSError, or safetensors' own SafetensorError for the same causes
+        partial.unlink(missing_ok=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        raise RunFailure(f"cannot write {to}: {reason}") from None
+    return f"wrote {to} from {source}" + (" (replaced the file that was there)" if replacing else "")
+
+
+def check_export_target(to: Path) -> bool:
+    """Refuse anything but a new path or a regular file to replace; True when one is replaced."""
+    if not to.parent.is_dir():
+        raise UserError(f"--to: directory '{to.parent}' does not exist; create it first")
+    if not os.access(to.parent, os.W_OK | os.X_OK):
+        raise UserError(f"--to: no permission to write in '{to.parent}'; choose another place")
+    try:
+        mode = to.lstat().st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(mode):
+        raise UserError(f"--to: '{to}' is a directory; give a file name, e.g. {to / 'model.safetensors'}")
+    if not stat.S_ISREG(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+        raise UserError(f"--to: '{to}' exists and is {kind}; give a new file name (or a regular file to replace)")
+    return True
 
 
 def read_sharded_model(directory: Path) -> dict[str, torch.Tensor]:

@@ -74,3 +74,56 @@ def test_pretrained_loads_weights_only_and_starts_at_step_zero(tmp_path: Any, no
     assert seen.step == 0 and target.state.step == 3
     assert all(torch.equal(seen.weights[k], v) for k, v in source.model.state_dict().items())
     assert target.scheduler.position == 3  # a fresh optimizer and schedule
+
+
+@pytest.fixture
+def trained(tmp_path: Path, no_autoload: None) -> Path:
+    """A run's output dir with a complete checkpoint at step 2."""
+    train(config(tmp_path, train={"train_iters": 2}))
+    return tmp_path / "out"
+
+
+def export_to(run_dir: Path, to: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from coretrain.cli import main
+
+    code = main(["checkpoint", "export", str(run_dir), "--to", str(to)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_export_refuses_what_is_not_a_regular_file_and_leaves_it_as_it_was(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    fifo, link, folder = tmp_path / "pipe", tmp_path / "link.safetensors", tmp_path / "folder"
+    os.mkfifo(fifo)
+    os.symlink("/dev/null", link)
+    folder.mkdir()
+    for target, says in ((fifo, "is not a regular file"), (link, "is a symbolic link"), (folder, "is a directory")):
+        code, _, err = export_to(trained, target, capsys)
+        assert code == 2 and err.startswith(f"error: --to: '{target}' ") and says in err, err
+        assert len(err.splitlines()) == 1
+    assert os.path.islink(link) and os.readlink(link) == "/dev/null"  # nothing was renamed over them
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_export_says_when_it_replaces_a_file_and_writes_it_whole(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import load_file
+
+    target = tmp_path / "m.safetensors"
+    code, out, _ = export_to(trained, target, capsys)
+    assert code == 0 and "replaced" not in out
+    code, out, _ = export_to(trained, target, capsys)
+    assert code == 0 and "(replaced the file that was there)" in out
+    assert set(load_file(str(target))) == set(torch.load(trained / "checkpoints/step_00000002/model.pt"))
+
+
+def test_export_into_a_place_it_cannot_write_is_one_error(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = export_to(trained, Path("/proc/m.safetensors"), capsys)  # unwritable even for root
+    assert code in (1, 2) and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and "SafetensorError" not in err
