@@ -16,7 +16,15 @@ import attrs
 import torch
 
 from coretrain import safeload
-from coretrain.checkpoint import checkpoint_root, parse_step_dir, read_manifest, set_rng_state, step_dir, step_dirs
+from coretrain.checkpoint import (
+    checkpoint_root,
+    parse_step_dir,
+    read_manifest,
+    schema,
+    set_rng_state,
+    step_dir,
+    step_dirs,
+)
 from coretrain.checkpoint.state import dcp_options, frozen_names
 from coretrain.errors import CheckpointUnreadable, UserError
 from coretrain.run import Run, TrainState, config_as_dict, seed_everything
@@ -72,10 +80,8 @@ def _load_sharded(run: Run, directory: Path, with_optimizer: bool, with_frozen: 
     )
 
 
-def check_model_fits(
-    directory: Path, saved: dict[str, Any], model: torch.nn.Module, hint: str = "", frozen_saved: bool = True
-) -> None:
-    """One error naming the parameters whose names or shapes differ (a changed model config);
+def model_mismatches(saved: dict[str, Any], model: torch.nn.Module, frozen_saved: bool = True) -> str:
+    """The parameters whose names or shapes differ, in one phrase ("" when the weights fit);
     a checkpoint saved without frozen parameters may lack exactly those."""
     current = model.state_dict()
     optional = set() if frozen_saved else frozen_names(model)
@@ -86,9 +92,16 @@ def check_model_fits(
         for k, v in current.items()
         if k in saved and hasattr(saved[k], "shape") and saved[k].shape != v.shape
     ]
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise UserError(f"{directory}: the checkpoint does not fit the model: {'; '.join(problems[:3])}{more}{hint}")
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return "; ".join(problems[:3]) + more
+
+
+def check_model_fits(
+    directory: Path, saved: dict[str, Any], model: torch.nn.Module, hint: str = "", frozen_saved: bool = True
+) -> None:
+    """One error naming the parameters whose names or shapes differ (a changed model config)."""
+    if problems := model_mismatches(saved, model, frozen_saved):
+        raise UserError(f"{directory}: the checkpoint does not fit the model: {problems}{hint}")
 
 
 @attrs.define
@@ -114,7 +127,7 @@ def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
     saved_world = int(info.get("world_size") or run.dist.world_size)
     rank = run.dist.rank
     own = rank if rank < saved_world else 0
-    rank_state = _rank_state(path, own)
+    rank_state = _rank_state(path, own, info.get("step"))
     if saved_world != run.dist.world_size:
         if rank >= saved_world:
             rank_state["rng"] = None
@@ -122,20 +135,45 @@ def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
         rank_state["interval_log"] = rank_state.get("interval_log_mean", rank_state.get("interval_log"))
     restored = Restored(path, info, rank_state)
     if info["layout"] == "replicated":
-        restored.model = safeload.load_file(path / "model.pt")
+        restored.model = _model_file(run, path, info)
         if with_optimizer:
             restored.optimizer = safeload.load_file(path / "optimizer.pt")
+            schema.validate(restored.optimizer, schema.OPTIMIZER_FILE, path / "optimizer.pt")
+            if not changed_keys_hint(info.get("config"), run.config, ("model", "data")):
+                schema.check_optimizer_fits(restored.optimizer, run.optimizer, path / "optimizer.pt")
     else:  # DCP reads it again when applying; reading it here lets a crafted or torn one fail early
         safeload.check_metadata(path / "sharded")
     return restored
 
 
-def _rank_state(path: Path, rank: int) -> dict[str, Any]:
+def _rank_state(path: Path, rank: int, manifest_step: int | None) -> dict[str, Any]:
+    """A rank file, checked against its schema and against the step the checkpoint is of."""
     rank_file = path / f"rank_{rank:05d}.pt"
     rank_state = safeload.load_file(rank_file)
-    if not isinstance(rank_state, dict) or not isinstance(rank_state.get("train"), dict):
-        raise CheckpointUnreadable(rank_file, "not a coretrain rank state (no 'train' table)")
-    return rank_state
+    schema.validate(rank_state, schema.RANK_FILE, rank_file)
+    step = rank_state["train"]["step"]
+    named = parse_step_dir(path.name)
+    expected = manifest_step if manifest_step is not None else named[0] if named else step
+    if step != expected:
+        raise CheckpointUnreadable(
+            rank_file, f"not a valid checkpoint file: train.step is {step}, the checkpoint's {expected}"
+        )
+    return dict(rank_state)
+
+
+def _model_file(run: Run, path: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """model.pt, checked to be a state dict of tensors that fits the model when the config is the
+    one it was saved with (a file that does not is damaged: an automatic resume falls back past
+    it); a changed config's misfit is the user's to fix, an error naming the keys in apply."""
+    model = safeload.load_file(path / "model.pt")
+    schema.validate(model, schema.MODEL_FILE, path / "model.pt")
+    if changed_keys_hint(info.get("config"), run.config, ("model", "data")):
+        return dict(model)  # the config changed: whether it still fits is for check_resumable and apply to say
+    if problems := model_mismatches(model, run.unwrapped_model, info.get("frozen_saved", True)):
+        raise CheckpointUnreadable(
+            path / "model.pt", f"not a valid checkpoint file: it does not fit the model it was saved from: {problems}"
+        )
+    return dict(model)
 
 
 def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:

@@ -127,3 +127,85 @@ def test_export_into_a_place_it_cannot_write_is_one_error(
     code, _, err = export_to(trained, Path("/proc/m.safetensors"), capsys)  # unwritable even for root
     assert code in (1, 2) and err.startswith("error: ") and len(err.splitlines()) == 1, err
     assert "Traceback" not in err and "SafetensorError" not in err
+
+
+def damage_rank_file(step: Path, change: Any) -> None:
+    path = step / "rank_00000.pt"
+    state = torch.load(path, weights_only=True)
+    change(state)
+    torch.save(state, path)
+
+
+def damage_torch_file(name: str, change: Any) -> Any:
+    def damage(step: Path) -> None:
+        state = torch.load(step / name, weights_only=True)
+        state = change(state) or state
+        torch.save(state, step / name)
+
+    return damage
+
+
+def damage_manifest(key: str, value: Any) -> Any:
+    def damage(step: Path) -> None:
+        import json
+
+        manifest = json.loads((step / "checkpoint.json").read_text())
+        (step / "checkpoint.json").write_text(json.dumps({**manifest, key: value}))
+
+    return damage
+
+
+DAMAGES = {  # name: (damage to step 4, the file named, words in the reason)
+    "rank-extra-key": (lambda s: damage_rank_file(s, lambda st: st.update(bogus=1)), "rank_00000.pt", "bogus"),
+    "rank-missing-key": (lambda s: damage_rank_file(s, lambda st: st.pop("scheduler")), "rank_00000.pt", "scheduler"),
+    "short-rng-state": (
+        lambda s: damage_rank_file(s, lambda st: st["rng"].update(torch=st["rng"]["torch"][:100])),
+        "rank_00000.pt",
+        "rng.torch",
+    ),
+    "negative-step": (
+        lambda s: damage_rank_file(s, lambda st: st["train"].update(step=-7)),
+        "rank_00000.pt",
+        "train.step",
+    ),
+    "other-step": (lambda s: damage_rank_file(s, lambda st: st["train"].update(step=9)), "rank_00000.pt", "train.step"),
+    "optimizer-shapes": (
+        damage_torch_file("optimizer.pt", lambda st: st["state"][0].update(exp_avg=torch.zeros(3, 3))),
+        "optimizer.pt",
+        "state[0].exp_avg",
+    ),
+    "model-other-keys": (
+        damage_torch_file("model.pt", lambda st: {f"renamed.{k}": v for k, v in st.items()}),
+        "model.pt",
+        "is missing from the checkpoint",
+    ),
+    "model-not-tensors": (damage_torch_file("model.pt", lambda st: {k: 1.5 for k in st}), "model.pt", "a tensor"),
+    "manifest-step-text": (damage_manifest("step", "four"), "checkpoint.json", "step"),
+    "manifest-negative-world": (damage_manifest("world_size", -2), "checkpoint.json", "world_size"),
+    "manifest-float-step": (damage_manifest("step", 4.5), "checkpoint.json", "step"),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGES))
+def test_a_checkpoint_file_of_the_wrong_structure_is_named_and_resume_falls_back(
+    tmp_path: Path, no_autoload: None, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    damage, file, words = DAMAGES[name]
+    train(config(tmp_path, train={"train_iters": 4}, checkpoint={"save_interval": 2}))
+    root = tmp_path / "out" / "checkpoints"
+    damage(root / "step_00000004")
+    with caplog.at_level("INFO", logger="coretrain"):
+        resumed, code = train(config(tmp_path, train={"train_iters": 6}, checkpoint={"save_interval": 2}))
+    warning = next(r.message for r in caplog.records if "is unusable" in r.message)
+    assert f"{root / 'step_00000004' / file}: not a valid checkpoint file" in warning and words in warning, warning
+    assert any(f"resumed from {root / 'step_00000002'}" in r.message for r in caplog.records)
+    assert code == 0 and resumed.state.step == 6 and resumed.state.consumed_samples == 6 * 8
+
+
+def test_a_damaged_only_checkpoint_is_one_error_naming_the_file(tmp_path: Path, no_autoload: None) -> None:
+    train(config(tmp_path, train={"train_iters": 2}))
+    damage_rank_file(tmp_path / "out/checkpoints/step_00000002", lambda st: st["train"].update(step=-7))
+    with pytest.raises(UserError) as caught:
+        train(config(tmp_path, train={"train_iters": 4}))
+    assert "rank_00000.pt: not a valid checkpoint file: train.step: expected an integer >= 0" in str(caught.value)
+    assert sorted(p.name for p in (tmp_path / "out/checkpoints").iterdir()) == ["latest", "step_00000002"]

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from coretrain import safeload
+from coretrain.checkpoint import schema
+from coretrain.checkpoint.schema import validate
 from coretrain.errors import CheckpointUnreadable, RunFailure
 
 STEP_DIR = re.compile(r"^step_(\d{8})(\.tmp)?$")
@@ -124,14 +126,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointUnreadable(path, f"cannot read the manifest: {type(exc).__name__}: {exc}") from None
-    if (
-        not isinstance(data, dict)
-        or data.get("layout") not in ("sharded", "replicated")
-        or not isinstance(data.get("evaluated", []), list)
-        or not isinstance(data.get("config", {}), dict)
-    ):
-        raise CheckpointUnreadable(path, "not a coretrain checkpoint manifest (layout, evaluated, config)")
-    return data
+    validate(data, schema.MANIFEST, path)
+    return dict(data)
 
 
 def write_json_atomically(path: Path, data: dict[str, Any]) -> None:

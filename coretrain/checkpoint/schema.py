@@ -1,0 +1,236 @@
+"""What each checkpoint file must look like, checked before anything of it is applied.
+
+A file that loads safely can still be wrong: a rank file with extra or missing keys, a short
+RNG state, optimizer moments of the wrong shape, a negative step. Applied, these stopped a
+resume with a bare exception halfway through changing the run — or, with a step of -7, went
+on to overwrite real checkpoints. Each file is checked here against its schema; a mismatch is
+a :class:`CheckpointUnreadable` naming the file and the key path, which an automatic resume
+falls back past like a corrupt file.
+
+A schema is a check: a callable ``(value, where) -> None`` that raises :class:`Mismatch`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coretrain.errors import CheckpointUnreadable, UserError
+
+Check = Callable[[Any, str], None]
+DICTS = (dict, collections.OrderedDict)  # state_dict() returns the second
+
+
+class Mismatch(Exception):
+    def __init__(self, where: str, expected: str, value: Any) -> None:
+        found = type(value).__name__ if not isinstance(value, (int, float, str)) else repr(value)[:40]
+        super().__init__(f"{where or 'the file'}: expected {expected}, found {found}")
+
+
+def integer(minimum: int = 0) -> Check:
+    def check(value: Any, where: str) -> None:
+        if type(value) is not int or value < minimum:
+            raise Mismatch(where, f"an integer >= {minimum}", value)
+
+    return check
+
+
+def kind(*types: type) -> Check:
+    def check(value: Any, where: str) -> None:
+        if type(value) not in types:
+            raise Mismatch(where, " or ".join(t.__name__ for t in types), value)
+
+    return check
+
+
+def optional(inner: Check) -> Check:
+    def check(value: Any, where: str) -> None:
+        if value is not None:
+            inner(value, where)
+
+    return check
+
+
+def one_of(*choices: Any) -> Check:
+    def check(value: Any, where: str) -> None:
+        if value not in choices:
+            raise Mismatch(where, " or ".join(map(repr, choices)), value)
+
+    return check
+
+
+def tensor(dtype: torch.dtype | None = None, numel: Callable[[], int] | None = None, dim: int | None = None) -> Check:
+    def check(value: Any, where: str) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise Mismatch(where, "a tensor", value)
+        if dtype is not None and value.dtype != dtype:
+            raise Mismatch(where, f"a {dtype} tensor", value.dtype)
+        if dim is not None and value.dim() != dim:
+            raise Mismatch(where, f"a {dim}-d tensor", value.dim())
+        if numel is not None and value.numel() != numel():
+            raise Mismatch(where, f"{numel()} elements", value.numel())
+
+    return check
+
+
+def items(*checks: Check) -> Check:
+    """A list or tuple of exactly these items."""
+
+    def check(value: Any, where: str) -> None:
+        if type(value) not in (list, tuple) or len(value) != len(checks):
+            raise Mismatch(where, f"a list of {len(checks)}", value)
+        for i, (item, inner) in enumerate(zip(value, checks)):
+            inner(item, f"{where}[{i}]")
+
+    return check
+
+
+def list_of(inner: Check, length: int | None = None) -> Check:
+    def check(value: Any, where: str) -> None:
+        if type(value) not in (list, tuple) or (length is not None and len(value) != length):
+            raise Mismatch(where, f"a list{f' of {length}' if length is not None else ''}", value)
+        for i, item in enumerate(value):
+            inner(item, f"{where}[{i}]")
+
+    return check
+
+
+def mapping(values: Check, keys: Check | None = None) -> Check:
+    """A dict of ``values`` by ``keys`` (default: strings)."""
+    keys = keys or kind(str)
+
+    def check(value: Any, where: str) -> None:
+        if type(value) not in DICTS:
+            raise Mismatch(where, "a table", value)
+        for key, item in value.items():
+            keys(key, f"{where} key")
+            values(item, f"{where}.{key}" if where else str(key))
+
+    return check
+
+
+def table(
+    required: Mapping[str, Check], optional_keys: Mapping[str, Check] | None = None, *, strict: bool = True
+) -> Check:
+    """A dict with these keys (``strict``: and no others)."""
+    extra = optional_keys or {}
+
+    def check(value: Any, where: str) -> None:
+        if type(value) not in DICTS:
+            raise Mismatch(where, "a table", value)
+        prefix = f"{where}." if where else ""
+        for key, inner in required.items():
+            if key not in value:
+                raise Mismatch(f"{prefix}{key}", "a value (the key is missing)", None)
+            inner(value[key], f"{prefix}{key}")
+        for key, item in value.items():
+            if key in extra:
+                extra[key](item, f"{prefix}{key}")
+            elif key not in required and strict:
+                raise Mismatch(f"{prefix}{key}", "no such key", item)
+
+    return check
+
+
+def empty_or(inner: Check) -> Check:
+    def check(value: Any, where: str) -> None:
+        if value != {}:
+            inner(value, where)
+
+    return check
+
+
+def anything(value: Any, where: str) -> None:
+    """Any value (plugin state: the plugin checks its own)."""
+
+
+def validate(value: Any, schema: Check, path: Path) -> None:
+    try:
+        schema(value, "")
+    except Mismatch as exc:
+        raise CheckpointUnreadable(path, f"not a valid checkpoint file: {exc}") from None
+
+
+# --------------------------------------------------------------------------- the files
+
+
+SERIES = table(
+    {"losses": tensor(torch.float32, dim=1), "samples": integer(), "grad_norms": tensor(torch.float32, dim=1)},
+    {"values": mapping(tensor(torch.float32, dim=1))},
+)
+
+RNG = table(
+    {
+        "python": items(integer(), list_of(integer(), 625), optional(kind(float))),
+        "torch": tensor(torch.uint8, numel=lambda: torch.get_rng_state().numel()),
+        "numpy": items(kind(str), tensor(torch.int64, numel=lambda: 624), integer(), integer(), kind(float)),
+    },
+    {"cuda": list_of(tensor(torch.uint8))},
+)
+
+RANK_FILE = table(
+    {
+        "train": table({"step": integer(), "consumed_samples": integer(), "skipped_updates": integer()}),
+        "scheduler": table({"samples": integer()}),
+        "rng": optional(RNG),
+    },
+    {
+        "grad_scaler": mapping(anything),
+        "plugins": mapping(anything),
+        "interval_log": empty_or(SERIES),
+        "interval_log_mean": empty_or(SERIES),
+        "data": optional(mapping(anything)),
+    },
+)
+
+MANIFEST = table(
+    {"layout": one_of("replicated", "sharded")},
+    {
+        "format": integer(1),
+        "coretrain": kind(str),
+        "step": integer(),
+        "frozen_saved": kind(bool),
+        "world_size": integer(1),
+        "optimizer": kind(str),
+        "seq_length": optional(integer(1)),
+        "evaluated": list_of(kind(str)),
+        "config": mapping(anything),
+    },
+    strict=False,  # a newer coretrain may record more about a checkpoint; nothing reads it here
+)
+
+MODEL_FILE = mapping(tensor())
+
+OPTIMIZER_FILE = table(
+    {
+        "state": mapping(mapping(anything), keys=integer()),
+        "param_groups": list_of(table({"params": list_of(integer())}, strict=False)),
+    }
+)
+
+
+def check_optimizer_fits(saved: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """The parameter groups match (else the user changed them: an error that says what to do), and
+    each saved moment has its parameter's shape (torch's load_state_dict checks only counts)."""
+    counts = [len(group["params"]) for group in saved["param_groups"]]
+    if counts != [len(group["params"]) for group in optimizer.param_groups]:
+        raise UserError(
+            f"{path}: the optimizer state does not fit this optimizer (parameters per group {counts}, now "
+            f"{[len(group['params']) for group in optimizer.param_groups]}); if its parameter groups changed, "
+            "set checkpoint.load_optimizer = false"
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, moments in saved["state"].items():
+        if index >= len(params):
+            raise CheckpointUnreadable(path, f"not a valid checkpoint file: state[{index}]: no such parameter")
+        for name, value in moments.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
+                raise CheckpointUnreadable(
+                    path,
+                    f"not a valid checkpoint file: state[{index}].{name} has shape {list(value.shape)}, "
+                    f"its parameter {list(params[index].shape)}",
+                )
