@@ -153,7 +153,7 @@ class Trainer:
             return
         with_optimizer = run.config.checkpoint.load_optimizer
         restored = resume.read_newest_loadable(run, candidates, explicit, with_optimizer)
-        resume.check_resumable(run, restored.manifest, restored.rank_state)
+        resume.check_resumable(run, restored.manifest, restored.rank_state, restored.path)
         resume.apply(run, restored, with_optimizer)
         path, state = restored.path, restored.rank_state
         self._data_state = state.get("data")

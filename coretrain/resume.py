@@ -7,7 +7,6 @@ What a resume may and may not change is decided in :func:`check_resumable` and :
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from coretrain.checkpoint import (
     step_dirs,
 )
 from coretrain.checkpoint.state import dcp_options, frozen_names
+from coretrain.configchanges import check_changes, config_changes
 from coretrain.errors import CheckpointUnreadable, UserError
 from coretrain.run import Run, TrainState, config_as_dict, seed_everything
 
@@ -248,12 +248,15 @@ def read_newest_loadable(run: Run, candidates: list[Path], explicit: bool, with_
     raise AssertionError("no candidates")  # callers pass at least one
 
 
-def check_resumable(run: Run, info: dict[str, Any], rank_state: dict[str, Any] | None = None) -> None:
-    """Refuse what a resume cannot carry over; say which optimizer/scheduler settings change.
+def check_resumable(
+    run: Run, info: dict[str, Any], rank_state: dict[str, Any] | None = None, source: Path | None = None
+) -> None:
+    """Refuse what a resume cannot carry over; say which settings change.
 
-    The optimizer class and the sequence length are part of what the checkpoint means: a
-    change is an error naming the keys. Optimizer and scheduler hyperparameters may change:
-    the config's values are used from the first resumed step, and one warning lists them.
+    The optimizer class (with its state), the sequence length, a stream's rank and worker
+    counts, and the keys :mod:`coretrain.configchanges` refuses are part of what the checkpoint
+    means: a change is an error naming the keys. Every other change is applied from the first
+    resumed step, and one warning lists them all.
     """
     config, saved = run.config, info.get("config")
     saved_optimizer = info.get("optimizer")
@@ -286,40 +289,16 @@ def check_resumable(run: Run, info: dict[str, Any], rank_state: dict[str, Any] |
             f"data.num_workers: the checkpoint's stream position was saved with {data_state['num_workers']} "
             f"worker(s), the config asks for {run.config.data.num_workers}; resume with the same number"
         )
-    changed = [
-        f"{key} {before!r} -> {after!r}"
-        for key, before, after in config_changes(saved, config)
-        if key.split(".")[0] in ("optimizer", "scheduler") and key != "optimizer.name"
-    ]
-    if changed:
-        log.warning("resuming with changed settings; the config's values are used from now on: %s", ", ".join(changed))
+    check_changes(saved, config_as_dict(config), list(config.checkpoint.allow_changes), source)
 
 
 def changed_keys_hint(saved: dict[str, Any] | None, config: Any, sections: tuple[str, ...]) -> str:
     changed = [
         f"{key} ({before!r} -> {after!r})"
-        for key, before, after in config_changes(saved, config)
+        for key, before, after in config_changes(saved, config_as_dict(config))
         if key.split(".")[0] in sections
     ]
     return f"; changed since the checkpoint: {', '.join(changed)}" if changed else ""
-
-
-def config_changes(saved: dict[str, Any] | None, config: Any) -> list[tuple[str, Any, Any]]:
-    """(dotted key, checkpoint's value, current value) for every leaf that differs."""
-    if not saved:
-        return []
-    current = json.loads(json.dumps(config_as_dict(config)))  # tuples as lists, as the manifest has them
-    changes: list[tuple[str, Any, Any]] = []
-
-    def walk(before: Any, after: Any, prefix: str) -> None:
-        if isinstance(before, dict) and isinstance(after, dict):
-            for key in sorted(set(before) | set(after)):
-                walk(before.get(key), after.get(key), f"{prefix}{key}.")
-        elif before != after:
-            changes.append((prefix.rstrip("."), before, after))
-
-    walk(saved, current, "")
-    return changes
 
 
 def load_pretrained(run: Run, path: str) -> None:

@@ -209,3 +209,42 @@ def test_a_damaged_only_checkpoint_is_one_error_naming_the_file(tmp_path: Path, 
         train(config(tmp_path, train={"train_iters": 4}))
     assert "rank_00000.pt: not a valid checkpoint file: train.step: expected an integer >= 0" in str(caught.value)
     assert sorted(p.name for p in (tmp_path / "out/checkpoints").iterdir()) == ["latest", "step_00000002"]
+
+
+CHANGES = [  # (sections changed on resume, the key, applied?)
+    ({"run": {"seed": 11}}, "run.seed", False),
+    ({"model": {"options": {"width": 8}}}, "model.options.width", False),
+    ({"data": {"options": {"samples": 300}}}, "data.options.samples", False),
+    ({"data": {"provider": "coretrain.testing:tiny_data"}}, "data.provider", False),
+    ({"train": {"global_batch_size": 16}}, "train.global_batch_size", True),
+    ({"train": {"clip_grad": 0.5}}, "train.clip_grad", True),
+    ({"run": {"precision": "bf16"}}, "run.precision", True),
+]
+
+
+@pytest.mark.parametrize(("changed", "key", "applied"), CHANGES, ids=[c[1] for c in CHANGES])
+def test_a_changed_key_on_resume_is_applied_and_listed_or_refused_by_name(
+    tmp_path: Path, no_autoload: None, caplog: pytest.LogCaptureFixture, changed: dict, key: str, applied: bool
+) -> None:
+    train(config(tmp_path, train={"train_iters": 4}))
+    again = config(tmp_path, **{**changed, "train": {"train_iters": 6, **changed.get("train", {})}})
+    if not applied:
+        with pytest.raises(UserError) as caught:
+            train(again)
+        message = str(caught.value)
+        assert f"would change what it means: {key} " in message and "train.train_iters" not in message
+        assert f'checkpoint.allow_changes = ["{key}"]' in message
+        assert sorted(p.name for p in (tmp_path / "out/checkpoints").iterdir()) == ["latest", "step_00000004"]
+        again = config(
+            tmp_path,
+            **{**changed, "train": {"train_iters": 6}, "checkpoint": {"allow_changes": [key.split(".")[0]]}},
+        )
+        if key.startswith("model"):
+            return  # a narrower model than the weights: apply() names the parameters (tests/test_trust.py)
+    with caplog.at_level("WARNING", logger="coretrain"):
+        resumed, code = train(again)
+    warning = next(r.message for r in caplog.records if "resuming with changed settings" in r.message)
+    assert f"{key} " in warning and "train.train_iters 4 -> 6" in warning, warning
+    assert code == 0 and resumed.state.step == 6
+    if key == "train.global_batch_size":
+        assert resumed.state.consumed_samples == 4 * 8 + 2 * 16  # the new batch from the first resumed step

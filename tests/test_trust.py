@@ -270,6 +270,19 @@ def test_resume_refuses_a_changed_model_shape_seq_length_or_optimizer_class(tmp_
     wider = run_cli("run", str(config), "--set", "model.options.n_embd=64", cwd=tmp_path)
     assert wider.returncode == 2
     line = one_error_line(wider.stderr)
+    assert "would change what it means: model.options.n_embd 32 -> 64" in line
+    assert 'checkpoint.allow_changes = ["model.options.n_embd"]' in line
+    forced = run_cli(
+        "run",
+        str(config),
+        "--set",
+        "model.options.n_embd=64",
+        "--set",
+        'checkpoint.allow_changes=["model"]',
+        cwd=tmp_path,
+    )
+    assert forced.returncode == 2
+    line = one_error_line(forced.stderr)
     assert (
         "does not fit the model" in line
         and "'wte.weight' has shape [256, 32] in the checkpoint, [256, 64] now" in line

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from coretrain import safeload
-from coretrain.checkpoint import schema
+from coretrain.checkpoint.schema import MANIFEST as MANIFEST_SCHEMA
 from coretrain.checkpoint.schema import validate
 from coretrain.errors import CheckpointUnreadable, RunFailure
 
@@ -126,7 +126,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointUnreadable(path, f"cannot read the manifest: {type(exc).__name__}: {exc}") from None
-    validate(data, schema.MANIFEST, path)
+    validate(data, MANIFEST_SCHEMA, path)
     return dict(data)
 
 
