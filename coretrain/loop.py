@@ -137,7 +137,11 @@ class Trainer:
         """Stop code, signal, exit code, checkpoint request: proposed each step, agreed the next."""
         timeouts = run.config.distributed
         self.watchdog = Watchdog(
-            run.dist.rank, timeouts.init_timeout_seconds, timeouts.step_timeout_seconds, run.output_dir
+            run.dist.rank,
+            timeouts.init_timeout_seconds,
+            timeouts.step_timeout_seconds,
+            run.output_dir,
+            run.plugins.running,
         )
 
     # ---------------------------------------------------------------- checkpoints
@@ -216,8 +220,7 @@ class Trainer:
         run, hooks = self.run, self.hooks
         run.started_at = time.monotonic()
         outcome: Outcome = "error"
-        if run.dist.world_size > 1:  # a hung rank blocks the others: name it and end the job
-            self.watchdog.start()
+        self.watchdog.start()  # a hung process (and a rank, the others) waits forever: name it, end it
         try:
             with self.signals:
                 self.restore()
@@ -319,7 +322,6 @@ class Trainer:
     def _steps(self) -> Outcome:
         """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""
         run, hooks, state, watchdog = self.run, self.hooks, self.run.state, self.watchdog
-        watch = run.dist.world_size > 1  # the watchdog runs only where a hung rank blocks others
         loop = self._loop_settings()
         times, perf_counter = self.log.times, time.perf_counter
         first_step = state.step + 1
@@ -329,18 +331,15 @@ class Trainer:
             n_micro, consumed = loop.plan.at(step)
             run.micro_batches_per_step = n_micro
             global_batch = loop.micro_size * n_micro * loop.dp_size
-            if watch:
-                watchdog.beat(step, "pre_step")
+            watchdog.beat(step, "pre_step")
             if hooks.pre_step:
                 hooks.pre_step(run=run, step=step)
 
-            if watch:
-                watchdog.beat(step, "data")
+            watchdog.beat(step, "data")
             started = perf_counter()
             batches = loop.feed.step(step, n_micro, consumed)
             data_ready = perf_counter()
-            if watch:
-                watchdog.beat(step, "forward_backward")
+            watchdog.beat(step, "forward_backward")
             events = times.events()
             if events is not None:
                 events[0].record()
@@ -348,8 +347,7 @@ class Trainer:
             backward_done = perf_counter()
             if events is not None:
                 events[1].record()
-            if watch:
-                watchdog.beat(step, "update")
+            watchdog.beat(step, "update")
             skipped, grad_norm = self._update(loop, step, loss, global_batch)
             if events is not None:
                 events[2].record()
@@ -360,26 +358,22 @@ class Trainer:
             self.log.add(loss, grad_norm, global_batch, values)
             if step == first_step and step % loop.log_interval:
                 self.log.restart_clock()  # the first step warms up (compiles); rates leave it out
-            if watch:
-                watchdog.beat(step, "post_step")
+            watchdog.beat(step, "post_step")
             if hooks.post_step:
                 results = StepOutputs(
                     loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch
                 )
                 hooks.post_step(run=run, step=step, outputs=results)
             if step % loop.log_interval == 0:
-                if watch:
-                    watchdog.beat(step, "log")
+                watchdog.beat(step, "log")
                 self._log(step)
             if loop.validate and step % loop.eval_interval == 0:
                 self._eval("valid")
             if self.checkpointer.in_flight:
                 self._saved(self.checkpointer.done())
-            if watch:
-                watchdog.beat(step, "agreement")
+            watchdog.beat(step, "agreement")
             reason = self._exit_condition(loop, step)
-            if watch:
-                watchdog.warmed_up = True
+            watchdog.warmed_up = True
             if self._checkpoint_due(loop, step, reason):
                 self.save()
             if reason is not None:

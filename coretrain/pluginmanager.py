@@ -158,6 +158,9 @@ class Plugins:
         self.entries: dict[str, PluginEntry] = {}
         self.calls = HookCalls(self.manager)
         """Typed calls of every hook (the only way the core calls plugins)."""
+        self.running: list[tuple[str, str]] = []
+        """(plugin, hook) of the hook implementations running now, innermost last: what a hang
+        report names."""
 
     def register(self, name: str, plugin: object, entry: PluginEntry | None = None) -> None:
         check_hook_api(name, plugin, entry)
@@ -174,7 +177,7 @@ class Plugins:
                 if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
                     # Final in pluggy's types; replacing it is how the failure gets the plugin's name
                     impl.function = _naming_failures(  # type: ignore[misc]
-                        impl.function, name, caller.name, impl.argnames
+                        impl.function, name, caller.name, impl.argnames, self.running
                     )
 
     def get(self, name: str) -> object | None:
@@ -223,13 +226,16 @@ def check_hook_api(name: str, plugin: object, entry: PluginEntry | None = None) 
 
 
 def _naming_failures(
-    function: Callable[..., Any], plugin: str, hook: str, argnames: tuple[str, ...]
+    function: Callable[..., Any], plugin: str, hook: str, argnames: tuple[str, ...], running: list[tuple[str, str]]
 ) -> Callable[..., Any]:
-    """Wrap a hook implementation so an exception from it says which plugin, hook and step."""
+    """Wrap a hook implementation so an exception from it says which plugin, hook and step, and
+    a hang in it which plugin (``running``: what is executing now)."""
     step_at = argnames.index("step") if "step" in argnames else None
+    me = (plugin, hook)
 
     @functools.wraps(function)
     def guarded(*args: Any) -> Any:
+        running.append(me)
         try:
             return function(*args)
         except (UserError, PluginError, RunFailure):
@@ -237,6 +243,8 @@ def _naming_failures(
         except Exception as exc:
             step = args[step_at] if step_at is not None and step_at < len(args) else None
             raise PluginError(plugin, hook, exc, step) from exc
+        finally:
+            running.pop()
 
     return guarded
 

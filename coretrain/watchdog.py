@@ -2,13 +2,15 @@
 
 A collective timeout alone names the wrong rank: the ranks waiting in an all-reduce time out
 and report themselves, while the rank that hung — in a plugin's hook, a data worker, a
-deadlock — says nothing. Here the loop marks where it is (``beat(step, phase)``: two attribute
-writes and a clock read), and a daemon thread per rank checks the marks: after
+deadlock — says nothing; and a single process that hangs just hangs. Here the loop marks where
+it is (``beat(step, phase)``: two attribute writes and a clock read), and a daemon thread in
+every process, one rank or many, checks the marks: after
 ``distributed.step_timeout_seconds`` without one (``init_timeout_seconds`` before the first
 step completes, and during evaluation and checkpoints, which may take long) it prints
-``rank 1: no progress for 60 s at step 412, last in pre_step`` and ends the process, so the
-launcher takes the job down. A rank waiting in a collective for a hung peer says so too
-(``last in agreement``): the line whose phase is not a collective names the culprit.
+``rank 1: no progress for 60 s at step 412, last in pre_step (plugin 'x', in its pre_step), at
+FILE:LINE in FUNCTION`` and ends the process, so the launcher takes the job down. A rank
+waiting in a collective for a hung peer says so too (``last in agreement``): the line whose
+phase is not a collective names the culprit.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger("coretrain")
@@ -34,9 +37,17 @@ that really hung (in a local phase) reports first and names itself."""
 class Watchdog:
     """Ends this process when the loop stops beating; one per rank."""
 
-    def __init__(self, rank: int, init_timeout: float, step_timeout: float, output_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        init_timeout: float,
+        step_timeout: float,
+        output_dir: Path | None = None,
+        running: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self.rank, self.init_timeout, self.step_timeout = rank, init_timeout, step_timeout
-        self.output_dir = output_dir
+        self.output_dir, self.running = output_dir, running
+        self._main = threading.main_thread().ident
         self.step, self.phase, self.at = 0, "start", time.monotonic()
         self.warmed_up = False
         self._stop = threading.Event()
@@ -66,6 +77,10 @@ class Watchdog:
 
     def _report(self, idle: float) -> None:
         line = f"rank {self.rank}: no progress for {idle:.0f} s at step {self.step}, last in {self.phase}"
+        if self.running:
+            plugin, hook = self.running[-1]
+            line += f" (plugin '{plugin}', in its {hook})"
+        line += self._where()
         print(f"error: {line}; ending this rank (exit {HANG_EXIT_CODE})", file=sys.stderr, flush=True)
         if self.output_dir is not None:
             try:
@@ -73,3 +88,10 @@ class Watchdog:
                     f.write(line + "\n")
             except OSError:
                 pass
+
+    def _where(self) -> str:
+        """Where the training thread is now: its innermost frame, for the report."""
+        frame = sys._current_frames().get(self._main) if self._main is not None else None
+        if frame is None:
+            return ""
+        return f", at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import resource
 import shutil
 import signal
@@ -661,3 +662,15 @@ def test_out_of_memory_in_a_step_is_one_line_with_the_sizes(tmp_path: Path) -> N
         "you tried to allocate 400000000000000 bytes; lower train.micro_batch_size (global_batch_size stays, "
         "through gradient accumulation) or the model size"
     )
+
+
+def test_a_hung_plugin_in_a_single_process_run_is_named_and_the_run_ends(tmp_path: Path) -> None:
+    hang = '\n[plugins.fault-injection]\naction = "hang"\nstep = 3\n\n[distributed]\nstep_timeout_seconds = 2\n'
+    config, out = write_tiny_gpt(tmp_path, train_iters=40, log_interval=1, eval_iters=0, extra=hang)
+    # with no watchdog on one rank this hung until the test's own timeout
+    result = run_cli("run", str(config), cwd=tmp_path, timeout=120)
+    assert result.returncode == 124, result.stderr
+    line = one_error_line(result.stderr)
+    assert re.match(r"error: rank 0: no progress for \d+ s at step 3, last in pre_step", line), line
+    assert "(plugin 'fault-injection', in its pre_step)" in line and "coretrain_fault_injection" in line, line
+    assert (out / "hang.rank0.log").is_file()
