@@ -110,3 +110,43 @@ def test_launch_flags_that_cannot_work_are_one_error(tmp_path: Path) -> None:
         result = run_cli("run", str(config), *flags, cwd=tmp_path)
         assert result.returncode == 2 and message in result.stderr, (flags, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a launcher's death reaches its ranks on Linux")
+def test_when_the_rendezvous_host_leaves_the_other_machine_stops_with_one_line(tmp_path: Path) -> None:
+    """Machines A (hosting the rendezvous) and B train together; A's launcher is SIGKILLed. B's
+    ranks stop with a checkpoint, and B says so in one line: no C++ stack, no 'failed' for an
+    agreed stop."""
+    slow_steps = '[plugins.fault-injection]\naction = "sleep"\nstep = 1\nevery_step = true\nsleep_seconds = 0.05\n'
+    config, out = write_tiny_gpt(
+        tmp_path, slow_steps + "[checkpoint]\nsave_interval = 50\n", micro_batch_size=4, global_batch_size=8
+    )
+    config.write_text(config.read_text().replace("train_iters = 40", "train_iters = 100000"))
+    launch = ("--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf", "last_call_timeout=1")
+    command = [sys.executable, "-m", "coretrain", "run", str(config), *launch]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = {name: tmp_path / f"{name}.log" for name in "ab"}
+    machines: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for name in "ab":
+            with open(logs[name], "wb") as log:
+                machines[name] = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+            wait_for(lambda: job_starts(out)[-1:] == [len(machines)], f"{len(machines)} rank(s) training")
+        wait_for(lambda: len(metrics_rows(out)) >= 3, "steps on 2 ranks")
+        step_at_kill = metrics_rows(out)[-1]["step"]
+        machines["a"].send_signal(signal.SIGKILL)  # the host of the rendezvous, gone without a word
+        code = machines["b"].wait(timeout=120)
+    finally:
+        for launcher in machines.values():
+            if launcher.poll() is None:
+                launcher.kill()
+    log = logs["b"].read_text()
+    assert "frame #" not in log and "Traceback" not in log, log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    stopped = "stopped on SIGTERM after saving a checkpoint (exit 143)" in log
+    assert (code == 143 and stopped and not errors) or (
+        code == 1 and len(errors) == 1 and errors[0].startswith("error: lost the rendezvous at 127.0.0.1:")
+    ), log[-3000:]
+    saved = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_????????"))
+    assert saved and saved[-1] >= step_at_kill  # the ranks checkpointed where they stopped

@@ -139,13 +139,22 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     """Run this command under torchrun in this process; its exit code mirrors the job's.
 
     torchrun itself answers a SIGTERM with a traceback and exit 1; here the job exits with
-    128+signum, like a single-process run, once the ranks have checkpointed.
+    128+signum, like a single-process run, once the ranks have checkpointed. A rank that ended
+    that way stopped as agreed, not failed; a rendezvous that is gone (the machine hosting it
+    left) is one error line, not the C++ stack torch's store logs.
     """
     argv = torchrun_arguments(args)  # a mistake in the flags is reported before torch loads
+    cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch loads: this process only
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun
 
+    _restore_env("TORCH_CPP_LOG_LEVEL", cpp_log_level)  # the ranks log as the user asked
+    for handler in logging.getLogger("torch.distributed").handlers:  # torch's own, where elastic logs
+        handler.addFilter(_AgreedStops())
     # Workers keep their own rendezvous store: with the agent's shared store, restarted gloo
     # groups connect to the dead attempt's ports (seen with torch 2.13; pytorch#167288).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -155,9 +164,48 @@ def launch_torchrun(args: argparse.Namespace) -> int:
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if failure.exitcode in _STOP_CODES:
+            print(
+                f"coretrain: rank {rank} stopped on {_STOP_CODES[failure.exitcode]} after saving a checkpoint "
+                f"(exit {failure.exitcode}); the job resumes from it",
+                file=sys.stderr,
+            )
+            return failure.exitcode
         print(f"error: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    except (RendezvousError, DistError) as exc:
+        cause: BaseException = exc
+        while cause.__cause__ is not None:  # torch's outer message says "see inner exception"
+            cause = cause.__cause__
+        first = next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+        print(
+            f"error: lost the rendezvous at {args.rdzv_endpoint or 'this machine'} (did the machine hosting it "
+            f"leave?): {first[:200]}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+_STOP_CODES = {128 + number: name for number, name in ((15, "SIGTERM"), (2, "SIGINT"), (10, "SIGUSR1"))}
+"""A rank's exit code after an agreed stop on a signal, with its checkpoint saved (Linux numbers)."""
+
+
+class _AgreedStops(logging.Filter):
+    """Drop torch elastic's lines that call an agreed, checkpointed stop a failure."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if any(f"(exitcode: {code})" in text for code in _STOP_CODES):
+            return False
+        return "has failed to shutdown the rendezvous" not in text
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def torchrun_arguments(args: argparse.Namespace) -> list[str]:
