@@ -27,16 +27,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m coretrain` does: ./mymodule:build
-        sys.path.insert(0, os.getcwd())
-    from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, RunFailure, UserError
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:
+        print("error: the current directory no longer exists (deleted?); cd to one that does", file=sys.stderr)
+        return 2
+    if cwd not in sys.path and "" not in sys.path:  # as `python -m coretrain` does: ./mymodule:build
+        sys.path.insert(0, cwd)
+    from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, PluginError, RunFailure, UserError
 
     try:
         return int(args.handler(args) or 0)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USAGE_EXIT_CODE
-    except RunFailure as exc:
+    except (RunFailure, PluginError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return FAILURE_EXIT_CODE
     except KeyboardInterrupt:  # before the run's own handler was installed

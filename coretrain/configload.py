@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import stat
 import types
 import typing
 from collections.abc import Mapping
@@ -191,9 +192,19 @@ def describe_value(value: Any) -> str:
 # --------------------------------------------------------------------------- reading and merging
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A config is a page of TOML; anything far larger is not one (a device, a data file)."""
+MAX_EXTENDS_DEPTH = 32
+
+
 def read_toml(path: Path) -> dict[str, Any]:
     """Parse one TOML file; syntax errors become 'file:line:col: message'."""
     try:
+        info = path.stat()
+        if stat.S_ISREG(info.st_mode) and info.st_size > MAX_CONFIG_BYTES:
+            raise UserError(f"{path}: {info.st_size:,} bytes is not a config file (at most {MAX_CONFIG_BYTES:,})")
+        if not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode):
+            raise UserError(f"{path}: not a regular file (a device, FIFO or socket); name a TOML file")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"{path}: config file not found") from None
@@ -211,6 +222,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         return tomli.loads(text)
     except tomli.TOMLDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}:{exc.colno}: invalid TOML: {exc.msg}") from None
+    except RecursionError:
+        raise UserError(f"{path}: values nested too deeply to be a config") from None
 
 
 def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -224,11 +237,25 @@ def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _load_chain(path: Path, seen: tuple[Path, ...], locations: dict[tuple[str, ...], Location]) -> dict[str, Any]:
+def _load_chain(
+    path: Path,
+    seen: tuple[Path, ...],
+    locations: dict[tuple[str, ...], Location],
+    composed: dict[Path, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """``path`` with its ``extends`` bases merged under it; ``composed`` keeps each file's result,
+    so a base several files extend (a diamond) is read once, not once per path to it."""
+    composed = {} if composed is None else composed
     path = path.resolve() if path.is_absolute() else path
     if path.resolve() in seen:
         chain = " -> ".join(str(p) for p in (*seen, path.resolve()))
         raise UserError(f"{path}: 'extends' forms a cycle: {chain}")
+    if len(seen) >= MAX_EXTENDS_DEPTH:
+        raise UserError(
+            f"{path}: 'extends' goes {len(seen)} files deep (at most {MAX_EXTENDS_DEPTH}); flatten the chain"
+        )
+    if path.resolve() in composed:
+        return composed[path.resolve()]
     data = read_toml(path)
     extends = data.pop("extends", [])
     bases = [extends] if isinstance(extends, str) else extends
@@ -239,9 +266,10 @@ def _load_chain(path: Path, seen: tuple[Path, ...], locations: dict[tuple[str, .
         base_path = path.parent / base
         if not base_path.exists():
             raise UserError(f"{path}: extends: {base!r} not found (looked for {base_path})")
-        merged = deep_merge(merged, _load_chain(base_path, (*seen, path.resolve()), locations))
+        merged = deep_merge(merged, _load_chain(base_path, (*seen, path.resolve()), locations, composed))
     locations.update(_key_lines(path))
-    return deep_merge(merged, data)
+    composed[path.resolve()] = deep_merge(merged, data)
+    return composed[path.resolve()]
 
 
 _TABLE = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?")

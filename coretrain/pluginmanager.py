@@ -243,6 +243,9 @@ def _naming_failures(
         except Exception as exc:
             step = args[step_at] if step_at is not None and step_at < len(args) else None
             raise PluginError(plugin, hook, exc, step) from exc
+        except SystemExit as exc:  # a hook must not end the process behind the loop's back
+            step = args[step_at] if step_at is not None and step_at < len(args) else None
+            raise PluginError(plugin, hook, RuntimeError(f"called sys.exit({exc.code!r})"), step) from None
         finally:
             running.pop()
 

@@ -13,11 +13,14 @@ run's ``report/compare/``). A run still going is read as far as it got. Needs ma
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from pathlib import Path
 from typing import Any
 
 from coretrain.errors import UserError, require
+
+log = logging.getLogger("coretrain")
 
 Rows = list[dict[str, Any]]
 
@@ -53,27 +56,39 @@ COMPARE_PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
 
 
 def read_metrics(path: Path) -> Rows:
-    """The rows of a metrics.jsonl; a line that is not JSON is a UserError naming file and line."""
+    """The rows of a metrics.jsonl, numbers only. A line that is not a metrics row (torn by a
+    crash or a full disk, binary, edited by hand) is skipped with one warning naming the first;
+    only a file with no row at all is an error."""
     if not path.is_file():
         raise UserError(f"{path}: no such file; give the run's output dir (it holds metrics.jsonl), or --metrics FILE")
-    rows = []
-    text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
+    rows, skipped = [], []
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
     for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines) and not text.endswith("\n"):
-                break  # a running job is writing this line right now
-            raise UserError(f"{path}:{number}: not a JSON object ({exc.msg}); was the file edited by hand?") from None
-        if not isinstance(row, dict) or "step" not in row:
-            raise UserError(f"{path}:{number}: expected an object with a 'step', got {line[:60]!r}")
-        rows.append(row)
+        if line.strip():
+            row = _metrics_row(line)
+            if row is None:
+                skipped.append(number)
+            else:
+                rows.append(row)
+    if skipped and not (skipped == [len(lines)] and not path.read_bytes().endswith(b"\n")):  # not a line being written
+        first = lines[skipped[0] - 1][:60]
+        log.warning(
+            "%s: skipped %d line(s) that are not metrics rows, first %d: %r", path, len(skipped), skipped[0], first
+        )
     if not rows:
         raise UserError(f"{path}: no metrics yet (the run logs every train.log_interval steps)")
     return rows
+
+
+def _metrics_row(line: str) -> dict[str, float] | None:
+    """A JSON object with an integer 'step', keeping its numeric values; None for anything else."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(row, dict) or type(row.get("step")) is not int:
+        return None
+    return {key: value for key, value in row.items() if type(value) in (int, float)}
 
 
 def series(rows: Rows, name: str, x: str = "step") -> tuple[list[float], list[float]]:

@@ -11,6 +11,7 @@ import importlib
 import inspect
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, TypeVar, overload
 
@@ -187,12 +188,15 @@ def seed_everything(seed: int) -> None:
 
 def import_callable(path: str, key: str) -> Any:
     module_name, _, attr = path.partition(":")
+    if not module_name.strip() or not attr.strip() or "" in attr.split("."):
+        raise UserError(f"{key}: '{path}' is not an import path; expected 'package.module:function'")
     try:
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise UserError(f"{key}: cannot import '{path}': {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # ImportError, AttributeError, or whatever the module raised as it loaded
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        raise UserError(f"{key}: cannot import '{path}': {type(exc).__name__}: {first}") from None
     if not callable(obj):
         raise UserError(f"{key}: '{path}' is not callable")
     return obj
@@ -280,10 +284,6 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     With ``write_config`` (a real run, not `config show`) rank 0 first locks the output dir;
     ``signals`` is checked between phases so a Ctrl-C during start-up ends it.
     """
-    from coretrain.datachecks import check_datasets, check_model
-    from coretrain.flops import flops_per_sample
-    from coretrain.outputs import resolve_loss
-
     check_signals = signals.check if signals is not None else (lambda: None)
     for section in ("model", "data"):
         if not getattr(config, section).provider:
@@ -318,6 +318,22 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     )
     if dist_info.is_main and write_config:
         run.output_lock = OutputDirLock(output_dir).acquire()
+    try:
+        _build_parts(run, write_config, check_signals)
+    except BaseException:  # the lock is the run's to hold; a run that failed to build lets go of it
+        if run.output_lock is not None:
+            run.output_lock.release()
+        raise
+    return run
+
+
+def _build_parts(run: Run, write_config: bool, check_signals: Callable[[], None]) -> None:
+    """Datasets, model, optimizer and schedule, in the documented order, onto ``run``."""
+    from coretrain.datachecks import check_datasets, check_model
+    from coretrain.flops import flops_per_sample
+    from coretrain.outputs import resolve_loss
+
+    config, plugins, dist_info, device, output_dir = run.config, run.plugins, run.dist, run.device, run.output_dir
     if write_config and dist_info.world_size > 1:
         check_shared(output_dir, dist_info.rank)
     check_signals()
@@ -381,7 +397,6 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
         run.grad_scaler = torch.amp.GradScaler(device.type)
     if dist_info.is_main and write_config:  # only a run that built is recorded: a rejected one leaves none
         (output_dir / "config.toml").write_text(dumps(config_as_dict(config)), encoding="utf-8")
-    return run
 
 
 def config_as_dict(config: Config) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from coretrain import __version__
 from coretrain.errors import UserError
 from coretrain.hookspecs import HOOK_API
 
-PLUGIN_NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+PLUGIN_NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
+MAX_NAME = 64
 
 PYPROJECT = """\
 [build-system]
@@ -140,10 +141,18 @@ and every hook call. `coretrain.testing` also has `stop_and_resume`, `run_until_
 
 def new_plugin(name: str, directory: Path | None = None) -> Path:
     """Write the package for plugin ``name`` into ``directory`` (default ./coretrain-NAME)."""
-    if not PLUGIN_NAME.match(name):
+    if not PLUGIN_NAME.fullmatch(name) or len(name) > MAX_NAME:
         raise UserError(
-            f"new-plugin: '{name}' is not a plugin name; use lowercase letters, digits and single "
-            "hyphens, starting with a letter, e.g. 'loss-spikes'"
+            f"new-plugin: {name[:80]!r} is not a plugin name; use at most {MAX_NAME} lowercase letters, "
+            "digits and single hyphens, starting with a letter, e.g. 'loss-spikes'"
+        )
+    from coretrain.pluginmanager import discover
+
+    installed = discover()
+    if name in installed:
+        raise UserError(
+            f"new-plugin: '{name}' is already the name of an installed plugin (from {installed[name].origin}); "
+            "a second one would shadow it: choose another name"
         )
     dist = name if name.startswith("coretrain-") else f"coretrain-{name}"
     package = dist.replace("-", "_")

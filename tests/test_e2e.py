@@ -196,13 +196,18 @@ def test_report_plots_the_run_and_prints_its_summary(tmp_path: Path) -> None:
         assert f"wrote {out / 'report' / name}" in result.stdout
 
 
-def test_report_names_the_file_and_line_it_cannot_read(tmp_path: Path) -> None:
+def test_report_skips_lines_that_are_not_metrics_and_names_the_first(tmp_path: Path) -> None:
     missing = run_cli("report", str(tmp_path), cwd=tmp_path)
     assert missing.returncode == 2 and "metrics.jsonl: no such file; give the run's output dir" in missing.stderr
-    (tmp_path / "metrics.jsonl").write_text('{"step": 5, "loss": 3.0}\n{"step": 10, "loss": \n')
-    broken = run_cli("report", str(tmp_path), cwd=tmp_path)
-    assert broken.returncode == 2 and "metrics.jsonl:2: not a JSON object" in broken.stderr
-    assert "Traceback" not in broken.stderr + missing.stderr
+    deep = "[" * 100000 + "]" * 100000
+    lines = [b'{"step": 5, "loss": 3.0}', b'{"step": 10, "loss": ', b"\x00\xff\xfe binary", deep.encode()]
+    lines += [b'{"step": 15, "loss": "nan?"}', b'{"step": 20, "loss": 2.5}']
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    made = run_cli("report", str(tmp_path), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    assert "metrics.jsonl: skipped 3 line(s) that are not metrics rows, first 2" in made.stderr
+    assert "3.0000 → 2.5000" in made.stdout  # the string loss of step 15 is left out, not a crash
+    assert "Traceback" not in made.stderr + missing.stderr
 
 
 def test_random_offset_windows_train_and_resume_exactly(tmp_path: Path) -> None:

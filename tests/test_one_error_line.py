@@ -1,0 +1,142 @@
+"""Hostile and careless input: every case is one ``error:`` line and a non-zero exit, never a
+traceback, a hang or a silent success. In-process, through ``coretrain.cli.main`` with the
+output captured, as the CLI's own tests should be (the real CLI is smoke-tested elsewhere).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coretrain.cli import main
+from coretrain.testing import tiny_config, write_config
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """(exit code, the one error line) of ``coretrain ARGV``; fails on anything but one error line."""
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code != 0 and len(errors) == 1 and "Traceback" not in err, (code, err)
+    return code, errors[0]
+
+
+@pytest.fixture
+def config(tmp_path: Path, no_autoload: None) -> Path:
+    return write_config(tmp_path / "c.toml", tiny_config(tmp_path / "out", train={"train_iters": 2}))
+
+
+@pytest.fixture
+def on_path(tmp_path: Path) -> Iterator[Path]:
+    """``tmp_path`` importable, as the current directory is for `coretrain run` (``mod:fn``)."""
+    sys.path.insert(0, str(tmp_path))
+    yield tmp_path
+    sys.path.remove(str(tmp_path))
+    for name in [m for m, module in sys.modules.items() if str(tmp_path) in str(getattr(module, "__file__", ""))]:
+        del sys.modules[name]
+
+
+# --------------------------------------------------------------------------- extends
+
+
+def test_an_extends_chain_of_a_thousand_files_is_refused(tmp_path: Path, capsys: Any) -> None:
+    for i in range(1000):
+        (tmp_path / f"c{i}.toml").write_text(f'extends = "c{i + 1}.toml"\n' if i < 999 else "[run]\n")
+    _, line = cli(capsys, "config", "validate", str(tmp_path / "c0.toml"))
+    assert "'extends' goes 32 files deep (at most 32); flatten the chain" in line
+
+
+def test_a_diamond_of_extends_reads_each_file_once(tmp_path: Path, config: Path, monkeypatch: Any) -> None:
+    from coretrain import configload
+
+    for level in range(16):  # each level extends both files of the level below: 2**16 paths
+        for side in "ab":
+            below = [f"l{level + 1}{s}.toml" for s in "ab"] if level < 15 else []
+            (tmp_path / f"l{level}{side}.toml").write_text(f"extends = {below!r}\n".replace("'", '"'))
+    (tmp_path / "top.toml").write_text(f'extends = ["l0a.toml", "l0b.toml", "{config.name}"]\n')
+    reads: list[Path] = []
+    real = configload.read_toml
+    monkeypatch.setattr(configload, "read_toml", lambda path: reads.append(path) or real(path))
+    loaded = configload.load_config(tmp_path / "top.toml")
+    assert loaded.config.train.train_iters == 2
+    assert len(reads) == len({p.resolve() for p in reads}) == 34  # 32 levels' files, top and c.toml
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge"])
+def test_extends_of_something_that_is_not_a_config_file_is_refused(
+    tmp_path: Path, capsys: Any, kind: str, config: Path
+) -> None:
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "base.toml")  # reading it would wait for a writer forever
+        target, words = "base.toml", "not a regular file"
+    elif kind == "dev-zero":
+        target, words = "/dev/zero", "not a regular file"
+    else:
+        (tmp_path / "base.toml").write_bytes(b"#" * (2 << 20))
+        target, words = "base.toml", "is not a config file (at most 1,048,576)"
+    config.write_text(f'extends = "{target}"\n' + config.read_text())
+    timer = threading.Timer(20, lambda: os.kill(os.getpid(), signal.SIGALRM))  # a hang fails, not blocks
+    timer.start()
+    try:
+        _, line = cli(capsys, "config", "validate", str(config))
+    finally:
+        timer.cancel()
+    assert words in line
+
+
+# --------------------------------------------------------------------------- providers
+
+
+@pytest.mark.parametrize(
+    ("source", "provider", "words"),
+    [
+        ("def build():\n    raise ValueError('no weights here')\n", "mod:build", "ValueError: no weights here"),
+        ("import sys\ndef build():\n    sys.exit(0)\n", "mod:build", "called sys.exit(0)"),
+        ("raise ZeroDivisionError('at import')\n", "mod:build", "cannot import 'mod:build': ZeroDivisionError"),
+        ("", ":mlp", "':mlp' is not an import path; expected 'package.module:function'"),
+        ("", "mod:", "'mod:' is not an import path"),
+    ],
+)
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_a_model_provider_that_raises_exits_or_cannot_be_named_is_one_error(
+    on_path: Path, config: Path, capsys: Any, source: str, provider: str, words: str, command: str
+) -> None:
+    (on_path / "mod.py").write_text(source)
+    argv = ["run"] if command == "run" else ["config", "validate"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, line = cli(
+            capsys, *argv, str(config), "--set", f'model.provider="{provider}"', "--set", "model.options={}"
+        )
+        gc.collect()  # a lock file left open by the failed start would warn here
+    assert words in line, line
+    assert not (on_path / "out" / "checkpoints").exists()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+
+
+# --------------------------------------------------------------------------- new-plugin
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("loss-spikes\n", "is not a plugin name"),
+        ("a" * 300, "is not a plugin name; use at most 64"),
+        ("gpt", "'gpt' is already the name of an installed plugin"),
+    ],
+)
+def test_new_plugin_refuses_a_name_that_would_make_a_broken_or_shadowing_package(
+    tmp_path: Path, capsys: Any, name: str, words: str
+) -> None:
+    code, line = cli(capsys, "new-plugin", name, "--dir", str(tmp_path / "pkg"))
+    assert code == 2 and words in line
+    assert not (tmp_path / "pkg").exists()
