@@ -1,4 +1,10 @@
-"""``python -m coretrain`` (and ``torchrun -m coretrain``) runs the CLI."""
+"""``python -m coretrain``, ``torchrun -m coretrain`` and the ``coretrain`` console script run the CLI.
+
+A Ctrl-C while Python loads the CLI (hundreds of milliseconds on a cold disk) would print a
+KeyboardInterrupt traceback. Importing this module, which imports nothing of coretrain's,
+installs a quiet handler first; once the CLI is loaded, Ctrl-C is a KeyboardInterrupt again,
+which the CLI and the run handle themselves.
+"""
 
 import signal
 import sys
@@ -9,9 +15,16 @@ def _stopped_while_loading(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-if __name__ == "__main__":
-    # a Ctrl-C while Python loads the CLI ends it quietly; the run installs its own handler
-    signal.signal(signal.SIGINT, _stopped_while_loading)
+signal.signal(signal.SIGINT, _stopped_while_loading)
+
+
+def console() -> int:
+    """The console script's entry point (``coretrain``)."""
     from coretrain.cli import main
 
-    sys.exit(main())
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(console())

@@ -58,6 +58,8 @@ def _strict(kind: type, accept: tuple[type, ...]) -> Any:
         if kind is float and isinstance(value, (int, float)) and not math.isfinite(value):
             # nan / inf is never a setting
             raise TypeError("not finite")
+        if kind is str and "\x00" in str(value):  # no name or path holds one; the OS refuses it later, worse
+            raise TypeError("NUL")
         return kind(value)
 
     return hook
@@ -120,8 +122,9 @@ def _problems(
         yield path + (exc.name,), str(exc)
     elif isinstance(exc, (ValueError, TypeError)) and attrs.has(cls) and isinstance(_lookup(data, path), Mapping):
         yield _validator_problem(exc, path, cls)
+    elif isinstance(value := _lookup(data, path), str) and "\x00" in value:
+        yield path, f"contains a NUL byte ({value!r}); no name or path may hold one"
     else:
-        value = _lookup(data, path)
         expected = describe_type(cls)
         message = f"expected {expected}, got {describe_value(value)}"
         choices = [

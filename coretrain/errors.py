@@ -63,9 +63,20 @@ class PluginError(Exception):
 
     def __str__(self) -> str:
         at = f" at step {self.step}" if self.step is not None else ""
-        first = next((line for line in str(self.cause).splitlines() if line.strip()), "")
-        return f"plugin '{self.plugin}' failed in {self.hook}{at}: {type(self.cause).__name__}: {first}".rstrip(": ")
+        return f"plugin '{self.plugin}' failed in {self.hook}{at}: {summary(self.cause)}".rstrip(": ")
 
 
 class RunFailure(Exception):
     """Something outside the user's config went wrong (a full disk, a failing write): one line, exit 1."""
+
+
+def summary(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, for one error line. An error re-raised from a
+    DataLoader worker carries the worker's own traceback as text; its last line is the message
+    the user's code raised, which the first line ("Caught X in DataLoader worker process 0.")
+    would lose."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Caught ") and "Original Traceback" in lines[1]:
+        where = lines[0].removeprefix("Caught ").split(" in ", 1)[-1].rstrip(".")
+        return f"{lines[-1]} (in {where})"
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

@@ -14,6 +14,7 @@ import torch
 
 from coretrain import metrics as derived
 from coretrain.dist import mean_over_ranks, sum_over_ranks
+from coretrain.errors import RunFailure
 from coretrain.run import Run
 from coretrain.timers import PhaseTimes
 
@@ -28,6 +29,8 @@ class IntervalLog:
 
     def __init__(self, device: torch.device) -> None:
         self.losses: list[torch.Tensor] = []
+        self.applied: list[tuple[int, torch.Tensor]] = []
+        """(step, loss) of the steps whose update was applied: a non-finite one ends the run."""
         self.grad_norms: list[torch.Tensor] = []
         self.values: dict[str, list[torch.Tensor]] = {}
         self.samples = 0
@@ -36,9 +39,17 @@ class IntervalLog:
         self.times = PhaseTimes(device)
 
     def add(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int, values: dict[str, torch.Tensor] | None
+        self,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor | None,
+        samples: int,
+        values: dict[str, torch.Tensor] | None,
+        step: int = 0,
+        skipped: bool = False,
     ) -> None:
         self.losses.append(loss)
+        if not skipped:
+            self.applied.append((step, loss))
         if grad_norm is not None:
             self.grad_norms.append(grad_norm)
         if values:
@@ -79,8 +90,11 @@ class IntervalLog:
             host_values = torch.tensor(
                 [*times.values(), *(times["time/data"] if r == rank else 0.0 for r in range(world))], device=device
             )
+            nonfinite = self._nonfinite_applied(device)
             # the interval's one collective and host sync: sums over ranks, then means on the host
-            summed = sum_over_ranks(torch.cat([torch.stack(means), host_values])).tolist()
+            summed = sum_over_ranks(torch.cat([torch.stack(means), host_values, nonfinite])).tolist()
+        if summed[-1]:
+            raise RunFailure(self._nonfinite_message(int(summed[-1])))
         host = [value / world for value in summed[: len(means) + len(times)]]
         data_waits = summed[len(means) + len(times) :]  # each rank's own slot
         elapsed = time.perf_counter() - self.started
@@ -111,9 +125,33 @@ class IntervalLog:
         metrics.update(derived.memory(run.device))
         if metrics["iteration_time"] > 0:
             metrics["time/step"] = metrics["iteration_time"]
-        self.losses, self.grad_norms, self.values = [], [], {}
+        self.losses, self.grad_norms, self.values, self.applied = [], [], {}, []
         self.restart_clock()
         return metrics
+
+    def check_finite(self, run: Run) -> None:
+        """Before a checkpoint: no update of the pending interval came from a NaN/Inf loss (one
+        all-reduce and sync; every rank saves at the same steps)."""
+        count = int(sum_over_ranks(self._nonfinite_applied(run.device)).item())
+        if count:
+            raise RunFailure(self._nonfinite_message(count))
+
+    def _nonfinite_applied(self, device: torch.device) -> torch.Tensor:
+        """How many applied updates this interval came from a NaN/Inf loss (a device op, no sync)."""
+        if not self.applied:
+            return torch.zeros(1, device=device)
+        losses = torch.stack([loss.detach().float() for _, loss in self.applied])
+        return (~torch.isfinite(losses)).sum(dtype=torch.float32).reshape(1).to(device)
+
+    def _nonfinite_message(self, count: int) -> str:
+        first = next(((step, loss.item()) for step, loss in self.applied if not torch.isfinite(loss).item()), None)
+        where = f"at step {first[0]} (loss {first[1]})" if first else "on another rank"
+        return (
+            f"the loss is not finite {where}, and {count} update(s) with such a loss were applied in the last "
+            "log interval: the weights are no longer usable. Check the input data (NaN or Inf in a batch?) and "
+            "the learning rate; the guards plugin ([plugins.guards]) skips such steps instead. Checkpoints of "
+            "earlier steps are intact"
+        )
 
     def pending(self, over_ranks: bool = False) -> dict[str, Any]:
         """What a checkpoint must carry so the next log after resume averages the same steps.

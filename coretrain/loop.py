@@ -172,6 +172,7 @@ class Trainer:
         if not run.config.checkpoint.save or self.last_saved_step == run.state.step:
             return
         self.watchdog.beat(run.state.step, "checkpoint")
+        self.log.check_finite(run)  # weights updated from a NaN loss are never saved
         path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
         plugin_states = {}
         for name, state in run.plugins.calls.on_checkpoint(run=run, step=run.state.step, path=str(path)).items():
@@ -355,7 +356,7 @@ class Trainer:
 
             state.step = step
             state.consumed_samples += global_batch
-            self.log.add(loss, grad_norm, global_batch, values)
+            self.log.add(loss, grad_norm, global_batch, values, step, skipped)
             if step == first_step and step % loop.log_interval:
                 self.log.restart_clock()  # the first step warms up (compiles); rates leave it out
             watchdog.beat(step, "post_step")

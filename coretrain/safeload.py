@@ -147,18 +147,28 @@ def dcp_planner(directory: Path, *, empty: bool = False) -> Any:
 PLAIN_TYPES = (bool, int, float, str, type(None))
 
 
-def check_plain(obj: Any, where: str) -> None:
-    """Raise TypeError naming the first value a ``weights_only`` load would refuse."""
+MAX_STATE_DEPTH = 64
+"""Nesting a plugin's saved state may have: deeper is a mistake (or a structure that refers
+to itself), and Python's own limit would end the save with an unnamed RecursionError."""
+
+
+def check_plain(obj: Any, where: str, depth: int = 0, open_: frozenset[int] = frozenset()) -> None:
+    """Raise TypeError naming the first value a ``weights_only`` load would refuse, a list or
+    dict that contains itself, or nesting deeper than :data:`MAX_STATE_DEPTH`."""
     if isinstance(obj, PLAIN_TYPES) or type(obj) in (torch.Tensor, torch.nn.Parameter):
         return
-    if type(obj) in (list, tuple):
-        for i, item in enumerate(obj):
-            check_plain(item, f"{where}[{i}]")
-        return
+    if type(obj) not in (list, tuple, dict):
+        raise TypeError(f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}")
+    if id(obj) in open_:
+        raise TypeError(f"{where} contains itself (a {type(obj).__name__} that refers back to an enclosing one)")
+    if depth >= MAX_STATE_DEPTH:
+        raise TypeError(f"{where} is nested more than {MAX_STATE_DEPTH} levels deep")
+    inner = open_ | {id(obj)}
     if type(obj) is dict:
         for key, item in obj.items():
             if not isinstance(key, (str, int)):
                 raise TypeError(f"{where} has a key of type {type(key).__name__}: {key!r}")
-            check_plain(item, f"{where}[{key!r}]")
+            check_plain(item, f"{where}[{key!r}]", depth + 1, inner)
         return
-    raise TypeError(f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}")
+    for i, item in enumerate(obj):
+        check_plain(item, f"{where}[{i}]", depth + 1, inner)

@@ -6,6 +6,8 @@ output captured, as the CLI's own tests should be (the real CLI is smoke-tested 
 from __future__ import annotations
 
 import gc
+import json
+import math
 import os
 import signal
 import sys
@@ -140,3 +142,126 @@ def test_new_plugin_refuses_a_name_that_would_make_a_broken_or_shadowing_package
     code, line = cli(capsys, "new-plugin", name, "--dir", str(tmp_path / "pkg"))
     assert code == 2 and words in line
     assert not (tmp_path / "pkg").exists()
+
+
+# --------------------------------------------------------------------------- the run's own files
+
+
+def test_a_nul_byte_in_the_output_dir_is_a_config_error(config: Path, capsys: Any) -> None:
+    code = main(["run", str(config), "--set", 'run.output_dir="runs/a\\u0000b"'])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: invalid config:") and "Traceback" not in err
+    assert "run.output_dir: contains a NUL byte" in err
+
+
+def test_checkpoints_being_a_file_is_refused_before_training(config: Path, tmp_path: Path, capsys: Any) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoints").write_text("not a directory")
+    code, line = cli(capsys, "run", str(config))
+    assert code == 2 and f"'{tmp_path / 'out' / 'checkpoints'}' exists and is not a directory" in line
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+class SavesState:
+    """A plugin whose checkpoint state cannot be saved: it contains itself, or nests too deeply."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    from coretrain import hookimpl
+
+    @hookimpl
+    def on_checkpoint(self) -> Any:
+        state: Any = {}
+        if self.kind == "itself":
+            state["me"] = [state]
+        else:
+            for _ in range(10000):
+                state = {"deeper": state}
+        return state
+
+
+@pytest.mark.parametrize(("kind", "words"), [("itself", "contains itself"), ("deep", "nested more than 64")])
+def test_plugin_state_that_contains_itself_or_nests_deeply_names_the_plugin(
+    tmp_path: Path, no_autoload: None, kind: str, words: str
+) -> None:
+    from coretrain.errors import PluginError
+    from coretrain.testing import run_steps
+
+    with pytest.raises(PluginError) as caught:
+        run_steps(tmp_path, steps=2, plugins={"keeper": SavesState(kind)})
+    message = str(caught.value)
+    assert message.startswith("plugin 'keeper' failed in on_checkpoint at step 2: TypeError: returned state") and (
+        words in message
+    ), message
+
+
+BAD_DATA = """
+import torch
+from coretrain.testing import tiny_data
+
+
+class Failing(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        if 20 <= index < 40:  # the first and last samples read fine (the start-up check reads those)
+            raise ValueError(f"sample {index} is corrupt on disk")
+        return torch.zeros(4), torch.zeros(1)
+
+
+def failing(context):
+    return Failing()
+
+
+def with_nan(context):
+    datasets = tiny_data(context)
+    datasets.train.x[37] = float("nan")  # one bad record in the input
+    return datasets
+"""
+
+
+def test_a_data_worker_s_own_error_message_is_the_one_line(on_path: Path, config: Path, capsys: Any) -> None:
+    (on_path / "baddata.py").write_text(BAD_DATA)
+    code, line = cli(
+        capsys, "run", str(config), "--set", 'data.provider="baddata:failing"', "--set", "data.num_workers=1"
+    )
+    assert code == 1 and "ValueError: sample" in line and "is corrupt on disk" in line, line
+    assert "(in DataLoader worker process 0)" in line
+
+
+def test_nan_in_the_input_stops_the_run_with_one_error_naming_the_step(
+    on_path: Path, config: Path, capsys: Any
+) -> None:
+    (on_path / "baddata.py").write_text(BAD_DATA)
+    code, line = cli(
+        capsys, "run", str(config), "--set", 'data.provider="baddata:with_nan"', "--set", "train.train_iters=40"
+    )
+    assert code == 1 and "the loss is not finite at step" in line and "(loss nan)" in line, line
+    step = int(line.split("at step ")[1].split()[0])
+    metrics_file = on_path / "out" / "metrics.jsonl"
+    rows = [json.loads(r) for r in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)  # no NaN row was logged
+    assert step < 40 and not (on_path / "out" / "checkpoints").exists()
+
+
+def test_with_the_guards_plugin_a_nan_step_is_skipped_and_the_run_completes(
+    on_path: Path, config: Path, capsys: Any
+) -> None:
+    (on_path / "baddata.py").write_text(BAD_DATA)
+    code = main(
+        ["run", str(config), "--set", 'data.provider="baddata:with_nan"', "--set", "train.train_iters=40"]
+        + ["--set", 'plugins.guards.action="skip"']
+    )
+    assert code == 0, capsys.readouterr().err
+
+
+def test_a_checkpoint_due_after_a_nan_step_is_not_written(on_path: Path, config: Path, capsys: Any) -> None:
+    (on_path / "baddata.py").write_text(BAD_DATA)
+    nan = ("--set", 'data.provider="baddata:with_nan"', "--set", "train.train_iters=40")
+    every_step = ("--set", "checkpoint.save_interval=1", "--set", "train.log_interval=40")
+    code, line = cli(capsys, "run", str(config), *nan, *every_step)
+    step = int(line.split("at step ")[1].split()[0])
+    saved = sorted(int(p.name[5:]) for p in (on_path / "out" / "checkpoints").glob("step_????????"))
+    assert code == 1 and saved == list(range(1, step)), (line, saved)  # every step before the NaN, none after

@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -515,9 +516,11 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Pa
 
 
 @pytest.mark.parametrize("delay", [0.05, 0.6, 1.5, 3.0])
-def test_ctrl_c_during_start_up_stops_the_run(tmp_path: Path, delay: float) -> None:
+@pytest.mark.parametrize("command", ["python -m coretrain", "coretrain"])
+def test_ctrl_c_during_start_up_stops_the_run(tmp_path: Path, delay: float, command: str) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=100000, log_interval=50, eval_iters=0)
-    process = start_cli("run", str(config), cwd=tmp_path)
+    script = (str(Path(sys.executable).parent / "coretrain"),)  # the console script pip made
+    process = start_cli("run", str(config), cwd=tmp_path, **({"command": script} if command == "coretrain" else {}))
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)  # ends: never trains 100000 steps
@@ -525,6 +528,36 @@ def test_ctrl_c_during_start_up_stops_the_run(tmp_path: Path, delay: float) -> N
     assert "Traceback" not in stderr
     if process.returncode == 130:
         assert "stopped by SIGINT during start-up" in stderr or "received SIGINT" in stderr, stderr
+
+
+SLOW_ARGPARSE = """
+import importlib.util, pathlib, sys, sysconfig, time
+pathlib.Path(__file__).with_name("loading").touch()  # the test's cue: the CLI is being imported now
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("command", ["python -m coretrain", "coretrain"])
+def test_ctrl_c_while_the_cli_is_imported_is_quiet(tmp_path: Path, command: str) -> None:
+    """A slow disk makes importing the CLI take long; argparse is made slow here, so the Ctrl-C lands
+    exactly there, not by chance."""
+    config, _ = write_tiny_gpt(tmp_path)
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "argparse.py").write_text(SLOW_ARGPARSE)
+    script = (str(Path(sys.executable).parent / "coretrain"),)
+    process = start_cli(
+        "run",
+        str(config),
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(shim)},
+        **({"command": script} if command == "coretrain" else {}),
+    )
+    wait_for(lambda: (shim / "loading").exists(), process, timeout=60)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "stopped by SIGINT during start-up" in stderr, stderr
 
 
 # --------------------------------------------------------------------------- 10. every mistake: one line, exit 2

@@ -292,7 +292,7 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
     signals.check()
 
     from coretrain import dist
-    from coretrain.errors import FAILURE_EXIT_CODE, PluginError, RunFailure, UserError
+    from coretrain.errors import FAILURE_EXIT_CODE, PluginError, RunFailure, UserError, summary
     from coretrain.loop import Trainer
     from coretrain.run import build_run
     from coretrain.signals import Interrupted
@@ -305,8 +305,7 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
     except Exception as exc:  # a plugin's or the core's failure: one line here, the traceback in a file
         dist.shutdown()
         where = _write_traceback(loaded.config.output_dir, exc, args.traceback)
-        first = next((line for line in str(exc).splitlines() if line.strip()), "")
-        message = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {first}"
+        message = str(exc) if isinstance(exc, PluginError) else summary(exc)
         print(f"error: {message}", file=sys.stderr)
         print(f"  full traceback: {where}", file=sys.stderr)
         return FAILURE_EXIT_CODE
@@ -330,7 +329,7 @@ def _write_traceback(output_dir: str, exc: BaseException, to_stderr: bool) -> st
             f.write(
                 f"--- {datetime.datetime.now().astimezone().isoformat(timespec='seconds')} pid {os.getpid()}\n{text}"
             )
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a path the OS cannot take (a NUL byte in it)
         if not to_stderr:
             print(text, file=sys.stderr, end="")
         return "stderr (the output dir is not writable)"
