@@ -265,3 +265,25 @@ def test_a_checkpoint_due_after_a_nan_step_is_not_written(on_path: Path, config:
     step = int(line.split("at step ")[1].split()[0])
     saved = sorted(int(p.name[5:]) for p in (on_path / "out" / "checkpoints").glob("step_????????"))
     assert code == 1 and saved == list(range(1, step)), (line, saved)  # every step before the NaN, none after
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_a_damaged_only_checkpoint_and_a_refused_change_are_one_error_each(
+    config: Path, tmp_path: Path, capsys: Any
+) -> None:
+    import torch
+
+    assert main(["run", str(config)]) == 0
+    capsys.readouterr()
+    step = tmp_path / "out" / "checkpoints" / "step_00000002"
+    longer = ("--set", "train.train_iters=4")
+    code, line = cli(capsys, "run", str(config), *longer, "--set", "run.seed=8")
+    assert code == 2 and f"resuming from {step} would change what it means: run.seed 7 -> 8" in line, line
+
+    state = torch.load(step / "rank_00000.pt", weights_only=True)
+    state["rng"]["torch"] = state["rng"]["torch"][:100]  # a short RNG state, as a bad copy leaves it
+    torch.save(state, step / "rank_00000.pt")
+    code, line = cli(capsys, "run", str(config), *longer)
+    assert code == 2 and f"{step / 'rank_00000.pt'}: not a valid checkpoint file: rng.torch: expected" in line, line

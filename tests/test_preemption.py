@@ -15,10 +15,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import metrics_rows, run_cli
+from test_launcher import children
 from test_workloads import TESTS, digits_config
 
 pytestmark = pytest.mark.slow  # real process groups, signals and restarts of CLI runs
@@ -113,17 +113,3 @@ def test_a_sigterm_to_the_whole_process_group_checkpoints_and_resumes_exactly(
     assert resumed.returncode == 0, resumed.stderr
     assert f"(step {stopped_at}," in resumed.stderr
     assert train_losses(out) == references[case]  # every step's loss, bit for bit
-
-
-def children(pid: int) -> list[int]:
-    """The live child processes of ``pid`` (the DataLoader workers of a run)."""
-    found: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields: Any = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
