@@ -29,8 +29,11 @@ class IntervalLog:
 
     def __init__(self, device: torch.device) -> None:
         self.losses: list[torch.Tensor] = []
-        self.applied: list[tuple[int, torch.Tensor]] = []
-        """(step, loss) of the steps whose update was applied: a non-finite one ends the run."""
+        self.first_step = 0
+        """The step of ``losses[0]`` (the interval's steps are consecutive)."""
+        self.skipped: list[int] = []
+        """Indices into ``losses`` of steps whose update was skipped; any other step with a
+        non-finite loss ends the run."""
         self.grad_norms: list[torch.Tensor] = []
         self.values: dict[str, list[torch.Tensor]] = {}
         self.samples = 0
@@ -47,9 +50,11 @@ class IntervalLog:
         step: int = 0,
         skipped: bool = False,
     ) -> None:
+        if not self.losses:
+            self.first_step = step
+        if skipped:
+            self.skipped.append(len(self.losses))
         self.losses.append(loss)
-        if not skipped:
-            self.applied.append((step, loss))
         if grad_norm is not None:
             self.grad_norms.append(grad_norm)
         if values:
@@ -78,7 +83,8 @@ class IntervalLog:
         world, rank = run.dist.world_size, run.dist.rank
         times = self.times.collect(self.timed_steps)  # host values; CUDA events read once complete
         with torch.no_grad():
-            means = [torch.stack(self.losses).float().mean()]
+            losses = torch.stack(self.losses).float()
+            means = [losses.mean()]
             if self.grad_norms:
                 means.append(torch.stack(self.grad_norms).float().mean())
             named = [f"train/{name}" for name in self.values]
@@ -90,7 +96,7 @@ class IntervalLog:
             host_values = torch.tensor(
                 [*times.values(), *(times["time/data"] if r == rank else 0.0 for r in range(world))], device=device
             )
-            nonfinite = self._nonfinite_applied(device)
+            nonfinite = self._nonfinite_applied(losses)
             # the interval's one collective and host sync: sums over ranks, then means on the host
             summed = sum_over_ranks(torch.cat([torch.stack(means), host_values, nonfinite])).tolist()
         if summed[-1]:
@@ -125,27 +131,28 @@ class IntervalLog:
         metrics.update(derived.memory(run.device))
         if metrics["iteration_time"] > 0:
             metrics["time/step"] = metrics["iteration_time"]
-        self.losses, self.grad_norms, self.values, self.applied = [], [], {}, []
+        self.losses, self.grad_norms, self.values, self.skipped = [], [], {}, []
         self.restart_clock()
         return metrics
 
     def check_finite(self, run: Run) -> None:
         """Before a checkpoint: no update of the pending interval came from a NaN/Inf loss (one
         all-reduce and sync; every rank saves at the same steps)."""
-        count = int(sum_over_ranks(self._nonfinite_applied(run.device)).item())
+        losses = torch.stack(self.losses).float() if self.losses else torch.zeros(0, device=run.device)
+        count = int(sum_over_ranks(self._nonfinite_applied(losses)).item())
         if count:
             raise RunFailure(self._nonfinite_message(count))
 
-    def _nonfinite_applied(self, device: torch.device) -> torch.Tensor:
-        """How many applied updates this interval came from a NaN/Inf loss (a device op, no sync)."""
-        if not self.applied:
-            return torch.zeros(1, device=device)
-        losses = torch.stack([loss.detach().float() for _, loss in self.applied])
-        return (~torch.isfinite(losses)).sum(dtype=torch.float32).reshape(1).to(device)
+    def _nonfinite_applied(self, losses: torch.Tensor) -> torch.Tensor:
+        """How many of the interval's applied updates came from a NaN/Inf loss (device ops, no sync)."""
+        bad = ~torch.isfinite(losses)
+        if self.skipped:
+            bad[self.skipped] = False
+        return bad.sum(dtype=torch.float32).reshape(1)
 
     def _nonfinite_message(self, count: int) -> str:
-        first = next(((step, loss.item()) for step, loss in self.applied if not torch.isfinite(loss).item()), None)
-        where = f"at step {first[0]} (loss {first[1]})" if first else "on another rank"
+        bad = [i for i, loss in enumerate(self.losses) if i not in self.skipped and not torch.isfinite(loss).item()]
+        where = f"at step {self.first_step + bad[0]} (loss {self.losses[bad[0]].item()})" if bad else "on another rank"
         return (
             f"the loss is not finite {where}, and {count} update(s) with such a loss were applied in the last "
             "log interval: the weights are no longer usable. Check the input data (NaN or Inf in a batch?) and "
@@ -180,8 +187,10 @@ class IntervalLog:
                 "values": {name: on_host[f"values/{name}"] for name in self.values},
             }
 
-    def restore(self, state: dict[str, Any], device: torch.device) -> None:
+    def restore(self, state: dict[str, Any], device: torch.device, step: int = 0) -> None:
+        """Continue the interval a checkpoint at ``step`` saved."""
         if state:
+            self.first_step = step - len(state["losses"]) + 1
             self.losses = list(state["losses"].to(device).unbind())
             self.grad_norms = list(state["grad_norms"].to(device).unbind())
             self.values = {name: list(values.to(device).unbind()) for name, values in state.get("values", {}).items()}

@@ -161,7 +161,7 @@ class Trainer:
         resume.apply(run, restored, with_optimizer)
         path, state = restored.path, restored.rank_state
         self._data_state = state.get("data")
-        self.log.restore(state.get("interval_log", {}), run.device)
+        self.log.restore(state.get("interval_log", {}), run.device, run.state.step)
         self.last_saved_step = run.state.step
         self.evaluated_at = {split: run.state.step for split in restored.manifest.get("evaluated", [])}
         run.plugins.calls.on_resume(run=run, step=run.state.step, states=state.get("plugins", {}))

@@ -3,7 +3,7 @@
 A collective timeout alone names the wrong rank: the ranks waiting in an all-reduce time out
 and report themselves, while the rank that hung — in a plugin's hook, a data worker, a
 deadlock — says nothing; and a single process that hangs just hangs. Here the loop marks where
-it is (``beat(step, phase)``: two attribute writes and a clock read), and a daemon thread in
+it is (``beat(step, phase)``: two attribute writes), and a daemon thread in
 every process, one rank or many, checks the marks: after
 ``distributed.step_timeout_seconds`` without one (``init_timeout_seconds`` before the first
 step completes, and during evaluation and checkpoints, which may take long) it prints
@@ -48,7 +48,7 @@ class Watchdog:
         self.rank, self.init_timeout, self.step_timeout = rank, init_timeout, step_timeout
         self.output_dir, self.running = output_dir, running
         self._main = threading.main_thread().ident
-        self.step, self.phase, self.at = 0, "start", time.monotonic()
+        self.step, self.phase = 0, "start"
         self.warmed_up = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="coretrain-watchdog", daemon=True)
@@ -61,16 +61,22 @@ class Watchdog:
         self._stop.set()
 
     def beat(self, step: int, phase: str) -> None:
-        """The loop is at ``phase`` of ``step`` now."""
-        self.step, self.phase, self.at = step, phase, time.monotonic()
+        """The loop is at ``phase`` of ``step`` now: two attribute writes, no clock read (the
+        watching thread notes when the mark last changed)."""
+        self.step, self.phase = step, phase
 
     def _timeout(self) -> float:
         timeout = self.init_timeout if not self.warmed_up or self.phase in LONG_PHASES else self.step_timeout
         return timeout + (max(5.0, timeout / 4) if self.phase in WAITING_PHASES else 0.0)
 
     def _watch(self) -> None:
+        seen, since = (self.step, self.phase), time.monotonic()
         while not self._stop.wait(min(1.0, self.step_timeout / 10)):
-            idle = time.monotonic() - self.at
+            now = (self.step, self.phase)
+            if now != seen:
+                seen, since = now, time.monotonic()
+                continue
+            idle = time.monotonic() - since
             if idle > self._timeout():
                 self._report(idle)
                 os._exit(HANG_EXIT_CODE)  # the loop is stuck: no clean way out of it

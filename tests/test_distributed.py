@@ -252,7 +252,7 @@ def test_weight_hash_names_the_first_parameter_where_replicas_differ(tmp_path: P
         cwd=tmp_path,
         env={"PYTHONPATH": str(site)},
     )
-    assert diverged.returncode == 4
+    assert diverged.returncode == 4, diverged.stderr[-3000:]
     assert (
         "weight-hash: step 10: replicas differ, first at parameter 'wte.weight' (ranks grouped by value: [[0], [1]])"
     ) in diverged.stderr
