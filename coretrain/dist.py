@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from typing import Any
 
@@ -179,4 +180,10 @@ def shutdown(graceful: bool = False) -> None:
         dist.barrier()
     _control_group, _mesh = _UNDECIDED, None
     if dist.is_available() and dist.is_initialized():
+        # free the run's cycles (DDP's reducer, FSDP's groups) while the interpreter is whole: a
+        # gloo group they keep alive is otherwise destroyed during finalization, where its worker
+        # threads cannot take the GIL and the process aborts ("terminate called without an
+        # active exception", exit -6) after a run that succeeded
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()

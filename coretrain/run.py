@@ -150,8 +150,15 @@ class Run:
     scheduler = Built[WarmupDecayLR]("the optimizer's build, after param_group_overrides")
 
     @property
+    def samples_per_micro_batch(self) -> int:
+        """Samples one micro-batch step reads over all ranks: micro_batch_size × data-parallel
+        size (the ranks of a tensor-parallel group share their batch)."""
+        return self.config.train.micro_batch_size * self.dist.dp_size
+
+    @property
     def global_batch_size(self) -> int:
-        return self.config.train.micro_batch_size * self.micro_batches_per_step * self.dist.dp_size
+        """The configured samples per step (a plugin's ``num_micro_batches`` may vary it)."""
+        return self.samples_per_micro_batch * self.micro_batches_per_step
 
     def device_mesh(self) -> Any:
         """The run's ``DeviceMesh``: dims ("dp",), or ("dp", "tp") with ``distributed.tp_size > 1``.

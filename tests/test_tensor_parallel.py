@@ -142,3 +142,30 @@ def test_weight_hash_compares_the_weights_a_tensor_parallel_group_replicates(tmp
     nudged = run("nudged", **{"perturb-weights": {"rank": 1, "at_step": 7, "parameter": "ln_f.weight"}})
     assert nudged.returncode == 4, nudged.stderr
     assert "replicas differ, first at parameter 'ln_f.weight' (ranks grouped by value: [[0], [1]])" in nudged.stderr
+
+
+@pytest.mark.slow
+def test_batch_rampup_on_tensor_parallel_ranks_counts_the_data_parallel_batch(tmp_path: Path) -> None:
+    """2 ranks as one tensor-parallel group read one batch: the ramp (micro 2, global 8, from 2
+    by 2 over 16 samples) must run the batches it reports, as one rank does."""
+    preset = gpt_preset(tmp_path / "unused")
+    preset["model"]["options"] = {"n_layer": 1, "n_head": 2, "n_embd": 32}
+    train = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8, "log_interval": 1, "eval_iters": 0}
+
+    def run(name: str, *launch: str, **distributed: object) -> list[dict[str, float]]:
+        tables = {
+            "run": {"output_dir": str(tmp_path / name)},
+            "distributed": distributed,
+            "plugins": {"batch-rampup": {"rampup_batch_size": [2, 2, 16]}},
+        }
+        config = config_file(tmp_path / f"{name}.toml", preset, tables, **train)
+        result = run_cli("run", str(config), *launch, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        return metrics_rows(tmp_path / name)
+
+    one = run("one")
+    tp2 = run("tp2", "--nproc-per-node", "2", tp_size=2)
+    # +2 per 16/3 samples consumed (0, 2, 4 | 6, 10 | 14 | 20, 28): Megatron's formula
+    assert [row["global_batch_size"] for row in one] == [2, 2, 2, 4, 4, 6, 8, 8]
+    assert [row["global_batch_size"] for row in tp2] == [row["global_batch_size"] for row in one]
+    assert [row["loss"] for row in tp2] == pytest.approx([row["loss"] for row in one], rel=1e-5)

@@ -299,18 +299,27 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
 
     try:
         code = Trainer(build_run(loaded.config, plugins, signals=signals), signals).train()
-    except (UserError, RunFailure, Interrupted, KeyboardInterrupt):
+    except (UserError, RunFailure, Interrupted, KeyboardInterrupt) as exc:
+        _drop_frames(exc)
         dist.shutdown()
         raise
     except Exception as exc:  # a plugin's or the core's failure: one line here, the traceback in a file
-        dist.shutdown()
         where = _write_traceback(loaded.config.output_dir, exc, args.traceback)
         message = str(exc) if isinstance(exc, PluginError) else summary(exc)
+        _drop_frames(exc)
+        dist.shutdown()
         print(f"error: {message}", file=sys.stderr)
         print(f"  full traceback: {where}", file=sys.stderr)
         return FAILURE_EXIT_CODE
     dist.shutdown(graceful=True)
     return code
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """Forget the frames an exception chain holds: they hold the run, which shutdown must free."""
+    while exc is not None:
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
 
 
 def _write_traceback(output_dir: str, exc: BaseException, to_stderr: bool) -> str:

@@ -39,7 +39,7 @@ class BatchRampup:
         if len(self.rampup_batch_size) != 3:
             raise UserError("plugins.batch-rampup.rampup_batch_size: expected [start, increment, ramp_samples]")
         start, increment, ramp_samples = self.rampup_batch_size
-        target = run.config.train.micro_batch_size * run.micro_batches_per_step * run.dist.world_size
+        target = run.global_batch_size
         if not (0 < start <= target and increment > 0 and ramp_samples >= 0 and (target - start) % increment == 0):
             raise UserError(
                 f"plugins.batch-rampup.rampup_batch_size: need 0 < start <= global_batch_size ({target}), "
@@ -57,13 +57,13 @@ class BatchRampup:
     @hookimpl
     def on_train_start(self, run: Run) -> None:
         self._check(run)
-        self._target = run.config.train.micro_batch_size * run.micro_batches_per_step * run.dist.world_size
+        self._target = run.global_batch_size
 
     @hookimpl
     def num_micro_batches(self, run: Run, step: int, consumed_samples: int) -> int:
         from coretrain import UserError
 
-        per_pass = run.config.train.micro_batch_size * run.dist.world_size
+        per_pass = run.samples_per_micro_batch  # data-parallel: a tensor-parallel group shares one batch
         wanted = self.global_batch_at(consumed_samples, self._target)
         usable = wanted // per_pass * per_pass
         if usable != wanted:
