@@ -1,8 +1,10 @@
-"""Command line: ``coretrain run | checkpoint | report | plugins | new-plugin | config show | config validate``.
+"""Command line: ``coretrain COMMAND``, each command from the ``coretrain.commands`` entry points.
 
-Only argparse is imported at module level, so ``coretrain --help`` starts fast and never
-imports torch; each command imports what it needs. A :class:`UserError` from anywhere
-becomes one ``error:`` line on stderr and exit code 2.
+The core's own commands (run, checkpoint, plugins, new-plugin, config) are registered in
+that group exactly as a third-party package's are (``coretrain report`` is coretrain-plugins'),
+as pytest ships its own features as plugins. Only argparse is imported at module level, so
+``coretrain --help`` starts fast and never imports torch; each command imports what it
+needs. A :class:`UserError` from anywhere becomes one ``error:`` line and exit code 2.
 """
 
 from __future__ import annotations
@@ -11,17 +13,23 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 from coretrain import __version__
-from coretrain.commands import checkpoint, config, plugins, report, run
+
+COMMANDS_GROUP = "coretrain.commands"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coretrain", description="Train PyTorch models; every feature is a plugin.")
     parser.add_argument("--version", action="version", version=f"coretrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (run, checkpoint, report, plugins, config):
-        command.add(commands)
+    for point in sorted(entry_points(group=COMMANDS_GROUP), key=lambda p: (p.name != "run", p.name)):
+        try:
+            point.load()(commands)
+        except Exception as exc:  # a broken command package must not take the others down
+            source = point.dist.name if point.dist else point.value
+            print(f"coretrain: command {point.name!r} from {source} is skipped: {exc}", file=sys.stderr)
     return parser
 
 

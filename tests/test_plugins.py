@@ -53,6 +53,32 @@ def test_third_party_plugin_is_found_enabled_from_toml_and_called_in_a_real_run(
     assert calls[5]["steps_seen"] == 6 and calls[-1]["steps_seen"] == 10  # its state survived the restart
     assert calls[4]["outcome"] == "exit_interval" and calls[-1]["outcome"] == "completed"
 
+    # the package's command, found through the coretrain.commands entry points as the core's are
+    assert "hooklog  coretrain-hooklog 0.1.0  coretrain_hooklog:add" in listing.stdout
+    counted = run_cli("hooklog", str(out), "--path", "calls.jsonl", cwd=tmp_path, env=env)
+    assert counted.returncode == 0, counted.stderr
+    assert "on_log: 2\non_resume: 1\non_train_end: 2\non_train_start: 2" in counted.stdout
+    missing = run_cli("hooklog", str(tmp_path), cwd=tmp_path, env=env)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
+
+
+def test_a_broken_command_package_is_skipped_with_one_line_and_the_others_work(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    (source / "coretrain_badcmd").mkdir(parents=True)
+    (source / "coretrain_badcmd" / "__init__.py").write_text('raise ImportError("needs libbar")\n')
+    (source / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "coretrain-badcmd"\nversion = "0.1.0"\n'
+        '[project.entry-points."coretrain.commands"]\nbadcmd = "coretrain_badcmd:add"\n'
+        '[tool.setuptools]\npackages = ["coretrain_badcmd"]\n'
+    )
+    target = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target"]
+    subprocess.run([*pip, str(target), str(source)], check=True)
+    result = run_cli("config", "show", "--help", cwd=tmp_path, env={"PYTHONPATH": str(target)})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "coretrain: command 'badcmd' from coretrain-badcmd is skipped: needs libbar\n"
+
 
 def test_a_broken_plugin_is_named_with_its_distribution_and_cause_and_stops_the_run(site: Path, tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(site)}

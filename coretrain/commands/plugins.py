@@ -73,4 +73,20 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                 + (f"  [dim]{escape(docs[f.name])}[/]" if f.name in docs else "")
             )
         console.print()
+    _print_commands(console)
     return 0
+
+
+def _print_commands(console: Any) -> None:
+    """The commands, and which distribution adds each (a command plugin is removable too)."""
+    from importlib.metadata import entry_points
+
+    from rich.markup import escape
+
+    from coretrain.cli import COMMANDS_GROUP
+
+    points = sorted(entry_points(group=COMMANDS_GROUP), key=lambda p: p.name)
+    console.print(f"{len(points)} commands (entry-point group '{COMMANDS_GROUP}'):")
+    for point in points:
+        origin = f"{point.dist.name} {point.dist.version}" if point.dist else "?"
+        console.print(f"  [bold]{point.name}[/]  {escape(origin)}  {escape(point.value)}")

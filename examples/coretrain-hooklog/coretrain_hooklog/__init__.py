@@ -2,7 +2,9 @@
 
 A complete third-party plugin in one file: an attrs class whose fields are its
 ``[plugins.hooklog]`` table, methods marked with ``coretrain.hookimpl``, and an entry point
-in the ``coretrain`` group (see pyproject.toml). It also keeps state across resume.
+in the ``coretrain`` group (see pyproject.toml). It also keeps state across resume, writes
+on rank 0 only (as loggers do), and adds a command: ``coretrain hooklog RUN_DIR`` counts the
+calls, through the ``coretrain.commands`` entry-point group.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class HookLog:
     coretrain_hook_api = (1, 0)  # the hook contract this plugin was written for
 
     def _record(self, run: Run, hook: str, **details: Any) -> None:
+        if not run.dist.is_main:  # every rank calls the hooks; one writes
+            return
         with open(Path(run.output_dir) / self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"hook": hook, **details}) + "\n")
 
@@ -63,3 +67,26 @@ class HookLog:
     @hookimpl
     def on_train_end(self, run: Run, outcome: Outcome) -> None:
         self._record(run, "on_train_end", step=run.state.step, outcome=outcome, steps_seen=self.steps_seen)
+
+
+def add(commands: Any) -> None:
+    """``coretrain hooklog RUN_DIR``: how many times each hook was called (entry point
+    ``hooklog`` in the ``coretrain.commands`` group)."""
+    command = commands.add_parser("hooklog", help="count the hook calls a run's hooklog recorded")
+    command.add_argument("run_dir", help="the run's output dir")
+    command.add_argument("--path", default="hooklog.jsonl", help="the log, relative to RUN_DIR")
+    command.set_defaults(handler=count_calls)
+
+
+def count_calls(args: Any) -> int:
+    from collections import Counter
+
+    from coretrain import UserError
+
+    log = Path(args.run_dir) / args.path
+    if not log.is_file():
+        raise UserError(f"{log}: no hook log here; run with [plugins.hooklog] first")
+    counts = Counter(json.loads(line)["hook"] for line in log.read_text(encoding="utf-8").splitlines() if line)
+    for hook, n in sorted(counts.items()):
+        print(f"{hook}: {n}")
+    return 0

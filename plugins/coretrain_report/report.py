@@ -7,7 +7,7 @@ terminal. Given several runs — "did my change help?" — every panel overlays 
 by run name, loss is also drawn against samples (or tokens) and against wall time, and the
 table has a column per run and the differences of their final values (written to the first
 run's ``report/compare/``). A run still going is read as far as it got. Needs matplotlib
-(``pip install 'coretrain[report]'``); it is imported only by this command.
+(``pip install 'coretrain-plugins[report]'``); it is imported only by this command.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from coretrain.errors import UserError, require
+from coretrain import UserError, require
 
 log = logging.getLogger("coretrain")
 

@@ -1,4 +1,9 @@
-"""``coretrain report RUN_DIR ...``: plots and a summary of one run, or a comparison of several."""
+"""``coretrain report RUN_DIR ...``: plots and a summary of one run, or a comparison of several.
+
+A command plugin: registered in the ``coretrain.commands`` entry-point group, as any
+package's command is. It reads the file the ``metrics-file`` plugin writes, so it ships
+beside it; the core reads no plugin's format.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ def add(commands: Any) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coretrain.report import report
+    from coretrain_report.report import report
 
     return report(
         [Path(d) for d in args.run_dirs],
