@@ -10,8 +10,10 @@ class Control:
     """Requests from plugins to the loop.
 
     Plugins never raise to steer the loop; they call these methods and the loop acts at the
-    next defined point (update veto before the optimizer step; checkpoint and stop at the
-    step boundary, agreed across ranks).
+    next defined point: an update veto before the optimizer step (agreed at once, for plugins
+    that declare ``coretrain_vetoes_updates``); a stop or checkpoint at a step boundary — the
+    end of this step on one rank, the end of the next on several (the request is agreed
+    without blocking, one step late), or this step's end when it is a save or the last step.
     """
 
     stop_reason: str | None = None
@@ -20,14 +22,14 @@ class Control:
     skip_reason: str | None = None
 
     def request_stop(self, reason: str, *, checkpoint: bool = True, exit_code: int = 0) -> None:
-        """End training after this step (with a checkpoint unless ``checkpoint=False``);
-        the process exits with ``exit_code`` (the largest one requested wins)."""
+        """End training at the next step boundary (see the class; with a checkpoint unless
+        ``checkpoint=False``); the process exits with ``exit_code`` (the largest one requested wins)."""
         self.stop_reason = reason
         self.exit_code = max(self.exit_code, exit_code)
         self.checkpoint_requested = self.checkpoint_requested or checkpoint
 
     def request_checkpoint(self) -> None:
-        """Save a checkpoint at the end of this step."""
+        """Save a checkpoint at the next step boundary (see the class)."""
         self.checkpoint_requested = True
 
     def skip_update(self, reason: str) -> None:

@@ -14,7 +14,8 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
         num_micro_batches(run, step, consumed_samples)     firstresult, batch-size rampup
         pre_step(run, step)
         for each micro-batch:  forward, loss, backward      # no hooks here
-        before_update(run, step, loss)      veto point: run.control.skip_update(reason)
+        before_update(run, step, loss)      veto point: run.control.skip_update(reason), by a
+                                            plugin with coretrain_vetoes_updates = True
         clip, optimizer.step(), scheduler.step()           # unless any rank vetoed
         post_step(run, step, outputs)       outputs hold device tensors; no sync required
         every log_interval:   on_log(run, step, metrics)   ONE host sync per interval
@@ -35,8 +36,11 @@ Rules every implementation can rely on:
   have implementations and never calls the others.
 - Plugins ask the loop for things only through ``run.control`` (stop, checkpoint now, skip
   this update); they never raise to steer the loop or reach into its locals. Requests are
-  agreed across ranks: an update is skipped if any rank vetoes it, a checkpoint saved if any
-  rank asks, the largest exit code wins.
+  agreed across ranks: an update is skipped if any rank vetoes it (a plugin that may veto
+  declares ``coretrain_vetoes_updates = True``; only then do the ranks agree every step), a
+  checkpoint saved if any rank asks, the largest exit code wins. A stop or checkpoint asked
+  for at step N is honoured after step N on one rank, after N+1 on several (agreed without
+  blocking), after N when N is a save step or the last.
 - A hook that raises ends the run: ``error: plugin 'NAME' failed in HOOK at step N``, exit 1,
   the traceback in ``<output_dir>/traceback.log``. Raise :class:`coretrain.UserError`
   for a mistake the user can fix (exit 2, the message as is).
@@ -70,7 +74,7 @@ if TYPE_CHECKING:
 PROJECT = "coretrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
-HOOK_API = (1, 2)
+HOOK_API = (1, 3)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -205,8 +209,10 @@ def before_update(run: Run, step: int, loss: torch.Tensor) -> None:
     Args: ``loss`` — the step's mean loss over micro-batches, a device tensor (reading it
     syncs).
     May change: gradients (``p.grad``, in place); ``run.control.skip_update(reason)`` vetoes
-    this update — on every rank when any rank vetoes (agreed with one collective per step, paid
-    only while some plugin implements this hook).
+    this update — on every rank when any rank vetoes. The ranks agree with one blocking
+    collective per step, paid only while an enabled plugin declares the class attribute
+    ``coretrain_vetoes_updates = True``; an undeclared veto on several ranks stops the run
+    (exit 1) naming the attribute, since the ranks could not have agreed on it.
     Returns: nothing.
     Ranks: every rank. Per step: yes — a sync here costs every step; guards that must read
     the loss do so knowingly.
@@ -220,7 +226,8 @@ def post_step(run: Run, step: int, outputs: StepOutputs) -> None:
     Args: ``outputs`` — the step's loss, grad norm (None when not clipped or skipped), whether
     the update was skipped and the global batch size; device tensors.
     May change: plugin-owned state; ``run.log_tensors[name]`` (a device scalar for the next
-    ``on_log``); ``run.control`` requests (stop, checkpoint), honoured at the end of this step.
+    ``on_log``); ``run.control`` requests (stop, checkpoint), honoured at the end of this step
+    on one rank and of the next on several (agreed without blocking; at once on a save step).
     Returns: nothing.
     Ranks: every rank. Per step: yes — don't read ``outputs`` on the host every step.
     """

@@ -8,6 +8,7 @@ interval or when a plugin asks through ``run.control``.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import signal
 import time
@@ -33,8 +34,31 @@ log = logging.getLogger("coretrain")
 
 INPUT_BOUND_SHARE = 0.3
 """A run whose slowest rank waits this share of a step for data is told so, once."""
-STOP_REASONS: tuple[Outcome, ...] = ("exit_interval", "exit_duration", "stopped", "signal")
-"""Exit codes 1..4 of the loop's stop agreement: the largest over ranks wins."""
+
+
+class Stop(enum.IntEnum):
+    """Why training stops, as agreed across ranks: the largest value over ranks wins, so a
+    signal outranks a plugin's stop, which outranks the deadline and exit_interval."""
+
+    NONE = 0
+    EXIT_INTERVAL = 1
+    EXIT_DURATION = 2
+    PLUGIN = 3
+    SIGNAL = 4
+
+    @property
+    def outcome(self) -> Outcome | None:
+        """What on_train_end is told."""
+        return _OUTCOMES[self]
+
+
+_OUTCOMES: dict[Stop, Outcome | None] = {
+    Stop.NONE: None,
+    Stop.EXIT_INTERVAL: "exit_interval",
+    Stop.EXIT_DURATION: "exit_duration",
+    Stop.PLUGIN: "stopped",
+    Stop.SIGNAL: "signal",
+}
 
 
 @frozen
@@ -109,6 +133,16 @@ def out_of_memory(run: Run, exc: BaseException) -> str:
     )
 
 
+def undeclared_veto(run: Run, step: int, reason: str | None) -> str:
+    """A veto on several ranks that no plugin declared: the ranks cannot have agreed on it."""
+    watchers = ", ".join(run.plugins.implementers("before_update")) or "a plugin"
+    return (
+        f"step {step}: an update was vetoed ({reason}) by one of {watchers}, but no enabled plugin "
+        f"declares coretrain_vetoes_updates = True; on several ranks a veto must be agreed: set it "
+        "on the plugin class that calls run.control.skip_update"
+    )
+
+
 class Trainer:
     """Drives one run from restore to on_train_end; returns the process exit code."""
 
@@ -134,7 +168,7 @@ class Trainer:
         self.signals = signals
         self.signum: int | None = None
         self.agreement = OneStepLate(4)
-        """Stop code, signal, exit code, checkpoint request: proposed each step, agreed the next."""
+        """Stop reason, signal, exit code, checkpoint request: proposed each step, agreed the next."""
         timeouts = run.config.distributed
         self.watchdog = Watchdog(
             run.dist.rank,
@@ -392,7 +426,7 @@ class Trainer:
             self._micro_batches_deciding(), cfg.micro_batch_size, run.dist.dp_size, state.step, state.consumed_samples
         )
         self.feed = TrainBatches(run, plan, state.step + 1, self._data_state)
-        # each rank's own deadline; agreeing on the max stop code makes the earliest-started rank's
+        # each rank's own deadline; agreeing on the largest Stop makes the earliest-started rank's
         # deadline count for all, i.e. the start time is the minimum over ranks
         deadline = time.monotonic() + cfg.exit_duration_in_mins * 60 if cfg.exit_duration_in_mins else None
         return LoopSettings(
@@ -408,7 +442,7 @@ class Trainer:
             save_interval=run.config.checkpoint.save_interval or 0,
             deadline=deadline,
             check_exit=deadline is not None or cfg.exit_interval is not None or world > 1,
-            agree_skip=world > 1 and self.hooks.before_update is not None,
+            agree_skip=world > 1 and bool(run.plugins.vetoing()),
             plain=getattr(run.model, "no_sync", None) is None
             and run.config.run.precision == "fp32"
             and run.loss_fn is None,
@@ -451,6 +485,8 @@ class Trainer:
         skipped = control.skip_reason is not None
         if loop.agree_skip:  # one rank's veto is every rank's: replicas must take the same updates
             skipped = bool(max_over_ranks(int(skipped))[0])
+        elif skipped and loop.world > 1:
+            raise RunFailure(undeclared_veto(run, step, control.skip_reason))
         if skipped:
             run.state.skipped_updates += 1
             control.skip_reason = None
@@ -591,24 +627,25 @@ class Trainer:
         plain step waits on no collective; what every rank computes alike (exit_interval) acts
         at once."""
         cfg, control = self.run.config.train, self.run.control
-        code, signum = 0, self.signals.received or 0
+        stop, signum = Stop.NONE, self.signals.received or 0
         if signum:
-            code = 4
+            stop = Stop.SIGNAL
         elif control.stop_reason is not None:
-            code = 3
+            stop = Stop.PLUGIN
         elif loop.deadline is not None and time.monotonic() >= loop.deadline:
-            code = 2
-        if self.run.dist.world_size > 1:  # one exit code, and a checkpoint if any rank asks for one
+            stop = Stop.EXIT_DURATION
+        if self.run.dist.world_size > 1:  # one reason, and a checkpoint if any rank asks for one
             deciding = step == loop.train_iters or bool(loop.save_interval and step % loop.save_interval == 0)
-            code, signum, exit_code, wants_checkpoint = self.agreement.exchange(
-                code, signum, control.exit_code, int(control.checkpoint_requested), now=deciding
+            agreed, signum, exit_code, wants_checkpoint = self.agreement.exchange(
+                stop, signum, control.exit_code, int(control.checkpoint_requested), now=deciding
             )
+            stop = Stop(agreed)
             control.exit_code, control.checkpoint_requested = exit_code, bool(wants_checkpoint)
-        if not code and cfg.exit_interval and step % cfg.exit_interval == 0:
-            code = 1
-        if code == 4:
+        if stop is Stop.NONE and cfg.exit_interval and step % cfg.exit_interval == 0:
+            stop = Stop.EXIT_INTERVAL
+        if stop is Stop.SIGNAL:
             self.signum = signum
             control.request_stop(f"received {signal.Signals(signum).name}")
-        elif code == 3 and control.stop_reason is None:  # the agreed request says whether to save
+        elif stop is Stop.PLUGIN and control.stop_reason is None:  # the agreed request says whether to save
             control.request_stop("another rank requested a stop", checkpoint=control.checkpoint_requested)
-        return STOP_REASONS[code - 1] if code else None
+        return stop.outcome

@@ -149,6 +149,10 @@ def _require_installed(name: str, key: str, installed: Mapping[str, PluginEntry]
         )
 
 
+VETO_FLAG = "coretrain_vetoes_updates"
+"""The class attribute by which a plugin says its ``before_update`` may veto an update."""
+
+
 class Plugins:
     """The pluggy manager with the enabled plugins registered, plus their names and entries."""
 
@@ -188,6 +192,15 @@ class Plugins:
 
     def implemented(self, hook_name: str) -> bool:
         return self.calls.implemented(hook_name)
+
+    def implementers(self, hook_name: str) -> list[str]:
+        """Names of the plugins that implement ``hook_name``."""
+        return [impl.plugin_name for impl in getattr(self.manager.hook, hook_name).get_hookimpls()]
+
+    def vetoing(self) -> list[str]:
+        """Plugins that declare ``coretrain_vetoes_updates = True``: only for them do the ranks
+        agree on an update veto each step (a ``before_update`` that only watches costs nothing)."""
+        return [name for name, plugin in self.manager.list_name_plugin() if getattr(plugin, VETO_FLAG, False)]
 
     def check_pending(self) -> None:
         """A method named like a hook that matches no spec is a typo: make it an error."""

@@ -285,6 +285,19 @@ def test_a_nan_only_one_rank_sees_is_skipped_by_both_and_the_replicas_stay_equal
     assert "replicas differ" not in result.stderr
 
 
+def test_a_veto_no_plugin_declared_stops_the_run_naming_the_declaration(tmp_path: Path, site: Path) -> None:
+    """Only declared vetoes are agreed (a before_update that only watches costs no collective);
+    an undeclared one on one rank would let the replicas drift: it is one error instead."""
+    config = write(tmp_path, "run", train_iters=20, eval_iters=0)
+    config.write_text(config.read_text() + "\n[plugins.undeclared-veto]\nrank = 1\nat_step = 4\n")
+    result = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    assert result.returncode == 1, result.stderr
+    assert (
+        "step 4: an update was vetoed (undeclared test veto) by one of undeclared-veto, but no enabled plugin "
+        "declares coretrain_vetoes_updates = True" in result.stderr
+    )
+
+
 def descendants(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children")
     found = [int(c) for c in children.read_text().split()] if children.exists() else []

@@ -99,3 +99,10 @@ def test_batch_rampup_rounds_down_when_allowed_and_counts_what_it_left_out(tmp_p
     # wants 6, 6, 6 (rounded to 4), 11 (to 8), then 16
     assert seen.batches == [4, 4, 4, 8, 16, 16]
     assert result.run.plugins.get("batch-rampup").samples_left_out == 2 + 2 + 2 + 3  # type: ignore[union-attr]
+
+
+def test_only_plugins_that_declare_a_veto_make_the_ranks_agree_on_updates(tmp_path: Path) -> None:
+    """memory and model-stats implement before_update only to watch: no per-step agreement."""
+    result = run_steps(tmp_path, steps=1, tables={"guards": {}, "memory": {}, "model-stats": {}})
+    assert {"guards", "memory", "model-stats"} <= set(result.run.plugins.implementers("before_update"))
+    assert result.run.plugins.vetoing() == ["guards"]

@@ -37,6 +37,8 @@ log = logging.getLogger("coretrain")
 class Guards:
     """Skip, warn about or stop on NaN/Inf and spiky losses; skip chosen iterations."""
 
+    coretrain_vetoes_updates = True  # its before_update may skip an update: the ranks agree on it
+
     action: Literal["skip", "warn", "stop"] = "skip"
     """What to do about a bad loss."""
     check_nan: bool = True
