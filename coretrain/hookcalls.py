@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pluggy
 
+from coretrain.errors import PluginError
 from coretrain.hookspecs import Outcome
 
 if TYPE_CHECKING:
@@ -64,6 +65,18 @@ class HookCalls:
 
     def num_micro_batches(self, run: Run, step: int, consumed_samples: int) -> int | None:
         return cast("int | None", self._hook.num_micro_batches(run=run, step=step, consumed_samples=consumed_samples))
+
+    def phase_listeners(self, run: Run) -> list[Callable[[int, str], None]]:
+        """Each plugin's listener; one that is not callable is that plugin's error."""
+        listeners = []
+        for name, call in self._one_by_one("phase_listener"):
+            listener = _single(call(run=run))
+            if listener is not None and not callable(listener):
+                cause = TypeError(f"returned {type(listener).__name__}, expected a function (step, phase) or None")
+                raise PluginError(name, "phase_listener", cause)
+            if listener is not None:
+                listeners.append(listener)
+        return listeners
 
     def on_train_start(self, run: Run) -> None:
         self._hook.on_train_start(run=run)

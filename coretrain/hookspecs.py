@@ -9,6 +9,8 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
       tensor_parallel_plan(run, model)      firstresult   asked by the tensor-parallel plugin
     param_group_overrides(run, model)       collected     per-parameter lr_mult / weight_decay
     [resume: on_resume(run, step, state) for each plugin, with the state it saved]
+    phase_listener(run)                     collected     marks: listener(step, phase) at every
+                                                           phase boundary from here on
     on_train_start(run)
     loop:
         num_micro_batches(run, step, consumed_samples)     firstresult, batch-size rampup
@@ -65,6 +67,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import pluggy
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
     import torch
@@ -178,6 +181,24 @@ def num_micro_batches(run: Run, step: int, consumed_samples: int) -> int | None:
 
 
 # --------------------------------------------------------------------------- lifecycle
+
+
+@hookspec
+def phase_listener(run: Run) -> Callable[[int, str], None] | None:
+    """A function the loop calls at each phase boundary, ``listener(step, phase)``: how the
+    watchdog sees where a rank is, and how timers measure where a step's time goes.
+
+    Args: ``run`` — built, not yet restored.
+    Phases (:data:`coretrain.phases.PHASES`): ``restore`` (step = the checkpoint's, 0 when
+    fresh; covers restore and on_train_start); per step ``pre_step``, ``data``,
+    ``forward_backward``, ``update``, ``post_step``, then ``log``, ``eval``, ``checkpoint`` when
+    they happen, and ``agreement``; ``end`` once, before on_train_end. A phase lasts until the
+    next mark.
+    May change: nothing; the listener runs on the training thread.
+    Returns: the listener (a callable), or None.
+    Ranks: every rank, once, before restore. Per step: the listener is called about 8 times per
+    step — keep it to a few attribute writes or a clock read; never a device sync.
+    """
 
 
 @hookspec

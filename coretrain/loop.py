@@ -26,9 +26,9 @@ from coretrain.hookspecs import Outcome
 from coretrain.intervallog import IntervalLog
 from coretrain.loader import StepPlan, TrainBatches
 from coretrain.optim import WarmupDecayLR
+from coretrain.phases import combined
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
-from coretrain.watchdog import Watchdog
 
 log = logging.getLogger("coretrain")
 
@@ -169,14 +169,8 @@ class Trainer:
         self.signum: int | None = None
         self.agreement = OneStepLate(4)
         """Stop reason, signal, exit code, checkpoint request: proposed each step, agreed the next."""
-        timeouts = run.config.distributed
-        self.watchdog = Watchdog(
-            run.dist.rank,
-            timeouts.init_timeout_seconds,
-            timeouts.step_timeout_seconds,
-            run.output_dir,
-            run.plugins.running,
-        )
+        self.mark = combined(run.plugins.calls.phase_listeners(run))
+        """``mark(step, phase)`` at each phase boundary, for the plugins that watch or time the loop."""
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -205,7 +199,7 @@ class Trainer:
         run = self.run
         if not run.config.checkpoint.save or self.last_saved_step == run.state.step:
             return
-        self.watchdog.beat(run.state.step, "checkpoint")
+        self.mark(run.state.step, "checkpoint")
         self.log.check_finite(run)  # weights updated from a NaN loss are never saved
         path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
         plugin_states = {}
@@ -255,7 +249,7 @@ class Trainer:
         run, hooks = self.run, self.hooks
         run.started_at = time.monotonic()
         outcome: Outcome = "error"
-        self.watchdog.start()  # a hung process (and a rank, the others) waits forever: name it, end it
+        self.mark(run.state.step, "restore")
         try:
             with self.signals:
                 self.restore()
@@ -279,7 +273,7 @@ class Trainer:
                 raise
             raise RunFailure(out_of_memory(run, exc)) from exc
         finally:
-            self.watchdog.stop()
+            self.mark(run.state.step, "end")
             if outcome == "error" and self.checkpointer.in_flight:
                 with contextlib.suppress(Exception):  # the error in hand is the one to report
                     self.checkpointer.wait()
@@ -344,7 +338,7 @@ class Trainer:
         dataset = getattr(run.datasets, split)
         if dataset is None or not (train.eval_full or train.eval_iters):
             return
-        self.watchdog.beat(run.state.step, "eval")
+        self.mark(run.state.step, "eval")
         if split not in self._evaluators:
             self._evaluators[split] = Evaluator(run, dataset, split)
         started = time.perf_counter()
@@ -356,7 +350,7 @@ class Trainer:
 
     def _steps(self) -> Outcome:
         """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""
-        run, hooks, state, watchdog = self.run, self.hooks, self.run.state, self.watchdog
+        run, hooks, state, mark = self.run, self.hooks, self.run.state, self.mark
         loop = self._loop_settings()
         times, perf_counter = self.log.times, time.perf_counter
         first_step = state.step + 1
@@ -366,15 +360,15 @@ class Trainer:
             n_micro, consumed = loop.plan.at(step)
             run.micro_batches_per_step = n_micro
             global_batch = loop.micro_size * n_micro * loop.dp_size
-            watchdog.beat(step, "pre_step")
+            mark(step, "pre_step")
             if hooks.pre_step:
                 hooks.pre_step(run=run, step=step)
 
-            watchdog.beat(step, "data")
+            mark(step, "data")
             started = perf_counter()
             batches = loop.feed.step(step, n_micro, consumed)
             data_ready = perf_counter()
-            watchdog.beat(step, "forward_backward")
+            mark(step, "forward_backward")
             events = times.events()
             if events is not None:
                 events[0].record()
@@ -382,7 +376,7 @@ class Trainer:
             backward_done = perf_counter()
             if events is not None:
                 events[1].record()
-            watchdog.beat(step, "update")
+            mark(step, "update")
             skipped, grad_norm = self._update(loop, step, loss, global_batch)
             if events is not None:
                 events[2].record()
@@ -393,22 +387,21 @@ class Trainer:
             self.log.add(loss, grad_norm, global_batch, values, step, skipped)
             if step == first_step and step % loop.log_interval:
                 self.log.restart_clock()  # the first step warms up (compiles); rates leave it out
-            watchdog.beat(step, "post_step")
+            mark(step, "post_step")
             if hooks.post_step:
                 results = StepOutputs(
                     loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch
                 )
                 hooks.post_step(run=run, step=step, outputs=results)
             if step % loop.log_interval == 0:
-                watchdog.beat(step, "log")
+                mark(step, "log")
                 self._log(step)
             if loop.validate and step % loop.eval_interval == 0:
                 self._eval("valid")
             if self.checkpointer.in_flight:
                 self._saved(self.checkpointer.done())
-            watchdog.beat(step, "agreement")
+            mark(step, "agreement")
             reason = self._exit_condition(loop, step)
-            watchdog.warmed_up = True
             if self._checkpoint_due(loop, step, reason):
                 self.save()
             if reason is not None:

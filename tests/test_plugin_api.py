@@ -11,6 +11,7 @@ import pytest
 from attrs import define, field
 
 from coretrain import HOOK_API, Run, UserError, hookimpl
+from coretrain.errors import PluginError
 from coretrain.hookspecs import PROJECT
 from coretrain.pluginmanager import Plugins
 from coretrain.testing import run_steps, run_until_signal, stop_and_resume
@@ -117,7 +118,8 @@ def test_wrappers_wrap_every_hook(tmp_path: Path) -> None:
     assert stopped.exit_code == 128 + signal.SIGTERM
     resumed = run_steps(tmp_path, steps=6, plugins={"counter": Counter(), "wrap": wrapper})
     assert resumed.exit_code == 0
-    not_in_this_run = {"export_model", "tensor_parallel_plan"}  # after training; with tensor parallelism only
+    # after training; with tensor parallelism only; asked plugin by plugin and none here listens
+    not_in_this_run = {"export_model", "tensor_parallel_plan", "phase_listener"}
     assert sorted(set(wrapper.entered)) == [name for name in SPECS if name not in not_in_this_run]
     assert wrapper.entered.count("on_train_end") == wrapper.left.count("on_train_end") >= 2
     # each wrapped per-plugin call still delivered the plugin's own state
@@ -187,3 +189,46 @@ def test_on_train_end_runs_when_restore_fails(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="cannot load checkpoint file"):
         run_steps(tmp_path, steps=6, plugins={"counter": counter}, config=explicit)
     assert counter.ends == ["completed", "error"]
+
+
+class Marks:
+    """Records the loop's phase marks, as a timer or the watchdog sees them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str]] = []
+
+    @hookimpl
+    def phase_listener(self, run: Run) -> Any:
+        return lambda step, phase: self.seen.append((step, phase))
+
+
+def test_phase_marks_tell_a_listener_where_the_loop_is(tmp_path: Path) -> None:
+    marks = Marks()
+    config = {"train": {"log_interval": 2, "eval_interval": 2}, "checkpoint": {"save_interval": 2}}
+    run_steps(tmp_path, steps=2, plugins={"marks": marks}, config=config)
+    step = ["pre_step", "data", "forward_backward", "update", "post_step"]
+    assert marks.seen == [
+        (0, "restore"),
+        *((1, phase) for phase in [*step, "agreement"]),
+        *((2, phase) for phase in [*step, "log", "eval", "agreement", "checkpoint"]),
+        (2, "end"),
+    ]
+
+
+def test_a_phase_listener_that_is_not_a_function_is_its_plugins_error(tmp_path: Path) -> None:
+    class NotAFunction:
+        @hookimpl
+        def phase_listener(self) -> object:
+            return 5
+
+    with pytest.raises(PluginError, match=r"plugin 'odd' failed in phase_listener: .*returned int, expected a func"):
+        run_steps(tmp_path, steps=1, plugins={"odd": NotAFunction()})
+
+
+@pytest.mark.parametrize("name", ["watchdog", "progress", "metrics-file", "progress-file"])
+def test_each_built_in_plugin_can_be_turned_off_and_the_run_works(tmp_path: Path, name: str) -> None:
+    on = run_steps(tmp_path / "on", steps=2, autoload=True)
+    assert name in on.run.plugins.names()
+    off = run_steps(tmp_path / "off", steps=2, autoload=True, tables={name: {"enabled": False}})
+    assert off.exit_code == 0 and off.run.state.step == 2
+    assert name not in off.run.plugins.names()

@@ -1,16 +1,17 @@
-"""A rank that makes no progress is named, and the job ends, within its timeout.
+"""``watchdog`` (on by default): a rank that makes no progress is named, and the job ends.
 
 A collective timeout alone names the wrong rank: the ranks waiting in an all-reduce time out
 and report themselves, while the rank that hung — in a plugin's hook, a data worker, a
-deadlock — says nothing; and a single process that hangs just hangs. Here the loop marks where
-it is (``beat(step, phase)``: two attribute writes), and a daemon thread in
-every process, one rank or many, checks the marks: after
+deadlock — says nothing; and a single process that hangs just hangs. Here the loop's phase
+marks (hook ``phase_listener``; each mark is two attribute writes) tell a daemon thread in
+every process, one rank or many, where the loop is: after
 ``distributed.step_timeout_seconds`` without one (``init_timeout_seconds`` before the first
 step completes, and during evaluation and checkpoints, which may take long) it prints
 ``rank 1: no progress for 60 s at step 412, last in pre_step (plugin 'x', in its pre_step), at
 FILE:LINE in FUNCTION`` and ends the process, so the launcher takes the job down. A rank
 waiting in a collective for a hung peer says so too (``last in agreement``): the line whose
-phase is not a collective names the culprit.
+phase is not a collective names the culprit. Turn it off with ``[plugins.watchdog]
+enabled = false``.
 """
 
 from __future__ import annotations
@@ -20,22 +21,55 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from attrs import define, field
+
+from coretrain import Outcome, Run, hookimpl
 
 log = logging.getLogger("coretrain")
 
 HANG_EXIT_CODE = 124
 """The process's exit code when the watchdog ends it (timeout(1)'s)."""
-LONG_PHASES = frozenset({"start", "eval", "checkpoint"})
+LONG_PHASES = frozenset({"restore", "eval", "checkpoint", "end"})
 """Phases that may take long by design: judged by the long (start-up) timeout."""
 WAITING_PHASES = frozenset({"forward_backward", "update", "log", "agreement"})
 """Phases that wait in collectives for the other ranks: given a grace period, so that the rank
 that really hung (in a local phase) reports first and names itself."""
 
 
+@define(kw_only=True)
 class Watchdog:
-    """Ends this process when the loop stops beating; one per rank."""
+    """Ends a rank that makes no progress for distributed.step_timeout_seconds, naming where it hung."""
+
+    _watch: HangWatch | None = field(default=None, init=False, repr=False)
+
+    @hookimpl
+    def phase_listener(self, run: Run) -> Callable[[int, str], None]:
+        timeouts = run.config.distributed
+        self._watch = HangWatch(
+            run.dist.rank,
+            timeouts.init_timeout_seconds,
+            timeouts.step_timeout_seconds,
+            Path(run.output_dir),
+            run.plugins.running,
+        ).start()
+        return self._watch.beat
+
+    @hookimpl
+    def on_train_start(self, run: Run) -> None:
+        if self._watch is not None:
+            self._watch.first_step = run.state.step + 1
+
+    @hookimpl(tryfirst=True)
+    def on_train_end(self, run: Run, outcome: Outcome) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+
+
+class HangWatch:
+    """Ends this process when the loop's marks stop changing; one per rank."""
 
     def __init__(
         self,
@@ -48,12 +82,14 @@ class Watchdog:
         self.rank, self.init_timeout, self.step_timeout = rank, init_timeout, step_timeout
         self.output_dir, self.running = output_dir, running
         self._main = threading.main_thread().ident
-        self.step, self.phase = 0, "start"
-        self.warmed_up = False
+        self.step, self.phase = 0, "built"
+        """Until the loop's first mark nothing is judged (a Trainer built and never run)."""
+        self.first_step: int | None = None
+        """The first step this run trains (set once restored): judged by the long timeout."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="coretrain-watchdog", daemon=True)
 
-    def start(self) -> Watchdog:
+    def start(self) -> HangWatch:
         self._thread.start()
         return self
 
@@ -65,6 +101,12 @@ class Watchdog:
         watching thread notes when the mark last changed)."""
         self.step, self.phase = step, phase
 
+    @property
+    def warmed_up(self) -> bool:
+        """A step after the first one watched has begun: the first (compiling, filling caches)
+        is judged by the long timeout."""
+        return self.first_step is not None and self.step > self.first_step
+
     def _timeout(self) -> float:
         timeout = self.init_timeout if not self.warmed_up or self.phase in LONG_PHASES else self.step_timeout
         return timeout + (max(5.0, timeout / 4) if self.phase in WAITING_PHASES else 0.0)
@@ -73,6 +115,10 @@ class Watchdog:
         seen, since = (self.step, self.phase), time.monotonic()
         while not self._stop.wait(min(1.0, self.step_timeout / 10)):
             now = (self.step, self.phase)
+            if now[1] == "built":
+                continue
+            if now[1] == "end":
+                return
             if now != seen:
                 seen, since = now, time.monotonic()
                 continue
