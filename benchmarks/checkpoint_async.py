@@ -21,10 +21,11 @@ import torch
 from coretrain_gpt.model import GPT, GPTConfig
 
 from coretrain import checkpoint
+from coretrain.build import build_run
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.pluginmanager import load_plugins
-from coretrain.run import Datasets, build_run
+from coretrain.run import Datasets
 
 LAYERS = 14
 

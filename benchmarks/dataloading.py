@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
+from coretrain.build import build_run
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.loop import Trainer
 from coretrain.pluginmanager import load_plugins
-from coretrain.run import Datasets, build_run
+from coretrain.run import Datasets
 
 BATCH, SAMPLES, CLASSES = 32, 32 * 1024, 10
 DELAY = 0.001

@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from coretrain import hookimpl
+from coretrain.build import build_run
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.loop import Trainer
 from coretrain.pluginmanager import load_plugins
-from coretrain.run import Datasets, build_run
+from coretrain.run import Datasets
 
 LONG_LIVED: list[Any] = []
 

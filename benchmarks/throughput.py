@@ -26,13 +26,14 @@ import torch
 from coretrain_gpt.model import GPT, GPTConfig
 
 from coretrain import hookimpl
+from coretrain.build import build_run
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.data import TokenWindows
 from coretrain.loop import Trainer
 from coretrain.metrics import PEAK_BF16_TFLOPS
 from coretrain.pluginmanager import load_plugins
-from coretrain.run import Datasets, build_run
+from coretrain.run import Datasets
 
 SIZES = {  # name: (n_layer, n_head, n_embd, seq_length, micro_batch)
     "tiny": (4, 4, 128, 128, 16),

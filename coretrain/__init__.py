@@ -33,7 +33,7 @@ _LAZY = {
     "LoggingBackend": "coretrain.backend",
     "UserError": "coretrain.errors",
     "require": "coretrain.errors",
-    "config_as_dict": "coretrain.run",
+    "config_as_dict": "coretrain.configload",
     "is_sharded": "coretrain.checkpoint",
     "max_over_ranks": "coretrain.dist",
     "mean_over_ranks": "coretrain.dist",
@@ -54,12 +54,13 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     """Mark a plugin method as a hook implementation: ``@hookimpl`` / ``@hookimpl(trylast=True)``."""
     from coretrain.backend import LoggingBackend
     from coretrain.checkpoint import is_sharded
+    from coretrain.configload import config_as_dict
     from coretrain.control import Control
     from coretrain.data import RandomWindows, TokenWindows, windows
     from coretrain.dist import DistInfo, max_over_ranks, mean_over_ranks, sum_over_ranks
     from coretrain.errors import UserError, require
     from coretrain.hookspecs import HOOK_API, Outcome
-    from coretrain.run import DatasetContext, Datasets, Run, StepOutputs, TrainState, config_as_dict
+    from coretrain.run import DatasetContext, Datasets, Run, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
 
 __all__ = [

@@ -338,3 +338,9 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Loade
         locations[key_path] = f"--set {text}"
     config = structure(raw, Config, locations=locations, source=str(path))
     return LoadedConfig(config=config, locations=locations, path=path)
+
+
+def config_as_dict(config: Config) -> dict[str, Any]:
+    """The config as plain data (what config.toml and a checkpoint's manifest record)."""
+    unstructured: dict[str, Any] = CONVERTER.unstructure(config)
+    return unstructured

@@ -64,7 +64,7 @@ def resolve_loss(name: str | None) -> LossFn | None:
             f"model.loss: '{name}' is neither a built-in loss ({', '.join(BUILT_IN)}) nor an import "
             f"path 'pkg.module:function'{did_you_mean(name, BUILT_IN)}"
         )
-    from coretrain.run import import_callable
+    from coretrain.usercode import import_callable
 
     loss_fn: LossFn = import_callable(name, "model.loss")
     return loss_fn

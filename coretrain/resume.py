@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from coretrain import safeload
+from coretrain.build import seed_everything
 from coretrain.checkpoint import (
     checkpoint_root,
     parse_step_dir,
@@ -26,8 +27,9 @@ from coretrain.checkpoint import (
 )
 from coretrain.checkpoint.state import dcp_options, frozen_names
 from coretrain.configchanges import check_changes, config_changes
+from coretrain.configload import config_as_dict
 from coretrain.errors import CheckpointUnreadable, UserError
-from coretrain.run import Run, TrainState, config_as_dict, seed_everything
+from coretrain.run import Run, TrainState
 
 log = logging.getLogger("coretrain")
 

@@ -32,9 +32,10 @@ import attrs
 import torch
 
 from coretrain import hookimpl
+from coretrain.build import build_run
 from coretrain.configload import deep_merge, load_config
 from coretrain.pluginmanager import load_plugins
-from coretrain.run import DatasetContext, Datasets, Run, build_run
+from coretrain.run import DatasetContext, Datasets, Run
 from coretrain.tomlwrite import dumps
 
 TINY_MODEL = "coretrain.testing:tiny_model"

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from coretrain.build import build_run
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.loop import Trainer
 from coretrain.pluginmanager import load_plugins
-from coretrain.run import Run, build_run
+from coretrain.run import Run
 from coretrain.testing import TinyRegression as Regression
 from coretrain.testing import tiny_config
 from coretrain.testing import tiny_data as make_data

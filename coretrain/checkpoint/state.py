@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from coretrain.checkpoint.layout import MANIFEST, MANIFEST_FORMAT
-from coretrain.run import Run, config_as_dict
+from coretrain.configload import config_as_dict
+from coretrain.run import Run
 
 
 def rng_state() -> dict[str, Any]:

@@ -29,7 +29,7 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     plugins = load_plugins(loaded.config, loaded.locations)
     micro_batches_per_step(loaded.config.train, world_size_from_env())
     names = plugins.names()
-    from coretrain.run import build_run
+    from coretrain.build import build_run
 
     # every check `run` makes before its first step (providers imported, their options, the splits,
     # the model), without writing anything
@@ -71,7 +71,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def describe_param_groups(config: Any, plugins: Any) -> str:
     """Build the model and optimizer (no files written) and list the param groups as comments."""
-    from coretrain.run import build_run
+    from coretrain.build import build_run
 
     run = build_run(config, plugins, write_config=False)
     names = {id(p): n for n, p in run.unwrapped_model.named_parameters()}

@@ -292,9 +292,9 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
     signals.check()
 
     from coretrain import dist
+    from coretrain.build import build_run
     from coretrain.errors import FAILURE_EXIT_CODE, PluginError, RunFailure, UserError, summary
     from coretrain.loop import Trainer
-    from coretrain.run import build_run
     from coretrain.signals import Interrupted
 
     try:

@@ -1,0 +1,215 @@
+"""Building a run from a config, in the order the hook contract documents: import-path
+providers, device, process group, seeds, output dir lock, datasets (checked), model (checked,
+moved to the device, ``configure_model`` wrappers), optimizer with param-group overrides, LR
+schedule, and the resolved config.toml."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from attrs import define
+
+from coretrain import hookimpl
+from coretrain.config import Config, micro_batches_per_step
+from coretrain.configload import config_as_dict
+from coretrain.datachecks import check_datasets, check_model
+from coretrain.dist import init_distributed
+from coretrain.errors import UserError
+from coretrain.flops import flops_per_sample
+from coretrain.loader import adapt, is_stream
+from coretrain.optim import WarmupDecayLR, build_optimizer
+from coretrain.outputs import resolve_loss
+from coretrain.pluginmanager import Plugins, is_import_path
+from coretrain.run import DatasetContext, Datasets, Run
+from coretrain.rundir import OutputDirLock, check_shared
+from coretrain.signals import SignalWatcher
+from coretrain.tomlwrite import dumps
+from coretrain.usercode import call_with, check_options, import_callable
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("run.device: 'cuda' requested but torch sees no CUDA device; use 'auto' or 'cpu'")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+# --------------------------------------------------------------------------- import-path providers
+
+
+@define
+class ImportedModelProvider:
+    """Adapter: ``model.provider = "pkg.mod:fn"`` -> ``fn(**model.options)`` as a provide_model hook."""
+
+    fn: Any
+    options: dict[str, Any]
+
+    @hookimpl
+    def provide_model(self, run: Run) -> torch.nn.Module | None:
+        model: torch.nn.Module | None = call_with(self.fn, self.options, "model.options", run=run)
+        return model
+
+
+@define
+class ImportedDataProvider:
+    """Adapter: ``data.provider = "pkg.mod:fn"`` -> ``fn(context, **data.options)`` as provide_datasets."""
+
+    fn: Any
+    options: dict[str, Any]
+
+    @hookimpl
+    def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets:
+        result = call_with(self.fn, self.options, "data.options", run=run, context=context)
+        if isinstance(result, Datasets):
+            return result
+        if isinstance(result, tuple):
+            if not 1 <= len(result) <= 3:
+                raise UserError(
+                    f"data.provider: returned a tuple of {len(result)} items; expected (train, valid, test)"
+                )
+            return Datasets(**dict(zip(("train", "valid", "test"), result)))
+        return Datasets(train=result)
+
+
+def register_import_path_providers(config: Config, plugins: Plugins) -> None:
+    """Import ``pkg.mod:fn`` providers, check their options against their signatures, register them."""
+    if is_import_path(config.model.provider):
+        fn = import_callable(config.model.provider, "model.provider")
+        check_options(fn, dict(config.model.options), "model.options", ("run",))
+        plugins.register("model.provider", ImportedModelProvider(fn, dict(config.model.options)))
+    if is_import_path(config.data.provider):
+        fn = import_callable(config.data.provider, "data.provider")
+        check_options(fn, dict(config.data.options), "data.options", ("run", "context"))
+        plugins.register("data.provider", ImportedDataProvider(fn, dict(config.data.options)))
+    if config.data.collate_fn:
+        import_callable(config.data.collate_fn, "data.collate_fn")
+    resolve_loss(config.model.loss)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def build_run(config: Config, plugins: Plugins, write_config: bool = True, signals: SignalWatcher | None = None) -> Run:
+    """Construct everything the loop needs, in the documented order.
+
+    With ``write_config`` (a real run, not `config show`) rank 0 first locks the output dir;
+    ``signals`` is checked between phases so a Ctrl-C during start-up ends it.
+    """
+    check_signals = signals.check if signals is not None else (lambda: None)
+    for section in ("model", "data"):
+        if not getattr(config, section).provider:
+            raise UserError(
+                f"{section}.provider: not set; name a provider plugin (see `coretrain plugins`) "
+                f"or an import path 'pkg.module:function'"
+            )
+    register_import_path_providers(config, plugins)
+    if config.run.threads:
+        torch.set_num_threads(config.run.threads)
+    device = resolve_device(config.run.device)
+    dist_info = init_distributed(
+        device.type,
+        config.distributed.backend,
+        config.distributed.init_timeout_seconds,
+        config.distributed.tp_size,
+    )
+    if device.type == "cuda":
+        device = torch.device("cuda", dist_info.local_rank)
+        torch.cuda.set_device(device)
+    micro = micro_batches_per_step(config.train, dist_info.dp_size)
+    seed_everything(config.run.seed)
+
+    output_dir = Path(config.output_dir)
+    run = Run(
+        config=config,
+        plugins=plugins,
+        dist=dist_info,
+        device=device,
+        output_dir=output_dir,
+        micro_batches_per_step=micro,
+    )
+    if dist_info.is_main and write_config:
+        run.output_lock = OutputDirLock(output_dir).acquire()
+    try:
+        _build_parts(run, write_config, check_signals)
+    except BaseException:  # the lock is the run's to hold; a run that failed to build lets go of it
+        if run.output_lock is not None:
+            run.output_lock.release()
+        raise
+    return run
+
+
+def _build_parts(run: Run, write_config: bool, check_signals: Callable[[], None]) -> None:
+    """Datasets, model, optimizer and schedule, in the documented order, onto ``run``."""
+    config, plugins, dist_info, device, output_dir = run.config, run.plugins, run.dist, run.device, run.output_dir
+    if write_config and dist_info.world_size > 1:
+        check_shared(output_dir, dist_info.rank)
+    check_signals()
+
+    train = config.train
+    global_batch = run.global_batch_size
+    eval_runs = (train.train_iters // train.eval_interval if train.eval_interval else 0) + 1
+    context = DatasetContext(
+        train_samples=global_batch * train.train_iters,
+        valid_samples=global_batch * train.eval_iters * eval_runs,
+        test_samples=global_batch * train.eval_iters,
+        seed=config.run.seed,
+    )
+    datasets = plugins.calls.provide_datasets(run=run, context=context)
+    if datasets is None:
+        raise UserError(f"data.provider '{config.data.provider}' returned no datasets")
+    run.datasets = datasets
+    if config.data.collate_fn:
+        run.datasets.collate_fn = import_callable(config.data.collate_fn, "data.collate_fn")
+    adapt(run.datasets)
+    # a full pass needs a sample per rank; eval_iters batches need one global batch
+    eval_needed = dist_info.dp_size if train.eval_full else global_batch if train.eval_iters else 1
+    check_datasets(
+        run.datasets,
+        config.data.provider,
+        global_batch=global_batch,
+        micro_batch=train.micro_batch_size,
+        eval_needed=eval_needed,
+    )
+    check_signals()
+    if is_stream(run.datasets.train) and dist_info.is_main:
+        logging.getLogger("coretrain").warning(
+            "the train split is a stream: each rank and worker reads every %d-th item of it, and a checkpoint "
+            "resumes exactly only on %d rank(s) with data.num_workers = %d (the stream's position is saved per "
+            "rank and worker)",
+            dist_info.dp_size * max(config.data.num_workers, 1),
+            dist_info.dp_size,
+            config.data.num_workers,
+        )
+
+    model = plugins.calls.provide_model(run=run)
+    if model is None:
+        raise UserError(f"model.provider '{config.model.provider}' returned no model")
+    check_model(model, config.model.provider)
+    run.model = model.to(device)
+    run.loss_fn = resolve_loss(config.model.loss)
+    run.flops_per_sample = flops_per_sample(run, run.loss_fn)
+    plugins.calls.configure_model(run=run)
+    check_signals()
+
+    overrides = plugins.calls.param_group_overrides(run=run, model=run.model)
+    run.optimizer = build_optimizer(config.optimizer, run.model, overrides)
+    run.scheduler = WarmupDecayLR(
+        run.optimizer, config.scheduler, config.optimizer.lr, train.train_iters, run.global_batch_size
+    )
+    if config.run.precision == "fp16":
+        run.grad_scaler = torch.amp.GradScaler(device.type)
+    if dist_info.is_main and write_config:  # only a run that built is recorded: a rejected one leaves none
+        (output_dir / "config.toml").write_text(dumps(config_as_dict(config)), encoding="utf-8")
