@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import sysconfig
 import textwrap
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +155,48 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=True,
     )
     return target
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast tier (``-m "not slow"``) runs in this process: a test that starts a subprocess
+    (the CLI, torchrun, pip) is marked slow, or fails here saying so."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    original = subprocess.Popen.__init__
+
+    def refuse(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        command = args if isinstance(args, str) else " ".join(str(a) for a in args)
+        if "ldconfig" in command or command.startswith(("uname", "/sbin/ldconfig")):  # ctypes.util probes
+            original(self, args, *rest, **kwargs)
+            return
+        raise AssertionError(f"a fast-tier test started a process ({command[:120]}); mark it slow or run it in-process")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``coretrain ARGS`` in this process (``coretrain.cli.main``), output captured: what the fast
+    tier uses instead of a subprocess. Same call and result as :func:`run_cli`. The logging and
+    warnings set-up a run makes (root handlers on captured streams) is undone afterwards."""
+    from coretrain.cli import main
+
+    def invoke(*args: str, cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        monkeypatch.chdir(cwd)
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["coretrain", *args], code, out, err)
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    with warnings.catch_warnings():
+        yield invoke
+    root.handlers[:], root.level = handlers, level
+    logging.captureWarnings(False)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tomli
-from conftest import run_cli, tiny_gpt_config
+from conftest import tiny_gpt_config
 
 from coretrain.config import Config
 from coretrain.configload import load_config, structure
@@ -36,89 +37,89 @@ def test_extends_then_set_overrides_in_that_order(tmp_path: Path) -> None:
     assert config.optimizer.betas == (0.8, 0.9)
 
 
-def test_bad_toml_names_file_line_and_column(tmp_path: Path) -> None:
+def test_bad_toml_names_file_line_and_column(tmp_path: Path, cli: Any) -> None:
     path = write(tmp_path / "bad.toml", "[train]\nmicro_batch_size = = 3\n")
-    assert_user_error(run_cli("run", str(path), cwd=tmp_path), f"{path}:2:20: invalid TOML")
+    assert_user_error(cli("run", str(path), cwd=tmp_path), f"{path}:2:20: invalid TOML")
 
 
-def test_wrong_type_names_line_key_path_and_expected_type(tmp_path: Path) -> None:
+def test_wrong_type_names_line_key_path_and_expected_type(tmp_path: Path, cli: Any) -> None:
     path = write(tmp_path / "c.toml", '[train]\nlog_interval = 10\nmicro_batch_size = "four"\n')
     assert_user_error(
-        run_cli("config", "validate", str(path), cwd=tmp_path),
+        cli("config", "validate", str(path), cwd=tmp_path),
         f"{path}:3: train.micro_batch_size: expected an integer, got 'four' (string)",
     )
 
 
-def test_unknown_key_suggests_the_right_one(tmp_path: Path) -> None:
+def test_unknown_key_suggests_the_right_one(tmp_path: Path, cli: Any) -> None:
     path = write(tmp_path / "c.toml", "[train]\ntrain_iter = 10\n")
     assert_user_error(
-        run_cli("config", "validate", str(path), cwd=tmp_path),
+        cli("config", "validate", str(path), cwd=tmp_path),
         "train.train_iter: unknown key (did you mean 'train_iters'?)",
     )
 
 
-def test_unknown_plugin_suggests_the_installed_one(tmp_path: Path) -> None:
+def test_unknown_plugin_suggests_the_installed_one(tmp_path: Path, cli: Any) -> None:
     path = write(tmp_path / "c.toml", '[model]\nprovider = "gtp"\n')
     assert_user_error(
-        run_cli("run", str(path), cwd=tmp_path),
+        cli("run", str(path), cwd=tmp_path),
         "model.provider: no plugin named 'gtp' is installed (did you mean 'gpt'?)",
     )
 
 
-def test_plugin_table_errors_use_the_plugin_key_path(tmp_path: Path) -> None:
+def test_plugin_table_errors_use_the_plugin_key_path(tmp_path: Path, cli: Any) -> None:
     path = write(
         tmp_path / "c.toml",
         '[model]\nprovider = "gpt"\n[model.options]\nn_layers = 2\n[plugins.progress]\nplain = "yes"\n',
     )
     assert_user_error(
-        run_cli("config", "validate", str(path), cwd=tmp_path),
+        cli("config", "validate", str(path), cwd=tmp_path),
         "model.options.n_layers: unknown key (did you mean 'n_layer'?)",
     )
     path = write(tmp_path / "d.toml", '[plugins.progress]\nplain = "yes"\n')
     assert_user_error(
-        run_cli("config", "validate", str(path), cwd=tmp_path),
+        cli("config", "validate", str(path), cwd=tmp_path),
         f"{path}:2: plugins.progress.plain: expected true or false, got 'yes' (string)",
     )
     path = write(tmp_path / "e.toml", '[plugins.wandb]\nmode = "offlin"\n')  # an optional choice
     assert_user_error(
-        run_cli("config", "validate", str(path), cwd=tmp_path),
+        cli("config", "validate", str(path), cwd=tmp_path),
         f"{path}:2: plugins.wandb.mode: expected one of 'online', 'offline', 'disabled', "
         "got 'offlin' (string) (did you mean 'offline'?)",
     )
 
 
-def test_inconsistent_batch_sizes(tmp_path: Path) -> None:
+def test_inconsistent_batch_sizes(tmp_path: Path, cli: Any) -> None:
     path = write(tmp_path / "c.toml", "[train]\nmicro_batch_size = 4\nglobal_batch_size = 10\n")
     assert_user_error(
-        run_cli("config", "validate", str(path), cwd=tmp_path),
+        cli("config", "validate", str(path), cwd=tmp_path),
         "train.global_batch_size (10) must be a multiple of train.micro_batch_size",
     )
 
 
-def test_missing_file_and_missing_base_and_bad_set(tmp_path: Path) -> None:
-    assert_user_error(run_cli("run", "nope.toml", cwd=tmp_path), "nope.toml: config file not found")
+def test_missing_file_and_missing_base_and_bad_set(tmp_path: Path, cli: Any) -> None:
+    assert_user_error(cli("run", "nope.toml", cwd=tmp_path), "nope.toml: config file not found")
     path = write(tmp_path / "c.toml", 'extends = "base.toml"\n')
-    assert_user_error(run_cli("run", str(path), cwd=tmp_path), "extends: 'base.toml' not found")
+    assert_user_error(cli("run", str(path), cwd=tmp_path), "extends: 'base.toml' not found")
     ok = write(tmp_path / "ok.toml", "")
     assert_user_error(
-        run_cli("config", "validate", str(ok), "--set", "train.lr", cwd=tmp_path),
+        cli("config", "validate", str(ok), "--set", "train.lr", cwd=tmp_path),
         "--set train.lr: expected KEY.PATH=VALUE",
     )
     assert_user_error(
-        run_cli("config", "validate", str(ok), "--set", "optimizer.lr=fast", cwd=tmp_path),
+        cli("config", "validate", str(ok), "--set", "optimizer.lr=fast", cwd=tmp_path),
         "--set optimizer.lr=fast: optimizer.lr: expected a finite number, got 'fast' (string)",
     )
 
 
-def test_extends_cycle_is_reported(tmp_path: Path) -> None:
+def test_extends_cycle_is_reported(tmp_path: Path, cli: Any) -> None:
     write(tmp_path / "a.toml", 'extends = "b.toml"\n')
     write(tmp_path / "b.toml", 'extends = "a.toml"\n')
-    assert_user_error(run_cli("run", str(tmp_path / "a.toml"), cwd=tmp_path), "'extends' forms a cycle")
+    assert_user_error(cli("run", str(tmp_path / "a.toml"), cwd=tmp_path), "'extends' forms a cycle")
 
 
-def test_config_show_marks_non_defaults_and_includes_plugin_defaults(tmp_path: Path) -> None:
+def test_config_show_marks_non_defaults_and_includes_plugin_defaults(tmp_path: Path, cli: Any) -> None:
     path = write(tmp_path / "c.toml", tiny_gpt_config(tmp_path / "out"))
-    result = run_cli("config", "show", str(path), "--set", "optimizer.lr=0.01", cwd=tmp_path)
+    result = cli("config", "show", str(path), "--set", "optimizer.lr=0.01", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "lr = 0.01  # default: 0.0003" in lines
@@ -128,21 +129,21 @@ def test_config_show_marks_non_defaults_and_includes_plugin_defaults(tmp_path: P
     assert "[plugins.progress]" in lines  # autoloaded plugins show too
 
 
-def test_resolved_config_written_by_a_run_loads_back_identically(tmp_path: Path) -> None:
+def test_resolved_config_written_by_a_run_loads_back_identically(tmp_path: Path, cli: Any) -> None:
     path = write(tmp_path / "c.toml", tiny_gpt_config(tmp_path / "out", train_iters=2, eval_iters=0))
-    result = run_cli("run", str(path), "--set", "optimizer.lr=0.002", cwd=tmp_path)
+    result = cli("run", str(path), "--set", "optimizer.lr=0.002", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     saved = tomli.loads((tmp_path / "out" / "config.toml").read_text())
     assert structure(saved, Config) == load_config(path, ["optimizer.lr=0.002"]).config
 
 
-def test_a_choice_differing_only_in_case_is_the_suggestion(tmp_path: Path) -> None:
+def test_a_choice_differing_only_in_case_is_the_suggestion(tmp_path: Path, cli: Any) -> None:
     path = write(tmp_path / "c.toml", '[optimizer]\nname = "adamW"\n')
     assert_user_error(
-        run_cli("config", "validate", str(path), cwd=tmp_path),
+        cli("config", "validate", str(path), cwd=tmp_path),
         "optimizer.name: expected one of 'adamw', 'adam', 'sgd', got 'adamW' (string) (did you mean 'adamw'?)",
     )
-    bad_set = run_cli("config", "validate", str(path), "--set", "optimizer.lr", cwd=tmp_path)
+    bad_set = cli("config", "validate", str(path), "--set", "optimizer.lr", cwd=tmp_path)
     assert "e.g. --set optimizer.lr=3e-4" in bad_set.stderr  # an example that is itself valid
 
 

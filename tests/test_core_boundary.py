@@ -71,6 +71,7 @@ def test_plugins_and_examples_use_only_the_public_api(path: Path) -> None:
     assert imports_from_core_internals(path) == []
 
 
+@pytest.mark.slow  # a fresh interpreter: this one has torch imported already
 def test_the_public_api_is_importable_without_torch_and_complete() -> None:
     import subprocess
     import sys

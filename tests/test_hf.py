@@ -329,6 +329,7 @@ def test_an_edit_that_keeps_size_and_mtime_is_tokenized_again(
     corpus.write_text("the lazy dog sleeps\n" * 40)  # same size
     os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as rsync -a, cp -p or tar leave it
     assert corpus.stat().st_size == stat.st_size and corpus.stat().st_mtime_ns == stat.st_mtime_ns
+    caplog.clear()
     with caplog.at_level("INFO", logger="coretrain"):
         edited = run_steps(tmp_path / "b", steps=1, config=sections)
     assert sum("tokenizing" in r.message for r in caplog.records) == 1

@@ -10,9 +10,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import metrics_rows, run_cli, write_tiny_gpt
+from conftest import metrics_rows, write_tiny_gpt
 
 
 def free_port() -> int:
@@ -98,7 +99,7 @@ def test_an_elastic_job_takes_a_machine_that_joins_and_goes_on_without_one_whose
     assert step_before_kill < 200
 
 
-def test_launch_flags_that_cannot_work_are_one_error(tmp_path: Path) -> None:
+def test_launch_flags_that_cannot_work_are_one_error(tmp_path: Path, cli: Any) -> None:
     config, _ = write_tiny_gpt(tmp_path)
     cases = {
         ("--nnodes", "2"): "error: --nnodes 2: the machines need a meeting point; add --rdzv-endpoint HOST:PORT",
@@ -107,7 +108,7 @@ def test_launch_flags_that_cannot_work_are_one_error(tmp_path: Path) -> None:
         ("--nnodes", "1:2", "--node-rank", "0", "--rdzv-endpoint", "h:1"): "numbers machines as they join",
     }
     for flags, message in cases.items():
-        result = run_cli("run", str(config), *flags, cwd=tmp_path)
+        result = cli("run", str(config), *flags, cwd=tmp_path)
         assert result.returncode == 2 and message in result.stderr, (flags, result.stderr)
         assert "Traceback" not in result.stderr
 

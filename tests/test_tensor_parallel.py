@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import config_file, gpt_preset, metrics_rows, run_cli
@@ -104,9 +105,9 @@ def test_a_model_without_a_provider_plan_takes_one_from_the_config(tmp_path: Pat
     assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "split" / "out"))
 
 
-def test_a_tp_size_that_does_not_divide_the_ranks_or_an_unknown_style_is_one_error(tmp_path: Path) -> None:
+def test_a_tp_size_that_does_not_divide_the_ranks_or_an_unknown_style_is_one_error(tmp_path: Path, cli: Any) -> None:
     config = write_config(tmp_path / "c.toml", tiny_config(tmp_path / "out", distributed={"tp_size": 2}))
-    result = run_cli("run", str(config), cwd=tmp_path)
+    result = cli("run", str(config), cwd=tmp_path)
     assert result.returncode == 2
     assert (
         "error: distributed.tp_size (2) must divide the number of ranks (1); start a multiple of 2 ranks, "
@@ -117,7 +118,7 @@ def test_a_tp_size_that_does_not_divide_the_ranks_or_an_unknown_style_is_one_err
     bad = tiny_config(
         tmp_path / "out", distributed={"tp_size": 2}, plugins={"tensor-parallel": {"plan": {"net.0": "column"}}}
     )
-    result = run_cli("run", str(write_config(tmp_path / "bad.toml", bad)), cwd=tmp_path)
+    result = cli("run", str(write_config(tmp_path / "bad.toml", bad)), cwd=tmp_path)
     assert result.returncode == 2
     assert "plugins.tensor-parallel.plan.net.0" in result.stderr and "unknown style 'column'" in result.stderr
 
