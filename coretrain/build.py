@@ -16,6 +16,7 @@ import torch
 from attrs import define
 
 from coretrain import hookimpl
+from coretrain.cadence import Cadence
 from coretrain.config import Config, micro_batches_per_step
 from coretrain.configload import config_as_dict
 from coretrain.datachecks import check_datasets, check_model
@@ -174,6 +175,7 @@ def _build_parts(run: Run, write_config: bool, check_signals: Callable[[], None]
     if config.data.collate_fn:
         run.datasets.collate_fn = import_callable(config.data.collate_fn, "data.collate_fn")
     adapt(run.datasets)
+    run.cadence = Cadence.of(config, has_valid=run.datasets.valid is not None)
     # a full pass needs a sample per rank; eval_iters batches need one global batch
     eval_needed = dist_info.dp_size if train.eval_full else global_batch if train.eval_iters else 1
     check_datasets(

@@ -163,12 +163,11 @@ class StepPlan:
     def __init__(
         self,
         decide: Callable[[int, int], int],
-        micro_batch_size: int,
-        world_size: int,
+        samples_per_micro_batch: int,
         last_step: int,
         consumed_samples: int,
     ) -> None:
-        self._decide, self._per_micro = decide, micro_batch_size * world_size
+        self._decide, self._per_micro = decide, samples_per_micro_batch
         self._next_step, self._next_consumed = last_step + 1, consumed_samples
         self._decided: dict[int, tuple[int, int]] = {}
 

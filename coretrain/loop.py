@@ -68,14 +68,9 @@ class LoopSettings:
     plan: StepPlan
     feed: TrainBatches
     train_iters: int
-    micro_size: int
+    per_micro_batch: int
+    """Samples one micro-batch reads over all ranks (:attr:`Run.samples_per_micro_batch`)."""
     world: int
-    dp_size: int
-    """Data-parallel replicas (world / tensor-parallel degree): the batches one step reads."""
-    log_interval: int
-    eval_interval: int
-    validate: bool
-    save_interval: int
     deadline: float | None
     check_exit: bool
     """An exit condition may hold at any step (or other ranks may have one): ask every step."""
@@ -350,7 +345,7 @@ class Trainer:
 
     def _steps(self) -> Outcome:
         """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""
-        run, hooks, state, mark = self.run, self.hooks, self.run.state, self.mark
+        run, hooks, state, mark, cadence = self.run, self.hooks, self.run.state, self.mark, self.run.cadence
         loop = self._loop_settings()
         times, perf_counter = self.log.times, time.perf_counter
         first_step = state.step + 1
@@ -359,7 +354,7 @@ class Trainer:
             step = state.step + 1
             n_micro, consumed = loop.plan.at(step)
             run.micro_batches_per_step = n_micro
-            global_batch = loop.micro_size * n_micro * loop.dp_size
+            global_batch = loop.per_micro_batch * n_micro
             mark(step, "pre_step")
             if hooks.pre_step:
                 hooks.pre_step(run=run, step=step)
@@ -385,7 +380,7 @@ class Trainer:
             state.step = step
             state.consumed_samples += global_batch
             self.log.add(loss, grad_norm, global_batch, values, step, skipped)
-            if step == first_step and step % loop.log_interval:
+            if step == first_step and not cadence.logs(step):
                 self.log.restart_clock()  # the first step warms up (compiles); rates leave it out
             mark(step, "post_step")
             if hooks.post_step:
@@ -393,10 +388,10 @@ class Trainer:
                     loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch
                 )
                 hooks.post_step(run=run, step=step, outputs=results)
-            if step % loop.log_interval == 0:
+            if cadence.logs(step):
                 mark(step, "log")
                 self._log(step)
-            if loop.validate and step % loop.eval_interval == 0:
+            if cadence.evaluates(step):
                 self._eval("valid")
             if self.checkpointer.in_flight:
                 self._saved(self.checkpointer.done())
@@ -415,9 +410,7 @@ class Trainer:
         """What the loop decides once, before the first step."""
         run, cfg = self.run, self.run.config.train
         state, world = run.state, run.dist.world_size
-        plan = StepPlan(
-            self._micro_batches_deciding(), cfg.micro_batch_size, run.dist.dp_size, state.step, state.consumed_samples
-        )
+        plan = StepPlan(self._micro_batches_deciding(), run.samples_per_micro_batch, state.step, state.consumed_samples)
         self.feed = TrainBatches(run, plan, state.step + 1, self._data_state)
         # each rank's own deadline; agreeing on the largest Stop makes the earliest-started rank's
         # deadline count for all, i.e. the start time is the minimum over ranks
@@ -426,13 +419,8 @@ class Trainer:
             plan=plan,
             feed=self.feed,
             train_iters=cfg.train_iters,
-            micro_size=cfg.micro_batch_size,
+            per_micro_batch=run.samples_per_micro_batch,
             world=world,
-            dp_size=run.dist.dp_size,
-            log_interval=cfg.log_interval,
-            eval_interval=cfg.eval_interval or 0,
-            validate=bool((cfg.eval_iters or cfg.eval_full) and cfg.eval_interval and run.datasets.valid is not None),
-            save_interval=run.config.checkpoint.save_interval or 0,
             deadline=deadline,
             check_exit=deadline is not None or cfg.exit_interval is not None or world > 1,
             agree_skip=world > 1 and bool(run.plugins.vetoing()),
@@ -518,7 +506,7 @@ class Trainer:
         requested = self.run.control.checkpoint_requested
         if reason == "stopped":
             return requested
-        return bool(reason or requested or (loop.save_interval and step % loop.save_interval == 0))
+        return bool(reason or requested or self.run.cadence.saves(step))
 
     def _scaled_update(
         self, scaler: torch.amp.GradScaler, params: list[torch.nn.Parameter], clip: float, global_batch: int
@@ -619,7 +607,7 @@ class Trainer:
         passing the deadline) is agreed one step late through a non-blocking all-reduce, so a
         plain step waits on no collective; what every rank computes alike (exit_interval) acts
         at once."""
-        cfg, control = self.run.config.train, self.run.control
+        control = self.run.control
         stop, signum = Stop.NONE, self.signals.received or 0
         if signum:
             stop = Stop.SIGNAL
@@ -628,13 +616,13 @@ class Trainer:
         elif loop.deadline is not None and time.monotonic() >= loop.deadline:
             stop = Stop.EXIT_DURATION
         if self.run.dist.world_size > 1:  # one reason, and a checkpoint if any rank asks for one
-            deciding = step == loop.train_iters or bool(loop.save_interval and step % loop.save_interval == 0)
+            deciding = step == loop.train_iters or self.run.cadence.saves(step)
             agreed, signum, exit_code, wants_checkpoint = self.agreement.exchange(
                 stop, signum, control.exit_code, int(control.checkpoint_requested), now=deciding
             )
             stop = Stop(agreed)
             control.exit_code, control.checkpoint_requested = exit_code, bool(wants_checkpoint)
-        if stop is Stop.NONE and cfg.exit_interval and step % cfg.exit_interval == 0:
+        if stop is Stop.NONE and self.run.cadence.exit(step):
             stop = Stop.EXIT_INTERVAL
         if stop is Stop.SIGNAL:
             self.signum = signum

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 import torch
 from attrs import define, field
 
+from coretrain.cadence import Cadence
 from coretrain.control import Control
 
 if TYPE_CHECKING:
@@ -114,6 +115,9 @@ class Run:
     device: torch.device
     output_dir: Path
     control: Control = field(factory=Control)
+    cadence: Cadence = field(factory=Cadence)
+    """Which steps log, evaluate and save: ask it (``run.cadence.logs(step)``) rather than
+    computing ``step % interval`` (set from the config once the datasets are built)."""
     state: TrainState = field(factory=TrainState)
     _datasets: Datasets | None = field(default=None, alias="datasets")
     _model: torch.nn.Module | None = field(default=None, alias="model")

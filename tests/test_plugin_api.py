@@ -232,3 +232,38 @@ def test_each_built_in_plugin_can_be_turned_off_and_the_run_works(tmp_path: Path
     off = run_steps(tmp_path / "off", steps=2, autoload=True, tables={name: {"enabled": False}})
     assert off.exit_code == 0 and off.run.state.step == 2
     assert name not in off.run.plugins.names()
+
+
+class AsksTheCadence:
+    """Predicts from run.cadence what the loop will do at each step, and records what it did."""
+
+    def __init__(self) -> None:
+        self.predicted: dict[str, list[int]] = {"log": [], "eval": [], "save": []}
+        self.done: dict[str, list[int]] = {"log": [], "eval": [], "save": []}
+
+    @hookimpl
+    def post_step(self, run: Run, step: int) -> None:
+        for kind, asks in (("log", run.cadence.logs), ("eval", run.cadence.evaluates), ("save", run.cadence.saves)):
+            if asks(step):
+                self.predicted[kind].append(step)
+
+    @hookimpl
+    def on_log(self, step: int) -> None:
+        self.done["log"].append(step)
+
+    @hookimpl
+    def on_eval(self, step: int) -> None:
+        self.done["eval"].append(step)
+
+    @hookimpl
+    def on_checkpoint(self, step: int) -> None:
+        self.done["save"].append(step)
+
+
+def test_the_run_cadence_is_what_the_loop_does(tmp_path: Path) -> None:
+    asks = AsksTheCadence()
+    config = {"train": {"log_interval": 3, "eval_interval": 4}, "checkpoint": {"save_interval": 5}}
+    run_steps(tmp_path, steps=10, plugins={"asks": asks}, config=config)
+    assert asks.predicted == {"log": [3, 6, 9], "eval": [4, 8], "save": [5, 10]}
+    # the loop does the same, plus what ends a run: the final validation and the last checkpoint
+    assert asks.done == {"log": [3, 6, 9], "eval": [4, 8, 10], "save": [5, 10]}

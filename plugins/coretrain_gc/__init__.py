@@ -45,9 +45,8 @@ class GC:
 
     @hookimpl
     def post_step(self, run: Run, step: int) -> None:
-        train = run.config.train
         due = self.interval and step % self.interval == 0
-        eval_next = self.eval and train.eval_interval and train.eval_iters and step % train.eval_interval == 0
+        eval_next = self.eval and run.cadence.evaluates(step)
         if due or eval_next:
             self._collect()
         if self.freeze_after_warmup is not None and step == self.freeze_after_warmup:

@@ -70,11 +70,11 @@ class ModelStats:
 
     @hookimpl
     def before_update(self, run: Run, step: int) -> None:
-        if self.zero_grads and step % run.config.train.log_interval == 0:
+        if self.zero_grads and run.cadence.logs(step):
             run.log_tensors["zero_grads"] = zero_grads(run.model)
 
     @hookimpl
     def post_step(self, run: Run, step: int) -> None:
-        if self.param_norm and step % run.config.train.log_interval == 0:
+        if self.param_norm and run.cadence.logs(step):
             with torch.no_grad():
                 run.log_tensors["params_norm"] = param_norm(run.model)
