@@ -18,17 +18,17 @@ from typing import Any
 import torch
 from attrs import frozen
 
-from coretrain import checkpoint, outputs, resume, safeload
-from coretrain.dist import OneStepLate, max_over_ranks, sum_over_ranks
+from coretrain import checkpoint, resume, safeload
+from coretrain.dist import OneStepLate, max_over_ranks
 from coretrain.errors import PluginError, RunFailure
-from coretrain.evaluate import Evaluator, autocast
+from coretrain.evaluate import Evaluator
 from coretrain.hookspecs import Outcome
 from coretrain.intervallog import IntervalLog
 from coretrain.loader import StepPlan, TrainBatches
-from coretrain.optim import WarmupDecayLR
 from coretrain.phases import combined
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
+from coretrain.step import StepNumerics
 
 log = logging.getLogger("coretrain")
 
@@ -70,20 +70,10 @@ class LoopSettings:
     train_iters: int
     per_micro_batch: int
     """Samples one micro-batch reads over all ranks (:attr:`Run.samples_per_micro_batch`)."""
-    world: int
+    numerics: StepNumerics
     deadline: float | None
     check_exit: bool
     """An exit condition may hold at any step (or other ranks may have one): ask every step."""
-    agree_skip: bool
-    """Some plugin may veto an update on one rank: agree on it every step."""
-    plain: bool
-    """One micro-batch needs nothing a hand-written loop would not do (no no_sync, autocast, loss)."""
-    params: list[torch.nn.Parameter]
-    clip: float
-    sharded_norm: bool
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: WarmupDecayLR
 
 
 class ResolvedHooks:
@@ -96,7 +86,6 @@ class ResolvedHooks:
         self.num_micro_batches = calls.num_micro_batches if on("num_micro_batches") else None
         self.on_train_start = calls.on_train_start if on("on_train_start") else None
         self.pre_step = calls.pre_step if on("pre_step") else None
-        self.before_update = calls.before_update if on("before_update") else None
         self.post_step = calls.post_step if on("post_step") else None
         self.on_log = calls.on_log if on("on_log") else None
         self.on_eval = calls.on_eval if on("on_eval") else None
@@ -125,16 +114,6 @@ def out_of_memory(run: Run, exc: BaseException) -> str:
         f"out of memory at step {run.state.step + 1} on {run.device} ({shape}, model {params / 1e6:.1f}M "
         f"parameters): {detail}; lower train.micro_batch_size (global_batch_size stays, through "
         "gradient accumulation) or the model size"
-    )
-
-
-def undeclared_veto(run: Run, step: int, reason: str | None) -> str:
-    """A veto on several ranks that no plugin declared: the ranks cannot have agreed on it."""
-    watchers = ", ".join(run.plugins.implementers("before_update")) or "a plugin"
-    return (
-        f"step {step}: an update was vetoed ({reason}) by one of {watchers}, but no enabled plugin "
-        f"declares coretrain_vetoes_updates = True; on several ranks a veto must be agreed: set it "
-        "on the plugin class that calls run.control.skip_update"
     )
 
 
@@ -367,12 +346,12 @@ class Trainer:
             events = times.events()
             if events is not None:
                 events[0].record()
-            loss, values = self._forward_backward(loop, batches)
+            loss, values = loop.numerics.forward_backward(batches)
             backward_done = perf_counter()
             if events is not None:
                 events[1].record()
             mark(step, "update")
-            skipped, grad_norm = self._update(loop, step, loss, global_batch)
+            skipped, grad_norm = loop.numerics.update(step, loss, global_batch)
             if events is not None:
                 events[2].record()
             times.step(started, data_ready, backward_done, perf_counter(), events)
@@ -420,68 +399,10 @@ class Trainer:
             feed=self.feed,
             train_iters=cfg.train_iters,
             per_micro_batch=run.samples_per_micro_batch,
-            world=world,
+            numerics=StepNumerics(run),
             deadline=deadline,
             check_exit=deadline is not None or cfg.exit_interval is not None or world > 1,
-            agree_skip=world > 1 and bool(run.plugins.vetoing()),
-            plain=getattr(run.model, "no_sync", None) is None
-            and run.config.run.precision == "fp32"
-            and run.loss_fn is None,
-            params=[p for p in run.model.parameters() if p.requires_grad],
-            clip=cfg.clip_grad,
-            sharded_norm=checkpoint.is_sharded(run.model),
-            model=run.model,
-            optimizer=run.optimizer,
-            scheduler=run.scheduler,
         )
-
-    def _forward_backward(
-        self, loop: LoopSettings, batches: list[Any]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        """The step's loss (and the model's named values) with gradients accumulated."""
-        if len(batches) == 1 and loop.plain:  # the common case, with nothing a hand-written loop would not do
-            batch = batches[0]
-            model = loop.model
-            result = model(*batch) if type(batch) is tuple else outputs.call_model(model, batch)
-            if type(result) is torch.Tensor:
-                torch.autograd.backward(result)
-                return result, None
-            loss, values = outputs.split_output(result)
-            tokens = values.get(outputs.NUM_TOKENS)
-            if tokens is None:
-                torch.autograd.backward(loss)
-                return loss, values
-            torch.autograd.backward(loss * tokens)
-            return self._per_token(loop, [loss.detach()], [values])
-        return self._accumulate(loop, batches)
-
-    def _update(
-        self, loop: LoopSettings, step: int, loss: torch.Tensor, global_batch: int
-    ) -> tuple[bool, torch.Tensor | None]:
-        """before_update (the veto point), then clip and step unless any rank vetoed: (skipped, grad norm)."""
-        run, control = self.run, self.run.control
-        if self.hooks.before_update:
-            self.hooks.before_update(run=run, step=step, loss=loss.detach())
-        grad_norm = None
-        skipped = control.skip_reason is not None
-        if loop.agree_skip:  # one rank's veto is every rank's: replicas must take the same updates
-            skipped = bool(max_over_ranks(int(skipped))[0])
-        elif skipped and loop.world > 1:
-            raise RunFailure(undeclared_veto(run, step, control.skip_reason))
-        if skipped:
-            run.state.skipped_updates += 1
-            control.skip_reason = None
-        elif run.grad_scaler is not None:
-            skipped, grad_norm = self._scaled_update(run.grad_scaler, loop.params, loop.clip, global_batch)
-        else:
-            if loop.clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(loop.params, loop.clip)
-                if loop.sharded_norm:  # FSDP2: the norm is a DTensor
-                    grad_norm = grad_norm.full_tensor()  # type: ignore[attr-defined]
-            loop.optimizer.step()
-            loop.scheduler.step(global_batch)
-        loop.optimizer.zero_grad(set_to_none=True)
-        return skipped, grad_norm
 
     def _log(self, step: int) -> None:
         """The interval's metrics with its one host sync, then on_log."""
@@ -507,71 +428,6 @@ class Trainer:
         if reason == "stopped":
             return requested
         return bool(reason or requested or self.run.cadence.saves(step))
-
-    def _scaled_update(
-        self, scaler: torch.amp.GradScaler, params: list[torch.nn.Parameter], clip: float, global_batch: int
-    ) -> tuple[bool, torch.Tensor | None]:
-        """fp16: unscale, clip, step unless gradients overflowed; (skipped, grad norm).
-
-        Knowing whether to advance the schedule needs the overflow flag on the host: one sync
-        per step, as Megatron's fp16 path has.
-        """
-        run = self.run
-        scaler.unscale_(run.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else None
-        scale = scaler.get_scale()
-        scaler.step(run.optimizer)
-        scaler.update()
-        if scaler.get_scale() < scale:  # the scaler backs off exactly when it skipped the step
-            run.state.skipped_updates += 1
-            return True, None  # an overflowed norm would poison the interval's mean
-        run.scheduler.step(global_batch)
-        return False, grad_norm
-
-    def _accumulate(self, loop: LoopSettings, batches: list[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Forward and backward over the micro-batches (DDP syncs only on the last);
-        the mean loss and the mean of each named value the model returned (per-token
-        weighting when the model says its tokens, :data:`coretrain.outputs.NUM_TOKENS`)."""
-        run, model = self.run, self.run.model
-        no_sync = getattr(model, "no_sync", None)  # DDP
-        set_gradient_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2
-        n_micro, losses, values = len(batches), [], []
-        for i, batch in enumerate(batches):
-            last = i == n_micro - 1
-            if set_gradient_sync is not None:
-                set_gradient_sync(last)
-            sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
-            with sync, autocast(run):
-                loss, named = outputs.call(model, batch, run.loss_fn)
-            tokens = named.get(outputs.NUM_TOKENS)
-            scaled = loss * tokens if tokens is not None else loss / n_micro if n_micro > 1 else loss
-            torch.autograd.backward(run.grad_scaler.scale(scaled) if run.grad_scaler is not None else scaled)
-            losses.append(loss.detach())
-            values.append(named)
-        if outputs.NUM_TOKENS in values[0]:
-            return self._per_token(loop, losses, values)
-        if n_micro == 1:
-            return losses[0], values[0]
-        return torch.stack(losses).mean(), {
-            name: torch.stack([v[name] for v in values]).float().mean() for name in values[0]
-        }
-
-    def _per_token(
-        self, loop: LoopSettings, losses: list[torch.Tensor], values: list[dict[str, torch.Tensor]]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Megatron's per-token loss: gradients of sum(loss_i · tokens_i) scaled by
-        world / (tokens over every micro-batch and rank) — data parallelism averages over ranks —
-        so each token weighs the same however the tokens fall into micro-batches, padding and
-        ranks. One all-reduce of the token count per step; no host sync."""
-        counts = torch.stack([v[outputs.NUM_TOKENS].float() for v in values])
-        total = sum_over_ranks(counts.sum()).clamp(min=1.0)
-        scale = loop.world / total
-        for param in loop.params:
-            if param.grad is not None:
-                param.grad.mul_(scale)
-        loss = (torch.stack(losses).float() * counts).sum() * scale  # this rank's share of the global mean
-        named = {name: torch.stack([v[name] for v in values]).float().mean() for name in values[0]}
-        return loss, named
 
     def _say_if_input_bound(self, metrics: dict[str, float]) -> None:
         """Once per run: most of a step waits for data, and which setting helps."""

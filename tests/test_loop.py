@@ -13,6 +13,7 @@ from coretrain import hookimpl
 from coretrain.backend import LoggingBackend
 from coretrain.errors import UserError
 from coretrain.loop import ResolvedHooks
+from coretrain.step import StepNumerics
 
 
 class Recorder:
@@ -154,7 +155,7 @@ def test_exit_interval_then_resume_reproduces_the_uninterrupted_run(tmp_path: An
 def test_hooks_nobody_implements_are_never_called(tmp_path: Any, no_autoload: None) -> None:
     run = build(config(tmp_path), ("recorder", Recorder()))
     hooks = ResolvedHooks(run)
-    assert hooks.pre_step is None and hooks.before_update is None and hooks.num_micro_batches is None
+    assert hooks.pre_step is None and StepNumerics(run).before_update is None and hooks.num_micro_batches is None
     assert hooks.post_step is not None and hooks.on_log is not None
 
 
