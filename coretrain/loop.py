@@ -8,9 +8,7 @@ interval or when a plugin asks through ``run.control``.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +17,6 @@ import torch
 from attrs import frozen
 
 from coretrain import checkpoint, resume, safeload
-from coretrain.dist import OneStepLate, max_over_ranks
 from coretrain.errors import PluginError, RunFailure
 from coretrain.evaluate import Evaluator
 from coretrain.hookspecs import Outcome
@@ -29,36 +26,12 @@ from coretrain.phases import combined
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
 from coretrain.step import StepNumerics
+from coretrain.stopping import StopAgreement
 
 log = logging.getLogger("coretrain")
 
 INPUT_BOUND_SHARE = 0.3
 """A run whose slowest rank waits this share of a step for data is told so, once."""
-
-
-class Stop(enum.IntEnum):
-    """Why training stops, as agreed across ranks: the largest value over ranks wins, so a
-    signal outranks a plugin's stop, which outranks the deadline and exit_interval."""
-
-    NONE = 0
-    EXIT_INTERVAL = 1
-    EXIT_DURATION = 2
-    PLUGIN = 3
-    SIGNAL = 4
-
-    @property
-    def outcome(self) -> Outcome | None:
-        """What on_train_end is told."""
-        return _OUTCOMES[self]
-
-
-_OUTCOMES: dict[Stop, Outcome | None] = {
-    Stop.NONE: None,
-    Stop.EXIT_INTERVAL: "exit_interval",
-    Stop.EXIT_DURATION: "exit_duration",
-    Stop.PLUGIN: "stopped",
-    Stop.SIGNAL: "signal",
-}
 
 
 @frozen
@@ -71,9 +44,6 @@ class LoopSettings:
     per_micro_batch: int
     """Samples one micro-batch reads over all ranks (:attr:`Run.samples_per_micro_batch`)."""
     numerics: StepNumerics
-    deadline: float | None
-    check_exit: bool
-    """An exit condition may hold at any step (or other ranks may have one): ask every step."""
 
 
 class ResolvedHooks:
@@ -140,9 +110,7 @@ class Trainer:
         else:  # installed at start-up by the CLI: keep watching what the config asks for
             signals.keep_only(watched)
         self.signals = signals
-        self.signum: int | None = None
-        self.agreement = OneStepLate(4)
-        """Stop reason, signal, exit code, checkpoint request: proposed each step, agreed the next."""
+        self.stops = StopAgreement(run, self.signals, self.hooks.on_signal)
         self.mark = combined(run.plugins.calls.phase_listeners(run))
         """``mark(step, phase)`` at each phase boundary, for the plugins that watch or time the loop."""
 
@@ -227,7 +195,7 @@ class Trainer:
         try:
             with self.signals:
                 self.restore()
-                if self._signalled_during_start():
+                if self.stops.before_first_step():
                     outcome = "signal"
                 else:
                     if hooks.on_train_start:
@@ -256,8 +224,8 @@ class Trainer:
             finally:
                 if run.output_lock is not None:
                     run.output_lock.release()
-        if outcome == "signal" and self.signum is not None:
-            return 128 + self.signum
+        if outcome == "signal" and self.stops.signum is not None:
+            return 128 + self.stops.signum
         return run.control.exit_code if outcome == "stopped" else 0
 
     def _end(self, outcome: Outcome) -> None:
@@ -277,17 +245,6 @@ class Trainer:
             log.error("also: %s", error)
         if first is not None:
             raise first
-
-    def _signalled_during_start(self) -> bool:
-        """A signal that arrived while the run was being built and restored: stop before step one,
-        agreed across ranks (nothing new to save)."""
-        signum = self.signals.received or 0
-        if self.run.dist.world_size > 1:
-            signum = max_over_ranks(signum)[0]
-        if signum:
-            self.signum = signum
-            log.info("stopping before the first step: received %s", signal.Signals(signum).name)
-        return bool(signum)
 
     def _final_eval(self) -> None:
         """After training: validation (unless done at this step) and the test split, once each."""
@@ -375,33 +332,29 @@ class Trainer:
             if self.checkpointer.in_flight:
                 self._saved(self.checkpointer.done())
             mark(step, "agreement")
-            reason = self._exit_condition(loop, step)
+            reason = self.stops.after(step)
             if self._checkpoint_due(loop, step, reason):
                 self.save()
             if reason is not None:
                 log.info("stopping at step %d: %s", step, run.control.stop_reason or reason)
-                self.agreement.finish()
+                self.stops.finish()
                 return reason
-        self.agreement.finish()
+        self.stops.finish()
         return "completed"
 
     def _loop_settings(self) -> LoopSettings:
         """What the loop decides once, before the first step."""
         run, cfg = self.run, self.run.config.train
-        state, world = run.state, run.dist.world_size
+        state = run.state
         plan = StepPlan(self._micro_batches_deciding(), run.samples_per_micro_batch, state.step, state.consumed_samples)
         self.feed = TrainBatches(run, plan, state.step + 1, self._data_state)
-        # each rank's own deadline; agreeing on the largest Stop makes the earliest-started rank's
-        # deadline count for all, i.e. the start time is the minimum over ranks
-        deadline = time.monotonic() + cfg.exit_duration_in_mins * 60 if cfg.exit_duration_in_mins else None
+        self.stops.start()
         return LoopSettings(
             plan=plan,
             feed=self.feed,
             train_iters=cfg.train_iters,
             per_micro_batch=run.samples_per_micro_batch,
             numerics=StepNumerics(run),
-            deadline=deadline,
-            check_exit=deadline is not None or cfg.exit_interval is not None or world > 1,
         )
 
     def _log(self, step: int) -> None:
@@ -410,16 +363,6 @@ class Trainer:
         self._say_if_input_bound(metrics)
         if self.hooks.on_log:
             self.hooks.on_log(run=self.run, step=step, metrics=metrics)
-
-    def _exit_condition(self, loop: LoopSettings, step: int) -> Outcome | None:
-        """Why training stops after this step, agreed across ranks (then on_signal); None = go on."""
-        run = self.run
-        if not (loop.check_exit or run.control.stop_reason is not None or self.signals.received is not None):
-            return None
-        reason = self._stop_reason(loop, step)
-        if reason == "signal" and self.hooks.on_signal and self.signum is not None:
-            self.hooks.on_signal(run=run, signum=self.signum)
-        return reason
 
     def _checkpoint_due(self, loop: LoopSettings, step: int, reason: Outcome | None) -> bool:
         """Every save_interval, when a plugin asks, and before stopping — except that a plugin's
@@ -455,34 +398,3 @@ class Trainer:
         if hook is None:
             return lambda step, consumed: default
         return lambda step, consumed: hook(run=run, step=step, consumed_samples=consumed) or default
-
-    def _stop_reason(self, loop: LoopSettings, step: int) -> Outcome | None:
-        """Exit conditions, agreed across ranks so every rank stops at the same step.
-
-        What only one rank may see (a signal, a plugin's stop or checkpoint request, its clock
-        passing the deadline) is agreed one step late through a non-blocking all-reduce, so a
-        plain step waits on no collective; what every rank computes alike (exit_interval) acts
-        at once."""
-        control = self.run.control
-        stop, signum = Stop.NONE, self.signals.received or 0
-        if signum:
-            stop = Stop.SIGNAL
-        elif control.stop_reason is not None:
-            stop = Stop.PLUGIN
-        elif loop.deadline is not None and time.monotonic() >= loop.deadline:
-            stop = Stop.EXIT_DURATION
-        if self.run.dist.world_size > 1:  # one reason, and a checkpoint if any rank asks for one
-            deciding = step == loop.train_iters or self.run.cadence.saves(step)
-            agreed, signum, exit_code, wants_checkpoint = self.agreement.exchange(
-                stop, signum, control.exit_code, int(control.checkpoint_requested), now=deciding
-            )
-            stop = Stop(agreed)
-            control.exit_code, control.checkpoint_requested = exit_code, bool(wants_checkpoint)
-        if stop is Stop.NONE and self.run.cadence.exit(step):
-            stop = Stop.EXIT_INTERVAL
-        if stop is Stop.SIGNAL:
-            self.signum = signum
-            control.request_stop(f"received {signal.Signals(signum).name}")
-        elif stop is Stop.PLUGIN and control.stop_reason is None:  # the agreed request says whether to save
-            control.request_stop("another rank requested a stop", checkpoint=control.checkpoint_requested)
-        return stop.outcome
