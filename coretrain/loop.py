@@ -111,7 +111,7 @@ class Trainer:
             signals.keep_only(watched)
         self.signals = signals
         self.stops = StopAgreement(run, self.signals, self.hooks.on_signal)
-        self.mark = combined(run.plugins.calls.phase_listeners(run))
+        self.mark = combined([self.log.times.mark, *run.plugins.calls.phase_listeners(run)])
         """``mark(step, phase)`` at each phase boundary, for the plugins that watch or time the loop."""
 
     # ---------------------------------------------------------------- checkpoints
@@ -283,7 +283,6 @@ class Trainer:
         """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""
         run, hooks, state, mark, cadence = self.run, self.hooks, self.run.state, self.mark, self.run.cadence
         loop = self._loop_settings()
-        times, perf_counter = self.log.times, time.perf_counter
         first_step = state.step + 1
         self.log.start_clock()
         while state.step < loop.train_iters:
@@ -296,29 +295,18 @@ class Trainer:
                 hooks.pre_step(run=run, step=step)
 
             mark(step, "data")
-            started = perf_counter()
             batches = loop.feed.step(step, n_micro, consumed)
-            data_ready = perf_counter()
             mark(step, "forward_backward")
-            events = times.events()
-            if events is not None:
-                events[0].record()
             loss, values = loop.numerics.forward_backward(batches)
-            backward_done = perf_counter()
-            if events is not None:
-                events[1].record()
             mark(step, "update")
             skipped, grad_norm = loop.numerics.update(step, loss, global_batch)
-            if events is not None:
-                events[2].record()
-            times.step(started, data_ready, backward_done, perf_counter(), events)
+            mark(step, "post_step")
 
             state.step = step
             state.consumed_samples += global_batch
             self.log.add(loss, grad_norm, global_batch, values, step, skipped)
             if step == first_step and not cadence.logs(step):
                 self.log.restart_clock()  # the first step warms up (compiles); rates leave it out
-            mark(step, "post_step")
             if hooks.post_step:
                 results = StepOutputs(
                     loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch

@@ -1,15 +1,18 @@
 """Where a step's time goes: waiting for data, forward + backward, the optimizer step, and,
 per log interval, evaluation and checkpointing (Megatron's training_log timers).
 
-Measured on the host, without a device sync: the loop marks ``perf_counter()`` at phase
-boundaries (a fraction of a microsecond each). On CUDA, forward + backward and the optimizer
-step are timed with CUDA events recorded at the same boundaries and read at the log step,
+Measured on the host, without a device sync: a phase listener (:mod:`coretrain.phases`) reads
+``perf_counter()`` at the step's phase boundaries (a fraction of a microsecond each). On
+CUDA, forward + backward and the optimizer step are timed with CUDA events recorded at the
+same boundaries and read at the log step,
 after the interval's one host sync has completed them, so they measure the GPU's time, not
 the time to launch kernels. The data wait is host time everywhere: it is the host that waits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -25,37 +28,54 @@ class PhaseTimes:
         self.cuda = device.type == "cuda"
         self.seconds = dict.fromkeys(STEP_PHASES + INTERVAL_PHASES, 0.0)
         self._events: list[tuple[Any, Any, Any]] = []
+        self._pending: tuple[Any, Any, Any] = (None, None, None)
+        self._since = perf_counter()
+        self._handlers: dict[str, Callable[[], None]] = {
+            "data": self._data_starts,
+            "forward_backward": self._forward_starts,
+            "update": self._update_starts,
+            "post_step": self._update_ends,
+        }
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         self._events.clear()
 
-    def step(
-        self,
-        started: float,
-        data_ready: float,
-        backward_done: float,
-        updated: float,
-        events: tuple[Any, Any, Any] | None = None,
-    ) -> None:
-        """One step's host marks (and, on CUDA, its events: forward start, backward end, update end)."""
-        seconds = self.seconds
-        seconds["data"] += data_ready - started
-        if events is not None:
-            self._events.append(events)
-        else:
-            seconds["forward_backward"] += backward_done - data_ready
-            seconds["optimizer"] += updated - backward_done
+    def mark(self, step: int, phase: str) -> None:
+        """A phase listener (:mod:`coretrain.phases`): the step's boundaries, timed as they pass."""
+        handle = self._handlers.get(phase)
+        if handle is not None:
+            handle()
+
+    def _data_starts(self) -> None:
+        self._since = perf_counter()
+
+    def _forward_starts(self) -> None:
+        now = perf_counter()
+        self.seconds["data"] += now - self._since
+        self._since = now
+        if self.cuda:
+            new = torch.cuda.Event
+            self._pending = (new(enable_timing=True), new(enable_timing=True), new(enable_timing=True))  # type: ignore[no-untyped-call]
+            self._pending[0].record()
+
+    def _update_starts(self) -> None:
+        if self.cuda:
+            self._pending[1].record()
+            return
+        now = perf_counter()
+        self.seconds["forward_backward"] += now - self._since
+        self._since = now
+
+    def _update_ends(self) -> None:
+        if self.cuda:
+            self._pending[2].record()
+            self._events.append(self._pending)
+            return
+        self.seconds["optimizer"] += perf_counter() - self._since
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
-
-    def events(self) -> tuple[Any, Any, Any] | None:
-        """Three CUDA events to record at the step's boundaries; None on CPU."""
-        if not self.cuda:
-            return None
-        new = torch.cuda.Event
-        return new(enable_timing=True), new(enable_timing=True), new(enable_timing=True)  # type: ignore[no-untyped-call]
 
     def collect(self, steps: int) -> dict[str, float]:
         """``time/PHASE``: seconds per step for step phases, seconds in the interval for the others."""
