@@ -27,11 +27,9 @@ from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
 from coretrain.step import StepNumerics
 from coretrain.stopping import StopAgreement
+from coretrain.timers import InputBoundNotice
 
 log = logging.getLogger("coretrain")
-
-INPUT_BOUND_SHARE = 0.3
-"""A run whose slowest rank waits this share of a step for data is told so, once."""
 
 
 @frozen
@@ -96,7 +94,7 @@ class Trainer:
         self.log = IntervalLog(run.device)
         self.last_saved_step = -1
         self.feed: TrainBatches | None = None
-        self._said_input_bound = False
+        self.input_bound = InputBoundNotice(run.config.data.num_workers)
         self._data_state: dict[str, Any] | None = None
         """A stream's position from the checkpoint resumed from, for the feed made in _steps."""
         self.evaluated_at: dict[str, int] = {}
@@ -281,7 +279,7 @@ class Trainer:
 
     def _steps(self) -> Outcome:
         """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""
-        run, hooks, state, mark, cadence = self.run, self.hooks, self.run.state, self.mark, self.run.cadence
+        run, hooks, state, mark = self.run, self.hooks, self.run.state, self.mark
         loop = self._loop_settings()
         first_step = state.step + 1
         self.log.start_clock()
@@ -302,33 +300,40 @@ class Trainer:
             skipped, grad_norm = loop.numerics.update(step, loss, global_batch)
             mark(step, "post_step")
 
-            state.step = step
-            state.consumed_samples += global_batch
-            self.log.add(loss, grad_norm, global_batch, values, step, skipped)
-            if step == first_step and not cadence.logs(step):
+            state.step, state.consumed_samples = step, state.consumed_samples + global_batch
+            self.log.add(loss, grad_norm, global_batch, values, step, skipped)  # device tensors: no sync
+            if step == first_step and not run.cadence.logs(step):
                 self.log.restart_clock()  # the first step warms up (compiles); rates leave it out
             if hooks.post_step:
-                results = StepOutputs(
+                done = StepOutputs(
                     loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch
                 )
-                hooks.post_step(run=run, step=step, outputs=results)
-            if cadence.logs(step):
-                mark(step, "log")
-                self._log(step)
-            if cadence.evaluates(step):
-                self._eval("valid")
-            if self.checkpointer.in_flight:
-                self._saved(self.checkpointer.done())
-            mark(step, "agreement")
-            reason = self.stops.after(step)
-            if self._checkpoint_due(loop, step, reason):
-                self.save()
+                hooks.post_step(run=run, step=step, outputs=done)
+            reason = self._after_step(step)
             if reason is not None:
-                log.info("stopping at step %d: %s", step, run.control.stop_reason or reason)
-                self.stops.finish()
                 return reason
         self.stops.finish()
         return "completed"
+
+    def _after_step(self, step: int) -> Outcome | None:
+        """Log (the interval's one host sync), evaluate, save and agree on stopping, each when the
+        cadence or a request says; why training stops now, or None."""
+        run, mark = self.run, self.mark
+        if run.cadence.logs(step):
+            mark(step, "log")
+            self._log(step)
+        if run.cadence.evaluates(step):
+            self._eval("valid")
+        if self.checkpointer.in_flight:
+            self._saved(self.checkpointer.done())
+        mark(step, "agreement")
+        reason = self.stops.after(step)
+        if self._checkpoint_due(step, reason):
+            self.save()
+        if reason is not None:
+            log.info("stopping at step %d: %s", step, run.control.stop_reason or reason)
+            self.stops.finish()
+        return reason
 
     def _loop_settings(self) -> LoopSettings:
         """What the loop decides once, before the first step."""
@@ -348,37 +353,17 @@ class Trainer:
     def _log(self, step: int) -> None:
         """The interval's metrics with its one host sync, then on_log."""
         metrics = self.log.flush(self.run)
-        self._say_if_input_bound(metrics)
+        self.input_bound.check(metrics)
         if self.hooks.on_log:
             self.hooks.on_log(run=self.run, step=step, metrics=metrics)
 
-    def _checkpoint_due(self, loop: LoopSettings, step: int, reason: Outcome | None) -> bool:
+    def _checkpoint_due(self, step: int, reason: Outcome | None) -> bool:
         """Every save_interval, when a plugin asks, and before stopping — except that a plugin's
         stop says itself whether this state is worth saving."""
         requested = self.run.control.checkpoint_requested
         if reason == "stopped":
             return requested
         return bool(reason or requested or self.run.cadence.saves(step))
-
-    def _say_if_input_bound(self, metrics: dict[str, float]) -> None:
-        """Once per run: most of a step waits for data, and which setting helps."""
-        step_time = metrics.get("time/step", 0.0)
-        if self._said_input_bound or step_time <= 0 or metrics["time/data_max"] < INPUT_BOUND_SHARE * step_time:
-            return
-        self._said_input_bound = True
-        workers = self.run.config.data.num_workers
-        hint = (
-            "set data.num_workers (batches are read in the training loop now)"
-            if workers == 0
-            else f"raise data.num_workers (now {workers}) or data.prefetch_factor, or make the dataset's reads cheaper"
-        )
-        log.warning(
-            "input-bound: %.0f%% of each step waits for data (%.1f ms of %.1f ms on the slowest rank); %s",
-            100 * metrics["time/data_max"] / step_time,
-            1e3 * metrics["time/data_max"],
-            1e3 * step_time,
-            hint,
-        )
 
     def _micro_batches_deciding(self) -> Callable[[int, int], int]:
         """Micro-batches for (step, consumed samples): a plugin's answer (rampup) or the configured."""

@@ -11,11 +11,14 @@ the time to launch kernels. The data wait is host time everywhere: it is the hos
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
 import torch
+
+log = logging.getLogger("coretrain")
 
 STEP_PHASES = ("data", "forward_backward", "optimizer")
 INTERVAL_PHASES = ("eval", "checkpoint")
@@ -88,3 +91,33 @@ class PhaseTimes:
         metrics = {f"time/{p}": self.seconds[p] / steps if steps else 0.0 for p in STEP_PHASES}
         metrics.update({f"time/{p}": self.seconds[p] for p in INTERVAL_PHASES})
         return metrics
+
+
+INPUT_BOUND_SHARE = 0.3
+"""A run whose slowest rank waits this share of a step for data is told so, once."""
+
+
+class InputBoundNotice:
+    """Once per run: most of a step waits for data, and which setting helps."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers, self.said = num_workers, False
+
+    def check(self, metrics: dict[str, float]) -> None:
+        step_time, data_max = metrics.get("time/step", 0.0), metrics.get("time/data_max", 0.0)
+        if self.said or step_time <= 0 or data_max < INPUT_BOUND_SHARE * step_time:
+            return
+        self.said = True
+        workers = self.num_workers
+        hint = (
+            "set data.num_workers (batches are read in the training loop now)"
+            if workers == 0
+            else f"raise data.num_workers (now {workers}) or data.prefetch_factor, or make the dataset's reads cheaper"
+        )
+        log.warning(
+            "input-bound: %.0f%% of each step waits for data (%.1f ms of %.1f ms on the slowest rank); %s",
+            100 * data_max / step_time,
+            1e3 * data_max,
+            1e3 * step_time,
+            hint,
+        )
