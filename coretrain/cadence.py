@@ -16,45 +16,39 @@ if TYPE_CHECKING:
 
 
 @frozen
-class Every:
-    """Every ``n`` steps; never when ``n`` is 0."""
-
-    n: int = 0
-
-    def __call__(self, step: int) -> bool:
-        return self.n > 0 and step % self.n == 0
-
-
-@frozen
 class Cadence:
-    """The run's intervals, decided once from the config (and whether there is a validation split)."""
+    """The run's intervals in steps (0 = never), decided once from the config and whether
+    there is a validation split. Each question is one modulo: the loop asks every step."""
 
-    log: Every = Every(1)
-    """Steps that log (``train.log_interval``): the interval's one host sync, then on_log."""
-    eval: Every = Every()
-    """Steps that evaluate the validation split (``train.eval_interval``, when one exists and
-    evaluation has work: ``eval_iters`` or ``eval_full``)."""
-    save: Every = Every()
-    """Steps that save a checkpoint (``checkpoint.save_interval``); stops and requests add others."""
-    exit: Every = Every()
-    """Steps that end the job (``train.exit_interval``)."""
+    log_every: int = 1
+    """``train.log_interval``: the interval's one host sync, then on_log."""
+    eval_every: int = 0
+    """``train.eval_interval``, when a validation split exists and evaluation has work
+    (``eval_iters`` or ``eval_full``)."""
+    save_every: int = 0
+    """``checkpoint.save_interval``; stops and plugins' requests add other saves."""
+    exit_every: int = 0
+    """``train.exit_interval``: the job ends after such a step."""
 
     @classmethod
     def of(cls, config: Config, has_valid: bool) -> Cadence:
         train = config.train
         evaluates = has_valid and bool(train.eval_iters or train.eval_full)
         return cls(
-            log=Every(train.log_interval),
-            eval=Every((train.eval_interval or 0) if evaluates else 0),
-            save=Every(config.checkpoint.save_interval or 0),
-            exit=Every(train.exit_interval or 0),
+            log_every=train.log_interval,
+            eval_every=(train.eval_interval or 0) if evaluates else 0,
+            save_every=config.checkpoint.save_interval or 0,
+            exit_every=train.exit_interval or 0,
         )
 
     def logs(self, step: int) -> bool:
-        return self.log(step)
+        return self.log_every > 0 and step % self.log_every == 0
 
     def evaluates(self, step: int) -> bool:
-        return self.eval(step)
+        return self.eval_every > 0 and step % self.eval_every == 0
 
     def saves(self, step: int) -> bool:
-        return self.save(step)
+        return self.save_every > 0 and step % self.save_every == 0
+
+    def exits(self, step: int) -> bool:
+        return self.exit_every > 0 and step % self.exit_every == 0

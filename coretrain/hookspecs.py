@@ -190,13 +190,13 @@ def phase_listener(run: Run) -> Callable[[int, str], None] | None:
 
     Args: ``run`` — built, not yet restored.
     Phases (:data:`coretrain.phases.PHASES`): ``restore`` (step = the checkpoint's, 0 when
-    fresh; covers restore and on_train_start); per step ``pre_step``, ``data``,
-    ``forward_backward``, ``update``, ``post_step``, then ``log``, ``eval``, ``checkpoint`` when
-    they happen, and ``agreement``; ``end`` once, before on_train_end. A phase lasts until the
-    next mark.
+    fresh; covers restore and on_train_start); per step ``pre_step`` (when a plugin implements
+    it), ``data``, ``forward_backward``, ``update``, ``post_step``, then ``log``, ``eval``,
+    ``checkpoint`` when they happen, and ``agreement`` while the ranks agree on stopping (on
+    several ranks); ``end`` once, before on_train_end. A phase lasts until the next mark.
     May change: nothing; the listener runs on the training thread.
     Returns: the listener (a callable), or None.
-    Ranks: every rank, once, before restore. Per step: the listener is called about 8 times per
+    Ranks: every rank, once, before restore. Per step: the listener is called 4 to 7 times per
     step — keep it to a few attribute writes or a clock read; never a device sync.
     """
 

@@ -108,9 +108,9 @@ class Trainer:
         else:  # installed at start-up by the CLI: keep watching what the config asks for
             signals.keep_only(watched)
         self.signals = signals
-        self.stops = StopAgreement(run, self.signals, self.hooks.on_signal)
         self.mark = combined([self.log.times.mark, *run.plugins.calls.phase_listeners(run)])
         """``mark(step, phase)`` at each phase boundary, for the plugins that watch or time the loop."""
+        self.stops = StopAgreement(run, self.signals, self.hooks.on_signal, self.mark)
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -288,8 +288,8 @@ class Trainer:
             n_micro, consumed = loop.plan.at(step)
             run.micro_batches_per_step = n_micro
             global_batch = loop.per_micro_batch * n_micro
-            mark(step, "pre_step")
             if hooks.pre_step:
+                mark(step, "pre_step")
                 hooks.pre_step(run=run, step=step)
 
             mark(step, "data")
@@ -326,7 +326,6 @@ class Trainer:
             self._eval("valid")
         if self.checkpointer.in_flight:
             self._saved(self.checkpointer.done())
-        mark(step, "agreement")
         reason = self.stops.after(step)
         if self._checkpoint_due(step, reason):
             self.save()

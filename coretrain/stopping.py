@@ -52,8 +52,14 @@ _OUTCOMES: dict[Stop, Outcome | None] = {
 class StopAgreement:
     """Asked after every step whether training stops (and on a signal, tells on_signal)."""
 
-    def __init__(self, run: Run, signals: SignalWatcher, on_signal: Callable[..., Any] | None) -> None:
-        self.run, self.signals, self.on_signal = run, signals, on_signal
+    def __init__(
+        self,
+        run: Run,
+        signals: SignalWatcher,
+        on_signal: Callable[..., Any] | None,
+        mark: Callable[[int, str], None],
+    ) -> None:
+        self.run, self.signals, self.on_signal, self.mark = run, signals, on_signal, mark
         self.signum: int | None = None
         """The agreed signal that stopped the run (its exit code is 128 + signum)."""
         self.agreement = OneStepLate(4)
@@ -111,12 +117,13 @@ class StopAgreement:
             stop = Stop.EXIT_DURATION
         if self.run.dist.world_size > 1:  # one reason, and a checkpoint if any rank asks for one
             deciding = step == self.run.config.train.train_iters or self.run.cadence.saves(step)
+            self.mark(step, "agreement")  # waiting for the other ranks from here
             agreed, signum, exit_code, wants_checkpoint = self.agreement.exchange(
                 stop, signum, control.exit_code, int(control.checkpoint_requested), now=deciding
             )
             stop = Stop(agreed)
             control.exit_code, control.checkpoint_requested = exit_code, bool(wants_checkpoint)
-        if stop is Stop.NONE and self.run.cadence.exit(step):
+        if stop is Stop.NONE and self.run.cadence.exits(step):
             stop = Stop.EXIT_INTERVAL
         if stop is Stop.SIGNAL:
             self.signum = signum

@@ -12,7 +12,6 @@ the time to launch kernels. The data wait is host time everywhere: it is the hos
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
@@ -33,49 +32,41 @@ class PhaseTimes:
         self._events: list[tuple[Any, Any, Any]] = []
         self._pending: tuple[Any, Any, Any] = (None, None, None)
         self._since = perf_counter()
-        self._handlers: dict[str, Callable[[], None]] = {
-            "data": self._data_starts,
-            "forward_backward": self._forward_starts,
-            "update": self._update_starts,
-            "post_step": self._update_ends,
-        }
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         self._events.clear()
 
     def mark(self, step: int, phase: str) -> None:
-        """A phase listener (:mod:`coretrain.phases`): the step's boundaries, timed as they pass."""
-        handle = self._handlers.get(phase)
-        if handle is not None:
-            handle()
+        """A phase listener (:mod:`coretrain.phases`): the step's boundaries, timed as they pass
+        (one comparison chain, no further call: it runs at every mark of every step)."""
+        if phase == "data":
+            self._since = perf_counter()
+        elif phase == "forward_backward":
+            now = perf_counter()
+            self.seconds["data"] += now - self._since
+            self._since = now
+            if self.cuda:
+                self._pending = self._new_events()
+                self._pending[0].record()
+        elif phase == "update":
+            if self.cuda:
+                self._pending[1].record()
+            else:
+                now = perf_counter()
+                self.seconds["forward_backward"] += now - self._since
+                self._since = now
+        elif phase == "post_step":
+            if self.cuda:
+                self._pending[2].record()
+                self._events.append(self._pending)
+            else:
+                self.seconds["optimizer"] += perf_counter() - self._since
 
-    def _data_starts(self) -> None:
-        self._since = perf_counter()
-
-    def _forward_starts(self) -> None:
-        now = perf_counter()
-        self.seconds["data"] += now - self._since
-        self._since = now
-        if self.cuda:
-            new = torch.cuda.Event
-            self._pending = (new(enable_timing=True), new(enable_timing=True), new(enable_timing=True))  # type: ignore[no-untyped-call]
-            self._pending[0].record()
-
-    def _update_starts(self) -> None:
-        if self.cuda:
-            self._pending[1].record()
-            return
-        now = perf_counter()
-        self.seconds["forward_backward"] += now - self._since
-        self._since = now
-
-    def _update_ends(self) -> None:
-        if self.cuda:
-            self._pending[2].record()
-            self._events.append(self._pending)
-            return
-        self.seconds["optimizer"] += perf_counter() - self._since
+    @staticmethod
+    def _new_events() -> tuple[Any, Any, Any]:
+        new = torch.cuda.Event
+        return new(enable_timing=True), new(enable_timing=True), new(enable_timing=True)  # type: ignore[no-untyped-call]
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
