@@ -267,3 +267,19 @@ def test_the_run_cadence_is_what_the_loop_does(tmp_path: Path) -> None:
     assert asks.predicted == {"log": [3, 6, 9], "eval": [4, 8], "save": [5, 10]}
     # the loop does the same, plus what ends a run: the final validation and the last checkpoint
     assert asks.done == {"log": [3, 6, 9], "eval": [4, 8, 10], "save": [5, 10]}
+
+
+def test_plugin_by_plugin_hooks_still_work_on_a_pluggy_without_its_private_executor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """on_checkpoint / on_resume / on_train_end use pluggy's private _hookexec (for wrappers);
+    a pluggy release without it must still deliver each plugin its own state."""
+    from coretrain import hookcalls
+
+    monkeypatch.setattr(hookcalls, "private_executor", lambda manager: None)
+    first = Counter()
+    run_steps(tmp_path, steps=6, plugins={"counter": first}, config={"train": {"exit_interval": 3}})
+    assert first.steps == 3 and first.ends == ["exit_interval"]
+    resumed = Counter()  # a new process's plugin: its count comes from the checkpoint
+    run_steps(tmp_path, steps=6, plugins={"counter": resumed})
+    assert resumed.steps == 6 and resumed.ends == ["completed"]
