@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,41 +109,19 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     ``signals`` is checked between phases so a Ctrl-C during start-up ends it.
     """
     check_signals = signals.check if signals is not None else (lambda: None)
-    for section in ("model", "data"):
-        if not getattr(config, section).provider:
-            raise UserError(
-                f"{section}.provider: not set; name a provider plugin (see `coretrain plugins`) "
-                f"or an import path 'pkg.module:function'"
-            )
+    check_providers_named(config)
     register_import_path_providers(config, plugins)
-    if config.run.threads:
-        torch.set_num_threads(config.run.threads)
-    device = resolve_device(config.run.device)
-    dist_info = init_distributed(
-        device.type,
-        config.distributed.backend,
-        config.distributed.init_timeout_seconds,
-        config.distributed.tp_size,
-    )
-    if device.type == "cuda":
-        device = torch.device("cuda", dist_info.local_rank)
-        torch.cuda.set_device(device)
-    micro = micro_batches_per_step(config.train, dist_info.dp_size)
-    seed_everything(config.run.seed)
-
-    output_dir = Path(config.output_dir)
-    run = Run(
-        config=config,
-        plugins=plugins,
-        dist=dist_info,
-        device=device,
-        output_dir=output_dir,
-        micro_batches_per_step=micro,
-    )
-    if dist_info.is_main and write_config:
-        run.output_lock = OutputDirLock(output_dir).acquire()
+    run = _start(config, plugins)
+    if run.dist.is_main and write_config:
+        run.output_lock = OutputDirLock(run.output_dir).acquire()
     try:
-        _build_parts(run, write_config, check_signals)
+        if write_config and run.dist.world_size > 1:
+            check_shared(run.output_dir, run.dist.rank)
+        for build_part in (_build_datasets, _build_model, _build_optimizer):
+            check_signals()
+            build_part(run)
+        if run.dist.is_main and write_config:  # only a run that built is recorded: a rejected one leaves none
+            (run.output_dir / "config.toml").write_text(dumps(config_as_dict(config)), encoding="utf-8")
     except BaseException:  # the lock is the run's to hold; a run that failed to build lets go of it
         if run.output_lock is not None:
             run.output_lock.release()
@@ -152,15 +129,36 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     return run
 
 
-def _build_parts(run: Run, write_config: bool, check_signals: Callable[[], None]) -> None:
-    """Datasets, model, optimizer and schedule, in the documented order, onto ``run``."""
-    config, plugins, dist_info, device, output_dir = run.config, run.plugins, run.dist, run.device, run.output_dir
-    if write_config and dist_info.world_size > 1:
-        check_shared(output_dir, dist_info.rank)
-    check_signals()
+def check_providers_named(config: Config) -> None:
+    for section in ("model", "data"):
+        if not getattr(config, section).provider:
+            raise UserError(
+                f"{section}.provider: not set; name a provider plugin (see `coretrain plugins`) "
+                f"or an import path 'pkg.module:function'"
+            )
 
-    train = config.train
-    global_batch = run.global_batch_size
+
+def _start(config: Config, plugins: Plugins) -> Run:
+    """Threads, device, process group, seeds: the empty run the parts are built onto."""
+    if config.run.threads:
+        torch.set_num_threads(config.run.threads)
+    device = resolve_device(config.run.device)
+    distributed = config.distributed
+    info = init_distributed(device.type, distributed.backend, distributed.init_timeout_seconds, distributed.tp_size)
+    if device.type == "cuda":
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+    micro = micro_batches_per_step(config.train, info.dp_size)
+    seed_everything(config.run.seed)
+    output_dir = Path(config.output_dir)
+    return Run(
+        config=config, plugins=plugins, dist=info, device=device, output_dir=output_dir, micro_batches_per_step=micro
+    )
+
+
+def _build_datasets(run: Run) -> None:
+    """provide_datasets, sized by Megatron's context; checked; the cadence follows from them."""
+    config, train, global_batch = run.config, run.config.train, run.global_batch_size
     eval_runs = (train.train_iters // train.eval_interval if train.eval_interval else 0) + 1
     context = DatasetContext(
         train_samples=global_batch * train.train_iters,
@@ -168,7 +166,7 @@ def _build_parts(run: Run, write_config: bool, check_signals: Callable[[], None]
         test_samples=global_batch * train.eval_iters,
         seed=config.run.seed,
     )
-    datasets = plugins.calls.provide_datasets(run=run, context=context)
+    datasets = run.plugins.calls.provide_datasets(run=run, context=context)
     if datasets is None:
         raise UserError(f"data.provider '{config.data.provider}' returned no datasets")
     run.datasets = datasets
@@ -177,7 +175,7 @@ def _build_parts(run: Run, write_config: bool, check_signals: Callable[[], None]
     adapt(run.datasets)
     run.cadence = Cadence.of(config, has_valid=run.datasets.valid is not None)
     # a full pass needs a sample per rank; eval_iters batches need one global batch
-    eval_needed = dist_info.dp_size if train.eval_full else global_batch if train.eval_iters else 1
+    eval_needed = run.dist.dp_size if train.eval_full else global_batch if train.eval_iters else 1
     check_datasets(
         run.datasets,
         config.data.provider,
@@ -185,33 +183,42 @@ def _build_parts(run: Run, write_config: bool, check_signals: Callable[[], None]
         micro_batch=train.micro_batch_size,
         eval_needed=eval_needed,
     )
-    check_signals()
-    if is_stream(run.datasets.train) and dist_info.is_main:
-        logging.getLogger("coretrain").warning(
-            "the train split is a stream: each rank and worker reads every %d-th item of it, and a checkpoint "
-            "resumes exactly only on %d rank(s) with data.num_workers = %d (the stream's position is saved per "
-            "rank and worker)",
-            dist_info.dp_size * max(config.data.num_workers, 1),
-            dist_info.dp_size,
-            config.data.num_workers,
-        )
+    if is_stream(run.datasets.train) and run.dist.is_main:
+        _warn_stream(run)
 
-    model = plugins.calls.provide_model(run=run)
+
+def _warn_stream(run: Run) -> None:
+    workers, dp = run.config.data.num_workers, run.dist.dp_size
+    logging.getLogger("coretrain").warning(
+        "the train split is a stream: each rank and worker reads every %d-th item of it, and a checkpoint "
+        "resumes exactly only on %d rank(s) with data.num_workers = %d (the stream's position is saved per "
+        "rank and worker)",
+        dp * max(workers, 1),
+        dp,
+        workers,
+    )
+
+
+def _build_model(run: Run) -> None:
+    """provide_model, checked, on the device; its loss and FLOPs; the configure_model wrappers."""
+    config = run.config
+    model = run.plugins.calls.provide_model(run=run)
     if model is None:
         raise UserError(f"model.provider '{config.model.provider}' returned no model")
     check_model(model, config.model.provider)
-    run.model = model.to(device)
+    run.model = model.to(run.device)
     run.loss_fn = resolve_loss(config.model.loss)
     run.flops_per_sample = flops_per_sample(run, run.loss_fn)
-    plugins.calls.configure_model(run=run)
-    check_signals()
+    run.plugins.calls.configure_model(run=run)
 
-    overrides = plugins.calls.param_group_overrides(run=run, model=run.model)
+
+def _build_optimizer(run: Run) -> None:
+    """The optimizer with the plugins' param-group overrides, the schedule, fp16's scaler."""
+    config = run.config
+    overrides = run.plugins.calls.param_group_overrides(run=run, model=run.model)
     run.optimizer = build_optimizer(config.optimizer, run.model, overrides)
     run.scheduler = WarmupDecayLR(
-        run.optimizer, config.scheduler, config.optimizer.lr, train.train_iters, run.global_batch_size
+        run.optimizer, config.scheduler, config.optimizer.lr, config.train.train_iters, run.global_batch_size
     )
     if config.run.precision == "fp16":
-        run.grad_scaler = torch.amp.GradScaler(device.type)
-    if dist_info.is_main and write_config:  # only a run that built is recorded: a rejected one leaves none
-        (output_dir / "config.toml").write_text(dumps(config_as_dict(config)), encoding="utf-8")
+        run.grad_scaler = torch.amp.GradScaler(run.device.type)
