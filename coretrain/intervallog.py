@@ -2,7 +2,7 @@
 
 What ``on_log`` receives: loss, grad norm, the model's named values and plugins'
 ``run.log_tensors``, averaged over the interval and over ranks with one collective; throughput,
-MFU, memory and where the time went (:mod:`coretrain.timers`).
+MFU and memory. Where the time went (``time/*``) is the ``timers`` plugin's, from the phase marks.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from coretrain import metrics as derived
 from coretrain.dist import mean_over_ranks, sum_over_ranks
 from coretrain.errors import RunFailure
 from coretrain.run import Run
-from coretrain.timers import PhaseTimes
 
 
 class IntervalLog:
@@ -39,7 +38,6 @@ class IntervalLog:
         self.samples = 0
         self.timed_steps = 0
         self.started = time.perf_counter()
-        self.times = PhaseTimes(device)
 
     def add(
         self,
@@ -68,20 +66,15 @@ class IntervalLog:
         self.started = time.perf_counter()
 
     def restart_clock(self) -> None:
-        """Leave the steps so far out of the rates and phase times (warm-up: compilation, caches)."""
+        """Leave the steps so far out of the rates (warm-up: compilation, caches)."""
         self.samples, self.timed_steps, self.started = 0, 0, time.perf_counter()
-        self.times.reset()
 
-    def exclude(self, phase: str, seconds: float) -> None:
-        """An interval phase (eval, checkpoint) took ``seconds``: count it under its own name, and
-        (for evaluation) not as training time in the rates."""
-        self.times.add(phase, seconds)
-        if phase == "eval":
-            self.started += seconds
+    def leave_out(self, seconds: float) -> None:
+        """``seconds`` of the interval were not training (an evaluation): not in the rates."""
+        self.started += seconds
 
     def flush(self, run: Run) -> dict[str, float]:
-        world, rank = run.dist.world_size, run.dist.rank
-        times = self.times.collect(self.timed_steps)  # host values; CUDA events read once complete
+        world = run.dist.world_size
         with torch.no_grad():
             losses = torch.stack(self.losses).float()
             means = [losses.mean()]
@@ -92,25 +85,18 @@ class IntervalLog:
             extra = list(run.log_tensors)
             means.extend(run.log_tensors[name].detach().float().to(means[0].device) for name in extra)
             run.log_tensors.clear()
-            device = means[0].device
-            host_values = torch.tensor(
-                [*times.values(), *(times["time/data"] if r == rank else 0.0 for r in range(world))], device=device
-            )
             nonfinite = self._nonfinite_applied(losses)
             # the interval's one collective and host sync: sums over ranks, then means on the host
-            summed = sum_over_ranks(torch.cat([torch.stack(means), host_values, nonfinite])).tolist()
+            summed = sum_over_ranks(torch.cat([torch.stack(means), nonfinite])).tolist()
         if summed[-1]:
             raise RunFailure(self._nonfinite_message(int(summed[-1])))
-        host = [value / world for value in summed[: len(means) + len(times)]]
-        data_waits = summed[len(means) + len(times) :]  # each rank's own slot
+        host = [value / world for value in summed[: len(means)]]
         elapsed = time.perf_counter() - self.started
         timed = self.timed_steps
         metrics: dict[str, float] = {"loss": host[0], "lr": run.scheduler.last_lr}
         if self.grad_norms:
             metrics["grad_norm"] = host[1]
         metrics.update(zip(named + extra, host[len(means) - len(named) - len(extra) : len(means)]))
-        metrics.update(zip(times, host[len(means) :]))
-        metrics["time/data_max"] = max(data_waits)
         metrics.update(
             {
                 "global_batch_size": float(run.global_batch_size),

@@ -27,7 +27,6 @@ from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
 from coretrain.step import StepNumerics
 from coretrain.stopping import StopAgreement
-from coretrain.timers import InputBoundNotice
 
 log = logging.getLogger("coretrain")
 
@@ -94,7 +93,6 @@ class Trainer:
         self.log = IntervalLog(run.device)
         self.last_saved_step = -1
         self.feed: TrainBatches | None = None
-        self.input_bound = InputBoundNotice(run.config.data.num_workers)
         self._data_state: dict[str, Any] | None = None
         """A stream's position from the checkpoint resumed from, for the feed made in _steps."""
         self.evaluated_at: dict[str, int] = {}
@@ -108,7 +106,7 @@ class Trainer:
         else:  # installed at start-up by the CLI: keep watching what the config asks for
             signals.keep_only(watched)
         self.signals = signals
-        self.mark = combined([self.log.times.mark, *run.plugins.calls.phase_listeners(run)])
+        self.mark = combined(run.plugins.calls.phase_listeners(run))
         """``mark(step, phase)`` at each phase boundary, for the plugins that watch or time the loop."""
         self.stops = StopAgreement(run, self.signals, self.hooks.on_signal, self.mark)
 
@@ -169,7 +167,6 @@ class Trainer:
             evaluated=self._evaluated_now(),
         )
         self.last_saved_step = run.state.step
-        self.log.exclude("checkpoint", blocked)
         run.control.checkpoint_requested = False
         if self.checkpointer.in_flight:
             log.info("checkpoint step %d: training blocked %.3f s; writing in the background", run.state.step, blocked)
@@ -272,7 +269,7 @@ class Trainer:
             self._evaluators[split] = Evaluator(run, dataset, split)
         started = time.perf_counter()
         metrics = self._evaluators[split]()
-        self.log.exclude("eval", time.perf_counter() - started)  # evaluation time is not training time
+        self.log.leave_out(time.perf_counter() - started)  # evaluation time is not training time
         self.evaluated_at[split] = run.state.step
         if self.hooks.on_eval:
             self.hooks.on_eval(run=run, step=run.state.step, metrics=metrics)
@@ -352,7 +349,6 @@ class Trainer:
     def _log(self, step: int) -> None:
         """The interval's metrics with its one host sync, then on_log."""
         metrics = self.log.flush(self.run)
-        self.input_bound.check(metrics)
         if self.hooks.on_log:
             self.hooks.on_log(run=self.run, step=step, metrics=metrics)
 

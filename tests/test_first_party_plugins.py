@@ -106,3 +106,21 @@ def test_only_plugins_that_declare_a_veto_make_the_ranks_agree_on_updates(tmp_pa
     result = run_steps(tmp_path, steps=1, tables={"guards": {}, "memory": {}, "model-stats": {}})
     assert {"guards", "memory", "model-stats"} <= set(result.run.plugins.implementers("before_update"))
     assert result.run.plugins.vetoing() == ["guards"]
+
+
+def test_timers_report_where_the_time_went_from_the_phase_marks(tmp_path: Path) -> None:
+    config = {"train": {"log_interval": 3, "eval_interval": 3}, "checkpoint": {"save_interval": 3}}
+    result = run_steps(tmp_path / "on", steps=6, tables={"timers": {}}, config=config)
+    logged = [m for m in result.metrics if "loss" in m]
+    assert [m["step"] for m in logged] == [3, 6]
+    for metrics in logged:
+        assert 0 < metrics["time/data"] and 0 < metrics["time/forward_backward"] and 0 < metrics["time/optimizer"]
+        assert (
+            metrics["time/data"] + metrics["time/forward_backward"] + metrics["time/optimizer"] <= metrics["time/step"]
+        )
+        assert metrics["time/data_max"] == metrics["time/data"]
+    # step 3's evaluation and checkpoint came after its log: they are counted in the next interval
+    assert logged[0]["time/eval"] == 0 and logged[0]["time/checkpoint"] == 0
+    assert logged[1]["time/eval"] > 0 and logged[1]["time/checkpoint"] > 0
+    off = run_steps(tmp_path / "off", steps=3, config=config)
+    assert not any(name.startswith("time/") and name != "time/step" for name in off.metrics[-1])

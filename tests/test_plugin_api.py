@@ -225,7 +225,7 @@ def test_a_phase_listener_that_is_not_a_function_is_its_plugins_error(tmp_path: 
         run_steps(tmp_path, steps=1, plugins={"odd": NotAFunction()})
 
 
-@pytest.mark.parametrize("name", ["watchdog", "progress", "metrics-file", "progress-file"])
+@pytest.mark.parametrize("name", ["watchdog", "timers", "progress", "metrics-file", "progress-file"])
 def test_each_built_in_plugin_can_be_turned_off_and_the_run_works(tmp_path: Path, name: str) -> None:
     on = run_steps(tmp_path / "on", steps=2, autoload=True)
     assert name in on.run.plugins.names()

@@ -1,0 +1,152 @@
+"""``timers`` (on by default): where a step's time goes, as Megatron's training_log timers.
+
+``time/data``, ``time/forward_backward``, ``time/optimizer``: seconds per step over the log
+interval; ``time/eval``, ``time/checkpoint``: seconds spent on them in the interval. Each is
+the slowest rank's (Megatron's timers report the maximum; ``time/data_max`` is the same value
+under its older name), agreed with one tiny CPU all-reduce per log interval, never a device
+sync. Measured from the loop's phase marks (hook ``phase_listener``): host clocks at the
+boundaries; on CUDA, forward + backward and the optimizer step with CUDA events, read at the
+log step once the interval's own sync has completed them, so they are the GPU's time, not
+the time to launch kernels. The data wait is host time everywhere: it is the host that waits.
+The first step (compilation, warm caches) is left out unless it is a log step. A run whose
+slowest rank waits ``input_bound_share`` of a step for data is told so, once, with the
+setting that helps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any
+
+import torch
+from attrs import define, field
+
+from coretrain import Run, fraction, hookimpl, max_over_ranks
+
+log = logging.getLogger("coretrain")
+
+STEP_PHASES = ("data", "forward_backward", "optimizer")
+INTERVAL_PHASES = ("eval", "checkpoint")
+
+
+class PhaseTimes:
+    """Seconds per phase since the last log, from the loop's marks (one clock read per mark)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = dict.fromkeys(STEP_PHASES + INTERVAL_PHASES, 0.0)
+        self.steps = 0
+        self.reset_at = -1
+        """The step whose start leaves everything before out (the first step's warm-up)."""
+        self._events: list[tuple[Any, Any, Any]] = []
+        self._pending: tuple[Any, Any, Any] = (None, None, None)
+        self._since = perf_counter()
+        self._open: str | None = None
+        self._open_since = 0.0
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.steps = 0
+        self._events.clear()
+
+    def mark(self, step: int, phase: str) -> None:
+        """The phase listener: one comparison chain, no further call (it runs at every mark)."""
+        now = perf_counter()
+        if self._open is not None:  # an evaluation or a checkpoint ends at the next mark
+            self.seconds[self._open] += now - self._open_since
+            self._open = None
+        if phase == "data":
+            if step == self.reset_at:
+                self.reset()
+            self._since = now
+        elif phase == "forward_backward":
+            self.seconds["data"] += now - self._since
+            self._since = now
+            if self.cuda:
+                self._pending = _new_events()
+                self._pending[0].record()
+        elif phase == "update":
+            if self.cuda:
+                self._pending[1].record()
+            else:
+                self.seconds["forward_backward"] += now - self._since
+                self._since = now
+        elif phase == "post_step":
+            self.steps += 1
+            if self.cuda:
+                self._pending[2].record()
+                self._events.append(self._pending)
+            else:
+                self.seconds["optimizer"] += now - self._since
+        elif phase == "eval" or phase == "checkpoint":
+            self._open, self._open_since = phase, now
+
+    def collect(self) -> dict[str, float]:
+        """``time/PHASE`` on this rank: seconds per step for step phases, in the interval for the others."""
+        if self._events:
+            self._events[-1][2].synchronize()  # the log step synced already: the last event is done
+        for start, backward_end, update_end in self._events:
+            self.seconds["forward_backward"] += start.elapsed_time(backward_end) / 1000
+            self.seconds["optimizer"] += backward_end.elapsed_time(update_end) / 1000
+        steps = self.steps
+        metrics = {f"time/{p}": self.seconds[p] / steps if steps else 0.0 for p in STEP_PHASES}
+        metrics.update({f"time/{p}": self.seconds[p] for p in INTERVAL_PHASES})
+        self.reset()
+        return metrics
+
+
+def _new_events() -> tuple[Any, Any, Any]:
+    new = torch.cuda.Event
+    return new(enable_timing=True), new(enable_timing=True), new(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+@define(kw_only=True)
+class Timers:
+    """Where a step's time goes: time/data, time/forward_backward, time/optimizer, time/eval, time/checkpoint."""
+
+    input_bound_share: float = field(default=0.3, validator=fraction)
+    """Warn once when the slowest rank waits this share of a step for data (0 = never)."""
+    _times: PhaseTimes | None = field(default=None, init=False, repr=False)
+    _said: bool = field(default=False, init=False, repr=False)
+
+    @hookimpl
+    def phase_listener(self, run: Run) -> Callable[[int, str], None]:
+        self._times = PhaseTimes(run.device)
+        return self._times.mark
+
+    @hookimpl
+    def on_train_start(self, run: Run) -> None:
+        first = run.state.step + 1
+        if self._times is not None and not run.cadence.logs(first):
+            self._times.reset_at = first + 1  # the first step warms up (compiles): leave it out
+
+    @hookimpl(tryfirst=True)  # before the progress view and the backends, which show these
+    def on_log(self, run: Run, metrics: dict[str, float]) -> None:
+        if self._times is None:
+            return
+        mine = self._times.collect()
+        slowest = max_over_ranks(*(round(seconds * 1e6) for seconds in mine.values()))  # CPU, no device sync
+        metrics.update({name: micros / 1e6 for name, micros in zip(mine, slowest)})
+        metrics["time/data_max"] = metrics["time/data"]
+        self._say_if_input_bound(run, metrics)
+
+    def _say_if_input_bound(self, run: Run, metrics: dict[str, float]) -> None:
+        step_time, data = metrics.get("time/step", 0.0), metrics["time/data"]
+        if self._said or not self.input_bound_share or step_time <= 0 or data < self.input_bound_share * step_time:
+            return
+        self._said = True
+        workers = run.config.data.num_workers
+        hint = (
+            "set data.num_workers (batches are read in the training loop now)"
+            if workers == 0
+            else f"raise data.num_workers (now {workers}) or data.prefetch_factor, or make the dataset's reads cheaper"
+        )
+        log.warning(
+            "input-bound: %.0f%% of each step waits for data (%.1f ms of %.1f ms on the slowest rank); %s",
+            100 * data / step_time,
+            1e3 * data,
+            1e3 * step_time,
+            hint,
+        )
