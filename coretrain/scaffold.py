@@ -41,6 +41,9 @@ packages = ["{package}"]
 
 [tool.pytest.ini_options]
 testpaths = ["tests"]
+
+[tool.ruff.lint.isort]
+known-first-party = ["{package}"]
 """
 
 MODULE = '''\

@@ -7,6 +7,7 @@ runs see through PYTHONPATH, exactly as `pip install coretrain-foo` would make t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -197,6 +198,18 @@ def test_new_plugin_writes_a_package_that_installs_and_passes_its_tests(tmp_path
     assert "loss-spikes  coretrain-loss-spikes 0.1.0" in listing.stdout
     tests = _pytest_in(package, site)
     assert tests.returncode == 0 and "3 passed" in tests.stdout, tests.stdout + tests.stderr
+    # what it writes passes the linters the project runs; coretrain's own code is read for its
+    # types but not judged (MYPYPATH: this checkout is an editable install mypy cannot follow)
+    written = ["coretrain_loss_spikes", "tests"]  # not pip's build/ copy
+    linters = (
+        ["ruff", "check", *written],
+        ["ruff", "format", "--check", *written],
+        ["mypy", "--strict", "--follow-imports=silent", *written],
+    )
+    for linter in linters:
+        env = {**os.environ, "MYPYPATH": str(REPO)}
+        checked = subprocess.run([sys.executable, "-m", *linter], cwd=package, capture_output=True, text=True, env=env)
+        assert checked.returncode == 0, (linter, checked.stdout + checked.stderr)
 
     again = run_cli("new-plugin", "loss-spikes", "--dir", str(package), cwd=tmp_path)
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
