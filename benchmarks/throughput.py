@@ -31,7 +31,7 @@ from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.data import TokenWindows
 from coretrain.loop import Trainer
-from coretrain.metrics import PEAK_BF16_TFLOPS
+from coretrain_timers import PEAK_BF16_TFLOPS
 from coretrain.pluginmanager import load_plugins
 from coretrain.run import Datasets
 

@@ -109,11 +109,6 @@ class IntervalLog:
         seq_length = run.datasets.seq_length
         if seq_length:
             metrics["tokens_per_second"] = metrics["samples_per_second"] * seq_length
-        metrics.update(
-            derived.throughput(
-                run, metrics["samples_per_second"], metrics["iteration_time"], time.monotonic() - run.started_at
-            )
-        )
         metrics.update(derived.memory(run.device))
         if metrics["iteration_time"] > 0:
             metrics["time/step"] = metrics["iteration_time"]

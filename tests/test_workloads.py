@@ -95,6 +95,7 @@ def test_a_classifier_reports_accuracy_over_every_validation_sample_once(tmp_pat
                 "eval_interval": 10,
             },
             "optimizer": {"lr": 0.01},
+            "plugins": {"timers": {}},  # TFLOP/s and MFU
         },
         Config,
     )

@@ -1,4 +1,5 @@
-"""``timers`` (on by default): where a step's time goes, as Megatron's training_log timers.
+"""``timers`` (on by default): where a step's time goes and what it achieves, as Megatron's
+training_log: phase times, throughput per device, TFLOP/s and MFU.
 
 ``time/data``, ``time/forward_backward``, ``time/optimizer``: seconds per step over the log
 interval; ``time/eval``, ``time/checkpoint``: seconds spent on them in the interval. Each is
@@ -11,11 +12,17 @@ the time to launch kernels. The data wait is host time everywhere: it is the hos
 The first step (compilation, warm caches) is left out unless it is a log step. A run whose
 slowest rank waits ``input_bound_share`` of a step for data is told so, once, with the
 setting that helps.
+
+From the core's rates (``samples_per_second``, ``iteration_time``) and ``run.flops_per_sample``:
+``samples_per_second_per_device``, ``tokens_per_second_per_device``, ``consumed_tokens``,
+``tflops_per_device``, ``mfu`` (against ``run.peak_tflops`` or the GPU's entry in a table of
+dense bf16 peaks), ``elapsed_seconds`` and ``remaining_seconds``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
@@ -26,6 +33,9 @@ from attrs import define, field
 from coretrain import Run, fraction, hookimpl, max_over_ranks
 
 log = logging.getLogger("coretrain")
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+"""Dense bf16 tensor-core peaks per device (vendor datasheets), matched by substring of the name."""
 
 STEP_PHASES = ("data", "forward_backward", "optimizer")
 INTERVAL_PHASES = ("eval", "checkpoint")
@@ -102,9 +112,40 @@ def _new_events() -> tuple[Any, Any, Any]:
     return new(enable_timing=True), new(enable_timing=True), new(enable_timing=True)  # type: ignore[no-untyped-call]
 
 
+def peak_tflops(run: Run) -> float | None:
+    """``run.peak_tflops`` if set, else the table's entry for this GPU, else unknown."""
+    if run.config.run.peak_tflops:
+        return run.config.run.peak_tflops
+    if run.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(run.device)
+    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def throughput(run: Run, samples_per_second: float, iteration_time: float, elapsed: float) -> dict[str, float]:
+    """Tokens, FLOPs and MFU per device, consumed tokens, elapsed and estimated remaining time."""
+    world = run.dist.world_size
+    metrics = {
+        "samples_per_second_per_device": samples_per_second / world,
+        "elapsed_seconds": elapsed,
+        "remaining_seconds": max(run.config.train.train_iters - run.state.step, 0) * iteration_time,
+    }
+    if run.flops_per_sample:
+        tflops = samples_per_second * run.flops_per_sample / world / 1e12
+        metrics["tflops_per_device"] = tflops
+        peak = peak_tflops(run)
+        if peak:
+            metrics["mfu"] = tflops / peak
+    seq_length = run.datasets.seq_length
+    if seq_length:
+        metrics["tokens_per_second_per_device"] = samples_per_second * seq_length / world
+        metrics["consumed_tokens"] = float(run.state.consumed_samples * seq_length)
+    return metrics
+
+
 @define(kw_only=True)
 class Timers:
-    """Where a step's time goes: time/data, time/forward_backward, time/optimizer, time/eval, time/checkpoint."""
+    """Where a step's time goes (time/*), throughput per device, TFLOP/s and MFU."""
 
     input_bound_share: float = field(default=0.3, validator=fraction)
     """Warn once when the slowest rank waits this share of a step for data (0 = never)."""
@@ -124,6 +165,8 @@ class Timers:
 
     @hookimpl(tryfirst=True)  # before the progress view and the backends, which show these
     def on_log(self, run: Run, metrics: dict[str, float]) -> None:
+        elapsed = time.monotonic() - run.started_at
+        metrics.update(throughput(run, metrics["samples_per_second"], metrics["iteration_time"], elapsed))
         if self._times is None:
             return
         mine = self._times.collect()
