@@ -258,11 +258,13 @@ def post_step(run: Run, step: int, outputs: StepOutputs) -> None:
 def on_log(run: Run, step: int, metrics: dict[str, float]) -> None:
     """Every ``train.log_interval`` steps: the interval's metrics as host floats.
 
-    Args: ``metrics`` — loss, lr, grad_norm, throughput, ``time/*``, the model's ``train/*``
-    values and ``run.log_tensors`` entries, averaged over the interval and over ranks (one
-    device sync per interval, the loop's).
-    May change: ``metrics`` — ``tryfirst`` implementations may add entries (e.g. straggler
-    scores) that the ones recording or displaying metrics see.
+    Args: ``metrics`` — loss, lr, grad_norm, the rates (``samples_per_second``,
+    ``iteration_time``), memory, the model's ``train/*`` values and ``run.log_tensors``
+    entries, averaged over the interval and over ranks (one device sync per interval, the
+    loop's).
+    May change: ``metrics`` — ``tryfirst`` implementations may add entries that the ones
+    recording or displaying metrics see (the built-in ``timers`` adds ``time/*``, per-device
+    throughput, TFLOP/s and MFU; ``stragglers`` its scores).
     Returns: nothing.
     Ranks: every rank, the same values; loggers write on rank 0 only.
     """
