@@ -25,7 +25,7 @@ from coretrain.flops import flops_per_sample
 from coretrain.loader import adapt, is_stream
 from coretrain.optim import WarmupDecayLR, build_optimizer
 from coretrain.outputs import resolve_loss
-from coretrain.pluginmanager import Plugins, is_import_path
+from coretrain.pluginmanager import Plugins, hook_calls, is_import_path
 from coretrain.run import DatasetContext, Datasets, Run
 from coretrain.rundir import OutputDirLock, check_shared
 from coretrain.signals import SignalWatcher
@@ -166,7 +166,7 @@ def _build_datasets(run: Run) -> None:
         test_samples=global_batch * train.eval_iters,
         seed=config.run.seed,
     )
-    datasets = run.plugins.calls.provide_datasets(run=run, context=context)
+    datasets = hook_calls(run).provide_datasets(run=run, context=context)
     if datasets is None:
         raise UserError(f"data.provider '{config.data.provider}' returned no datasets")
     run.datasets = datasets
@@ -202,20 +202,20 @@ def _warn_stream(run: Run) -> None:
 def _build_model(run: Run) -> None:
     """provide_model, checked, on the device; its loss and FLOPs; the configure_model wrappers."""
     config = run.config
-    model = run.plugins.calls.provide_model(run=run)
+    model = hook_calls(run).provide_model(run=run)
     if model is None:
         raise UserError(f"model.provider '{config.model.provider}' returned no model")
     check_model(model, config.model.provider)
     run.model = model.to(run.device)
     run.loss_fn = resolve_loss(config.model.loss)
     run.flops_per_sample = flops_per_sample(run, run.loss_fn)
-    run.plugins.calls.configure_model(run=run)
+    hook_calls(run).configure_model(run=run)
 
 
 def _build_optimizer(run: Run) -> None:
     """The optimizer with the plugins' param-group overrides, the schedule, fp16's scaler."""
     config = run.config
-    overrides = run.plugins.calls.param_group_overrides(run=run, model=run.model)
+    overrides = hook_calls(run).param_group_overrides(run=run, model=run.model)
     run.optimizer = build_optimizer(config.optimizer, run.model, overrides)
     run.scheduler = WarmupDecayLR(
         run.optimizer, config.scheduler, config.optimizer.lr, config.train.train_iters, run.global_batch_size

@@ -23,6 +23,7 @@ from coretrain.hookspecs import Outcome
 from coretrain.intervallog import IntervalLog
 from coretrain.loader import StepPlan, TrainBatches
 from coretrain.phases import combined
+from coretrain.pluginmanager import hook_calls
 from coretrain.run import Run, StepOutputs
 from coretrain.signals import SignalWatcher
 from coretrain.step import StepNumerics
@@ -48,7 +49,7 @@ class ResolvedHooks:
     nothing: the loop tests for None instead of calling into pluggy)."""
 
     def __init__(self, run: Run) -> None:
-        calls = run.plugins.calls
+        calls = hook_calls(run)
         on = calls.implemented
         self.num_micro_batches = calls.num_micro_batches if on("num_micro_batches") else None
         self.on_train_start = calls.on_train_start if on("on_train_start") else None
@@ -106,7 +107,7 @@ class Trainer:
         else:  # installed at start-up by the CLI: keep watching what the config asks for
             signals.keep_only(watched)
         self.signals = signals
-        self.mark = combined(run.plugins.calls.phase_listeners(run))
+        self.mark = combined(hook_calls(run).phase_listeners(run))
         """``mark(step, phase)`` at each phase boundary, for the plugins that watch or time the loop."""
         self.stops = StopAgreement(run, self.signals, self.hooks.on_signal, self.mark)
 
@@ -130,7 +131,7 @@ class Trainer:
         self.log.restore(state.get("interval_log", {}), run.device, run.state.step)
         self.last_saved_step = run.state.step
         self.evaluated_at = {split: run.state.step for split in restored.manifest.get("evaluated", [])}
-        run.plugins.calls.on_resume(run=run, step=run.state.step, states=state.get("plugins", {}))
+        hook_calls(run).on_resume(run=run, step=run.state.step, states=state.get("plugins", {}))
         log.info("resumed from %s (step %d, %d samples consumed)", path, run.state.step, run.state.consumed_samples)
 
     def save(self) -> None:
@@ -141,7 +142,7 @@ class Trainer:
         self.log.check_finite(run)  # weights updated from a NaN loss are never saved
         path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
         plugin_states = {}
-        for name, state in run.plugins.calls.on_checkpoint(run=run, step=run.state.step, path=str(path)).items():
+        for name, state in hook_calls(run).on_checkpoint(run=run, step=run.state.step, path=str(path)).items():
             if state is None:
                 continue
             try:  # a state no run could load again must not reach the disk

@@ -16,7 +16,7 @@ import os
 import textwrap
 from collections.abc import Callable, Mapping
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import pluggy
@@ -26,6 +26,9 @@ from coretrain.config import Config, world_size_from_env
 from coretrain.configload import CONVERTER, Location, structure
 from coretrain.errors import PluginError, RunFailure, UserError, did_you_mean
 from coretrain.hookcalls import HookCalls
+
+if TYPE_CHECKING:
+    from coretrain.run import Run
 
 GROUP = "coretrain"
 AUTOLOAD_GROUP = "coretrain.autoload"
@@ -331,3 +334,9 @@ def field_defaults(cls: type) -> dict[str, Any]:
         default = factory.factory() if factory is not None and not factory.takes_self else f.default
         values[f.name] = CONVERTER.unstructure(default)
     return values
+
+
+def hook_calls(run: Run) -> HookCalls:
+    """``run.plugins.calls``, typed: how the core calls a run's hooks."""
+    calls: HookCalls = run.plugins.calls
+    return calls

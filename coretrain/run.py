@@ -7,7 +7,7 @@ import it without a circle. Building a run is :mod:`coretrain.build`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload
 
 import torch
 from attrs import define, field
@@ -20,8 +20,24 @@ if TYPE_CHECKING:
     from coretrain.dist import DistInfo
     from coretrain.optim import WarmupDecayLR
     from coretrain.outputs import LossFn
-    from coretrain.pluginmanager import Plugins
     from coretrain.rundir import OutputDirLock
+
+
+class PluginSet(Protocol):
+    """``run.plugins``, the enabled plugins (:class:`coretrain.pluginmanager.Plugins`), as far as
+    a hook may use them. Declared here, not imported, so the run's types sit below the plugin
+    manager and the hook contract, which take a ``Run``."""
+
+    calls: Any
+    """Typed hook calls (``HookCalls``); the core reaches them through ``pluginmanager.hook_calls``."""
+    running: list[tuple[str, str]]
+    """(plugin, hook) of the implementations running now, innermost last."""
+
+    def get(self, name: str) -> object | None: ...
+    def names(self) -> list[str]: ...
+    def implemented(self, hook_name: str) -> bool: ...
+    def implementers(self, hook_name: str) -> list[str]: ...
+    def vetoing(self) -> list[str]: ...
 
 
 @define(kw_only=True)
@@ -110,7 +126,7 @@ class Run:
     """
 
     config: Config
-    plugins: Plugins
+    plugins: PluginSet
     dist: DistInfo
     device: torch.device
     output_dir: Path

@@ -18,6 +18,7 @@ from coretrain import checkpoint, outputs
 from coretrain.dist import max_over_ranks, sum_over_ranks
 from coretrain.errors import RunFailure
 from coretrain.evaluate import autocast
+from coretrain.pluginmanager import hook_calls
 from coretrain.run import Run
 
 
@@ -36,7 +37,7 @@ class StepNumerics:
 
     def __init__(self, run: Run) -> None:
         self.run = run
-        calls = run.plugins.calls
+        calls = hook_calls(run)
         self.before_update = calls.before_update if calls.implemented("before_update") else None
         self.world = run.dist.world_size
         self.agree_skip = self.world > 1 and bool(run.plugins.vetoing())
