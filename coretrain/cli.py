@@ -1,7 +1,7 @@
 """Command line: ``coretrain COMMAND``, each command from the ``coretrain.commands`` entry points.
 
-The core's own commands (run, checkpoint, plugins, new-plugin, config) are registered in
-that group exactly as a third-party package's are (``coretrain report`` is coretrain-plugins'),
+The core's own commands (run, checkpoint, plugins, config) are registered in that group
+exactly as a third-party package's are (``report`` and ``new-plugin`` are coretrain-plugins'),
 as pytest ships its own features as plugins. Only argparse is imported at module level, so
 ``coretrain --help`` starts fast and never imports torch; each command imports what it
 needs. A :class:`UserError` from anywhere becomes one ``error:`` line and exit code 2.
@@ -34,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)  # loads every command's package: may take a moment
+    except KeyboardInterrupt:
+        print("coretrain: stopped by SIGINT during start-up; nothing was trained or saved", file=sys.stderr)
+        return 130
     try:
         cwd = os.getcwd()
     except FileNotFoundError:
