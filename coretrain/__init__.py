@@ -29,6 +29,8 @@ _LAZY = {
     "TokenWindows": "coretrain.data",
     "RandomWindows": "coretrain.data",
     "windows": "coretrain.data",
+    "fetch": "coretrain.data",
+    "is_stream": "coretrain.loader",
     # helpers plugins share with the core
     "LoggingBackend": "coretrain.backend",
     "UserError": "coretrain.errors",
@@ -56,10 +58,11 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.checkpoint import is_sharded
     from coretrain.configload import config_as_dict
     from coretrain.control import Control
-    from coretrain.data import RandomWindows, TokenWindows, windows
+    from coretrain.data import RandomWindows, TokenWindows, fetch, windows
     from coretrain.dist import DistInfo, max_over_ranks, mean_over_ranks, sum_over_ranks
     from coretrain.errors import UserError, require
     from coretrain.hookspecs import HOOK_API, Outcome
+    from coretrain.loader import is_stream
     from coretrain.run import DatasetContext, Datasets, Run, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
 
@@ -78,6 +81,8 @@ __all__ = [
     "TokenWindows",
     "RandomWindows",
     "windows",
+    "fetch",
+    "is_stream",
     "LoggingBackend",
     "UserError",
     "require",

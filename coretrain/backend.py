@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from coretrain.hookspecs import Outcome
     from coretrain.run import Run
 
 from typing import Any
@@ -38,7 +39,7 @@ class LoggingBackend:
         """Record one ``on_log`` or ``on_eval`` set of metrics."""
         raise NotImplementedError
 
-    def close(self, outcome: str) -> None:
+    def close(self, outcome: Outcome) -> None:
         """Flush and end the backend's run; ``outcome`` is on_train_end's."""
         raise NotImplementedError
 
@@ -72,7 +73,7 @@ class LoggingBackend:
             self.write(step, metrics)
 
     @hookimpl(trylast=True)
-    def on_train_end(self, outcome: str) -> None:
+    def on_train_end(self, outcome: Outcome) -> None:
         if self._opened:
             self._opened = False
             self.close(outcome)

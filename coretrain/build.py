@@ -18,7 +18,6 @@ from coretrain import hookimpl
 from coretrain.cadence import Cadence
 from coretrain.config import Config, micro_batches_per_step
 from coretrain.configload import config_as_dict
-from coretrain.datachecks import check_datasets, check_model
 from coretrain.dist import init_distributed
 from coretrain.errors import UserError
 from coretrain.flops import flops_per_sample
@@ -26,6 +25,7 @@ from coretrain.loader import adapt, is_stream
 from coretrain.optim import WarmupDecayLR, build_optimizer
 from coretrain.outputs import resolve_loss
 from coretrain.pluginmanager import Plugins, hook_calls, is_import_path
+from coretrain.providerchecks import check_datasets, check_model
 from coretrain.run import DatasetContext, Datasets, Run
 from coretrain.rundir import OutputDirLock, check_shared
 from coretrain.signals import SignalWatcher
@@ -166,7 +166,7 @@ def _build_datasets(run: Run) -> None:
         test_samples=global_batch * train.eval_iters,
         seed=config.run.seed,
     )
-    datasets = hook_calls(run).provide_datasets(run=run, context=context)
+    datasets = hook_calls(run).hook.provide_datasets(run=run, context=context)
     if datasets is None:
         raise UserError(f"data.provider '{config.data.provider}' returned no datasets")
     run.datasets = datasets
@@ -174,15 +174,9 @@ def _build_datasets(run: Run) -> None:
         run.datasets.collate_fn = import_callable(config.data.collate_fn, "data.collate_fn")
     adapt(run.datasets)
     run.cadence = Cadence.of(config, has_valid=run.datasets.valid is not None)
-    # a full pass needs a sample per rank; eval_iters batches need one global batch
-    eval_needed = run.dist.dp_size if train.eval_full else global_batch if train.eval_iters else 1
-    check_datasets(
-        run.datasets,
-        config.data.provider,
-        global_batch=global_batch,
-        micro_batch=train.micro_batch_size,
-        eval_needed=eval_needed,
-    )
+    check_datasets(run.datasets, config.data.provider)
+    if hook_calls(run).implemented("on_datasets"):
+        hook_calls(run).hook.on_datasets(run=run)
     if is_stream(run.datasets.train) and run.dist.is_main:
         _warn_stream(run)
 
@@ -202,14 +196,14 @@ def _warn_stream(run: Run) -> None:
 def _build_model(run: Run) -> None:
     """provide_model, checked, on the device; its loss and FLOPs; the configure_model wrappers."""
     config = run.config
-    model = hook_calls(run).provide_model(run=run)
+    model = hook_calls(run).hook.provide_model(run=run)
     if model is None:
         raise UserError(f"model.provider '{config.model.provider}' returned no model")
     check_model(model, config.model.provider)
     run.model = model.to(run.device)
     run.loss_fn = resolve_loss(config.model.loss)
     run.flops_per_sample = flops_per_sample(run, run.loss_fn)
-    hook_calls(run).configure_model(run=run)
+    hook_calls(run).hook.configure_model(run=run)
 
 
 def _build_optimizer(run: Run) -> None:

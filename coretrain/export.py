@@ -6,8 +6,7 @@ gathered into one state dict in this process, through the same restricted reader
 
 from __future__ import annotations
 
-import os
-import stat
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,10 @@ import torch
 
 from coretrain import safeload
 from coretrain.checkpoint import read_manifest, step_dirs
-from coretrain.errors import CheckpointUnreadable, RunFailure, UserError
+from coretrain.config import Config
+from coretrain.configload import structure
+from coretrain.errors import CheckpointUnreadable, UserError
+from coretrain.pluginmanager import Plugins, load_plugins
 
 
 @attrs.define(frozen=True)
@@ -39,33 +41,36 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
 
 
 def export(run_dir: Path, step: int | None, to: Path, export_format: str, options: dict[str, Any]) -> str:
-    """Write the model weights of a complete checkpoint (newest by default) in ``export_format``:
-    ``safetensors`` here, any other format by the plugin of the run's config that writes it."""
+    """Hand the model weights of a complete checkpoint (newest by default) to the plugin that
+    writes ``export_format``: ``safetensors`` (on by default), ``hf`` (the hf provider), yours."""
     source = pick_checkpoint(run_dir, step)
-    if export_format == "safetensors":
-        return write_safetensors(read_model_state(source), source, to)
-    from coretrain.config import Config
-    from coretrain.configload import structure
-    from coretrain.pluginmanager import load_plugins
-
     config = read_manifest(source).get("config") or {}
-    if not config:
-        raise UserError(f"{source}: the checkpoint does not record its config (written by coretrain < 0.2)")
-    plugins = load_plugins(structure(config, Config))
-    written = plugins.calls.export_model(
+    written = export_plugins(source, config).calls.hook.export_model(
         state=read_model_state(source),
         config=config,
         run_dir=run_dir,
+        checkpoint=source,
         export_format=export_format,
         to=to,
         options=options,
     )
     if written is None:
         raise UserError(
-            f"--format {export_format}: no plugin of this run writes that format; 'safetensors' is built in "
+            f"--format {export_format}: no plugin writes that format; 'safetensors' is on by default "
             "(the hf model provider adds 'hf')"
         )
     return f"{written} (checkpoint {source})"
+
+
+def export_plugins(source: Path, config: dict[str, Any]) -> Plugins:
+    """The run's plugins (a format such as hf needs its provider's options) and every plugin that
+    is on by default; only the latter when the run's no longer load (uninstalled, renamed)."""
+    try:
+        return load_plugins(structure(config, Config), autoload=True)
+    except UserError as exc:
+        why = "records no config" if not config else f"names plugins that do not load ({exc})"
+        logging.getLogger("coretrain").warning("%s %s: only the on-by-default export formats", source, why)
+        return load_plugins(Config(), autoload=True)
 
 
 def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
@@ -86,47 +91,6 @@ def read_model_state(source: Path) -> dict[str, torch.Tensor]:
     if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
         raise CheckpointUnreadable(source, "the model weights are not a dict of tensors")
     return weights
-
-
-def write_safetensors(weights: dict[str, torch.Tensor], source: Path, to: Path) -> str:
-    """Write ``to`` whole or not at all (a temporary file beside it, renamed over it); what was done."""
-    from safetensors.torch import save_file
-
-    replacing = check_export_target(to)
-    partial = to.parent / f".{to.name}.{os.getpid()}.tmp"
-    try:  # tied parameters share storage; safetensors stores each name on its own
-        save_file(
-            {name: tensor.contiguous().clone() for name, tensor in weights.items()},
-            str(partial),
-            metadata={"format": "pt", "source": str(source)},
-        )
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(partial, 0o666 & ~umask)  # safetensors creates it 0600; an export is for others to read
-        os.replace(partial, to)
-    except Exception as exc:  # OSError, or safetensors' own SafetensorError for the same causes
-        partial.unlink(missing_ok=True)
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
-        raise RunFailure(f"cannot write {to}: {reason}") from None
-    return f"wrote {to} from {source}" + (" (replaced the file that was there)" if replacing else "")
-
-
-def check_export_target(to: Path) -> bool:
-    """Refuse anything but a new path or a regular file to replace; True when one is replaced."""
-    if not to.parent.is_dir():
-        raise UserError(f"--to: directory '{to.parent}' does not exist; create it first")
-    if not os.access(to.parent, os.W_OK | os.X_OK):
-        raise UserError(f"--to: no permission to write in '{to.parent}'; choose another place")
-    try:
-        mode = to.lstat().st_mode
-    except FileNotFoundError:
-        return False
-    if stat.S_ISDIR(mode):
-        raise UserError(f"--to: '{to}' is a directory; give a file name, e.g. {to / 'model.safetensors'}")
-    if not stat.S_ISREG(mode):
-        kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
-        raise UserError(f"--to: '{to}' exists and is {kind}; give a new file name (or a regular file to replace)")
-    return True
 
 
 def read_sharded_model(directory: Path) -> dict[str, torch.Tensor]:

@@ -1,8 +1,9 @@
-"""Typed calls of every hook: how the core calls plugins, with the types the specs promise.
+"""How the core calls plugins, with the types the specs promise.
 
-pluggy's ``manager.hook.NAME(**kwargs)`` returns ``Any``; every call the core makes goes
-through one method here instead, so a type checker sees what each hook takes and returns.
-Hooks whose results belong to one plugin (``on_checkpoint``, ``on_resume``) and the hook that
+pluggy's ``manager.hook.NAME(**kwargs)`` returns ``Any``; the core calls ``calls.hook.NAME``
+instead, the same caller typed as :class:`coretrain.hookspecs.HookSpecs`, so mypy checks each
+call against the one written contract. Hooks that collect a result per plugin are combined
+here. Hooks whose results belong to one plugin (``on_checkpoint``, ``on_resume``) and the hook that
 must reach every plugin even past a failure (``on_train_end``) are called plugin by plugin,
 each call through pluggy so that ``wrapper=True`` implementations wrap it too.
 """
@@ -15,56 +16,45 @@ from typing import TYPE_CHECKING, Any, cast
 import pluggy
 
 from coretrain.errors import PluginError
-from coretrain.hookspecs import Outcome
+from coretrain.hookspecs import HookSpecs, Outcome
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     import torch
 
-    from coretrain.run import DatasetContext, Datasets, Run, StepOutputs
+    from coretrain.run import Run
 
 PluginState = dict[str, Any]
 
 
 class HookCalls:
-    """One typed method per hook spec."""
+    """The hooks, typed: ``hook.NAME(...)`` for the hooks pluggy calls as they are, and one
+    method each for those whose results the core combines or whose calls go plugin by plugin."""
 
     def __init__(self, manager: pluggy.PluginManager) -> None:
         self._manager = manager
-        self._hook = manager.hook
+        self.hook = cast("HookSpecs", manager.hook)
+        """``manager.hook`` as the spec class: mypy checks each call's arguments and result."""
+
+    def __getattr__(self, name: str) -> Any:
+        """``calls.NAME`` for any other hook, as pluggy's caller (what plugins have used)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._manager.hook, name)
 
     def implemented(self, name: str) -> bool:
         """Whether any plugin implements ``name`` (a wrapper counts: it expects to be called)."""
-        return bool(getattr(self._hook, name).get_hookimpls())
+        return bool(getattr(self._manager.hook, name).get_hookimpls())
 
-    # ---------------------------------------------------------------- building
-
-    def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets | None:
-        return cast("Datasets | None", self._hook.provide_datasets(run=run, context=context))
-
-    def provide_model(self, run: Run) -> torch.nn.Module | None:
-        return cast("torch.nn.Module | None", self._hook.provide_model(run=run))
-
-    def configure_model(self, run: Run) -> None:
-        self._hook.configure_model(run=run)
-
-    def tensor_parallel_plan(self, run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
-        return cast("dict[str, Any] | None", self._hook.tensor_parallel_plan(run=run, model=model))
+    # ---------------------------------------------------------------- collected
 
     def param_group_overrides(self, run: Run, model: torch.nn.Module) -> dict[str, dict[str, float]]:
         """The plugins' overrides merged: later plugins (in pluggy's call order) win per key."""
         merged: dict[str, dict[str, float]] = {}
-        results = cast("list[dict[str, dict[str, float]]]", self._hook.param_group_overrides(run=run, model=model))
+        results = self._manager.hook.param_group_overrides(run=run, model=model)
         for result in reversed(results):
             for name, values in result.items():
                 merged.setdefault(name, {}).update(values)
         return merged
-
-    # ---------------------------------------------------------------- the loop
-
-    def num_micro_batches(self, run: Run, step: int, consumed_samples: int) -> int | None:
-        return cast("int | None", self._hook.num_micro_batches(run=run, step=step, consumed_samples=consumed_samples))
 
     def phase_listeners(self, run: Run) -> list[Callable[[int, str], None]]:
         """Each plugin's listener; one that is not callable is that plugin's error."""
@@ -77,44 +67,6 @@ class HookCalls:
             if listener is not None:
                 listeners.append(listener)
         return listeners
-
-    def on_train_start(self, run: Run) -> None:
-        self._hook.on_train_start(run=run)
-
-    def pre_step(self, run: Run, step: int) -> None:
-        self._hook.pre_step(run=run, step=step)
-
-    def before_update(self, run: Run, step: int, loss: torch.Tensor) -> None:
-        self._hook.before_update(run=run, step=step, loss=loss)
-
-    def post_step(self, run: Run, step: int, outputs: StepOutputs) -> None:
-        self._hook.post_step(run=run, step=step, outputs=outputs)
-
-    def on_log(self, run: Run, step: int, metrics: dict[str, float]) -> None:
-        self._hook.on_log(run=run, step=step, metrics=metrics)
-
-    def on_eval(self, run: Run, step: int, metrics: dict[str, float]) -> None:
-        self._hook.on_eval(run=run, step=step, metrics=metrics)
-
-    def on_checkpoint_saved(self, run: Run, step: int, path: str) -> None:
-        self._hook.on_checkpoint_saved(run=run, step=step, path=path)
-
-    def on_signal(self, run: Run, signum: int) -> None:
-        self._hook.on_signal(run=run, signum=signum)
-
-    def export_model(
-        self,
-        state: dict[str, torch.Tensor],
-        config: dict[str, Any],
-        run_dir: Path,
-        export_format: str,
-        to: Path,
-        options: dict[str, Any],
-    ) -> str | None:
-        answer = self._hook.export_model(
-            state=state, config=config, run_dir=run_dir, export_format=export_format, to=to, options=options
-        )
-        return cast("str | None", answer)
 
     # ---------------------------------------------------------------- plugin by plugin
 
@@ -148,7 +100,7 @@ class HookCalls:
         hashable; so this hands pluggy's own executor (tracing and wrappers included) the list of
         implementations to run, as ``HookCaller.__call__`` does.
         """
-        impls = getattr(self._hook, name).get_hookimpls()
+        impls = getattr(self._manager.hook, name).get_hookimpls()
         wrappers = [impl for impl in impls if impl.wrapper or impl.hookwrapper]
         plain = [impl for impl in impls if not (impl.wrapper or impl.hookwrapper)]
         execute = private_executor(self._manager)

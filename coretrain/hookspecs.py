@@ -3,6 +3,7 @@
 One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
 
     provide_datasets(run, context)          firstresult   train/valid/test datasets
+    on_datasets(run)                        each          check or inspect run.datasets (data-checks)
     provide_model(run)                      firstresult   the nn.Module (sees run.datasets)
     configure_model(run)                    each, ordered  replace run.model: FP8 (tryfirst),
                                                            tensor parallel, compile, DDP/FSDP (trylast)
@@ -62,7 +63,7 @@ Rules every implementation can rely on:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import pluggy
 
@@ -77,7 +78,7 @@ if TYPE_CHECKING:
 PROJECT = "coretrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
-HOOK_API = (1, 3)
+HOOK_API = (1, 4)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -87,281 +88,282 @@ Outcome = Literal["completed", "exit_interval", "exit_duration", "stopped", "sig
 """How a run ended, as ``on_train_end`` is told."""
 
 
-# --------------------------------------------------------------------------- providers
+class HookSpecs(Protocol):
+    """Every hook, written once: pluggy reads the specs from this class (``add_hookspecs``), the
+    core calls plugins through it (``Plugins.hook`` is typed as this class, so mypy checks every
+    call's arguments and result), and tests/test_contract.py checks each first-party
+    implementation's annotations against it. Hooks marked "collected" return one value per
+    plugin; the core calls those through :class:`coretrain.hookcalls.HookCalls`."""
 
+    # --------------------------------------------------------------------------- providers
 
-@hookspec(firstresult=True)
-def provide_datasets(run: Run, context: DatasetContext) -> Datasets | None:
-    """Build the train/valid/test datasets (Megatron's ``build_datasets(context)``).
+    @hookspec(firstresult=True)
+    def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets | None:
+        """Build the train/valid/test datasets (Megatron's ``build_datasets(context)``).
 
-    Args: ``run`` — config, dist, device and output_dir are set; datasets, model and optimizer
-    are not built yet (reading them raises). ``context`` — samples each split will need and the
-    seed.
-    May change: nothing on ``run``.
-    Returns: :class:`coretrain.Datasets`; the first non-None answer wins. Called on the provider
-    named by ``data.provider`` with its ``[data.options]`` as the plugin's config. A split is
-    map-style (``__len__`` + ``__getitem__``, or a ``get_batch(indices)`` fast path fetching a
-    whole micro-batch at once), a Hugging Face ``datasets.Dataset``, or a stream (an
-    ``IterableDataset``); what it returns is checked before step 1 (README, "Bring your own
-    model and data").
-    Ranks: every rank, once, before training.
-    """
+        Args: ``run`` — config, dist, device and output_dir are set; datasets, model and optimizer
+        are not built yet (reading them raises). ``context`` — samples each split will need and the
+        seed.
+        May change: nothing on ``run``.
+        Returns: :class:`coretrain.Datasets`; the first non-None answer wins. Called on the provider
+        named by ``data.provider`` with its ``[data.options]`` as the plugin's config. A split is
+        map-style (``__len__`` + ``__getitem__``, or a ``get_batch(indices)`` fast path fetching a
+        whole micro-batch at once), a Hugging Face ``datasets.Dataset``, or a stream (an
+        ``IterableDataset``); what it returns is checked before step 1 (README, "Bring your own
+        model and data").
+        Ranks: every rank, once, before training.
+        """
 
+    @hookspec
+    def on_datasets(self, run: Run) -> None:
+        """The datasets are built: check or inspect them before anything reads them (hook API 1.4).
 
-@hookspec(firstresult=True)
-def provide_model(run: Run) -> torch.nn.Module | None:
-    """Build the model on CPU; the loop moves it to the run's device.
+        Args: ``run`` — ``run.datasets`` is set (a Hugging Face dataset already adapted,
+        ``data.collate_fn`` resolved); the model is not built yet.
+        May change: plugin-owned state only; raise :class:`coretrain.UserError` to refuse the
+        datasets (``coretrain config validate`` runs this too, and nothing is written).
+        Returns: nothing.
+        Ranks: every rank, once, before training.
+        """
 
-    Args: ``run`` — as for provide_datasets, plus ``run.datasets`` (vocab size, sequence
-    length may set defaults).
-    May change: nothing on ``run``.
-    Returns: the ``nn.Module``; the first non-None answer wins. ``model(*batch)`` (or
-    ``model(**batch)`` for dict batches) returns the scalar loss, a dict or object with
-    ``loss`` and other scalars to log, or — with ``model.loss`` set — outputs the configured
-    loss turns into the loss (:mod:`coretrain.outputs`). A ``flops_per_token()`` method, when
-    present, feeds throughput and MFU; otherwise the FLOPs are counted once
-    (:mod:`coretrain.flops`).
-    Ranks: every rank, once, before training; seeded identically on every rank.
-    """
+    @hookspec(firstresult=True)
+    def provide_model(self, run: Run) -> torch.nn.Module | None:
+        """Build the model on CPU; the loop moves it to the run's device.
 
+        Args: ``run`` — as for provide_datasets, plus ``run.datasets`` (vocab size, sequence
+        length may set defaults).
+        May change: nothing on ``run``.
+        Returns: the ``nn.Module``; the first non-None answer wins. ``model(*batch)`` (or
+        ``model(**batch)`` for dict batches) returns the scalar loss, a dict or object with
+        ``loss`` and other scalars to log, or — with ``model.loss`` set — outputs the configured
+        loss turns into the loss (:mod:`coretrain.outputs`). A ``flops_per_token()`` method, when
+        present, feeds throughput and MFU; otherwise the FLOPs are counted once
+        (:mod:`coretrain.flops`).
+        Ranks: every rank, once, before training; seeded identically on every rank.
+        """
 
-@hookspec
-def configure_model(run: Run) -> None:
-    """Convert or wrap the model.
+    @hookspec
+    def configure_model(self, run: Run) -> None:
+        """Convert or wrap the model.
 
-    Args: ``run`` — ``run.model`` is on the device; optimizer and scheduler are not built yet.
-    May change: ``run.model`` (assign the converted or wrapped module). Order by pluggy's
-    markers: ``tryfirst`` for numerics that change modules (FP8), plain for compilation,
-    ``trylast`` for parallel wrappers (DDP, FSDP2) that must see the result.
-    Returns: nothing.
-    Ranks: every rank, once, before training; every rank must wrap the same way.
-    """
+        Args: ``run`` — ``run.model`` is on the device; optimizer and scheduler are not built yet.
+        May change: ``run.model`` (assign the converted or wrapped module). Order by pluggy's
+        markers: ``tryfirst`` for numerics that change modules (FP8), plain for compilation,
+        ``trylast`` for parallel wrappers (DDP, FSDP2) that must see the result.
+        Returns: nothing.
+        Ranks: every rank, once, before training; every rank must wrap the same way.
+        """
 
+    @hookspec(firstresult=True)
+    def tensor_parallel_plan(self, run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
+        """How to split ``model`` over a tensor-parallel group (hook API 1.2).
 
-@hookspec(firstresult=True)
-def tensor_parallel_plan(run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
-    """How to split ``model`` over a tensor-parallel group (hook API 1.2).
+        Args: ``run`` — ``run.dist.tp_size`` ranks split each layer; ``model`` — the module
+        ``provide_model`` returned (before any wrapper).
+        May change: nothing.
+        Returns: module path -> ``torch.distributed.tensor.parallel.ParallelStyle``, as
+        ``parallelize_module`` takes it (``*`` matches one path part, e.g. ``"blocks.*.mlp.fc"``),
+        or None when this plugin does not know the model; the first answer wins. The model provider
+        answers for its own model (the ``gpt`` plugin: column/row-wise attention and MLP, sequence
+        parallel norms). Raise :class:`coretrain.UserError` when the model cannot be split that way
+        (e.g. heads not divisible by the TP degree).
+        Ranks: every rank, once, during ``configure_model``; every rank returns the same plan.
+        """
 
-    Args: ``run`` — ``run.dist.tp_size`` ranks split each layer; ``model`` — the module
-    ``provide_model`` returned (before any wrapper).
-    May change: nothing.
-    Returns: module path -> ``torch.distributed.tensor.parallel.ParallelStyle``, as
-    ``parallelize_module`` takes it (``*`` matches one path part, e.g. ``"blocks.*.mlp.fc"``),
-    or None when this plugin does not know the model; the first answer wins. The model provider
-    answers for its own model (the ``gpt`` plugin: column/row-wise attention and MLP, sequence
-    parallel norms). Raise :class:`coretrain.UserError` when the model cannot be split that way
-    (e.g. heads not divisible by the TP degree).
-    Ranks: every rank, once, during ``configure_model``; every rank returns the same plan.
-    """
+    @hookspec
+    def param_group_overrides(self, run: Run, model: torch.nn.Module) -> dict[str, dict[str, float]] | None:
+        """Per-parameter optimizer settings.
 
+        Args: ``run``; ``model`` — the configured model, whose ``named_parameters()`` names the keys.
+        May change: nothing.
+        Returns: parameter name -> overrides (``lr_mult``, ``weight_decay``, ``lr``, ...), or None.
+        Results from all plugins are merged (later plugins win per key); the core builds one
+        param group per distinct set of overrides.
+        Ranks: every rank, once, before the optimizer is built.
+        """
 
-@hookspec
-def param_group_overrides(run: Run, model: torch.nn.Module) -> dict[str, dict[str, float]] | None:
-    """Per-parameter optimizer settings.
+    @hookspec(firstresult=True)
+    def num_micro_batches(self, run: Run, step: int, consumed_samples: int) -> int | None:
+        """Micro-batches per data-parallel rank for ``step`` (batch-size rampup).
 
-    Args: ``run``; ``model`` — the configured model, whose ``named_parameters()`` names the keys.
-    May change: nothing.
-    Returns: parameter name -> overrides (``lr_mult``, ``weight_decay``, ``lr``, ...), or None.
-    Results from all plugins are merged (later plugins win per key); the core builds one
-    param group per distinct set of overrides.
-    Ranks: every rank, once, before the optimizer is built.
-    """
+        Args: ``step`` — 1-based; ``consumed_samples`` — samples consumed before this step.
+        May change: nothing. It is asked ahead of the step (data workers plan their batches), so it
+        must be a pure function of its arguments and the config.
+        Returns: a positive int, or None to keep the configured value; the first answer wins.
+        Ranks: every rank, with the same answer. Per step: yes, host arithmetic only.
+        """
 
+    # --------------------------------------------------------------------------- lifecycle
 
-@hookspec(firstresult=True)
-def num_micro_batches(run: Run, step: int, consumed_samples: int) -> int | None:
-    """Micro-batches per data-parallel rank for ``step`` (batch-size rampup).
+    @hookspec
+    def phase_listener(self, run: Run) -> Callable[[int, str], None] | None:
+        """A function the loop calls at each phase boundary, ``listener(step, phase)``: how the
+        watchdog sees where a rank is, and how timers measure where a step's time goes.
 
-    Args: ``step`` — 1-based; ``consumed_samples`` — samples consumed before this step.
-    May change: nothing. It is asked ahead of the step (data workers plan their batches), so it
-    must be a pure function of its arguments and the config.
-    Returns: a positive int, or None to keep the configured value; the first answer wins.
-    Ranks: every rank, with the same answer. Per step: yes, host arithmetic only.
-    """
+        Args: ``run`` — built, not yet restored.
+        Phases (:data:`coretrain.phases.PHASES`): ``restore`` (step = the checkpoint's, 0 when
+        fresh; covers restore and on_train_start); per step ``pre_step`` (when a plugin implements
+        it), ``data``, ``forward_backward``, ``update``, ``post_step``, then ``log``, ``eval``,
+        ``checkpoint`` when they happen, and ``agreement`` while the ranks agree on stopping (on
+        several ranks); ``end`` once, before on_train_end. A phase lasts until the next mark.
+        May change: nothing; the listener runs on the training thread.
+        Returns: the listener (a callable), or None.
+        Ranks: every rank, once, before restore. Per step: the listener is called 4 to 7 times per
+        step — keep it to a few attribute writes or a clock read; never a device sync.
+        """
 
+    @hookspec
+    def on_train_start(self, run: Run) -> None:
+        """Everything is built and, if resuming, restored; step ``run.state.step + 1`` is next.
 
-# --------------------------------------------------------------------------- lifecycle
+        Args: ``run`` — complete: model, optimizer, scheduler, datasets.
+        May change: plugin-owned state; open files and connections here, not in ``__init__``.
+        Returns: nothing.
+        Ranks: every rank, once (not at all if a signal or a failed restore ends the run first).
+        """
 
+    @hookspec
+    def pre_step(self, run: Run, step: int) -> None:
+        """Before the first micro-batch of ``step``.
 
-@hookspec
-def phase_listener(run: Run) -> Callable[[int, str], None] | None:
-    """A function the loop calls at each phase boundary, ``listener(step, phase)``: how the
-    watchdog sees where a rank is, and how timers measure where a step's time goes.
+        Args: ``step`` — 1-based, the step about to run.
+        May change: plugin-owned state; ``run.control`` requests.
+        Returns: nothing.
+        Ranks: every rank. Per step: yes — no host-device sync.
+        """
 
-    Args: ``run`` — built, not yet restored.
-    Phases (:data:`coretrain.phases.PHASES`): ``restore`` (step = the checkpoint's, 0 when
-    fresh; covers restore and on_train_start); per step ``pre_step`` (when a plugin implements
-    it), ``data``, ``forward_backward``, ``update``, ``post_step``, then ``log``, ``eval``,
-    ``checkpoint`` when they happen, and ``agreement`` while the ranks agree on stopping (on
-    several ranks); ``end`` once, before on_train_end. A phase lasts until the next mark.
-    May change: nothing; the listener runs on the training thread.
-    Returns: the listener (a callable), or None.
-    Ranks: every rank, once, before restore. Per step: the listener is called 4 to 7 times per
-    step — keep it to a few attribute writes or a clock read; never a device sync.
-    """
+    @hookspec
+    def before_update(self, run: Run, step: int, loss: torch.Tensor) -> None:
+        """Gradients are ready; the optimizer has not stepped.
 
+        Args: ``loss`` — the step's mean loss over micro-batches, a device tensor (reading it
+        syncs).
+        May change: gradients (``p.grad``, in place); ``run.control.skip_update(reason)`` vetoes
+        this update — on every rank when any rank vetoes. The ranks agree with one blocking
+        collective per step, paid only while an enabled plugin declares the class attribute
+        ``coretrain_vetoes_updates = True``; an undeclared veto on several ranks stops the run
+        (exit 1) naming the attribute, since the ranks could not have agreed on it.
+        Returns: nothing.
+        Ranks: every rank. Per step: yes — a sync here costs every step; guards that must read
+        the loss do so knowingly.
+        """
 
-@hookspec
-def on_train_start(run: Run) -> None:
-    """Everything is built and, if resuming, restored; step ``run.state.step + 1`` is next.
+    @hookspec
+    def post_step(self, run: Run, step: int, outputs: StepOutputs) -> None:
+        """After the update (or its veto); ``run.state`` already counts this step.
 
-    Args: ``run`` — complete: model, optimizer, scheduler, datasets.
-    May change: plugin-owned state; open files and connections here, not in ``__init__``.
-    Returns: nothing.
-    Ranks: every rank, once (not at all if a signal or a failed restore ends the run first).
-    """
+        Args: ``outputs`` — the step's loss, grad norm (None when not clipped or skipped), whether
+        the update was skipped and the global batch size; device tensors.
+        May change: plugin-owned state; ``run.log_tensors[name]`` (a device scalar for the next
+        ``on_log``); ``run.control`` requests (stop, checkpoint), honoured at the end of this step
+        on one rank and of the next on several (agreed without blocking; at once on a save step).
+        Returns: nothing.
+        Ranks: every rank. Per step: yes — don't read ``outputs`` on the host every step.
+        """
 
+    @hookspec
+    def on_log(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+        """Every ``train.log_interval`` steps: the interval's metrics as host floats.
 
-@hookspec
-def pre_step(run: Run, step: int) -> None:
-    """Before the first micro-batch of ``step``.
+        Args: ``metrics`` — loss, lr, grad_norm, the rates (``samples_per_second``,
+        ``iteration_time``), memory, the model's ``train/*`` values and ``run.log_tensors``
+        entries, averaged over the interval and over ranks (one device sync per interval, the
+        loop's).
+        May change: ``metrics`` — ``tryfirst`` implementations may add entries that the ones
+        recording or displaying metrics see (the built-in ``timers`` adds ``time/*``, per-device
+        throughput, TFLOP/s and MFU; ``stragglers`` its scores).
+        Returns: nothing.
+        Ranks: every rank, the same values; loggers write on rank 0 only.
+        """
 
-    Args: ``step`` — 1-based, the step about to run.
-    May change: plugin-owned state; ``run.control`` requests.
-    Returns: nothing.
-    Ranks: every rank. Per step: yes — no host-device sync.
-    """
+    @hookspec
+    def on_eval(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+        """After an evaluation pass of one split.
 
+        Args: ``metrics`` — ``valid/...`` during and after training, ``test/...`` once after it
+        (loss, the model's named values, ppl for token losses), averaged over ranks.
+        May change: ``metrics`` (``tryfirst`` implementations, as for on_log).
+        Returns: nothing.
+        Ranks: every rank, the same values. The model is back in train mode.
+        """
 
-@hookspec
-def before_update(run: Run, step: int, loss: torch.Tensor) -> None:
-    """Gradients are ready; the optimizer has not stepped.
+    @hookspec
+    def on_checkpoint(self, run: Run, step: int, path: str) -> dict[str, Any] | None:
+        """A checkpoint of ``step`` is being written to ``path`` (not yet committed).
 
-    Args: ``loss`` — the step's mean loss over micro-batches, a device tensor (reading it
-    syncs).
-    May change: gradients (``p.grad``, in place); ``run.control.skip_update(reason)`` vetoes
-    this update — on every rank when any rank vetoes. The ranks agree with one blocking
-    collective per step, paid only while an enabled plugin declares the class attribute
-    ``coretrain_vetoes_updates = True``; an undeclared veto on several ranks stops the run
-    (exit 1) naming the attribute, since the ranks could not have agreed on it.
-    Returns: nothing.
-    Ranks: every rank. Per step: yes — a sync here costs every step; guards that must read
-    the loss do so knowingly.
-    """
+        May change: nothing the checkpoint holds (model, optimizer) — it is being copied.
+        Returns: this plugin's own state — tensors, numbers, str, bool, None, lists and dicts of
+        these; anything else stops the run naming the plugin, before anything reaches the disk. It
+        is saved under the plugin's name, per rank, and handed back to :func:`on_resume`.
+        Ranks: every rank (each saves its own state). Called plugin by plugin.
+        """
 
+    @hookspec
+    def on_checkpoint_saved(self, run: Run, step: int, path: str) -> None:
+        """The checkpoint of ``step`` is durable and committed at ``path``.
 
-@hookspec
-def post_step(run: Run, step: int, outputs: StepOutputs) -> None:
-    """After the update (or its veto); ``run.state`` already counts this step.
+        May change: plugin-owned state (e.g. upload the directory, prune elsewhere).
+        Returns: nothing.
+        Ranks: every rank, on the training thread: right after a synchronous save, or at the first
+        step boundary after an asynchronous save finished.
+        """
 
-    Args: ``outputs`` — the step's loss, grad norm (None when not clipped or skipped), whether
-    the update was skipped and the global batch size; device tensors.
-    May change: plugin-owned state; ``run.log_tensors[name]`` (a device scalar for the next
-    ``on_log``); ``run.control`` requests (stop, checkpoint), honoured at the end of this step
-    on one rank and of the next on several (agreed without blocking; at once on a save step).
-    Returns: nothing.
-    Ranks: every rank. Per step: yes — don't read ``outputs`` on the host every step.
-    """
+    @hookspec
+    def on_resume(self, run: Run, step: int, state: dict[str, Any]) -> None:
+        """The run resumed from ``step``, before ``on_train_start``.
 
+        Args: ``state`` — what this plugin returned from on_checkpoint on this rank ({} when it
+        saved nothing, e.g. it was not enabled then).
+        May change: plugin-owned state.
+        Returns: nothing.
+        Ranks: every rank, once. Called plugin by plugin.
+        """
 
-@hookspec
-def on_log(run: Run, step: int, metrics: dict[str, float]) -> None:
-    """Every ``train.log_interval`` steps: the interval's metrics as host floats.
+    @hookspec
+    def on_signal(self, run: Run, signum: int) -> None:
+        """All ranks agreed that ``signum`` arrived; a checkpoint and exit(128+signum) follow.
 
-    Args: ``metrics`` — loss, lr, grad_norm, the rates (``samples_per_second``,
-    ``iteration_time``), memory, the model's ``train/*`` values and ``run.log_tensors``
-    entries, averaged over the interval and over ranks (one device sync per interval, the
-    loop's).
-    May change: ``metrics`` — ``tryfirst`` implementations may add entries that the ones
-    recording or displaying metrics see (the built-in ``timers`` adds ``time/*``, per-device
-    throughput, TFLOP/s and MFU; ``stragglers`` its scores).
-    Returns: nothing.
-    Ranks: every rank, the same values; loggers write on rank 0 only.
-    """
+        May change: plugin-owned state (note why the run stops).
+        Returns: nothing.
+        Ranks: every rank, at the same step, once.
+        """
 
+    @hookspec
+    def on_train_end(self, run: Run, outcome: Outcome) -> None:
+        """The run is over: flush and close here.
 
-@hookspec
-def on_eval(run: Run, step: int, metrics: dict[str, float]) -> None:
-    """After an evaluation pass of one split.
+        Args: ``outcome`` — "completed", "exit_interval", "exit_duration", "stopped" (a plugin's
+        request), "signal" or "error".
+        May change: plugin-owned state only; nothing the loop does after this.
+        Returns: nothing; a raise is reported after every other plugin's on_train_end ran.
+        Ranks: every rank, exactly once, on every way a run ends — also when ``on_train_start``
+        was not called (restore failed, or a signal arrived before the first step). Called plugin
+        by plugin, so one plugin's failure does not skip another's.
+        """
 
-    Args: ``metrics`` — ``valid/...`` during and after training, ``test/...`` once after it
-    (loss, the model's named values, ppl for token losses), averaged over ranks.
-    May change: ``metrics`` (``tryfirst`` implementations, as for on_log).
-    Returns: nothing.
-    Ranks: every rank, the same values. The model is back in train mode.
-    """
+    # --------------------------------------------------------------------------- after training (hook API 1.1)
 
+    @hookspec(firstresult=True)
+    def export_model(
+        self,
+        state: dict[str, torch.Tensor],
+        config: dict[str, Any],
+        run_dir: Path,
+        checkpoint: Path,
+        export_format: str,
+        to: Path,
+        options: dict[str, Any],
+    ) -> str | None:
+        """Write a checkpoint's model weights in ``export_format`` (``coretrain checkpoint export
+        --format NAME``): e.g. the ``hf`` provider writes a ``save_pretrained`` directory.
 
-@hookspec
-def on_checkpoint(run: Run, step: int, path: str) -> dict[str, Any] | None:
-    """A checkpoint of ``step`` is being written to ``path`` (not yet committed).
-
-    May change: nothing the checkpoint holds (model, optimizer) — it is being copied.
-    Returns: this plugin's own state — tensors, numbers, str, bool, None, lists and dicts of
-    these; anything else stops the run naming the plugin, before anything reaches the disk. It
-    is saved under the plugin's name, per rank, and handed back to :func:`on_resume`.
-    Ranks: every rank (each saves its own state). Called plugin by plugin.
-    """
-
-
-@hookspec
-def on_checkpoint_saved(run: Run, step: int, path: str) -> None:
-    """The checkpoint of ``step`` is durable and committed at ``path``.
-
-    May change: plugin-owned state (e.g. upload the directory, prune elsewhere).
-    Returns: nothing.
-    Ranks: every rank, on the training thread: right after a synchronous save, or at the first
-    step boundary after an asynchronous save finished.
-    """
-
-
-@hookspec
-def on_resume(run: Run, step: int, state: dict[str, Any]) -> None:
-    """The run resumed from ``step``, before ``on_train_start``.
-
-    Args: ``state`` — what this plugin returned from on_checkpoint on this rank ({} when it
-    saved nothing, e.g. it was not enabled then).
-    May change: plugin-owned state.
-    Returns: nothing.
-    Ranks: every rank, once. Called plugin by plugin.
-    """
-
-
-@hookspec
-def on_signal(run: Run, signum: int) -> None:
-    """All ranks agreed that ``signum`` arrived; a checkpoint and exit(128+signum) follow.
-
-    May change: plugin-owned state (note why the run stops).
-    Returns: nothing.
-    Ranks: every rank, at the same step, once.
-    """
-
-
-@hookspec
-def on_train_end(run: Run, outcome: Outcome) -> None:
-    """The run is over: flush and close here.
-
-    Args: ``outcome`` — "completed", "exit_interval", "exit_duration", "stopped" (a plugin's
-    request), "signal" or "error".
-    May change: plugin-owned state only; nothing the loop does after this.
-    Returns: nothing; a raise is reported after every other plugin's on_train_end ran.
-    Ranks: every rank, exactly once, on every way a run ends — also when ``on_train_start``
-    was not called (restore failed, or a signal arrived before the first step). Called plugin
-    by plugin, so one plugin's failure does not skip another's.
-    """
-
-
-# --------------------------------------------------------------------------- after training (hook API 1.1)
-
-
-@hookspec(firstresult=True)
-def export_model(
-    state: dict[str, torch.Tensor],
-    config: dict[str, Any],
-    run_dir: Path,
-    export_format: str,
-    to: Path,
-    options: dict[str, Any],
-) -> str | None:
-    """Write a checkpoint's model weights in ``export_format`` (``coretrain checkpoint export
-    --format NAME``): e.g. the ``hf`` provider writes a ``save_pretrained`` directory.
-
-    Args: ``state`` — the full (unsharded) model state dict, keys as the provided model names
-    them; ``config`` — the run's resolved config as plain data; ``run_dir`` — the run's output
-    dir (files the plugin wrote there while training); ``to`` — the destination the user named;
-    ``options`` — the command's flags (``merge_lora``).
-    May change: nothing but ``to``.
-    Returns: a one-line description of what was written, or None when this plugin does not
-    write ``export_format`` (the first answer wins; none is an error naming the format).
-    Ranks: one process, no run: the plugins of the run's saved config are loaded, not started.
-    """
+        Args: ``state`` — the full (unsharded) model state dict, keys as the provided model names
+        them; ``config`` — the run's resolved config as plain data; ``run_dir`` — the run's output
+        dir (files the plugin wrote there while training); ``checkpoint`` — the step directory the
+        weights come from (hook API 1.4); ``to`` — the destination the user named;
+        ``options`` — the command's flags (``merge_lora``).
+        May change: nothing but ``to``.
+        Returns: a one-line description of what was written, or None when this plugin does not
+        write ``export_format`` (the first answer wins; none is an error naming the format).
+        Ranks: one process, no run: the plugins of the run's saved config are loaded, not started.
+        """

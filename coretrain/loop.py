@@ -51,14 +51,14 @@ class ResolvedHooks:
     def __init__(self, run: Run) -> None:
         calls = hook_calls(run)
         on = calls.implemented
-        self.num_micro_batches = calls.num_micro_batches if on("num_micro_batches") else None
-        self.on_train_start = calls.on_train_start if on("on_train_start") else None
-        self.pre_step = calls.pre_step if on("pre_step") else None
-        self.post_step = calls.post_step if on("post_step") else None
-        self.on_log = calls.on_log if on("on_log") else None
-        self.on_eval = calls.on_eval if on("on_eval") else None
-        self.on_checkpoint_saved = calls.on_checkpoint_saved if on("on_checkpoint_saved") else None
-        self.on_signal = calls.on_signal if on("on_signal") else None
+        self.num_micro_batches = calls.hook.num_micro_batches if on("num_micro_batches") else None
+        self.on_train_start = calls.hook.on_train_start if on("on_train_start") else None
+        self.pre_step = calls.hook.pre_step if on("pre_step") else None
+        self.post_step = calls.hook.post_step if on("post_step") else None
+        self.on_log = calls.hook.on_log if on("on_log") else None
+        self.on_eval = calls.hook.on_eval if on("on_eval") else None
+        self.on_checkpoint_saved = calls.hook.on_checkpoint_saved if on("on_checkpoint_saved") else None
+        self.on_signal = calls.hook.on_signal if on("on_signal") else None
         self.on_train_end = calls.on_train_end if on("on_train_end") else None
 
 

@@ -161,7 +161,7 @@ class Plugins:
 
     def __init__(self) -> None:
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
-        self.manager.add_hookspecs(hookspecs)
+        self.manager.add_hookspecs(hookspecs.HookSpecs)
         self.entries: dict[str, PluginEntry] = {}
         self.calls = HookCalls(self.manager)
         """Typed calls of every hook (the only way the core calls plugins)."""
@@ -211,7 +211,7 @@ class Plugins:
             self.manager.check_pending()
         except pluggy.PluginValidationError as exc:
             plugin_name = self.manager.get_name(exc.plugin) or "?"
-            known = [n for n in dir(hookspecs) if not n.startswith("_")]
+            known = [n for n in dir(hookspecs.HookSpecs) if not n.startswith("_")]
             unknown = [
                 n
                 for n in _hook_like_methods(exc.plugin)

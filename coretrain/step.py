@@ -38,7 +38,7 @@ class StepNumerics:
     def __init__(self, run: Run) -> None:
         self.run = run
         calls = hook_calls(run)
-        self.before_update = calls.before_update if calls.implemented("before_update") else None
+        self.before_update = calls.hook.before_update if calls.implemented("before_update") else None
         self.world = run.dist.world_size
         self.agree_skip = self.world > 1 and bool(run.plugins.vetoing())
         """Some plugin may veto an update on one rank: agree on it every step."""

@@ -129,6 +129,35 @@ def test_export_into_a_place_it_cannot_write_is_one_error(
     assert "Traceback" not in err and "SafetensorError" not in err
 
 
+def test_safetensors_export_needs_none_of_the_runs_plugins(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+
+    manifest = trained / "checkpoints/step_00000002/checkpoint.json"
+    recorded = json.loads(manifest.read_text())
+    recorded["config"]["plugins"] = {"uninstalled-since": {}}  # the run used a plugin this machine lacks
+    manifest.write_text(json.dumps(recorded))
+    code, out, err = export_to(trained, tmp_path / "m.safetensors", capsys)
+    assert code == 0 and (tmp_path / "m.safetensors").is_file(), err
+    said = err + caplog.text
+    assert "no plugin named 'uninstalled-since' is installed" in said and "on-by-default export formats" in said
+
+
+def test_export_to_a_format_no_plugin_writes_names_it(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coretrain.cli import main
+
+    code = main(["checkpoint", "export", str(trained), "--to", str(tmp_path / "m.onnx"), "--format", "onnx"])
+    err = capsys.readouterr().err
+    assert (
+        code == 2
+        and err.startswith("error: --format onnx: no plugin writes that format")
+        and len(err.splitlines()) == 1
+    )
+
+
 def damage_rank_file(step: Path, change: Any) -> None:
     path = step / "rank_00000.pt"
     state = torch.load(path, weights_only=True)

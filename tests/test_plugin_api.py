@@ -12,15 +12,11 @@ from attrs import define, field
 
 from coretrain import HOOK_API, Run, UserError, hookimpl
 from coretrain.errors import PluginError
-from coretrain.hookspecs import PROJECT
+from coretrain.hookspecs import PROJECT, HookSpecs
 from coretrain.pluginmanager import Plugins
 from coretrain.testing import run_steps, run_until_signal, stop_and_resume
 
-SPECS = sorted(
-    name
-    for name, fn in vars(__import__("coretrain.hookspecs", fromlist=["x"])).items()
-    if getattr(fn, f"{PROJECT}_spec", None) is not None
-)
+SPECS = sorted(name for name, fn in vars(HookSpecs).items() if getattr(fn, f"{PROJECT}_spec", None) is not None)
 
 
 @define
@@ -225,7 +221,9 @@ def test_a_phase_listener_that_is_not_a_function_is_its_plugins_error(tmp_path: 
         run_steps(tmp_path, steps=1, plugins={"odd": NotAFunction()})
 
 
-@pytest.mark.parametrize("name", ["watchdog", "timers", "progress", "metrics-file", "progress-file"])
+@pytest.mark.parametrize(
+    "name", ["watchdog", "timers", "data-checks", "safetensors", "progress", "metrics-file", "progress-file"]
+)
 def test_each_built_in_plugin_can_be_turned_off_and_the_run_works(tmp_path: Path, name: str) -> None:
     on = run_steps(tmp_path / "on", steps=2, autoload=True)
     assert name in on.run.plugins.names()

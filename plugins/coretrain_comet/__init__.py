@@ -23,7 +23,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import LoggingBackend, Run, UserError, hookimpl, require
+from coretrain import LoggingBackend, Outcome, Run, UserError, hookimpl, require
 
 log = logging.getLogger("coretrain")
 
@@ -128,7 +128,7 @@ class Comet(LoggingBackend):
         if self._experiment is not None:
             self._experiment.log_other("signal", signal.Signals(signum).name)
 
-    def close(self, outcome: str) -> None:
+    def close(self, outcome: Outcome) -> None:
         experiment, self._experiment = self._experiment, None
         experiment.log_other("outcome", outcome)
         experiment.end()  # offline: this is what writes the archive

@@ -17,7 +17,7 @@ from typing import IO
 
 from attrs import define, field
 
-from coretrain import LoggingBackend, Run
+from coretrain import LoggingBackend, Outcome, Run
 
 log = logging.getLogger("coretrain")
 
@@ -70,6 +70,6 @@ class MetricsFile(LoggingBackend):
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
 
-    def close(self, outcome: str) -> None:
+    def close(self, outcome: Outcome) -> None:
         if self._file is not None:
             self._file.close()

@@ -20,7 +20,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import LoggingBackend, Run, require
+from coretrain import LoggingBackend, Outcome, Run, require
 
 STATUS = {
     "completed": "FINISHED",
@@ -114,6 +114,6 @@ class MLflow(LoggingBackend):
     def run_id(self) -> str | None:
         return self._run_id
 
-    def close(self, outcome: str) -> None:
+    def close(self, outcome: Outcome) -> None:
         client, self._client = self._client, None
         client.set_terminated(self._run_id, status=STATUS.get(outcome, "FINISHED"))

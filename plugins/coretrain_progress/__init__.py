@@ -21,7 +21,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import Run, hookimpl, non_negative
+from coretrain import Outcome, Run, hookimpl, non_negative
 
 EVENT_LINES = 5
 """The live panel's event lines: a fixed height, so the panel never jumps."""
@@ -173,7 +173,7 @@ class Progress:
         self._event(text)
 
     @hookimpl
-    def on_train_end(self, run: Run, outcome: str) -> None:
+    def on_train_end(self, run: Run, outcome: Outcome) -> None:
         if not self._active:
             return
         elapsed = time.perf_counter() - self._started

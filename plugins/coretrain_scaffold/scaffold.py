@@ -8,11 +8,10 @@ point, an attrs class with one documented option and one hook, a test that runs 
 from __future__ import annotations
 
 import re
+from importlib import metadata
 from pathlib import Path
 
-from coretrain import __version__
-from coretrain.errors import UserError
-from coretrain.hookspecs import HOOK_API
+from coretrain import HOOK_API, UserError, __version__
 
 PLUGIN_NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
 MAX_NAME = 64
@@ -149,12 +148,12 @@ def new_plugin(name: str, directory: Path | None = None) -> Path:
             f"new-plugin: {name[:80]!r} is not a plugin name; use at most {MAX_NAME} lowercase letters, "
             "digits and single hyphens, starting with a letter, e.g. 'loss-spikes'"
         )
-    from coretrain.pluginmanager import discover
-
-    installed = discover()
+    installed = {ep.name: ep for ep in metadata.entry_points(group="coretrain")}
     if name in installed:
+        owner = installed[name].dist
+        origin = f"{owner.name} {owner.version}" if owner else installed[name].value
         raise UserError(
-            f"new-plugin: '{name}' is already the name of an installed plugin (from {installed[name].origin}); "
+            f"new-plugin: '{name}' is already the name of an installed plugin (from {origin}); "
             "a second one would shadow it: choose another name"
         )
     dist = name if name.startswith("coretrain-") else f"coretrain-{name}"

@@ -11,7 +11,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import LoggingBackend, Run, require
+from coretrain import LoggingBackend, Outcome, Run, require
 
 
 @define(kw_only=True)
@@ -35,6 +35,6 @@ class TensorBoard(LoggingBackend):
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, global_step=step)
 
-    def close(self, outcome: str) -> None:
+    def close(self, outcome: Outcome) -> None:
         self._writer.flush()
         self._writer.close()

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import LoggingBackend, Run, UserError, hookimpl, require
+from coretrain import LoggingBackend, Outcome, Run, UserError, hookimpl, require
 
 
 def _logged_in(wandb: Any) -> bool:
@@ -87,7 +87,7 @@ class WandB(LoggingBackend):
         if self._run is not None:
             self._run.mark_preempting()
 
-    def close(self, outcome: str) -> None:
+    def close(self, outcome: Outcome) -> None:
         wandb_run, self._run = self._run, None
         wandb_run.summary["outcome"] = outcome
         wandb_run.finish(exit_code=1 if outcome == "error" else 0)
