@@ -8,8 +8,9 @@ names below load their modules on first use.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: `coretrain` is the first
+# import of the console script, before its Ctrl-C handler exists, so it imports next to nothing
 __version__ = "0.2.0"
 
 
@@ -50,6 +51,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports on first use
+    from typing import Any
+
     import pluggy
 
     hookimpl: pluggy.HookimplMarker

@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)  # loads every command's package: may take a moment
+        from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, PluginError, RunFailure, UserError
     except KeyboardInterrupt:
         print("coretrain: stopped by SIGINT during start-up; nothing was trained or saved", file=sys.stderr)
         return 130
@@ -46,8 +47,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if cwd not in sys.path and "" not in sys.path:  # as `python -m coretrain` does: ./mymodule:build
         sys.path.insert(0, cwd)
-    from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, PluginError, RunFailure, UserError
-
     try:
         return int(args.handler(args) or 0)
     except UserError as exc:
