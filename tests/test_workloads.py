@@ -14,9 +14,9 @@ import pytest
 import tomli
 import torch
 from conftest import config_file, metrics_rows, run_cli
-from helpers_inprocess import train
 
 from coretrain.configload import deep_merge
+from coretrain.testing import run_steps
 
 pytestmark = pytest.mark.slow  # user workloads through the CLI and torchrun: the full suite, not the fast tier
 
@@ -78,29 +78,26 @@ class EvalRecorder:
 
 
 def test_a_classifier_reports_accuracy_over_every_validation_sample_once(tmp_path: Path, no_autoload: None) -> None:
-    from coretrain.config import Config
-    from coretrain.configload import structure
-
-    config = structure(
-        {
-            "run": {"output_dir": str(tmp_path / "out"), "peak_tflops": 1.0},
+    recorder = EvalRecorder()
+    result = run_steps(
+        tmp_path,
+        steps=20,
+        plugins={"recorder": recorder},
+        tables={"timers": {}},  # TFLOP/s and MFU
+        config={
+            "run": {"peak_tflops": 1.0},
             "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
             "data": {"provider": "workloads:digits"},
             "train": {
                 "micro_batch_size": 32,
-                "train_iters": 20,
                 "log_interval": 10,
                 "eval_full": True,
                 "eval_micro_batch_size": 64,
                 "eval_interval": 10,
             },
-            "optimizer": {"lr": 0.01},
-            "plugins": {"timers": {}},  # TFLOP/s and MFU
         },
-        Config,
     )
-    recorder = EvalRecorder()
-    run, code = train(config, ("recorder", recorder))
+    run, code = result.run, result.exit_code
     assert code == 0
     valid_steps = [(step, m) for step, m in recorder.evals if "valid/accuracy" in m]
     test_steps = [(step, m) for step, m in recorder.evals if "test/accuracy" in m]
@@ -285,20 +282,18 @@ def test_the_bring_your_own_examples_run_from_their_directory(
 
 
 def test_skip_train_evaluates_the_valid_and_test_splits_once(tmp_path: Path, no_autoload: None) -> None:
-    from coretrain.config import Config
-    from coretrain.configload import structure
-
     recorder = EvalRecorder()
-    config = structure(
-        {
-            "run": {"output_dir": str(tmp_path / "out")},
+    result = run_steps(
+        tmp_path,
+        steps=5,
+        plugins={"recorder": recorder},
+        config={
             "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
             "data": {"provider": "workloads:digits"},
-            "train": {"micro_batch_size": 32, "train_iters": 5, "skip_train": True, "eval_full": True},
+            "train": {"micro_batch_size": 32, "skip_train": True, "eval_full": True},
         },
-        Config,
     )
-    run, code = train(config, ("recorder", recorder))
+    run, code = result.run, result.exit_code
     assert code == 0 and run.state.step == 0 and recorder.logs == []
     assert [sorted(k.split("/")[0] for k in m)[0] for _, m in recorder.evals] == ["valid", "test"]
 
