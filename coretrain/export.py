@@ -68,8 +68,9 @@ def export_plugins(source: Path, config: dict[str, Any]) -> Plugins:
     try:
         return load_plugins(structure(config, Config), autoload=True)
     except UserError as exc:
-        why = "records no config" if not config else f"names plugins that do not load ({exc})"
-        logging.getLogger("coretrain").warning("%s %s: only the on-by-default export formats", source, why)
+        logging.getLogger("coretrain").warning(
+            "%s: the run's plugins do not load here (%s): only the on-by-default export formats", source, exc
+        )
         return load_plugins(Config(), autoload=True)
 
 

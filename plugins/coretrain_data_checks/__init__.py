@@ -33,18 +33,18 @@ class DataChecks:
             if dataset is None or is_stream(dataset):
                 continue
             needed = run.global_batch_size if split == "train" else eval_needed
-            where = f"data.provider '{run.config.data.provider}': the {split} split"
-            check_split(dataset, where, needed, min(train.micro_batch_size, needed), datasets)
+            check_split(dataset, split, run.config.data.provider, needed, min(train.micro_batch_size, needed), datasets)
 
 
-def check_split(dataset: Any, where: str, needed: int, micro_batch: int, datasets: Any) -> None:
+def check_split(dataset: Any, split: str, provider: str, needed: int, micro_batch: int, datasets: Any) -> None:
     """Length, first micro-batch, last sample, token ids of one map-style split."""
+    where = f"data.provider '{provider}': the {split} split"
     try:
         length = len(dataset)
     except Exception as exc:
         raise UserError(f"{where}: len() failed: {type(exc).__name__}: {exc}") from None
     if length < needed:
-        if where.endswith("train split"):
+        if split == "train":
             fix = "lower train.global_batch_size / micro_batch_size or give it more data"
         else:
             fix = "lower the batch size, give it more data, or set train.eval_full = true or train.eval_iters = 0"

@@ -149,7 +149,7 @@ class TensorParallel:
         plan = (
             {path: style_of(style) for path, style in self.plan.items()}
             if self.plan
-            else run.plugins.calls.tensor_parallel_plan(run=run, model=model)
+            else run.plugins.calls.hook.tensor_parallel_plan(run=run, model=model)
         )
         if not plan:
             linears = [n for n, m in model.named_modules() if type(m).__name__ == "Linear"][:6]
