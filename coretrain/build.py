@@ -20,7 +20,6 @@ from coretrain.config import Config, micro_batches_per_step
 from coretrain.configload import config_as_dict
 from coretrain.dist import init_distributed
 from coretrain.errors import UserError
-from coretrain.flops import flops_per_sample
 from coretrain.loader import adapt, is_stream
 from coretrain.optim import WarmupDecayLR, build_optimizer
 from coretrain.outputs import resolve_loss
@@ -194,7 +193,7 @@ def _warn_stream(run: Run) -> None:
 
 
 def _build_model(run: Run) -> None:
-    """provide_model, checked, on the device; its loss and FLOPs; the configure_model wrappers."""
+    """provide_model, checked, on the device; its loss; the configure_model wrappers."""
     config = run.config
     model = hook_calls(run).hook.provide_model(run=run)
     if model is None:
@@ -202,7 +201,6 @@ def _build_model(run: Run) -> None:
     check_model(model, config.model.provider)
     run.model = model.to(run.device)
     run.loss_fn = resolve_loss(config.model.loss)
-    run.flops_per_sample = flops_per_sample(run, run.loss_fn)
     hook_calls(run).hook.configure_model(run=run)
 
 

@@ -137,8 +137,7 @@ class HookSpecs(Protocol):
         ``model(**batch)`` for dict batches) returns the scalar loss, a dict or object with
         ``loss`` and other scalars to log, or — with ``model.loss`` set — outputs the configured
         loss turns into the loss (:mod:`coretrain.outputs`). A ``flops_per_token()`` method, when
-        present, feeds throughput and MFU; otherwise the FLOPs are counted once
-        (:mod:`coretrain.flops`).
+        present, feeds throughput and MFU; otherwise the ``timers`` plugin counts the FLOPs once.
         Ranks: every rank, once, before training; seeded identically on every rank.
         """
 

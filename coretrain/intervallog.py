@@ -1,8 +1,8 @@
 """The steps since the last log, held as device tensors and turned into metrics with one sync.
 
 What ``on_log`` receives: loss, grad norm, the model's named values and plugins'
-``run.log_tensors``, averaged over the interval and over ranks with one collective; throughput,
-MFU and memory. Where the time went (``time/*``) is the ``timers`` plugin's, from the phase marks.
+``run.log_tensors``, averaged over the interval and over ranks with one collective, and the
+rates. Where the time went (``time/*``), FLOPs, MFU and memory are the ``timers`` plugin's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from coretrain import metrics as derived
 from coretrain.dist import mean_over_ranks, sum_over_ranks
 from coretrain.errors import RunFailure
 from coretrain.run import Run
@@ -109,7 +108,6 @@ class IntervalLog:
         seq_length = run.datasets.seq_length
         if seq_length:
             metrics["tokens_per_second"] = metrics["samples_per_second"] * seq_length
-        metrics.update(derived.memory(run.device))
         if metrics["iteration_time"] > 0:
             metrics["time/step"] = metrics["iteration_time"]
         self.losses, self.grad_norms, self.values, self.skipped = [], [], {}, []

@@ -146,17 +146,6 @@ def adapt(datasets: Any) -> None:
             setattr(datasets, split, Columns(dataset))
 
 
-def first_batch(dataset: Any, count: int, collate: Any) -> Any:
-    """A batch of the first ``count`` samples of a split (indexable or stream)."""
-    if is_stream(dataset):
-        items = iter(dataset)
-        samples = [item for _, item in zip(range(count), items)]
-        if not samples:
-            raise UserError("the train split (a stream) yielded no samples")
-        return (collate or torch.utils.data.default_collate)(samples)
-    return fetch(dataset, torch.arange(min(count, len(dataset))), collate)
-
-
 class StepPlan:
     """Micro-batches per rank for each step, decided once, in step order, whoever asks first."""
 

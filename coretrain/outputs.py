@@ -13,12 +13,16 @@ The contract (README, "Bring your own model and data"):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from coretrain.errors import UserError
+
+if TYPE_CHECKING:
+    from coretrain.run import Run
 
 LossFn = Callable[[Any, Any], Any]
 TARGET_KEY = "labels"
@@ -124,3 +128,19 @@ def call(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[to
     else:
         raise UserError("model.loss needs a target: a batch of (inputs..., target) or a dict with 'labels'")
     return split_output(loss_fn(output, target))
+
+
+def autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
+    """The run's precision (``run.precision``) for a forward: nothing for fp32, else autocast."""
+    precision = run.config.run.precision
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(run.device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def forward(run: Run, batch: Any, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and named values of one batch as a training step computes them: ``run.model``
+    (or ``model``) under the run's precision, with its configured loss. No gradient is turned off
+    here; wrap it in ``torch.no_grad()`` to evaluate."""
+    with autocast(run):
+        return call(model if model is not None else run.model, batch, run.loss_fn)

@@ -148,8 +148,8 @@ class Run:
     """Device scalars a plugin adds for the next ``on_log`` (e.g. a norm taken at the log step):
     read with the interval's one host sync, averaged over ranks, then cleared."""
     flops_per_sample: float | None = None
-    """Training FLOPs (forward + backward) of one sample: the model's ``flops_per_token()`` ×
-    seq_length, else counted once before training (:mod:`coretrain.flops`)."""
+    """Training FLOPs (forward + backward) of one sample, for plugins that report throughput; set
+    before any wrapper by the plugin that counts them (``timers``), None when none does."""
     loss_fn: LossFn | None = None
     """``model.loss`` resolved: turns the model's outputs and the batch's target into the loss."""
     output_lock: OutputDirLock | None = field(default=None, repr=False)

@@ -17,7 +17,6 @@ import torch
 from coretrain import checkpoint, outputs
 from coretrain.dist import max_over_ranks, sum_over_ranks
 from coretrain.errors import RunFailure
-from coretrain.evaluate import autocast
 from coretrain.pluginmanager import hook_calls
 from coretrain.run import Run
 
@@ -126,7 +125,7 @@ class StepNumerics:
             if set_gradient_sync is not None:
                 set_gradient_sync(last)
             sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
-            with sync, autocast(run):
+            with sync, outputs.autocast(run):
                 loss, named = outputs.call(model, batch, run.loss_fn)
             tokens = named.get(outputs.NUM_TOKENS)
             scaled = loss * tokens if tokens is not None else loss / n_micro if n_micro > 1 else loss

@@ -1,5 +1,5 @@
 """``timers`` (on by default): where a step's time goes and what it achieves, as Megatron's
-training_log: phase times, throughput per device, TFLOP/s and MFU.
+training_log: phase times, throughput per device, FLOPs, TFLOP/s, MFU and memory.
 
 ``time/data``, ``time/forward_backward``, ``time/optimizer``: seconds per step over the log
 interval; ``time/eval``, ``time/checkpoint``: seconds spent on them in the interval. Each is
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from time import perf_counter
 from typing import Any
 
@@ -31,6 +31,8 @@ import torch
 from attrs import define, field
 
 from coretrain import Run, fraction, hookimpl, max_over_ranks
+from coretrain_timers.flops import flops_per_sample
+from coretrain_timers.memory import memory
 
 log = logging.getLogger("coretrain")
 
@@ -152,6 +154,12 @@ class Timers:
     _times: PhaseTimes | None = field(default=None, init=False, repr=False)
     _said: bool = field(default=False, init=False, repr=False)
 
+    @hookimpl(wrapper=True)
+    def configure_model(self, run: Run) -> Generator[None, None, None]:
+        """Count the FLOPs on the plain model, before any configure_model converts or wraps it."""
+        run.flops_per_sample = flops_per_sample(run)
+        return (yield)
+
     @hookimpl
     def phase_listener(self, run: Run) -> Callable[[int, str], None]:
         self._times = PhaseTimes(run.device)
@@ -167,6 +175,7 @@ class Timers:
     def on_log(self, run: Run, metrics: dict[str, float]) -> None:
         elapsed = time.monotonic() - run.started_at
         metrics.update(throughput(run, metrics["samples_per_second"], metrics["iteration_time"], elapsed))
+        metrics.update(memory(run.device))
         if self._times is None:
             return
         mine = self._times.collect()

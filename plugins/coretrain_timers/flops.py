@@ -10,38 +10,29 @@ compile) exists, leaving the model and the RNG as they were.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from coretrain.run import Run
-
 import logging
+from typing import Any
 
 import torch
 
-from coretrain import outputs
-from coretrain.data import batch_size, to_device
+from coretrain import Run, fetch, forward, is_stream, to_device
 
 log = logging.getLogger("coretrain")
 
 
-def flops_per_sample(run: Run, loss_fn: outputs.LossFn | None) -> float | None:
+def flops_per_sample(run: Run) -> float | None:
     model, datasets = run.model, run.datasets
     method = getattr(model, "flops_per_token", None)
     if callable(method) and datasets.seq_length:
         return float(method()) * datasets.seq_length
     from torch.utils.flop_counter import FlopCounterMode
 
-    from coretrain.loader import first_batch
-
-    batch = first_batch(datasets.train, run.config.train.micro_batch_size, datasets.collate_fn)
-    count = batch_size(batch)
-    batch = to_device(batch, run.device) if run.device.type != "cpu" else batch
     rng, was_training = torch.get_rng_state(), model.training
     model.eval()  # counting must leave no trace: no BatchNorm statistics updated, no dropout drawn
     try:
+        batch, count = first_batch(run)
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            outputs.call(model, batch, loss_fn)
+            forward(run, batch)
     except Exception as exc:  # an op the counter cannot trace must not stop training
         log.warning(
             "could not count the model's FLOPs (%s: %s); TFLOP/s and MFU are not reported", type(exc).__name__, exc
@@ -52,3 +43,17 @@ def flops_per_sample(run: Run, loss_fn: outputs.LossFn | None) -> float | None:
         torch.set_rng_state(rng)
     total = counter.get_total_flops()
     return 3.0 * total / count if total else None
+
+
+def first_batch(run: Run) -> tuple[Any, int]:
+    """One micro-batch of the train split's first samples, on the device, and its sample count."""
+    dataset, collate = run.datasets.train, run.datasets.collate_fn
+    count = run.config.train.micro_batch_size
+    if is_stream(dataset):
+        samples = [item for _, item in zip(range(count), iter(dataset))]
+        batch = (collate or torch.utils.data.default_collate)(samples)
+        count = len(samples)
+    else:
+        count = min(count, len(dataset))
+        batch = fetch(dataset, torch.arange(count), collate)
+    return (to_device(batch, run.device) if run.device.type != "cpu" else batch), count

@@ -1,9 +1,5 @@
-"""Memory metrics for ``on_log``, once per log interval (throughput, TFLOP/s and MFU are the
-``timers`` plugin's).
-
-Everything here turns values the loop already has on the host into more values; nothing
-touches the device except reading CUDA allocator statistics, which does not synchronize.
-"""
+"""Memory metrics for each log: CUDA allocator statistics (Megatron's report_memory set) in GB,
+or on CPU the process RSS and its peak. Reading allocator statistics does not synchronize."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ import sys
 import torch
 
 GB = 1024**3
-CUDA_MEMORY_KEYS = {  # Megatron's report_memory set: torch.cuda.memory_stats key -> metric name
+CUDA_MEMORY_KEYS = {  # torch.cuda.memory_stats key -> metric name
     "allocated_bytes.all.current": "memory/allocated_gb",
     "allocated_bytes.all.peak": "memory/max_allocated_gb",
     "active_bytes.all.current": "memory/active_gb",
