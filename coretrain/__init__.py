@@ -33,6 +33,8 @@ _LAZY = {
     "fetch": "coretrain.data",
     "to_device": "coretrain.data",
     "is_stream": "coretrain.loader",
+    "SampleOrder": "coretrain.data",
+    "SplitBatches": "coretrain.loader",
     # the model, called as a training step calls it
     "forward": "coretrain.outputs",
     # helpers plugins share with the core
@@ -64,11 +66,11 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.checkpoint import is_sharded
     from coretrain.configload import config_as_dict
     from coretrain.control import Control
-    from coretrain.data import RandomWindows, TokenWindows, fetch, to_device, windows
+    from coretrain.data import RandomWindows, SampleOrder, TokenWindows, fetch, to_device, windows
     from coretrain.dist import DistInfo, max_over_ranks, mean_over_ranks, sum_over_ranks
     from coretrain.errors import UserError, require
     from coretrain.hookspecs import HOOK_API, Outcome
-    from coretrain.loader import is_stream
+    from coretrain.loader import SplitBatches, is_stream
     from coretrain.outputs import forward
     from coretrain.run import DatasetContext, Datasets, Run, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
@@ -91,6 +93,8 @@ __all__ = [
     "fetch",
     "to_device",
     "is_stream",
+    "SampleOrder",
+    "SplitBatches",
     "forward",
     "LoggingBackend",
     "UserError",

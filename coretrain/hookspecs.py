@@ -22,7 +22,8 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
         clip, optimizer.step(), scheduler.step()           # unless any rank vetoed
         post_step(run, step, outputs)       outputs hold device tensors; no sync required
         every log_interval:   on_log(run, step, metrics)   ONE host sync per interval
-        every eval_interval:  on_eval(run, step, metrics)
+        every eval_interval:  evaluate(run, split, dataset)  firstresult   the metrics (evaluation)
+                              on_eval(run, step, metrics)
         checkpoint due?       on_checkpoint(run, step, path) -> this plugin's state
                               on_checkpoint_saved(run, step, path)  once committed (async: later)
         signal agreed?        on_signal(run, signum) -> checkpoint -> exit 128+signum
@@ -78,7 +79,7 @@ if TYPE_CHECKING:
 PROJECT = "coretrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
-HOOK_API = (1, 4)
+HOOK_API = (1, 5)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -273,6 +274,18 @@ class HookSpecs(Protocol):
         throughput, TFLOP/s and MFU; ``stragglers`` its scores).
         Returns: nothing.
         Ranks: every rank, the same values; loggers write on rank 0 only.
+        """
+
+    @hookspec(firstresult=True)
+    def evaluate(self, run: Run, split: str, dataset: Any) -> dict[str, float] | None:
+        """Evaluate the model on one split (hook API 1.5; the built-in ``evaluation`` answers last).
+
+        Args: ``split`` — ``"valid"`` at the eval steps and after training, ``"test"`` once after
+        it; ``dataset`` — that split of ``run.datasets`` (never None here).
+        May change: nothing on ``run``; leave the model in the mode it came in.
+        Returns: ``{"SPLIT/NAME": value}``, the same on every rank; the first non-None answer
+        wins; None (from every plugin) means the split is not evaluated now.
+        Ranks: every rank, at the same steps: collectives are allowed.
         """
 
     @hookspec

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from coretrain.data import BatchReader, SampleOrder, fetch, to_device
+from coretrain.data import BatchReader, SampleOrder, batch_size, fetch, to_device
 from coretrain.errors import UserError
 
 
@@ -207,7 +207,7 @@ class MicroBatches(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return fetch(self.dataset, torch.as_tensor(indices, dtype=torch.long), self.collate)
 
 
-def data_loader(dataset: Any, sampler: Any, run: Run) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+def data_loader(dataset: Any, sampler: Any, run: Run, persistent: bool = False) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
     cfg = run.config.data
     return torch.utils.data.DataLoader(
         MicroBatches(dataset, run.datasets.collate_fn),
@@ -216,9 +216,53 @@ def data_loader(dataset: Any, sampler: Any, run: Run) -> torch.utils.data.DataLo
         num_workers=cfg.num_workers,
         prefetch_factor=cfg.prefetch_factor,
         pin_memory=cfg.pin_memory and run.device.type == "cuda",
-        persistent_workers=False,
+        persistent_workers=persistent,
         worker_init_fn=worker_init_fn(run),
     )
+
+
+class SplitBatches:
+    """This rank's micro-batches of a split, on the run's device, each with its sample count —
+    what an evaluation (or a prediction) iterates, as many times as it likes.
+
+    A map-style split is read by ``chunks``, this rank's index tensors (one per micro-batch): in
+    this process, or by DataLoader workers made once and kept (``data.persistent_workers``). A
+    stream is read from its start, this rank's share of it in micro-batches of
+    ``micro_batch_size``, up to ``limit`` samples (None: all of it).
+    """
+
+    def __init__(
+        self,
+        run: Run,
+        dataset: Any,
+        chunks: list[torch.Tensor] | None = None,
+        micro_batch_size: int = 1,
+        limit: int | None = None,
+    ) -> None:
+        self.run, self.dataset, self.chunks = run, dataset, chunks or []
+        self.micro_batch_size, self.limit = micro_batch_size, limit
+        self.device = run.device if run.device.type != "cpu" else None
+        self._loader: Any = None
+        if run.config.data.num_workers and not is_stream(dataset):
+            sampler = [chunk.tolist() for chunk in self.chunks]
+            self._loader = data_loader(dataset, sampler, run, persistent=run.config.data.persistent_workers)
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        for count, batch in self._counted():
+            yield count, (to_device(batch, self.device) if self.device is not None else batch)
+
+    def _counted(self) -> Iterator[tuple[int, Any]]:
+        if is_stream(self.dataset):
+            seen = 0
+            for batch in stream_loader(self.dataset, self.run, self.micro_batch_size, stateful=False):
+                if self.limit is not None and seen >= self.limit:
+                    return
+                seen += batch_size(batch)
+                yield batch_size(batch), batch
+            return
+        collate = self.run.datasets.collate_fn
+        source = self._loader if self._loader is not None else (fetch(self.dataset, c, collate) for c in self.chunks)
+        yield from ((len(chunk), batch) for chunk, batch in zip(self.chunks, source))
 
 
 def worker_init_fn(run: Run) -> Callable[[int], None]:

@@ -18,7 +18,6 @@ from attrs import frozen
 
 from coretrain import checkpoint, resume, safeload
 from coretrain.errors import PluginError, RunFailure
-from coretrain.evaluate import Evaluator
 from coretrain.hookspecs import Outcome
 from coretrain.intervallog import IntervalLog
 from coretrain.loader import StepPlan, TrainBatches
@@ -56,6 +55,7 @@ class ResolvedHooks:
         self.pre_step = calls.hook.pre_step if on("pre_step") else None
         self.post_step = calls.hook.post_step if on("post_step") else None
         self.on_log = calls.hook.on_log if on("on_log") else None
+        self.evaluate = calls.hook.evaluate if on("evaluate") else None
         self.on_eval = calls.hook.on_eval if on("on_eval") else None
         self.on_checkpoint_saved = calls.hook.on_checkpoint_saved if on("on_checkpoint_saved") else None
         self.on_signal = calls.hook.on_signal if on("on_signal") else None
@@ -98,7 +98,6 @@ class Trainer:
         """A stream's position from the checkpoint resumed from, for the feed made in _steps."""
         self.evaluated_at: dict[str, int] = {}
         """Split -> the last step it was evaluated (and logged) at."""
-        self._evaluators: dict[str, Evaluator] = {}
         self.checkpointer = checkpoint.Checkpointer(run)
         train = run.config.train
         watched = train.exit_signals if train.exit_signal_handler else []
@@ -110,6 +109,8 @@ class Trainer:
         self.mark = combined(hook_calls(run).phase_listeners(run))
         """``mark(step, phase)`` at each phase boundary, for the plugins that watch or time the loop."""
         self.stops = StopAgreement(run, self.signals, self.hooks.on_signal, self.mark)
+        if run.cadence.eval_every and self.hooks.evaluate is None and run.dist.is_main:
+            log.warning("train.eval_interval is set, but no plugin evaluates (is `evaluation` disabled?)")
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -260,17 +261,17 @@ class Trainer:
             )
 
     def _eval(self, split: str = "valid") -> None:
-        """Evaluate ``split`` if it exists and evaluation is on; hand the metrics to on_eval."""
-        run, train = self.run, self.run.config.train
+        """Evaluate ``split`` if it exists and a plugin evaluates it; hand the metrics to on_eval."""
+        run = self.run
         dataset = getattr(run.datasets, split)
-        if dataset is None or not (train.eval_full or train.eval_iters):
+        if dataset is None or self.hooks.evaluate is None:
             return
         self.mark(run.state.step, "eval")
-        if split not in self._evaluators:
-            self._evaluators[split] = Evaluator(run, dataset, split)
         started = time.perf_counter()
-        metrics = self._evaluators[split]()
+        metrics = self.hooks.evaluate(run=run, split=split, dataset=dataset)
         self.log.leave_out(time.perf_counter() - started)  # evaluation time is not training time
+        if metrics is None:
+            return
         self.evaluated_at[split] = run.state.step
         if self.hooks.on_eval:
             self.hooks.on_eval(run=run, step=run.state.step, metrics=metrics)

@@ -14,7 +14,7 @@ import functools
 import inspect
 import os
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -95,13 +95,14 @@ def is_import_path(provider: str) -> bool:
 
 
 def enabled_tables(
-    config: Config, installed: Mapping[str, PluginEntry], autoload: bool | None = None
+    config: Config, installed: Mapping[str, PluginEntry], autoload: bool | Collection[str] | None = None
 ) -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
     """Decide which plugins a config turns on: name -> (config key path, table).
 
     Providers named by ``model.provider`` / ``data.provider`` take ``[model.options]`` /
     ``[data.options]``; ``[plugins.NAME]`` tables turn theirs on; autoload plugins are on
-    unless ``enabled = false`` or autoload is disabled by the environment.
+    unless ``enabled = false`` or autoload is disabled by the environment (or ``autoload`` names
+    the only ones to keep on).
     """
     chosen: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {}
     for section in ("model", "data"):
@@ -139,7 +140,8 @@ def enabled_tables(
         autoload = os.environ.get(AUTOLOAD_OFF_ENV, "") not in ("1", "true", "yes")
     if autoload:
         for name, entry in installed.items():
-            if entry.autoload and name not in config.plugins and name not in chosen:
+            wanted = autoload is True or name in autoload
+            if entry.autoload and wanted and name not in config.plugins and name not in chosen:
                 chosen[name] = (("plugins", name), {})
     return chosen
 
@@ -281,10 +283,11 @@ def load_plugins(
     config: Config,
     locations: Mapping[tuple[str, ...], Location] | None = None,
     installed: Mapping[str, PluginEntry] | None = None,
-    autoload: bool | None = None,
+    autoload: bool | Collection[str] | None = None,
 ) -> Plugins:
     """Import, configure and register every plugin the config enables; check hook names.
-    ``autoload``: whether on-by-default plugins load (None: unless the environment says not)."""
+    ``autoload``: whether on-by-default plugins load (None: unless the environment says not;
+    names: only those of them)."""
     installed = discover() if installed is None else installed
     plugins = Plugins()
     for name, (key_path, table) in enabled_tables(config, installed, autoload).items():

@@ -222,7 +222,8 @@ def test_a_phase_listener_that_is_not_a_function_is_its_plugins_error(tmp_path: 
 
 
 @pytest.mark.parametrize(
-    "name", ["watchdog", "timers", "data-checks", "safetensors", "progress", "metrics-file", "progress-file"]
+    "name",
+    ["watchdog", "timers", "data-checks", "safetensors", "evaluation", "progress", "metrics-file", "progress-file"],
 )
 def test_each_built_in_plugin_can_be_turned_off_and_the_run_works(tmp_path: Path, name: str) -> None:
     on = run_steps(tmp_path / "on", steps=2, autoload=True)
@@ -230,6 +231,28 @@ def test_each_built_in_plugin_can_be_turned_off_and_the_run_works(tmp_path: Path
     off = run_steps(tmp_path / "off", steps=2, autoload=True, tables={name: {"enabled": False}})
     assert off.exit_code == 0 and off.run.state.step == 2
     assert name not in off.run.plugins.names()
+
+
+def test_a_plugin_of_yours_evaluates_instead_of_the_built_in_evaluation(tmp_path: Path) -> None:
+    class CountsSamples:
+        @hookimpl
+        def evaluate(self, split: str, dataset: Any) -> dict[str, float]:
+            return {f"{split}/samples": float(len(dataset))}
+
+    result = run_steps(tmp_path, steps=4, plugins={"mine": CountsSamples()}, config={"train": {"eval_interval": 2}})
+    assert [row["step"] for row in result.evals] == [2, 4]
+    assert all(set(row) == {"step", "valid/samples"} for row in result.evals)
+
+
+def test_with_evaluation_off_nothing_is_evaluated_and_the_run_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = {"train": {"eval_interval": 2}}
+    on = run_steps(tmp_path / "on", steps=4, config=config)
+    assert [row["step"] for row in on.evals] == [2, 4] and "valid/loss" in on.evals[0]
+    off = run_steps(tmp_path / "off", steps=4, config=config, tables={"evaluation": {"enabled": False}})
+    assert off.exit_code == 0 and off.evals == []
+    assert "no plugin evaluates (is `evaluation` disabled?)" in caplog.text
 
 
 class AsksTheCadence:

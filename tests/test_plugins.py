@@ -125,7 +125,16 @@ def _enabled(tmp_path: Path, text: str) -> set[str]:
 
 def test_autoload_and_enabled_false(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CORETRAIN_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    built_in = {"progress", "metrics-file", "progress-file", "watchdog", "timers", "data-checks", "safetensors"}
+    built_in = {
+        "progress",
+        "metrics-file",
+        "progress-file",
+        "watchdog",
+        "timers",
+        "data-checks",
+        "safetensors",
+        "evaluation",
+    }
     assert _enabled(tmp_path, '[model]\nprovider = "gpt"\n') == {"gpt", *built_in}
     assert _enabled(tmp_path, "[plugins.progress]\nenabled = false\n") == built_in - {"progress"}
     monkeypatch.setenv("CORETRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")

@@ -422,7 +422,9 @@ def test_the_final_checkpoint_is_saved_before_the_final_validation(tmp_path: Pat
 
     helpers_inprocess.make_data = make_data
     try:
-        with pytest.raises(OSError, match="went away"):
+        from coretrain.errors import PluginError
+
+        with pytest.raises(PluginError, match="plugin 'evaluation' failed in evaluate at step 6: OSError: .*went away"):
             train(config(tmp_path, train={"train_iters": 6, "eval_iters": 4}))
     finally:
         helpers_inprocess.make_data = original

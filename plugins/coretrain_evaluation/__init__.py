@@ -1,0 +1,112 @@
+"""``evaluation`` (on by default): the model's loss and named values over a split, averaged over
+every sample — the ``evaluate`` hook's built-in answer, which a plugin of yours may replace.
+
+Two ways, chosen by ``train.eval_full``:
+
+- a full pass: every sample of the split exactly once, rank r taking samples r, r+W, r+2W…
+  in micro-batches of ``train.eval_micro_batch_size``; the last, partial micro-batch counts
+  for the samples it has;
+- ``train.eval_iters`` global batches drawn from a seeded order, the same ones every time
+  (comparable from one validation to the next, and cheap on a large split).
+
+A stream split is read from its start each time: all of this rank's share with ``eval_full``,
+else its first ``eval_iters`` global batches' worth. Values are summed weighted by the
+micro-batch's sample count (the loss by its tokens when the model reports ``num_tokens``) and
+reduced over ranks with one collective, so the result is the mean over samples whatever the
+batch sizes and the number of ranks. ``ppl`` is reported for token-level losses only
+(datasets with a seq_length).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from attrs import define, field
+
+from coretrain import Run, SampleOrder, SplitBatches, forward, hookimpl, is_stream, sum_over_ranks
+
+EVAL_SEED_OFFSET = 1_000_003
+NUM_TOKENS = "num_tokens"
+"""The named value by which a model says how many tokens its loss is the mean over."""
+
+
+def index_chunks(run: Run, length: int) -> list[torch.Tensor]:
+    """This rank's micro-batches of sample indices for one evaluation of a split of ``length``."""
+    train, rank, world = run.config.train, run.dist.dp_rank, run.dist.dp_size
+    micro = train.eval_micro_batch_size or train.micro_batch_size
+    if train.eval_full:
+        return list(torch.split(torch.arange(rank, length, world), micro))
+    order = SampleOrder(length, run.config.run.seed + EVAL_SEED_OFFSET)
+    global_batch = run.global_batch_size
+    per_rank = global_batch // world
+    return [
+        chunk
+        for i in range(train.eval_iters)
+        for chunk in torch.split(order.indices(i * global_batch + rank * per_rank, per_rank), micro)
+    ]
+
+
+def split_batches(run: Run, dataset: Any) -> SplitBatches:
+    train = run.config.train
+    micro = train.eval_micro_batch_size or train.micro_batch_size
+    if is_stream(dataset):
+        limit = None if train.eval_full else train.eval_iters * run.global_batch_size // run.dist.dp_size
+        return SplitBatches(run, dataset, micro_batch_size=micro, limit=limit)
+    return SplitBatches(run, dataset, index_chunks(run, len(dataset)))
+
+
+@torch.no_grad()
+def evaluate_split(run: Run, batches: SplitBatches, split: str) -> dict[str, float]:
+    """``SPLIT/NAME`` means over every sample the ranks read, with one collective."""
+    model = run.model
+    was_training = model.training
+    model.eval()
+    totals: dict[str, torch.Tensor] = {}
+    samples = 0
+    try:
+        for count, batch in batches:
+            samples += count
+            loss, extras = forward(run, batch)
+            tokens = extras.pop(NUM_TOKENS, None)
+            for name, value in {"loss": loss, **extras}.items():
+                weight = tokens if name == "loss" and tokens is not None else count
+                weighted = value.detach().float().reshape(()) * weight
+                totals[name] = totals[name] + weighted if name in totals else weighted
+            if tokens is not None:  # the loss is per token: its normaliser is the tokens, not the samples
+                totals["_tokens"] = totals.get("_tokens", torch.zeros((), device=tokens.device)) + tokens.float()
+    finally:
+        model.train(was_training)
+    names = sorted(totals)
+    sample_count = torch.tensor(float(samples), device=run.device)
+    summed = sum_over_ranks(torch.stack([sample_count, *(totals[n].to(run.device) for n in names)])).tolist()
+    sums = dict(zip(names, summed[1:]))
+    tokens = sums.pop("_tokens", None)
+    metrics = {f"{split}/{name}": value / summed[0] for name, value in sums.items()}
+    if tokens:
+        metrics[f"{split}/loss"] = sums["loss"] / tokens
+    if run.datasets.seq_length:  # a token-level loss: its exponential is the perplexity
+        metrics[f"{split}/ppl"] = math.exp(min(metrics[f"{split}/loss"], 50.0))
+    return metrics
+
+
+@define(kw_only=True)
+class Evaluation:
+    """The loss and the model's named values over the valid split (and test after training)."""
+
+    _batches: dict[str, SplitBatches] = field(factory=dict, init=False, repr=False)
+
+    @hookimpl(trylast=True)  # a plugin of yours that evaluates answers first
+    def evaluate(self, run: Run, split: str, dataset: Any) -> dict[str, float] | None:
+        train = run.config.train
+        if not (train.eval_full or train.eval_iters):
+            return None
+        if split not in self._batches:  # index chunks and DataLoader workers made once, reused
+            self._batches[split] = split_batches(run, dataset)
+        return evaluate_split(run, self._batches[split], split)
+
+    @hookimpl
+    def on_train_end(self) -> None:
+        """Let go of the DataLoader workers kept between evaluations, so the process can exit."""
+        self._batches.clear()

@@ -1,0 +1,199 @@
+"""``coretrain run --nproc-per-node N [--nnodes ...]``: torchrun's launcher, in this process.
+
+This command module adds no command of its own: it gives ``run`` the launch flags (a
+``coretrain.commands`` module may extend a command the core registered before it), and with
+them ``run`` starts the ranks under ``torch.distributed.run`` instead of training itself. The
+ranks run the plain ``coretrain run CONFIG``; ``torchrun -m coretrain run`` works without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from coretrain import UserError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def add(commands: Any) -> None:
+    """Give ``coretrain run`` the launch flags; leave it as it is when not launching."""
+    run = commands.choices.get("run")
+    if run is None:
+        return
+    launch = run.add_argument_group(
+        "launching ranks (torchrun's launcher, in this process; run the same command on every machine)"
+    )
+    launch.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N ranks on this machine (same as `torchrun --standalone --nproc-per-node N "
+        "-m coretrain run CONFIG`); default 1 with --nnodes",
+    )
+    launch.add_argument(
+        "--nnodes",
+        default=None,
+        metavar="N|MIN:MAX",
+        help="machines in the job; MIN:MAX for an elastic job that starts with MIN, takes machines "
+        "that join up to MAX and, given --max-restarts, goes on without one that leaves (each "
+        "change stops the ranks with a checkpoint and restarts them from it)",
+    )
+    launch.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the machines meet (with --nnodes): a free port on a host every machine reaches; "
+        "that host's launcher keeps the meeting point, so it must stay up",
+    )
+    launch.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="this machine's place, 0..N-1, with a fixed --nnodes N (ranks R*nproc ..); "
+        "unset, machines are numbered as they arrive",
+    )
+    launch.add_argument(
+        "--rdzv-id",
+        default="coretrain",
+        metavar="ID",
+        help="the job's name at the endpoint, the same on every machine (default: coretrain)",
+    )
+    launch.add_argument(
+        "--rdzv-conf",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="rendezvous settings, as torchrun takes them (e.g. join_timeout=900,last_call_timeout=30)",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart the ranks up to K times after a failure; each restart resumes from the "
+        "newest complete checkpoint",
+    )
+    run.set_defaults(handler=launching(run.get_default("handler")))
+
+
+def launching(run_here: Handler) -> Handler:
+    def handler(args: argparse.Namespace) -> int:
+        if (args.nproc_per_node or args.nnodes) and "LOCAL_RANK" not in os.environ:
+            return launch_torchrun(args)
+        return run_here(args)
+
+    return handler
+
+
+def launch_torchrun(args: argparse.Namespace) -> int:
+    """Run this command under torchrun in this process; its exit code mirrors the job's.
+
+    torchrun itself answers a SIGTERM with a traceback and exit 1; here the job exits with
+    128+signum, like a single-process run, once the ranks have checkpointed. A rank that ended
+    that way stopped as agreed, not failed; a rendezvous that is gone (the machine hosting it
+    left) is one error line, not the C++ stack torch's store logs.
+    """
+    argv = torchrun_arguments(args)  # a mistake in the flags is reported before torch loads
+    cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch loads: this process only
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import main as torchrun
+
+    _restore_env("TORCH_CPP_LOG_LEVEL", cpp_log_level)  # the ranks log as the user asked
+    for handler in logging.getLogger("torch.distributed").handlers:  # torch's own, where elastic logs
+        handler.addFilter(_AgreedStops())
+    # Workers keep their own rendezvous store: with the agent's shared store, restarted gloo
+    # groups connect to the dead attempt's ports (seen with torch 2.13; pytorch#167288).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    try:
+        torchrun(argv)
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        if failure.exitcode in _STOP_CODES:
+            print(
+                f"coretrain: rank {rank} stopped on {_STOP_CODES[failure.exitcode]} after saving a checkpoint "
+                f"(exit {failure.exitcode}); the job resumes from it",
+                file=sys.stderr,
+            )
+            return failure.exitcode
+        print(f"error: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    except (RendezvousError, DistError) as exc:
+        cause: BaseException = exc
+        while cause.__cause__ is not None:  # torch's outer message says "see inner exception"
+            cause = cause.__cause__
+        first = next((line.strip() for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+        print(
+            f"error: lost the rendezvous at {args.rdzv_endpoint or 'this machine'} (did the machine hosting it "
+            f"leave?): {first[:200]}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+_STOP_CODES = {128 + number: name for number, name in ((15, "SIGTERM"), (2, "SIGINT"), (10, "SIGUSR1"))}
+"""A rank's exit code after an agreed stop on a signal, with its checkpoint saved (Linux numbers)."""
+
+
+class _AgreedStops(logging.Filter):
+    """Drop torch elastic's lines that call an agreed, checkpointed stop a failure."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if any(f"(exitcode: {code})" in text for code in _STOP_CODES):
+            return False
+        return "has failed to shutdown the rendezvous" not in text
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def torchrun_arguments(args: argparse.Namespace) -> list[str]:
+    """torchrun's command line for this command's launch flags (one machine: --standalone;
+    several: c10d rendezvous at --rdzv-endpoint, or torchrun's static one with --node-rank)."""
+    nnodes = args.nnodes or "1"
+    low, _, high = nnodes.partition(":")
+    if not (low.isdigit() and (high or low).isdigit() and 1 <= int(low) <= int(high or low)):
+        raise UserError(f"--nnodes {nnodes}: expected a number of machines N or MIN:MAX (e.g. 2 or 1:4)")
+    several = int(high or low) > 1
+    if not several:
+        argv = ["--standalone"]
+    elif not args.rdzv_endpoint:
+        raise UserError(
+            f"--nnodes {nnodes}: the machines need a meeting point; add --rdzv-endpoint HOST:PORT "
+            "(a free port on a host every machine reaches, the same on every machine)"
+        )
+    elif args.node_rank is not None:
+        if high:
+            raise UserError(
+                f"--node-rank {args.node_rank}: an elastic job (--nnodes {nnodes}) numbers machines as "
+                "they join; leave --node-rank out"
+            )
+        if not 0 <= args.node_rank < int(low):
+            raise UserError(f"--node-rank {args.node_rank}: expected 0..{int(low) - 1} (--nnodes {nnodes})")
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        argv = ["--nnodes", nnodes, "--node-rank", str(args.node_rank), "--master-addr", host, "--master-port", port]
+    else:
+        argv = ["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
+        argv += ["--rdzv-id", args.rdzv_id] + (["--rdzv-conf", args.rdzv_conf] if args.rdzv_conf else [])
+    argv += ["--nproc-per-node", str(args.nproc_per_node or 1), "--max-restarts", str(args.max_restarts)]
+    argv += ["-m", "coretrain", "run", args.config]
+    for override in args.overrides:
+        argv += ["--set", override]
+    return argv
