@@ -35,8 +35,9 @@ _LAZY = {
     "is_stream": "coretrain.loader",
     "SampleOrder": "coretrain.data",
     "SplitBatches": "coretrain.loader",
-    # the model, called as a training step calls it
+    # the model, called as a training step calls it, and its repeated blocks
     "forward": "coretrain.outputs",
+    "blocks_of": "coretrain.blocks",
     # helpers plugins share with the core
     "LoggingBackend": "coretrain.backend",
     "UserError": "coretrain.errors",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     hookimpl: pluggy.HookimplMarker
     """Mark a plugin method as a hook implementation: ``@hookimpl`` / ``@hookimpl(trylast=True)``."""
     from coretrain.backend import LoggingBackend
+    from coretrain.blocks import blocks_of
     from coretrain.checkpoint import is_sharded
     from coretrain.configload import config_as_dict
     from coretrain.control import Control
@@ -96,6 +98,7 @@ __all__ = [
     "SampleOrder",
     "SplitBatches",
     "forward",
+    "blocks_of",
     "LoggingBackend",
     "UserError",
     "require",

@@ -9,23 +9,9 @@ Enable with ``distributed.strategy = "fsdp"`` (options in ``[plugins.fsdp]``).
 
 from __future__ import annotations
 
-from typing import Any
-
 from attrs import define, field
 
-from coretrain import Run, hookimpl
-
-
-def blocks_of(model: Any, block_types: list[str]) -> list[Any]:
-    """The modules to shard one by one: instances of ``block_types`` (class names); by default
-    the model's own ``_no_split_modules`` (Hugging Face models name their transformer blocks
-    there), else every child of every ``nn.ModuleList`` (a transformer's layer stack)."""
-    import torch
-
-    names = set(block_types) or {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
-    if names:
-        return [m for m in model.modules() if type(m).__name__ in names]
-    return [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
+from coretrain import Run, blocks_of, hookimpl
 
 
 @define(kw_only=True)

@@ -1,0 +1,18 @@
+"""The repeated blocks of a model (a transformer's layers): what FSDP shards one by one and
+activation checkpointing recomputes, found one way for every plugin that needs them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def blocks_of(model: torch.nn.Module, block_types: Sequence[str] = ()) -> list[torch.nn.Module]:
+    """Instances of ``block_types`` (class names); by default the model's own ``_no_split_modules``
+    (Hugging Face models name their decoder layers there), else every child of every
+    ``nn.ModuleList`` (a transformer's layer stack, as the ``gpt`` provider's)."""
+    names = set(block_types) or {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+    if names:
+        return [m for m in model.modules() if type(m).__name__ in names]
+    return [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
