@@ -3,15 +3,28 @@
 Shards each transformer block, then the root (torchtitan's recipe), over the data-parallel
 dimension of the run's device mesh (all ranks; with ``distributed.tp_size`` > 1, one rank of
 each tensor-parallel group, for 2-D parallelism). Parameters become DTensors, so checkpoints are saved sharded with
-torch.distributed.checkpoint and can be resumed on a different number of ranks.
+torch.distributed.checkpoint and can be resumed on a different number of ranks. Mixed precision
+is FSDP2's ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``, ``output_dtype``: the
+sharded fp32 parameters stay the optimizer's master copy), offload its ``CPUOffloadPolicy``.
 Enable with ``distributed.strategy = "fsdp"`` (options in ``[plugins.fsdp]``).
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Literal
+
+import torch
 from attrs import define, field
 
 from coretrain import Run, blocks_of, hookimpl
+
+log = logging.getLogger("coretrain")
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    return getattr(torch, name) if name else None
 
 
 @define(kw_only=True)
@@ -21,14 +34,21 @@ class FSDP:
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (saves memory; gathers again for backward)."""
     cpu_offload: bool = False
-    """Keep sharded parameters and optimizer state in host memory (CUDA only)."""
+    """Keep sharded parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy)."""
+    param_dtype: Dtype | None = None
+    """Dtype of the gathered parameters forward and backward compute in; unset = as stored.
+    The recipe for bf16 training: param_dtype = "bfloat16", reduce_dtype = "float32"."""
+    reduce_dtype: Dtype | None = None
+    """Dtype gradients are reduce-scattered in; unset = param_dtype's."""
+    output_dtype: Dtype | None = None
+    """Dtype of the sharded modules' floating-point outputs; unset = as computed."""
     block_types: list[str] = field(factory=list)
     """Class names of the modules to shard individually; empty = the model's _no_split_modules
     (Hugging Face), else the children of every ModuleList."""
 
     @hookimpl(trylast=True)
     def configure_model(self, run: Run) -> None:
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         from coretrain import UserError
 
@@ -37,10 +57,19 @@ class FSDP:
                 "plugins.fsdp: the model is already wrapped for data parallelism (ddp); "
                 'enable one of them, e.g. distributed.strategy = "fsdp" and no [plugins.ddp]'
             )
-        if self.cpu_offload and run.device.type != "cuda":
-            raise UserError("plugins.fsdp.cpu_offload: only meaningful on CUDA; the run is on CPU")
-        mesh = run.device_mesh()["dp"]  # with tensor parallelism: 2-D, the "tp" splits kept inside
-        offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
+        cuda = run.device.type == "cuda"
+        if self.cpu_offload and not cuda and run.dist.is_main:
+            log.info("fsdp: cpu_offload on a CPU run keeps the state where it already is (no memory saved)")
+        options = {
+            "mesh": run.device_mesh()["dp"],  # with tensor parallelism: 2-D, the "tp" splits kept inside
+            "reshard_after_forward": self.reshard_after_forward,
+            "offload_policy": CPUOffloadPolicy(pin_memory=cuda) if self.cpu_offload else OffloadPolicy(),
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=torch_dtype(self.param_dtype),
+                reduce_dtype=torch_dtype(self.reduce_dtype),
+                output_dtype=torch_dtype(self.output_dtype),
+            ),
+        }
         for block in blocks_of(run.model, self.block_types):
-            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
-        fully_shard(run.model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
+            fully_shard(block, **options)
+        fully_shard(run.model, **options)
