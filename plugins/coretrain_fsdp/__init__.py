@@ -20,7 +20,6 @@ from attrs import define, field
 from coretrain import Run, blocks_of, hookimpl
 
 log = logging.getLogger("coretrain")
-Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
@@ -35,12 +34,12 @@ class FSDP:
     """Free gathered parameters after forward (saves memory; gathers again for backward)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy)."""
-    param_dtype: Dtype | None = None
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Dtype of the gathered parameters forward and backward compute in; unset = as stored.
     The recipe for bf16 training: param_dtype = "bfloat16", reduce_dtype = "float32"."""
-    reduce_dtype: Dtype | None = None
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Dtype gradients are reduce-scattered in; unset = param_dtype's."""
-    output_dtype: Dtype | None = None
+    output_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Dtype of the sharded modules' floating-point outputs; unset = as computed."""
     block_types: list[str] = field(factory=list)
     """Class names of the modules to shard individually; empty = the model's _no_split_modules
