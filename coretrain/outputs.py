@@ -14,17 +14,13 @@ The contract (README, "Bring your own model and data"):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from coretrain.errors import UserError
+from coretrain.run import LossFn, Run
 
-if TYPE_CHECKING:
-    from coretrain.run import Run
-
-LossFn = Callable[[Any, Any], Any]
 TARGET_KEY = "labels"
 
 

@@ -6,6 +6,7 @@ import it without a circle. Building a run is :mod:`coretrain.build`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload
 
@@ -19,8 +20,10 @@ if TYPE_CHECKING:
     from coretrain.config import Config
     from coretrain.dist import DistInfo
     from coretrain.optim import WarmupDecayLR
-    from coretrain.outputs import LossFn
     from coretrain.rundir import OutputDirLock
+
+LossFn = Callable[[Any, Any], Any]
+"""``model.loss`` resolved: (the model's outputs, the batch's target) -> the loss."""
 
 
 class PluginSet(Protocol):
