@@ -142,8 +142,7 @@ def _start(config: Config, plugins: Plugins) -> Run:
     if config.run.threads:
         torch.set_num_threads(config.run.threads)
     device = resolve_device(config.run.device)
-    distributed = config.distributed
-    info = init_distributed(device.type, distributed.backend, distributed.init_timeout_seconds, distributed.tp_size)
+    info = init_distributed(device.type, config.distributed)
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)

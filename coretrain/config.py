@@ -179,6 +179,11 @@ class DistributedConfig:
     """Tensor-parallel degree: each group of tp_size neighbouring ranks splits every layer of
     one model replica (the ``tensor-parallel`` plugin; settings in [plugins.tensor-parallel]);
     data parallel = ranks / tp_size."""
+    dp_replicate: int = field(default=1, validator=_positive)
+    """HSDP: data-parallel replicas, each sharding the model over dp_shard ranks (FSDP2 on a 2-D
+    mesh: gradients all-reduced across replicas, reduce-scattered within one). 1 = plain FSDP."""
+    dp_shard: int | None = field(default=None, validator=_positive)
+    """Ranks each replica shards over; unset = the rest (ranks / tp_size / dp_replicate)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto = nccl on CUDA, gloo on CPU."""
     init_timeout_seconds: float = field(default=600.0, validator=_positive)
@@ -192,8 +197,28 @@ class DistributedConfig:
         if self.strategy == "auto":
             if world_size // self.tp_size <= 1:
                 return None
-            return "fsdp" if self.tp_size > 1 else "ddp"
+            return "fsdp" if self.tp_size > 1 or self.dp_replicate > 1 else "ddp"
         return None if self.strategy == "none" else self.strategy
+
+    def check_layout(self, world_size: int) -> None:
+        """The ranks make a (dp_replicate × dp_shard × tp_size) grid, and HSDP runs on fsdp."""
+        tp, replicas = self.tp_size, self.dp_replicate
+        if world_size % tp:
+            fits = max(t for t in range(1, tp + 1) if world_size % t == 0)
+            raise UserError(
+                f"distributed.tp_size ({tp}) must divide the number of ranks ({world_size}); "
+                f"start a multiple of {tp} ranks, or set distributed.tp_size = {fits}"
+            )
+        data_parallel = world_size // tp
+        if data_parallel % replicas or (self.dp_shard or data_parallel // replicas) * replicas != data_parallel:
+            raise UserError(
+                f"distributed.dp_replicate ({replicas}) × dp_shard ({self.dp_shard or 'unset'}) must be the "
+                f"data-parallel ranks: {world_size} ranks / tp_size {tp} = {data_parallel}"
+            )
+        if replicas > 1 and self.resolved_strategy(world_size) != "fsdp":
+            raise UserError(
+                f'distributed.dp_replicate = {replicas} is HSDP, a layout of FSDP2: set distributed.strategy = "fsdp"'
+            )
 
 
 @define(kw_only=True)

@@ -11,20 +11,21 @@ import torch
 import torch.distributed as dist
 from attrs import define
 
-from coretrain.config import world_size_from_env
-from coretrain.errors import UserError
+from coretrain.config import DistributedConfig, world_size_from_env
 
 
 @define(frozen=True)
 class DistInfo:
     """Who this process is. Ranks form a (data parallel × tensor parallel) grid, tensor
     parallel innermost (the ranks of one TP group are neighbours, on one machine), as in
-    torchtitan and Megatron: ranks ``dp_rank * tp_size .. + tp_size - 1`` share one batch."""
+    torchtitan and Megatron: ranks ``dp_rank * tp_size .. + tp_size - 1`` share one batch.
+    With HSDP the data-parallel ranks are themselves (dp_replicate × dp_shard), shard innermost."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     tp_size: int = 1
+    dp_replicate: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -41,37 +42,42 @@ class DistInfo:
         return self.rank // self.tp_size
 
 
-def init_distributed(
-    device_type: str, backend: str = "auto", timeout_seconds: float = 600.0, tp_size: int = 1
-) -> DistInfo:
-    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA); single process otherwise."""
-    world_size = world_size_from_env()
-    if world_size % tp_size:
-        fits = max(t for t in range(1, tp_size + 1) if world_size % t == 0)
-        raise UserError(
-            f"distributed.tp_size ({tp_size}) must divide the number of ranks ({world_size}); "
-            f"start a multiple of {tp_size} ranks, or set distributed.tp_size = {fits}"
-        )
-    if world_size == 1:
+def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
+    """Join the process group torchrun set up (gloo on CPU, nccl on CUDA), once the layout the
+    config asks for fits the ranks; a single process otherwise."""
+    config.check_layout(world_size_from_env())
+    if world_size_from_env() == 1:
         return DistInfo()
     if not dist.is_initialized():
+        backend = config.backend
         chosen = backend if backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
         global _timeout
-        _timeout = datetime.timedelta(seconds=timeout_seconds)
+        _timeout = datetime.timedelta(seconds=config.init_timeout_seconds)
         dist.init_process_group(chosen, timeout=_timeout)
     return DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        tp_size=tp_size,
+        tp_size=config.tp_size,
+        dp_replicate=config.dp_replicate,
     )
 
 
 _mesh: Any = None
 
 
+def mesh_dims(info: DistInfo) -> dict[str, int]:
+    """The mesh's dims, outermost first: ("dp",), with HSDP ("dp_replicate", "dp_shard"), then
+    "tp" with tensor parallelism."""
+    dims = {"dp": info.dp_size}
+    if info.dp_replicate > 1:
+        dims = {"dp_replicate": info.dp_replicate, "dp_shard": info.dp_size // info.dp_replicate}
+    return dims | ({"tp": info.tp_size} if info.tp_size > 1 else {})
+
+
 def device_mesh(device_type: str, info: DistInfo) -> Any:
-    """The run's DeviceMesh, built once: dims ("dp",), or ("dp", "tp") with tensor parallelism.
+    """The run's DeviceMesh, built once, with :func:`mesh_dims`; "dp" always names every
+    data-parallel rank (with HSDP, the two dims flattened into one), "dp_tp" all ranks with TP.
 
     Parallelism plugins share it (FSDP2 shards over ``mesh["dp"]``, tensor parallelism splits
     over ``mesh["tp"]``): a 2-D layout works only when both come from one mesh. Every rank must
@@ -87,13 +93,15 @@ def device_mesh(device_type: str, info: DistInfo) -> Any:
                 world_size=1,
                 store=dist.HashStore(),  # type: ignore[attr-defined]
             )
-        if info.tp_size == 1:
-            _mesh = init_device_mesh(device_type, (info.world_size,), mesh_dim_names=("dp",))
-        else:
-            _mesh = init_device_mesh(device_type, (info.dp_size, info.tp_size), mesh_dim_names=("dp", "tp"))
-            # one group over both dims (torchtitan does the same): a norm partial on both, as
+        dims = mesh_dims(info)
+        _mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+        data_parallel = tuple(name for name in dims if name.startswith("dp"))
+        if len(data_parallel) > 1:
+            _mesh[data_parallel]._flatten("dp")
+        if info.tp_size > 1:
+            # one group over all dims (torchtitan does the same): a norm partial on both, as
             # gradient clipping has, is then reduced once instead of once per dimension
-            _mesh[("dp", "tp")]._flatten("dp_tp")
+            _mesh[(*data_parallel, "tp")]._flatten("dp_tp")
     return _mesh
 
 
