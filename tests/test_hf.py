@@ -217,18 +217,36 @@ def test_two_ranks_train_and_export_from_pretrained(tmp_path: Path, llama_dir: P
 
 
 @pytest.mark.slow
-def test_tensor_parallel_takes_the_transformers_plan_and_matches_one_rank(tmp_path: Path, llama_dir: Path) -> None:
+def test_tensor_parallel_takes_the_transformers_plan_sequence_parallel_and_matches_one_rank(
+    tmp_path: Path, llama_dir: Path
+) -> None:
     sections = text_run(llama_dir, global_batch_size=8, eval_iters=0, log_interval=1)
     one = run_steps(tmp_path / "one", steps=8, config=sections)
     split = run_ranks(tmp_path / "tp", nproc=2, steps=8, config={**sections, "distributed": {"tp_size": 2}})
     assert split.returncode == 0, split.stderr
-    # LlamaConfig.base_model_tp_plan: q, k, v, gate, up column-wise; o, down row-wise
-    assert "tensor-parallel: 2 ranks per group split 7 plan entries" in split.stderr
-    assert "replicated in each group: hf.model.embed_tokens, hf.model.layers.0.input_layernorm" in split.stderr
+    # LlamaConfig.base_model_tp_plan (q, k, v, gate, up column-wise; o, down row-wise) and 6
+    # entries of sequence parallelism: the layers' norms split by position, the whole sequence
+    # gathered for attention and MLP, split on entering layer 0 and gathered for the final norm
+    assert "tensor-parallel: 2 ranks per group split 13 plan entries" in split.stderr
+    assert "replicated in each group: hf.model.embed_tokens, hf.model.norm, hf.lm_head" in split.stderr
     manifest = (tmp_path / "tp/out/checkpoints/step_00000008/checkpoint.json").read_text()
     assert '"layout": "sharded"' in manifest
     got = [row["loss"] for row in metrics_rows(tmp_path / "tp" / "out")]
     assert got == pytest.approx([row["loss"] for row in one.metrics], rel=1e-5)
+
+
+def test_layers_of_another_shape_keep_the_plain_plan() -> None:
+    from coretrain_hf.parallel import sequence_parallel
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.mlp = torch.nn.Identity(), torch.nn.Identity()
+
+    base = torch.nn.Module()
+    base.layers, base.norm = torch.nn.ModuleList([Layer()]), torch.nn.Identity()
+    plan = {"layers.*.attn": "style"}
+    assert sequence_parallel(base, plan, 2, 32) is plan
 
 
 def test_a_format_no_plugin_writes_is_one_clear_error(tmp_path: Path, llama_dir: Path) -> None:

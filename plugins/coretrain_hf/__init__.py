@@ -102,34 +102,20 @@ class HFModel:
 
     @hookimpl
     def tensor_parallel_plan(self, run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
-        """Transformers' own plan for the architecture — its config's ``base_model_tp_plan``, what
-        ``from_pretrained(tp_plan="auto")`` applies: attention and MLP projections column-wise
-        in, row-wise out. Embeddings, norms and the head stay whole (replicated; no sequence
-        parallelism). None for an architecture without a plan."""
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
+        """Transformers' own plan for the architecture (its config's ``base_model_tp_plan``, what
+        ``from_pretrained(tp_plan="auto")`` applies), sequence-parallel where the layers allow
+        (:mod:`coretrain_hf.parallel`). None for an architecture without a plan."""
         from coretrain_hf.model import wrapped_model
+        from coretrain_hf.parallel import sequence_parallel, transformers_plan
 
         hf = wrapped_model(model)
-        config = getattr(hf, "config", None)
-        plan: dict[str, str] = dict(getattr(config, "base_model_tp_plan", None) or {})
+        plan = transformers_plan(getattr(hf, "config", None), run.dist.tp_size)
         if not plan:
             return None
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        unknown = sorted({style for style in plan.values() if style not in styles})
-        if unknown:
-            raise UserError(
-                f"model.options: the {config.model_type} tensor-parallel plan of transformers uses "  # type: ignore[union-attr]
-                f"{', '.join(unknown)}, which coretrain does not map; give the plan in "
-                "[plugins.tensor-parallel] plan (colwise, rowwise, colwise_replicate, embedding)"
-            )
-        tp = run.dist.tp_size
-        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            size = getattr(config, key, None)
-            if isinstance(size, int) and size % tp:
-                raise UserError(f"distributed.tp_size ({tp}) must divide the model's {key} ({size})")
+        base = getattr(hf, hf.base_model_prefix)
+        plan = sequence_parallel(base, plan, run.dist.tp_size, run.datasets.seq_length)
         prefix = ("hf." if hf is not model else "") + f"{hf.base_model_prefix}."  # hf.model.layers.0...
-        return {prefix + path: styles[style]() for path, style in plan.items()}
+        return {prefix + path: style for path, style in plan.items()}
 
     @hookimpl
     def on_train_start(self, run: Run) -> None:
