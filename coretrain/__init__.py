@@ -37,6 +37,7 @@ _LAZY = {
     "SplitBatches": "coretrain.loader",
     # the model, called as a training step calls it, and its repeated blocks
     "forward": "coretrain.outputs",
+    "NUM_TOKENS": "coretrain.outputs",
     "blocks_of": "coretrain.blocks",
     # helpers plugins share with the core
     "LoggingBackend": "coretrain.backend",
@@ -73,7 +74,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.errors import UserError, require
     from coretrain.hookspecs import HOOK_API, Outcome
     from coretrain.loader import SplitBatches, is_stream
-    from coretrain.outputs import forward
+    from coretrain.outputs import NUM_TOKENS, forward
     from coretrain.run import DatasetContext, Datasets, Run, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
 
@@ -98,6 +99,7 @@ __all__ = [
     "SampleOrder",
     "SplitBatches",
     "forward",
+    "NUM_TOKENS",
     "blocks_of",
     "LoggingBackend",
     "UserError",

@@ -45,8 +45,9 @@ class DistInfo:
 def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
     """Join the process group torchrun set up (gloo on CPU, nccl on CUDA), once the layout the
     config asks for fits the ranks; a single process otherwise."""
-    config.check_layout(world_size_from_env())
-    if world_size_from_env() == 1:
+    world_size = world_size_from_env()
+    config.check_layout(world_size)
+    if world_size == 1:
         return DistInfo()
     if not dist.is_initialized():
         backend = config.backend

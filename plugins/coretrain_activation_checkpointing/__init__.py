@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 from attrs import define, field
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from coretrain import Run, UserError, blocks_of, hookimpl, positive
 
@@ -61,8 +62,6 @@ def op_level_contexts() -> Any:
     """Selective checkpointing's context for one block call: keep :data:`KEPT` outputs, except
     every second matmul, recompute everything else (counted separately in forward and recompute,
     so both make the same choices)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
     matmuls: defaultdict[bool, int] = defaultdict(int)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -77,8 +76,6 @@ def op_level_contexts() -> Any:
 
 def checkpoint_forward(block: torch.nn.Module, preserve_rng_state: bool, op_level: bool) -> None:
     """Replace ``block.forward`` by a checkpoint of itself (module and names unchanged)."""
-    from torch.utils.checkpoint import checkpoint
-
     inner: Callable[..., Any] = block.forward
     options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
     if op_level:

@@ -25,11 +25,9 @@ from typing import Any
 import torch
 from attrs import define, field
 
-from coretrain import Run, SampleOrder, SplitBatches, forward, hookimpl, is_stream, sum_over_ranks
+from coretrain import NUM_TOKENS, Run, SampleOrder, SplitBatches, forward, hookimpl, is_stream, sum_over_ranks
 
 EVAL_SEED_OFFSET = 1_000_003
-NUM_TOKENS = "num_tokens"
-"""The named value by which a model says how many tokens its loss is the mean over."""
 
 
 def index_chunks(run: Run, length: int) -> list[torch.Tensor]:
