@@ -208,6 +208,8 @@ def _build_optimizer(run: Run) -> None:
     config = run.config
     overrides = hook_calls(run).param_group_overrides(run=run, model=run.model)
     run.optimizer = build_optimizer(config.optimizer, run.model, overrides)
+    if hook_calls(run).implemented("configure_optimizer"):
+        hook_calls(run).hook.configure_optimizer(run=run)
     run.scheduler = WarmupDecayLR(
         run.optimizer, config.scheduler, config.optimizer.lr, config.train.train_iters, run.global_batch_size
     )

@@ -9,6 +9,7 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
                                                            tensor parallel, compile, DDP/FSDP (trylast)
       tensor_parallel_plan(run, model)      firstresult   asked by the tensor-parallel plugin
     param_group_overrides(run, model)       collected     per-parameter lr_mult / weight_decay
+    configure_optimizer(run)                each          replace run.optimizer (master weights)
     [resume: on_resume(run, step, state) for each plugin, with the state it saved]
     phase_listener(run)                     collected     marks: listener(step, phase) at every
                                                            phase boundary from here on
@@ -79,7 +80,7 @@ if TYPE_CHECKING:
 PROJECT = "coretrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
-HOOK_API = (1, 5)
+HOOK_API = (1, 6)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -180,6 +181,17 @@ class HookSpecs(Protocol):
         Results from all plugins are merged (later plugins win per key); the core builds one
         param group per distinct set of overrides.
         Ranks: every rank, once, before the optimizer is built.
+        """
+
+    @hookspec
+    def configure_optimizer(self, run: Run) -> None:
+        """Convert or wrap the optimizer (an fp32 master copy of low-precision weights).
+
+        Args: ``run`` — ``run.optimizer`` is built on the configured model's parameters, with the
+        param-group overrides; the schedule is not built yet (it is built on what this leaves).
+        May change: ``run.optimizer`` (its ``state_dict`` is what checkpoints hold).
+        Returns: nothing.
+        Ranks: every rank, once, before training (and before a resume loads the optimizer state).
         """
 
     @hookspec(firstresult=True)

@@ -92,7 +92,7 @@ class IntervalLog:
         host = [value / world for value in summed[: len(means)]]
         elapsed = time.perf_counter() - self.started
         timed = self.timed_steps
-        metrics: dict[str, float] = {"loss": host[0], "lr": run.scheduler.last_lr}
+        metrics: dict[str, float] = {"loss": host[0], **schedule_metrics(run)}
         if self.grad_norms:
             metrics["grad_norm"] = host[1]
         metrics.update(zip(named + extra, host[len(means) - len(named) - len(extra) : len(means)]))
@@ -174,3 +174,15 @@ class IntervalLog:
             self.grad_norms = list(state["grad_norms"].to(device).unbind())
             self.values = {name: list(values.to(device).unbind()) for name, values in state.get("values", {}).items()}
             self.samples = int(state["samples"])
+
+
+def schedule_metrics(run: Run) -> dict[str, float]:
+    """``lr``; ``lr/groupN`` when param groups have their own rates (optimizer-overrides);
+    ``loss_scale`` with fp16 (the scale the next step multiplies the loss by)."""
+    metrics = {"lr": run.scheduler.last_lr}
+    group_lrs = run.scheduler.last_group_lrs()
+    if len(set(group_lrs)) > 1:
+        metrics.update({f"lr/group{index}": lr for index, lr in enumerate(group_lrs)})
+    if run.grad_scaler is not None:
+        metrics["loss_scale"] = run.grad_scaler.get_scale()
+    return metrics

@@ -93,6 +93,14 @@ class WarmupDecayLR:
         """The base learning rate of the latest update (of the first, before any)."""
         return self.lr_at(max(self.position, 1.0))
 
+    def last_group_lrs(self) -> list[float]:
+        """The learning rate of the latest update in each param group (its own max/min and ``lr_mult``)."""
+        update = max(self.position, 1.0)
+        return [
+            self.lr_at(update, group.get("max_lr"), group.get("min_lr")) * group.get("lr_mult", 1.0)
+            for group in self.optimizer.param_groups
+        ]
+
     def _apply(self) -> None:
         factors = self.factors(self.position + 1)
         if factors == self._applied:  # a constant stretch: the groups already hold these rates

@@ -195,6 +195,10 @@ def test_mixed_precision_trains_and_resumes_exactly(tmp_path: Any, no_autoload: 
     full, _ = train(config(tmp_path / "full", run={"precision": precision}, train={"train_iters": 40}), ("r", recorder))
     assert recorder.logs[-1][1]["loss"] < 0.5 * recorder.logs[0][1]["loss"]
     assert (full.grad_scaler is not None) == (precision == "fp16")
+    if precision == "fp16":  # the scale is logged, as Megatron's loss-scale is
+        assert recorder.logs[-1][1]["loss_scale"] == full.grad_scaler.get_scale()
+    else:
+        assert "loss_scale" not in recorder.logs[-1][1]
     train(config(tmp_path / "split", run={"precision": precision}, train={"train_iters": 40, "exit_interval": 15}))
     resumed, _ = train(config(tmp_path / "split", run={"precision": precision}, train={"train_iters": 40}))
     if precision == "fp16":
