@@ -1,0 +1,78 @@
+"""``indexed``: Megatron's preprocessed ``.bin/.idx`` data (``preprocess_data.py`` or
+``coretrain data prepare``), read without Megatron, with Megatron's ``data_path`` forms:
+
+    [data]
+    provider = "indexed"
+    [data.options]
+    data_path = [0.7, "data/web_text_document", 0.3, "data/code_text_document"]   # or one prefix
+    split = "969,30,1"                  # documents of each prefix: train, valid, test
+    seq_length = 1024
+    # or train_data_path / valid_data_path / test_data_path, each a prefix or a blend
+
+Samples are windows of ``seq_length + 1`` tokens across document boundaries of a seeded
+shuffled document order (Megatron's GPTDataset); blends take each sample from the prefix that
+lags its weight most (BlendedDataset). The orders are cached as ``.npy`` files in ``cache_dir``
+(default: ``cache/`` beside the first prefix) and reused. Resume is exact: the loop's sampler
+owns the position in the data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from attrs import define, field
+
+from coretrain import DatasetContext, Datasets, FieldValueError, Run, UserError, hookimpl, positive
+from coretrain_indexed.splits import build_splits, parse_blend
+
+
+def _blend_or_unset(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        parse_blend(value, attribute.name)
+
+
+def _split(instance: Any, attribute: attrs.Attribute[Any], value: str) -> None:
+    try:
+        weights = [float(part) for part in value.split(",")]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or not sum(weights) > 0:
+        raise FieldValueError(attribute.name, f"expected up to 3 weights like '969,30,1'; got {value!r}")
+
+
+@define(kw_only=True)
+class Indexed:
+    """Megatron's indexed .bin/.idx datasets: one prefix, a weighted blend, or a path per split."""
+
+    data_path: Any = field(default=None, validator=_blend_or_unset)
+    """A prefix, or a blend [weight, prefix, ...]; its documents are split by ``split``."""
+    split: str = field(default="969,30,1", validator=_split)
+    """Train, valid, test shares of each prefix's documents (with data_path)."""
+    train_data_path: Any = field(default=None, validator=_blend_or_unset)
+    """Instead of data_path: the training prefix or blend (all of its documents)."""
+    valid_data_path: Any = field(default=None, validator=_blend_or_unset)
+    test_data_path: Any = field(default=None, validator=_blend_or_unset)
+    seq_length: int = field(default=1024, validator=positive)
+    """Tokens per sample (each sample reads one more, for the shifted target)."""
+    vocab_size: int | None = field(default=None, validator=positive)
+    """Passed on to the model; unset = the largest token id in the data + 1."""
+    cache_dir: str | None = None
+    """Where the sample orders are cached; unset = ``cache/`` beside the first prefix."""
+
+    @hookimpl
+    def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets:
+        if (self.data_path is None) == (self.train_data_path is None):
+            raise UserError(
+                "data.options: set data_path (split by data.options.split) or train_data_path "
+                "(with valid_data_path / test_data_path), not both or neither"
+            )
+        paths = {name: getattr(self, f"{name}_data_path") for name in ("train", "valid", "test")}
+        splits = build_splits(self.data_path, self.split, paths, self.seq_length, context, self.cache_dir)
+        return Datasets(
+            train=splits.train,
+            valid=splits.valid,
+            test=splits.test,
+            seq_length=self.seq_length,
+            vocab_size=self.vocab_size or splits.max_token + 1,
+        )

@@ -1,0 +1,156 @@
+"""Samples over indexed documents as Megatron-Core's GPTDataset and BlendedDataset make them:
+windows of ``seq_length + 1`` tokens that run across document boundaries of a seeded shuffled
+document order, the train/valid/test split by documents, and blends by weight."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from coretrain_indexed.format import IndexedTokens
+
+log = logging.getLogger("coretrain")
+
+
+def split_ranges(split: str, documents: int) -> list[tuple[int, int]]:
+    """Megatron's document ranges for train, valid and test from weights like ``"969,30,1"``."""
+    weights = [float(part) for part in split.split(",")]
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    bounds = [0]
+    for weight in weights:
+        bounds.append(bounds[-1] + int(round(weight / total * documents)))
+    excess = bounds[-1] - documents
+    bounds = [bounds[0]] + [bound - excess for bound in bounds[1:]]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+class DocumentWindows:
+    """Sample i: tokens ``[i·T, i·T + T + 1)`` of the documents laid end to end in a seeded
+    shuffled order, repeated for as many epochs as ``samples`` need; (input, target) pairs.
+    The order is cached in ``cache_dir`` (``.npy``, written atomically) and reused."""
+
+    def __init__(
+        self, source: IndexedTokens, documents: np.ndarray, seq_length: int, samples: int, seed: int, cache_dir: Path
+    ) -> None:
+        self.source, self.seq_length = source, seq_length
+        lengths = source.document_lengths[documents]
+        per_epoch = int(lengths.sum())
+        if per_epoch < 2:
+            raise ValueError("no tokens")
+        epochs = max(math.ceil((samples * seq_length + 1) / per_epoch), 1)
+        key: dict[str, Any] = {
+            "prefix": os.path.abspath(source.prefix),
+            "documents": [int(documents[0]), len(documents)],
+        }
+        key |= {"tokens": per_epoch, "seq_length": seq_length, "epochs": epochs, "seed": seed}
+        key["written"] = os.stat(f"{source.prefix}.idx").st_mtime_ns  # a re-prepared corpus is not the cached one
+        self.order = cached(cache_dir, "order", key, lambda: shuffled(documents, epochs, seed))
+        self.ends = np.cumsum(source.document_lengths[self.order], dtype=np.int64)
+        self.samples = int(self.ends[-1] - 1) // seq_length
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def window(self, index: int) -> np.ndarray:
+        if not 0 <= index < self.samples:
+            raise IndexError(index)
+        start, need = index * self.seq_length, self.seq_length + 1
+        position = int(np.searchsorted(self.ends, start, side="right"))
+        offset = start - int(self.ends[position] - self.source.document_lengths[self.order[position]])
+        parts = []
+        while need > 0:
+            tokens = self.source.document(int(self.order[position]))[offset : offset + need]
+            parts.append(tokens)
+            need, position, offset = need - len(tokens), position + 1, 0
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = torch.from_numpy(self.window(index))
+        return window[:-1], window[1:]
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = torch.from_numpy(np.stack([self.window(int(i)) for i in indices]))
+        return windows[:, :-1], windows[:, 1:]
+
+
+class Blend:
+    """Megatron's BlendedDataset: sample i comes from the dataset whose share so far lags its
+    weight the most, so every prefix of the blend follows the weights."""
+
+    def __init__(self, datasets: list[Any], weights: list[float], samples: int, cache_dir: Path, key: Any) -> None:
+        self.datasets = datasets
+        total = sum(weights)
+        normalized = [w / total for w in weights]
+        self.index = cached(
+            cache_dir, "blend", {"key": key, "samples": samples}, lambda: blend_index(normalized, samples)
+        )
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dataset, sample = self.index[index]
+        item: tuple[torch.Tensor, torch.Tensor] = self.datasets[int(dataset)][int(sample)]
+        return item
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = torch.from_numpy(np.stack([self._window(int(i)) for i in indices]))
+        return windows[:, :-1], windows[:, 1:]
+
+    def _window(self, index: int) -> np.ndarray:
+        dataset, sample = self.index[index]
+        window: np.ndarray = self.datasets[int(dataset)].window(int(sample))
+        return window
+
+
+def blend_index(weights: list[float], samples: int) -> np.ndarray:
+    """(dataset, its sample) for each blended sample: Megatron's build_blending_indices."""
+    weight = np.asarray(weights)
+    taken = np.zeros(len(weights), dtype=np.int64)
+    index = np.empty((samples, 2), dtype=np.int64)
+    for i in range(samples):
+        chosen = int(np.argmax(weight * max(i, 1) - taken))
+        index[i] = chosen, taken[chosen]
+        taken[chosen] += 1
+    return index
+
+
+def blend_sizes(weights: list[float], samples: int) -> list[int]:
+    """Samples to build from each dataset of a blend (Megatron's 0.5% margin)."""
+    total = sum(weights)
+    return [math.ceil(w / total * samples * 1.005) for w in weights]
+
+
+def shuffled(documents: np.ndarray, epochs: int, seed: int) -> np.ndarray:
+    order = np.tile(documents.astype(np.int32), epochs)
+    np.random.RandomState(seed).shuffle(order)
+    return order
+
+
+def cached(directory: Path, kind: str, key: Any, build: Any) -> np.ndarray:
+    """``build()``'s array, from ``directory`` when a run with the same ``key`` made it before."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = directory / f"{kind}-{digest}.npy"
+    if path.is_file():
+        found: np.ndarray = np.load(path, mmap_mode="r")
+        return found
+    array: np.ndarray = build()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(temporary, "wb") as file:
+            np.save(file, array)
+        os.replace(temporary, path)  # ranks racing write the same bytes; the rename is atomic
+    except OSError as exc:
+        log.warning("indexed: cannot cache the sample index in %s (%s); it is rebuilt each run", directory, exc)
+    return array
