@@ -21,12 +21,13 @@ from coretrain.configload import config_as_dict
 from coretrain.dist import init_distributed
 from coretrain.errors import UserError
 from coretrain.loader import adapt, is_stream
-from coretrain.optim import WarmupDecayLR, build_optimizer
+from coretrain.optim import build_optimizer
 from coretrain.outputs import resolve_loss
 from coretrain.pluginmanager import Plugins, hook_calls, is_import_path
 from coretrain.providerchecks import check_datasets, check_model
 from coretrain.run import DatasetContext, Datasets, Run
 from coretrain.rundir import OutputDirLock, check_shared
+from coretrain.schedule import ParamScheduler
 from coretrain.signals import SignalWatcher
 from coretrain.tomlwrite import dumps
 from coretrain.usercode import call_with, check_options, import_callable
@@ -210,8 +211,12 @@ def _build_optimizer(run: Run) -> None:
     run.optimizer = build_optimizer(config.optimizer, run.model, overrides)
     if hook_calls(run).implemented("configure_optimizer"):
         hook_calls(run).hook.configure_optimizer(run=run)
-    run.scheduler = WarmupDecayLR(
-        run.optimizer, config.scheduler, config.optimizer.lr, config.train.train_iters, run.global_batch_size
+    run.scheduler = ParamScheduler(
+        run.optimizer,
+        config.scheduler,
+        config.optimizer.lr,
+        config.train.train_iters * run.global_batch_size,
+        run.global_batch_size,
     )
     if config.run.precision == "fp16":
         run.grad_scaler = torch.amp.GradScaler(run.device.type)

@@ -19,8 +19,8 @@ from coretrain.control import Control
 if TYPE_CHECKING:
     from coretrain.config import Config
     from coretrain.dist import DistInfo
-    from coretrain.optim import WarmupDecayLR
     from coretrain.rundir import OutputDirLock
+    from coretrain.schedule import ParamScheduler
 
 LossFn = Callable[[Any, Any], Any]
 """``model.loss`` resolved: (the model's outputs, the batch's target) -> the loss."""
@@ -141,7 +141,7 @@ class Run:
     _datasets: Datasets | None = field(default=None, alias="datasets")
     _model: torch.nn.Module | None = field(default=None, alias="model")
     _optimizer: torch.optim.Optimizer | None = field(default=None, alias="optimizer")
-    _scheduler: WarmupDecayLR | None = field(default=None, alias="scheduler")
+    _scheduler: ParamScheduler | None = field(default=None, alias="scheduler")
     grad_scaler: torch.amp.GradScaler | None = None
     """Present when run.precision = "fp16"."""
     micro_batches_per_step: int = 1
@@ -161,7 +161,7 @@ class Run:
     datasets = Built[Datasets]("provide_datasets")
     model = Built[torch.nn.Module]("provide_model")
     optimizer = Built[torch.optim.Optimizer]("the optimizer's build, after param_group_overrides")
-    scheduler = Built["WarmupDecayLR"]("the optimizer's build, after param_group_overrides")
+    scheduler = Built["ParamScheduler"]("the optimizer's build, after param_group_overrides")
 
     @property
     def samples_per_micro_batch(self) -> int:

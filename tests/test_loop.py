@@ -72,15 +72,16 @@ def test_logged_loss_is_mean_of_the_interval_and_lr_follows_schedule(tmp_path: A
     for (_, metrics), chunk in zip(recorder.logs, (recorder.step_losses[:3], recorder.step_losses[3:])):
         assert metrics["loss"] == pytest.approx(sum(chunk) / 3, rel=1e-6)
     assert run.scheduler.lr_at(1) == pytest.approx(0.005)  # warmup 1/2 of 0.01
-    assert run.scheduler.lr_at(3) == pytest.approx(0.01)  # first post-warmup update
+    assert run.scheduler.lr_at(2) == pytest.approx(0.01)  # warmup's last update reaches the peak
+    assert run.scheduler.lr_at(3) == pytest.approx(0.01 - 0.009 / 4)  # Megatron: 1 of 4 decay steps done
     assert run.scheduler.lr_at(6) == pytest.approx(0.001)  # decay_iters = train_iters -> min_lr
     assert recorder.logs[-1][1]["lr"] == pytest.approx(0.001)
 
 
 def test_cosine_schedule_midpoint(tmp_path: Any, no_autoload: None) -> None:
     run = build(config(tmp_path, train={"train_iters": 11}, scheduler={"decay_style": "cosine", "min_lr": 0.0}))
-    assert run.scheduler.lr_at(1) == pytest.approx(0.01)
-    assert run.scheduler.lr_at(6) == pytest.approx(0.005)
+    assert run.scheduler.lr_at(0) == pytest.approx(0.01)
+    assert run.scheduler.lr_at(5.5) == pytest.approx(0.005)
     assert run.scheduler.lr_at(11) == pytest.approx(0.0, abs=1e-12)
 
 

@@ -28,6 +28,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     # (file stem, y-axis label, [(metric, legend label), ...]); a panel with no data is left out
     ("loss", "loss", [("loss", "train (mean of interval)"), ("valid/loss", "validation")]),
     ("lr", "learning rate", [("lr", "lr")]),
+    ("weight_decay", "weight decay", [("weight_decay", "scheduled (start_weight_decay to end)")]),
     ("grad_norm", "L2 norm", [("grad_norm", "gradients (before clipping)")]),
     ("params_norm", "L2 norm", [("params_norm", "parameters")]),
     (

@@ -1,0 +1,152 @@
+"""The schedule against Megatron's OptimizerParamScheduler (get_lr / get_wd transcribed below):
+update u of a coretrain run uses Megatron's rates after u updates' samples, for every decay
+style, warmup form and weight-decay style, in iterations and in samples."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coretrain import UserError
+from coretrain.config import SchedulerConfig
+from coretrain.schedule import ParamScheduler
+from coretrain.testing import run_steps
+
+
+def megatron_lr(n: float, s: dict[str, Any]) -> float:
+    """OptimizerParamScheduler.get_lr with init_lr 0; ``n`` is its num_steps (samples)."""
+    max_lr, min_lr, warmup, decay = s["max_lr"], s["min_lr"], s["warmup"], s["decay"]
+    if warmup > 0 and n <= warmup:
+        return max_lr * float(n) / float(warmup)
+    if s["style"] == "constant":
+        return max_lr
+    if n > decay:
+        return min_lr
+    if s["style"] == "inverse-square-root":
+        return max(min_lr, max_lr * max(warmup, 1) ** 0.5 / max(n, 1) ** 0.5)
+    ratio = float(n - warmup) / float(decay - warmup)
+    assert 0.0 <= ratio <= 1.0
+    if s["style"] == "linear":
+        coeff = 1.0 - ratio
+    elif s["style"] == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:  # WSD
+        anneal_start = decay - s["wsd"]
+        if n <= anneal_start:
+            coeff = 1.0
+        else:
+            r = float(n - anneal_start) / float(s["wsd"])
+            coeff = {
+                "linear": 1.0 - r,
+                "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                "exponential": (2.0 * math.pow(0.5, r)) - 1.0,
+                "minus_sqrt": 1.0 - math.sqrt(r),
+            }[s["wsd_style"]]
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def megatron_wd(n: float, start: float, end: float, steps: float, style: str) -> float:
+    """OptimizerParamScheduler.get_wd."""
+    if n > steps:
+        return end
+    if style == "constant":
+        return end
+    ratio = float(n) / float(steps)
+    coeff = ratio if style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+    return start + coeff * (end - start)
+
+
+BATCH, ITERS = 8, 100
+CASES = [
+    ({"decay_style": "linear", "warmup_iters": 10, "min_lr": 1e-4}, {"style": "linear", "warmup": 80}),
+    ({"decay_style": "cosine", "warmup_fraction": 0.05}, {"style": "cosine", "warmup": 40}),
+    (
+        {"decay_style": "cosine", "warmup_samples": 24, "decay_samples": 600},
+        {"style": "cosine", "warmup": 24, "decay": 600},
+    ),
+    (
+        {"decay_style": "inverse-square-root", "warmup_iters": 5, "min_lr": 2e-4},
+        {"style": "inverse-square-root", "warmup": 40},
+    ),
+    ({"decay_style": "constant", "warmup_iters": 3}, {"style": "constant", "warmup": 24}),
+    *[
+        (
+            {"decay_style": "WSD", "warmup_iters": 5, "wsd_decay_iters": 20, "wsd_decay_style": style, "min_lr": 1e-5},
+            {"style": "WSD", "warmup": 40, "wsd": 160, "wsd_style": style},
+        )
+        for style in ("linear", "cosine", "exponential", "minus_sqrt")
+    ],
+    (
+        {"decay_style": "WSD", "wsd_decay_samples": 200, "decay_iters": 90},
+        {"style": "WSD", "warmup": 0, "wsd": 200, "decay": 720, "wsd_style": "exponential"},
+    ),
+]
+
+
+@pytest.mark.parametrize(("options", "expected"), CASES, ids=[str(sorted(o.items())) for o, _ in CASES])
+def test_every_update_uses_megatrons_rate_after_its_samples(options: dict[str, Any], expected: dict[str, Any]) -> None:
+    cfg = SchedulerConfig(**options)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = ParamScheduler(optimizer, cfg, 1e-3, ITERS * BATCH, BATCH)
+    reference = {"max_lr": 1e-3, "min_lr": cfg.min_lr, "decay": ITERS * BATCH, "wsd": 0, **expected}
+    for update in range(1, ITERS + 11):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(megatron_lr(update * BATCH, reference), abs=1e-15)
+        assert scheduler.lr_at(update) == optimizer.param_groups[0]["lr"]
+        scheduler.step()
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_weight_decay_follows_megatrons_schedule_and_spares_groups_without_it(style: str) -> None:
+    cfg = SchedulerConfig(start_weight_decay=0.0, end_weight_decay=0.1, weight_decay_incr_style=style)
+    decayed, spared = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    groups = [{"params": [decayed], "weight_decay": 0.05}, {"params": [spared], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    scheduler = ParamScheduler(optimizer, cfg, 1e-3, ITERS * BATCH, BATCH)
+    for update in range(1, ITERS + 1):
+        expected = megatron_wd(update * BATCH, 0.0, 0.1, ITERS * BATCH, style)
+        assert optimizer.param_groups[0]["weight_decay"] == pytest.approx(expected, abs=1e-15)
+        assert optimizer.param_groups[1]["weight_decay"] == 0.0
+        scheduler.step()
+    assert scheduler.last_weight_decay == pytest.approx(0.1)
+
+
+def test_a_run_logs_the_scheduled_weight_decay_and_wsd_ends_at_min_lr(tmp_path: Path) -> None:
+    scheduler = {
+        "decay_style": "WSD",
+        "wsd_decay_iters": 4,
+        "wsd_decay_style": "linear",
+        "min_lr": 0.001,
+        "start_weight_decay": 0.0,
+        "end_weight_decay": 0.1,
+        "weight_decay_incr_style": "linear",
+    }
+    metrics = run_steps(tmp_path, 10, config={"scheduler": scheduler, "train": {"log_interval": 1}}).metrics
+    assert [m["lr"] for m in metrics[:6]] == pytest.approx([0.01] * 6)  # stable until the last 4
+    assert metrics[-1]["lr"] == pytest.approx(0.001)
+    assert [m["weight_decay"] for m in metrics] == pytest.approx([0.01 * step for step in range(1, 11)])
+    from coretrain_report.report import plot
+
+    written = plot([("wsd", metrics)], tmp_path / "report", "wsd")
+    assert {"lr.png", "weight_decay.png"} <= {path.name for path in written}
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "message"),
+    [
+        ({"decay_style": "WSD"}, r"scheduler\.wsd_decay_iters: .*final decay"),
+        ({"warmup_iters": 5, "warmup_fraction": 0.1}, r"scheduler\.warmup_fraction: set one of"),
+        ({"start_weight_decay": 0.0}, r"scheduler\.end_weight_decay: set start_weight_decay and end"),
+        ({"start_weight_decay": 0.0, "end_weight_decay": 0.1}, r"weight_decay_incr_style: .*\"linear\" or \"cosine\""),
+        ({"decay_iters": 5, "decay_samples": 40}, r"scheduler\.decay_samples: set decay_iters or decay_samples"),
+        ({"decay_style": "wsd"}, r"scheduler\.decay_style: .*did you mean 'WSD'"),
+    ],
+)
+def test_an_inconsistent_schedule_is_one_error_naming_the_key(
+    tmp_path: Path, scheduler: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(UserError, match=message):
+        run_steps(tmp_path, 2, config={"scheduler": scheduler})
