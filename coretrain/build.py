@@ -112,6 +112,7 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     check_providers_named(config)
     register_import_path_providers(config, plugins)
     run = _start(config, plugins)
+    run.train_iters = planned_steps(run)
     if run.dist.is_main and write_config:
         run.output_lock = OutputDirLock(run.output_dir).acquire()
     try:
@@ -127,6 +128,27 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
             run.output_lock.release()
         raise
     return run
+
+
+def planned_steps(run: Run) -> int:
+    """``train.train_iters``, or the steps ``train.train_samples`` comes to in whole global
+    batches — Megatron's update_train_iters: a rampup's steps counted one by one, the rest at
+    the full batch (a partial last batch is left out)."""
+    samples = run.config.train.train_samples
+    if samples is None:
+        return run.config.train.train_iters or 0
+    full, steps, consumed = run.global_batch_size, 0, 0
+    calls = hook_calls(run)
+    while calls.implemented("num_micro_batches"):  # pure host arithmetic, asked as the loop will ask it
+        micro = calls.hook.num_micro_batches(run=run, step=steps + 1, consumed_samples=consumed)
+        batch = (micro or run.micro_batches_per_step) * run.samples_per_micro_batch
+        if batch >= full or consumed + batch > samples:
+            break
+        steps, consumed = steps + 1, consumed + batch
+    steps += (samples - consumed) // full
+    if steps == 0:
+        raise UserError(f"train.train_samples ({samples}) is less than one global batch ({full})")
+    return steps
 
 
 def check_providers_named(config: Config) -> None:
@@ -158,9 +180,9 @@ def _start(config: Config, plugins: Plugins) -> Run:
 def _build_datasets(run: Run) -> None:
     """provide_datasets, sized by Megatron's context; checked; the cadence follows from them."""
     config, train, global_batch = run.config, run.config.train, run.global_batch_size
-    eval_runs = (train.train_iters // train.eval_interval if train.eval_interval else 0) + 1
+    eval_runs = (run.train_iters // train.eval_interval if train.eval_interval else 0) + 1
     context = DatasetContext(
-        train_samples=global_batch * train.train_iters,
+        train_samples=train.train_samples or global_batch * run.train_iters,
         valid_samples=global_batch * train.eval_iters * eval_runs,
         test_samples=global_batch * train.eval_iters,
         seed=config.run.seed,
@@ -215,7 +237,7 @@ def _build_optimizer(run: Run) -> None:
         run.optimizer,
         config.scheduler,
         config.optimizer.lr,
-        config.train.train_iters * run.global_batch_size,
+        config.train.train_samples or run.train_iters * run.global_batch_size,
         run.global_batch_size,
     )
     if config.run.precision == "fp16":

@@ -93,7 +93,11 @@ class TrainConfig:
     micro_batch_size: int = field(default=1, validator=_positive)
     global_batch_size: int | None = field(default=None, validator=_positive)
     """Samples per optimizer step over all data-parallel ranks; unset = micro × data-parallel size."""
-    train_iters: int = field(default=1000, validator=_non_negative)
+    train_iters: int | None = field(default=None, validator=_non_negative)
+    """Optimizer steps to train; unset (and no train_samples) = 1000."""
+    train_samples: int | None = field(default=None, validator=_positive)
+    """Instead of train_iters: train on this many samples (Megatron's --train-samples), whole
+    global batches; the steps follow from the global batch (and a rampup, if any)."""
     exit_interval: int | None = field(default=None, validator=_positive)
     """Checkpoint and exit when the step is a multiple of this."""
     exit_duration_in_mins: float | None = field(default=None, validator=_positive)
@@ -114,6 +118,12 @@ class TrainConfig:
     exit_signals: list[str] = field(factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"], validator=_signal_names)
     clip_grad: float = field(default=1.0, validator=_non_negative)
     """Max global gradient norm; 0 disables clipping."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.train_iters is not None and self.train_samples is not None:
+            raise FieldValueError("train_samples", "set train_iters or train_samples, not both")
+        if self.train_iters is None and self.train_samples is None:
+            self.train_iters = 1000
 
 
 @define(kw_only=True)

@@ -335,7 +335,7 @@ class Trainer:
 
     def _loop_settings(self) -> LoopSettings:
         """What the loop decides once, before the first step."""
-        run, cfg = self.run, self.run.config.train
+        run = self.run
         state = run.state
         plan = StepPlan(self._micro_batches_deciding(), run.samples_per_micro_batch, state.step, state.consumed_samples)
         self.feed = TrainBatches(run, plan, state.step + 1, self._data_state)
@@ -343,7 +343,7 @@ class Trainer:
         return LoopSettings(
             plan=plan,
             feed=self.feed,
-            train_iters=cfg.train_iters,
+            train_iters=run.train_iters,
             per_micro_batch=run.samples_per_micro_batch,
             numerics=StepNumerics(run),
         )

@@ -145,6 +145,9 @@ class Run:
     grad_scaler: torch.amp.GradScaler | None = None
     """Present when run.precision = "fp16"."""
     micro_batches_per_step: int = 1
+    train_iters: int = 0
+    """Steps this run trains: ``train.train_iters``, or the whole global batches
+    ``train.train_samples`` comes to (under a rampup, as many as it takes); set once built."""
     started_at: float = 0.0
     """time.monotonic() when training (this process's part of it) started."""
     log_tensors: dict[str, torch.Tensor] = field(factory=dict)

@@ -116,7 +116,7 @@ class StopAgreement:
         elif self.deadline is not None and time.monotonic() >= self.deadline:
             stop = Stop.EXIT_DURATION
         if self.run.dist.world_size > 1:  # one reason, and a checkpoint if any rank asks for one
-            deciding = step == self.run.config.train.train_iters or self.run.cadence.saves(step)
+            deciding = step == self.run.train_iters or self.run.cadence.saves(step)
             self.mark(step, "agreement")  # waiting for the other ranks from here
             agreed, signum, exit_code, wants_checkpoint = self.agreement.exchange(
                 stop, signum, control.exit_code, int(control.checkpoint_requested), now=deciding

@@ -103,6 +103,8 @@ def tiny_config(output_dir: str | Path, **sections: Mapping[str, Any]) -> dict[s
         "train": {"micro_batch_size": 8, "train_iters": 10, "log_interval": 2, "eval_iters": 2},
         "optimizer": {"lr": 0.01},
     }
+    if "train_samples" in sections.get("train", {}):  # counted in samples: no default step count
+        del base["train"]["train_iters"]
     return deep_merge(base, {name: dict(values) for name, values in sections.items()})
 
 
@@ -213,7 +215,8 @@ def run_steps(
     """
     root = Path(tmp_path)
     sections: dict[str, Any] = {name: dict(values) for name, values in (config or {}).items()}
-    sections["train"] = {"train_iters": steps, **sections.get("train", {})}
+    if "train_samples" not in sections.get("train", {}):
+        sections["train"] = {"train_iters": steps, **sections.get("train", {})}
     if tables:
         sections["plugins"] = {**sections.get("plugins", {}), **{name: dict(t) for name, t in tables.items()}}
     path = write_config(root / "config.toml", tiny_config(root / "out", **sections))
@@ -286,7 +289,8 @@ def run_ranks(
     stderr captured); the run's files are under ``tmp_path / "out"``."""
     root = Path(tmp_path)
     sections: dict[str, Any] = {name: dict(values) for name, values in (config or {}).items()}
-    sections["train"] = {"train_iters": steps, **sections.get("train", {})}
+    if "train_samples" not in sections.get("train", {}):
+        sections["train"] = {"train_iters": steps, **sections.get("train", {})}
     sections["distributed"] = {"backend": "gloo", **sections.get("distributed", {})}
     path = write_config(root / "config.toml", tiny_config(root / "out", **sections))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]

@@ -137,12 +137,13 @@ def gpt_on_indexed(tmp_path: Path, **train: Any) -> dict[str, Any]:
     return {
         "model": {"provider": "gpt", "options": {"n_layer": 1, "n_head": 2, "n_embd": 16}},
         "data": {"provider": "indexed", "options": {"data_path": [0.6, str(tmp_path / "a"), 0.4, str(tmp_path / "b")]}},
-        "train": {"micro_batch_size": 4, "log_interval": 1, "eval_iters": 1, **train},
+        "train": {"micro_batch_size": 4, "train_samples": 34, "log_interval": 1, "eval_iters": 1, **train},
+        "scheduler": {"decay_style": "WSD", "wsd_decay_iters": 3, "warmup_iters": 2},
         "checkpoint": {"save_interval": 3},
     }
 
 
-def test_a_gpt_trains_on_a_blend_and_resumes_exactly(tmp_path: Path) -> None:
+def test_a_gpt_trains_on_a_blend_by_samples_with_wsd_and_resumes_exactly(tmp_path: Path) -> None:
     write_from_spec(tmp_path / "a", [[i % 50 for i in range(d, d + 60)] for d in range(40)])
     write_from_spec(tmp_path / "b", [[50 + i % 30 for i in range(d, d + 45)] for d in range(40)])
     (tmp_path / "whole").mkdir()
@@ -151,6 +152,9 @@ def test_a_gpt_trains_on_a_blend_and_resumes_exactly(tmp_path: Path) -> None:
     resumed = run_steps(tmp_path / "split", 8, config=gpt_on_indexed(tmp_path))
     assert [r["loss"] for r in resumed.metrics] == [r["loss"] for r in whole.metrics if r["step"] > 3]
     assert whole.metrics[-1]["loss"] < whole.metrics[0]["loss"]
+    assert whole.run.train_iters == 8 and whole.run.state.consumed_samples == 32  # 34 samples: 8 whole batches
+    assert resumed.run.state.consumed_samples == 32
+    assert [round(m["lr"], 6) for m in whole.metrics[1:5]] == [0.01] * 4  # WSD: stable after warmup
 
 
 def test_mock_data_needs_no_files_and_is_fixed_by_seed_and_index(tmp_path: Path) -> None:

@@ -150,3 +150,39 @@ def test_an_inconsistent_schedule_is_one_error_naming_the_key(
 ) -> None:
     with pytest.raises(UserError, match=message):
         run_steps(tmp_path, 2, config={"scheduler": scheduler})
+
+
+def test_train_samples_counts_whole_global_batches_and_resume_agrees(tmp_path: Path) -> None:
+    by_samples = {"train": {"train_samples": 100, "micro_batch_size": 8}, "checkpoint": {"save_interval": 5}}
+    whole = run_steps(tmp_path / "whole", 0, config=by_samples)
+    assert whole.run.train_iters == 12 and whole.run.state.consumed_samples == 96  # Megatron: 100 // 8
+    assert whole.run.scheduler.decay == 100  # the schedule spans the samples, as Megatron's decay_samples default
+    stopped = {**by_samples, "train": {**by_samples["train"], "exit_interval": 5}}
+    run_steps(tmp_path / "split", 0, config=stopped)
+    resumed = run_steps(tmp_path / "split", 0, config=by_samples)
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in whole.metrics if m["step"] > 5]
+    assert resumed.run.state.consumed_samples == 96
+
+
+def test_train_samples_under_a_rampup_counts_the_ramp_steps_one_by_one(tmp_path: Path) -> None:
+    train = {"train_samples": 200, "micro_batch_size": 4, "global_batch_size": 16, "log_interval": 1}
+    rampup = {"batch-rampup": {"rampup_batch_size": [4, 4, 48]}}
+    result = run_steps(tmp_path, 0, config={"train": train}, tables=rampup)
+    batches = [int(m["global_batch_size"]) for m in result.metrics]
+    assert batches[:4] == [4, 4, 4, 4] and batches[-1] == 16 and len(batches) == result.run.train_iters
+    assert result.run.state.consumed_samples == sum(batches) and 200 - 16 < sum(batches) <= 200
+
+
+@pytest.mark.parametrize(
+    ("train", "message"),
+    [
+        ({"train_iters": 10, "train_samples": 80}, r"train\.train_samples: set train_iters or train_samples"),
+        (
+            {"train_samples": 5, "micro_batch_size": 8},
+            r"train\.train_samples \(5\) is less than one global batch \(8\)",
+        ),
+    ],
+)
+def test_train_samples_mistakes_are_one_error(tmp_path: Path, train: dict[str, Any], message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        run_steps(tmp_path, 0, config={"train": train})

@@ -16,7 +16,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import Run, hookimpl
+from coretrain import Run, StepOutputs, hookimpl
 
 log = logging.getLogger("coretrain")
 
@@ -39,7 +39,7 @@ class BatchRampup:
         if len(self.rampup_batch_size) != 3:
             raise UserError("plugins.batch-rampup.rampup_batch_size: expected [start, increment, ramp_samples]")
         start, increment, ramp_samples = self.rampup_batch_size
-        target = run.global_batch_size
+        target = self._target
         if not (0 < start <= target and increment > 0 and ramp_samples >= 0 and (target - start) % increment == 0):
             raise UserError(
                 f"plugins.batch-rampup.rampup_batch_size: need 0 < start <= global_batch_size ({target}), "
@@ -54,30 +54,38 @@ class BatchRampup:
         per_increment = ramp_samples / ((target - start) // increment)
         return min(start + int(consumed_samples / per_increment) * increment, target)
 
-    @hookimpl
-    def on_train_start(self, run: Run) -> None:
-        self._check(run)
-        self._target = run.global_batch_size
-
-    @hookimpl
-    def num_micro_batches(self, run: Run, step: int, consumed_samples: int) -> int:
+    def usable_batch(self, run: Run, step: int, consumed_samples: int) -> int:
+        """The global batch of ``step``: Megatron's, rounded down to whole micro-batches when allowed.
+        A pure function of its arguments and the config, so the steps of a ``train_samples`` run
+        can be planned with it before training."""
         from coretrain import UserError
 
+        if not self._target:  # the configured global batch (run.global_batch_size follows the ramp)
+            self._target = run.config.train.global_batch_size or run.samples_per_micro_batch
+            self._check(run)
         per_pass = run.samples_per_micro_batch  # data-parallel: a tensor-parallel group shares one batch
         wanted = self.global_batch_at(consumed_samples, self._target)
         usable = wanted // per_pass * per_pass
-        if usable != wanted:
-            if not self.decrease_batch_size_if_needed or usable == 0:
-                raise UserError(
-                    f"plugins.batch-rampup: step {step} wants a global batch of {wanted}, not a "
-                    f"multiple of micro_batch_size × data-parallel size ({per_pass}); set "
-                    "decrease_batch_size_if_needed = true or change the rampup"
-                )
-            self.samples_left_out += wanted - usable
-        if usable != self._last:
-            log.info("batch-rampup: global batch %d from step %d", usable, step)
-            self._last = usable
-        return usable // per_pass
+        if usable != wanted and (not self.decrease_batch_size_if_needed or usable == 0):
+            raise UserError(
+                f"plugins.batch-rampup: step {step} wants a global batch of {wanted}, not a "
+                f"multiple of micro_batch_size × data-parallel size ({per_pass}); set "
+                "decrease_batch_size_if_needed = true or change the rampup"
+            )
+        return usable
+
+    @hookimpl
+    def num_micro_batches(self, run: Run, step: int, consumed_samples: int) -> int:
+        return self.usable_batch(run, step, consumed_samples) // run.samples_per_micro_batch
+
+    @hookimpl
+    def post_step(self, run: Run, step: int, outputs: StepOutputs) -> None:
+        """What the step really took: the samples rounding left out, and a log line when the batch grows."""
+        used = outputs.global_batch_size
+        self.samples_left_out += self.global_batch_at(run.state.consumed_samples - used, self._target) - used
+        if used != self._last:
+            log.info("batch-rampup: global batch %d from step %d", used, step)
+            self._last = used
 
     @hookimpl
     def on_checkpoint(self) -> dict[str, Any]:

@@ -64,7 +64,7 @@ class Progress:
         if not self._active:
             return
         self._run = run
-        self._total = run.config.train.train_iters
+        self._total = run.train_iters
         self._started = time.perf_counter()
         self._first_step = run.state.step
         if not (self.plain if self.plain is not None else not sys.stdout.isatty()):

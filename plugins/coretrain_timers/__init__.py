@@ -130,7 +130,7 @@ def throughput(run: Run, samples_per_second: float, iteration_time: float, elaps
     metrics = {
         "samples_per_second_per_device": samples_per_second / world,
         "elapsed_seconds": elapsed,
-        "remaining_seconds": max(run.config.train.train_iters - run.state.step, 0) * iteration_time,
+        "remaining_seconds": max(run.train_iters - run.state.step, 0) * iteration_time,
     }
     if run.flops_per_sample:
         tflops = samples_per_second * run.flops_per_sample / world / 1e12
