@@ -108,6 +108,11 @@ def tiny_config(output_dir: str | Path, **sections: Mapping[str, Any]) -> dict[s
     return deep_merge(base, {name: dict(values) for name, values in sections.items()})
 
 
+def with_steps(train: Mapping[str, Any], steps: int) -> dict[str, Any]:
+    """The ``train`` table running ``steps`` steps, unless it counts in ``train_samples`` or names its own."""
+    return dict(train) if "train_samples" in train else {"train_iters": steps, **train}
+
+
 def write_config(path: Path, config: Mapping[str, Any]) -> Path:
     """Write ``config`` as TOML (what a user would hand ``coretrain run``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -215,8 +220,7 @@ def run_steps(
     """
     root = Path(tmp_path)
     sections: dict[str, Any] = {name: dict(values) for name, values in (config or {}).items()}
-    if "train_samples" not in sections.get("train", {}):
-        sections["train"] = {"train_iters": steps, **sections.get("train", {})}
+    sections["train"] = with_steps(sections.get("train", {}), steps)
     if tables:
         sections["plugins"] = {**sections.get("plugins", {}), **{name: dict(t) for name, t in tables.items()}}
     path = write_config(root / "config.toml", tiny_config(root / "out", **sections))
@@ -289,8 +293,7 @@ def run_ranks(
     stderr captured); the run's files are under ``tmp_path / "out"``."""
     root = Path(tmp_path)
     sections: dict[str, Any] = {name: dict(values) for name, values in (config or {}).items()}
-    if "train_samples" not in sections.get("train", {}):
-        sections["train"] = {"train_iters": steps, **sections.get("train", {})}
+    sections["train"] = with_steps(sections.get("train", {}), steps)
     sections["distributed"] = {"backend": "gloo", **sections.get("distributed", {})}
     path = write_config(root / "config.toml", tiny_config(root / "out", **sections))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]

@@ -169,3 +169,13 @@ def test_mock_data_needs_no_files_and_is_fixed_by_seed_and_index(tmp_path: Path)
     gpt = {"provider": "gpt", "options": {"n_layer": 1, "n_head": 2, "n_embd": 16}}
     result = run_steps(tmp_path, 4, config={"model": gpt, "data": mock, "train": {"micro_batch_size": 4}})
     assert result.exit_code == 0 and result.run.datasets.vocab_size == 64
+
+
+def test_the_plugins_writer_makes_the_bytes_the_spec_describes(tmp_path: Path) -> None:
+    from coretrain_indexed.format import write_indexed
+
+    documents = tagged_documents(7)
+    write_from_spec(tmp_path / "spec", documents)
+    write_indexed(str(tmp_path / "ours"), documents)
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"spec{suffix}").read_bytes()

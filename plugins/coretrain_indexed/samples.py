@@ -33,7 +33,27 @@ def split_ranges(split: str, documents: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-class DocumentWindows:
+class Windows:
+    """(input, target) samples and batches from ``window(i)``, seq_length + 1 token ids."""
+
+    samples: int
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def window(self, index: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = torch.from_numpy(self.window(index))
+        return window[:-1], window[1:]
+
+    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = torch.from_numpy(np.stack([self.window(int(i)) for i in indices]))
+        return windows[:, :-1], windows[:, 1:]
+
+
+class DocumentWindows(Windows):
     """Sample i: tokens ``[i·T, i·T + T + 1)`` of the documents laid end to end in a seeded
     shuffled order, repeated for as many epochs as ``samples`` need; (input, target) pairs.
     The order is cached in ``cache_dir`` (``.npy``, written atomically) and reused."""
@@ -57,9 +77,6 @@ class DocumentWindows:
         self.ends = np.cumsum(source.document_lengths[self.order], dtype=np.int64)
         self.samples = int(self.ends[-1] - 1) // seq_length
 
-    def __len__(self) -> int:
-        return self.samples
-
     def window(self, index: int) -> np.ndarray:
         if not 0 <= index < self.samples:
             raise IndexError(index)
@@ -73,20 +90,14 @@ class DocumentWindows:
             need, position, offset = need - len(tokens), position + 1, 0
         return np.concatenate(parts).astype(np.int64)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        window = torch.from_numpy(self.window(index))
-        return window[:-1], window[1:]
 
-    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = torch.from_numpy(np.stack([self.window(int(i)) for i in indices]))
-        return windows[:, :-1], windows[:, 1:]
-
-
-class Blend:
+class Blend(Windows):
     """Megatron's BlendedDataset: sample i comes from the dataset whose share so far lags its
     weight the most, so every prefix of the blend follows the weights."""
 
-    def __init__(self, datasets: list[Any], weights: list[float], samples: int, cache_dir: Path, key: Any) -> None:
+    def __init__(
+        self, datasets: list[DocumentWindows], weights: list[float], samples: int, cache_dir: Path, key: Any
+    ) -> None:
         self.datasets = datasets
         total = sum(weights)
         normalized = [w / total for w in weights]
@@ -95,19 +106,7 @@ class Blend:
         )
         self.samples = samples
 
-    def __len__(self) -> int:
-        return self.samples
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        dataset, sample = self.index[index]
-        item: tuple[torch.Tensor, torch.Tensor] = self.datasets[int(dataset)][int(sample)]
-        return item
-
-    def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = torch.from_numpy(np.stack([self._window(int(i)) for i in indices]))
-        return windows[:, :-1], windows[:, 1:]
-
-    def _window(self, index: int) -> np.ndarray:
+    def window(self, index: int) -> np.ndarray:
         dataset, sample = self.index[index]
         window: np.ndarray = self.datasets[int(dataset)].window(int(sample))
         return window
