@@ -16,7 +16,8 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
     on_train_start(run)
     loop:
         num_micro_batches(run, step, consumed_samples)     firstresult, batch-size rampup
-        pre_step(run, step)
+        pre_step(run, step)                 may veto the step: run.control.skip_update(reason)
+                                            draws its batch and runs nothing (agreed as below)
         for each micro-batch:  forward, loss, backward      # no hooks here
         before_update(run, step, loss)      veto point: run.control.skip_update(reason), by a
                                             plugin with coretrain_vetoes_updates = True
@@ -80,7 +81,7 @@ if TYPE_CHECKING:
 PROJECT = "coretrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
-HOOK_API = (1, 6)
+HOOK_API = (1, 7)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -239,7 +240,10 @@ class HookSpecs(Protocol):
         """Before the first micro-batch of ``step``.
 
         Args: ``step`` — 1-based, the step about to run.
-        May change: plugin-owned state; ``run.control`` requests.
+        May change: plugin-owned state; ``run.control`` requests; ``run.control.skip_update(reason)``
+        here skips the whole step (hook API 1.7): its batch is drawn, so the data order holds,
+        but no forward, backward or update runs (Megatron's ``iterations_to_skip``), and it
+        counts as a skipped update. Agreed across ranks as ``before_update``'s veto.
         Returns: nothing.
         Ranks: every rank. Per step: yes — no host-device sync.
         """
@@ -264,8 +268,9 @@ class HookSpecs(Protocol):
     def post_step(self, run: Run, step: int, outputs: StepOutputs) -> None:
         """After the update (or its veto); ``run.state`` already counts this step.
 
-        Args: ``outputs`` — the step's loss, grad norm (None when not clipped or skipped), whether
-        the update was skipped and the global batch size; device tensors.
+        Args: ``outputs`` — the step's loss (NaN when ``pre_step`` skipped the step), grad norm
+        (None when not clipped or skipped), whether the update was skipped and the global batch
+        size; device tensors.
         May change: plugin-owned state; ``run.log_tensors[name]`` (a device scalar for the next
         ``on_log``); ``run.control`` requests (stop, checkpoint), honoured at the end of this step
         on one rank and of the next on several (agreed without blocking; at once on a save step).
@@ -280,7 +285,9 @@ class HookSpecs(Protocol):
         Args: ``metrics`` — loss, lr, grad_norm, the rates (``samples_per_second``,
         ``iteration_time``), memory, the model's ``train/*`` values and ``run.log_tensors``
         entries, averaged over the interval and over ranks (one device sync per interval, the
-        loop's).
+        loop's). Loss, grad norm and ``train/*`` are means over the steps that updated
+        (absent when none did); ``skipped_steps`` counts the interval's others,
+        ``skipped_updates`` all so far.
         May change: ``metrics`` — ``tryfirst`` implementations may add entries that the ones
         recording or displaying metrics see (the built-in ``timers`` adds ``time/*``, per-device
         throughput, TFLOP/s and MFU; ``stragglers`` its scores).

@@ -27,11 +27,12 @@ class IntervalLog:
 
     def __init__(self, device: torch.device) -> None:
         self.losses: list[torch.Tensor] = []
-        self.first_step = 0
-        """The step of ``losses[0]`` (the interval's steps are consecutive)."""
-        self.skipped: list[int] = []
-        """Indices into ``losses`` of steps whose update was skipped; any other step with a
-        non-finite loss ends the run."""
+        """The losses of the steps that updated: the interval's mean is theirs (Megatron's)."""
+        self.steps: list[int] = []
+        """The step of each of ``losses``."""
+        self.skipped = 0
+        """Steps of the interval without an update (vetoed, overflowed, or their batch skipped):
+        their loss, grad norm and values are left out, and their count is logged."""
         self.grad_norms: list[torch.Tensor] = []
         self.values: dict[str, list[torch.Tensor]] = {}
         self.samples = 0
@@ -47,18 +48,18 @@ class IntervalLog:
         step: int = 0,
         skipped: bool = False,
     ) -> None:
-        if not self.losses:
-            self.first_step = step
-        if skipped:
-            self.skipped.append(len(self.losses))
+        self.samples += samples
+        self.timed_steps += 1
+        if skipped:  # a NaN that was not applied must not reach the mean
+            self.skipped += 1
+            return
+        self.steps.append(step)
         self.losses.append(loss)
         if grad_norm is not None:
             self.grad_norms.append(grad_norm)
         if values:
             for name, value in values.items():
                 self.values.setdefault(name, []).append(value)
-        self.samples += samples
-        self.timed_steps += 1
 
     def start_clock(self) -> None:
         """Training starts now (the steps restored from a checkpoint keep counting)."""
@@ -73,29 +74,28 @@ class IntervalLog:
         self.started += seconds
 
     def flush(self, run: Run) -> dict[str, float]:
+        """The interval's metrics; ``loss``, ``grad_norm`` and the model's values are means over
+        the steps that updated, absent when none did (the ranks skip the same steps)."""
         world = run.dist.world_size
+        device = self.losses[0].device if self.losses else run.device
         with torch.no_grad():
-            losses = torch.stack(self.losses).float()
-            means = [losses.mean()]
-            if self.grad_norms:
-                means.append(torch.stack(self.grad_norms).float().mean())
-            named = [f"train/{name}" for name in self.values]
-            means.extend(torch.stack(values).float().mean() for values in self.values.values())
+            series = {"loss": self.losses, "grad_norm": self.grad_norms}
+            series.update({f"train/{name}": values for name, values in self.values.items()})
+            series = {name: values for name, values in series.items() if values}
+            means = [torch.stack(values).float().mean().to(device) for values in series.values()]
             extra = list(run.log_tensors)
-            means.extend(run.log_tensors[name].detach().float().to(means[0].device) for name in extra)
+            means.extend(run.log_tensors[name].detach().float().to(device) for name in extra)
             run.log_tensors.clear()
-            nonfinite = self._nonfinite_applied(losses)
+            nonfinite = self._nonfinite_applied()
             # the interval's one collective and host sync: sums over ranks, then means on the host
-            summed = sum_over_ranks(torch.cat([torch.stack(means), nonfinite])).tolist()
-        if summed[-1]:
-            raise RunFailure(self._nonfinite_message(int(summed[-1])))
-        host = [value / world for value in summed[: len(means)]]
+            summed = sum_over_ranks(torch.cat([torch.stack(means).to(device), nonfinite]) if means else nonfinite)
+            summed_host = summed.tolist()
+        if summed_host[-1]:
+            raise RunFailure(self._nonfinite_message(int(summed_host[-1])))
         elapsed = time.perf_counter() - self.started
         timed = self.timed_steps
-        metrics: dict[str, float] = {"loss": host[0], **schedule_metrics(run)}
-        if self.grad_norms:
-            metrics["grad_norm"] = host[1]
-        metrics.update(zip(named + extra, host[len(means) - len(named) - len(extra) : len(means)]))
+        metrics = {name: value / world for name, value in zip([*series, *extra], summed_host)}
+        metrics.update(schedule_metrics(run))
         metrics.update(
             {
                 "global_batch_size": float(run.global_batch_size),
@@ -103,6 +103,7 @@ class IntervalLog:
                 "samples_per_second": self.samples / elapsed if timed and elapsed > 0 else 0.0,
                 "consumed_samples": float(run.state.consumed_samples),
                 "skipped_updates": float(run.state.skipped_updates),
+                "skipped_steps": float(self.skipped),
             }
         )
         seq_length = run.datasets.seq_length
@@ -110,28 +111,27 @@ class IntervalLog:
             metrics["tokens_per_second"] = metrics["samples_per_second"] * seq_length
         if metrics["iteration_time"] > 0:
             metrics["time/step"] = metrics["iteration_time"]
-        self.losses, self.grad_norms, self.values, self.skipped = [], [], {}, []
+        self.losses, self.steps, self.grad_norms, self.values, self.skipped = [], [], [], {}, 0
         self.restart_clock()
         return metrics
 
     def check_finite(self, run: Run) -> None:
         """Before a checkpoint: no update of the pending interval came from a NaN/Inf loss (one
         all-reduce and sync; every rank saves at the same steps)."""
-        losses = torch.stack(self.losses).float() if self.losses else torch.zeros(0, device=run.device)
-        count = int(sum_over_ranks(self._nonfinite_applied(losses)).item())
+        count = int(sum_over_ranks(self._nonfinite_applied(run.device)).item())
         if count:
             raise RunFailure(self._nonfinite_message(count))
 
-    def _nonfinite_applied(self, losses: torch.Tensor) -> torch.Tensor:
+    def _nonfinite_applied(self, device: torch.device | None = None) -> torch.Tensor:
         """How many of the interval's applied updates came from a NaN/Inf loss (device ops, no sync)."""
-        bad = ~torch.isfinite(losses)
-        if self.skipped:
-            bad[self.skipped] = False
+        if not self.losses:
+            return torch.zeros(1, device=device)
+        bad = ~torch.isfinite(torch.stack(self.losses).float())
         return bad.sum(dtype=torch.float32).reshape(1)
 
     def _nonfinite_message(self, count: int) -> str:
-        bad = [i for i, loss in enumerate(self.losses) if i not in self.skipped and not torch.isfinite(loss).item()]
-        where = f"at step {self.first_step + bad[0]} (loss {self.losses[bad[0]].item()})" if bad else "on another rank"
+        bad = [i for i, loss in enumerate(self.losses) if not torch.isfinite(loss).item()]
+        where = f"at step {self.steps[bad[0]]} (loss {self.losses[bad[0]].item()})" if bad else "on another rank"
         return (
             f"the loss is not finite {where}, and {count} update(s) with such a loss were applied in the last "
             "log interval: the weights are no longer usable. Check the input data (NaN or Inf in a batch?) and "
@@ -145,31 +145,38 @@ class IntervalLog:
         ``over_ranks``: averaged over all ranks, step by step (one all-reduce; every rank must
         call it) — what a resume on another number of ranks continues from, so no rank has to
         read every other rank's file."""
-        if not self.losses:
+        if not self.losses and not self.skipped:
             return {}
         with torch.no_grad():
             series = {
-                "losses": torch.stack(self.losses).float(),
-                "grad_norms": torch.stack(self.grad_norms).float() if self.grad_norms else None,
-                **{f"values/{name}": torch.stack(values).float() for name, values in self.values.items()},
+                "losses": self.losses,
+                "grad_norms": self.grad_norms,
+                **{f"values/{name}": values for name, values in self.values.items()},
             }
-            if over_ranks:
-                present = {name: t for name, t in series.items() if t is not None}
+            stacked = {name: torch.stack(t).float() if t else torch.empty(0) for name, t in series.items()}
+            present = {name: t for name, t in stacked.items() if t.numel()}
+            if over_ranks and present:
                 flat = mean_over_ranks(torch.cat(list(present.values())))
                 parts = torch.split(flat, [t.numel() for t in present.values()])
-                series.update({name: part.view_as(t) for (name, t), part in zip(present.items(), parts)})
-            on_host = {name: t.cpu() if t is not None else torch.empty(0) for name, t in series.items()}
+                stacked.update({name: part.view_as(t) for (name, t), part in zip(present.items(), parts)})
+            on_host = {name: t.cpu() for name, t in stacked.items()}
             return {
                 "losses": on_host["losses"],
+                "steps": torch.tensor(self.steps, dtype=torch.int64),
+                "skipped": self.skipped,
                 "samples": self.samples,
                 "grad_norms": on_host["grad_norms"],
                 "values": {name: on_host[f"values/{name}"] for name in self.values},
             }
 
     def restore(self, state: dict[str, Any], device: torch.device, step: int = 0) -> None:
-        """Continue the interval a checkpoint at ``step`` saved."""
+        """Continue the interval a checkpoint at ``step`` saved (one before the skipped steps
+        were kept apart holds consecutive steps ending at ``step``)."""
         if state:
-            self.first_step = step - len(state["losses"]) + 1
+            count = len(state["losses"])
+            steps = state.get("steps")
+            self.steps = steps.tolist() if steps is not None else list(range(step - count + 1, step + 1))
+            self.skipped = int(state.get("skipped", 0))
             self.losses = list(state["losses"].to(device).unbind())
             self.grad_norms = list(state["grad_norms"].to(device).unbind())
             self.values = {name: list(values.to(device).unbind()) for name, values in state.get("values", {}).items()}

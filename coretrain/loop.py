@@ -41,6 +41,8 @@ class LoopSettings:
     per_micro_batch: int
     """Samples one micro-batch reads over all ranks (:attr:`Run.samples_per_micro_batch`)."""
     numerics: StepNumerics
+    no_loss: torch.Tensor
+    """The loss a step reports whose batch a plugin skipped before the forward pass: NaN."""
 
 
 class ResolvedHooks:
@@ -293,10 +295,13 @@ class Trainer:
 
             mark(step, "data")
             batches = loop.feed.step(step, n_micro, consumed)
-            mark(step, "forward_backward")
-            loss, values = loop.numerics.forward_backward(batches)
-            mark(step, "update")
-            skipped, grad_norm = loop.numerics.update(step, loss, global_batch)
+            if loop.numerics.skips_batch(step):  # vetoed in pre_step: the batch is drawn, nothing runs
+                loss, values, skipped, grad_norm = loop.no_loss, None, True, None
+            else:
+                mark(step, "forward_backward")
+                loss, values = loop.numerics.forward_backward(batches)
+                mark(step, "update")
+                skipped, grad_norm = loop.numerics.update(step, loss, global_batch)
             mark(step, "post_step")
 
             state.step, state.consumed_samples = step, state.consumed_samples + global_batch
@@ -346,6 +351,7 @@ class Trainer:
             train_iters=run.train_iters,
             per_micro_batch=run.samples_per_micro_batch,
             numerics=StepNumerics(run),
+            no_loss=torch.full((), float("nan"), device=run.device),
         )
 
     def _log(self, step: int) -> None:

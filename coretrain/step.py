@@ -39,8 +39,11 @@ class StepNumerics:
         calls = hook_calls(run)
         self.before_update = calls.hook.before_update if calls.implemented("before_update") else None
         self.world = run.dist.world_size
-        self.agree_skip = self.world > 1 and bool(run.plugins.vetoing())
+        vetoing = set(run.plugins.vetoing())
+        self.agree_skip = self.world > 1 and bool(vetoing)
         """Some plugin may veto an update on one rank: agree on it every step."""
+        self.agree_batch_skip = self.world > 1 and bool(vetoing & set(run.plugins.implementers("pre_step")))
+        """Some plugin may veto a step in ``pre_step``: agree on it before the forward pass."""
         self.plain = (
             getattr(run.model, "no_sync", None) is None and run.config.run.precision == "fp32" and run.loss_fn is None
         )
@@ -68,23 +71,21 @@ class StepNumerics:
             return self._per_token([loss.detach()], [values])
         return self._accumulate(batches)
 
+    def skips_batch(self, step: int) -> bool:
+        """``pre_step`` vetoed the step (``run.control.skip_update``): its batch was drawn, so
+        the data order holds, but neither forward nor backward runs (Megatron's dummy step)."""
+        return self._vetoed(step, self.agree_batch_skip)
+
     def update(self, step: int, loss: torch.Tensor, global_batch: int) -> tuple[bool, torch.Tensor | None]:
         """before_update (the veto point), then clip and step unless any rank vetoed: (skipped, grad norm)."""
-        run, control = self.run, self.run.control
+        run = self.run
         if self.before_update:
             self.before_update(run=run, step=step, loss=loss.detach())
         grad_norm = None
-        skipped = control.skip_reason is not None
-        if self.agree_skip:  # one rank's veto is every rank's: replicas must take the same updates
-            skipped = bool(max_over_ranks(int(skipped))[0])
-        elif skipped and self.world > 1:
-            raise RunFailure(undeclared_veto(run, step, control.skip_reason))
-        if skipped:
-            run.state.skipped_updates += 1
-            control.skip_reason = None
-        elif run.grad_scaler is not None:
+        skipped = self._vetoed(step, self.agree_skip)
+        if not skipped and run.grad_scaler is not None:
             skipped, grad_norm = self._scaled_update(run.grad_scaler, global_batch)
-        else:
+        elif not skipped:
             if self.clip > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
                 if self.sharded_norm:  # FSDP2: the norm is a DTensor
@@ -93,6 +94,19 @@ class StepNumerics:
             self.scheduler.step(global_batch)
         self.optimizer.zero_grad(set_to_none=True)
         return skipped, grad_norm
+
+    def _vetoed(self, step: int, agree: bool) -> bool:
+        """Whether a plugin vetoed the step on any rank (counted as a skipped update)."""
+        control = self.run.control
+        vetoed = control.skip_reason is not None
+        if agree:  # one rank's veto is every rank's: replicas must take the same updates
+            vetoed = bool(max_over_ranks(int(vetoed))[0])
+        elif vetoed and self.world > 1:
+            raise RunFailure(undeclared_veto(self.run, step, control.skip_reason))
+        if vetoed:
+            self.run.state.skipped_updates += 1
+            control.skip_reason = None
+        return vetoed
 
     def _scaled_update(self, scaler: torch.amp.GradScaler, global_batch: int) -> tuple[bool, torch.Tensor | None]:
         """fp16: unscale, clip, step unless gradients overflowed; (skipped, grad norm).

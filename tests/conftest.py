@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -137,6 +138,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (broken / name).parent.mkdir(parents=True, exist_ok=True)
         (broken / name).write_text(textwrap.dedent(text))
     target = root / "site"
+    # copies: setuptools builds in the source tree, and xdist workers install at the same time
+    sources = [root / "hooklog-src", root / "faults-src"]
+    for origin, copy in zip(
+        [REPO / "examples" / "coretrain-hooklog", REPO / "tests" / "fixtures" / "coretrain-faults"], sources
+    ):
+        shutil.copytree(origin, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     subprocess.run(
         [
             sys.executable,
@@ -148,9 +155,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--no-build-isolation",
             "--target",
             str(target),
-            str(REPO / "examples" / "coretrain-hooklog"),
+            *map(str, sources),
             str(broken),
-            str(REPO / "tests" / "fixtures" / "coretrain-faults"),
         ],
         check=True,
     )

@@ -285,6 +285,21 @@ def test_a_nan_only_one_rank_sees_is_skipped_by_both_and_the_replicas_stay_equal
     assert "replicas differ" not in result.stderr
 
 
+def test_a_step_only_one_rank_skips_in_pre_step_is_skipped_by_both_without_running(tmp_path: Path, site: Path) -> None:
+    """iterations_to_skip's seam: a pre_step veto on one rank skips the whole step on every
+    rank (no forward or update anywhere), the replicas stay equal, and the data order holds."""
+    config = write(tmp_path, "run", train_iters=10, eval_iters=0)
+    config.write_text(
+        config.read_text() + "\n[plugins.weight-hash]\ninterval = 5\n[plugins.skip-step]\nrank = 1\nat_step = 4\n"
+    )
+    result = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    assert result.returncode == 0, result.stderr
+    rows = {r["step"]: r for r in metrics_rows(tmp_path / "run")}
+    assert (rows[5]["skipped_updates"], rows[5]["skipped_steps"], rows[10]["skipped_steps"]) == (1.0, 1.0, 0.0)
+    assert rows[10]["consumed_samples"] == 80.0  # the skipped step's batch was drawn
+    assert "replicas differ" not in result.stderr
+
+
 def test_a_veto_no_plugin_declared_stops_the_run_naming_the_declaration(tmp_path: Path, site: Path) -> None:
     """Only declared vetoes are agreed (a before_update that only watches costs no collective);
     an undeclared one on one rank would let the replicas drift: it is one error instead."""

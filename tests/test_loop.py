@@ -113,6 +113,75 @@ def test_a_vetoed_update_leaves_weights_and_schedule_alone(tmp_path: Any, no_aut
     assert run.scheduler.position == 8
 
 
+class Inputs:
+    """The first input of every training forward, and each step's outputs."""
+
+    def __init__(self) -> None:
+        self.inputs: list[torch.Tensor] = []
+        self.outputs: dict[int, Any] = {}
+
+    @hookimpl
+    def on_train_start(self, run: Any) -> None:
+        def seen(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            if module.training:
+                self.inputs.append(args[0].detach().clone())
+
+        run.model.register_forward_pre_hook(seen)
+
+    @hookimpl
+    def post_step(self, step: int, outputs: Any) -> None:
+        self.outputs[step] = outputs
+
+
+def test_iterations_to_skip_draw_the_batch_and_run_nothing(tmp_path: Any, no_autoload: None) -> None:
+    """Megatron's dummy step: no forward (a batch that crashes the model is stepped over), no
+    update, and every later step reads the batch it would have read."""
+    plain, skipping = Inputs(), Inputs()
+    reference, _ = train(config(tmp_path / "ref", train={"train_iters": 6}), ("inputs", plain))
+    guards = {"guards": {"iterations_to_skip": [2, 5]}}
+    run, code = train(config(tmp_path / "skip", train={"train_iters": 6}, plugins=guards), ("inputs", skipping))
+    assert code == 0 and len(plain.inputs) == 6 and len(skipping.inputs) == 4
+    for kept, seen in zip([plain.inputs[i] for i in (0, 2, 3, 5)], skipping.inputs):
+        assert torch.equal(kept, seen)
+    assert run.state.skipped_updates == 2 and run.state.consumed_samples == reference.state.consumed_samples
+    assert [step for step, out in skipping.outputs.items() if out.skipped] == [2, 5]
+    assert math.isnan(skipping.outputs[2].loss.item()) and skipping.outputs[2].grad_norm is None
+    assert run.scheduler.position == 4  # the schedule advanced by the 4 updates only
+
+
+def test_the_logged_loss_is_the_mean_over_the_steps_that_updated(tmp_path: Any, no_autoload: None) -> None:
+    """A NaN step the guards skipped is left out of the interval's mean and counted instead."""
+    recorder = Recorder()
+    faulty = {"provider": "faulty_models:make_faulty", "options": {"nan_at": [2]}}
+    cfg = config(tmp_path, model=faulty, train={"train_iters": 6, "log_interval": 3}, plugins={"guards": {}})
+    run, code = train(cfg, ("recorder", recorder))
+    assert code == 0 and math.isnan(recorder.step_losses[1])
+    (_, first), (_, second) = recorder.logs
+    assert first["loss"] == pytest.approx((recorder.step_losses[0] + recorder.step_losses[2]) / 2, rel=1e-6)
+    assert (first["skipped_steps"], second["skipped_steps"]) == (1.0, 0.0)
+    assert second["loss"] == pytest.approx(sum(recorder.step_losses[3:]) / 3, rel=1e-6)
+    assert run.state.skipped_updates == 1
+
+
+def test_an_interval_without_an_update_logs_no_loss(tmp_path: Any, no_autoload: None) -> None:
+    recorder = Recorder()
+    train(config(tmp_path, train={"train_iters": 6, "log_interval": 3}), ("veto", Veto({1, 2, 3})), ("r", recorder))
+    (_, first), (_, second) = recorder.logs
+    assert "loss" not in first and "grad_norm" not in first and first["skipped_steps"] == 3.0
+    assert second["skipped_steps"] == 0.0 and math.isfinite(second["loss"])
+
+
+def test_a_resume_inside_an_interval_keeps_its_skipped_steps_out_of_the_mean(tmp_path: Any, no_autoload: None) -> None:
+    whole, resumed = Recorder(), Recorder()
+    sections = {"train": {"train_iters": 6, "log_interval": 3}, "checkpoint": {"save_interval": 2}}
+    train(config(tmp_path / "whole", **sections), ("veto", Veto({1})), ("r", whole))
+    stopping = Veto({1}, stop_at=2)
+    train(config(tmp_path / "resumed", **sections), ("veto", stopping), ("r", Recorder()))
+    train(config(tmp_path / "resumed", **sections), ("veto", Veto(set())), ("r", resumed))
+    assert resumed.logs[0][0] == 3 and resumed.logs[0][1]["skipped_steps"] == 1.0
+    assert resumed.logs[0][1]["loss"] == pytest.approx(whole.logs[0][1]["loss"], rel=1e-6)
+
+
 def test_a_plugin_stop_request_ends_the_run_with_a_checkpoint_and_its_exit_code(
     tmp_path: Any, no_autoload: None
 ) -> None:

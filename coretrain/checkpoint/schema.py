@@ -160,7 +160,7 @@ def validate(value: Any, schema: Check, path: Path) -> None:
 
 SERIES = table(
     {"losses": tensor(torch.float32, dim=1), "samples": integer(), "grad_norms": tensor(torch.float32, dim=1)},
-    {"values": mapping(tensor(torch.float32, dim=1))},
+    {"values": mapping(tensor(torch.float32, dim=1)), "steps": tensor(torch.int64, dim=1), "skipped": integer()},
 )
 
 RNG = table(

@@ -7,8 +7,9 @@ Before each optimizer update (the loop's veto point) the step's mean loss is che
 
 ``action`` decides what happens: ``"skip"`` vetoes the update and counts it, ``"warn"`` logs and
 lets it through, ``"stop"`` vetoes it, saves a checkpoint and exits with ``exit_code``
-(default 3). ``iterations_to_skip`` consumes those steps' data without an update (Megatron's
-dummy iterations).
+(default 3). ``iterations_to_skip`` draws those steps' batches and runs nothing: no forward,
+backward or update (Megatron's dummy iterations), so a batch that crashes the model can be
+stepped over and the data order after it stays the same.
 
 Better than Megatron: a bad loss never crashes a run whose action is "skip" or "warn"
 (Megatron's check_for_nan_in_loss_and_grad raises), and the spike window holds one value
@@ -48,7 +49,7 @@ class Guards:
     window: int = field(default=100, validator=positive)
     """How many recent accepted steps the spike check compares against."""
     iterations_to_skip: list[int] = field(factory=list, validator=positive)
-    """Steps whose data is consumed without an update."""
+    """Steps whose batch is drawn but not run (no forward, backward or update)."""
     exit_code: int = field(default=3, validator=exit_code)
     """Process exit code when action = "stop" fires."""
     nan_steps: int = field(default=0, init=False)
@@ -56,10 +57,13 @@ class Guards:
     _recent: deque[float] = field(factory=deque, init=False, repr=False)
 
     @hookimpl
-    def before_update(self, run: Run, step: int, loss: Any) -> None:
+    def pre_step(self, run: Run, step: int) -> None:
         if step in self.iterations_to_skip:
+            log.warning("guards: step %d is in iterations_to_skip: its batch is drawn, not run", step)
             run.control.skip_update(f"step {step} is in iterations_to_skip")
-            return
+
+    @hookimpl
+    def before_update(self, run: Run, step: int, loss: Any) -> None:
         if run.dist.world_size > 1:  # judge what every rank sees: the mean loss over ranks
             loss = mean_over_ranks(loss.detach().clone())
         value = float(loss)  # the one sync per step this guard needs

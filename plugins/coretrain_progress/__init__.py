@@ -13,6 +13,7 @@ line per log interval instead. Above ``run.log_level = "info"`` (``--quiet``) it
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections import deque
@@ -154,7 +155,7 @@ class Progress:
             else f"{metrics.get('samples_per_second', 0.0):,.1f} samples/s"
         )
         print(
-            f"step {step:>{len(str(self._total))}}/{self._total} | loss {metrics['loss']:.4f} | "
+            f"step {step:>{len(str(self._total))}}/{self._total} | loss {metrics.get('loss', math.nan):.4f} | "
             f"lr {metrics['lr']:.3e} | {rate} | {data_share(metrics)} | ETA {eta(remaining)}",
             flush=True,
         )
