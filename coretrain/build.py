@@ -169,7 +169,7 @@ def _start(config: Config, plugins: Plugins) -> Run:
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)
-    micro = micro_batches_per_step(config.train, info.dp_size)
+    micro = micro_batches_per_step(config.train, info.dp_size, warn=info.is_main)  # the job warns once
     seed_everything(config.run.seed)
     output_dir = Path(config.output_dir)
     return Run(

@@ -7,6 +7,7 @@ error messages live in :mod:`coretrain.configload`; this module only says what i
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Literal
 
@@ -93,6 +94,9 @@ class TrainConfig:
     micro_batch_size: int = field(default=1, validator=_positive)
     global_batch_size: int | None = field(default=None, validator=_positive)
     """Samples per optimizer step over all data-parallel ranks; unset = micro × data-parallel size."""
+    decrease_batch_size_if_needed: bool = False
+    """When global_batch_size is not a multiple of micro × data-parallel size (a job resumed on
+    fewer ranks), round it down to one, with a warning (Megatron's option); else an error."""
     train_iters: int | None = field(default=None, validator=_non_negative)
     """Optimizer steps to train; unset (and no train_samples) = 1000."""
     train_samples: int | None = field(default=None, validator=_positive)
@@ -284,15 +288,25 @@ class Config:
         return self.run.output_dir.replace("{name}", self.run.name)
 
 
-def micro_batches_per_step(train: TrainConfig, data_parallel_size: int) -> int:
-    """Gradient-accumulation steps: global / (micro × data-parallel); must divide exactly."""
+def micro_batches_per_step(train: TrainConfig, data_parallel_size: int, warn: bool = True) -> int:
+    """Gradient-accumulation steps: global / (micro × data-parallel); must divide exactly,
+    unless ``decrease_batch_size_if_needed`` rounds the global batch down (``warn``: say so)."""
     per_pass = train.micro_batch_size * data_parallel_size
     global_batch = train.global_batch_size or per_pass
-    if global_batch % per_pass:
+    if global_batch % per_pass == 0:
+        return global_batch // per_pass
+    where = (
+        f"train.global_batch_size ({global_batch}) is not a multiple of train.micro_batch_size × "
+        f"data-parallel size ({train.micro_batch_size} × {data_parallel_size} = {per_pass})"
+    )
+    if global_batch < per_pass:
+        raise UserError(f"{where}, and not even one such pass fits in it; lower train.micro_batch_size")
+    rounded = global_batch // per_pass * per_pass
+    if not train.decrease_batch_size_if_needed:
         raise UserError(
-            f"train.global_batch_size ({global_batch}) must be a multiple of "
-            f"train.micro_batch_size × data-parallel size ({train.micro_batch_size} × "
-            f"{data_parallel_size} = {per_pass}); try global_batch_size = "
-            f"{max(per_pass, global_batch // per_pass * per_pass)}"
+            f"{where}; set train.decrease_batch_size_if_needed = true to train with a global batch "
+            f"of {rounded} on these ranks (as when resuming on fewer ranks), or set global_batch_size = {rounded}"
         )
-    return global_batch // per_pass
+    if warn:
+        logging.getLogger("coretrain").warning("%s: training with a global batch of %d instead", where, rounded)
+    return rounded // per_pass

@@ -92,7 +92,8 @@ def test_inconsistent_batch_sizes(tmp_path: Path, cli: Any) -> None:
     path = write(tmp_path / "c.toml", "[train]\nmicro_batch_size = 4\nglobal_batch_size = 10\n")
     assert_user_error(
         cli("config", "validate", str(path), cwd=tmp_path),
-        "train.global_batch_size (10) must be a multiple of train.micro_batch_size",
+        "train.global_batch_size (10) is not a multiple of train.micro_batch_size × data-parallel size "
+        "(4 × 1 = 4); set train.decrease_batch_size_if_needed = true to train with a global batch of 8",
     )
 
 

@@ -63,8 +63,8 @@ def test_world_size_that_does_not_divide_the_global_batch_is_a_clear_error(tmp_p
     result = torchrun("run", str(write(tmp_path, "odd", micro_batch_size=4, global_batch_size=4)), cwd=tmp_path)
     assert result.returncode != 0
     assert (
-        "error: train.global_batch_size (4) must be a multiple of train.micro_batch_size × data-parallel "
-        "size (4 × 2 = 8)" in result.stderr
+        "error: train.global_batch_size (4) is not a multiple of train.micro_batch_size × data-parallel "
+        "size (4 × 2 = 8), and not even one such pass fits in it; lower train.micro_batch_size" in result.stderr
     )
 
 
@@ -359,6 +359,25 @@ def test_a_checkpoint_resumes_on_more_and_on_fewer_ranks_with_the_same_losses(tm
         assert [s for s, _ in got] == [s for s, _ in reference]
         for (step, x), (_, y) in zip(reference, got):
             assert y == pytest.approx(x, rel=1e-6), (name, step)  # step 12 holds steps 9–10 from before
+
+
+def test_a_job_that_lost_a_rank_goes_on_with_a_smaller_global_batch_only_when_allowed(tmp_path: Path) -> None:
+    """2 ranks × micro 2 × 2 accumulation = 8; resumed on 3 ranks, 8 is no multiple of 6."""
+    path = write(tmp_path, "run", micro_batch_size=2, global_batch_size=8, eval_iters=0, log_interval=5)
+    first = torchrun("run", str(path), "--set", "train.exit_interval=10", cwd=tmp_path, nproc=2)
+    assert first.returncode == 0, first.stderr
+    refused = run_cli("run", str(path), "--nproc-per-node", "3", cwd=tmp_path)  # coretrain's launcher
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert (
+        "error: train.global_batch_size (8) is not a multiple of train.micro_batch_size × data-parallel size "
+        "(2 × 3 = 6); set train.decrease_batch_size_if_needed = true" in refused.stderr
+    )
+    allowed = torchrun("run", str(path), "--set", "train.decrease_batch_size_if_needed=true", cwd=tmp_path, nproc=3)
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stderr.count("training with a global batch of 6 instead") == 1  # once for the job
+    rows = {r["step"]: r for r in metrics_rows(tmp_path / "run")}
+    assert (rows[10]["global_batch_size"], rows[15]["global_batch_size"]) == (8.0, 6.0)
+    assert rows[20]["consumed_samples"] == 10 * 8 + 10 * 6
 
 
 def test_an_output_dir_the_nodes_do_not_share_is_one_clear_error(tmp_path: Path) -> None:

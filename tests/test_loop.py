@@ -56,8 +56,21 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path: Any, no_autoload:
 
 
 def test_global_batch_must_divide(tmp_path: Any, no_autoload: None) -> None:
-    with pytest.raises(UserError, match=r"global_batch_size \(10\) must be a multiple of .*4 × 1 = 4"):
+    with pytest.raises(UserError, match=r"global_batch_size \(10\) is not a multiple of .*4 × 1 = 4.*decrease_batch"):
         build(config(tmp_path, train={"micro_batch_size": 4, "global_batch_size": 10}))
+
+
+def test_decrease_batch_size_if_needed_rounds_the_global_batch_down_with_one_warning(
+    tmp_path: Any, no_autoload: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    train_table = {"micro_batch_size": 4, "global_batch_size": 10, "decrease_batch_size_if_needed": True}
+    run, code = train(config(tmp_path, train={**train_table, "train_iters": 3}))
+    assert code == 0 and run.global_batch_size == 8 and run.state.consumed_samples == 24
+    warnings = [r.getMessage() for r in caplog.records if "instead" in r.getMessage()]
+    assert warnings == [
+        "train.global_batch_size (10) is not a multiple of train.micro_batch_size × data-parallel size "
+        "(4 × 1 = 4): training with a global batch of 8 instead"
+    ]
 
 
 def test_logged_loss_is_mean_of_the_interval_and_lr_follows_schedule(tmp_path: Any, no_autoload: None) -> None:

@@ -4,9 +4,10 @@
 ``start`` and grows by ``increment`` each time another ramp_samples / ((global − start) /
 increment) samples have been consumed, reaching ``train.global_batch_size`` after
 ``ramp_samples`` samples — Megatron's formula. Each step's batch must be a multiple of
-micro_batch_size × data-parallel size; ``decrease_batch_size_if_needed`` rounds it down
-instead of stopping, and counts the samples that rounding left out. The LR schedule counts
-samples, so warmup and decay stay where they belong while the batch grows.
+micro_batch_size × data-parallel size; ``train.decrease_batch_size_if_needed`` (or this
+plugin's own option of that name) rounds it down instead of stopping, and counts the samples
+that rounding left out. The LR schedule counts samples, so warmup and decay stay where they
+belong while the batch grows.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class BatchRampup:
     rampup_batch_size: list[int]
     """[start, increment, ramp_samples]."""
     decrease_batch_size_if_needed: bool = False
-    """Round a ramp batch down to a multiple of micro × data-parallel instead of failing."""
+    """Round a ramp batch down to a multiple of micro × data-parallel instead of failing (also
+    on when ``train.decrease_batch_size_if_needed`` is)."""
     samples_left_out: int = field(default=0, init=False)
     _last: int = field(default=0, init=False, repr=False)
     _target: int = field(default=0, init=False, repr=False)
@@ -66,11 +68,12 @@ class BatchRampup:
         per_pass = run.samples_per_micro_batch  # data-parallel: a tensor-parallel group shares one batch
         wanted = self.global_batch_at(consumed_samples, self._target)
         usable = wanted // per_pass * per_pass
-        if usable != wanted and (not self.decrease_batch_size_if_needed or usable == 0):
+        allowed = self.decrease_batch_size_if_needed or run.config.train.decrease_batch_size_if_needed
+        if usable != wanted and (not allowed or usable == 0):
             raise UserError(
                 f"plugins.batch-rampup: step {step} wants a global batch of {wanted}, not a "
                 f"multiple of micro_batch_size × data-parallel size ({per_pass}); set "
-                "decrease_batch_size_if_needed = true or change the rampup"
+                "train.decrease_batch_size_if_needed = true or change the rampup"
             )
         return usable
 
