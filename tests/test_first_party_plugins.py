@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +54,28 @@ def test_optimizer_overrides_set_groups_and_per_group_schedules(tmp_path: Path) 
     # after the last update the schedule sits at each group's own min_lr (times its multiplier)
     assert groups[("net.3.weight",)]["lr"] == pytest.approx(0.002)
     assert groups[("net.0.weight",)]["lr"] == pytest.approx(0.5 * 0.001)
+
+
+def decayed(run: Any) -> dict[str, float]:
+    names = {id(p): n for n, p in run.model.named_parameters()}
+    return {names[id(p)]: group["weight_decay"] for group in run.optimizer.param_groups for p in group["params"]}
+
+
+def test_by_default_biases_and_norms_get_no_weight_decay_as_in_megatron_bridge(tmp_path: Path) -> None:
+    """On by default: the gpt model's biases, norm gains (1-D) get none; matrices and embeddings get
+    optimizer.weight_decay, also along a weight-decay schedule; ``enabled = false`` decays all."""
+    gpt = {"provider": "gpt", "options": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16, "bias": True}}
+    data = {"provider": "text-bytes", "options": {"seq_length": 16}}
+    schedule = {"start_weight_decay": 0.01, "end_weight_decay": 0.1, "weight_decay_incr_style": "linear"}
+    settings = {"model": gpt, "data": data, "scheduler": schedule}
+    by_name = decayed(run_steps(tmp_path / "on", 3, config=settings, autoload=True).run)
+    assert {name for name, decay in by_name.items() if decay == 0.0} == {
+        name for name in by_name if name.endswith(".bias") or "ln" in name
+    }
+    assert any(name.endswith(".bias") for name in by_name) and by_name["wte.weight"] == pytest.approx(0.1)
+    off = {"optimizer-overrides": {"enabled": False}}
+    everything = decayed(run_steps(tmp_path / "off", 3, config={**settings, "plugins": off}, autoload=True).run)
+    assert everything.keys() == by_name.keys() and all(v == pytest.approx(0.1) for v in everything.values())
 
 
 def test_optimizer_overrides_pattern_that_matches_nothing_is_an_error(tmp_path: Path) -> None:

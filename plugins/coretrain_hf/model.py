@@ -35,7 +35,7 @@ class CausalLM(torch.nn.Module):
     def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         if args:  # coretrain's (input_ids, targets): already shifted, every position a target
             input_ids, targets = args
-            logits = self.hf(input_ids=input_ids).logits
+            logits = self.hf(input_ids=input_ids, use_cache=False).logits
             return token_loss(logits, targets)
         labels = batch.pop("labels", None)
         if labels is None:
@@ -43,7 +43,9 @@ class CausalLM(torch.nn.Module):
             mask = batch.get("attention_mask")
             if mask is not None:
                 labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
-        logits = self.hf(**batch).logits
+        # no cache in training: with none, position_ids that restart (packed examples) make
+        # transformers mask attention per example
+        logits = self.hf(**batch, use_cache=False).logits
         targets = labels[:, 1:]  # the one shift: position t predicts t + 1
         # masked and padded batches differ in how many tokens count: say so, and the loop weighs
         # every token alike across micro-batches and ranks (coretrain.outputs.NUM_TOKENS)

@@ -17,8 +17,12 @@ mean over every response token of a step, across micro-batches and ranks.
 
 Padded (default): a batch is padded to its longest example (``labels`` -100 and
 ``attention_mask`` 0 on the padding). Packed: examples are laid end to end and cut into
-windows of ``seq_length`` tokens (attention crosses example boundaries within a window, as in
-Megatron's packed SFT without a reset mask). Split: the records, in file order, by ``split``.
+windows of ``seq_length`` tokens, and kept apart: ``position_ids`` restart at 0 with each
+example, its first token is no target of the one before, and the model's own packed-sequence
+support masks attention per example (transformers builds a block-diagonal causal mask from
+restarting position ids, and flash-attention takes them as sequence boundaries; Megatron's
+packed SFT with its reset masks). An example a window cuts goes on in the next with its
+positions continued. Split: the records, in file order, by ``split``.
 """
 
 from __future__ import annotations
@@ -184,11 +188,13 @@ class PadToLongest:
 
 
 class Packed:
-    """Examples end to end, cut into windows of seq_length (the last partial window dropped)."""
+    """Examples end to end, cut into windows of seq_length (the last partial window dropped),
+    with positions restarting per example and no target across an example boundary."""
 
     def __init__(self, examples: list[tuple[torch.Tensor, torch.Tensor]], seq_length: int) -> None:
         self.ids = torch.cat([ids for ids, _ in examples])
-        self.labels = torch.cat([labels for _, labels in examples])
+        self.labels = torch.cat([_first_ignored(labels) for _, labels in examples])
+        self.positions = torch.cat([torch.arange(len(ids)) for ids, _ in examples])
         self.seq_length = seq_length
 
     def __len__(self) -> int:
@@ -198,4 +204,11 @@ class Packed:
         if not 0 <= index < len(self):
             raise IndexError(index)
         window = slice(index * self.seq_length, (index + 1) * self.seq_length)
-        return {"input_ids": self.ids[window], "labels": self.labels[window]}
+        return {"input_ids": self.ids[window], "labels": self.labels[window], "position_ids": self.positions[window]}
+
+
+def _first_ignored(labels: torch.Tensor) -> torch.Tensor:
+    """An example's labels with its first token no target: the token before it is another example's."""
+    labels = labels.clone()
+    labels[0] = IGNORE_INDEX
+    return labels

@@ -1,7 +1,9 @@
 """``optimizer-overrides``: per-parameter optimizer settings (Megatron's OptimizerConfigOverrideProvider).
 
-By default biases and other 1-D parameters (norm gains) get no weight decay, as in GPT-2,
-nanoGPT and Megatron. Rules match parameter names with fnmatch patterns; later rules win:
+On by default: biases and other 1-D parameters (norm gains) get no weight decay, as in
+Megatron-Core's default (``name.endswith(".bias") or param.ndim == 1``), nanoGPT and HF
+Trainer; ``no_decay_1d = false`` (or ``-p no:optimizer-overrides``) decays every parameter.
+Rules match parameter names with fnmatch patterns; later rules win:
 
     [[plugins.optimizer-overrides.rules]]
     pattern = "wte.*"
@@ -51,7 +53,7 @@ class OptimizerOverrides:
     """Per-parameter lr multipliers, weight decay and schedule end points by name pattern."""
 
     no_decay_1d: bool = True
-    """No weight decay for biases and 1-D parameters (norm gains)."""
+    """No weight decay for biases and 1-D parameters (norm gains), Megatron's default."""
     rules: list[Rule] = field(factory=list)
     """[[plugins.optimizer-overrides.rules]] tables: pattern plus any of lr_mult, weight_decay,
     max_lr, min_lr."""
@@ -70,7 +72,7 @@ class OptimizerOverrides:
                 )
         for name, param in model.named_parameters():
             settings: dict[str, float] = {}
-            if self.no_decay_1d and param.ndim <= 1:
+            if self.no_decay_1d and (param.ndim <= 1 or name.endswith(".bias")):
                 settings["weight_decay"] = 0.0
             for rule in self.rules:
                 if fnmatchcase(name, rule.pattern):
