@@ -206,3 +206,40 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> 
         yield invoke
     root.handlers[:], root.level = handlers, level
     logging.captureWarnings(False)
+
+
+CORPUS = [f"def function_{i}(x):\n    return x * {i} + {i % 7}" for i in range(400)]
+PROSE = [f"The quick brown fox {i} jumps over the lazy dog number {i * 3}." for i in range(400)]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level BPE tokenizer trained here, saved as a user's downloaded tokenizer is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(
+        CORPUS + PROSE, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    )
+    import transformers
+
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    directory = tmp_path_factory.mktemp("tok") / "tokenizer"
+    fast.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def text_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+
+    root = tmp_path_factory.mktemp("text")
+    (root / "code.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(CORPUS)))
+    (root / "prose.txt").write_text("\n".join(PROSE) + "\n")
+    import datasets
+
+    datasets.Dataset.from_dict({"body": PROSE}).to_parquet(str(root / "prose.parquet"))
+    return {"code": root / "code.jsonl", "prose": root / "prose.txt", "parquet": root / "prose.parquet"}

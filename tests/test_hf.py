@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import STDLIB, metrics_rows
+from conftest import CORPUS, STDLIB, metrics_rows
 
 from coretrain import UserError, hookimpl
 from coretrain.export import export
@@ -263,41 +263,6 @@ def test_a_format_no_plugin_writes_is_one_clear_error(tmp_path: Path, llama_dir:
 # --------------------------------------------------------------------------- text data with a tokenizer
 
 
-CORPUS = [f"def function_{i}(x):\n    return x * {i} + {i % 7}" for i in range(400)]
-PROSE = [f"The quick brown fox {i} jumps over the lazy dog number {i * 3}." for i in range(400)]
-
-
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A byte-level BPE tokenizer trained here, saved as a user's downloaded tokenizer is."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(
-        CORPUS + PROSE, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
-    )
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    directory = tmp_path_factory.mktemp("tok") / "tokenizer"
-    fast.save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="session")
-def text_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-
-    root = tmp_path_factory.mktemp("text")
-    (root / "code.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(CORPUS)))
-    (root / "prose.txt").write_text("\n".join(PROSE) + "\n")
-    import datasets
-
-    datasets.Dataset.from_dict({"body": PROSE}).to_parquet(str(root / "prose.parquet"))
-    return {"code": root / "code.jsonl", "prose": root / "prose.txt", "parquet": root / "prose.parquet"}
-
-
 def tokenized_run(tokenizer_dir: Path, data_path: list[Any], cache: Path, **options: Any) -> dict[str, Any]:
     return {
         "model": {"provider": "hf", "options": {"config": llama_table()}},
@@ -538,6 +503,37 @@ def test_packed_sft_trains_on_windows(tmp_path: Path, tokenizer_dir: Path) -> No
     sample = result.run.datasets.train[0]
     assert sample["input_ids"].shape == (24,) and (sample["labels"] == -100).any()
     assert result.metrics[-1]["loss"] < result.metrics[0]["loss"]
+
+
+def test_packed_examples_are_kept_apart_each_scores_as_it_would_alone(tokenizer_dir: Path) -> None:
+    """Positions restart per example and the model's packed-sequence support masks attention
+    per example: every logit of the second example equals that example run alone, and the
+    packed loss is the per-token mean of the examples' own losses."""
+    from coretrain_hf.model import CausalLM
+    from coretrain_hf.sft import HFSFT, Packed
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    sft = HFSFT(tokenizer=str(tokenizer_dir), data_path=["x.jsonl"], packing=True)
+    examples = [sft.encode(record, tokenizer) for record in SFT_RECORDS]
+    first, second = (len(ids) for ids, _ in examples)
+    packed = Packed(examples, first + second)[0]
+    assert packed["position_ids"].tolist() == list(range(first)) + list(range(second))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**llama_table(vocab_size=len(tokenizer)), "num_hidden_layers": 2})
+    model = CausalLM(transformers.AutoModelForCausalLM.from_config(config)).eval()
+    with torch.no_grad():
+        together = model(**{name: tensor[None] for name, tensor in packed.items()})
+        alone = [model(input_ids=ids[None], labels=labels[None]) for ids, labels in examples]
+        count = sum(int(out["num_tokens"]) for out in alone)
+        assert int(together["num_tokens"]) == count
+        per_token = sum(float(out["loss"]) * int(out["num_tokens"]) for out in alone) / count
+        assert float(together["loss"]) == pytest.approx(per_token, abs=1e-5)
+        ids, positions = packed["input_ids"][None], packed["position_ids"][None]
+        logits = model.hf(input_ids=ids, position_ids=positions, use_cache=False).logits[0, first:]
+        own = model.hf(input_ids=examples[1][0][None], use_cache=False).logits[0]
+        torch.testing.assert_close(logits, own, atol=1e-5, rtol=1e-5)
+        crossed = model.hf(input_ids=ids, use_cache=False).logits[0, first:]  # packing without the positions
+        assert not torch.allclose(crossed, own, atol=1e-3)
 
 
 # --------------------------------------------------------------------------- LoRA

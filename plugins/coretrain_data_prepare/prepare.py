@@ -1,0 +1,184 @@
+"""Tokenize documents into Megatron's ``.bin/.idx`` pairs (one per key), with worker processes
+and a progress view.
+
+Each document becomes one sequence (and one document) of token ids, EOS appended with
+``--append-eod``; the dtype is Megatron's choice (uint16 below 65,500 ids, else int32). The
+pairs are written under temporary names and renamed when complete, ``.idx`` last, so an
+interrupted run never leaves a pair that reads as valid.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from attrs import define
+
+from coretrain import UserError
+from coretrain_data_prepare.progress import Progress
+from coretrain_data_prepare.sources import Document, check_inputs, documents
+
+log = logging.getLogger("coretrain")
+
+CHUNK = 256
+"""Documents per piece of work a worker tokenizes."""
+
+
+@define(kw_only=True)
+class Request:
+    """What ``coretrain data prepare`` was asked to do (its command-line options)."""
+
+    inputs: list[str]
+    tokenizer: str
+    output_prefix: str
+    json_keys: list[str]
+    append_eod: bool = False
+    workers: int = 1
+    input_format: str = "auto"
+    sample_by: str = "line"
+    log_interval: int = 10000
+
+
+def load_tokenizer(path: str) -> Any:
+    """A local Hugging Face tokenizer (a directory ``save_pretrained`` wrote); never the hub."""
+    if not Path(path).is_dir():
+        raise UserError(f"--tokenizer {path}: not a directory; give a local tokenizer saved with save_pretrained")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UserError("--tokenizer needs transformers (pip install 'coretrain[hf]')") from None
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--tokenizer {path}: not a Hugging Face tokenizer ({exc})") from None
+
+
+def token_dtype(vocab_size: int) -> np.dtype[Any]:
+    """Megatron's ``DType.optimal_dtype``."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+_worker: dict[str, Any] = {}
+"""The tokenizer and EOS of this worker process (set once by :func:`_start_worker`)."""
+
+
+def _start_worker(tokenizer_path: str, eod: int | None) -> None:
+    _worker["tokenizer"], _worker["eod"] = load_tokenizer(tokenizer_path), eod
+
+
+def _encode(chunk: list[Document]) -> tuple[dict[str, list[list[int]]], int]:
+    """Token ids of a chunk of documents by key, and the input bytes they came from."""
+    tokenizer, eod = _worker["tokenizer"], _worker["eod"]
+    encoded: dict[str, list[list[int]]] = {}
+    for key in chunk[0][0]:
+        ids = tokenizer([fields[key] for fields, _ in chunk])["input_ids"]
+        encoded[key] = [list(doc) + [eod] for doc in ids] if eod is not None else [list(doc) for doc in ids]
+    return encoded, sum(size for _, size in chunk)
+
+
+def _chunks(items: Iterable[Document]) -> Iterator[list[Document]]:
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, CHUNK)):
+        yield chunk
+
+
+class PairWriter:
+    """One ``PREFIX.bin/.idx`` pair, written as documents arrive, committed by :meth:`close`."""
+
+    def __init__(self, prefix: str, dtype: np.dtype[Any]) -> None:
+        self.prefix, self.dtype = prefix, dtype
+        self.data = open(f"{prefix}.bin.tmp", "wb")  # noqa: SIM115 - held until close or discard
+        self.lengths: list[int] = []
+        self.empty = 0
+
+    def add(self, document: list[int]) -> None:
+        if not document:  # no tokens: nothing a window could read
+            self.empty += 1
+            return
+        self.data.write(np.asarray(document, dtype=self.dtype).tobytes())
+        self.lengths.append(len(document))
+
+    def close(self) -> None:
+        from coretrain_indexed.format import write_index
+
+        self.data.close()
+        lengths = np.asarray(self.lengths, dtype=np.int32)
+        write_index(f"{self.prefix}.idx.tmp", self.dtype, lengths, np.arange(len(lengths) + 1, dtype=np.int64))
+        os.replace(f"{self.prefix}.bin.tmp", f"{self.prefix}.bin")
+        os.replace(f"{self.prefix}.idx.tmp", f"{self.prefix}.idx")
+
+    def discard(self) -> None:
+        self.data.close()
+        for suffix in (".bin.tmp", ".idx.tmp"):
+            Path(f"{self.prefix}{suffix}").unlink(missing_ok=True)
+
+
+def _eod(tokenizer: Any, request: Request) -> int | None:
+    if not request.append_eod:
+        return None
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"--append-eod: the tokenizer in {request.tokenizer} has no EOS token (eos_token)")
+    return int(tokenizer.eos_token_id)
+
+
+def prepare(request: Request) -> dict[str, Path]:
+    """Write ``PREFIX_KEY_document.bin/.idx`` for each key; the prefixes written, by key."""
+    if request.workers < 1:
+        raise UserError(f"--workers {request.workers}: expected 1 or more")
+    paths = check_inputs(request.inputs)
+    tokenizer = load_tokenizer(request.tokenizer)
+    eod = _eod(tokenizer, request)
+    dtype = token_dtype(len(tokenizer))
+    Path(request.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    prefixes = {key: f"{request.output_prefix}_{key}_document" for key in request.json_keys}
+    writers = {key: PairWriter(prefix, dtype) for key, prefix in prefixes.items()}
+    progress = Progress(sum(p.stat().st_size for p in paths), request.log_interval)
+    started = time.perf_counter()
+    try:
+        work = _chunks(documents(paths, request.input_format, request.json_keys, request.sample_by))
+        for encoded, size in _encoded(work, request, eod):
+            for key, docs in encoded.items():
+                for document in docs:
+                    writers[key].add(document)
+            progress.advance(len(next(iter(encoded.values()))), size)
+        if not any(writer.lengths for writer in writers.values()):
+            raise UserError(f"{', '.join(request.inputs)}: no document with any text to tokenize")
+        for writer in writers.values():
+            writer.close()
+    except BaseException:
+        for writer in writers.values():
+            writer.discard()
+        raise
+    finally:
+        progress.close()
+    _summary(writers, time.perf_counter() - started)
+    return {key: Path(prefix) for key, prefix in prefixes.items()}
+
+
+def _encoded(work: Iterator[list[Document]], request: Request, eod: int | None) -> Iterator[Any]:
+    """The chunks tokenized in order: here, or by ``workers`` processes (each with its own tokenizer)."""
+    if request.workers == 1:
+        _start_worker(request.tokenizer, eod)
+        yield from map(_encode, work)
+        return
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the processes are the parallelism
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding tokenizer threads
+    with context.Pool(request.workers, initializer=_start_worker, initargs=(request.tokenizer, eod)) as pool:
+        yield from pool.imap(_encode, work)
+
+
+def _summary(writers: dict[str, PairWriter], seconds: float) -> None:
+    for writer in writers.values():
+        tokens = sum(writer.lengths)
+        empty = f"; {writer.empty} empty document(s) left out" if writer.empty else ""
+        print(
+            f"wrote {writer.prefix}.bin/.idx: {len(writer.lengths):,} documents, {tokens:,} tokens "
+            f"({writer.dtype.name}) in {seconds:.1f} s{empty}"
+        )
