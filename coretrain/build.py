@@ -205,9 +205,9 @@ def _build_datasets(run: Run) -> None:
 def _warn_stream(run: Run) -> None:
     workers, dp = run.config.data.num_workers, run.dist.dp_size
     logging.getLogger("coretrain").warning(
-        "the train split is a stream: each rank and worker reads every %d-th item of it, and a checkpoint "
-        "resumes exactly only on %d rank(s) with data.num_workers = %d (the stream's position is saved per "
-        "rank and worker)",
+        "the train split is a stream, dealt out item by item to %d reader(s) (ranks × workers), and a "
+        "checkpoint resumes exactly only on %d rank(s) with data.num_workers = %d (the stream's position is "
+        "saved per rank and worker)",
         dp * max(workers, 1),
         dp,
         workers,

@@ -1,7 +1,8 @@
 """Read a TOML config: ``extends`` composition, ``--set`` overrides, strict structuring.
 
 Order of application: the ``extends`` chain (deep merge, base first, paths relative to the
-file that names them), then the file itself, then each ``--set key.path=value`` in order.
+file that names them), then the file itself, then each ``--set key.path=value`` in order. A
+layer that changes ``model.provider`` or ``data.provider`` drops the old provider's ``options``.
 Every mistake becomes one :class:`~coretrain.errors.UserError` that names the file and line
 (or the ``--set`` flag) and the key path, says what was expected and suggests a fix.
 """
@@ -240,6 +241,26 @@ def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
+PROVIDER_TABLES = ("model", "data")
+"""Tables whose ``options`` belong to their ``provider``."""
+
+
+def merge_layer(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`deep_merge`, except that a layer that changes ``model.provider`` or
+    ``data.provider`` drops the base's ``options`` of the old provider (as Hydra's config
+    groups replace, not merge): a gpt base's ``n_embd`` is no option of ``hf``."""
+    base = dict(base)
+    for table in PROVIDER_TABLES:
+        old, new = base.get(table), top.get(table)
+        if (
+            isinstance(old, Mapping)
+            and isinstance(new, Mapping)
+            and new.get("provider", old.get("provider")) != old.get("provider")
+        ):
+            base[table] = {key: value for key, value in old.items() if key != "options"}
+    return deep_merge(base, top)
+
+
 def _load_chain(
     path: Path,
     seen: tuple[Path, ...],
@@ -269,9 +290,9 @@ def _load_chain(
         base_path = path.parent / base
         if not base_path.exists():
             raise UserError(f"{path}: extends: {base!r} not found (looked for {base_path})")
-        merged = deep_merge(merged, _load_chain(base_path, (*seen, path.resolve()), locations, composed))
+        merged = merge_layer(merged, _load_chain(base_path, (*seen, path.resolve()), locations, composed))
     locations.update(_key_lines(path))
-    composed[path.resolve()] = deep_merge(merged, data)
+    composed[path.resolve()] = merge_layer(merged, data)
     return composed[path.resolve()]
 
 
@@ -334,6 +355,8 @@ def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Loade
     raw = _load_chain(path, (), locations)
     for text in overrides:
         key_path, value = parse_override(text)
+        if len(key_path) == 2 and key_path[1] == "provider" and key_path[0] in PROVIDER_TABLES:
+            raw = merge_layer(raw, {key_path[0]: {"provider": value}})
         apply_override(raw, key_path, value)
         locations[key_path] = f"--set {text}"
     config = structure(raw, Config, locations=locations, source=str(path))

@@ -37,6 +37,27 @@ def test_extends_then_set_overrides_in_that_order(tmp_path: Path) -> None:
     assert config.optimizer.betas == (0.8, 0.9)
 
 
+def test_a_file_that_switches_provider_does_not_inherit_the_old_providers_options(tmp_path: Path) -> None:
+    """As Hydra's config groups: the quickstart's gpt options are no options of hf."""
+    base = (
+        '[model]\nprovider = "gpt"\n[model.options]\nn_embd = 64\nn_layer = 2\n'
+        '[data]\nprovider = "text-bytes"\n[data.options]\nseq_length = 64\nmax_bytes = 1000\n'
+    )
+    write(tmp_path / "base.toml", base)
+    child = write(
+        tmp_path / "child.toml",
+        'extends = "base.toml"\n[model]\nprovider = "hf"\n[model.options]\npath = "models/tiny"\n'
+        "[data.options]\nseq_length = 32\n",
+    )
+    config = load_config(child).config
+    assert (config.model.provider, config.model.options) == ("hf", {"path": "models/tiny"})
+    assert config.data.options == {"seq_length": 32, "max_bytes": 1000}  # same provider: merged
+    same = load_config(tmp_path / "base.toml", ["model.provider=gpt", "model.options.n_layer=4"]).config
+    assert same.model.options == {"n_embd": 64, "n_layer": 4}
+    switched = load_config(tmp_path / "base.toml", ["data.provider=mock", "data.options.vocab_size=50"]).config
+    assert (switched.data.provider, switched.data.options) == ("mock", {"vocab_size": 50})
+
+
 def test_bad_toml_names_file_line_and_column(tmp_path: Path, cli: Any) -> None:
     path = write(tmp_path / "bad.toml", "[train]\nmicro_batch_size = = 3\n")
     assert_user_error(cli("run", str(path), cwd=tmp_path), f"{path}:2:20: invalid TOML")

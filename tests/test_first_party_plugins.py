@@ -4,10 +4,12 @@ coretrain.testing, each plugin enabled by its TOML table."""
 from __future__ import annotations
 
 import gc
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from coretrain import UserError, hookimpl
 from coretrain.testing import run_steps
@@ -147,3 +149,16 @@ def test_timers_report_where_the_time_went_from_the_phase_marks(tmp_path: Path) 
     assert logged[1]["time/eval"] > 0 and logged[1]["time/checkpoint"] > 0
     off = run_steps(tmp_path / "off", steps=3, config=config)
     assert not any(name.startswith("time/") and name != "time/step" for name in off.metrics[-1])
+
+
+def test_the_start_line_says_how_the_batch_is_made_the_precision_and_the_threads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="coretrain")  # the level `coretrain run` sets
+    settings = {"train": {"micro_batch_size": 2, "global_batch_size": 8}, "plugins": {"progress": {"plain": True}}}
+    run_steps(tmp_path, 2, config=settings, autoload=("progress",))
+    threads = torch.get_num_threads()
+    assert (
+        "global batch 8 (micro 2 × 4 accumulation × 1 data-parallel), 1 rank(s) on cpu, fp32, "
+        f"{threads} thread(s)" in capsys.readouterr().out
+    )

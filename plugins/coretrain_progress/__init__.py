@@ -84,11 +84,7 @@ class Progress:
             self._log_above(True)
         else:
             self._events = deque(maxlen=self.events)
-        params = sum(p.numel() for p in run.model.parameters())
-        self._event(
-            f"{run.config.run.name}: {params / 1e6:.2f}M parameters, global batch "
-            f"{run.global_batch_size}, {run.dist.world_size} rank(s) on {run.device.type}"
-        )
+        self._event(start_line(run))
         if run.state.step:
             self._event(f"resumed at step {run.state.step}")
 
@@ -184,3 +180,18 @@ class Progress:
             self._live.stop()
             self._live = None
             self._log_above(False)
+
+
+def start_line(run: Run) -> str:
+    """What a run is about to do, in one line: size, batch (and how it is made), ranks, device,
+    precision and threads — what decides its speed, said before the first step."""
+    import torch
+
+    params = sum(p.numel() for p in run.model.parameters())
+    micro, accumulation = run.config.train.micro_batch_size, run.micro_batches_per_step
+    return (
+        f"{run.config.run.name}: {params / 1e6:.2f}M parameters, global batch {run.global_batch_size} "
+        f"(micro {micro} × {accumulation} accumulation × {run.dist.dp_size} data-parallel), "
+        f"{run.dist.world_size} rank(s) on {run.device.type}, {run.config.run.precision}, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
