@@ -82,19 +82,18 @@ class IntervalLog:
             series = {"loss": self.losses, "grad_norm": self.grad_norms}
             series.update({f"train/{name}": values for name, values in self.values.items()})
             series = {name: values for name, values in series.items() if values}
-            means = [torch.stack(values).float().mean().to(device) for values in series.values()]
+            means = [torch.stack(values).float().mean() for values in series.values()]
             extra = list(run.log_tensors)
             means.extend(run.log_tensors[name].detach().float().to(device) for name in extra)
             run.log_tensors.clear()
-            nonfinite = self._nonfinite_applied()
+            nonfinite = self._nonfinite_applied(device)
             # the interval's one collective and host sync: sums over ranks, then means on the host
-            summed = sum_over_ranks(torch.cat([torch.stack(means).to(device), nonfinite]) if means else nonfinite)
-            summed_host = summed.tolist()
-        if summed_host[-1]:
-            raise RunFailure(self._nonfinite_message(int(summed_host[-1])))
+            summed = sum_over_ranks(torch.cat([torch.stack(means), nonfinite]) if means else nonfinite).tolist()
+        if summed[-1]:
+            raise RunFailure(self._nonfinite_message(int(summed[-1])))
         elapsed = time.perf_counter() - self.started
         timed = self.timed_steps
-        metrics = {name: value / world for name, value in zip([*series, *extra], summed_host)}
+        metrics = {name: value / world for name, value in zip([*series, *extra], summed)}
         metrics.update(schedule_metrics(run))
         metrics.update(
             {

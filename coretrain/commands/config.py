@@ -27,8 +27,7 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 
     loaded = load_config(args.config, args.overrides)
     plugins = load_plugins(loaded.config, loaded.locations)
-    if not loaded.config.train.decrease_batch_size_if_needed:  # the batch error first (it warns otherwise, in build)
-        micro_batches_per_step(loaded.config.train, world_size_from_env())
+    micro_batches_per_step(loaded.config.train, world_size_from_env(), warn=False)  # the batch error first
     names = plugins.names()
     from coretrain.build import build_run
 
