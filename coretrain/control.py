@@ -13,7 +13,8 @@ class Control:
     next defined point: an update veto before the optimizer step (agreed at once, for plugins
     that declare ``coretrain_vetoes_updates``); a stop or checkpoint at a step boundary — the
     end of this step on one rank, the end of the next on several (the request is agreed
-    without blocking, one step late), or this step's end when it is a save or the last step.
+    without blocking, one step late), or this step's end when it is a save, an evaluation or
+    the last step; a stop asked for on resume, before the first step.
     """
 
     stop_reason: str | None = None

@@ -46,7 +46,9 @@ Rules every implementation can rely on:
   declares ``coretrain_vetoes_updates = True``; only then do the ranks agree every step), a
   checkpoint saved if any rank asks, the largest exit code wins. A stop or checkpoint asked
   for at step N is honoured after step N on one rank, after N+1 on several (agreed without
-  blocking), after N when N is a save step or the last.
+  blocking), after N when N is a save step, an evaluation step or the last (so a decision
+  taken in ``on_eval`` acts at the same step on every rank). A stop asked for in ``on_resume``
+  ends the run before its first step.
 - A hook that raises ends the run: ``error: plugin 'NAME' failed in HOOK at step N``, exit 1,
   the traceback in ``<output_dir>/traceback.log``. Raise :class:`coretrain.UserError`
   for a mistake the user can fix (exit 2, the message as is).
@@ -81,7 +83,7 @@ if TYPE_CHECKING:
 PROJECT = "coretrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
-HOOK_API = (1, 7)
+HOOK_API = (1, 8)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -273,7 +275,8 @@ class HookSpecs(Protocol):
         size; device tensors.
         May change: plugin-owned state; ``run.log_tensors[name]`` (a device scalar for the next
         ``on_log``); ``run.control`` requests (stop, checkpoint), honoured at the end of this step
-        on one rank and of the next on several (agreed without blocking; at once on a save step).
+        on one rank and of the next on several (agreed without blocking; at once on a save,
+        evaluation or the last step).
         Returns: nothing.
         Ranks: every rank. Per step: yes — don't read ``outputs`` on the host every step.
         """
@@ -313,7 +316,8 @@ class HookSpecs(Protocol):
 
         Args: ``metrics`` — ``valid/...`` during and after training, ``test/...`` once after it
         (loss, the model's named values, ppl for token losses), averaged over ranks.
-        May change: ``metrics`` (``tryfirst`` implementations, as for on_log).
+        May change: ``metrics`` (``tryfirst`` implementations, as for on_log); ``run.control``
+        requests (stop, checkpoint), honoured at this step on every rank (``early-stopping``).
         Returns: nothing.
         Ranks: every rank, the same values. The model is back in train mode.
         """
@@ -345,7 +349,8 @@ class HookSpecs(Protocol):
 
         Args: ``state`` — what this plugin returned from on_checkpoint on this rank ({} when it
         saved nothing, e.g. it was not enabled then).
-        May change: plugin-owned state.
+        May change: plugin-owned state; ``run.control.request_stop`` ends the run before its
+        first step (a run that had already stopped, resubmitted).
         Returns: nothing.
         Ranks: every rank, once. Called plugin by plugin.
         """

@@ -194,8 +194,9 @@ class Trainer:
         try:
             with self.signals:
                 self.restore()
-                if self.stops.before_first_step():
-                    outcome = "signal"
+                early = self.stops.before_first_step()
+                if early is not None:
+                    outcome = early
                 else:
                     if hooks.on_train_start:
                         hooks.on_train_start(run=run)

@@ -2,7 +2,9 @@
 
 What only one rank may see — a signal, a plugin's stop or checkpoint request, its clock
 passing ``exit_duration_in_mins`` — is agreed one step late through a non-blocking
-all-reduce, so a plain step waits on no collective (at once on a save step or the last);
+all-reduce, so a plain step waits on no collective (at once on a save, evaluation or the last
+step, which wait on the ranks anyway: a stop or save asked for from an evaluation's result
+happens at that step on every rank, as on one);
 what every rank computes alike (``exit_interval``) acts at once. The reasons are named
 (:class:`Stop`); the largest over ranks wins.
 """
@@ -79,16 +81,22 @@ class StopAgreement:
         """Wait for the proposal in flight (before the ranks' next collectives or shutdown)."""
         self.agreement.finish()
 
-    def before_first_step(self) -> bool:
-        """A signal that arrived while the run was being built and restored: stop before step one,
-        agreed across ranks (nothing new to save)."""
-        signum = self.signals.received or 0
+    def before_first_step(self) -> Outcome | None:
+        """A signal that arrived while the run was being built and restored, or a stop a plugin
+        asked for on resume (a run that had early-stopped): stop before step one, agreed across
+        ranks (nothing new to save)."""
+        control = self.run.control
+        signum, stop = self.signals.received or 0, int(control.stop_reason is not None)
         if self.run.dist.world_size > 1:
-            signum = max_over_ranks(signum)[0]
+            signum, stop, control.exit_code = max_over_ranks(signum, stop, control.exit_code)
         if signum:
             self.signum = signum
             log.info("stopping before the first step: received %s", signal.Signals(signum).name)
-        return bool(signum)
+            return "signal"
+        if stop:
+            log.info("stopping before the first step: %s", control.stop_reason or "another rank requested a stop")
+            return "stopped"
+        return None
 
     def after(self, step: int) -> Outcome | None:
         """Why training stops after this step, agreed across ranks (then on_signal); None = go on."""
@@ -116,7 +124,8 @@ class StopAgreement:
         elif self.deadline is not None and time.monotonic() >= self.deadline:
             stop = Stop.EXIT_DURATION
         if self.run.dist.world_size > 1:  # one reason, and a checkpoint if any rank asks for one
-            deciding = step == self.run.train_iters or self.run.cadence.saves(step)
+            cadence = self.run.cadence
+            deciding = step == self.run.train_iters or cadence.saves(step) or cadence.evaluates(step)
             self.mark(step, "agreement")  # waiting for the other ranks from here
             agreed, signum, exit_code, wants_checkpoint = self.agreement.exchange(
                 stop, signum, control.exit_code, int(control.checkpoint_requested), now=deciding
