@@ -20,7 +20,7 @@ from coretrain.config import Config, micro_batches_per_step
 from coretrain.configload import config_as_dict
 from coretrain.dist import init_distributed
 from coretrain.errors import UserError
-from coretrain.loader import adapt, is_stream
+from coretrain.loader import adapt, is_hf_dataset, is_stream
 from coretrain.optim import build_optimizer
 from coretrain.outputs import resolve_loss
 from coretrain.pluginmanager import Plugins, hook_calls, is_import_path
@@ -75,13 +75,23 @@ class ImportedDataProvider:
         result = call_with(self.fn, self.options, "data.options", run=run, context=context)
         if isinstance(result, Datasets):
             return result
-        if isinstance(result, tuple):
+        if isinstance(result, tuple) or splits_list(result):  # (train, valid[, test]), random_split's list
             if not 1 <= len(result) <= 3:
                 raise UserError(
                     f"data.provider: returned a tuple of {len(result)} items; expected (train, valid, test)"
                 )
             return Datasets(**dict(zip(("train", "valid", "test"), result)))
         return Datasets(train=result)
+
+
+def splits_list(result: Any) -> bool:
+    """A list of 2 or 3 torch datasets — what ``random_split`` returns — is (train, valid[, test]),
+    not one dataset of 2 samples (a list of samples holds tensors, tuples, dicts, numbers)."""
+    return (
+        isinstance(result, list)
+        and 2 <= len(result) <= 3
+        and all(isinstance(item, torch.utils.data.Dataset) or is_hf_dataset(item) for item in result)
+    )
 
 
 def register_import_path_providers(config: Config, plugins: Plugins) -> None:

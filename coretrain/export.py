@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from coretrain import safeload
-from coretrain.checkpoint import read_manifest, step_dirs
+from coretrain.checkpoint import best_step, read_manifest, step_dirs
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.errors import CheckpointUnreadable, UserError
@@ -40,7 +40,7 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
     ]
 
 
-def export(run_dir: Path, step: int | None, to: Path, export_format: str, options: dict[str, Any]) -> str:
+def export(run_dir: Path, step: int | str | None, to: Path, export_format: str, options: dict[str, Any]) -> str:
     """Hand the model weights of a complete checkpoint (newest by default) to the plugin that
     writes ``export_format``: ``safetensors`` (on by default), ``hf`` (the hf provider), yours."""
     source = pick_checkpoint(run_dir, step)
@@ -74,10 +74,15 @@ def export_plugins(source: Path, config: dict[str, Any]) -> Plugins:
         return load_plugins(Config(), autoload=True)
 
 
-def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
+def pick_checkpoint(run_dir: Path, step: int | str | None) -> Path:
+    """A complete checkpoint: at ``step``, the one ``checkpoints/best`` points at, or the newest."""
     complete = {c.step: c.path for c in list_checkpoints(run_dir) if c.complete}
     if not complete:
         raise UserError(f"{run_dir}: no complete checkpoint to export")
+    if step == "best":
+        step = best_step(run_dir / "checkpoints")
+        if step is None:
+            raise UserError(f"--step best: {run_dir}/checkpoints has no best checkpoint (set checkpoint.keep_best)")
     if step is not None and step not in complete:
         raise UserError(f"--step {step}: no complete checkpoint at that step; complete: {sorted(complete)}")
     return complete[step if step is not None else max(complete)]

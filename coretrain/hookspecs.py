@@ -303,19 +303,22 @@ class HookSpecs(Protocol):
         """Evaluate the model on one split (hook API 1.5; the built-in ``evaluation`` answers last).
 
         Args: ``split`` — ``"valid"`` at the eval steps and after training, ``"test"`` once after
-        it; ``dataset`` — that split of ``run.datasets`` (never None here).
+        it; ``"valid/NAME"`` / ``"test/NAME"`` once per set when the provider named several
+        (hook API 1.8); ``dataset`` — that split (or set) of ``run.datasets`` (never None here).
         May change: nothing on ``run``; leave the model in the mode it came in.
-        Returns: ``{"SPLIT/NAME": value}``, the same on every rank; the first non-None answer
+        Returns: ``{"<split>/NAME": value}`` (``valid/loss``, ``valid/wiki/loss``), the same on
+        every rank; the first non-None answer
         wins; None (from every plugin) means the split is not evaluated now.
         Ranks: every rank, at the same steps: collectives are allowed.
         """
 
     @hookspec
     def on_eval(self, run: Run, step: int, metrics: dict[str, float]) -> None:
-        """After an evaluation pass of one split.
+        """After an evaluation pass of one split (every named set of it together).
 
         Args: ``metrics`` — ``valid/...`` during and after training, ``test/...`` once after it
-        (loss, the model's named values, ppl for token losses), averaged over ranks.
+        (loss, the model's named values, ppl for token losses; ``valid/NAME/...`` per named
+        set), averaged over ranks.
         May change: ``metrics`` (``tryfirst`` implementations, as for on_log); ``run.control``
         requests (stop, checkpoint), honoured at this step on every rank (``early-stopping``).
         Returns: nothing.

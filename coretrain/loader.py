@@ -141,9 +141,11 @@ def adapt(datasets: Any) -> None:
     if datasets.collate_fn is not None:
         return
     for split in ("train", "valid", "test"):
-        dataset = getattr(datasets, split)
-        if dataset is not None and is_hf_dataset(dataset):
-            setattr(datasets, split, Columns(dataset))
+        value = getattr(datasets, split)
+        if isinstance(value, dict):  # named evaluation sets
+            setattr(datasets, split, {name: Columns(d) if is_hf_dataset(d) else d for name, d in value.items()})
+        elif value is not None and is_hf_dataset(value):
+            setattr(datasets, split, Columns(value))
 
 
 class StepPlan:

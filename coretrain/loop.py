@@ -17,6 +17,7 @@ import torch
 from attrs import frozen
 
 from coretrain import checkpoint, resume, safeload
+from coretrain.checkpoint.best import BestCheckpoint
 from coretrain.errors import PluginError, RunFailure
 from coretrain.hookspecs import Outcome
 from coretrain.intervallog import IntervalLog
@@ -101,6 +102,7 @@ class Trainer:
         self.evaluated_at: dict[str, int] = {}
         """Split -> the last step it was evaluated (and logged) at."""
         self.checkpointer = checkpoint.Checkpointer(run)
+        self.best = BestCheckpoint.of(run)
         train = run.config.train
         watched = train.exit_signals if train.exit_signal_handler else []
         if signals is None:
@@ -134,6 +136,7 @@ class Trainer:
         self.log.restore(state.get("interval_log", {}), run.device, run.state.step)
         self.last_saved_step = run.state.step
         self.evaluated_at = {split: run.state.step for split in restored.manifest.get("evaluated", [])}
+        self.best.restore(checkpoint.checkpoint_root(run))
         hook_calls(run).on_resume(run=run, step=run.state.step, states=state.get("plugins", {}))
         log.info("resumed from %s (step %d, %d samples consumed)", path, run.state.step, run.state.consumed_samples)
 
@@ -169,6 +172,7 @@ class Trainer:
                 **({"data": data_state} if data_state else {}),
             },
             evaluated=self._evaluated_now(),
+            best=self.best.manifest_entry(run.state.step),
         )
         self.last_saved_step = run.state.step
         run.control.checkpoint_requested = False
@@ -259,23 +263,27 @@ class Trainer:
         """Tell the final checkpoint what was evaluated after it, so re-running a finished run adds no row."""
         run = self.run
         if run.dist.is_main and self.last_saved_step == run.state.step and run.config.checkpoint.save:
-            checkpoint.mark_evaluated(
-                checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step), self._evaluated_now()
-            )
+            directory = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
+            checkpoint.mark_evaluated(directory, self._evaluated_now())
+            self.best.mark_saved(directory, run.config.checkpoint.keep_last)
 
     def _eval(self, split: str = "valid") -> None:
-        """Evaluate ``split`` if it exists and a plugin evaluates it; hand the metrics to on_eval."""
+        """Evaluate each dataset of ``split`` (one, or several by name) if a plugin evaluates
+        them; hand their metrics to on_eval together."""
         run = self.run
-        dataset = getattr(run.datasets, split)
-        if dataset is None or self.hooks.evaluate is None:
+        sets = run.datasets.sets(split)
+        if not sets or self.hooks.evaluate is None:
             return
         self.mark(run.state.step, "eval")
         started = time.perf_counter()
-        metrics = self.hooks.evaluate(run=run, split=split, dataset=dataset)
+        results = [self.hooks.evaluate(run=run, split=name, dataset=dataset) for name, dataset in sets]
         self.log.leave_out(time.perf_counter() - started)  # evaluation time is not training time
-        if metrics is None:
+        if None in results:
             return
+        metrics = {name: value for result in results if result is not None for name, value in result.items()}
         self.evaluated_at[split] = run.state.step
+        if self.best.evaluated(run.state.step, metrics):  # checkpoint.keep_best: keep this step
+            run.control.request_checkpoint()
         if self.hooks.on_eval:
             self.hooks.on_eval(run=run, step=run.state.step, metrics=metrics)
 

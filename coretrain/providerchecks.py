@@ -7,6 +7,7 @@ ids) is the ``data-checks`` plugin's policy; this is only the contract's shape.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -47,13 +48,33 @@ def check_datasets(datasets: Any, provider: str) -> None:
             )
     if datasets.train is None:
         raise UserError(f"data.provider '{provider}' returned no train split")
-    for split in ("train", "valid", "test"):
-        dataset = getattr(datasets, split)
-        if dataset is None or is_stream(dataset):
+    if isinstance(datasets.train, dict):
+        raise UserError(f"data.provider '{provider}': the train split is a dict; only valid and test may be named sets")
+    for split in ("valid", "test"):
+        check_named_sets(getattr(datasets, split), f"data.provider '{provider}': Datasets.{split}")
+    for split, dataset in [set_ for name in ("train", "valid", "test") for set_ in datasets.sets(name)]:
+        if is_stream(dataset):
             continue
         if not hasattr(dataset, "__len__") or not (hasattr(dataset, "__getitem__") or hasattr(dataset, "get_batch")):
             raise UserError(
                 f"data.provider '{provider}': the {split} split is a {describe(dataset)}; a dataset is "
                 "map-style (__len__ and __getitem__, or get_batch(indices)) or a stream (an IterableDataset, "
                 "or anything iterable)"
+            )
+
+
+SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def check_named_sets(value: Any, where: str) -> None:
+    """Several evaluation sets are a non-empty dict of simple names (they become metric names)."""
+    if not isinstance(value, dict):
+        return
+    if not value:
+        raise UserError(f"{where} is an empty dict; give datasets by name, or None")
+    for name in value:
+        if not isinstance(name, str) or not SET_NAME.fullmatch(name):
+            raise UserError(
+                f"{where}: the set name {name!r} is not a simple name (letters, digits, _ . -); "
+                "names become metrics (valid/NAME/loss)"
             )

@@ -8,6 +8,7 @@ What a resume may and may not change is decided in :func:`check_resumable` and :
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ def resume_candidates(run: Run) -> tuple[list[Path], bool]:
         return [], False
     if choice != "auto":
         path = Path(choice)
+        if path.is_symlink():  # checkpoints/best
+            path = path.parent / os.readlink(path)
         parsed = parse_step_dir(path.name)
         if not path.is_dir() or parsed is None or not parsed[1]:
             raise UserError(f"checkpoint.resume: '{choice}' is not a checkpoint directory (step_NNNNNNNN)")

@@ -49,13 +49,26 @@ class Datasets:
 
     train: Any
     valid: Any = None
+    """A dataset, or several by name (``{"wiki": a, "code": b}``): each is evaluated on its own
+    and reported as ``valid/NAME/loss``, ``valid/NAME/...``."""
     test: Any = None
+    """As ``valid``: one dataset, or several by name (``test/NAME/...``)."""
     seq_length: int | None = None
     """Tokens per sample, for tokens/s and for model defaults."""
     vocab_size: int | None = None
     collate_fn: Any = None
     """Turns a list of samples into a batch; None = torch's default_collate (``data.collate_fn``
     in the config takes precedence)."""
+
+    def sets(self, split: str) -> list[tuple[str, Any]]:
+        """The datasets of ``split`` as (name, dataset): ``[("valid", d)]`` for one dataset,
+        ``[("valid/wiki", a), ("valid/code", b)]`` for named ones, ``[]`` for none."""
+        value = getattr(self, split)
+        if value is None:
+            return []
+        if isinstance(value, dict):
+            return [(f"{split}/{name}", dataset) for name, dataset in value.items()]
+        return [(split, value)]
 
 
 @define(kw_only=True)

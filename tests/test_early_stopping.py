@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -76,9 +77,10 @@ def test_a_run_that_never_evaluates_is_one_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_stop_after_the_same_step_as_one(tmp_path: Path) -> None:
-    """The decision is taken at an evaluation step and agreed at that step: 2 gloo ranks stop
-    after step 6 as one rank does, exit 0, with the step-6 checkpoint and the reason logged."""
+def test_two_ranks_stop_and_keep_the_best_at_the_same_steps_as_one(tmp_path: Path) -> None:
+    """Decisions taken at an evaluation step are agreed at that step: 2 gloo ranks stop after
+    step 6 as one rank does, exit 0, with the step-6 checkpoint and the reason logged, and keep
+    the best evaluation's checkpoint (step 2, no save step) as checkpoints/best."""
     steps = {}
     for name, nproc in (("one", "1"), ("two", "2")):
         config = tmp_path / f"{name}.toml"
@@ -93,10 +95,14 @@ def test_two_ranks_stop_after_the_same_step_as_one(tmp_path: Path) -> None:
                 eval_iters=1,
             )
             + "\n[plugins.early-stopping]\npatience = 2\nmin_delta = 100.0\n"
+            + '[checkpoint]\nkeep_last = 1\nkeep_best = "valid/loss"\nkeep_best_mode = "max"\n'
         )
         result = run_cli("run", str(config), "--nproc-per-node", nproc, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         assert "early stopping: valid/loss did not improve" in result.stderr
         steps[name] = max(r["step"] for r in metrics_rows(tmp_path / name))
-        assert (tmp_path / name / "checkpoints" / "latest").read_text() == "6\n"
+        checkpoints = tmp_path / name / "checkpoints"
+        assert (checkpoints / "latest").read_text() == "6\n"
+        assert os.readlink(checkpoints / "best") == "step_00000002"
+        assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000002", "step_00000006"]
     assert steps == {"one": 6, "two": 6}

@@ -140,3 +140,18 @@ class ChattyCNN(CNN):
 
 def chatty_cnn() -> torch.nn.Module:
     return ChattyCNN()
+
+
+def digits_named_valid(context: Any = None, names: tuple[str, ...] = ("clean", "noisy")) -> Datasets:
+    """Two validation sets by name (the second drawn with another seed): valid/clean/..., valid/noisy/..."""
+    return Datasets(train=Digits(1200, 1), valid={name: Digits(300, 2 + i) for i, name in enumerate(names)})
+
+
+def digits_clean_valid(context: Any = None) -> Datasets:
+    """The same run with only the first of those validation sets, unnamed."""
+    return Datasets(train=Digits(1200, 1), valid=Digits(300, 2))
+
+
+def digits_random_split(context: Any = None) -> list[torch.utils.data.Subset[Any]]:
+    """What a Lightning user returns: ``random_split``'s list of subsets (train, valid)."""
+    return torch.utils.data.random_split(Digits(1500, 1), [0.8, 0.2], generator=torch.Generator().manual_seed(0))

@@ -21,6 +21,8 @@ from coretrain.checkpoint.schema import validate
 from coretrain.errors import CheckpointUnreadable, RunFailure
 
 STEP_DIR = re.compile(r"^step_(\d{8})(\.tmp)?$")
+BEST = "best"
+"""``checkpoints/best``: a relative symlink to the best evaluated step (``checkpoint.keep_best``)."""
 MANIFEST = "checkpoint.json"
 MANIFEST_FORMAT = 1
 
@@ -87,15 +89,37 @@ def commit(root: Path, step: int, tmp: Path, keep_last: int | None) -> None:
     fsync_dir(root)
     (root / "latest.tmp").write_text(f"{step}\n")
     os.replace(root / "latest.tmp", root / "latest")
+    if "best" in read_manifest(final):  # checkpoint.keep_best: this step's evaluation was the best
+        point_best(root, final)
     apply_retention(root, keep_last)
 
 
 def apply_retention(root: Path, keep_last: int | None) -> None:
-    """Keep the newest ``keep_last`` complete checkpoints; the newest complete one always stays."""
+    """Keep the newest ``keep_last`` complete checkpoints and the one ``best`` points at; the
+    newest complete one always stays."""
     if not keep_last:
         return
+    best = best_step(root)
     for step in complete_steps(root)[:-keep_last]:
-        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+        if step != best:
+            shutil.rmtree(step_dir(root, step), ignore_errors=True)
+
+
+def best_step(root: Path) -> int | None:
+    """The step ``root/best`` points at, if it points at a step directory."""
+    link = root / BEST
+    if not link.is_symlink():
+        return None
+    parsed = parse_step_dir(Path(os.readlink(link)).name)
+    return parsed[0] if parsed is not None and parsed[1] else None
+
+
+def point_best(root: Path, step_directory: Path) -> None:
+    """Make ``root/best`` point at ``step_directory`` (atomically: a reader sees the old or the new)."""
+    tmp = root / f"{BEST}.tmp"
+    tmp.unlink(missing_ok=True)
+    os.symlink(step_directory.name, tmp)
+    os.replace(tmp, root / BEST)
 
 
 def write_failure(root: Path, step: int, tmp: Path, exc: BaseException) -> RunFailure:

@@ -17,7 +17,12 @@ def add(commands: Any) -> None:
         "export", help="model weights of a checkpoint: one .safetensors file, or a plugin's format (hf)"
     )
     export.add_argument("run_dir", help="the run's output dir (holds checkpoints/)")
-    export.add_argument("--step", type=int, default=None, help="which step (default: newest complete)")
+    export.add_argument(
+        "--step",
+        type=step_or_best,
+        default=None,
+        help="a step, or best (checkpoint.keep_best); default: the newest",
+    )
     export.add_argument(
         "--to", required=True, help="output: a file for safetensors (model.safetensors), a new directory for hf"
     )
@@ -32,18 +37,29 @@ def add(commands: Any) -> None:
     export.set_defaults(handler=cmd_checkpoint_export)
 
 
+def step_or_best(text: str) -> int | str:
+    if text == "best":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step number or 'best', got {text!r}") from None
+
+
 def cmd_checkpoint_list(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from coretrain.checkpoint import best_step
     from coretrain.export import list_checkpoints
 
     found = list_checkpoints(Path(args.run_dir))
     latest = Path(args.run_dir) / "checkpoints" / "latest"
     newest = latest.read_text().strip() if latest.exists() else "-"
-    print(f"{'step':>10}  {'size':>10}  state       path")
+    best = best_step(Path(args.run_dir) / "checkpoints")
+    print(f"{'step':>10}  {'size':>10}  state            path")
     for info in found:
-        state = "complete" if info.complete else "incomplete"
-        print(f"{info.step:>10}  {info.size_bytes / 2**20:>8.1f}MB  {state:<10}  {info.path}")
+        state = ("complete" if info.complete else "incomplete") + (" best" if info.step == best else "")
+        print(f"{info.step:>10}  {info.size_bytes / 2**20:>8.1f}MB  {state:<15}  {info.path}")
     print(f"{len(found)} checkpoint(s); {sum(i.complete for i in found)} complete; latest: {newest}")
     return 0
 

@@ -28,9 +28,8 @@ class DataChecks:
         train, datasets = run.config.train, run.datasets
         # a full pass needs a sample per rank; eval_iters batches need one global batch
         eval_needed = run.dist.dp_size if train.eval_full else run.global_batch_size if train.eval_iters else 1
-        for split in ("train", "valid", "test"):
-            dataset = getattr(datasets, split)
-            if dataset is None or is_stream(dataset):
+        for split, dataset in [named for name in ("train", "valid", "test") for named in datasets.sets(name)]:
+            if is_stream(dataset):
                 continue
             needed = run.global_batch_size if split == "train" else eval_needed
             check_split(dataset, split, run.config.data.provider, needed, min(train.micro_batch_size, needed), datasets)

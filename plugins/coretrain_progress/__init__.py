@@ -38,6 +38,14 @@ def data_share(metrics: dict[str, float]) -> str:
     return f"data {100 * metrics.get('time/data', 0.0) / step:.0f}%" if step > 0 else "data -"
 
 
+def valid_losses(metrics: dict[str, float]) -> str:
+    """ "valid loss 2.1", or one loss per named validation set ("valid/wiki 2.1  valid/code 2.3")."""
+    if "valid/loss" in metrics:
+        return f"valid loss {metrics['valid/loss']:.4f}"
+    named = [f"{name[: -len('/loss')]} {value:.4f}" for name, value in metrics.items() if name.endswith("/loss")]
+    return "  ".join(named) or "valid -"
+
+
 @define(kw_only=True)
 class Progress:
     """Live progress view on a terminal; one line per log interval otherwise."""
@@ -131,7 +139,7 @@ class Progress:
             if "tokens_per_second" in m
             else (f"{m['samples_per_second']:,.1f} samples/s" if "samples_per_second" in m else ""),
             data_share(m) if m else "data -",
-            f"valid loss {self._eval['valid/loss']:.4f}" if "valid/loss" in self._eval else "valid -",
+            valid_losses(self._eval),
         ]
         table.add_row(*cells)
         lines = list(self._events) + [""] * (EVENT_LINES - len(self._events))  # a fixed height
@@ -164,9 +172,11 @@ class Progress:
         values = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"{split}/")}
         if split == "valid":
             self._eval = metrics
-        text = f"step {step}: {split} loss {values.get('loss', float('nan')):.4f}"
+        text = f"step {step}: {split}"
+        text += f" loss {values['loss']:.4f}" if "loss" in values else ""
         text += f" (ppl {values['ppl']:.2f})" if "ppl" in values else ""
-        text += "".join(f", {name} {value:.4g}" for name, value in values.items() if name not in ("loss", "ppl"))
+        rest = [f"{name} {value:.4g}" for name, value in values.items() if name not in ("loss", "ppl")]
+        text += (", " if "loss" in values else " ") + ", ".join(rest) if rest else ""
         self._event(text)
 
     @hookimpl

@@ -1,0 +1,110 @@
+"""checkpoint.keep_best: the best evaluated step is saved, kept from keep_last, and found as checkpoints/best."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from coretrain import UserError
+from coretrain.testing import run_steps
+
+
+def settings(mode: str = "min", eval_interval: int = 2, **train: Any) -> dict[str, dict[str, Any]]:
+    return {
+        "train": {"eval_interval": eval_interval, "eval_iters": 1, **train},
+        "checkpoint": {"save_interval": 4, "keep_last": 1, "keep_best": "valid/loss", "keep_best_mode": mode},
+    }
+
+
+def kept(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+
+
+def best_manifest(out: Path) -> dict[str, Any]:
+    manifest: dict[str, Any] = json.loads((out / "checkpoints" / "best" / "checkpoint.json").read_text())
+    return manifest
+
+
+def test_keep_last_1_keeps_the_best_evaluation_and_best_points_at_it(tmp_path: Path) -> None:
+    """ "max" of a falling loss: the first evaluation (step 2) stays the best. It was saved at
+    its own step although 2 is no save step, and keep_last = 1 deletes every other but the newest."""
+    result = run_steps(tmp_path, 12, config=settings("max"))
+    out = result.output_dir
+    assert kept(out) == ["step_00000002", "step_00000012"]
+    assert os.readlink(out / "checkpoints" / "best") == "step_00000002"
+    first = result.evals[0]
+    assert first["step"] == 2
+    assert best_manifest(out)["best"] == {"metric": "valid/loss", "value": first["valid/loss"], "mode": "max"}
+
+
+def test_the_final_validation_can_be_the_best(tmp_path: Path) -> None:
+    """Evaluations at 5 and 10, then the final one at 12 after the final save: a falling loss
+    makes step 12 the best, and the step-10 checkpoint goes."""
+    result = run_steps(tmp_path, 12, config=settings("min", eval_interval=5))
+    out = result.output_dir
+    assert [e["step"] for e in result.evals] == [5, 10, 12]
+    assert os.readlink(out / "checkpoints" / "best") == "step_00000012"
+    assert best_manifest(out)["best"]["value"] == result.evals[-1]["valid/loss"]
+    assert kept(out) == ["step_00000012"]
+
+
+def test_a_resumed_run_knows_the_best_so_far_and_resume_takes_the_newest(tmp_path: Path) -> None:
+    first = run_steps(tmp_path, 12, config=settings("max", exit_interval=6))
+    assert first.run.state.step == 6
+    resumed = run_steps(tmp_path, 12, config=settings("max"))
+    assert resumed.evals[0]["step"] == 8  # resumed from step 6, the newest, not from the best
+    out = resumed.output_dir
+    assert os.readlink(out / "checkpoints" / "best") == "step_00000002"  # step 8 did not beat it
+    assert kept(out) == ["step_00000002", "step_00000012"]
+
+
+def test_export_and_resume_follow_best(tmp_path: Path, cli: Any) -> None:
+    result = run_steps(tmp_path, 8, config=settings("max"))
+    out = result.output_dir
+    exported = cli(
+        "checkpoint", "export", str(out), "--step", "best", "--to", str(tmp_path / "best.safetensors"), cwd=tmp_path
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert "step_00000002" in exported.stdout
+    weights = load_file(tmp_path / "best.safetensors")
+    newest = load_file_of(cli, out, tmp_path)
+    assert any(not (weights[name] == newest[name]).all() for name in weights)  # step 2's weights, not step 8's
+    listing = cli("checkpoint", "list", str(out), cwd=tmp_path)
+    assert "complete best" in listing.stdout.splitlines()[1]
+    again = run_steps(
+        tmp_path / "again",
+        4,
+        config={"checkpoint": {"resume": str(out / "checkpoints" / "best")}, "train": {"eval_iters": 0}},
+    )
+    assert again.run.state.step == 4 and again.hooks("on_log")[0] == 4  # resumed at step 2: steps 3..4
+
+
+def load_file_of(cli: Any, out: Path, tmp_path: Path) -> dict[str, Any]:
+    done = cli("checkpoint", "export", str(out), "--to", str(tmp_path / "newest.safetensors"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return load_file(tmp_path / "newest.safetensors")
+
+
+def test_export_best_without_keep_best_is_one_clear_error(tmp_path: Path, cli: Any) -> None:
+    out = run_steps(tmp_path, 4).output_dir
+    result = cli(
+        "checkpoint", "export", str(out), "--step", "best", "--to", str(tmp_path / "w.safetensors"), cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert "--step best: " in result.stderr and "set checkpoint.keep_best" in result.stderr
+
+
+def test_keep_best_of_a_metric_not_evaluated_or_without_evaluations_is_one_clear_error(tmp_path: Path) -> None:
+    wrong = settings()
+    wrong["checkpoint"]["keep_best"] = "valid/accuracy"
+    with pytest.raises(UserError, match=r"checkpoint.keep_best: 'valid/accuracy' is not among .*valid/loss"):
+        run_steps(tmp_path / "a", 4, config=wrong)
+    never = settings()
+    del never["train"]["eval_interval"]
+    with pytest.raises(UserError, match=r"checkpoint.keep_best = 'valid/loss', but this run never evaluates"):
+        run_steps(tmp_path / "b", 4, config=never)

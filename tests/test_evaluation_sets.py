@@ -1,0 +1,66 @@
+"""Several validation sets by name, and the shapes a data provider may return its splits in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import metrics_rows
+
+from coretrain import UserError
+from coretrain.testing import run_steps
+
+
+def digits_run(tmp_path: Path, provider: str, steps: int = 6, **more: Any) -> Any:
+    config = {
+        "model": {"provider": "workloads:cnn_with_accuracy"},
+        "data": {"provider": f"workloads:{provider}", "options": more.pop("options", {})},
+        "train": {"eval_interval": 3, "eval_iters": 2},
+        **more.pop("config", {}),
+    }
+    return run_steps(tmp_path, steps, config=config, **more)
+
+
+def test_two_named_validation_sets_are_evaluated_and_logged_apart(tmp_path: Path) -> None:
+    """Each set reports its own loss and named values, equal to what it reports alone; the
+    metrics file has them, and early stopping and keep_best can watch any of them."""
+    named = digits_run(
+        tmp_path / "named",
+        "digits_named_valid",
+        autoload=True,
+        tables={"early-stopping": {"metric": "valid/noisy/accuracy", "mode": "max", "patience": 10}},
+        config={"checkpoint": {"keep_best": "valid/clean/loss"}},
+    )
+    alone = digits_run(tmp_path / "alone", "digits_clean_valid")
+    assert [e["step"] for e in named.evals] == [3, 6]
+    for both, one in zip(named.evals, alone.evals):
+        assert set(both) == {
+            "step",
+            "valid/clean/loss",
+            "valid/clean/accuracy",
+            "valid/noisy/loss",
+            "valid/noisy/accuracy",
+        }
+        assert both["valid/clean/loss"] == pytest.approx(one["valid/loss"], rel=1e-6)
+        assert both["valid/clean/accuracy"] == one["valid/accuracy"]
+        assert both["valid/noisy/loss"] != both["valid/clean/loss"]
+    rows = [r for r in metrics_rows(named.output_dir) if "valid/noisy/loss" in r]
+    assert [r["step"] for r in rows] == [3, 6]
+    assert (named.output_dir / "checkpoints" / "best").is_symlink()
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [((), "Datasets.valid is an empty dict"), (("a/b",), "the set name 'a/b' is not a simple name")],
+)
+def test_a_bad_set_of_validation_sets_is_one_clear_error(tmp_path: Path, names: tuple[str, ...], message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        digits_run(tmp_path, "digits_named_valid", options={"names": list(names)})
+
+
+def test_random_splits_list_is_train_and_valid(tmp_path: Path) -> None:
+    """random_split returns a list; it is read as (train, valid), not as a dataset of 2 samples."""
+    result = digits_run(tmp_path, "digits_random_split")
+    assert result.run.datasets.valid is not None and len(result.run.datasets.train) == 1200
+    assert "valid/accuracy" in result.evals[0]
