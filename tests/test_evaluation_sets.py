@@ -64,3 +64,23 @@ def test_random_splits_list_is_train_and_valid(tmp_path: Path) -> None:
     result = digits_run(tmp_path, "digits_random_split")
     assert result.run.datasets.valid is not None and len(result.run.datasets.train) == 1200
     assert "valid/accuracy" in result.evals[0]
+
+
+def test_report_shows_every_evaluated_metric_and_small_rates(tmp_path: Path, cli: Any) -> None:
+    """The summary lists valid/accuracy, each named set and the model's train/ values, gives a
+    tiny model's TFLOP/s in significant digits, and the loss plot draws each set."""
+    result = digits_run(
+        tmp_path,
+        "digits_named_valid",
+        autoload=True,
+        config={"train": {"log_interval": 3, "eval_interval": 3, "eval_iters": 2}},
+    )
+    shown = cli("report", str(result.output_dir), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    last = [e for e in result.evals if e["step"] == 6][0]
+    for name in ("valid/clean/loss", "valid/clean/accuracy", "valid/noisy/loss", "valid/noisy/accuracy"):
+        assert f"{name}" in shown.stdout and f"last {last[name]:.4g} at step 6" in shown.stdout
+    assert "train/accuracy" in shown.stdout
+    tflops = [line for line in shown.stdout.splitlines() if "TFLOP/s per device" in line][0]
+    assert float(tflops.split("│")[-2]) > 0  # "0.00" before
+    assert "2 validation" in shown.stdout

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
 from pathlib import Path
 from typing import Any
 
 from coretrain import UserError, require
+from coretrain_report.summary import FINALS, evaluated_finals, final, series, summary
 
 log = logging.getLogger("coretrain")
 
@@ -92,22 +92,6 @@ def _metrics_row(line: str) -> dict[str, float] | None:
     return {key: value for key, value in row.items() if type(value) in (int, float)}
 
 
-def series(rows: Rows, name: str, x: str = "step") -> tuple[list[float], list[float]]:
-    points = [
-        (row[x], row[name])
-        for row in rows
-        if isinstance(row.get(name), (int, float)) and isinstance(row.get(x), (int, float))
-    ]
-    if x != "step":  # evaluation rows carry no x of their own: take the last train row's
-        last: dict[int, float] = {}
-        for row in rows:
-            if isinstance(row.get(x), (int, float)):
-                last[row["step"]] = row[x]
-        points = [(last.get(row["step"]), row[name]) for row in rows if isinstance(row.get(name), (int, float))]
-        points = [(px, v) for px, v in points if px is not None]
-    return [p for p, _ in points], [v for _, v in points]
-
-
 def plot(runs: list[tuple[str, Rows]], out_dir: Path, title: str) -> list[Path]:
     """One PNG per panel that has data, each run's curves overlaid; returns the files written."""
     matplotlib = require("matplotlib", needed_by="coretrain report", extra="report")
@@ -118,6 +102,10 @@ def plot(runs: list[tuple[str, Rows]], out_dir: Path, title: str) -> list[Path]:
     memory = sorted(
         {k for _, rows in runs for row in rows for k in row if k.startswith("memory/") and k.endswith("_gb")}
     )
+    set_losses = sorted(
+        {k for _, rows in runs for row in rows for k in row if k.startswith("valid/") and k.endswith("/loss")}
+        - {"valid/loss"}
+    )
     panels = [(stem, "step", "step", ylabel, lines) for stem, ylabel, lines in PANELS]
     if several:
         panels += [(stem, x, xlabel, "loss", lines) for stem, x, xlabel, lines in COMPARE_PANELS]
@@ -126,6 +114,8 @@ def plot(runs: list[tuple[str, Rows]], out_dir: Path, title: str) -> list[Path]:
     for stem, x, xlabel, ylabel, lines in panels:
         if stem == "memory":
             lines = [(name, name.removeprefix("memory/").removesuffix("_gb")) for name in memory]
+        if stem.startswith("loss"):  # each named validation set's loss too (valid/NAME/loss)
+            lines = lines + [(name, name.removesuffix("/loss")) for name in set_losses]
         drawn = []
         for run_name, rows in runs:
             curves = [(label, *series(rows, name, x)) for name, label in lines]
@@ -162,86 +152,6 @@ def _mfu_axis(axes: Any, rows: Rows) -> None:
         right.set_ylabel(f"MFU % (peak {peak:g} TFLOP/s)")
 
 
-def summary(rows: Rows) -> list[tuple[str, str]]:
-    """(what, value) lines for the terminal table."""
-    train = [row for row in rows if "loss" in row]
-    valid = [row for row in rows if "valid/loss" in row]
-    lines = [("steps logged", f"{rows[0]['step']} … {rows[-1]['step']} ({len(train)} train, {len(valid)} validation)")]
-    if train:
-        best = min(train, key=lambda row: row["loss"])
-        lines.append(
-            (
-                "train loss",
-                f"{train[0]['loss']:.4f} → {train[-1]['loss']:.4f} (lowest {best['loss']:.4f} at step {best['step']})",
-            )
-        )
-    if valid:
-        best = min(valid, key=lambda row: row["valid/loss"])
-        lines.append(
-            (
-                "validation loss",
-                f"last {valid[-1]['valid/loss']:.4f} at step {valid[-1]['step']}; "
-                f"best {best['valid/loss']:.4f} at step {best['step']}",
-            )
-        )
-
-    def median(name: str) -> float | None:
-        values = series(rows, name)[1]
-        return statistics.median(values) if values else None
-
-    for name, label, fmt in (
-        ("tokens_per_second_per_device", "tokens/s per device (median)", "{:,.0f}"),
-        ("samples_per_second_per_device", "samples/s per device (median)", "{:,.1f}"),
-        ("tflops_per_device", "TFLOP/s per device (median)", "{:.2f}"),
-        ("mfu", "MFU (median)", "{:.1%}"),
-        ("iteration_time", "iteration time (median)", "{:.3f} s"),
-    ):
-        value = median(name)
-        if value is not None:
-            lines.append((label, fmt.format(value)))
-    peaks = [
-        max(values) for name in ("memory/max_allocated_gb", "memory/max_rss_gb") if (values := series(rows, name)[1])
-    ]
-    if peaks:
-        lines.append(("peak memory", f"{max(peaks):.2f} GB"))
-    last = train[-1] if train else rows[-1]
-    for name, label in (
-        ("consumed_tokens", "tokens consumed"),
-        ("consumed_samples", "samples consumed"),
-        ("skipped_updates", "skipped updates"),
-    ):
-        if name in last:
-            lines.append((label, f"{last[name]:,.0f}"))
-    return lines
-
-
-FINALS: list[tuple[str, str, str]] = [
-    # (what, how to get it from a run's rows, format) for the comparison table
-    ("steps", "last:step", "{:,.0f}"),
-    ("train loss (last)", "last:loss", "{:.4f}"),
-    ("validation loss (last)", "last:valid/loss", "{:.4f}"),
-    ("validation loss (best)", "min:valid/loss", "{:.4f}"),
-    ("tokens/s per device (median)", "median:tokens_per_second_per_device", "{:,.0f}"),
-    ("samples/s per device (median)", "median:samples_per_second_per_device", "{:,.1f}"),
-    ("TFLOP/s per device (median)", "median:tflops_per_device", "{:.2f}"),
-    ("iteration time (median)", "median:iteration_time", "{:.4f}"),
-    ("waiting for data, s/step (median)", "median:time/data", "{:.4f}"),
-    ("peak memory GB", "max:memory/max_rss_gb|memory/max_allocated_gb", "{:.2f}"),
-    ("wall time s", "last:elapsed_seconds", "{:,.1f}"),
-]
-
-
-def final(rows: Rows, how: str) -> float | None:
-    kind, names = how.split(":", 1)
-    for name in names.split("|"):
-        values = series(rows, name)[1]
-        if values:
-            return {"last": values[-1], "min": min(values), "max": max(values), "median": statistics.median(values)}[
-                kind
-            ]
-    return None
-
-
 def report(run_dirs: list[Path], metrics_file: Path | None = None, out_dir: Path | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -265,7 +175,7 @@ def report(run_dirs: list[Path], metrics_file: Path | None = None, out_dir: Path
         for name in names:
             table.add_column(name, justify="right")
         table.add_column(f"{names[-1]} − {names[0]}", justify="right")
-        for what, how, fmt in FINALS:
+        for what, how, fmt in FINALS + evaluated_finals([rows for _, rows in runs]):
             values = [final(rows, how) for _, rows in runs]
             if all(v is None for v in values):
                 continue
