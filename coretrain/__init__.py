@@ -15,6 +15,9 @@ __version__ = "0.2.0"
 
 
 _LAZY = {
+    # the Python API: a run from a notebook or a script
+    "train": "coretrain.api",
+    "TrainResult": "coretrain.api",
     # the hook contract
     "HOOK_API": "coretrain.hookspecs",
     "Outcome": "coretrain.hookspecs",
@@ -64,6 +67,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
 
     hookimpl: pluggy.HookimplMarker
     """Mark a plugin method as a hook implementation: ``@hookimpl`` / ``@hookimpl(trylast=True)``."""
+    from coretrain.api import TrainResult, train
     from coretrain.backend import LoggingBackend
     from coretrain.blocks import blocks_of
     from coretrain.checkpoint import is_sharded
@@ -80,6 +84,8 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
 
 __all__ = [
     "__version__",
+    "train",
+    "TrainResult",
     "hookimpl",
     "HOOK_API",
     "Outcome",

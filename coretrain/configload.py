@@ -348,18 +348,47 @@ def apply_override(data: dict[str, Any], path: tuple[str, ...], value: Any) -> N
     node[path[-1]] = value
 
 
-def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> LoadedConfig:
+Overrides = typing.Sequence[str] | Mapping[str, Any]
+"""``--set`` texts (``"optimizer.lr=3e-4"``, TOML values) or, from Python, ``{"optimizer.lr": 3e-4}``."""
+
+
+def load_config(path: str | Path, overrides: Overrides = ()) -> LoadedConfig:
     """Read, compose and structure a config file. Raises UserError on any mistake."""
     path = Path(path)
     locations: dict[tuple[str, ...], Location] = {}
     raw = _load_chain(path, (), locations)
-    for text in overrides:
-        key_path, value = parse_override(text)
+    return _with_overrides(raw, overrides, locations, path, str(path))
+
+
+def load_config_data(data: Mapping[str, Any], overrides: Overrides = ()) -> LoadedConfig:
+    """A config given as TOML-shaped data (the Python API): ``extends`` names files relative to
+    the current directory; the rest is merged over them as a file's own keys are."""
+    locations: dict[tuple[str, ...], Location] = {}
+    layer = dict(data)
+    extends = layer.pop("extends", [])
+    bases = [extends] if isinstance(extends, (str, Path)) else extends
+    raw: dict[str, Any] = {}
+    for base in bases:
+        if not Path(base).exists():
+            raise UserError(f"extends: {str(base)!r} not found (relative to {Path.cwd()})")
+        raw = merge_layer(raw, _load_chain(Path(base), (), locations))
+    return _with_overrides(merge_layer(raw, layer), overrides, locations, Path("config.toml"), "the config")
+
+
+def _with_overrides(
+    raw: dict[str, Any], overrides: Overrides, locations: dict[tuple[str, ...], Location], path: Path, source: str
+) -> LoadedConfig:
+    """Apply the overrides (a provider switch drops the old provider's options), then structure."""
+    if isinstance(overrides, Mapping):
+        changes = [(_split_key(key), value, f"overrides[{key!r}]") for key, value in overrides.items()]
+    else:
+        changes = [(*parse_override(text), f"--set {text}") for text in overrides]
+    for key_path, value, where in changes:
         if len(key_path) == 2 and key_path[1] == "provider" and key_path[0] in PROVIDER_TABLES:
             raw = merge_layer(raw, {key_path[0]: {"provider": value}})
         apply_override(raw, key_path, value)
-        locations[key_path] = f"--set {text}"
-    config = structure(raw, Config, locations=locations, source=str(path))
+        locations[key_path] = where
+    config = structure(raw, Config, locations=locations, source=source)
     return LoadedConfig(config=config, locations=locations, path=path)
 
 

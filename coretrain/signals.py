@@ -21,7 +21,7 @@ import os
 import signal
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 
@@ -37,16 +37,21 @@ class Interrupted(Exception):
 class SignalWatcher:
     """Installs recording handlers for the run and restores the previous ones afterwards."""
 
-    def __init__(self, names: Sequence[str] = DEFAULT_SIGNALS) -> None:
+    def __init__(self, names: Sequence[str] = DEFAULT_SIGNALS, impatient: Literal["kill", "raise"] = "kill") -> None:
         self.signums = [getattr(signal, name) for name in names]
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self.impatient = impatient
+        """A second Ctrl-C: "kill" the process as the default handler would (the CLI), or
+        "raise" KeyboardInterrupt (the Python API: a notebook's kernel lives on)."""
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signum
         elif signum == signal.SIGINT:  # impatient Ctrl-C: leave now, as the default would
             self.uninstall()
+            if self.impatient == "raise":
+                raise KeyboardInterrupt
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 

@@ -6,8 +6,9 @@ steps/s and an ETA from the first step, loss, learning rate, throughput, the sha
 spent waiting for data, the last validation and the last few events. The panel keeps one
 width and a fixed number of event lines, and while it is up every log line (the core's, a
 library's) is printed above it through rich, so nothing written to the terminal can leave a
-stale copy of it behind. When stdout is not a terminal (CI, ``| tee``, a job log), one plain
-line per log interval instead. Above ``run.log_level = "info"`` (``--quiet``) it stays silent.
+stale copy of it behind. In Jupyter, the same panel as a notebook output (rich's notebook
+support; the Python API, ``coretrain.train``). When stdout is neither (CI, ``| tee``, a job
+log), one plain line per log interval instead. Above ``run.log_level = "info"`` (``--quiet``) it stays silent.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def data_share(metrics: dict[str, float]) -> str:
     return f"data {100 * metrics.get('time/data', 0.0) / step:.0f}%" if step > 0 else "data -"
 
 
+def in_notebook() -> bool:
+    """Jupyter (or Colab): rich draws its live view there as a notebook output."""
+    from rich.console import Console
+
+    return Console().is_jupyter
+
+
 def valid_losses(metrics: dict[str, float]) -> str:
     """ "valid loss 2.1", or one loss per named validation set ("valid/wiki 2.1  valid/code 2.3")."""
     if "valid/loss" in metrics:
@@ -51,7 +59,7 @@ class Progress:
     """Live progress view on a terminal; one line per log interval otherwise."""
 
     plain: bool | None = None
-    """Force plain lines (true) or the live view (false); unset = live only on a terminal."""
+    """Force plain lines (true) or the live view (false); unset = live on a terminal or in Jupyter."""
     events: int = field(default=5, validator=non_negative)
     """How many recent events the live view shows."""
     _live: Any = field(default=None, init=False, repr=False)
@@ -76,7 +84,7 @@ class Progress:
         self._total = run.train_iters
         self._started = time.perf_counter()
         self._first_step = run.state.step
-        if not (self.plain if self.plain is not None else not sys.stdout.isatty()):
+        if not (self.plain if self.plain is not None else not (sys.stdout.isatty() or in_notebook())):
             import shutil
 
             from rich.live import Live

@@ -1,0 +1,134 @@
+"""The Python API: ``coretrain.train(config_or_path, overrides={...})`` for notebooks and scripts.
+
+The same run as ``coretrain run`` — the same config, plugins, checkpoints and resume — but in
+the caller's process, returning a :class:`TrainResult` instead of an exit code and raising
+instead of printing ``error:`` lines (a notebook shows the exception; ``UserError`` says
+what to fix). Progress shows as the ``progress`` plugin decides: its live view on a terminal
+or in Jupyter, plain lines otherwise. Ctrl-C (a notebook's interrupt) stops gracefully with a
+checkpoint; a second one raises ``KeyboardInterrupt`` instead of killing the kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field
+
+from coretrain import hookimpl
+from coretrain.configload import LoadedConfig, Overrides, load_config, load_config_data
+from coretrain.hookspecs import Outcome
+from coretrain.pluginmanager import load_plugins
+
+
+@define
+class TrainResult:
+    """What a run did: how it ended, where its files are, and what it logged."""
+
+    outcome: Outcome
+    """"completed", "stopped" (a plugin: early stopping, guards), "exit_interval",
+    "exit_duration" or "signal"."""
+    exit_code: int
+    """What ``coretrain run`` would have exited with."""
+    step: int
+    output_dir: Path
+    metrics: dict[str, float]
+    """The last value of every metric logged or evaluated (``loss``, ``valid/loss``, ...)."""
+    history: list[dict[str, float]] = field(repr=False)
+    """Every ``on_log`` and ``on_eval`` row, with its ``step``, as metrics.jsonl has them."""
+
+    @property
+    def best_checkpoint(self) -> Path | None:
+        """``checkpoints/best`` (with ``checkpoint.keep_best``), if the run has one."""
+        path = self.output_dir / "checkpoints" / "best"
+        return path if path.exists() else None
+
+
+class ResultRecorder:
+    """A plugin of the API's own, registered for the one run: keeps what the run logged."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, float]] = []
+        self.outcome: Outcome = "error"
+
+    @hookimpl(trylast=True)
+    def on_log(self, step: int, metrics: dict[str, float]) -> None:
+        self.history.append({"step": step, **metrics})
+
+    @hookimpl(trylast=True)
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.history.append({"step": step, **metrics})
+
+    @hookimpl
+    def on_train_end(self, outcome: Outcome) -> None:
+        self.outcome = outcome
+
+
+def train(config: str | Path | Mapping[str, Any], overrides: Overrides = ()) -> TrainResult:
+    """Train as ``coretrain run`` would, in this process.
+
+    ``config``: a TOML file's path, or the same tables as a dict (``{"extends": "base.toml",
+    "optimizer": {"lr": 3e-4}}``); ``overrides``: ``{"optimizer.lr": 3e-4}`` (Python values)
+    or ``--set`` texts. Raises :class:`coretrain.UserError` for a mistake in the config or the
+    data, and whatever a failing plugin or the model raised.
+    """
+    from coretrain import dist
+    from coretrain.build import build_run
+    from coretrain.loop import Trainer
+    from coretrain.signals import SignalWatcher
+
+    loaded = _load(config, overrides)
+    recorder = ResultRecorder()
+    plugins = load_plugins(loaded.config, loaded.locations)
+    plugins.register("coretrain-api-result", recorder)
+    plugins.check_pending()
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may take signals
+    signals = SignalWatcher(impatient="raise") if in_main_thread else SignalWatcher([])
+    with _console_logging(loaded.config.run.log_level), signals:
+        try:
+            run = build_run(loaded.config, plugins, signals=signals)
+            code = Trainer(run, signals).train()
+        finally:
+            dist.shutdown()
+    metrics: dict[str, float] = {}
+    for row in recorder.history:
+        metrics.update(row)
+    metrics.pop("step", None)
+    return TrainResult(
+        outcome=recorder.outcome,
+        exit_code=code,
+        step=run.state.step,
+        output_dir=Path(loaded.config.output_dir),
+        metrics=metrics,
+        history=recorder.history,
+    )
+
+
+def _load(config: str | Path | Mapping[str, Any], overrides: Overrides) -> LoadedConfig:
+    if isinstance(config, Mapping):
+        return load_config_data(config, overrides)
+    return load_config(config, overrides)
+
+
+@contextlib.contextmanager
+def _console_logging(level_name: str) -> Iterator[None]:
+    """The run's messages on the console at ``run.log_level`` — through the caller's logging
+    when it has set some up, else through a handler of our own for the run's length."""
+    logger = logging.getLogger("coretrain")
+    previous_level = logger.level
+    logger.setLevel(getattr(logging, level_name.upper()))
+    handler = None
+    if not logging.getLogger().handlers and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("coretrain: %(message)s"))
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous_level)
+        if handler is not None:
+            logger.removeHandler(handler)

@@ -1,0 +1,86 @@
+"""The Python API: coretrain.train(config_or_path, overrides=...) returns what the run did."""
+
+from __future__ import annotations
+
+import builtins
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+
+import coretrain
+from coretrain import UserError
+from coretrain.testing import tiny_config, write_config
+
+
+def test_a_dict_config_trains_and_returns_the_outcome_the_metrics_and_the_history(tmp_path: Path) -> None:
+    result = coretrain.train(tiny_config(tmp_path / "out"), overrides={"train.train_iters": 4})
+    assert (result.outcome, result.exit_code, result.step) == ("completed", 0, 4)
+    assert result.output_dir == tmp_path / "out"
+    assert [row["step"] for row in result.history] == [2, 4, 4]  # two logs, then the final validation
+    assert result.metrics["loss"] == result.history[1]["loss"]
+    assert result.metrics["valid/loss"] == result.history[2]["valid/loss"]
+    assert (tmp_path / "out" / "checkpoints" / "step_00000004").is_dir()
+    assert result.best_checkpoint is None
+
+
+def test_a_path_with_set_texts_and_a_second_call_resumes(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "c.toml", tiny_config(tmp_path / "out", train={"train_iters": 4}))
+    first = coretrain.train(path)
+    again = coretrain.train(str(path), overrides=["train.train_iters=8"])
+    assert (first.step, again.step) == (4, 8)
+    assert [row["step"] for row in again.history if "loss" in row] == [6, 8]
+
+
+def test_a_dict_may_extend_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_config(tmp_path / "base.toml", tiny_config(tmp_path / "out", train={"train_iters": 4}))
+    monkeypatch.chdir(tmp_path)
+    result = coretrain.train({"extends": "base.toml", "train": {"train_iters": 2}})
+    assert result.step == 2
+
+
+def test_a_stop_is_the_outcome_not_an_exception(tmp_path: Path) -> None:
+    config = tiny_config(
+        tmp_path / "out",
+        train={"train_iters": 20, "eval_interval": 2, "eval_iters": 1},
+        plugins={"early-stopping": {"patience": 1, "min_delta": 100.0}},
+    )
+    result = coretrain.train(config)
+    assert (result.outcome, result.exit_code, result.step) == ("stopped", 0, 4)
+
+
+def test_a_mistake_in_the_overrides_is_a_user_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(
+        UserError, match=r"overrides\['optimizer\.lrr'\]: optimizer\.lrr: unknown key \(did you mean 'lr'"
+    ):
+        coretrain.train(tiny_config(tmp_path / "out"), overrides={"optimizer.lrr": 0.1})
+
+
+def test_the_progress_view_is_live_in_jupyter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rich knows a notebook by IPython's shell class; the progress plugin asks rich."""
+    from coretrain_progress import in_notebook
+
+    assert not in_notebook()
+
+    class ZMQInteractiveShell:
+        pass
+
+    monkeypatch.setattr(builtins, "get_ipython", ZMQInteractiveShell, raising=False)
+    assert in_notebook()
+
+
+@pytest.mark.slow  # 20 quickstart steps
+def test_the_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"<!-- tests/test_api.py runs this block -->\n```python\n(.*?)```", readme, re.S)
+    assert block is not None
+    code = block.group(1).replace('"runs/notebook"', repr(str(tmp_path / "notebook")))
+    monkeypatch.chdir(REPO)
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    result = namespace["result"]
+    assert (result.outcome, result.step) == ("completed", 20)
+    assert namespace["steps"] == [10, 20]
+    assert "completed 20" in capsys.readouterr().out
