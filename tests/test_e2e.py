@@ -248,7 +248,7 @@ def test_report_compares_runs_in_overlaid_plots_and_a_table_of_differences(tmp_p
         names
     )
     assert matplotlib.image.imread(out / "loss.png").shape[:2] == (400, 700)
-    row = next(line for line in result.stdout.splitlines() if "validation loss (last)" in line)
+    row = next(line for line in result.stdout.splitlines() if "valid/loss (last)" in line)
     difference = faster["valid/loss"] - base["valid/loss"]
     assert f"{base['valid/loss']:.4f}" in row and f"{faster['valid/loss']:.4f}" in row and f"{difference:+.4g}" in row
     assert "faster − base" in result.stdout

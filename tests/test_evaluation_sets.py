@@ -79,7 +79,8 @@ def test_report_shows_every_evaluated_metric_and_small_rates(tmp_path: Path, cli
     assert shown.returncode == 0, shown.stderr
     last = [e for e in result.evals if e["step"] == 6][0]
     for name in ("valid/clean/loss", "valid/clean/accuracy", "valid/noisy/loss", "valid/noisy/accuracy"):
-        assert f"{name}" in shown.stdout and f"last {last[name]:.4g} at step 6" in shown.stdout
+        value = f"{last[name]:.4f}" if name.endswith("loss") else f"{last[name]:.4g}"
+        assert f"{name}" in shown.stdout and f"last {value} at step 6" in shown.stdout
     assert "train/accuracy" in shown.stdout
     tflops = [line for line in shown.stdout.splitlines() if "TFLOP/s per device" in line][0]
     assert float(tflops.split("│")[-2]) > 0  # "0.00" before

@@ -287,3 +287,15 @@ def test_a_damaged_only_checkpoint_and_a_refused_change_are_one_error_each(
     torch.save(state, step / "rank_00000.pt")
     code, line = cli(capsys, "run", str(config), *longer)
     assert code == 2 and f"{step / 'rank_00000.pt'}: not a valid checkpoint file: rng.torch: expected" in line, line
+
+
+def test_new_plugin_into_a_directory_that_has_files_makes_its_own_folder_there(tmp_path: Path, capsys: Any) -> None:
+    """--dir plugins/ (a folder of other packages): the package goes to plugins/coretrain-NAME,
+    not among them; a new or empty --dir is the package's own directory."""
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "other.txt").write_text("x")
+    assert main(["new-plugin", "loss-spikes", "--dir", str(tmp_path / "plugins")]) == 0
+    assert (tmp_path / "plugins" / "coretrain-loss-spikes" / "pyproject.toml").is_file()
+    assert main(["new-plugin", "loss-spikes", "--dir", str(tmp_path / "fresh")]) == 0
+    assert (tmp_path / "fresh" / "pyproject.toml").is_file()
+    assert f"wrote {tmp_path / 'fresh'}" in capsys.readouterr().out

@@ -46,42 +46,6 @@ def add(commands: Any) -> None:
     run.set_defaults(handler=cmd_run)
 
 
-def _setup_logging(level_name: str = "info") -> None:
-    """The console: rank 0 at ``level_name``, other ranks warnings and errors only; Python warnings
-    (from libraries coretrain calls) through the same handler, each distinct one once."""
-    import warnings
-
-    rank = int(os.environ.get("RANK", "0"))
-    level = getattr(logging, level_name.upper())
-    logging.basicConfig(
-        level=level if rank == 0 else max(level, logging.WARNING),
-        force=True,
-        format="coretrain: %(message)s" if rank == 0 else f"coretrain[rank {rank}]: %(message)s",
-    )
-    warnings.simplefilter("once")
-    logging.captureWarnings(True)
-    logging.getLogger("py.warnings").addFilter(_OnceEach())
-
-
-class _OnceEach(logging.Filter):
-    """Pass each distinct warning (category and text, wherever it was raised) once.
-
-    Python's "once" filter is undone by libraries that warn inside ``catch_warnings`` blocks
-    with filters of their own; a warning raised every step would then reach the console again."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        first = record.getMessage().splitlines()[0] if record.getMessage() else ""
-        key = first.split(": ", 1)[-1]  # "path:line: Category: text" -> "Category: text"
-        if key in self.seen:
-            return False
-        self.seen.add(key)
-        return True
-
-
 def stop_with_the_launcher() -> None:
     """A rank torchrun started gets SIGTERM when its launcher dies (Linux): killed alone, the
     launcher would leave its ranks training, and the other machines' ranks waiting on them.
@@ -118,10 +82,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, signals: Any) -> int:
     from coretrain.configload import load_config
+    from coretrain.consolelog import say_held, setup_logging
     from coretrain.pluginmanager import load_plugins
 
     loaded = load_config(args.config, args.overrides)
-    _setup_logging(args.log_level or loaded.config.run.log_level)
+    noise = setup_logging(args.log_level or loaded.config.run.log_level, loaded.config.output_dir)
     signals.check()
     plugins = load_plugins(loaded.config, loaded.locations)
     signals.check()
@@ -147,6 +112,7 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
         print(f"  full traceback: {where}", file=sys.stderr)
         return FAILURE_EXIT_CODE
     dist.shutdown(graceful=True)
+    say_held(noise, loaded.config.output_dir)
     return code
 
 

@@ -59,6 +59,9 @@ def pretrain(
 
 
 def main(assets: Path = ASSETS) -> None:
+    # one torch thread: a tiny model gains nothing from more, and on a busy machine idle
+    # intra-op threads spin (a loaded shared box once took 46 minutes instead of seconds)
+    torch.set_num_threads(1)
     assets.mkdir(parents=True, exist_ok=True)
     records = instructions()
     with open(assets / "instructions.jsonl", "w", encoding="utf-8") as f:

@@ -35,6 +35,11 @@ def lower_is_better(name: str) -> bool:
     return name.rsplit("/", 1)[-1].endswith(LOWER_IS_BETTER)
 
 
+def number_format(name: str) -> str:
+    """Losses with 4 decimals (as the train loss), other values with 4 significant digits."""
+    return "{:.4f}" if lower_is_better(name) else "{:.4g}"
+
+
 def evaluated_names(rows: Rows) -> list[str]:
     """Every evaluated metric the rows hold: valid/... then test/..., in first-seen order."""
     names = dict.fromkeys(k for row in rows for k in row if k.startswith(("valid/", "test/")))
@@ -47,9 +52,10 @@ def evaluated_line(rows: Rows, name: str) -> tuple[str, str]:
     steps, values = series(rows, name)
     pick = min if lower_is_better(name) else max
     best = pick(range(len(values)), key=values.__getitem__)
-    text = f"last {values[-1]:.4g} at step {steps[-1]:.0f}"
+    fmt = number_format(name)
+    text = f"last {fmt.format(values[-1])} at step {steps[-1]:.0f}"
     if len(values) > 1:
-        text += f"; best {values[best]:.4g} at step {steps[best]:.0f}"
+        text += f"; best {fmt.format(values[best])} at step {steps[best]:.0f}"
     return name, text
 
 
@@ -134,7 +140,7 @@ def evaluated_finals(runs: list[Rows]) -> list[tuple[str, str, str]]:
         row
         for name in names
         for row in (
-            (f"{name} (last)", f"last:{name}", "{:.4g}"),
-            (f"{name} (best)", f"{'min' if lower_is_better(name) else 'max'}:{name}", "{:.4g}"),
+            (f"{name} (last)", f"last:{name}", number_format(name)),
+            (f"{name} (best)", f"{'min' if lower_is_better(name) else 'max'}:{name}", number_format(name)),
         )
     ]

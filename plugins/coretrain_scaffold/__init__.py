@@ -16,7 +16,12 @@ def add(commands: Any) -> None:
         "new-plugin", help="write a plugin package (entry point, one option, one hook, a test) ready to pip install"
     )
     scaffold.add_argument("name", help="the plugin's name, e.g. loss-spikes (enabled by [plugins.loss-spikes])")
-    scaffold.add_argument("--dir", default=None, metavar="D", help="where to write it (default: ./coretrain-NAME)")
+    scaffold.add_argument(
+        "--dir",
+        default=None,
+        metavar="D",
+        help="the package's directory if D is new or empty, else D/coretrain-NAME (default: ./coretrain-NAME)",
+    )
     scaffold.set_defaults(handler=cmd_new_plugin)
 
 

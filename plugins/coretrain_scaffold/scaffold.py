@@ -141,6 +141,17 @@ and every hook call. `coretrain.testing` also has `stop_and_resume`, `run_until_
 """
 
 
+def package_dir(directory: Path | None, dist: str) -> Path:
+    """``--dir D``: D itself when it is new or empty, else a new D/coretrain-NAME inside it (``--dir
+    plugins/``, ``--dir .``) — unless D is a package already (it has a pyproject.toml: refused
+    by the caller); without it, ./coretrain-NAME."""
+    if directory is None:
+        return Path.cwd() / dist
+    if directory.is_dir() and any(directory.iterdir()) and not (directory / "pyproject.toml").exists():
+        return directory / dist
+    return directory
+
+
 def new_plugin(name: str, directory: Path | None = None) -> Path:
     """Write the package for plugin ``name`` into ``directory`` (default ./coretrain-NAME)."""
     if not PLUGIN_NAME.fullmatch(name) or len(name) > MAX_NAME:
@@ -159,7 +170,7 @@ def new_plugin(name: str, directory: Path | None = None) -> Path:
     dist = name if name.startswith("coretrain-") else f"coretrain-{name}"
     package = dist.replace("-", "_")
     cls = "".join(part.capitalize() for part in name.split("-"))
-    root = directory if directory is not None else Path.cwd() / dist
+    root = package_dir(directory, dist)
     if root.exists() and any(root.iterdir()):
         raise UserError(f"new-plugin: {root} exists and is not empty; choose another --dir")
     major, minor = (int(part) for part in __version__.split(".")[:2])
