@@ -18,6 +18,7 @@ _LAZY = {
     # the Python API: a run from a notebook or a script
     "train": "coretrain.api",
     "TrainResult": "coretrain.api",
+    "load": "coretrain.api",
     # the hook contract
     "HOOK_API": "coretrain.hookspecs",
     "Outcome": "coretrain.hookspecs",
@@ -67,7 +68,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
 
     hookimpl: pluggy.HookimplMarker
     """Mark a plugin method as a hook implementation: ``@hookimpl`` / ``@hookimpl(trylast=True)``."""
-    from coretrain.api import TrainResult, train
+    from coretrain.api import TrainResult, load, train
     from coretrain.backend import LoggingBackend
     from coretrain.blocks import blocks_of
     from coretrain.checkpoint import is_sharded
@@ -86,6 +87,7 @@ __all__ = [
     "__version__",
     "train",
     "TrainResult",
+    "load",
     "hookimpl",
     "HOOK_API",
     "Outcome",

@@ -68,13 +68,16 @@ class ResultRecorder:
         self.outcome = outcome
 
 
-def train(config: str | Path | Mapping[str, Any], overrides: Overrides = ()) -> TrainResult:
+def train(
+    config: str | Path | Mapping[str, Any], overrides: Overrides = (), plugins: Mapping[str, object] | None = None
+) -> TrainResult:
     """Train as ``coretrain run`` would, in this process.
 
     ``config``: a TOML file's path, or the same tables as a dict (``{"extends": "base.toml",
     "optimizer": {"lr": 3e-4}}``); ``overrides``: ``{"optimizer.lr": 3e-4}`` (Python values)
-    or ``--set`` texts. Raises :class:`coretrain.UserError` for a mistake in the config or the
-    data, and whatever a failing plugin or the model raised.
+    or ``--set`` texts; ``plugins``: objects with ``@hookimpl`` methods to register for this
+    run by name (Lightning's ``callbacks=[...]``). Raises :class:`coretrain.UserError` for a
+    mistake in the config or the data, and whatever a failing plugin or the model raised.
     """
     from coretrain import dist
     from coretrain.build import build_run
@@ -83,14 +86,15 @@ def train(config: str | Path | Mapping[str, Any], overrides: Overrides = ()) -> 
 
     loaded = _load(config, overrides)
     recorder = ResultRecorder()
-    plugins = load_plugins(loaded.config, loaded.locations)
-    plugins.register("coretrain-api-result", recorder)
-    plugins.check_pending()
+    manager = load_plugins(loaded.config, loaded.locations)
+    for name, instance in {**(plugins or {}), "coretrain-api-result": recorder}.items():
+        manager.register(name, instance)
+    manager.check_pending()
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may take signals
     signals = SignalWatcher(impatient="raise") if in_main_thread else SignalWatcher([])
     with _console_logging(loaded.config.run.log_level), signals:
         try:
-            run = build_run(loaded.config, plugins, signals=signals)
+            run = build_run(loaded.config, manager, signals=signals)
             code = Trainer(run, signals).train()
         finally:
             dist.shutdown()
@@ -106,6 +110,12 @@ def train(config: str | Path | Mapping[str, Any], overrides: Overrides = ()) -> 
         metrics=metrics,
         history=recorder.history,
     )
+
+
+def load(config: str | Path | Mapping[str, Any], overrides: Overrides = ()) -> LoadedConfig:
+    """The config as a run would see it (``.config``: the structured :class:`Config`), without
+    running anything; raises :class:`coretrain.UserError` for a mistake."""
+    return _load(config, overrides)
 
 
 def _load(config: str | Path | Mapping[str, Any], overrides: Overrides) -> LoadedConfig:

@@ -1,0 +1,96 @@
+"""The learning-rate range test (Smith 2015; Lightning's ``Tuner.lr_find``, fastai's ``lr_find``).
+
+Each step trains at a learning rate that grows exponentially from ``min_lr`` to ``max_lr``;
+the loss is smoothed (exponential moving average with bias correction, beta 0.98, as Lightning
+does) and the test stops early once it exceeds ``diverge`` times its lowest value. Two
+suggestions: where the smoothed loss falls fastest against log(lr) (Lightning's), and the lr
+of the lowest smoothed loss divided by ten (fastai's "minimum / 10").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from attrs import define, field
+
+from coretrain import Run, StepOutputs, hookimpl
+
+SMOOTHING = 0.98
+SKIP_START, SKIP_END = 10, 1
+"""Steps left out at both ends when looking for the steepest descent (Lightning's defaults)."""
+
+
+@define(kw_only=True)
+class LRFinder:
+    """Drives the learning rate of a short run and records its loss (registered by ``lr-find``)."""
+
+    min_lr: float
+    max_lr: float
+    steps: int
+    diverge: float = 4.0
+    lrs: list[float] = field(factory=list)
+    losses: list[float] = field(factory=list)
+    smoothed: list[float] = field(factory=list)
+    _base_lr: float = field(default=1.0, init=False)
+    _average: float = field(default=0.0, init=False)
+
+    def lr_at(self, step: int) -> float:
+        """Step 1 at min_lr, step ``steps`` at max_lr, exponentially between."""
+        return float(self.min_lr * (self.max_lr / self.min_lr) ** ((step - 1) / max(self.steps - 1, 1)))
+
+    @hookimpl
+    def on_train_start(self, run: Run) -> None:
+        self._base_lr = run.config.optimizer.lr or 1.0
+
+    @hookimpl
+    def pre_step(self, run: Run, step: int) -> None:
+        """After the schedule set this update's rate: the test's rate, in each group's proportion
+        to the configured lr (optimizer-overrides' lr_mult and max_lr)."""
+        lr = self.lr_at(step)
+        for group in run.optimizer.param_groups:
+            share = group.get("max_lr", self._base_lr) / self._base_lr * group.get("lr_mult", 1.0)
+            group["lr"] = lr * share
+        self.lrs.append(lr)
+
+    @hookimpl(tryfirst=True)
+    def on_log(self, metrics: dict[str, float]) -> None:
+        """The rate the test trained at, not the schedule's (which it overrides)."""
+        if self.lrs:
+            metrics["lr"] = self.lrs[-1]
+
+    @hookimpl
+    def post_step(self, run: Run, step: int, outputs: StepOutputs) -> None:
+        loss = float(outputs.loss)  # host sync every step: a tuner's price, not a training run's
+        self.losses.append(loss)
+        self._average = SMOOTHING * self._average + (1 - SMOOTHING) * loss  # from 0, then bias-corrected
+        self.smoothed.append(self._average / (1 - SMOOTHING ** len(self.losses)))
+        lowest = min(self.smoothed)
+        if not math.isfinite(loss) or (step > SKIP_START and self.smoothed[-1] > self.diverge * lowest):
+            run.control.request_stop(f"lr-find: the loss diverged at lr {self.lrs[-1]:.3g}", checkpoint=False)
+        elif step >= self.steps:
+            run.control.request_stop("lr-find: the range is covered", checkpoint=False)
+
+    def suggestions(self) -> dict[str, float]:
+        """{"steepest": lr, "minimum/10": lr}, each present when the curve allows it."""
+        points = [(lr, loss) for lr, loss in zip(self.lrs, self.smoothed) if math.isfinite(loss)]
+        found: dict[str, float] = {}
+        if not points:
+            return found
+        best = min(range(len(points)), key=lambda i: points[i][1])
+        found["minimum/10"] = points[best][0] / 10
+        window = points[SKIP_START : len(points) - SKIP_END]
+        if len(window) >= 3:
+            slopes = [
+                (window[i + 1][1] - window[i - 1][1]) / math.log(window[i + 1][0] / window[i - 1][0])
+                for i in range(1, len(window) - 1)
+            ]
+            steepest = min(range(len(slopes)), key=slopes.__getitem__)
+            found["steepest"] = window[steepest + 1][0]
+        return found
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [
+            {"step": i + 1, "lr": lr, "loss": loss, "smoothed": smooth}
+            for i, (lr, loss, smooth) in enumerate(zip(self.lrs, self.losses, self.smoothed))
+        ]

@@ -1,0 +1,86 @@
+"""coretrain lr-find: the learning-rate range test, beside the run and without touching it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from coretrain_lr_find.finder import LRFinder
+
+import coretrain
+from coretrain import Run, hookimpl
+from coretrain.testing import tiny_config, write_config
+
+
+def rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_lr_find_sweeps_beside_the_run_and_leaves_its_checkpoints_alone(tmp_path: Path, cli: Any) -> None:
+    config = write_config(tmp_path / "c.toml", tiny_config(tmp_path / "out", train={"train_iters": 4}))
+    assert cli("run", str(config), cwd=tmp_path).returncode == 0
+    # run.log aside: in one test process the first command's log handler is still installed
+    files = [p for p in (tmp_path / "out").rglob("*") if "lr_find" not in p.parts and p.name != "run.log"]
+    before = {p: p.stat().st_mtime_ns for p in files}
+    found = cli("lr-find", str(config), "--steps", "30", "--min-lr", "1e-5", "--max-lr", "0.1", cwd=tmp_path)
+    assert found.returncode == 0, found.stderr
+    swept = rows(tmp_path / "out" / "lr_find" / "lr_find.jsonl")
+    assert len(swept) == 30 and swept[0]["lr"] == 1e-5 and math.isclose(swept[-1]["lr"], 0.1)
+    ratios = {round(b["lr"] / a["lr"], 9) for a, b in zip(swept, swept[1:])}
+    assert len(ratios) == 1  # exponential: one ratio between neighbours
+    assert (tmp_path / "out" / "lr_find" / "lr_find.png").is_file()
+    assert not (tmp_path / "out" / "lr_find" / "checkpoints").exists()
+    assert {p: p.stat().st_mtime_ns for p in before} == before  # nothing of the run changed
+    suggested = [line for line in found.stdout.splitlines() if line.startswith("suggested: --set optimizer.lr=")]
+    assert len(suggested) == 1 and 1e-5 <= float(suggested[0].rsplit("=", 1)[1]) <= 0.1
+
+
+class SeenRates:
+    """Reads the rate each optimizer step really uses, just before it steps."""
+
+    def __init__(self) -> None:
+        self.rates: list[dict[float, float]] = []
+
+    @hookimpl
+    def before_update(self, run: Run) -> None:
+        self.rates.append({group.get("lr_mult", 1.0): group["lr"] for group in run.optimizer.param_groups})
+
+
+def test_the_optimizer_steps_at_the_tests_rate_in_each_groups_proportion(tmp_path: Path) -> None:
+    """With optimizer-overrides giving biases 0.1 × the rate, the warmup schedule of the config
+    is overridden step by step, and the biases keep their share."""
+    finder, seen = LRFinder(min_lr=1e-4, max_lr=1e-2, steps=5), SeenRates()
+    config = tiny_config(
+        tmp_path / "out",
+        train={"train_iters": 5},
+        scheduler={"warmup_iters": 3},
+        plugins={"optimizer-overrides": {"rules": [{"pattern": "*.bias", "lr_mult": 0.1}]}},
+    )
+    coretrain.train(config, plugins={"lr-find": finder, "seen": seen})
+    expected = [1e-4 * 10 ** (i / 2) for i in range(5)]
+    assert [rates[1.0] for rates in seen.rates] == pytest.approx(expected)
+    assert [rates[0.1] for rates in seen.rates] == pytest.approx([0.1 * lr for lr in expected])
+
+
+def test_a_diverging_loss_ends_the_sweep_early_without_a_checkpoint(tmp_path: Path) -> None:
+    finder = LRFinder(min_lr=1e-3, max_lr=1e6, steps=60)
+    config = tiny_config(tmp_path / "out", train={"train_iters": 60}, checkpoint={"save": False})
+    result = coretrain.train(config, plugins={"lr-find": finder})
+    assert result.outcome == "stopped" and 10 < result.step < 60
+    assert len(finder.losses) == result.step
+
+
+def test_the_suggestions_on_a_known_curve() -> None:
+    """A loss that falls fastest at lr 1e-3 (in log lr) and is lowest at 1e-1."""
+    finder = LRFinder(min_lr=1e-6, max_lr=1.0, steps=61)
+    finder.lrs = [finder.lr_at(step) for step in range(1, 62)]
+    finder.smoothed = [
+        -math.tanh(math.log10(lr) + 3) + (2.0 * (math.log10(lr) + 1) ** 2 if lr > 0.1 else 0.0) for lr in finder.lrs
+    ]
+    found = finder.suggestions()
+    assert math.isclose(found["steepest"], 1e-3, rel_tol=0.26)
+    lowest = min(zip(finder.smoothed, finder.lrs))[1]
+    assert math.isclose(found["minimum/10"], lowest / 10)
