@@ -17,7 +17,12 @@ def add(commands: Any) -> None:
         "report",
         help="plot a run's metrics (PNG files) and print a summary; several runs: overlaid, with a comparison table",
     )
-    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's output dir (holds metrics.jsonl)")
+    report.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="a run's output dir (holds metrics.jsonl), or a directory of runs (a sweep's)",
+    )
     report.add_argument(
         "--metrics", default=None, metavar="FILE", help="read this file instead of RUN_DIR/metrics.jsonl"
     )

@@ -152,12 +152,25 @@ def _mfu_axis(axes: Any, rows: Rows) -> None:
         right.set_ylabel(f"MFU % (peak {peak:g} TFLOP/s)")
 
 
+def runs_in(directory: Path) -> list[Path]:
+    """A run's directory, or a directory of runs (``coretrain sweep``'s): the runs in it."""
+    if (directory / "metrics.jsonl").exists() or not directory.is_dir():
+        return [directory]
+    inner = sorted(path for path in directory.iterdir() if (path / "metrics.jsonl").is_file())
+    return inner or [directory]
+
+
 def report(run_dirs: list[Path], metrics_file: Path | None = None, out_dir: Path | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
     if metrics_file is not None and len(run_dirs) > 1:
         raise UserError("--metrics reads one file; give one run, or drop --metrics to compare runs")
+    if metrics_file is None:
+        expanded = [run for run_dir in run_dirs for run in runs_in(run_dir)]
+        if len(run_dirs) == 1 and expanded != run_dirs:  # a sweep's directory: its report beside its runs
+            out_dir = out_dir or run_dirs[0] / "report"
+        run_dirs = expanded
     names = [run_dir.resolve().name for run_dir in run_dirs]
     runs = [(name, read_metrics(metrics_file or run_dir / "metrics.jsonl")) for name, run_dir in zip(names, run_dirs)]
     console = Console(highlight=False)
