@@ -41,6 +41,7 @@ _LAZY = {
     "SplitBatches": "coretrain.loader",
     # the model, called as a training step calls it, and its repeated blocks
     "forward": "coretrain.outputs",
+    "model_outputs": "coretrain.outputs",
     "NUM_TOKENS": "coretrain.outputs",
     "blocks_of": "coretrain.blocks",
     # helpers plugins share with the core
@@ -49,6 +50,7 @@ _LAZY = {
     "require": "coretrain.errors",
     "config_as_dict": "coretrain.configload",
     "is_sharded": "coretrain.checkpoint",
+    "find_checkpoint": "coretrain.checkpoint",
     "max_over_ranks": "coretrain.dist",
     "mean_over_ranks": "coretrain.dist",
     "sum_over_ranks": "coretrain.dist",
@@ -71,7 +73,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.api import TrainResult, load, train
     from coretrain.backend import LoggingBackend
     from coretrain.blocks import blocks_of
-    from coretrain.checkpoint import is_sharded
+    from coretrain.checkpoint import find_checkpoint, is_sharded
     from coretrain.configload import config_as_dict
     from coretrain.control import Control
     from coretrain.data import RandomWindows, SampleOrder, TokenWindows, fetch, to_device, windows
@@ -79,7 +81,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.errors import UserError, require
     from coretrain.hookspecs import HOOK_API, Outcome
     from coretrain.loader import SplitBatches, is_stream
-    from coretrain.outputs import NUM_TOKENS, forward
+    from coretrain.outputs import NUM_TOKENS, forward, model_outputs
     from coretrain.run import DatasetContext, Datasets, Run, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
 
@@ -107,6 +109,7 @@ __all__ = [
     "SampleOrder",
     "SplitBatches",
     "forward",
+    "model_outputs",
     "NUM_TOKENS",
     "blocks_of",
     "LoggingBackend",
@@ -114,6 +117,7 @@ __all__ = [
     "require",
     "config_as_dict",
     "is_sharded",
+    "find_checkpoint",
     "max_over_ranks",
     "mean_over_ranks",
     "sum_over_ranks",

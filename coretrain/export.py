@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from coretrain import safeload
-from coretrain.checkpoint import best_step, read_manifest, step_dirs
+from coretrain.checkpoint import find_checkpoint, read_manifest, step_dirs
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.errors import CheckpointUnreadable, UserError
@@ -76,16 +76,8 @@ def export_plugins(source: Path, config: dict[str, Any]) -> Plugins:
 
 def pick_checkpoint(run_dir: Path, step: int | str | None) -> Path:
     """A complete checkpoint: at ``step``, the one ``checkpoints/best`` points at, or the newest."""
-    complete = {c.step: c.path for c in list_checkpoints(run_dir) if c.complete}
-    if not complete:
-        raise UserError(f"{run_dir}: no complete checkpoint to export")
-    if step == "best":
-        step = best_step(run_dir / "checkpoints")
-        if step is None:
-            raise UserError(f"--step best: {run_dir}/checkpoints has no best checkpoint (set checkpoint.keep_best)")
-    if step is not None and step not in complete:
-        raise UserError(f"--step {step}: no complete checkpoint at that step; complete: {sorted(complete)}")
-    return complete[step if step is not None else max(complete)]
+    list_checkpoints(run_dir)  # a directory that is not a run's is named as such
+    return find_checkpoint(run_dir / "checkpoints", step, "--step")
 
 
 def read_model_state(source: Path) -> dict[str, torch.Tensor]:

@@ -383,6 +383,33 @@ class HookSpecs(Protocol):
     # --------------------------------------------------------------------------- after training (hook API 1.1)
 
     @hookspec(firstresult=True)
+    def predict_step(self, run: Run, batch: Any, options: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The model's predictions for one batch, one record per sample (``coretrain predict``;
+        hook API 1.8).
+
+        Args: ``batch`` — a collated batch of the split on this rank's device (with ``--data
+        FILE``: ``{"prompt": [texts]}``); ``options`` — the command's generation options
+        (``max_new_tokens``, ``temperature``, ``top_p``, ``do_sample``; None where not given).
+        May change: nothing on ``run``; the model is in eval mode, gradients off.
+        Returns: a list of JSON-able dicts, one per sample in batch order, or None when this
+        plugin does not predict this batch (the first answer wins: the ``hf`` provider answers
+        prompts with ``generate``; the built-in answer writes the model's outputs per sample).
+        Ranks: every rank, its own share of the samples.
+        """
+
+    @hookspec(firstresult=True)
+    def write_predictions(self, run: Run, records: list[dict[str, Any]], path: Path) -> str | None:
+        """Write every sample's record to ``path`` (``coretrain predict --out PATH``; hook API 1.8).
+
+        Args: ``records`` — all ranks' records gathered, in sample order, each with its
+        ``index`` in the split.
+        May change: nothing but ``path``.
+        Returns: a one-line description of what was written, or None when this plugin does not
+        write such a path (the built-in answer writes ``.jsonl`` and ``.parquet``).
+        Ranks: rank 0 only, once.
+        """
+
+    @hookspec(firstresult=True)
     def export_model(
         self,
         state: dict[str, torch.Tensor],

@@ -126,6 +126,22 @@ def call(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[to
     return split_output(loss_fn(output, target))
 
 
+def model_outputs(run: Run, batch: Any) -> tuple[Any, Any]:
+    """(the model's outputs, the batch's target or None) as a prediction sees them: with
+    ``model.loss`` set the target is held back from the model, as in training; without, the
+    model gets the whole batch (and its outputs may hold the loss). Under the run's precision."""
+    target = None
+    inputs = batch
+    if run.loss_fn is not None and isinstance(batch, dict) and TARGET_KEY in batch:
+        inputs = {name: value for name, value in batch.items() if name != TARGET_KEY}
+        target = batch[TARGET_KEY]
+    elif run.loss_fn is not None and isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        *first, target = batch
+        inputs = tuple(first)
+    with autocast(run):
+        return call_model(run.model, inputs), target
+
+
 def autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
     """The run's precision (``run.precision``) for a forward: nothing for fp32, else autocast."""
     precision = run.config.run.precision

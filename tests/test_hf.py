@@ -17,7 +17,7 @@ from conftest import CORPUS, STDLIB, metrics_rows
 
 from coretrain import UserError, hookimpl
 from coretrain.export import export
-from coretrain.testing import run_ranks, run_steps
+from coretrain.testing import run_ranks, run_steps, write_config
 
 transformers = pytest.importorskip("transformers")
 from coretrain_hf.model import CausalLM  # noqa: E402
@@ -647,3 +647,44 @@ def test_the_compile_plugin_compiles_an_hf_model(tmp_path: Path, llama_dir: Path
     assert compiled.run.model._compiled_call_impl is not None  # compiled in place: names unchanged
     for a, b in zip(eager.metrics, compiled.metrics):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+
+# --------------------------------------------------------------------------- predict: generate
+
+
+@pytest.mark.slow  # builds a run and generates: about 10 s
+def test_predict_generates_for_prompts_as_transformers_does(tmp_path: Path, tokenizer_dir: Path, cli: Any) -> None:
+    """A downloaded model directory with its tokenizer; `coretrain predict --data prompts.jsonl`
+    writes each prompt's greedy continuation, the same text transformers' generate gives."""
+    model_dir = tmp_path / "model"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    hf.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    prompts = ["def add(a, b):", "The river", "x"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    sections = {k: v for k, v in text_run(model_dir).items() if k != "train"}
+    config = write_config(tmp_path / "c.toml", {"run": {"output_dir": str(tmp_path / "out"), "threads": 1}, **sections})
+    result = cli(
+        "predict", str(config), "--checkpoint", "none", "--data", str(tmp_path / "prompts.jsonl"),
+        "--max-new-tokens", "6", "--batch-size", "2", "--out", str(tmp_path / "gen.jsonl"), cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    written = [json.loads(line) for line in (tmp_path / "gen.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in written] == prompts
+    for record in written:
+        ids = tokenizer(record["prompt"], return_tensors="pt", add_special_tokens=False)
+        expected = hf.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        assert record["completion"] == tokenizer.decode(
+            expected[0, ids["input_ids"].shape[1] :], skip_special_tokens=True
+        )

@@ -18,7 +18,7 @@ import torch
 from coretrain import safeload
 from coretrain.checkpoint.schema import MANIFEST as MANIFEST_SCHEMA
 from coretrain.checkpoint.schema import validate
-from coretrain.errors import CheckpointUnreadable, RunFailure
+from coretrain.errors import CheckpointUnreadable, RunFailure, UserError
 
 STEP_DIR = re.compile(r"^step_(\d{8})(\.tmp)?$")
 BEST = "best"
@@ -120,6 +120,21 @@ def point_best(root: Path, step_directory: Path) -> None:
     tmp.unlink(missing_ok=True)
     os.symlink(step_directory.name, tmp)
     os.replace(tmp, root / BEST)
+
+
+def find_checkpoint(root: Path, which: int | str | None, option: str) -> Path:
+    """A complete checkpoint under ``root``: at step ``which``, the one ``best`` points at
+    ("best"), or the newest (None); a missing one is a UserError naming ``option``."""
+    complete = complete_steps(root) if root.is_dir() else []
+    if not complete:
+        raise UserError(f"{option}: {root} holds no complete checkpoint")
+    if which == "best":
+        which = best_step(root)
+        if which is None:
+            raise UserError(f"{option} best: {root} has no best checkpoint (set checkpoint.keep_best)")
+    if which is not None and which not in complete:
+        raise UserError(f"{option} {which}: no complete checkpoint at that step; complete: {complete}")
+    return step_dir(root, complete[-1] if which is None else int(which))
 
 
 def write_failure(root: Path, step: int, tmp: Path, exc: BaseException) -> RunFailure:

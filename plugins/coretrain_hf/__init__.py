@@ -126,6 +126,15 @@ class HFModel:
             save_config(wrapped_model(run.unwrapped_model), run.output_dir)
 
     @hookimpl
+    def predict_step(self, run: Run, batch: Any, options: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Prompts (``coretrain predict --data``) get a causal LM's ``generate``."""
+        if self.task != "causal-lm" or not (isinstance(batch, dict) and "prompt" in batch):
+            return None
+        from coretrain_hf.generate import generate
+
+        return generate(run, self.path, batch["prompt"], options)
+
+    @hookimpl
     def export_model(
         self,
         state: dict[str, torch.Tensor],

@@ -1,0 +1,44 @@
+"""Text for prompts: ``generate`` of a causal LM, for ``coretrain predict --data prompts.jsonl``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from coretrain import Run, UserError
+from coretrain_hf.model import wrapped_model
+from coretrain_hf.tokenizer import load_tokenizer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def prompt_tokenizer(run: Run, model_path: str | None) -> Any:
+    """The model directory's own tokenizer (a downloaded model carries one), else the data's."""
+    if model_path is not None and any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
+        return load_tokenizer(model_path, "coretrain predict")
+    data_tokenizer = dict(run.config.data.options).get("tokenizer")
+    if not isinstance(data_tokenizer, str):
+        raise UserError(
+            "predict --data: no tokenizer for the prompts: model.options.path has none, and "
+            "data.options.tokenizer is not set"
+        )
+    return load_tokenizer(data_tokenizer, "coretrain predict")
+
+
+def generate(run: Run, model_path: str | None, prompts: list[str], options: dict[str, Any]) -> list[dict[str, Any]]:
+    """Greedy (or sampled, with ``do_sample``) continuations, left-padded as decoders need."""
+    tokenizer = prompt_tokenizer(run, model_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(run.device)
+    settings: dict[str, Any] = {
+        "max_new_tokens": options.get("max_new_tokens") or 32,
+        "do_sample": bool(options.get("do_sample")),
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    settings.update({name: options[name] for name in ("temperature", "top_p") if options.get(name) is not None})
+    hf = wrapped_model(run.unwrapped_model)
+    produced = hf.generate(**encoded, **settings)
+    completions = tokenizer.batch_decode(produced[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+    return [{"prompt": prompt, "completion": text} for prompt, text in zip(prompts, completions)]

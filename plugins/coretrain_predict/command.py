@@ -1,0 +1,58 @@
+"""Choose the weights and the samples, then run the predictor on a run built from the config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import coretrain
+from coretrain import UserError, find_checkpoint
+from coretrain_predict.predictor import Predictor
+
+
+def weights(output_dir: Path, choice: str | None) -> list[str]:
+    """``--set`` texts that load the chosen checkpoint's weights (none: the provider's)."""
+    if choice == "none":
+        return []
+    if choice is not None and not choice.isdigit() and choice != "best":
+        path = Path(choice)
+        if not path.exists():
+            raise UserError(f"--checkpoint {choice}: no such checkpoint directory or file")
+    else:
+        which = int(choice) if choice is not None and choice.isdigit() else choice
+        path = find_checkpoint(output_dir / "checkpoints", which, "--checkpoint")
+    return [f"checkpoint.pretrained={json.dumps(str(path.resolve()))}"]
+
+
+def predict(args: argparse.Namespace) -> int:
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: expected a positive number")
+    settings = coretrain.load(args.config, args.overrides).config
+    out = Path(args.out)
+    predictor = Predictor(
+        split=args.split or ("prompts" if args.data else "test"),
+        data=Path(args.data) if args.data else None,
+        out=out.resolve(),
+        batch_size=args.batch_size,
+        options={
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "do_sample": args.do_sample,
+        },
+    )
+    sets = [
+        *args.overrides,
+        *weights(Path(settings.output_dir), args.checkpoint),
+        f"run.output_dir={json.dumps(str(Path(settings.output_dir) / 'predict'))}",
+        "train.skip_train=true",
+        'checkpoint.resume="never"',
+        "checkpoint.save=false",
+        "train.eval_iters=0",
+        "train.eval_full=false",
+        "plugins.early-stopping.enabled=false",
+    ]
+    coretrain.train(args.config, overrides=sets, plugins={"predict": predictor})
+    print(f"predict: {predictor.written}")
+    return 0

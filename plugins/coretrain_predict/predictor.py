@@ -1,0 +1,178 @@
+"""The predictor: a plugin registered for the predict run, plus the built-in answers of the
+``predict_step`` and ``write_predictions`` hooks (``trylast``: a plugin of yours answers first)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from attrs import define, field
+
+from coretrain import Run, UserError, fetch, hookimpl, is_stream, model_outputs, to_device
+
+log = logging.getLogger("coretrain")
+
+MAX_VALUES = 4096
+"""A per-sample output with more values than this (an LM's logits) is written as its argmax
+over the last dimension; smaller ones (a classifier's logits, a regression) as they are."""
+
+
+@define(kw_only=True)
+class Predictor:
+    """Predicts ``split`` (or the prompts in ``data``) on every rank; rank 0 writes ``out``."""
+
+    split: str
+    data: Path | None
+    out: Path
+    batch_size: int | None
+    options: dict[str, Any]
+    written: str = field(default="", init=False)
+
+    @hookimpl
+    def on_train_start(self, run: Run) -> None:
+        """The model has its weights (the run restored them): predict now; the run then ends."""
+        samples = self._samples(run)
+        rank, world = run.dist.dp_rank, run.dist.dp_size
+        size = self.batch_size or run.config.train.eval_micro_batch_size or run.config.train.micro_batch_size
+        mine = list(range(rank, len(samples), world))
+        records: list[dict[str, Any]] = []
+        model = run.model
+        model.eval()
+        with torch.no_grad():
+            for start in range(0, len(mine), size):
+                chunk = mine[start : start + size]
+                answer = run.plugins.calls.hook.predict_step(
+                    run=run, batch=self._batch(run, samples, chunk), options=self.options
+                )
+                if answer is None or len(answer) != len(chunk):
+                    got = "no answer" if answer is None else f"{len(answer)} records"
+                    raise UserError(f"predict: predict_step gave {got} for a batch of {len(chunk)} samples")
+                records += [{"index": index, **record} for index, record in zip(chunk, answer)]
+        gathered = gather(run, records)
+        if run.dist.is_main:
+            gathered.sort(key=lambda record: record["index"])
+            written = run.plugins.calls.hook.write_predictions(run=run, records=gathered, path=self.out)
+            if written is None:
+                raise UserError(
+                    f"--out {self.out}: no plugin writes {self.out.suffix or 'such'} files; use .jsonl or .parquet"
+                )
+            self.written = written
+
+    def _samples(self, run: Run) -> Any:
+        if self.data is not None:
+            return read_prompts(self.data)
+        known = {"train": run.datasets.train}
+        known.update(named for split in ("valid", "test") for named in run.datasets.sets(split))
+        dataset = known.get(self.split)
+        if dataset is None:
+            raise UserError(f"--split {self.split}: the data provider has no such split; it has {', '.join(known)}")
+        if is_stream(dataset):
+            raise UserError(
+                f"--split {self.split}: a stream has no sample indices to predict by; give a map-style split or --data"
+            )
+        return dataset
+
+    def _batch(self, run: Run, samples: Any, chunk: list[int]) -> Any:
+        if self.data is not None:
+            return {"prompt": [samples[i] for i in chunk]}
+        return to_device(fetch(samples, torch.tensor(chunk), run.datasets.collate_fn), run.device)
+
+    @hookimpl(trylast=True)
+    def predict_step(self, run: Run, batch: Any) -> list[dict[str, Any]] | None:
+        """The model's outputs, one record per sample: ``prediction`` (the argmax) for logits of a
+        model trained with ``model.loss = "cross_entropy"``, the outputs themselves, the target."""
+        if isinstance(batch, dict) and "prompt" in batch:
+            return None  # text in: only a model that generates can answer
+        output, target = model_outputs(run, batch)
+        size = len(target) if target is not None else batch_size(batch)
+        values = per_sample(output, size)
+        if run.config.model.loss == "cross_entropy" and "output" in values:
+            values = {"prediction": values["output"].argmax(-1), **values}
+        if isinstance(target, torch.Tensor) and len(target) == size:
+            values["target"] = target
+        return [{name: plain(value[i]) for name, value in values.items()} for i in range(size)]
+
+    @hookimpl(trylast=True)
+    def write_predictions(self, records: list[dict[str, Any]], path: Path) -> str | None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".jsonl":
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(record) + "\n" for record in records)
+            tmp.replace(path)
+        elif path.suffix == ".parquet":
+            try:
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise UserError("--out *.parquet needs pyarrow (pip install pyarrow); or write .jsonl") from None
+            pq.write_table(pa.Table.from_pylist(records), path)
+        else:
+            return None
+        return f"{len(records)} records -> {path}"
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The ``prompt`` field of every record of a .jsonl or .parquet file."""
+    if not path.is_file():
+        raise UserError(f"--data {path}: no such file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows: list[Any] = pq.read_table(path).to_pylist()
+    else:
+        rows = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as exc:
+                    raise UserError(f"--data {path}:{number}: not JSON: {exc}") from None
+    prompts = [row.get("prompt") if isinstance(row, dict) else None for row in rows]
+    missing = next((i for i, p in enumerate(prompts) if not isinstance(p, str)), None)
+    if missing is not None:
+        raise UserError(f"--data {path}: record {missing + 1} has no 'prompt' text")
+    return [p for p in prompts if isinstance(p, str)]
+
+
+def batch_size(batch: Any) -> int:
+    if isinstance(batch, (tuple, list)):
+        return len(batch[0])
+    return len(next(iter(batch.values())) if isinstance(batch, dict) else batch)
+
+
+def per_sample(output: Any, size: int) -> dict[str, torch.Tensor]:
+    """The output's tensors whose first dimension is the batch, by name ("output" for a bare one)."""
+    if isinstance(output, torch.Tensor):
+        items = {"output": output}
+    else:
+        items = dict(output) if isinstance(output, dict) else vars(output)
+    values = {
+        ("output" if name == "logits" else name): value.detach().float().cpu()
+        for name, value in items.items()
+        if name != "loss" and isinstance(value, torch.Tensor) and value.dim() > 0 and len(value) == size
+    }
+    if not values:
+        raise UserError(
+            "predict: the model's outputs hold no per-sample values (only a loss?); set model.loss so "
+            "the model returns its outputs, or implement the predict_step hook"
+        )
+    return {name: value.argmax(-1) if value[0].numel() > MAX_VALUES else value for name, value in values.items()}
+
+
+def plain(value: torch.Tensor) -> Any:
+    return value.item() if value.dim() == 0 else value.tolist()
+
+
+def gather(run: Run, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's records on rank 0 (one object gather; the ranks of a tensor-parallel group
+    predicted the same samples: their first rank's copy is kept)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return records
+    everyone: list[Any] = [None] * run.dist.world_size
+    torch.distributed.all_gather_object(everyone, (run.dist.dp_rank, records))
+    by_replica = dict(everyone[::-1])  # the first rank of each data-parallel replica wins
+    return [record for _, mine in sorted(by_replica.items()) for record in mine]

@@ -1,0 +1,109 @@
+"""coretrain predict: every sample's prediction, from a chosen checkpoint, written once."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import metrics_rows, run_cli
+
+from coretrain.testing import tiny_config, write_config
+
+
+def digits_config(tmp_path: Path, **train: Any) -> Path:
+    config = tiny_config(
+        tmp_path / "out",
+        model={"provider": "workloads:cnn", "loss": "cross_entropy"},
+        data={"provider": "workloads:digits"},
+        train={"train_iters": 6, "eval_full": True, "eval_interval": 3, **train},
+        checkpoint={"save_interval": 3, "keep_best": "valid/accuracy", "keep_best_mode": "max"},
+    )
+    return write_config(tmp_path / "c.toml", config)
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_predictions_of_the_test_split_match_its_evaluation(tmp_path: Path, cli: Any) -> None:
+    """Every test sample once, in order, with its prediction and target; their accuracy is the
+    test/accuracy the run reported for the same (newest) weights."""
+    config = digits_config(tmp_path)
+    assert cli("run", str(config), cwd=tmp_path).returncode == 0
+    tested = [r for r in metrics_rows(tmp_path / "out") if "test/accuracy" in r][-1]
+    result = cli("predict", str(config), "--out", str(tmp_path / "preds.jsonl"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    predicted = records(tmp_path / "preds.jsonl")
+    assert [r["index"] for r in predicted] == list(range(201))
+    assert set(predicted[0]) == {"index", "prediction", "output", "target"} and len(predicted[0]["output"]) == 10
+    accuracy = sum(r["prediction"] == r["target"] for r in predicted) / len(predicted)
+    assert accuracy == pytest.approx(tested["test/accuracy"], abs=1e-6)
+    assert "201 records -> " in result.stdout
+    assert not (tmp_path / "out" / "predict" / "checkpoints").exists()
+
+
+def test_checkpoint_choice_split_and_parquet(tmp_path: Path, cli: Any) -> None:
+    import pyarrow.parquet as pq
+
+    config = digits_config(tmp_path)
+    assert cli("run", str(config), cwd=tmp_path).returncode == 0
+    outputs = {}
+    for choice in ("3", "6", "best", "none"):
+        out = tmp_path / f"valid-{choice}.parquet"
+        done = cli("predict", str(config), "--split", "valid", "--checkpoint", choice, "--out", str(out), cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        outputs[choice] = pq.read_table(out).to_pylist()
+    assert len(outputs["6"]) == 359
+    assert outputs["3"] != outputs["6"] and outputs["none"] != outputs["6"]
+    best = (tmp_path / "out" / "checkpoints" / "best").resolve().name
+    assert outputs["best"] == outputs["3" if best.endswith("3") else "6"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--split", "nope"), "--split nope: the data provider has no such split; it has train, valid, test"),
+        (("--checkpoint", "9"), "--checkpoint 9: no complete checkpoint at that step; complete: [3, 6]"),
+        (("--out", "x.csv"), "no plugin writes .csv files; use .jsonl or .parquet"),
+    ],
+)
+def test_bad_choices_are_one_clear_error(tmp_path: Path, cli: Any, args: tuple[str, ...], message: str) -> None:
+    config = digits_config(tmp_path)
+    assert cli("run", str(config), cwd=tmp_path).returncode == 0
+    argv = ["predict", str(config), "--out", str(tmp_path / "p.jsonl"), *args]
+    if "--out" in args:
+        argv = ["predict", str(config), *args]
+    result = cli(*argv, cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr
+
+
+@pytest.mark.slow  # 2 gloo ranks under torchrun
+def test_two_ranks_write_the_same_file_as_one(tmp_path: Path) -> None:
+    config = digits_config(tmp_path)
+    tests = {"PYTHONPATH": str(Path(__file__).parent)}  # workloads: a user's own module
+    assert run_cli("run", str(config), cwd=tmp_path, env=tests).returncode == 0
+    for ranks in ("1", "2"):
+        out = tmp_path / f"p{ranks}.jsonl"
+        launched = run_cli(
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            "-m",
+            "coretrain",
+            "predict",
+            str(config),
+            "--out",
+            str(out),
+            cwd=tmp_path,
+            env=tests,
+            command=(sys.executable,),
+        )
+        assert launched.returncode == 0, launched.stderr
+    one, two = records(tmp_path / "p1.jsonl"), records(tmp_path / "p2.jsonl")
+    assert [r["index"] for r in two] == list(range(201))
+    assert [r["prediction"] for r in one] == [r["prediction"] for r in two]
+    assert all(a["output"] == pytest.approx(b["output"], abs=1e-5) for a, b in zip(one, two))
