@@ -146,27 +146,10 @@ class Trainer:
             return
         self.mark(run.state.step, "checkpoint")
         self.log.check_finite(run)  # weights updated from a NaN loss are never saved
-        path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
-        plugin_states = {}
-        for name, state in hook_calls(run).on_checkpoint(run=run, step=run.state.step, path=str(path)).items():
-            if state is None:
-                continue
-            try:  # a state no run could load again must not reach the disk
-                safeload.check_plain(state, "state")
-            except TypeError as exc:
-                raise PluginError(
-                    name,
-                    "on_checkpoint",
-                    TypeError(
-                        f"returned {exc}; a checkpoint holds tensors, numbers, str, bool, None and lists/dicts of these"
-                    ),
-                    run.state.step,
-                ) from None
-            plugin_states[name] = state
         data_state = self.feed.state_dict() if self.feed is not None else self._data_state
         _, blocked = self.checkpointer.save(
             {
-                "plugins": plugin_states,
+                "plugins": self._plugin_states(),
                 "interval_log": self.log.pending(),
                 **({"interval_log_mean": self.log.pending(over_ranks=True)} if run.dist.world_size > 1 else {}),
                 **({"data": data_state} if data_state else {}),
@@ -182,6 +165,24 @@ class Trainer:
             log.info("checkpoint step %d saved in %.3f s", run.state.step, blocked)
             self._saved(run.state.step)
 
+    def _plugin_states(self) -> dict[str, Any]:
+        """Each plugin's ``on_checkpoint`` state, checked before it reaches the disk: a state no
+        run could load again stops the run naming the plugin."""
+        run = self.run
+        path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
+        states = {}
+        for name, state in hook_calls(run).on_checkpoint(run=run, step=run.state.step, path=str(path)).items():
+            if state is None:
+                continue
+            try:
+                safeload.check_plain(state, "state")
+            except TypeError as exc:
+                kinds = "tensors, numbers, str, bool, None and lists/dicts of these"
+                error = TypeError(f"returned {exc}; a checkpoint holds {kinds}")
+                raise PluginError(name, "on_checkpoint", error, run.state.step) from None
+            states[name] = state
+        return states
+
     def _saved(self, step: int | None) -> None:
         if step is not None and self.hooks.on_checkpoint_saved:
             path = checkpoint.step_dir(checkpoint.checkpoint_root(self.run), step)
@@ -191,25 +192,14 @@ class Trainer:
 
     def train(self) -> int:
         """Restore, train, save, validate; ``on_train_end`` for every plugin however it ends."""
-        run, hooks = self.run, self.hooks
+        run = self.run
         run.started_at = time.monotonic()
         outcome: Outcome = "error"
         self.mark(run.state.step, "restore")
         try:
             with self.signals:
                 self.restore()
-                early = self.stops.before_first_step()
-                if early is not None:
-                    outcome = early
-                else:
-                    if hooks.on_train_start:
-                        hooks.on_train_start(run=run)
-                    outcome = "completed" if run.config.train.skip_train else self._steps()
-                    if outcome == "completed":  # an exit condition means "stop now", as in Megatron
-                        self.save()  # the trained weights first: a failing validation cannot lose them
-                        self._final_eval()
-                    self._saved(self.checkpointer.wait())  # a save in flight finishes before we leave
-                    self._mark_final_validation()
+                outcome = self.stops.before_first_step() or self._train_and_finish()
         except PluginError as exc:
             if exc.step is None:
                 exc.step = run.state.step
@@ -231,6 +221,19 @@ class Trainer:
         if outcome == "signal" and self.stops.signum is not None:
             return 128 + self.stops.signum
         return run.control.exit_code if outcome == "stopped" else 0
+
+    def _train_and_finish(self) -> Outcome:
+        """on_train_start, the steps and, when they completed, the final save and validation."""
+        run = self.run
+        if self.hooks.on_train_start:
+            self.hooks.on_train_start(run=run)
+        outcome: Outcome = "completed" if run.config.train.skip_train else self._steps()
+        if outcome == "completed":  # an exit condition means "stop now", as in Megatron
+            self.save()  # the trained weights first: a failing validation cannot lose them
+            self._final_eval()
+        self._saved(self.checkpointer.wait())  # a save in flight finishes before we leave
+        self._mark_final_validation()
+        return outcome
 
     def _end(self, outcome: Outcome) -> None:
         """on_train_end on every plugin, even past one that raises; the first failure is re-raised
