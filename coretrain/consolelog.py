@@ -21,11 +21,19 @@ from collections import Counter
 from pathlib import Path
 
 LIBRARY_DIRS = tuple(
-    {
-        str(Path(p).resolve())
-        for p in [*site.getsitepackages(), site.getusersitepackages(), *sysconfig.get_paths().values()]
-        if p
-    }
+    sorted(
+        {
+            str(Path(p).resolve())
+            for p in [
+                *site.getsitepackages(),
+                site.getusersitepackages(),
+                *(sysconfig.get_paths()[name] for name in ("purelib", "platlib", "stdlib", "platstdlib")),
+            ]
+            if p
+        },
+        key=len,
+        reverse=True,  # the most specific first: a library is named by its folder in site-packages
+    )
 )
 """Directories whose code is "a library": site-packages and the standard library."""
 WARNING_SOURCE = re.compile(r"^(.*?):\d+: \w+: ")
