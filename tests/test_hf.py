@@ -613,6 +613,10 @@ def test_the_hf_finetune_example_trains_exports_and_loads_back(tmp_path: Path) -
         f"model.options.path={json_str(assets / 'tiny-llama')}",
         f"data.options.tokenizer={json_str(assets / 'tokenizer')}",
         f"data.options.data_path=[{json_str(assets / 'instructions.jsonl')}]",
+        # a fifth of the example's steps: enough to learn, export and load back; the suite's time
+        "train.train_iters=40",
+        "train.eval_interval=20",
+        "train.log_interval=10",
     ]
     trained = run_cli("run", str(example / "finetune.toml"), *(a for o in overrides for a in ("--set", o)), cwd=REPO)
     assert trained.returncode == 0, trained.stderr

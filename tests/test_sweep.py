@@ -64,15 +64,15 @@ def test_dry_run_lists_the_points_and_writes_the_plan(tmp_path: Path, cli: Any) 
     assert not (tmp_path / "out" / "sweep" / "lr=0.1").exists()
 
 
-@pytest.mark.slow  # four `coretrain run` processes, then a SLURM array task run by bash
+@pytest.mark.slow  # two `coretrain run` processes, then a SLURM array task run by bash
 def test_a_sweep_runs_each_point_in_its_own_dir_and_report_compares_them(tmp_path: Path) -> None:
     config = config_file(tmp_path)
-    grid = ("--grid", "optimizer.lr=[0.001, 0.03]", "--grid", "train.micro_batch_size=[4, 8]")
+    grid = ("--grid", "optimizer.lr=[0.001, 0.03]", "--grid", "train.micro_batch_size=[8]")
     result = run_cli("sweep", str(config), *grid, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     root = tmp_path / "out" / "sweep"
     for name, (lr, micro) in {
-        "lr=0.001,micro_batch_size=4": (0.001, 4),
+        "lr=0.001,micro_batch_size=8": (0.001, 8),
         "lr=0.03,micro_batch_size=8": (0.03, 8),
     }.items():
         saved = (root / name / "config.toml").read_text()
@@ -80,15 +80,15 @@ def test_a_sweep_runs_each_point_in_its_own_dir_and_report_compares_them(tmp_pat
         assert (root / name / "checkpoints" / "step_00000004").is_dir()
     compared = run_cli("report", str(root), cwd=tmp_path, env={"COLUMNS": "250"})
     assert compared.returncode == 0, compared.stderr
-    assert "4 runs" in compared.stdout and "lr=0.03,micro_batch_size=8" in compared.stdout
+    assert "2 runs" in compared.stdout and "lr=0.03,micro_batch_size=8" in compared.stdout
     assert (root / "report" / "loss.png").is_file()
 
     slurm = run_cli("sweep", str(config), *grid, "--set", "train.train_iters=6", "--launcher", "slurm", cwd=tmp_path)
     assert slurm.returncode == 0, slurm.stderr
     script = root / "sweep.sbatch"
-    assert "#SBATCH --array=0-3" in script.read_text()
+    assert "#SBATCH --array=0-1" in script.read_text()
     env = {
-        "SLURM_ARRAY_TASK_ID": "2",
+        "SLURM_ARRAY_TASK_ID": "1",
         "SLURM_ARRAY_JOB_ID": "7",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
@@ -96,8 +96,6 @@ def test_a_sweep_runs_each_point_in_its_own_dir_and_report_compares_them(tmp_pat
     assert task.returncode == 0, task.stderr
     trained = {p.name: (p / "checkpoints" / "step_00000006").is_dir() for p in root.iterdir() if "=" in p.name}
     assert trained == {
-        "lr=0.001,micro_batch_size=4": False,
         "lr=0.001,micro_batch_size=8": False,
-        "lr=0.03,micro_batch_size=4": True,  # task 2 resumed its point and trained it on to step 6
-        "lr=0.03,micro_batch_size=8": False,
+        "lr=0.03,micro_batch_size=8": True,  # task 1 resumed its point and trained it on to step 6
     }
