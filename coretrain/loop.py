@@ -285,10 +285,10 @@ class Trainer:
             return
         metrics = {name: value for result in results if result is not None for name, value in result.items()}
         self.evaluated_at[split] = run.state.step
+        if self.hooks.on_eval:  # tryfirst implementations may add metrics keep_best watches
+            self.hooks.on_eval(run=run, step=run.state.step, metrics=metrics)
         if self.best.evaluated(run.state.step, metrics):  # checkpoint.keep_best: keep this step
             run.control.request_checkpoint()
-        if self.hooks.on_eval:
-            self.hooks.on_eval(run=run, step=run.state.step, metrics=metrics)
 
     def _steps(self) -> Outcome:
         """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from coretrain import UserError
+from coretrain import UserError, hookimpl
 from coretrain.testing import run_steps
 
 
@@ -108,3 +108,18 @@ def test_keep_best_of_a_metric_not_evaluated_or_without_evaluations_is_one_clear
     del never["train"]["eval_interval"]
     with pytest.raises(UserError, match=r"checkpoint.keep_best = 'valid/loss', but this run never evaluates"):
         run_steps(tmp_path / "b", 4, config=never)
+
+
+class AddsScore:
+    """A plugin that adds its own evaluated metric in on_eval (tryfirst), as a user's F1 would."""
+
+    @hookimpl(tryfirst=True)
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        metrics["valid/score"] = -abs(step - 4)  # best at step 4
+
+
+def test_keep_best_watches_a_metric_a_plugin_adds_in_on_eval(tmp_path: Path) -> None:
+    config = settings("max")
+    config["checkpoint"]["keep_best"] = "valid/score"
+    result = run_steps(tmp_path, 8, config=config, plugins={"score": AddsScore()})
+    assert os.readlink(result.output_dir / "checkpoints" / "best") == "step_00000004"
