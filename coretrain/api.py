@@ -84,7 +84,7 @@ def train(
     from coretrain.loop import Trainer
     from coretrain.signals import SignalWatcher
 
-    loaded = _load(config, overrides)
+    loaded = load(config, overrides)
     recorder = ResultRecorder()
     manager = load_plugins(loaded.config, loaded.locations)
     for name, instance in {**(plugins or {}), "coretrain-api-result": recorder}.items():
@@ -115,10 +115,6 @@ def train(
 def load(config: str | Path | Mapping[str, Any], overrides: Overrides = ()) -> LoadedConfig:
     """The config as a run would see it (``.config``: the structured :class:`Config`), without
     running anything; raises :class:`coretrain.UserError` for a mistake."""
-    return _load(config, overrides)
-
-
-def _load(config: str | Path | Mapping[str, Any], overrides: Overrides) -> LoadedConfig:
     if isinstance(config, Mapping):
         return load_config_data(config, overrides)
     return load_config(config, overrides)

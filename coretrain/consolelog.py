@@ -58,7 +58,8 @@ class LibraryNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR or record.name.startswith("coretrain"):
             return True
-        path = os.path.realpath(source_file(record)) if source_file(record) else ""
+        source = source_file(record)
+        path = os.path.realpath(source) if source else ""
         library = next((d for d in LIBRARY_DIRS if path.startswith(d + os.sep)), None)
         if library is None:
             return True
