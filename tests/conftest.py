@@ -45,6 +45,45 @@ def run_cli(
     )
 
 
+def run_train(
+    *args: str, cwd: Path, env: Mapping[str, str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
+    """``coretrain run ARGS``: through the CLI's launcher in subprocesses when ARGS ask for ranks
+    (``--nproc-per-node N``), else in this process — the one-rank run a test compares ranks
+    against, without paying another interpreter's torch import. Same result as :func:`run_cli`."""
+    if "--nproc-per-node" in args:
+        return run_cli("run", *args, cwd=cwd, env=dict(env or {}), timeout=timeout)
+    return run_here("run", *args, cwd=cwd, env=env)
+
+
+def run_here(*args: str, cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``coretrain ARGS`` through ``coretrain.cli.main`` in this process, output captured, and the
+    working directory, environment and logging set-up put back afterwards."""
+    import contextlib
+    import io
+
+    from coretrain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    root, saved_env, here = logging.getLogger(), dict(os.environ), Path.cwd()
+    handlers, level = root.handlers[:], root.level
+    try:
+        os.chdir(cwd)
+        os.environ.update(env or {})
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse's usage errors
+                code = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        root.handlers[:], root.level = handlers, level
+        logging.captureWarnings(False)
+    return subprocess.CompletedProcess(["coretrain", *args], code, out.getvalue(), err.getvalue())
+
+
 def start_cli(
     *args: str,
     cwd: Path,

@@ -130,7 +130,7 @@ def test_composed_with_compile_or_fp8_the_losses_are_unchanged(tmp_path: Path, p
 def test_on_two_ranks_with_fsdp_or_tensor_parallel_the_losses_match_one_plain_rank(
     tmp_path: Path, name: str, distributed: dict[str, Any], table: dict[str, Any]
 ) -> None:
-    from conftest import config_file, gpt_preset, metrics_rows, run_cli
+    from conftest import config_file, gpt_preset, metrics_rows, run_train
 
     preset = gpt_preset(tmp_path / "unused")
     preset["model"]["options"] = {"n_layer": 3, "n_head": 4, "n_embd": 32}
@@ -140,7 +140,7 @@ def test_on_two_ranks_with_fsdp_or_tensor_parallel_the_losses_match_one_plain_ra
         path = config_file(
             tmp_path / f"{run_name}.toml", preset, {"run": {"output_dir": str(tmp_path / run_name)}, **extra}, **train
         )
-        done = run_cli("run", str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+        done = run_train(str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr
         return [row["loss"] for row in metrics_rows(tmp_path / run_name)], done.stderr
 

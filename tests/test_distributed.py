@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics_rows, run_cli, start_cli, tiny_gpt_config
+from conftest import metrics_rows, run_cli, run_train, start_cli, tiny_gpt_config
 
 pytestmark = pytest.mark.slow  # torchrun with 2 gloo ranks: the full suite, not the fast tier
 
@@ -45,7 +45,7 @@ def write(directory: Path, name: str, **train: object) -> Path:
 
 
 def test_ddp_on_two_ranks_matches_one_rank_with_two_accumulation_steps(tmp_path: Path) -> None:
-    one = run_cli("run", str(write(tmp_path, "one")), cwd=tmp_path)
+    one = run_train(str(write(tmp_path, "one")), cwd=tmp_path)
     assert one.returncode == 0, one.stderr
     two = torchrun("run", str(write(tmp_path, "two")), cwd=tmp_path)
     assert two.returncode == 0, two.stderr
@@ -144,7 +144,7 @@ def test_fsdp_checkpoint_is_sharded_and_resumes_on_two_ranks_and_on_one(tmp_path
     two_ranks = run_cli("run", str(split), "--nproc-per-node", "2", cwd=tmp_path)
     assert two_ranks.returncode == 0, two_ranks.stderr
     assert logged(tmp_path / "split") == logged(tmp_path / "full")  # same world size: exact
-    one_rank = run_cli("run", str(one), "--set", "distributed.strategy=none", cwd=tmp_path)  # resharded by DCP
+    one_rank = run_train(str(one), "--set", "distributed.strategy=none", cwd=tmp_path)  # resharded by DCP
     assert one_rank.returncode == 0, one_rank.stderr
     assert "resumed from" in one_rank.stderr and "(step 10," in one_rank.stderr
     for (s1, a), (s2, b) in zip(logged(tmp_path / "one"), logged(tmp_path / "full")):
@@ -260,7 +260,7 @@ def test_weight_hash_names_the_first_parameter_where_replicas_differ(tmp_path: P
 
 
 def test_fp8_with_fsdp_all_gather_runs_on_two_ranks_and_tracks_fp32(tmp_path: Path) -> None:
-    reference = run_cli("run", str(write(tmp_path, "ref", eval_iters=0)), cwd=tmp_path)
+    reference = run_train(str(write(tmp_path, "ref", eval_iters=0)), cwd=tmp_path)
     assert reference.returncode == 0, reference.stderr
     config = write(tmp_path, "fp8", eval_iters=0)
     config.write_text(config.read_text() + '\n[distributed]\nstrategy = "fsdp"\n[plugins.fp8]\nfp8_all_gather = true\n')

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, metrics_rows, run_cli
+from conftest import config_file, gpt_preset, metrics_rows, run_train
 
 pytestmark = pytest.mark.slow  # torchrun ranks: the full suite
 
@@ -20,7 +20,7 @@ def run(tmp_path: Path, name: str, fsdp: dict[str, Any] | None, *launch: str, **
     if fsdp is not None:
         extra |= {"distributed": {"strategy": "fsdp"}, "plugins": {"fsdp": fsdp}}
     path = config_file(tmp_path / f"{name}.toml", preset, extra, **{**settings, **train})
-    done = run_cli("run", str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    done = run_train(str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     return metrics_rows(tmp_path / name)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import config_file, gpt_preset, metrics_rows, run_cli
+from conftest import config_file, gpt_preset, metrics_rows, run_train
 
 from coretrain import UserError
 from coretrain.config import DistributedConfig
@@ -58,7 +58,7 @@ def test_hsdp_2x2_matches_one_rank_and_resumes_from_and_to_plain_fsdp(tmp_path: 
         extra = {"run": {"output_dir": str(tmp_path / name)}, "distributed": distributed}
         path = config_file(tmp_path / f"{name}.toml", preset, extra, **{**train, **more})
         launch = ("--nproc-per-node", str(ranks)) if ranks > 1 else ()
-        done = run_cli("run", str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+        done = run_train(str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr
         assert ("HSDP, 2 replicas each sharded over 2 ranks" in done.stderr) == (distributed == hsdp)
         return [row["loss"] for row in metrics_rows(tmp_path / name)]

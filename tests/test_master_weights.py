@@ -73,7 +73,7 @@ def test_groups_with_their_own_rates_log_each_rate(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # torchrun ranks
 def test_ddp_on_two_ranks_trains_like_one_rank_and_resumes_exactly(tmp_path: Path) -> None:
-    from conftest import config_file, gpt_preset, metrics_rows, run_cli
+    from conftest import config_file, gpt_preset, metrics_rows, run_train
 
     def losses(name: str, *launch: str, **train: Any) -> list[float]:
         preset = gpt_preset(tmp_path / "unused")
@@ -81,7 +81,7 @@ def test_ddp_on_two_ranks_trains_like_one_rank_and_resumes_exactly(tmp_path: Pat
         settings = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8, "log_interval": 1, "eval_iters": 0}
         extra = {"run": {"output_dir": str(tmp_path / name), "precision": "bf16"}, "plugins": {"master-weights": {}}}
         path = config_file(tmp_path / f"{name}.toml", preset, extra, **{**settings, **train})
-        done = run_cli("run", str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+        done = run_train(str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr
         return [row["loss"] for row in metrics_rows(tmp_path / name)]
 

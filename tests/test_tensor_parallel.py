@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, metrics_rows, run_cli
+from conftest import config_file, gpt_preset, metrics_rows, run_cli, run_train
 
 from coretrain.testing import run_ranks, tiny_config, write_config
 
@@ -46,7 +46,7 @@ def test_gpt_on_tp2_by_dp2_matches_one_rank_and_its_checkpoint_resumes_at_tp1_an
         }
         return config_file(tmp_path / f"{name}.toml", preset, extra, **train)
 
-    one = run_cli("run", str(config("one")), cwd=tmp_path)
+    one = run_train(str(config("one")), cwd=tmp_path)
     assert one.returncode == 0, one.stderr
     reference = losses(tmp_path / "one")
     assert len(reference) == 20 and reference[20] < reference[1]
@@ -101,7 +101,7 @@ def test_a_model_without_a_provider_plan_takes_one_from_the_config(tmp_path: Pat
     split = ranks("split", {"plan": {"net.0": "colwise", "net.3": "rowwise"}})
     assert split.returncode == 0, split.stderr
     one = write_config(tmp_path / "one.toml", tiny_config(tmp_path / "one", train={"log_interval": 1}))
-    assert run_cli("run", str(one), cwd=tmp_path).returncode == 0
+    assert run_train(str(one), cwd=tmp_path).returncode == 0
     assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "split" / "out"))
 
 
@@ -160,7 +160,7 @@ def test_batch_rampup_on_tensor_parallel_ranks_counts_the_data_parallel_batch(tm
             "plugins": {"batch-rampup": {"rampup_batch_size": [2, 2, 16]}},
         }
         config = config_file(tmp_path / f"{name}.toml", preset, tables, **train)
-        result = run_cli("run", str(config), *launch, cwd=tmp_path)
+        result = run_train(str(config), *launch, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         return metrics_rows(tmp_path / name)
 
