@@ -58,30 +58,45 @@ def run_train(
 
 def run_here(*args: str, cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``coretrain ARGS`` through ``coretrain.cli.main`` in this process, output captured, and the
-    working directory, environment and logging set-up put back afterwards."""
+    working directory, environment, logging set-up and import path put back afterwards. An
+    ``env`` PYTHONPATH is put on ``sys.path`` for the call; what was imported from it is dropped."""
     import contextlib
     import io
 
     from coretrain.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    root, saved_env, here = logging.getLogger(), dict(os.environ), Path.cwd()
+    root, saved_env, here, saved_path = logging.getLogger(), dict(os.environ), Path.cwd(), sys.path[:]
     handlers, level = root.handlers[:], root.level
+    extra = [entry for entry in (env or {}).get("PYTHONPATH", "").split(os.pathsep) if entry]
     try:
         os.chdir(cwd)
         os.environ.update(env or {})
+        sys.path[:0] = [str(cwd), *extra]  # as `coretrain run` has the current directory on its path
+        root.handlers[:] = []  # a fresh process's logging: pytest's capture handler would take the messages
         with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = main(list(args))
             except SystemExit as exc:  # argparse's usage errors
                 code = exc.code if isinstance(exc.code, int) else 2
     finally:
+        sys.path[:] = saved_path
+        for name in [name for name, module in sys.modules.items() if _imported_from(module, [str(cwd), *extra])]:
+            del sys.modules[name]
         os.chdir(here)
         os.environ.clear()
         os.environ.update(saved_env)
         root.handlers[:], root.level = handlers, level
         logging.captureWarnings(False)
     return subprocess.CompletedProcess(["coretrain", *args], code, out.getvalue(), err.getvalue())
+
+
+def _imported_from(module: object, directories: list[str]) -> bool:
+    """Whether ``module`` came from one of a test's own directories (never the repository's code)."""
+    path = str(getattr(module, "__file__", None) or "")
+    if path.startswith(str(REPO) + os.sep):
+        return False
+    return any(path.startswith(directory + os.sep) for directory in directories)
 
 
 def start_cli(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics_rows, run_cli, run_train, start_cli, tiny_gpt_config
+from conftest import metrics_rows, run_cli, run_here, run_train, start_cli, tiny_gpt_config
 
 pytestmark = pytest.mark.slow  # torchrun with 2 gloo ranks: the full suite, not the fast tier
 
@@ -156,7 +156,7 @@ def test_fsdp_checkpoint_is_sharded_and_resumes_on_two_ranks_and_on_one(tmp_path
     ]
     assert norms[0] and norms[0] == pytest.approx(norms[1], rel=1e-5)
 
-    exported = run_cli(
+    exported = run_here(
         "checkpoint", "export", str(tmp_path / "split"), "--to", str(tmp_path / "m.safetensors"), cwd=tmp_path
     )
     assert exported.returncode == 0, exported.stderr

@@ -1,4 +1,6 @@
-"""End to end through the real CLI: a GPT trains on real text and leaves its files behind."""
+"""End to end: a GPT trains on real text and leaves its files behind. The run, checkpoint and
+report commands go through the real CLI in a subprocess once each; the other cases run the same
+commands in-process (``run_here``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics_rows, run_cli, write_tiny_gpt
+from conftest import metrics_rows, run_cli, run_here, write_tiny_gpt
 
 pytestmark = pytest.mark.slow  # the real CLI end to end: the full suite, not the fast tier
 
@@ -35,7 +37,7 @@ def test_gpt_on_stdlib_text_learns_and_leaves_config_metrics_and_checkpoints(tmp
 
 def test_metrics_file_keeps_full_precision_floats(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=5, log_interval=1, eval_iters=0)
-    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    assert run_here("run", str(config), cwd=tmp_path).returncode == 0
     text = (out / "metrics.jsonl").read_text().splitlines()[0]
     loss = json.loads(text)["loss"]
     assert repr(loss) in text and len(repr(loss)) > 10  # not rounded for display
@@ -43,10 +45,10 @@ def test_metrics_file_keeps_full_precision_floats(tmp_path: Path) -> None:
 
 def test_exit_interval_then_rerun_resumes_and_each_step_is_logged_once(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0)
-    first = run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path)
+    first = run_here("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000010"]
-    second = run_cli("run", str(config), cwd=tmp_path)
+    second = run_here("run", str(config), cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stderr and "(step 10, 80 samples consumed)" in second.stderr
     assert [r["step"] for r in metrics_rows(out)] == [5, 10, 15, 20]
@@ -54,7 +56,7 @@ def test_exit_interval_then_rerun_resumes_and_each_step_is_logged_once(tmp_path:
 
 def test_checkpoints_load_with_weights_only(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=3, eval_iters=0)
-    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    assert run_here("run", str(config), cwd=tmp_path).returncode == 0
     for name in ("model.pt", "optimizer.pt", "rank_00000.pt"):
         torch.load(out / "checkpoints" / "step_00000003" / name, weights_only=True)
 
@@ -109,7 +111,7 @@ def test_checkpoint_list_and_export(tmp_path: Path) -> None:
 
 def test_logged_metrics_include_throughput_flops_mfu_time_and_memory(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=10, eval_iters=0)
-    result = run_cli("run", str(config), "--set", "run.peak_tflops=0.5", cwd=tmp_path)
+    result = run_here("run", str(config), "--set", "run.peak_tflops=0.5", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     first, last = [r for r in metrics_rows(out) if "loss" in r]
     assert last["consumed_tokens"] == last["consumed_samples"] * 32 == 20 * 8 * 32
@@ -122,8 +124,8 @@ def test_logged_metrics_include_throughput_flops_mfu_time_and_memory(tmp_path: P
 
 def test_progress_file_reports_nonzero_job_and_cumulative_throughput_across_jobs(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=10, eval_iters=0)
-    assert run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path).returncode == 0
-    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    assert run_here("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path).returncode == 0
+    assert run_here("run", str(config), cwd=tmp_path).returncode == 0
     lines = [line.split("\t") for line in (out / "progress.txt").read_text().splitlines()]
     assert [(fields[3], fields[4]) for fields in lines] == [
         ("step 0", "job start"),
@@ -197,13 +199,13 @@ def test_report_plots_the_run_and_prints_its_summary(tmp_path: Path) -> None:
 
 
 def test_report_skips_lines_that_are_not_metrics_and_names_the_first(tmp_path: Path) -> None:
-    missing = run_cli("report", str(tmp_path), cwd=tmp_path)
+    missing = run_here("report", str(tmp_path), cwd=tmp_path)
     assert missing.returncode == 2 and "metrics.jsonl: no such file; give the run's output dir" in missing.stderr
     deep = "[" * 100000 + "]" * 100000
     lines = [b'{"step": 5, "loss": 3.0}', b'{"step": 10, "loss": ', b"\x00\xff\xfe binary", deep.encode()]
     lines += [b'{"step": 15, "loss": "nan?"}', b'{"step": 20, "loss": 2.5}']
     (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    made = run_cli("report", str(tmp_path), cwd=tmp_path)
+    made = run_here("report", str(tmp_path), cwd=tmp_path)
     assert made.returncode == 0, made.stderr
     assert "metrics.jsonl: skipped 3 line(s) that are not metrics rows, first 2" in made.stderr
     assert "3.0000 → 2.5000" in made.stdout  # the string loss of step 15 is left out, not a crash
@@ -213,10 +215,10 @@ def test_report_skips_lines_that_are_not_metrics_and_names_the_first(tmp_path: P
 def test_random_offset_windows_train_and_resume_exactly(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=2)
     config.write_text(config.read_text().replace("max_bytes = 200000", 'max_bytes = 200000\nsampling = "random"'))
-    whole = run_cli("run", str(config), "--set", f"run.output_dir={tmp_path / 'whole'}", cwd=tmp_path)
+    whole = run_here("run", str(config), "--set", f"run.output_dir={tmp_path / 'whole'}", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
-    assert run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path).returncode == 0
-    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    assert run_here("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path).returncode == 0
+    assert run_here("run", str(config), cwd=tmp_path).returncode == 0
     assert [(r["step"], r.get("loss")) for r in metrics_rows(out)] == [
         (r["step"], r.get("loss")) for r in metrics_rows(tmp_path / "whole")
     ]
@@ -227,7 +229,7 @@ def test_report_compares_runs_in_overlaid_plots_and_a_table_of_differences(tmp_p
 
     config, _ = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_interval=10)
     for name, lr in (("base", "3e-3"), ("faster", "1e-2")):
-        result = run_cli(
+        result = run_here(
             "run",
             str(config),
             "--set",
@@ -240,7 +242,7 @@ def test_report_compares_runs_in_overlaid_plots_and_a_table_of_differences(tmp_p
     base, faster = (metrics_rows(tmp_path / n)[-1] for n in ("base", "faster"))
     with open(tmp_path / "faster" / "metrics.jsonl", "a") as f:
         f.write('{"step": 25, "loss": 1.')  # a run still writing its next line
-    result = run_cli("report", str(tmp_path / "base"), str(tmp_path / "faster"), cwd=tmp_path, env={"COLUMNS": "200"})
+    result = run_here("report", str(tmp_path / "base"), str(tmp_path / "faster"), cwd=tmp_path, env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stderr
     out = tmp_path / "base" / "report" / "compare"
     names = sorted(p.name for p in out.iterdir())

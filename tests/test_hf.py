@@ -601,7 +601,7 @@ def test_lora_target_modules_that_match_nothing_name_the_linear_modules(tmp_path
 
 @pytest.mark.slow
 def test_the_hf_finetune_example_trains_exports_and_loads_back(tmp_path: Path) -> None:
-    from conftest import REPO, metrics_rows, run_cli
+    from conftest import REPO, metrics_rows, run_cli, run_here
 
     example = REPO / "examples" / "hf-finetune"
     assets = tmp_path / "assets"
@@ -618,11 +618,12 @@ def test_the_hf_finetune_example_trains_exports_and_loads_back(tmp_path: Path) -
         "train.eval_interval=20",
         "train.log_interval=10",
     ]
-    trained = run_cli("run", str(example / "finetune.toml"), *(a for o in overrides for a in ("--set", o)), cwd=REPO)
+    # the example's own scripts run as a user runs them; the coretrain commands in this process
+    trained = run_here("run", str(example / "finetune.toml"), *(a for o in overrides for a in ("--set", o)), cwd=REPO)
     assert trained.returncode == 0, trained.stderr
     rows = metrics_rows(out)
     assert [r["valid/loss"] for r in rows if "valid/loss" in r][-1] < rows[0]["loss"]
-    exported = run_cli(
+    exported = run_here(
         "checkpoint", "export", str(out), "--format", "hf", "--merge-lora", "--to", str(tmp_path / "hf"), cwd=tmp_path
     )
     assert exported.returncode == 0 and "with the LoRA adapters merged" in exported.stdout, exported.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics_rows, run_cli, start_cli, tiny_gpt_config
+from conftest import metrics_rows, run_cli, run_here, start_cli, tiny_gpt_config
 
 pytestmark = pytest.mark.slow  # real signals and restarts of CLI runs: the full suite, not the fast tier
 
@@ -50,7 +50,7 @@ def assert_same_run(out: Path, reference: Path) -> None:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted run."""
     directory = tmp_path_factory.mktemp("reference")
-    result = run_cli("run", str(write_config(directory)), cwd=directory)
+    result = run_here("run", str(write_config(directory)), cwd=directory)
     assert result.returncode == 0, result.stderr
     return directory / "out"
 
@@ -116,21 +116,21 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(
 
 def test_exit_interval_then_rerun_resumes_exactly(tmp_path: Path, reference: Path) -> None:
     config = write_config(tmp_path)
-    first = run_cli("run", str(config), "--set", "train.exit_interval=37", cwd=tmp_path)
+    first = run_here("run", str(config), "--set", "train.exit_interval=37", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "37"  # mid log interval
-    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    assert run_here("run", str(config), cwd=tmp_path).returncode == 0
     assert_same_run(tmp_path / "out", reference)
 
 
 def test_async_save_resumes_exactly_too(tmp_path: Path, reference: Path) -> None:
     config = write_config(tmp_path)
-    first = run_cli(
+    first = run_here(
         "run", str(config), "--set", "train.exit_interval=55", "--set", "checkpoint.async_save=true", cwd=tmp_path
     )
     assert first.returncode == 0, first.stderr
     assert "training blocked" in first.stderr and "writing in the background" in first.stderr
-    second = run_cli("run", str(config), "--set", "checkpoint.async_save=true", cwd=tmp_path)
+    second = run_here("run", str(config), "--set", "checkpoint.async_save=true", cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     assert_same_run(tmp_path / "out", reference)
 

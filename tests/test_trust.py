@@ -1,7 +1,8 @@
 """Trust: nothing runs from a checkpoint, one run per directory, resumes that do what they say.
 
-Every case goes through the real CLI in a subprocess, with real files, real signals and a
-real file-size limit from the kernel; in-process only where a dataset must fail on cue.
+Crafted files, locks, signals and a real file-size limit from the kernel go through the real
+CLI in a subprocess; refusals and resumes that only read and write files run the same
+``coretrain run`` in-process (``run_here``), as the CLI's error-message tests should.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import metrics_rows, run_cli, start_cli, write_tiny_gpt
+from conftest import metrics_rows, run_cli, run_here, start_cli, write_tiny_gpt
 
 pytestmark = pytest.mark.slow  # crafted files, signals and locks through the CLI: the full suite, not the fast tier
 
@@ -240,7 +241,7 @@ def test_resume_uses_and_logs_the_new_optimizer_settings(tmp_path: Path) -> None
     config, out = write_tiny_gpt(
         tmp_path, train_iters=20, log_interval=5, eval_iters=0, extra='\n[scheduler]\ndecay_style = "constant"\n'
     )
-    first = run_cli("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path)
+    first = run_here("run", str(config), "--set", "train.exit_interval=10", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     changed = (
         "--set",
@@ -250,7 +251,7 @@ def test_resume_uses_and_logs_the_new_optimizer_settings(tmp_path: Path) -> None
         "--set",
         "optimizer.weight_decay=0.2",
     )
-    second = run_cli("run", str(config), *changed, cwd=tmp_path)
+    second = run_here("run", str(config), *changed, cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     warnings = [line for line in second.stderr.splitlines() if "changed settings" in line]
     assert len(warnings) == 1
@@ -270,14 +271,14 @@ def test_resume_uses_and_logs_the_new_optimizer_settings(tmp_path: Path) -> None
 
 def test_resume_refuses_a_changed_model_shape_seq_length_or_optimizer_class(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=5, eval_iters=0)
-    assert run_cli("run", str(config), "--set", "train.exit_interval=5", cwd=tmp_path).returncode == 0
+    assert run_here("run", str(config), "--set", "train.exit_interval=5", cwd=tmp_path).returncode == 0
 
-    wider = run_cli("run", str(config), "--set", "model.options.n_embd=64", cwd=tmp_path)
+    wider = run_here("run", str(config), "--set", "model.options.n_embd=64", cwd=tmp_path)
     assert wider.returncode == 2
     line = one_error_line(wider.stderr)
     assert "would change what it means: model.options.n_embd 32 -> 64" in line
     assert 'checkpoint.allow_changes = ["model.options.n_embd"]' in line
-    forced = run_cli(
+    forced = run_here(
         "run",
         str(config),
         "--set",
@@ -294,19 +295,19 @@ def test_resume_refuses_a_changed_model_shape_seq_length_or_optimizer_class(tmp_
         and "model.options.n_embd (32 -> 64)" in line
     )
 
-    longer = run_cli("run", str(config), "--set", "data.options.seq_length=64", cwd=tmp_path)
+    longer = run_here("run", str(config), "--set", "data.options.seq_length=64", cwd=tmp_path)
     assert longer.returncode == 2
     assert (
         "seq_length is 64 now and 32 in the checkpoint; changed since the checkpoint: data.options.seq_length "
         "(32 -> 64)" in one_error_line(longer.stderr)
     )
 
-    sgd = run_cli("run", str(config), "--set", 'optimizer.name="sgd"', cwd=tmp_path)
+    sgd = run_here("run", str(config), "--set", 'optimizer.name="sgd"', cwd=tmp_path)
     assert sgd.returncode == 2
     assert "optimizer.name: the checkpoint was trained with 'adamw', the config asks for 'sgd'" in one_error_line(
         sgd.stderr
     )
-    fresh = run_cli(
+    fresh = run_here(
         "run", str(config), "--set", 'optimizer.name="sgd"', "--set", "checkpoint.load_optimizer=false", cwd=tmp_path
     )
     assert fresh.returncode == 0, fresh.stderr
@@ -320,12 +321,12 @@ def test_a_torn_metrics_line_is_dropped_and_a_rerun_of_a_finished_run_adds_no_ro
     config, out = write_tiny_gpt(
         tmp_path, train_iters=20, log_interval=5, eval_interval=10, extra="\n[checkpoint]\nsave_interval = 10\n"
     )
-    assert run_cli("run", str(config), "--set", "train.exit_interval=15", cwd=tmp_path).returncode == 0
+    assert run_here("run", str(config), "--set", "train.exit_interval=15", cwd=tmp_path).returncode == 0
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 16, "loss": 2.5')  # a write cut short
     with open(out / "progress.txt", "a") as f:
         f.write("2026-01-01 00:00:00\tjob x\tworld 1\tstep 17\tcheckp")
-    resumed = run_cli("run", str(config), cwd=tmp_path)
+    resumed = run_here("run", str(config), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "dropped 1 unreadable line(s)" in resumed.stderr
     rows = metrics_rows(out)
@@ -335,7 +336,7 @@ def test_a_torn_metrics_line_is_dropped_and_a_rerun_of_a_finished_run_adds_no_ro
     assert progress.endswith("\n") and "checkp\n" not in progress and "step 17" not in progress
 
     before = ((out / "metrics.jsonl").read_text(), (out / "progress.txt").read_text().count("checkpoint"))
-    again = run_cli("run", str(config), cwd=tmp_path)  # already finished: adds nothing
+    again = run_here("run", str(config), cwd=tmp_path)  # already finished: adds nothing
     assert again.returncode == 0, again.stderr
     assert ((out / "metrics.jsonl").read_text(), (out / "progress.txt").read_text().count("checkpoint")) == before
 
@@ -390,7 +391,7 @@ def test_a_validation_split_shorter_than_a_batch_fails_before_training(tmp_path:
         f'valid_path = "{tmp_path / "valid.bin"}"\nseq_length = 32\n[train]\nmicro_batch_size = 8\n'
         f"train_iters = 10\neval_iters = 2\n"
     )
-    result = run_cli("run", str(config), cwd=tmp_path)
+    result = run_here("run", str(config), cwd=tmp_path)
     assert result.returncode == 2
     assert "the valid split has 0 sample(s), fewer than 8 (one global batch" in one_error_line(result.stderr)
     assert not (tmp_path / "out" / "metrics.jsonl").exists() and not (tmp_path / "out" / CKPT).exists()
@@ -503,10 +504,10 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Pa
     config, out = write_tiny_gpt(
         tmp_path, train_iters=20, log_interval=5, eval_iters=0, extra="\n[checkpoint]\nsave_interval = 5\n"
     )
-    assert run_cli("run", str(config), "--set", "train.exit_interval=15", cwd=tmp_path).returncode == 0
+    assert run_here("run", str(config), "--set", "train.exit_interval=15", cwd=tmp_path).returncode == 0
     model = step_dir(out, 15) / "model.pt"
     model.write_bytes(model.read_bytes()[:1000])  # torn by a bad disk
-    result = run_cli("run", str(config), cwd=tmp_path)
+    result = run_here("run", str(config), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     warning = next(line for line in result.stderr.splitlines() if "falling back" in line)
     assert (
@@ -597,7 +598,7 @@ MISTAKES = {
 def test_a_config_mistake_is_one_error_line_with_exit_2(tmp_path: Path, name: str) -> None:
     flag, value, expected = MISTAKES[name]
     config, out = write_tiny_gpt(tmp_path, train_iters=5, eval_iters=0)
-    result = run_cli("run", str(config), flag, value, cwd=tmp_path)
+    result = run_here("run", str(config), flag, value, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert expected in one_error_line(result.stderr)
     assert not (out / "metrics.jsonl").exists() and not (out / "config.toml").exists()  # a rejected run records nothing
@@ -607,7 +608,7 @@ def test_a_config_mistake_is_one_error_line_with_exit_2(tmp_path: Path, name: st
 def test_config_validate_refuses_what_run_refuses(tmp_path: Path, name: str) -> None:
     flag, value, expected = MISTAKES[name]  # a structure check, a dataset check, a plugin check
     config, out = write_tiny_gpt(tmp_path, train_iters=5, eval_iters=0)
-    validated = run_cli("config", "validate", str(config), flag, value, cwd=tmp_path)
+    validated = run_here("config", "validate", str(config), flag, value, cwd=tmp_path)
     assert validated.returncode == 2 and expected in one_error_line(validated.stderr)
     assert not out.exists()  # and writes nothing
 
@@ -658,12 +659,12 @@ def test_bad_files_and_providers_are_one_error_line_with_exit_2(tmp_path: Path) 
     )
     for args, expected in cases:
         argv = [args[1]] if args[0] == "CONFIG" else [str(config), *args]
-        result = run_cli("run", *argv, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+        result = run_here("run", *argv, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
         assert result.returncode == 2, (args, result.stderr)
         assert expected in one_error_line(result.stderr), (args, result.stderr)
 
-    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
-    export = run_cli(
+    assert run_here("run", str(config), cwd=tmp_path).returncode == 0
+    export = run_here(
         "checkpoint", "export", str(out), "--to", str(tmp_path / "missing" / "m.safetensors"), cwd=tmp_path
     )
     assert export.returncode == 2

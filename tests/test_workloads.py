@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import tomli
 import torch
-from conftest import config_file, metrics_rows, run_cli
+from conftest import config_file, metrics_rows, run_cli, run_here
 
 from coretrain.configload import deep_merge
 from coretrain.testing import run_steps
@@ -57,8 +57,12 @@ def digits_config(
     return config_file(directory / f"{name}.toml", deep_merge(preset, tables), extra, **train_keys), out
 
 
-def run_digits(config: Path, *args: str, **kwargs: Any) -> subprocess.CompletedProcess:
-    return run_cli("run", str(config), *args, cwd=config.parent, env={"PYTHONPATH": TESTS}, **kwargs)
+def run_digits(config: Path, *args: str, here: bool = True) -> subprocess.CompletedProcess:
+    """``coretrain run CONFIG ARGS`` with the test workloads importable: in this process, or in a
+    subprocess (``here=False``) where the console's own set-up is what is tested."""
+    if here:
+        return run_here("run", str(config), *args, cwd=config.parent, env={"PYTHONPATH": TESTS})
+    return run_cli("run", str(config), *args, cwd=config.parent, env={"PYTHONPATH": TESTS})
 
 
 class EvalRecorder:
@@ -319,16 +323,18 @@ def test_log_level_quiet_and_a_library_warning_kept_in_run_log_once(tmp_path: Pa
     config, out = digits_config(
         tmp_path, model="workloads:chatty_cnn", train_iters=20, log_interval=5, eval_full=False, eval_iters=0
     )
-    normal = run_digits(config)
+    normal = run_digits(config, here=False)
     assert normal.returncode == 0, normal.stderr
     assert "ChattyCNN: this argument is deprecated" not in normal.stderr
     assert (out / "run.log").read_text().count("ChattyCNN: this argument is deprecated") == 1  # 20+ forwards
     assert f"1 line(s) from libraries (torch) are in {out / 'run.log'}" in normal.stderr
     assert "checkpoint step 20 saved" in normal.stderr and normal.stdout.count("step ") >= 4
-    quiet = run_digits(config, "--quiet", "--set", f"run.output_dir={tmp_path / 'quiet'}")
+    quiet = run_digits(config, "--quiet", "--set", f"run.output_dir={tmp_path / 'quiet'}", here=False)
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stdout == "" and quiet.stderr == ""
     assert (tmp_path / "quiet" / "run.log").read_text().count("ChattyCNN: this argument is deprecated") == 1
     assert metrics_rows(tmp_path / "quiet")[-1]["step"] == 20  # quiet, not idle
-    by_config = run_digits(config, "--set", 'run.log_level="warning"', "--set", f"run.output_dir={tmp_path / 'w'}")
+    by_config = run_digits(
+        config, "--set", 'run.log_level="warning"', "--set", f"run.output_dir={tmp_path / 'w'}", here=False
+    )
     assert by_config.returncode == 0 and by_config.stdout == ""
