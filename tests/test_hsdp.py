@@ -54,8 +54,9 @@ def test_hsdp_2x2_matches_one_rank_and_resumes_from_and_to_plain_fsdp(tmp_path: 
     train = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8, "log_interval": 1, "eval_iters": 0}
     hsdp = {"strategy": "fsdp", "dp_replicate": 2}
 
-    def run(name: str, ranks: int, distributed: dict[str, Any], **more: Any) -> list[float]:
+    def run(name: str, ranks: int, distributed: dict[str, Any], checkpoint: Any = None, **more: Any) -> list[float]:
         extra = {"run": {"output_dir": str(tmp_path / name)}, "distributed": distributed}
+        extra["checkpoint"] = checkpoint or {}
         path = config_file(tmp_path / f"{name}.toml", preset, extra, **{**train, **more})
         launch = ("--nproc-per-node", str(ranks)) if ranks > 1 else ()
         done = run_train(str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
@@ -66,7 +67,6 @@ def test_hsdp_2x2_matches_one_rank_and_resumes_from_and_to_plain_fsdp(tmp_path: 
     reference = run("one", 1, {})
     assert run("hsdp", 4, hsdp, exit_interval=4) == pytest.approx(reference[:4], rel=1e-5)
     shutil.copytree(tmp_path / "hsdp", tmp_path / "to-fsdp")  # HSDP's step-4 checkpoint, on 2 plain FSDP ranks
-    assert run("to-fsdp", 2, {"strategy": "fsdp"}) == pytest.approx(reference, rel=1e-5)
-    run("fsdp", 2, {"strategy": "fsdp"}, exit_interval=4)
-    shutil.copytree(tmp_path / "fsdp", tmp_path / "to-hsdp")  # plain FSDP's step-4 checkpoint, on HSDP 2 × 2
-    assert run("to-hsdp", 4, hsdp) == pytest.approx(reference, rel=1e-5)
+    assert run("to-fsdp", 2, {"strategy": "fsdp"}, {"save_interval": 2}) == pytest.approx(reference, rel=1e-5)
+    plain_step_6 = tmp_path / "to-fsdp" / "checkpoints" / "step_00000006"  # plain FSDP's, on HSDP 2 × 2
+    assert run("to-hsdp", 4, hsdp, {"resume": str(plain_step_6)}) == pytest.approx(reference[6:], rel=1e-5)
