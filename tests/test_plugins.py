@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli, write_tiny_gpt
+from conftest import REPO, run_cli, run_here, write_tiny_gpt
 
 from coretrain import hookimpl
 from coretrain.configload import load_config
@@ -221,9 +221,9 @@ def test_new_plugin_writes_a_package_that_installs_and_passes_its_tests(tmp_path
         checked = subprocess.run([sys.executable, "-m", *linter], cwd=package, capture_output=True, text=True, env=env)
         assert checked.returncode == 0, (linter, checked.stdout + checked.stderr)
 
-    again = run_cli("new-plugin", "loss-spikes", "--dir", str(package), cwd=tmp_path)
+    again = run_here("new-plugin", "loss-spikes", "--dir", str(package), cwd=tmp_path)  # its errors: in-process
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
-    bad = run_cli("new-plugin", "Loss_Spikes", cwd=tmp_path)
+    bad = run_here("new-plugin", "Loss_Spikes", cwd=tmp_path)
     assert bad.returncode == 2 and "is not a plugin name" in bad.stderr and "Traceback" not in bad.stderr
 
 

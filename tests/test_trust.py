@@ -685,7 +685,7 @@ def test_out_of_memory_in_a_step_is_one_line_with_the_sizes(tmp_path: Path) -> N
         "    return Hungry()\n"
     )
     config, out = write_tiny_gpt(tmp_path, train_iters=5, eval_iters=0)
-    result = run_cli(
+    result = run_here(
         "run",
         str(config),
         "--set",
