@@ -11,7 +11,7 @@ import sys
 import sysconfig
 import textwrap
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -237,30 +237,10 @@ def _fast_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: py
 
 
 @pytest.fixture
-def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """``coretrain ARGS`` in this process (``coretrain.cli.main``), output captured: what the fast
-    tier uses instead of a subprocess. Same call and result as :func:`run_cli`. The logging and
-    warnings set-up a run makes (root handlers on captured streams) is undone afterwards."""
-    from coretrain.cli import main
-
-    def invoke(*args: str, cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        monkeypatch.chdir(cwd)
-        for name, value in (env or {}).items():
-            monkeypatch.setenv(name, value)
-        capsys.readouterr()
-        try:
-            code = main(list(args))
-        except SystemExit as exc:  # argparse's usage errors
-            code = exc.code if isinstance(exc.code, int) else 2
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["coretrain", *args], code, out, err)
-
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    with warnings.catch_warnings():
-        yield invoke
-    root.handlers[:], root.level = handlers, level
-    logging.captureWarnings(False)
+def cli() -> Any:
+    """``coretrain ARGS`` in this process, output captured (:func:`run_here`): what the fast tier
+    uses instead of a subprocess. Same call and result as :func:`run_cli`."""
+    return run_here
 
 
 CORPUS = [f"def function_{i}(x):\n    return x * {i} + {i % 7}" for i in range(400)]
