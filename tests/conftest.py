@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -18,6 +20,7 @@ from typing import Any
 import pytest
 import tomli
 
+from coretrain.cli import main
 from coretrain.configload import deep_merge
 from coretrain.testing import write_config
 from coretrain.tomlwrite import dumps
@@ -60,19 +63,14 @@ def run_here(*args: str, cwd: Path, env: Mapping[str, str] | None = None) -> sub
     """``coretrain ARGS`` through ``coretrain.cli.main`` in this process, output captured, and the
     working directory, environment, logging set-up and import path put back afterwards. An
     ``env`` PYTHONPATH is put on ``sys.path`` for the call; what was imported from it is dropped."""
-    import contextlib
-    import io
-
-    from coretrain.cli import main
-
     out, err = io.StringIO(), io.StringIO()
     root, saved_env, here, saved_path = logging.getLogger(), dict(os.environ), Path.cwd(), sys.path[:]
     handlers, level = root.handlers[:], root.level
     extra = [entry for entry in (env or {}).get("PYTHONPATH", "").split(os.pathsep) if entry]
     try:
-        os.chdir(cwd)
+        os.chdir(cwd)  # cli.main puts the current directory on sys.path, as `coretrain run` has it
         os.environ.update(env or {})
-        sys.path[:0] = [str(cwd), *extra]  # as `coretrain run` has the current directory on its path
+        sys.path[:0] = extra
         root.handlers[:] = []  # a fresh process's logging: pytest's capture handler would take the messages
         with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
