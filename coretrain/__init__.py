@@ -27,6 +27,7 @@ _LAZY = {
     "TrainState": "coretrain.run",
     "StepOutputs": "coretrain.run",
     "Control": "coretrain.control",
+    "Every": "coretrain.cadence",
     "DistInfo": "coretrain.dist",
     # data a provider returns
     "Datasets": "coretrain.run",
@@ -73,6 +74,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.api import TrainResult, load, train
     from coretrain.backend import LoggingBackend
     from coretrain.blocks import blocks_of
+    from coretrain.cadence import Every
     from coretrain.checkpoint import find_checkpoint, is_sharded
     from coretrain.configload import config_as_dict
     from coretrain.control import Control
@@ -97,6 +99,7 @@ __all__ = [
     "TrainState",
     "StepOutputs",
     "Control",
+    "Every",
     "DistInfo",
     "Datasets",
     "DatasetContext",

@@ -2,7 +2,8 @@
 
 "Every N steps" is data here (Ignite's ``every=N`` event filters), not ``step % N`` written
 again in the loop and in every plugin that must act on the same steps: a plugin asks
-``run.cadence.logs(step)`` and stays right when the config's intervals change.
+``run.cadence.logs(step)`` and stays right when the config's intervals change; an interval of
+its own is an :class:`Every` (``Every(self.interval)(step)``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,16 @@ from attrs import frozen
 
 if TYPE_CHECKING:
     from coretrain.config import Config
+
+
+@frozen
+class Every:
+    """Ignite's ``every=N`` as data: due at steps N, 2N, 3N, ...; N = 0 (or None) is never."""
+
+    n: int | None
+
+    def __call__(self, step: int) -> bool:
+        return self.n is not None and self.n > 0 and step % self.n == 0
 
 
 @frozen
@@ -42,13 +53,13 @@ class Cadence:
         )
 
     def logs(self, step: int) -> bool:
-        return self.log_every > 0 and step % self.log_every == 0
+        return Every(self.log_every)(step)
 
     def evaluates(self, step: int) -> bool:
-        return self.eval_every > 0 and step % self.eval_every == 0
+        return Every(self.eval_every)(step)
 
     def saves(self, step: int) -> bool:
-        return self.save_every > 0 and step % self.save_every == 0
+        return Every(self.save_every)(step)
 
     def exits(self, step: int) -> bool:
-        return self.exit_every > 0 and step % self.exit_every == 0
+        return Every(self.exit_every)(step)

@@ -132,3 +132,23 @@ def test_the_core_has_no_import_cycles() -> None:
     for name in sorted(graph):
         visit(name, [])
     assert not cycles, cycles[:5]
+
+
+def step_modulos(path: Path) -> list[str]:
+    """``step % N`` expressions: a cadence decided outside ``coretrain.cadence``."""
+    return [
+        f"{path.name}:{node.lineno}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
+        if isinstance(node.left, ast.Name) and node.left.id == "step"
+    ]
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in [*(REPO / "coretrain").rglob("*.py"), *PUBLIC_USERS] if p.name != "cadence.py"),
+    ids=lambda p: str(p.relative_to(REPO)),
+)
+def test_every_n_steps_is_decided_only_by_the_cadence(path: Path) -> None:
+    """The run's intervals are ``run.cadence``'s questions, a plugin's own are ``Every(n)``."""
+    assert step_modulos(path) == []

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from attrs import define, field
 
-from coretrain import HOOK_API, Run, UserError, hookimpl
+from coretrain import HOOK_API, Every, Run, UserError, hookimpl
 from coretrain.errors import PluginError
 from coretrain.hookspecs import PROJECT, HookSpecs
 from coretrain.pluginmanager import Plugins
@@ -289,6 +289,11 @@ def test_the_run_cadence_is_what_the_loop_does(tmp_path: Path) -> None:
     assert asks.predicted == {"log": [3, 6, 9], "eval": [4, 8], "save": [5, 10]}
     # the loop does the same, plus what ends a run: the final validation and the last checkpoint
     assert asks.done == {"log": [3, 6, 9], "eval": [4, 8, 10], "save": [5, 10]}
+
+
+def test_every_n_is_due_at_multiples_of_n_and_zero_or_none_is_never() -> None:
+    assert [step for step in range(1, 10) if Every(3)(step)] == [3, 6, 9]
+    assert not any(Every(n)(step) for n in (0, None) for step in range(1, 10))
 
 
 def test_plugin_by_plugin_hooks_still_work_on_a_pluggy_without_its_private_executor(

@@ -15,7 +15,7 @@ import logging
 
 from attrs import define, field
 
-from coretrain import Run, hookimpl, non_negative
+from coretrain import Every, Run, hookimpl, non_negative
 
 log = logging.getLogger("coretrain")
 
@@ -45,7 +45,7 @@ class GC:
 
     @hookimpl
     def post_step(self, run: Run, step: int) -> None:
-        due = self.interval and step % self.interval == 0
+        due = Every(self.interval)(step)
         eval_next = self.eval and run.cadence.evaluates(step)
         if due or eval_next:
             self._collect()

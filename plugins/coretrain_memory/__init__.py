@@ -16,7 +16,7 @@ from typing import Literal
 
 from attrs import define, field
 
-from coretrain import Run, hookimpl, positive
+from coretrain import Every, Run, hookimpl, positive
 
 log = logging.getLogger("coretrain")
 
@@ -52,5 +52,5 @@ class Memory:
 
         if self.empty_unused_memory_level >= 1:
             torch.cuda.empty_cache()
-        if self.train_sync_interval and step % self.train_sync_interval == 0:
+        if Every(self.train_sync_interval)(step):
             torch.cuda.synchronize()

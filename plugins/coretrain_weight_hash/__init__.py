@@ -19,7 +19,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import Run, exit_code, hookimpl, positive
+from coretrain import Every, Run, exit_code, hookimpl, positive
 
 log = logging.getLogger("coretrain")
 
@@ -78,7 +78,7 @@ class WeightHash:
 
     @hookimpl
     def post_step(self, run: Run, step: int) -> None:
-        if run.dist.world_size == 1 or step % self.interval:
+        if run.dist.world_size == 1 or not Every(self.interval)(step):
             return
         import torch.distributed as dist
 
