@@ -26,6 +26,11 @@ def torchrun(
     return run_cli(*args, cwd=cwd, env=env, command=(*command, "-m", "coretrain"))
 
 
+def ranks(nproc: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``coretrain run ARGS`` on ``nproc`` torchrun ranks; one rank runs in this process."""
+    return run_train(*args, cwd=cwd) if nproc == 1 else torchrun("run", *args, cwd=cwd, nproc=nproc)
+
+
 def logged(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r.get("loss", r.get("valid/loss"))) for r in metrics_rows(out)]
 
@@ -354,9 +359,9 @@ def test_a_checkpoint_resumes_on_more_and_on_fewer_ranks_with_the_same_losses(tm
     assert full.returncode == 0, full.stderr
     for name, before, after in (("grow", 1, 2), ("shrink", 2, 1)):
         path = config(name)
-        first = torchrun("run", str(path), "--set", "train.exit_interval=10", cwd=tmp_path, nproc=before)
+        first = ranks(before, str(path), "--set", "train.exit_interval=10", cwd=tmp_path)
         assert first.returncode == 0, first.stderr
-        resumed = torchrun("run", str(path), cwd=tmp_path, nproc=after)
+        resumed = ranks(after, str(path), cwd=tmp_path)
         assert resumed.returncode == 0, resumed.stderr
         assert f"{after} rank(s) on cpu" in resumed.stdout and "(step 10," in resumed.stderr
         reference, got = logged(tmp_path / "full"), logged(tmp_path / name)

@@ -12,11 +12,18 @@ from conftest import config_file, gpt_preset, metrics_rows, run_train
 pytestmark = pytest.mark.slow  # torchrun ranks: the full suite
 
 
-def run(tmp_path: Path, name: str, fsdp: dict[str, Any] | None, *launch: str, **train: Any) -> list[dict[str, Any]]:
+def run(
+    tmp_path: Path,
+    name: str,
+    fsdp: dict[str, Any] | None,
+    *launch: str,
+    checkpoint: dict[str, Any] | None = None,
+    **train: Any,
+) -> list[dict[str, Any]]:
     preset = gpt_preset(tmp_path / "unused")
     preset["model"]["options"] = {"n_layer": 2, "n_head": 4, "n_embd": 32}
     settings = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8, "log_interval": 1, "eval_iters": 0}
-    extra: dict[str, Any] = {"run": {"output_dir": str(tmp_path / name)}}
+    extra: dict[str, Any] = {"run": {"output_dir": str(tmp_path / name)}, "checkpoint": checkpoint or {}}
     if fsdp is not None:
         extra |= {"distributed": {"strategy": "fsdp"}, "plugins": {"fsdp": fsdp}}
     path = config_file(tmp_path / f"{name}.toml", preset, extra, **{**settings, **train})
@@ -34,10 +41,10 @@ def test_bf16_parameters_with_fp32_reductions_train_close_to_fp32(tmp_path: Path
     assert mixed[-1] < mixed[0]
 
 
-def test_cpu_offload_trains_and_a_stopped_run_resumes_exactly(tmp_path: Path) -> None:
+def test_cpu_offload_trains_and_its_checkpoint_resumes_exactly(tmp_path: Path) -> None:
     offload, two = {"cpu_offload": True}, ("--nproc-per-node", "2")
-    whole = [row["loss"] for row in run(tmp_path, "whole", offload, *two)]
-    run(tmp_path, "resumed", offload, *two, exit_interval=4)
-    resumed = [row["loss"] for row in run(tmp_path, "resumed", offload, *two)]
-    assert resumed == whole  # the rows of steps 1-4 from the first job, 5-8 from the resumed one
+    whole = [row["loss"] for row in run(tmp_path, "whole", offload, *two, checkpoint={"save_interval": 4})]
+    step_4 = tmp_path / "whole" / "checkpoints" / "step_00000004"
+    resumed = [row["loss"] for row in run(tmp_path, "resumed", offload, *two, checkpoint={"resume": str(step_4)})]
+    assert resumed == whole[4:]  # steps 5-8 from the offloaded parameters and optimizer state it saved
     assert whole[-1] < whole[0]

@@ -75,20 +75,24 @@ def test_groups_with_their_own_rates_log_each_rate(tmp_path: Path) -> None:
 def test_ddp_on_two_ranks_trains_like_one_rank_and_resumes_exactly(tmp_path: Path) -> None:
     from conftest import config_file, gpt_preset, metrics_rows, run_train
 
-    def losses(name: str, *launch: str, **train: Any) -> list[float]:
+    def losses(name: str, *launch: str, checkpoint: dict[str, Any] | None = None) -> list[float]:
         preset = gpt_preset(tmp_path / "unused")
         preset["model"]["options"] = {"n_layer": 2, "n_head": 4, "n_embd": 32}
         settings = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8, "log_interval": 1, "eval_iters": 0}
-        extra = {"run": {"output_dir": str(tmp_path / name), "precision": "bf16"}, "plugins": {"master-weights": {}}}
-        path = config_file(tmp_path / f"{name}.toml", preset, extra, **{**settings, **train})
+        extra = {
+            "run": {"output_dir": str(tmp_path / name), "precision": "bf16"},
+            "plugins": {"master-weights": {}},
+            "checkpoint": checkpoint or {},
+        }
+        path = config_file(tmp_path / f"{name}.toml", preset, extra, **settings)
         done = run_train(str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr
         return [row["loss"] for row in metrics_rows(tmp_path / name)]
 
     one = losses("one")
     two = ("--nproc-per-node", "2")
-    whole = losses("ddp", *two)
+    whole = losses("ddp", *two, checkpoint={"save_interval": 4})
     assert whole == pytest.approx(one, rel=2e-2)  # bf16 gradients all-reduced: rounding, not another run
     assert whole[-1] < whole[0]
-    losses("resumed", *two, exit_interval=4)
-    assert losses("resumed", *two) == whole
+    step_4 = tmp_path / "ddp" / "checkpoints" / "step_00000004"
+    assert losses("resumed", *two, checkpoint={"resume": str(step_4)}) == whole[4:]  # from the fp32 master copy
