@@ -23,7 +23,11 @@ class Every:
     n: int | None
 
     def __call__(self, step: int) -> bool:
-        return self.n is not None and self.n > 0 and step % self.n == 0
+        return _due(self.n, step)
+
+
+def _due(every: int | None, step: int) -> bool:
+    return every is not None and every > 0 and step % every == 0
 
 
 @frozen
@@ -53,13 +57,13 @@ class Cadence:
         )
 
     def logs(self, step: int) -> bool:
-        return Every(self.log_every)(step)
+        return _due(self.log_every, step)
 
     def evaluates(self, step: int) -> bool:
-        return Every(self.eval_every)(step)
+        return _due(self.eval_every, step)
 
     def saves(self, step: int) -> bool:
-        return Every(self.save_every)(step)
+        return _due(self.save_every, step)
 
     def exits(self, step: int) -> bool:
-        return Every(self.exit_every)(step)
+        return _due(self.exit_every, step)
