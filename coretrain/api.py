@@ -67,6 +67,14 @@ class ResultRecorder:
     def on_train_end(self, outcome: Outcome) -> None:
         self.outcome = outcome
 
+    def result(self, exit_code: int, step: int, output_dir: Path) -> TrainResult:
+        """The run's outcome with the last value of each metric it logged."""
+        metrics: dict[str, float] = {}
+        for row in self.history:
+            metrics.update(row)
+        metrics.pop("step", None)
+        return TrainResult(self.outcome, exit_code, step, output_dir, metrics, self.history)
+
 
 def train(
     config: str | Path | Mapping[str, Any], overrides: Overrides = (), plugins: Mapping[str, object] | None = None
@@ -98,18 +106,7 @@ def train(
             code = Trainer(run, signals).train()
         finally:
             dist.shutdown()
-    metrics: dict[str, float] = {}
-    for row in recorder.history:
-        metrics.update(row)
-    metrics.pop("step", None)
-    return TrainResult(
-        outcome=recorder.outcome,
-        exit_code=code,
-        step=run.state.step,
-        output_dir=Path(loaded.config.output_dir),
-        metrics=metrics,
-        history=recorder.history,
-    )
+    return recorder.result(code, run.state.step, Path(loaded.config.output_dir))
 
 
 def load(config: str | Path | Mapping[str, Any], overrides: Overrides = ()) -> LoadedConfig:

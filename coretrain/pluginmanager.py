@@ -94,9 +94,12 @@ def is_import_path(provider: str) -> bool:
     return ":" in provider
 
 
+_Chosen = dict[str, tuple[tuple[str, ...], dict[str, Any]]]
+
+
 def enabled_tables(
     config: Config, installed: Mapping[str, PluginEntry], autoload: bool | Collection[str] | None = None
-) -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
+) -> _Chosen:
     """Decide which plugins a config turns on: name -> (config key path, table).
 
     Providers named by ``model.provider`` / ``data.provider`` take ``[model.options]`` /
@@ -104,38 +107,15 @@ def enabled_tables(
     unless ``enabled = false`` or autoload is disabled by the environment (or ``autoload`` names
     the only ones to keep on).
     """
-    chosen: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {}
-    for section in ("model", "data"):
-        provider = getattr(config, section).provider
-        if not provider:
-            continue  # a missing provider is reported when the run is built
-        if not is_import_path(provider):
-            _require_installed(provider, f"{section}.provider", installed)
-            if provider in config.plugins:
-                raise UserError(
-                    f"plugins.{provider}: '{provider}' is the {section} provider; "
-                    f"put its settings in [{section}.options] instead"
-                )
-            chosen[provider] = ((section, "options"), dict(getattr(config, section).options))
+    chosen = _providers(config, installed)
     strategy = config.distributed.resolved_strategy(world_size_from_env())
-    if strategy is not None:
-        _require_installed(strategy, "distributed.strategy", installed)
-        chosen[strategy] = (("plugins", strategy), {})
+    parallelism = {strategy: "distributed.strategy"} if strategy is not None else {}
     if config.distributed.tp_size > 1:
-        _require_installed(TENSOR_PARALLEL, "distributed.tp_size", installed)
-        chosen[TENSOR_PARALLEL] = (("plugins", TENSOR_PARALLEL), {})
-    for name, table in config.plugins.items():
-        if not isinstance(table, dict):
-            raise UserError(f"plugins.{name}: expected a table, e.g. [plugins.{name}]")
-        _require_installed(name, f"plugins.{name}", installed)
-        table = dict(table)
-        enabled = table.pop("enabled", True)
-        if not isinstance(enabled, bool):
-            raise UserError(f"plugins.{name}.enabled: expected true or false, got {enabled!r}")
-        if enabled and (name not in chosen or name in (strategy, TENSOR_PARALLEL)):
-            chosen[name] = (("plugins", name), table)
-        elif not enabled:
-            chosen.pop(name, None)
+        parallelism[TENSOR_PARALLEL] = "distributed.tp_size"
+    for name, key in parallelism.items():
+        _require_installed(name, key, installed)
+        chosen[name] = (("plugins", name), {})
+    _apply_plugin_tables(config, installed, chosen, set(parallelism))
     if autoload is None:
         autoload = os.environ.get(AUTOLOAD_OFF_ENV, "") not in ("1", "true", "yes")
     if autoload:
@@ -144,6 +124,41 @@ def enabled_tables(
             if entry.autoload and wanted and name not in config.plugins and name not in chosen:
                 chosen[name] = (("plugins", name), {})
     return chosen
+
+
+def _providers(config: Config, installed: Mapping[str, PluginEntry]) -> _Chosen:
+    """The model and data providers named by entry-point name, with their ``options`` tables."""
+    chosen: _Chosen = {}
+    for section in ("model", "data"):
+        provider = getattr(config, section).provider
+        if not provider or is_import_path(provider):
+            continue  # a missing provider is reported when the run is built
+        _require_installed(provider, f"{section}.provider", installed)
+        if provider in config.plugins:
+            raise UserError(
+                f"plugins.{provider}: '{provider}' is the {section} provider; "
+                f"put its settings in [{section}.options] instead"
+            )
+        chosen[provider] = ((section, "options"), dict(getattr(config, section).options))
+    return chosen
+
+
+def _apply_plugin_tables(
+    config: Config, installed: Mapping[str, PluginEntry], chosen: _Chosen, parallelism: set[str]
+) -> None:
+    """``[plugins.NAME]`` turns NAME on (and configures a parallelism plugin); ``enabled = false`` off."""
+    for name, table in config.plugins.items():
+        if not isinstance(table, dict):
+            raise UserError(f"plugins.{name}: expected a table, e.g. [plugins.{name}]")
+        _require_installed(name, f"plugins.{name}", installed)
+        table = dict(table)
+        enabled = table.pop("enabled", True)
+        if not isinstance(enabled, bool):
+            raise UserError(f"plugins.{name}.enabled: expected true or false, got {enabled!r}")
+        if enabled and (name not in chosen or name in parallelism):
+            chosen[name] = (("plugins", name), table)
+        elif not enabled:
+            chosen.pop(name, None)
 
 
 def _require_installed(name: str, key: str, installed: Mapping[str, PluginEntry]) -> None:

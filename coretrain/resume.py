@@ -30,6 +30,7 @@ from coretrain.checkpoint.state import dcp_options, frozen_names
 from coretrain.configchanges import check_changes, config_changes
 from coretrain.configload import config_as_dict
 from coretrain.errors import CheckpointUnreadable, UserError
+from coretrain.loader import is_stream
 from coretrain.run import Run, TrainState
 
 log = logging.getLogger("coretrain")
@@ -263,38 +264,46 @@ def check_resumable(
     means: a change is an error naming the keys. Every other change is applied from the first
     resumed step, and one warning lists them all.
     """
-    config, saved = run.config, info.get("config")
-    saved_optimizer = info.get("optimizer")
+    _check_optimizer(run, info.get("optimizer"))
+    _check_seq_length(run, info)
+    _check_stream_layout(run, info.get("world_size"), (rank_state or {}).get("data") or {})
+    check_changes(info.get("config"), config_as_dict(run.config), list(run.config.checkpoint.allow_changes), source)
+
+
+def _check_optimizer(run: Run, saved_optimizer: str | None) -> None:
+    config = run.config
     if saved_optimizer and saved_optimizer != config.optimizer.name and config.checkpoint.load_optimizer:
         raise UserError(
             f"optimizer.name: the checkpoint was trained with '{saved_optimizer}', the config asks for "
             f"'{config.optimizer.name}'; its state cannot carry over: set checkpoint.load_optimizer = "
             "false to start the optimizer afresh (weights, step and data position are kept)"
         )
+
+
+def _check_seq_length(run: Run, info: dict[str, Any]) -> None:
     saved_seq, seq = info.get("seq_length"), run.datasets.seq_length if run.datasets else None
     if saved_seq is not None and seq is not None and saved_seq != seq:
-        hint = changed_keys_hint(saved, config, ("data", "model")) or "; the data provider reports it"
+        hint = changed_keys_hint(info.get("config"), run.config, ("data", "model")) or "; the data provider reports it"
         raise UserError(
             f"seq_length is {seq} now and {saved_seq} in the checkpoint{hint}: the data position and "
             "the model depend on it; resume with the old value or start a new run (another "
             'run.output_dir, or checkpoint.resume = "never")'
         )
-    from coretrain.loader import is_stream
 
-    saved_world = info.get("world_size")
+
+def _check_stream_layout(run: Run, saved_world: int | None, data_state: dict[str, Any]) -> None:
+    """A stream's position is saved per rank and per worker, so both counts must match."""
     if Run.datasets.is_built(run) and is_stream(run.datasets.train) and saved_world not in (None, run.dist.world_size):
         raise UserError(
             f"the train split is a stream and the checkpoint was written on {saved_world} rank(s), this "
             f"run has {run.dist.world_size}: a stream's position is saved per rank, so it resumes on "
             f"{saved_world} rank(s) only"
         )
-    data_state = (rank_state or {}).get("data") or {}
     if "num_workers" in data_state and data_state["num_workers"] != run.config.data.num_workers:
         raise UserError(
             f"data.num_workers: the checkpoint's stream position was saved with {data_state['num_workers']} "
             f"worker(s), the config asks for {run.config.data.num_workers}; resume with the same number"
         )
-    check_changes(saved, config_as_dict(config), list(config.checkpoint.allow_changes), source)
 
 
 def changed_keys_hint(saved: dict[str, Any] | None, config: Any, sections: tuple[str, ...]) -> str:

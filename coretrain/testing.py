@@ -219,13 +219,7 @@ def run_steps(
     job does. Errors are raised as the CLI would report them (:class:`coretrain.UserError` for
     a mistake in the config, ``PluginError`` naming a failing plugin).
     """
-    root = Path(tmp_path)
-    sections: dict[str, Any] = {name: dict(values) for name, values in (config or {}).items()}
-    sections["train"] = with_steps(sections.get("train", {}), steps)
-    if tables:
-        sections["plugins"] = {**sections.get("plugins", {}), **{name: dict(t) for name, t in tables.items()}}
-    path = write_config(root / "config.toml", tiny_config(root / "out", **sections))
-    loaded = load_config(path)
+    loaded = load_config(_write_steps_config(Path(tmp_path), steps, tables or {}, config or {}))
     manager = load_plugins(loaded.config, loaded.locations, autoload=autoload)
     for name, instance in (plugins or {}).items():
         manager.register(name, instance)
@@ -243,6 +237,16 @@ def run_steps(
         undo()
         dist.shutdown()
     return Result(exit_code=code, run=run, calls=recorder.calls, output_dir=Path(loaded.config.output_dir))
+
+
+def _write_steps_config(
+    root: Path, steps: int, tables: Mapping[str, Mapping[str, Any]], config: Mapping[str, Mapping[str, Any]]
+) -> Path:
+    sections: dict[str, Any] = {name: dict(values) for name, values in config.items()}
+    sections["train"] = with_steps(sections.get("train", {}), steps)
+    if tables:
+        sections["plugins"] = {**sections.get("plugins", {}), **{name: dict(t) for name, t in tables.items()}}
+    return write_config(root / "config.toml", tiny_config(root / "out", **sections))
 
 
 def stop_and_resume(tmp_path: str | Path, stop_at: int, steps: int = 10, **options: Any) -> tuple[Result, Result]:
