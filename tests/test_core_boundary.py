@@ -152,3 +152,24 @@ def step_modulos(path: Path) -> list[str]:
 def test_every_n_steps_is_decided_only_by_the_cadence(path: Path) -> None:
     """The run's intervals are ``run.cadence``'s questions, a plugin's own are ``Every(n)``."""
     assert step_modulos(path) == []
+
+
+def long_functions(path: Path, limit: int) -> list[str]:
+    return [
+        f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None
+        if node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "coretrain").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_core_function_is_longer_than_a_screen(path: Path) -> None:
+    """The step reads in one screen, and so does everything the core does (40 lines)."""
+    assert long_functions(path, 40) == []
+
+
+def test_the_trainer_stays_within_300_lines() -> None:
+    tree = ast.parse((REPO / "coretrain" / "loop.py").read_text())
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    assert trainer.end_lineno is not None and trainer.end_lineno - trainer.lineno + 1 <= 300
