@@ -73,7 +73,14 @@ class ResultRecorder:
         for row in self.history:
             metrics.update(row)
         metrics.pop("step", None)
-        return TrainResult(self.outcome, exit_code, step, output_dir, metrics, self.history)
+        return TrainResult(
+            outcome=self.outcome,
+            exit_code=exit_code,
+            step=step,
+            output_dir=output_dir,
+            metrics=metrics,
+            history=self.history,
+        )
 
 
 def train(

@@ -14,7 +14,12 @@ from coretrain.configload import structure
 from coretrain.errors import UserError
 from coretrain.pluginmanager import load_plugins
 
+CORE_MODULES = sorted((REPO / "coretrain").rglob("*.py"))
 PLUGIN_MODULES = {p.name for p in (REPO / "plugins").iterdir() if p.name.startswith("coretrain_")}
+
+
+def relative(path: Path) -> str:
+    return str(path.relative_to(REPO))
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -27,7 +32,7 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "coretrain").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("path", CORE_MODULES, ids=relative)
 def test_core_module_imports_no_plugin(path: Path) -> None:
     assert PLUGIN_MODULES, "no plugin packages found next to the core"
     assert not imported_modules(path) & PLUGIN_MODULES
@@ -65,7 +70,7 @@ def imports_from_core_internals(path: Path) -> list[str]:
 PUBLIC_USERS = sorted(p for d in ("plugins", "examples") for p in (REPO / d).rglob("*.py") if "build" not in p.parts)
 
 
-@pytest.mark.parametrize("path", PUBLIC_USERS, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("path", PUBLIC_USERS, ids=relative)
 def test_plugins_and_examples_use_only_the_public_api(path: Path) -> None:
     """What a first-party plugin needs, a third party needs too: everything comes from `coretrain`."""
     assert imports_from_core_internals(path) == []
@@ -118,7 +123,7 @@ def core_imports(path: Path) -> set[str]:
 
 
 def test_the_core_has_no_import_cycles() -> None:
-    modules = {module_name(p): p for p in (REPO / "coretrain").rglob("*.py")}
+    modules = {module_name(p): p for p in CORE_MODULES}
     graph = {name: {m for m in core_imports(path) if m in modules and m != name} for name, path in modules.items()}
     cycles = []
 
@@ -146,8 +151,8 @@ def step_modulos(path: Path) -> list[str]:
 
 @pytest.mark.parametrize(
     "path",
-    sorted(p for p in [*(REPO / "coretrain").rglob("*.py"), *PUBLIC_USERS] if p.name != "cadence.py"),
-    ids=lambda p: str(p.relative_to(REPO)),
+    sorted(p for p in [*CORE_MODULES, *PUBLIC_USERS] if p.name != "cadence.py"),
+    ids=relative,
 )
 def test_every_n_steps_is_decided_only_by_the_cadence(path: Path) -> None:
     """The run's intervals are ``run.cadence``'s questions, a plugin's own are ``Every(n)``."""
@@ -163,7 +168,7 @@ def long_functions(path: Path, limit: int) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "coretrain").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("path", CORE_MODULES, ids=relative)
 def test_no_core_function_is_longer_than_a_screen(path: Path) -> None:
     """The step reads in one screen, and so does everything the core does (40 lines)."""
     assert long_functions(path, 40) == []
