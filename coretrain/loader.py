@@ -20,6 +20,15 @@ torchdata's ``StatefulDataLoader`` carries the position in each worker's stream 
 checkpoint — through the stream's own ``state_dict()`` / ``load_state_dict()`` when it has
 them, else by replaying the stream up to the saved position. Such a checkpoint resumes on
 the same number of ranks and workers only; the run says so at start.
+
+Random numbers: no loader draws from the run's global generator (a DataLoader takes its
+workers' base seed from it each time an iterator is made, so a resumed run, which makes one
+more, would train on other dropout masks): each gets a generator of its own, seeded from the
+run's seed and the rank (:func:`loader_generator`). A worker seeds its random streams before
+each micro-batch of a map-style split from (run seed, the batch's position in the sample
+order) (:func:`seed_worker`), so a dataset's random augmentations are the same however many
+workers read them and wherever a run resumed. A stream that draws random numbers keeps its
+generator in its own ``state_dict()``.
 """
 
 from __future__ import annotations
@@ -30,10 +39,12 @@ if TYPE_CHECKING:
     from coretrain.run import Run
 
 import functools
+import random
 import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from coretrain.data import BatchReader, SampleOrder, batch_size, fetch, to_device
@@ -99,6 +110,7 @@ def stream_loader(dataset: Any, run: Run, batch_size: int, stateful: bool) -> An
         pin_memory=cfg.pin_memory and run.device.type == "cuda",
         drop_last=stateful,
         worker_init_fn=worker_init_fn(run),
+        generator=loader_generator(run),
     )
     if cfg.num_workers:
         kwargs["prefetch_factor"] = cfg.prefetch_factor
@@ -177,7 +189,8 @@ class StepPlan:
 
 
 class RankBatchSampler:
-    """Index lists of this rank's micro-batches, step after step, from ``first_step`` on.
+    """This rank's micro-batches, step after step, from ``first_step`` on: each as (its first
+    sample's position in the order, the index list) — the position seeds the worker that reads it.
 
     Lists, not tensors: they go to the workers through a queue, where a tensor would cost a
     shared-memory handoff per micro-batch."""
@@ -188,31 +201,68 @@ class RankBatchSampler:
         self.order, self.plan, self.rank, self.world = order, plan, rank, world_size
         self.micro, self.first_step = micro_batch_size, first_step
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
         step = self.first_step
         while True:
             n_micro, consumed = self.plan.at(step)
             per_rank = self.micro * n_micro
-            indices = self.order.indices(consumed + self.rank * per_rank, per_rank)
+            start = consumed + self.rank * per_rank
+            indices = self.order.indices(start, per_rank)
             for i in range(n_micro):
-                yield indices[i * self.micro : (i + 1) * self.micro].tolist()
+                yield start + i * self.micro, indices[i * self.micro : (i + 1) * self.micro].tolist()
             step += 1
 
 
 class MicroBatches(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """A dataset whose item for a list of indices is their collated micro-batch (for workers)."""
+    """A dataset whose item for (position, indices) is their collated micro-batch, read by a
+    worker whose random streams are first seeded from (``seed``, position)."""
 
-    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any] | None) -> None:
-        self.dataset, self.collate = dataset, collate
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any] | None, seed: int) -> None:
+        self.dataset, self.collate, self.seed = dataset, collate, seed
 
-    def __getitem__(self, indices: list[int]) -> Any:
+    def __getitem__(self, item: tuple[int, list[int]]) -> Any:
+        position, indices = item
+        seed_worker(self.seed, position)
         return fetch(self.dataset, torch.as_tensor(indices, dtype=torch.long), self.collate)
 
 
-def data_loader(dataset: Any, sampler: Any, run: Run, persistent: bool = False) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+def mix64(value: int) -> int:
+    """splitmix64's finalizer: nearby inputs (seed, seed + 1, positions) give unrelated outputs."""
+    value = (value * 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+_MASK64 = 2**64 - 1
+
+
+def seed_worker(seed: int, position: int) -> None:
+    """Seed a worker's python, numpy and torch streams for the micro-batch at ``position``."""
+    value = mix64(mix64(seed) + position)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.default_generator.manual_seed(value % 2**63)
+
+
+def loader_generator(run: Run) -> torch.Generator:
+    """A DataLoader's own generator (its workers' base seed): fixed by (run seed, rank), never
+    drawn from the run's global one."""
+    seed = mix64(mix64(run.config.run.seed) + run.dist.dp_rank)
+    return torch.Generator().manual_seed(seed % 2**63)
+
+
+EVAL_SEED = 0x5EED
+"""Evaluation's worker seeds: another stream of seeds than training's positions."""
+
+
+def data_loader(
+    dataset: Any, sampler: Any, run: Run, persistent: bool = False, seed: int | None = None
+) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
     cfg = run.config.data
+    seed = run.config.run.seed if seed is None else seed
     return torch.utils.data.DataLoader(
-        MicroBatches(dataset, run.datasets.collate_fn),
+        MicroBatches(dataset, run.datasets.collate_fn, seed),
         batch_size=None,
         sampler=sampler,
         num_workers=cfg.num_workers,
@@ -220,6 +270,7 @@ def data_loader(dataset: Any, sampler: Any, run: Run, persistent: bool = False) 
         pin_memory=cfg.pin_memory and run.device.type == "cuda",
         persistent_workers=persistent,
         worker_init_fn=worker_init_fn(run),
+        generator=loader_generator(run),
     )
 
 
@@ -246,8 +297,9 @@ class SplitBatches:
         self.device = run.device if run.device.type != "cpu" else None
         self._loader: Any = None
         if run.config.data.num_workers and not is_stream(dataset):
-            sampler = [chunk.tolist() for chunk in self.chunks]
-            self._loader = data_loader(dataset, sampler, run, persistent=run.config.data.persistent_workers)
+            sampler = [(i, chunk.tolist()) for i, chunk in enumerate(self.chunks)]
+            seed = mix64(run.config.run.seed + EVAL_SEED)
+            self._loader = data_loader(dataset, sampler, run, run.config.data.persistent_workers, seed)
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         for count, batch in self._counted():

@@ -18,6 +18,7 @@ from attrs import frozen
 
 from coretrain import checkpoint, resume, safeload
 from coretrain.checkpoint.best import BestCheckpoint
+from coretrain.checkpoint.state import keeping_rng
 from coretrain.errors import PluginError, RunFailure
 from coretrain.hookspecs import Outcome
 from coretrain.intervallog import IntervalLog
@@ -54,14 +55,15 @@ class ResolvedHooks:
         calls = hook_calls(run)
         on = calls.implemented
         self.num_micro_batches = calls.hook.num_micro_batches if on("num_micro_batches") else None
-        self.on_train_start = calls.hook.on_train_start if on("on_train_start") else None
         self.pre_step = calls.hook.pre_step if on("pre_step") else None
         self.post_step = calls.hook.post_step if on("post_step") else None
-        self.on_log = calls.hook.on_log if on("on_log") else None
-        self.evaluate = calls.hook.evaluate if on("evaluate") else None
-        self.on_eval = calls.hook.on_eval if on("on_eval") else None
-        self.on_checkpoint_saved = calls.hook.on_checkpoint_saved if on("on_checkpoint_saved") else None
-        self.on_signal = calls.hook.on_signal if on("on_signal") else None
+        # the host-side hooks leave the training's random streams untouched (keeping_rng says why)
+        self.on_train_start = keeping_rng(calls.hook.on_train_start) if on("on_train_start") else None
+        self.on_log = keeping_rng(calls.hook.on_log) if on("on_log") else None
+        self.evaluate = keeping_rng(calls.hook.evaluate) if on("evaluate") else None
+        self.on_eval = keeping_rng(calls.hook.on_eval) if on("on_eval") else None
+        self.on_checkpoint_saved = keeping_rng(calls.hook.on_checkpoint_saved) if on("on_checkpoint_saved") else None
+        self.on_signal = keeping_rng(calls.hook.on_signal) if on("on_signal") else None
         self.on_train_end = calls.on_train_end if on("on_train_end") else None
 
 
@@ -137,7 +139,7 @@ class Trainer:
         self.last_saved_step = run.state.step
         self.evaluated_at = {split: run.state.step for split in restored.manifest.get("evaluated", [])}
         self.best.restore(checkpoint.checkpoint_root(run))
-        hook_calls(run).on_resume(run=run, step=run.state.step, states=state.get("plugins", {}))
+        keeping_rng(hook_calls(run).on_resume)(run=run, step=run.state.step, states=state.get("plugins", {}))
         log.info("resumed from %s (step %d, %d samples consumed)", path, run.state.step, run.state.consumed_samples)
 
     def save(self) -> None:
@@ -171,7 +173,8 @@ class Trainer:
         run = self.run
         path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
         states = {}
-        for name, state in hook_calls(run).on_checkpoint(run=run, step=run.state.step, path=str(path)).items():
+        on_checkpoint = keeping_rng(hook_calls(run).on_checkpoint)
+        for name, state in on_checkpoint(run=run, step=run.state.step, path=str(path)).items():
             if state is None:
                 continue
             try:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from helpers_inprocess import build, config, train
@@ -231,6 +233,59 @@ def test_exit_interval_then_resume_reproduces_the_uninterrupted_run(tmp_path: An
     assert code == 0 and interrupted.state.step == 4
     resumed, _ = train(config(tmp_path / "split", model=model_opts))
     assert resumed.state.step == 10 and resumed.state.consumed_samples == full.state.consumed_samples
+    for a, b in zip(weights(full), weights(resumed)):
+        assert torch.equal(a, b)
+
+
+class DrawsOnFirstCall:
+    """Draws from every random stream the first time each host-side hook runs in a process, as a
+    plugin that imports a library lazily does (rich draws a random id when imported)."""
+
+    def __init__(self) -> None:
+        self.drawn: set[str] = set()
+
+    def _draw(self, hook: str) -> None:
+        if hook not in self.drawn:
+            self.drawn.add(hook)
+            random.getrandbits(24), numpy.random.rand(), torch.rand(1)
+
+    @hookimpl
+    def on_train_start(self) -> None:
+        self._draw("on_train_start")
+
+    @hookimpl
+    def on_resume(self) -> None:
+        self._draw("on_resume")
+
+    @hookimpl
+    def on_log(self) -> None:
+        self._draw("on_log")
+
+    @hookimpl
+    def on_eval(self) -> None:
+        self._draw("on_eval")
+
+    @hookimpl
+    def on_checkpoint(self) -> None:
+        self._draw("on_checkpoint")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_plugins_and_loaders_drawing_at_start_leave_a_resumed_run_on_the_same_random_numbers(
+    tmp_path: Any, no_autoload: None, workers: int
+) -> None:
+    """A resumed process starts its plugins and loaders at another step than the uninterrupted run
+    did: what they draw must not move the streams dropout draws from (every resume diverged)."""
+    sections = {
+        "model": {"options": {"dropout": 0.1}},
+        "data": {"num_workers": workers},
+        "train": {"eval_iters": 1, "eval_interval": 3},
+    }
+    full, _ = train(config(tmp_path / "full", **sections), ("draws", DrawsOnFirstCall()))
+    stop = {**sections, "train": {**sections["train"], "exit_interval": 4}}
+    train(config(tmp_path / "split", **stop), ("draws", DrawsOnFirstCall()))
+    resumed, _ = train(config(tmp_path / "split", **sections), ("draws", DrawsOnFirstCall()))
+    assert resumed.state.step == 10
     for a, b in zip(weights(full), weights(resumed)):
         assert torch.equal(a, b)
 

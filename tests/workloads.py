@@ -17,14 +17,16 @@ CLASSES = 10
 
 
 class Digits(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """8×8 one-channel images: one noisy prototype per class; ``delay`` seconds of "I/O" per sample."""
+    """8×8 one-channel images: one noisy prototype per class; ``delay`` seconds of "I/O" per sample;
+    ``augment``: fresh noise on every read, drawn from the global torch generator (as torchvision's
+    random transforms draw)."""
 
-    def __init__(self, count: int, seed: int, delay: float = 0.0) -> None:
+    def __init__(self, count: int, seed: int, delay: float = 0.0, augment: bool = False) -> None:
         prototypes = torch.randn(CLASSES, 1, 8, 8, generator=torch.Generator().manual_seed(0))
         g = torch.Generator().manual_seed(seed)
         self.labels = torch.randint(0, CLASSES, (count,), generator=g)
         self.images = prototypes[self.labels] + 1.2 * torch.randn(count, 1, 8, 8, generator=g)
-        self.delay = delay
+        self.delay, self.augment = delay, augment
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -32,11 +34,19 @@ class Digits(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.delay:
             time.sleep(self.delay)
-        return self.images[index], self.labels[index]
+        image = self.images[index]
+        return (image + 0.3 * torch.randn(image.shape) if self.augment else image), self.labels[index]
 
 
-def digits(context: Any = None, train: int = 1200, valid: int = 359, test: int = 201, delay: float = 0.0) -> Datasets:
-    return Datasets(train=Digits(train, 1, delay), valid=Digits(valid, 2, delay), test=Digits(test, 3, delay))
+def digits(
+    context: Any = None,
+    train: int = 1200,
+    valid: int = 359,
+    test: int = 201,
+    delay: float = 0.0,
+    augment: bool = False,
+) -> Datasets:
+    return Datasets(train=Digits(train, 1, delay, augment), valid=Digits(valid, 2, delay), test=Digits(test, 3, delay))
 
 
 def as_dict(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -45,10 +55,12 @@ def as_dict(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch
 
 
 class CNN(torch.nn.Module):
-    """Returns logits; the config's model.loss makes the loss."""
+    """Returns logits; the config's model.loss makes the loss. ``dropout`` before the classifier
+    (no parameters of its own: the state dict is the same with or without)."""
 
-    def __init__(self, width: int = 16) -> None:
+    def __init__(self, width: int = 16, dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = torch.nn.Dropout(dropout)
         self.net = torch.nn.Sequential(
             torch.nn.Conv2d(1, width, 3, padding=1),
             torch.nn.ReLU(),
@@ -60,7 +72,7 @@ class CNN(torch.nn.Module):
         )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.net(pixels)
+        return self.net[-1](self.dropout(self.net[:-1](pixels)))
 
 
 class CNNWithAccuracy(CNN):
@@ -74,8 +86,8 @@ class CNNWithAccuracy(CNN):
         }
 
 
-def cnn(width: int = 16) -> torch.nn.Module:
-    return CNN(width)
+def cnn(width: int = 16, dropout: float = 0.0) -> torch.nn.Module:
+    return CNN(width, dropout)
 
 
 def cnn_with_accuracy(width: int = 16) -> torch.nn.Module:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import random
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -12,6 +14,8 @@ import torch
 from coretrain.checkpoint.layout import MANIFEST, MANIFEST_FORMAT
 from coretrain.configload import config_as_dict
 from coretrain.run import Run
+
+T = TypeVar("T")
 
 
 def rng_state() -> dict[str, Any]:
@@ -26,6 +30,26 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def keeping_rng(hook: Callable[..., T]) -> Callable[..., T]:
+    """``hook``, called so that it leaves the run's random streams as it found them.
+
+    A plugin's host-side work (an import that draws a random id, as rich's does, a logger's
+    start-up, an evaluation) happens at other steps in a resumed run than in an uninterrupted
+    one: were it to draw from the streams training draws from (dropout), a resume would train
+    on other numbers from then on. Costs a copy of the streams' state per call (microseconds),
+    so it wraps the hooks called at start, per log interval, per evaluation and per save."""
+
+    @functools.wraps(hook)
+    def call(**kwargs: Any) -> T:
+        saved = rng_state()
+        try:
+            return hook(**kwargs)
+        finally:
+            set_rng_state(saved)
+
+    return call
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
