@@ -115,14 +115,16 @@ def register_import_path_providers(config: Config, plugins: Plugins) -> None:
 def build_run(config: Config, plugins: Plugins, write_config: bool = True, signals: SignalWatcher | None = None) -> Run:
     """Construct everything the loop needs, in the documented order.
 
-    With ``write_config`` (a real run, not `config show`) rank 0 first locks the output dir;
+    With ``write_config`` (a real run, not `config show`) rank 0 first locks the output dir (the
+    run writes its config.toml there once it is accepted, :func:`record_config`);
     ``signals`` is checked between phases so a Ctrl-C during start-up ends it.
     """
     check_signals = signals.check if signals is not None else (lambda: None)
     check_providers_named(config)
     register_import_path_providers(config, plugins)
     run = _start(config, plugins)
-    run.train_iters = planned_steps(run)
+    # a first count, to size the datasets by; the loop plans the steps ahead once it knows where it resumes
+    run.train_iters = config.train.train_iters or (config.train.train_samples or 0) // run.global_batch_size
     if run.dist.is_main and write_config:
         run.output_lock = OutputDirLock(run.output_dir).acquire()
     try:
@@ -131,8 +133,6 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
         for build_part in (_build_datasets, _build_model, _build_optimizer):
             check_signals()
             build_part(run)
-        if run.dist.is_main and write_config:  # only a run that built is recorded: a rejected one leaves none
-            (run.output_dir / "config.toml").write_text(dumps(config_as_dict(config)), encoding="utf-8")
     except BaseException:  # the lock is the run's to hold; a run that failed to build lets go of it
         if run.output_lock is not None:
             run.output_lock.release()
@@ -140,25 +140,34 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     return run
 
 
+def record_config(run: Run) -> None:
+    """``OUTPUT_DIR/config.toml``, the resolved config, written by the run holding the directory
+    once it is accepted — built, and resumable from its checkpoints: a refused run leaves the
+    file describing the checkpoints beside it."""
+    if run.output_lock is not None:
+        (run.output_dir / "config.toml").write_text(dumps(config_as_dict(run.config)), encoding="utf-8")
+
+
 def planned_steps(run: Run) -> int:
-    """``train.train_iters``, or the steps ``train.train_samples`` comes to in whole global
+    """``train.train_iters``, or the last step ``train.train_samples`` comes to in whole global
     batches — Megatron's update_train_iters: a rampup's steps counted one by one, the rest at
-    the full batch (a partial last batch is left out)."""
+    the full batch (a partial last batch is left out). Planned from where the run stands (a
+    resumed one on other ranks asks only about the steps ahead of it)."""
     samples = run.config.train.train_samples
     if samples is None:
         return run.config.train.train_iters or 0
-    full, steps, consumed = run.global_batch_size, 0, 0
+    full, step, consumed = run.global_batch_size, run.state.step, run.state.consumed_samples
     calls = hook_calls(run)
     while calls.implemented("num_micro_batches"):  # pure host arithmetic, asked as the loop will ask it
-        micro = calls.hook.num_micro_batches(run=run, step=steps + 1, consumed_samples=consumed)
+        micro = calls.hook.num_micro_batches(run=run, step=step + 1, consumed_samples=consumed)
         batch = (micro or run.micro_batches_per_step) * run.samples_per_micro_batch
         if batch >= full or consumed + batch > samples:
             break
-        steps, consumed = steps + 1, consumed + batch
-    steps += (samples - consumed) // full
-    if steps == 0:
+        step, consumed = step + 1, consumed + batch
+    step += max(samples - consumed, 0) // full
+    if step == 0:
         raise UserError(f"train.train_samples ({samples}) is less than one global batch ({full})")
-    return steps
+    return step
 
 
 def check_providers_named(config: Config) -> None:

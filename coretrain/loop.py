@@ -17,6 +17,7 @@ import torch
 from attrs import frozen
 
 from coretrain import checkpoint, resume, safeload
+from coretrain.build import planned_steps, record_config
 from coretrain.checkpoint.best import BestCheckpoint
 from coretrain.checkpoint.state import keeping_rng
 from coretrain.errors import PluginError, RunFailure
@@ -90,6 +91,25 @@ def out_of_memory(run: Run, exc: BaseException) -> str:
     )
 
 
+def plugin_states(run: Run) -> dict[str, Any]:
+    """Each plugin's ``on_checkpoint`` state, checked before it reaches the disk: a state no
+    run could load again stops the run naming the plugin."""
+    path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
+    states = {}
+    on_checkpoint = keeping_rng(hook_calls(run).on_checkpoint)
+    for name, state in on_checkpoint(run=run, step=run.state.step, path=str(path)).items():
+        if state is None:
+            continue
+        try:
+            safeload.check_plain(state, "state")
+        except TypeError as exc:
+            kinds = "tensors, numbers, str, bool, None and lists/dicts of these"
+            error = TypeError(f"returned {exc}; a checkpoint holds {kinds}")
+            raise PluginError(name, "on_checkpoint", error, run.state.step) from None
+        states[name] = state
+    return states
+
+
 class Trainer:
     """Drives one run from restore to on_train_end; returns the process exit code."""
 
@@ -151,7 +171,7 @@ class Trainer:
         data_state = self.feed.state_dict() if self.feed is not None else self._data_state
         _, blocked = self.checkpointer.save(
             {
-                "plugins": self._plugin_states(),
+                "plugins": plugin_states(run),
                 "interval_log": self.log.pending(),
                 **({"interval_log_mean": self.log.pending(over_ranks=True)} if run.dist.world_size > 1 else {}),
                 **({"data": data_state} if data_state else {}),
@@ -166,25 +186,6 @@ class Trainer:
         else:
             log.info("checkpoint step %d saved in %.3f s", run.state.step, blocked)
             self._saved(run.state.step)
-
-    def _plugin_states(self) -> dict[str, Any]:
-        """Each plugin's ``on_checkpoint`` state, checked before it reaches the disk: a state no
-        run could load again stops the run naming the plugin."""
-        run = self.run
-        path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
-        states = {}
-        on_checkpoint = keeping_rng(hook_calls(run).on_checkpoint)
-        for name, state in on_checkpoint(run=run, step=run.state.step, path=str(path)).items():
-            if state is None:
-                continue
-            try:
-                safeload.check_plain(state, "state")
-            except TypeError as exc:
-                kinds = "tensors, numbers, str, bool, None and lists/dicts of these"
-                error = TypeError(f"returned {exc}; a checkpoint holds {kinds}")
-                raise PluginError(name, "on_checkpoint", error, run.state.step) from None
-            states[name] = state
-        return states
 
     def _saved(self, step: int | None) -> None:
         if step is not None and self.hooks.on_checkpoint_saved:
@@ -202,6 +203,8 @@ class Trainer:
         try:
             with self.signals:
                 self.restore()
+                run.train_iters = planned_steps(run)  # the steps ahead, from where the run resumed
+                record_config(run)
                 outcome = self.stops.before_first_step() or self._train_and_finish()
         except PluginError as exc:
             if exc.step is None:

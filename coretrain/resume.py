@@ -8,7 +8,6 @@ What a resume may and may not change is decided in :func:`check_resumable` and :
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from coretrain import safeload
 from coretrain.build import seed_everything
 from coretrain.checkpoint import (
     checkpoint_root,
+    followed_best,
     parse_step_dir,
     read_manifest,
     schema,
@@ -26,7 +26,8 @@ from coretrain.checkpoint import (
     step_dir,
     step_dirs,
 )
-from coretrain.checkpoint.state import dcp_options, frozen_names
+from coretrain.checkpoint.load import load_sharded, load_whole, load_whole_optimizer
+from coretrain.checkpoint.state import frozen_names
 from coretrain.configchanges import check_changes, config_changes
 from coretrain.configload import config_as_dict
 from coretrain.errors import CheckpointUnreadable, UserError
@@ -42,9 +43,7 @@ def resume_candidates(run: Run) -> tuple[list[Path], bool]:
     if choice == "never":
         return [], False
     if choice != "auto":
-        path = Path(choice)
-        if path.is_symlink():  # checkpoints/best
-            path = path.parent / os.readlink(path)
+        path = followed_best(Path(choice), "checkpoint.resume")
         parsed = parse_step_dir(path.name)
         if not path.is_dir() or parsed is None or not parsed[1]:
             raise UserError(f"checkpoint.resume: '{choice}' is not a checkpoint directory (step_NNNNNNNN)")
@@ -57,33 +56,6 @@ def resume_candidates(run: Run) -> tuple[list[Path], bool]:
         if not committed and step > newest:
             log.warning("ignoring incomplete checkpoint %s (its save never committed)", partial)
     return [step_dir(root, step) for step in reversed(steps)], False
-
-
-def _load_sharded(run: Run, directory: Path, with_optimizer: bool, with_frozen: bool) -> None:
-    """Load a DCP checkpoint into the current model (sharded or not, any number of ranks)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.checkpoint.state_dict_loader import load
-
-    safeload.check_metadata(directory)
-    options = dcp_options(with_frozen)
-    model_state, optimizer_state = get_state_dict(run.model, run.optimizer, options=options)
-    state = {"model": model_state, "optimizer": optimizer_state} if with_optimizer else {"model": model_state}
-    try:
-        load(
-            state,
-            storage_reader=safeload.dcp_reader(directory),
-            planner=safeload.dcp_planner(directory),
-            no_dist=run.dist.world_size == 1,
-        )
-    except safeload.dcp_errors() as exc:  # DCP gathers every rank's failure: report ours, or the first
-        raise safeload.dcp_unreadable(directory, exc) from None
-    set_state_dict(
-        run.model,
-        run.optimizer,
-        model_state_dict=model_state,
-        optim_state_dict=optimizer_state if with_optimizer else {},
-        options=options,
-    )
 
 
 def model_mismatches(saved: dict[str, Any], model: torch.nn.Module, frozen_saved: bool = True) -> str:
@@ -192,24 +164,19 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
     path, state = restored.path, restored.rank_state
     hint = changed_keys_hint(restored.manifest.get("config"), run.config, ("model",))
     configured = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
+    frozen_saved = restored.manifest.get("frozen_saved", True)
     if restored.manifest["layout"] == "sharded":
+        optimizer = run.optimizer if with_optimizer else None
         try:
-            _load_sharded(run, path / "sharded", with_optimizer, restored.manifest.get("frozen_saved", True))
+            load_sharded(run.model, optimizer, path / "sharded", frozen_saved, run.dist.world_size == 1)
         except CheckpointUnreadable as exc:
             raise CheckpointUnreadable(exc.path, exc.reason + hint, unsafe=exc.unsafe) from None
     else:
         assert restored.model is not None
-        frozen_saved = restored.manifest.get("frozen_saved", True)
         check_model_fits(path, restored.model, run.unwrapped_model, hint, frozen_saved)
-        run.unwrapped_model.load_state_dict(restored.model, strict=frozen_saved)
+        load_whole(run.model, run.unwrapped_model, restored.model, strict=frozen_saved)
         if with_optimizer:
-            try:
-                run.optimizer.load_state_dict(restored.optimizer or {})
-            except (ValueError, KeyError, RuntimeError) as exc:
-                raise UserError(
-                    f"{path / 'optimizer.pt'}: the optimizer state does not fit this optimizer ({exc}); "
-                    "if its parameter groups changed, set checkpoint.load_optimizer = false"
-                ) from None
+            load_whole_optimizer(run.model, run.optimizer, restored.optimizer or {}, path / "optimizer.pt")
     for group, settings in zip(run.optimizer.param_groups, configured):
         group.update(settings)
     run.scheduler.load_state_dict(state["scheduler"])
@@ -317,7 +284,7 @@ def changed_keys_hint(saved: dict[str, Any] | None, config: Any, sections: tuple
 
 def load_pretrained(run: Run, path: str) -> None:
     """Model weights only (fine-tuning): step 0, fresh optimizer."""
-    directory = Path(path)
+    directory = followed_best(Path(path), "checkpoint.pretrained")
     if not directory.exists():
         raise UserError(f"checkpoint.pretrained: '{path}' does not exist")
     frozen_saved = True
@@ -327,10 +294,10 @@ def load_pretrained(run: Run, path: str) -> None:
         info = read_manifest(directory)
         frozen_saved = info.get("frozen_saved", True)
         if info["layout"] == "sharded":
-            _load_sharded(run, directory / "sharded", with_optimizer=False, with_frozen=frozen_saved)
+            load_sharded(run.model, None, directory / "sharded", frozen_saved, run.dist.world_size == 1)
             return
         weights = safeload.load_file(directory / "model.pt")
     if not isinstance(weights, dict):
         raise CheckpointUnreadable(directory, "not a state dict of model weights")
     check_model_fits(directory, weights, run.unwrapped_model, frozen_saved=frozen_saved)
-    run.unwrapped_model.load_state_dict(weights, strict=frozen_saved)
+    load_whole(run.model, run.unwrapped_model, weights, strict=frozen_saved)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +124,48 @@ def test_keep_best_watches_a_metric_a_plugin_adds_in_on_eval(tmp_path: Path) -> 
     config["checkpoint"]["keep_best"] = "valid/score"
     result = run_steps(tmp_path, 8, config=config, plugins={"score": AddsScore()})
     assert os.readlink(result.output_dir / "checkpoints" / "best") == "step_00000004"
+
+
+@pytest.mark.parametrize("original", ["kept", "deleted"])
+def test_a_run_copied_with_cp_rl_resumes_and_best_is_the_link_again(tmp_path: Path, original: str) -> None:
+    """``cp -rL`` (here copytree, which follows links) turns ``best`` into a copy of its step; the
+    run failed at every improving evaluation (IsADirectoryError). A copy of a step that still
+    exists gives way to the link; one whose step retention deleted becomes that step again."""
+    first = run_steps(tmp_path / "run", 8, config=settings("max"))
+    copy = tmp_path / "copy"
+    shutil.copytree(first.output_dir.parent, copy)  # follows the link: best is a directory now
+    best = copy / "out" / "checkpoints" / "best"
+    assert best.is_dir() and not best.is_symlink()
+    weights = (best / "model.pt").read_bytes()
+    if original == "deleted":
+        shutil.rmtree(copy / "out" / "checkpoints" / "step_00000002")
+    resumed = run_steps(copy, 12, config=settings("max"))
+    assert resumed.exit_code == 0 and resumed.run.state.step == 12
+    assert os.readlink(best) == "step_00000002"  # the link again, to the same (still best) step
+    assert (best / "model.pt").read_bytes() == weights
+    assert kept(copy / "out") == ["step_00000002", "step_00000012"]
+
+
+def test_a_best_that_coretrain_did_not_make_is_refused_before_training(tmp_path: Path) -> None:
+    (tmp_path / "out" / "checkpoints" / "best").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"checkpoints/best is not the link coretrain keeps .*\(a directory"):
+        run_steps(tmp_path, 4, config=settings())
+    assert not (tmp_path / "out" / "checkpoints" / "step_00000002").exists()  # nothing trained
+
+
+def test_a_best_link_leading_outside_the_run_is_not_trusted(tmp_path: Path, cli: Any) -> None:
+    """A ``best`` pointing at another run's step: its value is not read as this run's best so far,
+    ``--step best`` and ``checkpoint.resume = ".../best"`` do not follow it, and the next best
+    replaces it."""
+    other = run_steps(tmp_path / "other", 4, config=settings("max")).output_dir
+    out = run_steps(tmp_path / "run", 4, config=settings("max", eval_interval=3)).output_dir
+    link = out / "checkpoints" / "best"
+    link.unlink()
+    os.symlink(other / "checkpoints" / "step_00000002", link)  # leads outside the run
+    exported = cli("checkpoint", "export", str(out), "--step", "best", "--to", str(tmp_path / "b.st"), cwd=tmp_path)
+    assert exported.returncode == 2 and "has no best checkpoint" in exported.stderr
+    with pytest.raises(UserError, match=r"checkpoint.resume: .*best -> .* is not a link to a step directory beside it"):
+        run_steps(tmp_path / "again", 4, config={"checkpoint": {"resume": str(link)}, "train": {"eval_iters": 0}})
+    resumed = run_steps(tmp_path / "run", 8, config=settings("max", eval_interval=3))
+    assert resumed.exit_code == 0
+    assert os.readlink(link) == "step_00000006"  # its own first evaluation after the resume is the best so far

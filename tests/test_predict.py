@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import metrics_rows, run_cli
+from conftest import config_file, gpt_preset, metrics_rows, run_cli
 
 from coretrain.testing import tiny_config, write_config
 
@@ -68,6 +68,8 @@ def test_checkpoint_choice_split_and_parquet(tmp_path: Path, cli: Any) -> None:
         (("--split", "nope"), "--split nope: the data provider has no such split; it has train, valid, test"),
         (("--checkpoint", "9"), "--checkpoint 9: no complete checkpoint at that step; complete: [3, 6]"),
         (("--out", "x.csv"), "no plugin writes .csv files; use .jsonl or .parquet"),
+        (("--out", "."), "--out .: is a directory; give a file name"),
+        (("--out", "c.toml/p.jsonl"), "--out c.toml/p.jsonl: a folder on its path is a file"),
     ],
 )
 def test_bad_choices_are_one_clear_error(tmp_path: Path, cli: Any, args: tuple[str, ...], message: str) -> None:
@@ -78,6 +80,29 @@ def test_bad_choices_are_one_clear_error(tmp_path: Path, cli: Any, args: tuple[s
         argv = ["predict", str(config), *args]
     result = cli(*argv, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr
+    assert result.stderr.count("\n") == 1  # one line
+    if message.startswith("--out ."):  # refused before the pass: no predict run was made
+        assert not (tmp_path / "out" / "predict").exists()
+
+
+def test_a_language_models_predictions_are_token_ids_and_the_console_says_only_where_they_went(
+    tmp_path: Path, cli: Any
+) -> None:
+    """With model.loss = "cross_entropy" an LM's logits are (sequence × vocabulary) per sample:
+    its prediction is the token id at each position (an argmax taken twice gave a position),
+    written without the logits. No training banner, no "completed at step 0"."""
+    lm = {"model": {"loss": "cross_entropy"}}
+    config = config_file(tmp_path / "lm.toml", gpt_preset(tmp_path / "out"), lm, train_iters=2, eval_iters=0)
+    assert cli("run", str(config), cwd=tmp_path).returncode == 0
+    result = cli("predict", str(config), "--split", "valid", "--out", str(tmp_path / "p.jsonl"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    predicted = records(tmp_path / "p.jsonl")
+    first = predicted[0]
+    assert set(first) == {"index", "prediction", "target"}
+    assert len(first["prediction"]) == len(first["target"]) == 32  # seq_length
+    assert all(isinstance(token, int) and 0 <= token < 256 for r in predicted for token in r["prediction"])
+    assert result.stdout.strip().splitlines() == [f"predict: {len(predicted)} records -> {tmp_path / 'p.jsonl'}"]
+    assert result.stderr == ""
 
 
 @pytest.mark.slow  # 2 gloo ranks under torchrun

@@ -19,13 +19,14 @@ from typing import Any
 from attrs import define
 
 from coretrain.checkpoint.layout import (
-    BEST,
     MANIFEST,
     apply_retention,
     best_step,
     parse_step_dir,
     point_best,
     read_manifest,
+    step_dir,
+    tidy_best,
     write_json_atomically,
 )
 from coretrain.errors import UserError
@@ -51,6 +52,8 @@ class BestCheckpoint:
                 "set train.eval_interval (and train.eval_iters or train.eval_full) and give the data provider a "
                 "valid split"
             )
+        if settings.keep_best and settings.save and run.dist.is_main:
+            tidy_best(run.output_dir / "checkpoints")
         return cls(settings.keep_best if settings.save else None, settings.keep_best_mode)
 
     def evaluated(self, step: int, metrics: dict[str, float]) -> bool:
@@ -78,9 +81,9 @@ class BestCheckpoint:
     def restore(self, root: Path) -> None:
         """The best so far, from the manifest ``root/best`` points at (for the same metric)."""
         step = best_step(root)
-        if self.metric is None or step is None or not (root / BEST / MANIFEST).exists():
+        if self.metric is None or step is None or not (step_dir(root, step) / MANIFEST).exists():
             return
-        entry = read_manifest(root / BEST).get("best") or {}
+        entry = read_manifest(step_dir(root, step)).get("best") or {}
         if entry.get("metric") == self.metric and entry.get("mode") == self.mode:
             self.value, self.step = float(entry["value"]), step
 

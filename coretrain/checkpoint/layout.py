@@ -7,6 +7,7 @@ once every file is durable. Everything that names or finds a step directory is h
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -25,6 +26,8 @@ BEST = "best"
 """``checkpoints/best``: a relative symlink to the best evaluated step (``checkpoint.keep_best``)."""
 MANIFEST = "checkpoint.json"
 MANIFEST_FORMAT = 1
+
+log = logging.getLogger("coretrain")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -106,12 +109,83 @@ def apply_retention(root: Path, keep_last: int | None) -> None:
 
 
 def best_step(root: Path) -> int | None:
-    """The step ``root/best`` points at, if it points at a step directory."""
+    """The step ``root/best`` points at: only a link to a committed step directory beside it, as
+    coretrain makes it (a link that leads anywhere else is not this run's, and not followed)."""
     link = root / BEST
     if not link.is_symlink():
         return None
-    parsed = parse_step_dir(Path(os.readlink(link)).name)
-    return parsed[0] if parsed is not None and parsed[1] else None
+    parsed = parse_step_dir(os.readlink(link))  # the whole target: a name, no path
+    return parsed[0] if parsed is not None and parsed[1] and step_dir(root, parsed[0]).is_dir() else None
+
+
+def followed_best(path: Path, option: str) -> Path:
+    """``path`` itself, or the step directory a ``.../checkpoints/best`` link names (never
+    where an untrusted link leads)."""
+    if path.name != BEST or not path.is_symlink():
+        return path
+    step = best_step(path.parent)
+    if step is None:
+        raise UserError(
+            f"{option}: {path} -> {os.readlink(path)} is not a link to a step directory beside it; "
+            "name the step directory itself"
+        )
+    return step_dir(path.parent, step)
+
+
+def tidy_best(root: Path) -> None:
+    """Before a run writes ``root/best``: what stands there must be coretrain's link.
+
+    ``cp -rL``, ``rsync -L`` and ``shutil.copytree`` turn the link into a copy of the step it
+    named; a run would then fail at every improving evaluation. A copy of a step that still
+    exists is replaced by the link; a copy of one retention has deleted becomes that step
+    again (renamed back), so no weights are lost. A link that leads outside the run is
+    dropped (it is not trusted, see :func:`best_step`). Anything else is refused.
+    """
+    best = root / BEST
+    if best.is_symlink():
+        if best_step(root) is None:
+            log.warning(
+                "%s -> %s is not a link to a step of this run; ignoring and replacing it", best, os.readlink(best)
+            )
+            best.unlink()
+        return
+    if not best.exists():
+        return
+    step = _copied_step(best)
+    if step is None:
+        kind = "directory" if best.is_dir() else "file"
+        raise UserError(
+            f"{best} is not the link coretrain keeps to the best checkpoint (a {kind} it did not write); "
+            "move it out of the checkpoints directory and run again"
+        )
+    original = step_dir(root, step)
+    if original.exists():
+        if _files(original) != _files(best):
+            raise UserError(
+                f"{best} is a directory that differs from {original.name}, the step its manifest names; "
+                "move one of them out of the checkpoints directory and run again"
+            )
+        shutil.rmtree(best)
+    else:
+        os.replace(best, original)
+    point_best(root, original)
+    log.warning("%s was a copy of %s (cp -rL?); it is the link to it again", best, original.name)
+
+
+def _copied_step(directory: Path) -> int | None:
+    """The step a copied checkpoint directory holds, from its manifest (None: not a checkpoint)."""
+    if not directory.is_dir():
+        return None
+    try:
+        step = read_manifest(directory).get("step")
+    except CheckpointUnreadable:
+        return None
+    return step if isinstance(step, int) and step >= 0 and (directory / MANIFEST).is_file() else None
+
+
+def _files(directory: Path) -> dict[str, int]:
+    """Every file under ``directory`` with its size, by relative path."""
+    return {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*") if p.is_file()}
 
 
 def point_best(root: Path, step_directory: Path) -> None:

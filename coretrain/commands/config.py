@@ -29,11 +29,11 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     plugins = load_plugins(loaded.config, loaded.locations)
     micro_batches_per_step(loaded.config.train, world_size_from_env(), warn=False)  # the batch error first
     names = plugins.names()
-    from coretrain.build import build_run
+    from coretrain.build import build_run, planned_steps
 
     # every check `run` makes before its first step (providers imported, their options, the splits,
-    # the model), without writing anything
-    build_run(loaded.config, plugins, write_config=False)
+    # the model, a fresh run's plan of steps), without writing anything
+    planned_steps(build_run(loaded.config, plugins, write_config=False))
     print(f"{args.config}: ok ({len(names)} plugins enabled: {', '.join(names) or 'none'})")
     return 0
 

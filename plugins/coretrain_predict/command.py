@@ -25,11 +25,28 @@ def weights(output_dir: Path, choice: str | None) -> list[str]:
     return [f"checkpoint.pretrained={json.dumps(str(path.resolve()))}"]
 
 
+def check_out(out: Path) -> None:
+    """``--out`` can be written — before the pass, not after it: its folder is made, and a file
+    is created and removed beside where the predictions go."""
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a directory; give a file name (predictions.jsonl or .parquet)")
+    probe = out.with_name(f".{out.name}.probe")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"--out {out}: a folder on its path is a file; choose another path") from None
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write there ({exc.strerror or exc}); choose another path") from None
+
+
 def predict(args: argparse.Namespace) -> int:
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: expected a positive number")
     settings = coretrain.load(args.config, args.overrides).config
     out = Path(args.out)
+    check_out(out)
     predictor = Predictor(
         split=args.split or ("prompts" if args.data else "test"),
         data=Path(args.data) if args.data else None,
@@ -47,6 +64,7 @@ def predict(args: argparse.Namespace) -> int:
         *weights(Path(settings.output_dir), args.checkpoint),
         f"run.output_dir={json.dumps(str(Path(settings.output_dir) / 'predict'))}",
         "train.skip_train=true",
+        'run.log_level="warning"',  # no training banner, no "completed at step 0": this run only predicts
         'checkpoint.resume="never"',
         "checkpoint.save=false",
         "train.eval_iters=0",

@@ -16,8 +16,9 @@ from coretrain import Run, UserError, fetch, hookimpl, is_stream, model_outputs,
 log = logging.getLogger("coretrain")
 
 MAX_VALUES = 4096
-"""A per-sample output with more values than this (an LM's logits) is written as its argmax
-over the last dimension; smaller ones (a classifier's logits, a regression) as they are."""
+"""A per-sample output with more values than this (an LM's logits) is not written whole: as its
+argmax over the last dimension, or not at all when that argmax is already the ``prediction``;
+smaller ones (a classifier's logits, a regression) are written as they are."""
 
 
 @define(kw_only=True)
@@ -89,8 +90,13 @@ class Predictor:
         output, target = model_outputs(run, batch)
         size = len(target) if target is not None else batch_size(batch)
         values = per_sample(output, size)
-        if run.config.model.loss == "cross_entropy" and "output" in values:
+        if run.config.model.loss == "cross_entropy" and "output" in values:  # class ids (per position for an LM)
             values = {"prediction": values["output"].argmax(-1), **values}
+        values = {
+            name: value.argmax(-1) if value[0].numel() > MAX_VALUES else value
+            for name, value in values.items()
+            if not (name == "output" and "prediction" in values and value[0].numel() > MAX_VALUES)
+        }
         if isinstance(target, torch.Tensor) and len(target) == size:
             values["target"] = target
         return [{name: plain(value[i]) for name, value in values.items()} for i in range(size)]
@@ -160,7 +166,7 @@ def per_sample(output: Any, size: int) -> dict[str, torch.Tensor]:
             "predict: the model's outputs hold no per-sample values (only a loss?); set model.loss so "
             "the model returns its outputs, or implement the predict_step hook"
         )
-    return {name: value.argmax(-1) if value[0].numel() > MAX_VALUES else value for name, value in values.items()}
+    return values
 
 
 def plain(value: torch.Tensor) -> Any:

@@ -1,0 +1,110 @@
+"""Putting a checkpoint's weights (and optimizer state) into the run's model, whatever the layouts.
+
+A checkpoint is *replicated* (``model.pt`` / ``optimizer.pt``: whole tensors, as one rank or DDP
+saves them) or *sharded* (torch.distributed.checkpoint, as FSDP2, HSDP and tensor parallelism
+save them). The model in memory holds plain tensors (one rank, DDP) or DTensors (FSDP2, HSDP,
+TP). Every pair loads, through torch's own state-dict API, so parameter names are the only
+contract between layouts:
+
+- sharded → any model: DCP reads, on each rank, the parts of each tensor its parameters hold
+  (resharding by global offsets; a plain model reads whole tensors);
+- replicated → a plain model: ``load_state_dict``;
+- replicated → a DTensor model: ``set_model_state_dict`` / ``set_optimizer_state_dict`` with
+  ``full_state_dict`` cut the whole tensors into this rank's shards; the optimizer file numbers
+  its parameters (torch's ``Optimizer.state_dict``), which are named first by their place in the
+  run's parameter groups.
+
+Without the optimizer (``checkpoint.load_optimizer = false``, ``checkpoint.pretrained``,
+``coretrain predict``) only the model's state is asked for, in every case.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coretrain import safeload
+from coretrain.checkpoint.state import dcp_options, is_sharded
+from coretrain.errors import UserError
+
+
+def load_sharded(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    directory: Path,
+    with_frozen: bool,
+    single_process: bool,
+) -> None:
+    """A DCP checkpoint (``directory`` = its ``sharded/``) into ``model`` and, when given, ``optimizer``."""
+    from torch.distributed.checkpoint import state_dict as dsd
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    safeload.check_metadata(directory)
+    options = dcp_options(with_frozen)
+    state: dict[str, Any] = {"model": dsd.get_model_state_dict(model, options=options)}
+    if optimizer is not None:
+        state["optimizer"] = dsd.get_optimizer_state_dict(model, optimizer, options=options)
+    try:
+        with warnings.catch_warnings():  # one process loading alone is what no_dist says; DCP warns of it
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            load(
+                state,
+                storage_reader=safeload.dcp_reader(directory),
+                planner=safeload.dcp_planner(directory),
+                no_dist=single_process,
+            )
+    except safeload.dcp_errors() as exc:  # DCP gathers every rank's failure: report ours, or the first
+        raise safeload.dcp_unreadable(directory, exc) from None
+    dsd.set_model_state_dict(model, state["model"], options=options)
+    if optimizer is not None:
+        dsd.set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+
+
+def load_whole(
+    model: torch.nn.Module,
+    unwrapped: torch.nn.Module,
+    weights: dict[str, Any],
+    strict: bool,
+) -> None:
+    """Whole tensors (a replicated ``model.pt``) into a plain model, or cut into a DTensor model's shards."""
+    if not is_sharded(model):
+        unwrapped.load_state_dict(weights, strict=strict)
+        return
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    options = dsd.StateDictOptions(full_state_dict=True, strict=strict)
+    dsd.set_model_state_dict(model, dict(weights), options=options)
+
+
+def load_whole_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], path: Path
+) -> None:
+    """A replicated ``optimizer.pt`` (torch's numbered form) into the run's optimizer, sharded or not."""
+    if not is_sharded(model):
+        try:
+            optimizer.load_state_dict(saved)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise _not_fitting(path, exc) from None
+        return
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    groups: Any = dsd.get_optimizer_state_dict(model, optimizer)["param_groups"]
+    names = [name for group in groups for name in group["params"]]  # in torch's numbering
+    try:
+        named: Any = {
+            "state": {names[index]: moments for index, moments in saved["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]],
+        }
+        dsd.set_optimizer_state_dict(model, optimizer, named, options=dsd.StateDictOptions(full_state_dict=True))
+    except (ValueError, KeyError, IndexError, RuntimeError) as exc:
+        raise _not_fitting(path, exc) from None
+
+
+def _not_fitting(path: Path, exc: BaseException) -> UserError:
+    return UserError(
+        f"{path}: the optimizer state does not fit this optimizer ({exc}); "
+        "if its parameter groups changed, set checkpoint.load_optimizer = false"
+    )
