@@ -4,6 +4,7 @@ cached orders, clear errors, and exact resume of a GPT trained on them."""
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,78 @@ def test_a_bin_that_does_not_match_its_index_and_a_missing_prefix_are_named(tmp_
         datasets(tmp_path, data_path=str(tmp_path / "corpus"))
     with pytest.raises(UserError, match=r"missing\.idx not found.*prefix"):
         datasets(tmp_path, data_path=str(tmp_path / "missing"))
+
+
+def test_a_cached_order_that_does_not_fit_its_split_is_named_with_the_file_to_delete(tmp_path: Path) -> None:
+    """A train order replaced by the valid split's (both are order-*.npy): training on it read the
+    validation documents, rc 0. Checked for dtype, length, range and membership, it is refused."""
+    write_from_spec(tmp_path / "corpus", tagged_documents(40))
+    options = {"data_path": str(tmp_path / "corpus"), "split": "8,2"}
+    built = datasets(tmp_path, **options)
+    files = {
+        name: next(p for p in (tmp_path / "cache").iterdir() if np.array_equal(np.load(p), getattr(built, name).order))
+        for name in ("train", "valid")
+    }
+    valid_order = files["valid"].read_bytes()
+    as_long = np.resize(built.valid.order, len(built.train.order))  # validation ids, at the train order's length
+    twice = built.train.order.copy()
+    twice[0] = twice[1]  # one document twice, another missing: same length, range and dtype
+    for damage, detail in (
+        (valid_order, "not int32"),
+        (as_long, "outside this split's"),
+        (b"not an array", "unreadable"),
+        (twice, "not each of this split's documents"),
+    ):
+        if isinstance(damage, bytes):
+            files["train"].write_bytes(damage)
+        else:
+            np.save(files["train"], damage)
+        with pytest.raises(
+            UserError,
+            match=rf"{files['train'].name}: a cached sample order that does not fit this data \(.*{detail}.*delete it",
+        ):
+            datasets(tmp_path, **options)
+    files["train"].unlink()
+    assert np.array_equal(datasets(tmp_path, **options).train.order, built.train.order)  # rebuilt as before
+
+
+def test_a_corrupt_corpus_is_one_error_naming_the_file(tmp_path: Path) -> None:
+    write_from_spec(tmp_path / "odd", tagged_documents(10))
+    (tmp_path / "odd.bin").write_bytes((tmp_path / "odd.bin").read_bytes() + b"\x00")
+    with pytest.raises(UserError, match=r"odd\.bin: \d+ bytes, not a whole number of uint16 tokens"):
+        datasets(tmp_path, data_path=str(tmp_path / "odd"))
+    write_from_spec(tmp_path / "negative", [[5, 6, -3, 7], [1, 2, 3]], code=3, dtype="<i2")
+    with pytest.raises(UserError, match=r"negative\.bin: token id -3 .*token ids are >= 0"):
+        datasets(tmp_path, data_path=str(tmp_path / "negative"))
+    write_from_spec(tmp_path / "floats", [[5.0, 6.5], [1.0, 2.0]], code=6, dtype="<f8")
+    with pytest.raises(UserError, match=r"floats\.idx: its tokens are float64; token ids are integers"):
+        datasets(tmp_path, data_path=str(tmp_path / "floats"))
+    write_from_spec(tmp_path / "lengths", tagged_documents(10))
+    index = bytearray((tmp_path / "lengths.idx").read_bytes())
+    index[34:38] = struct.pack("<i", -5)  # the first sequence's length
+    (tmp_path / "lengths.idx").write_bytes(bytes(index))
+    with pytest.raises(UserError, match=r"lengths\.idx: negative sequence lengths"):
+        datasets(tmp_path, data_path=str(tmp_path / "lengths"))
+    write_from_spec(tmp_path / "ok", tagged_documents(10))
+    with pytest.raises(UserError, match=r"vocab_size = 5, but the data holds token id 10; set it to at least 11"):
+        datasets(tmp_path, data_path=str(tmp_path / "ok"), vocab_size=5)
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"data_path": [math.inf, "a", 1.0, "b"]}, "data_path"),
+        ({"data_path": [1e308, "a", 1e308, "b"]}, "data_path"),
+        ({"data_path": "a", "split": "inf,1,1"}, "split"),
+        ({"data_path": "a", "split": "1e308,1e308,1"}, "split"),
+        ({"data_path": "a", "split": "nan,1"}, "split"),
+    ],
+)
+def test_infinite_weights_and_splits_are_a_config_error_naming_the_key(
+    tmp_path: Path, options: dict[str, Any], key: str
+) -> None:
+    with pytest.raises(UserError, match=rf"data\.options\.{key}: .*finite"):
+        run_steps(tmp_path, 2, config={"data": {"provider": "indexed", "options": options}})
 
 
 @pytest.mark.parametrize("bad", [[0.5, "a", "b"], ["a", 0.5], [-1, "a"], [], 3])

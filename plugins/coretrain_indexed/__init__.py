@@ -18,6 +18,7 @@ owns the position in the data.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -37,8 +38,10 @@ def _split(instance: Any, attribute: attrs.Attribute[Any], value: str) -> None:
         weights = [float(part) for part in value.split(",")]
     except ValueError:
         weights = []
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or not sum(weights) > 0:
-        raise FieldValueError(attribute.name, f"expected up to 3 weights like '969,30,1'; got {value!r}")
+    if not 1 <= len(weights) <= 3 or not all(0 <= w < math.inf for w in weights) or not 0 < sum(weights) < math.inf:
+        raise FieldValueError(
+            attribute.name, f"expected up to 3 finite, non-negative weights like '969,30,1'; got {value!r}"
+        )
 
 
 @define(kw_only=True)
@@ -69,6 +72,11 @@ class Indexed:
             )
         paths = {name: getattr(self, f"{name}_data_path") for name in ("train", "valid", "test")}
         splits = build_splits(self.data_path, self.split, paths, self.seq_length, context, self.cache_dir)
+        if self.vocab_size is not None and splits.max_token >= self.vocab_size:
+            raise UserError(
+                f"data.options.vocab_size = {self.vocab_size}, but the data holds token id {splits.max_token}; "
+                f"set it to at least {splits.max_token + 1}, or leave it unset"
+            )
         return Datasets(
             train=splits.train,
             valid=splits.valid,

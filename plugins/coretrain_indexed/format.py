@@ -49,7 +49,13 @@ class IndexedTokens:
                     "that .bin and .idx are appended to, e.g. 'data/my-corpus_text_document'"
                 )
         self.dtype, lengths, pointers, documents = read_index(index_path)
-        self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_path.stat().st_size else np.zeros(0)
+        size = bin_path.stat().st_size
+        if size % self.dtype.itemsize:
+            raise UserError(
+                f"{bin_path}: {size} bytes, not a whole number of {self.dtype.name} tokens ({self.dtype.itemsize} "
+                f"bytes each, as {index_path} says); the file is truncated or not this index's"
+            )
+        self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if size else np.zeros(0)
         starts = pointers // self.dtype.itemsize
         if len(lengths) and (
             starts[-1] + lengths[-1] > len(self.tokens) or (starts[1:] != starts[:-1] + lengths[:-1]).any()
@@ -85,12 +91,16 @@ def read_index(path: Path) -> tuple[np.dtype[Any], np.ndarray, np.ndarray, np.nd
         raise UserError(f"{path}: index version {version}; this reader knows version {VERSION}")
     if code not in DTYPES:
         raise UserError(f"{path}: unknown token dtype code {code}; Megatron's codes are {sorted(DTYPES)}")
+    if np.dtype(DTYPES[code]).kind == "f":
+        raise UserError(f"{path}: its tokens are {np.dtype(DTYPES[code]).name}; token ids are integers")
     need = fixed + sequences * 4 + sequences * 8 + documents * 8
     if len(raw) < need:
         raise UserError(f"{path}: truncated ({len(raw)} bytes; its counts need {need})")
     lengths = np.frombuffer(raw, np.int32, sequences, fixed).astype(np.int64)
     pointers = np.frombuffer(raw, np.int64, sequences, fixed + sequences * 4)
     document_indices = np.frombuffer(raw, np.int64, documents, fixed + sequences * 12)
+    if (lengths < 0).any() or (pointers < 0).any():
+        raise UserError(f"{path}: negative sequence lengths or offsets; the index is damaged")
     if (
         documents == 0
         or document_indices[0] != 0

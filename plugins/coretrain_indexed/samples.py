@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coretrain import UserError
 from coretrain_indexed.format import IndexedTokens
 
 log = logging.getLogger("coretrain")
@@ -73,7 +74,13 @@ class DocumentWindows(Windows):
         }
         key |= {"tokens": per_epoch, "seq_length": seq_length, "epochs": epochs, "seed": seed}
         key["written"] = os.stat(f"{source.prefix}.idx").st_mtime_ns  # a re-prepared corpus is not the cached one
-        self.order = cached(cache_dir, "order", key, lambda: shuffled(documents, epochs, seed))
+        self.order = cached(
+            cache_dir,
+            "order",
+            key,
+            lambda: shuffled(documents, epochs, seed),
+            lambda o: order_problem(o, documents, epochs),
+        )
         self.ends = np.cumsum(source.document_lengths[self.order], dtype=np.int64)
         self.samples = int(self.ends[-1] - 1) // seq_length
 
@@ -102,7 +109,11 @@ class Blend(Windows):
         total = sum(weights)
         normalized = [w / total for w in weights]
         self.index = cached(
-            cache_dir, "blend", {"key": key, "samples": samples}, lambda: blend_index(normalized, samples)
+            cache_dir,
+            "blend",
+            {"key": key, "samples": samples},
+            lambda: blend_index(normalized, samples),
+            lambda index: blend_problem(index, [len(d) for d in datasets], samples),
         )
         self.samples = samples
 
@@ -136,12 +147,50 @@ def shuffled(documents: np.ndarray, epochs: int, seed: int) -> np.ndarray:
     return order
 
 
-def cached(directory: Path, kind: str, key: Any, build: Any) -> np.ndarray:
-    """``build()``'s array, from ``directory`` when a run with the same ``key`` made it before."""
+def order_problem(order: np.ndarray, documents: np.ndarray, epochs: int) -> str | None:
+    """What makes ``order`` other than a shuffle of ``documents`` repeated ``epochs`` times."""
+    if order.dtype != np.int32 or order.shape != (len(documents) * epochs,):
+        return f"{order.dtype}[{', '.join(map(str, order.shape))}], not int32[{len(documents) * epochs}]"
+    low, high = int(documents.min()), int(documents.max())
+    if len(order) and (int(order.min()) < low or int(order.max()) > high):
+        return f"document ids outside this split's {low}..{high}"
+    counts = np.bincount(order.astype(np.int64) - low, minlength=high - low + 1)
+    wanted = np.zeros(high - low + 1, dtype=np.int64)
+    wanted[documents - low] = epochs
+    return None if np.array_equal(counts, wanted) else f"not each of this split's documents {epochs} time(s)"
+
+
+def blend_problem(index: np.ndarray, sizes: list[int], samples: int) -> str | None:
+    """What makes ``index`` other than a blend's (dataset, its sample) pairs, in order per dataset."""
+    if index.dtype != np.int64 or index.shape != (samples, 2):
+        return f"{index.dtype}[{', '.join(map(str, index.shape))}], not int64[{samples}, 2]"
+    chosen = index[:, 0]
+    if len(chosen) and (int(chosen.min()) < 0 or int(chosen.max()) >= len(sizes)):
+        return f"dataset numbers outside 0..{len(sizes) - 1}"
+    for number, size in enumerate(sizes):
+        taken = index[chosen == number, 1]
+        if len(taken) > size or not np.array_equal(taken, np.arange(len(taken))):
+            return f"dataset {number}'s samples are not 0, 1, 2, ... below {size}"
+    return None
+
+
+def cached(directory: Path, kind: str, key: Any, build: Any, problem: Any) -> np.ndarray:
+    """``build()``'s array, from ``directory`` when a run with the same ``key`` made it before —
+    checked by ``problem(array)`` first (a cache copied from elsewhere, a damaged one, another
+    split's: training on it would read other documents, silently)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = directory / f"{kind}-{digest}.npy"
     if path.is_file():
-        found: np.ndarray = np.load(path, mmap_mode="r")
+        try:
+            found: np.ndarray = np.load(path, mmap_mode="r", allow_pickle=False)
+            wrong = problem(found)
+        except (OSError, ValueError) as exc:
+            wrong = f"unreadable ({exc})"
+        if wrong is not None:
+            raise UserError(
+                f"{path}: a cached sample order that does not fit this data ({wrong}); delete it and run "
+                "again, and it is rebuilt"
+            )
         return found
     array: np.ndarray = build()
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,16 @@ def parse_blend(value: Any, key: str) -> BlendSpec:
         pairs
         and len(value) % 2 == 0
         and all(
-            isinstance(w, int | float) and not isinstance(w, bool) and w > 0 and isinstance(p, str) for w, p in pairs
+            isinstance(w, int | float) and not isinstance(w, bool) and 0 < w < math.inf and isinstance(p, str)
+            for w, p in pairs
         )
+        and math.isfinite(sum(w for w, _ in pairs))
     ):
         return [(float(w), p) for w, p in pairs]
     raise FieldValueError(
         key,
         f"expected a prefix ('data/corpus_text_document'), a list of prefixes, or a blend "
-        f"[weight, prefix, weight, prefix, ...] with positive weights; got {value!r}",
+        f"[weight, prefix, weight, prefix, ...] with positive, finite weights; got {value!r}",
     )
 
 
@@ -100,5 +103,13 @@ def dataset(
 
 
 def max_token(source: IndexedTokens, chunk: int = 1 << 24) -> int:
-    tokens = source.tokens
-    return max((int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk)), default=0)
+    """The largest token id in ``source`` (the vocabulary it needs); a negative id is an error."""
+    tokens, largest = source.tokens, 0
+    for start in range(0, len(tokens), chunk):
+        part = tokens[start : start + chunk]
+        if int(part.min()) < 0:
+            raise UserError(
+                f"{source.prefix}.bin: token id {int(part.min())} at or after token {start}; token ids are >= 0"
+            )
+        largest = max(largest, int(part.max()))
+    return largest
