@@ -4,6 +4,8 @@ read back by a reader written here from the format's spec and by the `indexed` p
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -144,6 +146,141 @@ def test_bad_options_are_one_error(
     options = [a for a in args if not a.endswith(".jsonl")]
     code, _, err = prepare(*files, *options, "--output-prefix", str(tmp_path / "o"), capsys=capsys)
     assert code == 2 and fragment in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("line", "fragment"),
+    [
+        ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}", "code.jsonl:1: JSON nested too deeply to read"),
+        ('{"text": "a\\ud800b"}', "code.jsonl:1: field 'text' is not Unicode text (a lone surrogate '\\ud800'"),
+    ],
+)
+def test_json_that_python_reads_but_no_tokenizer_should_is_one_error(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str], line: str, fragment: str
+) -> None:
+    (tmp_path / "code.jsonl").write_text(line + "\n")
+    code, _, err = prepare(
+        str(tmp_path / "code.jsonl"),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        capsys=capsys,
+    )
+    assert code == 2 and fragment in err and err.count("\n") == 1, err
+
+
+def big_id_tokenizer(directory: Path) -> Path:
+    """A tokenizer of 3 tokens whose ids are 0, 1 and 70000: uint16 by its size, but 70000 does not fit."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "big": 70000}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(directory)
+    return directory
+
+
+def test_bad_output_prefixes_keys_and_tokenizers_are_one_error_each(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "a big a", "x": "a"}\n')
+    (tmp_path / "file").write_text("")
+    broken = tmp_path / "broken-tokenizer"
+    shutil.copytree(tokenizer_dir, broken)
+    (broken / "tokenizer_config.json").write_text("{not json")
+    tok = str(tokenizer_dir)
+    cases = [
+        (["--tokenizer", tok, "--output-prefix", str(tmp_path / "file" / "o")], "a folder on its path is a file"),
+        (["--tokenizer", tok, "--output-prefix", str(tmp_path) + "/"], "a directory; the prefix starts the file names"),
+        (
+            ["--tokenizer", tok, "--output-prefix", "/proc/coretrain/o"],
+            "--output-prefix /proc/coretrain/o: cannot write there",
+        ),
+        (
+            ["--tokenizer", tok, "--output-prefix", "o", "--json-keys", "../x"],
+            "--json-keys '../x': a key names output files",
+        ),
+        (["--tokenizer", str(broken), "--output-prefix", "o"], f"--tokenizer {broken}: not a Hugging Face tokenizer"),
+        (
+            ["--tokenizer", str(big_id_tokenizer(tmp_path / "big")), "--output-prefix", str(tmp_path / "o")],
+            "token id 70000 does not fit uint16 (0..65535)",
+        ),
+    ]
+    for args, fragment in cases:
+        code, _, err = prepare(str(source), *args, capsys=capsys)
+        assert code == 2 and fragment in err and err.count("\n") == 1, (args, err)
+    assert not (tmp_path / "x_document.bin").exists() and not list(tmp_path.glob(".o_*"))  # nothing left behind
+
+
+class Killed(BaseException):
+    """Where the test stops the writer, as SIGKILL would: nothing after it runs, no clean-up."""
+
+
+class KilledAfter:
+    """File-system calls that let ``allowed`` of them through, then kill the writer."""
+
+    def __init__(self, allowed: int) -> None:
+        self.allowed, self.made = allowed, 0
+
+    def __call__(self, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.made == self.allowed:
+                raise Killed
+            self.made += 1
+            return original(*args, **kwargs)
+
+        return call
+
+
+def test_a_writer_killed_at_any_step_of_its_commit_leaves_the_previous_pair_or_the_new_one(
+    tmp_path: Path, tokenizer_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file-system change of the commit, in turn, is the last one a writer makes: the names
+    PREFIX.bin/.idx then read as the previous pair or the new one — never a new .bin beside an
+    old .idx (renamed separately, they were). The previous pair is plain files, as Megatron writes."""
+    from coretrain_data_prepare import pairs
+    from coretrain_data_prepare import prepare as module
+    from coretrain_indexed.format import IndexedTokens, write_indexed
+
+    prefix = tmp_path / "corpus_text_document"
+    old_documents = [[5, 6, 7]] * 50
+    source = tmp_path / "new.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS[:20]))
+    args = (str(source), "--tokenizer", str(tokenizer_dir), "--output-prefix", str(tmp_path / "corpus"))
+
+    def documents() -> list[list[int]]:
+        tokens = IndexedTokens(str(prefix))
+        return [tokens.document(d).tolist() for d in range(len(tokens))]
+
+    def plain_previous_pair() -> None:
+        for path in [*tmp_path.glob(".corpus_text_document*"), *tmp_path.glob("corpus_text_document.*")]:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        write_indexed(str(prefix), old_documents)
+
+    assert prepare(*args, capsys=capsys)[0] == 0
+    new_documents = documents()
+    allowed, outcomes, finished = 0, set(), False
+    while not finished:
+        plain_previous_pair()
+        kill = KilledAfter(allowed)
+        with monkeypatch.context() as patch:
+            for name in ("replace", "symlink", "link"):
+                patch.setattr(pairs.os, name, kill(getattr(os, name)))
+            patch.setattr(module.PairWriter, "discard", lambda self: None)  # a killed writer cleans nothing up
+            try:
+                finished = prepare(*args, capsys=capsys)[0] == 0
+            except Killed:
+                pass
+        seen = documents()
+        assert seen in (old_documents, new_documents), allowed
+        outcomes.add("new" if seen == new_documents else "old")
+        allowed += 1
+    assert allowed >= 5 and outcomes == {"old", "new"}
+    assert prepare(*args, capsys=capsys)[0] == 0 and documents() == new_documents  # leftovers do not stand in the way
+    versions = [p for p in tmp_path.glob(".corpus_text_document.*") if p.is_dir() and not p.is_symlink()]
+    assert len(versions) == 1  # the committed one; earlier ones and a killed writer's are gone
 
 
 @pytest.mark.slow

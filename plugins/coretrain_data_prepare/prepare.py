@@ -3,8 +3,8 @@ and a progress view.
 
 Each document becomes one sequence (and one document) of token ids, EOS appended with
 ``--append-eod``; the dtype is Megatron's choice (uint16 below 65,500 ids, else int32). The
-pairs are written under temporary names and renamed when complete, ``.idx`` last, so an
-interrupted run never leaves a pair that reads as valid.
+pairs are written into a directory of their own and committed at once
+(:mod:`coretrain_data_prepare.pairs`): killed at any moment, the previous pair still reads.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import numpy as np
 from attrs import define
 
 from coretrain import UserError
+from coretrain_data_prepare import pairs
 from coretrain_data_prepare.progress import Progress
 from coretrain_data_prepare.sources import Document, check_inputs, documents
 
@@ -56,8 +58,9 @@ def load_tokenizer(path: str) -> Any:
         raise UserError("--tokenizer needs transformers (pip install 'coretrain[hf]')") from None
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--tokenizer {path}: not a Hugging Face tokenizer ({exc})") from None
+    except Exception as exc:  # a broken config fails in many ways: JSON, a missing key, a wrong type
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"--tokenizer {path}: not a Hugging Face tokenizer ({detail})") from None
 
 
 def token_dtype(vocab_size: int) -> np.dtype[Any]:
@@ -90,11 +93,14 @@ def _chunks(items: Iterable[Document]) -> Iterator[list[Document]]:
 
 
 class PairWriter:
-    """One ``PREFIX.bin/.idx`` pair, written as documents arrive, committed by :meth:`close`."""
+    """One ``PREFIX.bin/.idx`` pair, written as documents arrive into a version of its own,
+    committed at once by :meth:`close` (:mod:`coretrain_data_prepare.pairs`)."""
 
-    def __init__(self, prefix: str, dtype: np.dtype[Any]) -> None:
-        self.prefix, self.dtype = prefix, dtype
-        self.data = open(f"{prefix}.bin.tmp", "wb")  # noqa: SIM115 - held until close or discard
+    def __init__(self, prefix: str, dtype: np.dtype[Any], tokenizer: str) -> None:
+        self.prefix, self.dtype, self.tokenizer = prefix, dtype, tokenizer
+        self.highest = int(np.iinfo(dtype).max)
+        self.version = pairs.new_version(Path(prefix))
+        self.data = open(self.version / "bin", "wb")  # noqa: SIM115 - held until close or discard
         self.lengths: list[int] = []
         self.empty = 0
 
@@ -102,7 +108,14 @@ class PairWriter:
         if not document:  # no tokens: nothing a window could read
             self.empty += 1
             return
-        self.data.write(np.asarray(document, dtype=self.dtype).tobytes())
+        ids = np.asarray(document, dtype=np.int64)
+        if int(ids.min()) < 0 or int(ids.max()) > self.highest:
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise UserError(
+                f"--tokenizer {self.tokenizer}: token id {bad} does not fit {self.dtype.name} (0..{self.highest}), "
+                "chosen by its vocabulary size; its ids must lie below len(tokenizer)"
+            )
+        self.data.write(ids.astype(self.dtype).tobytes())
         self.lengths.append(len(document))
 
     def close(self) -> None:
@@ -110,14 +123,47 @@ class PairWriter:
 
         self.data.close()
         lengths = np.asarray(self.lengths, dtype=np.int32)
-        write_index(f"{self.prefix}.idx.tmp", self.dtype, lengths, np.arange(len(lengths) + 1, dtype=np.int64))
-        os.replace(f"{self.prefix}.bin.tmp", f"{self.prefix}.bin")
-        os.replace(f"{self.prefix}.idx.tmp", f"{self.prefix}.idx")
+        write_index(str(self.version / "idx"), self.dtype, lengths, np.arange(len(lengths) + 1, dtype=np.int64))
+        pairs.commit(Path(self.prefix), self.version)
 
     def discard(self) -> None:
+        """Remove this version's files, unless a commit already made them the pair."""
         self.data.close()
-        for suffix in (".bin.tmp", ".idx.tmp"):
-            Path(f"{self.prefix}{suffix}").unlink(missing_ok=True)
+        if pairs.current(Path(self.prefix)) != self.version:
+            shutil.rmtree(self.version, ignore_errors=True)
+
+
+def check_keys(keys: list[str]) -> None:
+    """A key names output files (PREFIX_KEY_document): no path in it."""
+    for key in keys:
+        if not key or key in (".", "..") or "\0" in key or any(sep and sep in key for sep in (os.sep, os.altsep)):
+            raise UserError(
+                f"--json-keys {key!r}: a key names output files (PREFIX_KEY_document); no path or '/' in it"
+            )
+
+
+def open_writers(request: Request, prefixes: dict[str, str], dtype: np.dtype[Any]) -> dict[str, PairWriter]:
+    """A writer per key, or one error saying why the output prefix cannot take the files."""
+    option = f"--output-prefix {request.output_prefix}"
+    if request.output_prefix.endswith(("/", os.sep)) or Path(request.output_prefix).is_dir():
+        raise UserError(f"{option}: a directory; the prefix starts the file names, e.g. data/corpus")
+    writers: dict[str, PairWriter] = {}
+    try:
+        Path(request.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+        for key, prefix in prefixes.items():
+            writers[key] = PairWriter(prefix, dtype, request.tokenizer)
+    except (FileExistsError, NotADirectoryError):
+        _discard(writers)
+        raise UserError(f"{option}: a folder on its path is a file; choose another prefix") from None
+    except OSError as exc:
+        _discard(writers)
+        raise UserError(f"{option}: cannot write there ({exc.strerror or exc})") from None
+    return writers
+
+
+def _discard(writers: dict[str, PairWriter]) -> None:
+    for writer in writers.values():
+        writer.discard()
 
 
 def _eod(tokenizer: Any, request: Request) -> int | None:
@@ -132,13 +178,13 @@ def prepare(request: Request) -> dict[str, Path]:
     """Write ``PREFIX_KEY_document.bin/.idx`` for each key; the prefixes written, by key."""
     if request.workers < 1:
         raise UserError(f"--workers {request.workers}: expected 1 or more")
+    check_keys(request.json_keys)
     paths = check_inputs(request.inputs)
     tokenizer = load_tokenizer(request.tokenizer)
     eod = _eod(tokenizer, request)
     dtype = token_dtype(len(tokenizer))
-    Path(request.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     prefixes = {key: f"{request.output_prefix}_{key}_document" for key in request.json_keys}
-    writers = {key: PairWriter(prefix, dtype) for key, prefix in prefixes.items()}
+    writers = open_writers(request, prefixes, dtype)
     progress = Progress(sum(p.stat().st_size for p in paths), request.log_interval)
     started = time.perf_counter()
     try:
@@ -153,8 +199,7 @@ def prepare(request: Request) -> dict[str, Path]:
         for writer in writers.values():
             writer.close()
     except BaseException:
-        for writer in writers.values():
-            writer.discard()
+        _discard(writers)
         raise
     finally:
         progress.close()

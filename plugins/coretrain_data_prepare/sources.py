@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from coretrain import UserError
 
@@ -56,11 +57,19 @@ def _fields(record: object, keys: list[str], where: str) -> dict[str, str]:
     wrong = [key for key, text in texts.items() if not isinstance(text, str)]
     if wrong:
         raise UserError(f"{where}: field {wrong[0]!r} is {type(texts[wrong[0]]).__name__}, expected a string")
+    for key, text in texts.items():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # JSON's "\ud800" escapes decode to a lone surrogate
+            raise UserError(
+                f"{where}: field {key!r} is not Unicode text (a lone surrogate {text[exc.start]!r} at character "
+                f"{exc.start}); fix or drop that record"
+            ) from None
     return texts
 
 
 def _jsonl(path: Path, keys: list[str]) -> Iterator[Document]:
-    with path.open("rb") as lines:
+    with _opened(path) as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -68,7 +77,16 @@ def _jsonl(path: Path, keys: list[str]) -> Iterator[Document]:
                 record = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise UserError(f"{path}:{number}: not a JSON line ({exc}); expected one object per line") from None
+            except RecursionError:
+                raise UserError(f"{path}:{number}: JSON nested too deeply to read; expected a flat object") from None
             yield _fields(record, keys, f"{path}:{number}"), len(line)
+
+
+def _opened(path: Path) -> BinaryIO:
+    try:
+        return path.open("rb")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror or exc})") from None
 
 
 def _parquet(path: Path, keys: list[str]) -> Iterator[Document]:
@@ -96,7 +114,8 @@ def _text(path: Path, keys: list[str], sample_by: str) -> Iterator[Document]:
     if len(keys) != 1:
         raise UserError(f"{path}: a text file has one field; give one --json-keys name (the output's KEY)")
     try:
-        text = path.read_text(encoding="utf-8")
+        with _opened(path) as file:
+            text = file.read().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{path}: not UTF-8 text ({exc})") from None
     if sample_by == "document":
