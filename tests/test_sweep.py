@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,44 @@ def test_the_grid_is_every_combination_named_by_its_values() -> None:
 def test_a_bad_grid_is_one_clear_error(tmp_path: Path, cli: Any, grid: str, message: str) -> None:
     result = cli("sweep", str(config_file(tmp_path)), "--grid", grid, cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_grids_that_cannot_be_run_as_asked_are_refused_before_anything_is_loaded(tmp_path: Path, cli: Any) -> None:
+    config = str(config_file(tmp_path))
+    many = ",".join(map(str, range(10_000)))
+    refused = {
+        ("--grid", f"train.train_iters=[{many}]", "--grid", f"train.log_interval=[{many}]"): (
+            "--grid: 100,000,000 points (10000 × 10000); more than --max-points 1,000"
+        ),
+        (
+            "--grid",
+            'run.output_dir=["a", "b"]',
+        ): "--grid run.output_dir: the sweep sets it for each point",
+        ("--grid", 'run.name=["a/b", "a_b"]'): "would share the directory 'name=a_b'",
+    }
+    for grid, message in refused.items():
+        result = cli("sweep", config, *grid, cwd=tmp_path)
+        assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_array_job_quotes_what_it_writes_and_refuses_a_directory_it_cannot(tmp_path: Path, cli: Any) -> None:
+    """A newline in run.output_dir ran a command when the script ran: the #SBATCH line cannot
+    hold it, so it is refused; spaces, % and shell syntax are quoted."""
+    config = str(config_file(tmp_path))
+    odd = tmp_path / "runs 100% $(touch pwned)"
+    grid = ("--grid", "optimizer.lr=[0.01, 0.1]", "--launcher", "slurm")
+    written = cli("sweep", config, *grid, "--set", f"run.output_dir={json.dumps(str(odd))}", cwd=tmp_path)
+    assert written.returncode == 0, written.stderr
+    script = (odd / "sweep" / "sweep.sbatch").read_text()
+    assert f'#SBATCH --output="{str(odd).replace("%", "%%")}/sweep/slurm-%A_%a.out"' in script
+    line = next(line for line in script.splitlines() if line.startswith("coretrain sweep"))
+    tokens = shlex.split(line)
+    assert tokens[tokens.index("--set") + 1] == f"run.output_dir={json.dumps(str(odd))}"  # one word, as given
+    newline = json.dumps(str(tmp_path / "x\ntouch pwned"))
+    refused = cli("sweep", config, *grid, "--set", f"run.output_dir={newline}", cwd=tmp_path)
+    assert refused.returncode == 2 and "a newline, control character or double quote cannot go" in refused.stderr
+    assert not list(tmp_path.glob("x*"))  # nothing made
 
 
 def test_every_points_config_is_checked_before_anything_runs(tmp_path: Path, cli: Any) -> None:

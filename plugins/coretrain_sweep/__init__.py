@@ -38,6 +38,9 @@ def add(commands: Any) -> None:
     sweep.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="run each point on N ranks")
     sweep.add_argument("--index", type=int, default=None, metavar="I", help="run only point I (an array task)")
     sweep.add_argument("--dry-run", action="store_true", help="list the points and check their configs; run nothing")
+    sweep.add_argument(
+        "--max-points", type=int, default=1000, metavar="N", help="refuse a grid of more points (default 1000)"
+    )
     sweep.set_defaults(handler=cmd_sweep)
 
 

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import coretrain
 from coretrain import UserError
-from coretrain_sweep.grid import Point, parse_grid, points
+from coretrain_sweep.grid import Point, grid_size, parse_grid, points
 
 
 def sweep(args: argparse.Namespace) -> int:
     grid = parse_grid(args.grid)
+    grid_size(grid, args.max_points)  # before any point is made or loaded
     planned = points(grid)
     base = coretrain.load(args.config, args.overrides).config
     root = Path(base.output_dir) / "sweep"
@@ -27,14 +28,16 @@ def sweep(args: argparse.Namespace) -> int:
             raise UserError(f"sweep point {point.index} ({point.name}): {exc}") from None
     if args.index is not None and not 0 <= args.index < len(planned):
         raise UserError(f"--index {args.index}: the grid has points 0..{len(planned) - 1}")
+    array_job = args.launcher == "slurm" and args.index is None
+    log_files = sbatch_path(root / "slurm-%A_%a.out", literal=len(str(root))) if array_job else ""
     root.mkdir(parents=True, exist_ok=True)
     write_plan(root, args, grid, planned)
     if args.dry_run:
         for point in planned:
             print(f"{point.index:>3}  {root / point.name}  {' '.join(point.sets)}")
         return 0
-    if args.launcher == "slurm" and args.index is None:
-        script = write_sbatch(root, args, len(planned))
+    if array_job:
+        script = write_sbatch(root, args, len(planned), log_files)
         print(f"sweep: {len(planned)} points; wrote {script}\nsubmit it with: sbatch {script}")
         return 0
     chosen = planned if args.index is None else [planned[args.index]]
@@ -71,7 +74,21 @@ def write_plan(root: Path, args: argparse.Namespace, grid: dict[str, list[object
     (root / "sweep.json").write_text(json.dumps(plan, indent=1) + "\n", encoding="utf-8")
 
 
-def write_sbatch(root: Path, args: argparse.Namespace, count: int) -> Path:
+def sbatch_path(path: Path, literal: int) -> str:
+    """``path`` as an ``#SBATCH`` line takes it: in double quotes (sbatch reads quoted arguments),
+    its first ``literal`` characters' ``%`` doubled (the rest are SLURM's patterns). A newline,
+    another control character or a double quote cannot be written there: refused, since the
+    script would run what follows a newline as a command."""
+    text = str(path)
+    if any(ord(c) < 32 or c in '"\x7f' for c in text):
+        raise UserError(
+            f"run.output_dir {str(path.parent.parent)!r}: a newline, control character or double quote cannot "
+            "go into the array job's #SBATCH lines; choose a directory without them"
+        )
+    return '"' + text[:literal].replace("%", "%%") + text[literal:] + '"'
+
+
+def write_sbatch(root: Path, args: argparse.Namespace, count: int, log_files: str) -> Path:
     """An array job: task I runs point I (``coretrain sweep ... --index I``), requeued when
     preempted, as examples/slurm.sbatch does for one run."""
     again = ["coretrain", "sweep", str(Path(args.config).resolve())]
@@ -89,7 +106,7 @@ def write_sbatch(root: Path, args: argparse.Namespace, count: int) -> Path:
 #SBATCH --signal=B:USR1@90
 #SBATCH --requeue
 #SBATCH --open-mode=append
-#SBATCH --output={root}/slurm-%A_%a.out
+#SBATCH --output={log_files}
 
 set -u
 task="${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}"
