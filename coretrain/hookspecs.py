@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 PROJECT = "coretrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
-HOOK_API = (1, 8)
+HOOK_API = (1, 9)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -332,7 +332,12 @@ class HookSpecs(Protocol):
         May change: nothing the checkpoint holds (model, optimizer) — it is being copied.
         Returns: this plugin's own state — tensors, numbers, str, bool, None, lists and dicts of
         these; anything else stops the run naming the plugin, before anything reaches the disk. It
-        is saved under the plugin's name, per rank, and handed back to :func:`on_resume`.
+        is saved under the plugin's name, per rank, and handed back to :func:`on_resume`. A plugin
+        may declare what it looks like as the class attribute ``coretrain_state = AttrsClass`` (hook
+        API 1.9): a
+        resume then checks the saved state against it as strictly as a config table (types,
+        missing or unknown keys, the class's validators; no NaN) and treats a state that does not
+        fit as a damaged file, named with its key path — an automatic resume falls back past it.
         Ranks: every rank (each saves its own state). Called plugin by plugin.
         """
 
@@ -351,7 +356,8 @@ class HookSpecs(Protocol):
         """The run resumed from ``step``, before ``on_train_start``.
 
         Args: ``state`` — what this plugin returned from on_checkpoint on this rank ({} when it
-        saved nothing, e.g. it was not enabled then).
+        saved nothing, e.g. it was not enabled then), checked against ``coretrain_state`` when the
+        plugin declares one.
         May change: plugin-owned state; ``run.control.request_stop`` ends the run before its
         first step (a run that had already stopped, resubmitted).
         Returns: nothing.

@@ -58,9 +58,12 @@ def resume_candidates(run: Run) -> tuple[list[Path], bool]:
     return [step_dir(root, step) for step in reversed(steps)], False
 
 
-def model_mismatches(saved: dict[str, Any], model: torch.nn.Module, frozen_saved: bool = True) -> str:
-    """The parameters whose names or shapes differ, in one phrase ("" when the weights fit);
-    a checkpoint saved without frozen parameters may lack exactly those."""
+def model_mismatches(
+    saved: dict[str, Any], model: torch.nn.Module, frozen_saved: bool = True, dtypes: bool = False
+) -> str:
+    """The parameters whose names or shapes (or, with ``dtypes``, dtypes) differ, or that hold
+    NaN or Inf (never saved: such weights stop a run first), in one phrase ("" when the weights
+    fit); a checkpoint saved without frozen parameters may lack exactly those."""
     current = model.state_dict()
     optional = set() if frozen_saved else frozen_names(model)
     problems = [f"'{k}' is missing from the checkpoint" for k in current if k not in saved and k not in optional]
@@ -69,6 +72,16 @@ def model_mismatches(saved: dict[str, Any], model: torch.nn.Module, frozen_saved
         f"'{k}' has shape {list(saved[k].shape)} in the checkpoint, {list(v.shape)} now"
         for k, v in current.items()
         if k in saved and hasattr(saved[k], "shape") and saved[k].shape != v.shape
+    ]
+    problems += [
+        f"'{k}' is {saved[k].dtype} in the checkpoint, {v.dtype} in the model"
+        for k, v in current.items()
+        if dtypes and k in saved and isinstance(saved[k], torch.Tensor) and saved[k].dtype != v.dtype
+    ]
+    problems += [
+        f"'{k}' holds NaN or Inf"
+        for k, v in saved.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())
     ]
     more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
     return "; ".join(problems[:3]) + more
@@ -111,6 +124,12 @@ def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
             rank_state["rng"] = None
         # the pending interval as every saved rank had it, averaged when it was saved
         rank_state["interval_log"] = rank_state.get("interval_log_mean", rank_state.get("interval_log"))
+    declared = run.plugins.get  # a plugin's coretrain_state: what its saved state must look like
+    schema.check_plugin_states(
+        rank_state.get("plugins") or {},
+        lambda name: getattr(declared(name), "coretrain_state", None),
+        path / f"rank_{own:05d}.pt",
+    )
     restored = Restored(path, info, rank_state)
     if info["layout"] == "replicated":
         restored.model = _model_file(run, path, info)
@@ -136,6 +155,7 @@ def _rank_state(path: Path, rank: int, manifest_step: int | None) -> dict[str, A
         raise CheckpointUnreadable(
             rank_file, f"not a valid checkpoint file: train.step is {step}, the checkpoint's {expected}"
         )
+    schema.check_counters(rank_state, rank_file)
     return dict(rank_state)
 
 
@@ -147,7 +167,7 @@ def _model_file(run: Run, path: Path, info: dict[str, Any]) -> dict[str, Any]:
     schema.validate(model, schema.MODEL_FILE, path / "model.pt")
     if changed_keys_hint(info.get("config"), run.config, ("model", "data")):
         return dict(model)  # the config changed: whether it still fits is for check_resumable and apply to say
-    if problems := model_mismatches(model, run.unwrapped_model, info.get("frozen_saved", True)):
+    if problems := model_mismatches(model, run.unwrapped_model, info.get("frozen_saved", True), dtypes=True):
         raise CheckpointUnreadable(
             path / "model.pt", f"not a valid checkpoint file: it does not fit the model it was saved from: {problems}"
         )

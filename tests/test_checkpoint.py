@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from helpers_inprocess import config, train
 from coretrain import hookimpl
 from coretrain.checkpoint import complete_steps, rng_state, set_rng_state
 from coretrain.errors import UserError
+from coretrain.testing import run_steps
 
 
 def draws() -> tuple:
@@ -184,6 +187,13 @@ def damage_manifest(key: str, value: Any) -> Any:
     return damage
 
 
+PENDING_NAN = {  # a pending log interval whose applied loss is NaN: no saved run has one
+    "losses": torch.tensor([float("nan")]),
+    "samples": 8,
+    "grad_norms": torch.ones(1),
+    "steps": torch.tensor([4]),
+}
+
 DAMAGES = {  # name: (damage to step 4, the file named, words in the reason)
     "rank-extra-key": (lambda s: damage_rank_file(s, lambda st: st.update(bogus=1)), "rank_00000.pt", "bogus"),
     "rank-missing-key": (lambda s: damage_rank_file(s, lambda st: st.pop("scheduler")), "rank_00000.pt", "scheduler"),
@@ -209,6 +219,47 @@ DAMAGES = {  # name: (damage to step 4, the file named, words in the reason)
         "is missing from the checkpoint",
     ),
     "model-not-tensors": (damage_torch_file("model.pt", lambda st: {k: 1.5 for k in st}), "model.pt", "a tensor"),
+    "consumed-samples-10**15": (
+        lambda s: damage_rank_file(s, lambda st: st["train"].update(consumed_samples=10**15)),
+        "rank_00000.pt",
+        "train.consumed_samples is 1000000000000000",
+    ),
+    "counters-both-10**15": (
+        lambda s: damage_rank_file(
+            s, lambda st: (st["train"].update(consumed_samples=10**15), st["scheduler"].update(samples=10**15))
+        ),
+        "rank_00000.pt",
+        "after 4 step(s)",
+    ),
+    "pending-loss-nan": (
+        lambda s: damage_rank_file(s, lambda st: st.update(interval_log=PENDING_NAN)),
+        "rank_00000.pt",
+        "interval_log.losses: expected finite values",
+    ),
+    "pending-loss-float64": (
+        lambda s: damage_rank_file(
+            s, lambda st: st.update(interval_log={**PENDING_NAN, "losses": torch.ones(1, dtype=torch.float64)})
+        ),
+        "rank_00000.pt",
+        "interval_log.losses: expected a torch.float32 tensor",
+    ),
+    "grad-scaler-nan": (
+        lambda s: damage_rank_file(s, lambda st: st.update(grad_scaler={"scale": float("nan"), "growth_factor": 2.0})),
+        "rank_00000.pt",
+        "grad_scaler.scale: expected a finite number > 0",
+    ),
+    "model-nan": (
+        damage_torch_file(
+            "model.pt", lambda st: {k: v.fill_(float("nan")) if k.endswith("weight") else v for k, v in st.items()}
+        ),
+        "model.pt",
+        "holds NaN or Inf",
+    ),
+    "model-float64": (
+        damage_torch_file("model.pt", lambda st: {k: v.double() for k, v in st.items()}),
+        "model.pt",
+        "is torch.float64 in the checkpoint, torch.float32 in the model",
+    ),
     "manifest-step-text": (damage_manifest("step", "four"), "checkpoint.json", "step"),
     "manifest-negative-world": (damage_manifest("world_size", -2), "checkpoint.json", "world_size"),
     "manifest-float-step": (damage_manifest("step", 4.5), "checkpoint.json", "step"),
@@ -238,6 +289,40 @@ def test_a_damaged_only_checkpoint_is_one_error_naming_the_file(tmp_path: Path, 
         train(config(tmp_path, train={"train_iters": 4}))
     assert "rank_00000.pt: not a valid checkpoint file: train.step: expected an integer >= 0" in str(caught.value)
     assert sorted(p.name for p in (tmp_path / "out/checkpoints").iterdir()) == ["latest", "step_00000002"]
+
+
+PLUGIN_STATES = {  # early stopping's saved state, damaged: (the change, words in the reason)
+    "best NaN": ({"best": float("nan")}, "plugins.early-stopping.best"),
+    "best text": ({"best": "low"}, "plugins.early-stopping.best"),
+    "negative best_step": ({"best_step": -3}, "plugins.early-stopping.best_step: must be >= 0"),
+    "stopped_at text": ({"stopped_at": "soon"}, "plugins.early-stopping.stopped_at"),
+    "unknown key": ({"patience_left": 2}, "plugins.early-stopping.patience_left: unknown key"),
+}
+
+
+@pytest.mark.parametrize("name", list(PLUGIN_STATES))
+def test_a_plugin_state_that_does_not_fit_its_declared_shape_is_named_and_resume_falls_back(
+    tmp_path: Path, no_autoload: None, caplog: pytest.LogCaptureFixture, name: str
+) -> None:
+    """Checked as the core's rank file is (early stopping declares coretrain_state): a newest
+    checkpoint whose plugin state is damaged is passed over, the only one is refused."""
+    change, words = PLUGIN_STATES[name]
+    stops = {"early-stopping": {"patience": 50}}
+    sections = {"train": {"train_iters": 4, "eval_interval": 2, "eval_iters": 1}, "checkpoint": {"save_interval": 2}}
+    run_steps(tmp_path, 4, config=sections, tables=stops)
+    root = tmp_path / "out" / "checkpoints"
+    damage_rank_file(root / "step_00000004", lambda st: st["plugins"]["early-stopping"].update(change))
+    more = {**sections, "train": {**sections["train"], "train_iters": 6}}
+    with caplog.at_level("INFO", logger="coretrain"):
+        resumed = run_steps(tmp_path, 6, config=more, tables=stops)
+    warning = next(r.message for r in caplog.records if "is unusable" in r.message)
+    assert f"{root / 'step_00000004' / 'rank_00000.pt'}: not a valid checkpoint file" in warning and words in warning
+    assert resumed.exit_code == 0 and resumed.run.state.step == 6  # from step 2
+    shutil.rmtree(root / "step_00000002")
+    damage_rank_file(root / "step_00000006", lambda st: st["plugins"]["early-stopping"].update(change))
+    shutil.rmtree(root / "step_00000004")
+    with pytest.raises(UserError, match=re.escape(words)):
+        run_steps(tmp_path, 8, config={**more, "train": {**more["train"], "train_iters": 8}}, tables=stops)
 
 
 CHANGES = [  # (sections changed on resume, the key, applied?)
@@ -277,3 +362,24 @@ def test_a_changed_key_on_resume_is_applied_and_listed_or_refused_by_name(
     assert code == 0 and resumed.state.step == 6
     if key == "train.global_batch_size":
         assert resumed.state.consumed_samples == 4 * 8 + 2 * 16  # the new batch from the first resumed step
+
+
+def test_a_sharded_checkpoint_whose_weights_hold_nan_is_refused_naming_it(tmp_path: Path) -> None:
+    """DCP files are read into the model's own tensors: a NaN planted there (never saved: a
+    non-finite loss stops a run first) stops the resume, naming the checkpoint."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from coretrain.checkpoint.load import load_sharded
+    from coretrain.errors import CheckpointUnreadable
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    weights = get_model_state_dict(model)
+    weights["0.weight"] = torch.full((4, 4), float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": weights}, checkpoint_id=str(tmp_path / "sharded"), no_dist=True)
+    with pytest.raises(CheckpointUnreadable, match=r"sharded: not a valid checkpoint: '0.weight' holds NaN or Inf"):
+        load_sharded(model, None, tmp_path / "sharded", with_frozen=True, single_process=True)

@@ -28,7 +28,7 @@ import torch
 
 from coretrain import safeload
 from coretrain.checkpoint.state import dcp_options, is_sharded
-from coretrain.errors import UserError
+from coretrain.errors import CheckpointUnreadable, UserError
 
 
 def load_sharded(
@@ -58,9 +58,27 @@ def load_sharded(
             )
     except safeload.dcp_errors() as exc:  # DCP gathers every rank's failure: report ours, or the first
         raise safeload.dcp_unreadable(directory, exc) from None
+    _check_finite(state["model"], directory, single_process)
     dsd.set_model_state_dict(model, state["model"], options=options)
     if optimizer is not None:
         dsd.set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+
+
+def _check_finite(weights: dict[str, Any], directory: Path, single_process: bool) -> None:
+    """No weight holds NaN or Inf (never saved: such weights stop a run first), agreed over the
+    ranks, each of which checked its own shards."""
+    from coretrain.dist import max_over_ranks
+
+    bad = [
+        name
+        for name, value in weights.items()
+        if isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and not bool(torch.isfinite(value.to_local() if hasattr(value, "to_local") else value).all())
+    ]
+    if bad if single_process else max_over_ranks(int(bool(bad)))[0]:
+        where = f"'{bad[0]}'" if bad else "a weight another rank read"
+        raise CheckpointUnreadable(directory, f"not a valid checkpoint: {where} holds NaN or Inf")
 
 
 def load_whole(

@@ -13,6 +13,7 @@ A schema is a check: a callable ``(value, where) -> None`` that raises :class:`M
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,12 @@ def one_of(*choices: Any) -> Check:
     return check
 
 
-def tensor(dtype: torch.dtype | None = None, numel: Callable[[], int] | None = None, dim: int | None = None) -> Check:
+def tensor(
+    dtype: torch.dtype | None = None,
+    numel: Callable[[], int] | None = None,
+    dim: int | None = None,
+    finite: bool = False,
+) -> Check:
     def check(value: Any, where: str) -> None:
         if not isinstance(value, torch.Tensor):
             raise Mismatch(where, "a tensor", value)
@@ -73,6 +79,23 @@ def tensor(dtype: torch.dtype | None = None, numel: Callable[[], int] | None = N
             raise Mismatch(where, f"a {dim}-d tensor", value.dim())
         if numel is not None and value.numel() != numel():
             raise Mismatch(where, f"{numel()} elements", value.numel())
+        if finite and not bool(torch.isfinite(value).all()):
+            raise Mismatch(where, "finite values", "NaN or Inf")
+
+    return check
+
+
+def number(minimum: float, strictly: bool = False) -> Check:
+    """A finite int or float ``>= minimum`` (``> minimum`` when ``strictly``)."""
+
+    def check(value: Any, where: str) -> None:
+        if (
+            type(value) not in (int, float)
+            or not math.isfinite(value)
+            or value < minimum
+            or (strictly and value == minimum)
+        ):
+            raise Mismatch(where, f"a finite number {'>' if strictly else '>='} {minimum}", value)
 
     return check
 
@@ -159,7 +182,11 @@ def validate(value: Any, schema: Check, path: Path) -> None:
 
 
 SERIES = table(
-    {"losses": tensor(torch.float32, dim=1), "samples": integer(), "grad_norms": tensor(torch.float32, dim=1)},
+    {  # the pending interval's applied losses: never NaN (a NaN step is either skipped or stops the run)
+        "losses": tensor(torch.float32, dim=1, finite=True),
+        "samples": integer(),
+        "grad_norms": tensor(torch.float32, dim=1),
+    },
     {"values": mapping(tensor(torch.float32, dim=1)), "steps": tensor(torch.int64, dim=1), "skipped": integer()},
 )
 
@@ -179,7 +206,11 @@ RANK_FILE = table(
         "rng": optional(RNG),
     },
     {
-        "grad_scaler": mapping(anything),
+        "grad_scaler": table(
+            {"scale": number(0, strictly=True), "growth_factor": number(1, strictly=True)},
+            {"backoff_factor": number(0, strictly=True), "growth_interval": integer(1), "_growth_tracker": integer()},
+            strict=False,
+        ),
         "plugins": mapping(anything),
         "interval_log": empty_or(SERIES),
         "interval_log_mean": empty_or(SERIES),
@@ -235,3 +266,41 @@ def check_optimizer_fits(saved: dict[str, Any], optimizer: torch.optim.Optimizer
                     f"not a valid checkpoint file: state[{index}].{name} has shape {list(value.shape)}, "
                     f"its parameter {list(params[index].shape)}",
                 )
+
+
+MOST_SAMPLES_PER_STEP = 2**32
+"""No global batch is larger: consumed samples beyond step × this are not a run's."""
+
+
+def check_counters(rank_state: dict[str, Any], path: Path) -> None:
+    """The train counters agree with each other: the schedule moved by the samples of every
+    update, and a skipped update (which does not move it) is counted; no step is larger than
+    any batch could be. One tampered or damaged counter (consumed_samples = 10**15) breaks this."""
+    train, scheduled = rank_state["train"], rank_state["scheduler"]["samples"]
+    consumed, step, skipped = train["consumed_samples"], train["step"], train["skipped_updates"]
+    problem = None
+    if consumed > step * MOST_SAMPLES_PER_STEP:
+        problem = f"train.consumed_samples is {consumed} after {step} step(s)"
+    elif scheduled > consumed or (scheduled != consumed and not skipped):
+        problem = f"train.consumed_samples is {consumed}, but the schedule moved by {scheduled} samples"
+    elif skipped > step:
+        problem = f"train.skipped_updates is {skipped} after {step} step(s)"
+    if problem:
+        raise CheckpointUnreadable(path, f"not a valid checkpoint file: {problem}")
+
+
+def check_plugin_states(states: Mapping[str, Any], declared: Callable[[str], Any], path: Path) -> None:
+    """Each plugin's saved state against the attrs class it declares as ``coretrain_state``
+    (structured as strictly as its config: types, unknown or missing keys, its validators); a
+    state that does not fit is a damaged file, named with the key path."""
+    from coretrain.configload import structure
+
+    for name, state in states.items():
+        cls = declared(name)
+        if cls is None or not state:
+            continue
+        try:
+            structure(state, cls, prefix=("plugins", name))
+        except UserError as exc:
+            detail = str(exc).removeprefix("invalid config:").strip().replace("\n  ", "; ")
+            raise CheckpointUnreadable(path, f"not a valid checkpoint file: {detail}") from None

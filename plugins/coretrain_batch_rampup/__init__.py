@@ -17,14 +17,23 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import Run, StepOutputs, hookimpl
+from coretrain import Run, StepOutputs, hookimpl, non_negative
 
 log = logging.getLogger("coretrain")
 
 
 @define(kw_only=True)
+class SavedState:
+    """What the rampup keeps in a checkpoint; a resume checks a saved state against it."""
+
+    samples_left_out: int = field(validator=non_negative)
+
+
+@define(kw_only=True)
 class BatchRampup:
     """Megatron's batch-size rampup: [start, increment, ramp_samples]."""
+
+    coretrain_state = SavedState  # what on_checkpoint returns: checked before on_resume gets it
 
     rampup_batch_size: list[int]
     """[start, increment, ramp_samples]."""

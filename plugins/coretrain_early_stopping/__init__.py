@@ -27,8 +27,21 @@ log = logging.getLogger("coretrain")
 
 
 @define(kw_only=True)
+class SavedState:
+    """What early stopping keeps in a checkpoint; a resume checks a saved state against it."""
+
+    metric: str
+    best: float | None
+    best_step: int | None = field(validator=non_negative)
+    bad_evaluations: int = field(validator=non_negative)
+    stopped_at: int | None = field(validator=non_negative)
+
+
+@define(kw_only=True)
 class EarlyStopping:
     """Stop when ``metric`` has not improved for ``patience`` evaluations."""
+
+    coretrain_state = SavedState  # what on_checkpoint returns: checked before on_resume gets it
 
     metric: str = "valid/loss"
     """An evaluated metric: ``valid/loss``, ``valid/accuracy``, ``valid/NAME/loss`` for a named

@@ -35,10 +35,21 @@ log = logging.getLogger("coretrain")
 
 
 @define(kw_only=True)
+class SavedState:
+    """What the guards keep in a checkpoint; a resume checks a saved state against it."""
+
+    recent: list[float]
+    """The spike window's losses (finite: only accepted steps enter it)."""
+    nan_steps: int = field(validator=non_negative)
+    spike_steps: int = field(validator=non_negative)
+
+
+@define(kw_only=True)
 class Guards:
     """Skip, warn about or stop on NaN/Inf and spiky losses; skip chosen iterations."""
 
     coretrain_vetoes_updates = True  # its before_update may skip an update: the ranks agree on it
+    coretrain_state = SavedState  # what on_checkpoint returns: checked before on_resume gets it
 
     action: Literal["skip", "warn", "stop"] = "skip"
     """What to do about a bad loss."""

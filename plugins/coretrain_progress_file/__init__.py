@@ -19,14 +19,23 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import Run, hookimpl
+from coretrain import Run, hookimpl, non_negative
 
 _STEP = re.compile(r"\tstep (\d+)\t")
 
 
 @define(kw_only=True)
+class SavedState:
+    """What progress-file keeps in a checkpoint; a resume checks a saved state against it."""
+
+    train_seconds: float = field(validator=non_negative)
+
+
+@define(kw_only=True)
 class ProgressFile:
     """Writes progress.txt: job starts and checkpoints with job and cumulative throughput."""
+
+    coretrain_state = SavedState  # what on_checkpoint returns: checked before on_resume gets it
 
     filename: str = "progress.txt"
     """File name inside run.output_dir."""
