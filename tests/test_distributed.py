@@ -71,6 +71,7 @@ def test_world_size_that_does_not_divide_the_global_batch_is_a_clear_error(tmp_p
         "error: train.global_batch_size (4) is not a multiple of train.micro_batch_size × data-parallel "
         "size (4 × 2 = 8), and not even one such pass fits in it; lower train.micro_batch_size" in result.stderr
     )
+    assert result.stderr.count("error:") == 1  # said once for the job (by local rank 0), not once per rank
 
 
 def launch_two_ranks_until_step(config: Path, out: Path, step: int) -> subprocess.Popen:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -99,6 +100,65 @@ def test_an_elastic_job_takes_a_machine_that_joins_and_goes_on_without_one_whose
     assert step_before_kill < 120
 
 
+def test_a_rendezvous_port_held_by_another_program_is_one_error_also_on_one_machine(tmp_path: Path, cli: Any) -> None:
+    """A program that listens and never answers, and one that holds the port without listening:
+    torchrun waited its whole join timeout without a word. --rdzv-endpoint with one machine
+    is used (its ranks meet there), so it is checked too."""
+    config, _ = write_tiny_gpt(tmp_path)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))  # bound, not listening
+    try:
+        for sock, message in (
+            (
+                silent,
+                "another program listens there and does not answer as a rendezvous store (none within 2 s); "
+                "choose a free port",
+            ),
+            (holder, "the port is held by another program; choose a free port"),
+        ):
+            endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+            flags = ("--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-conf", "read_timeout=2")
+            result = cli("run", str(config), *flags, cwd=tmp_path)
+            assert result.returncode == 2 and result.stderr == f"error: --rdzv-endpoint {endpoint}: {message}\n"
+    finally:
+        silent.close()
+        holder.close()
+    from coretrain_launch import torchrun_arguments
+
+    args = argparse.Namespace(
+        nnodes=None,
+        nproc_per_node=2,
+        rdzv_endpoint="127.0.0.1:29400",
+        rdzv_id="x",
+        rdzv_conf=None,
+        node_rank=None,
+        max_restarts=0,
+        config="c.toml",
+        overrides=[],
+    )
+    assert torchrun_arguments(args)[:6] == [
+        "--nnodes",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:29400",
+    ]
+
+
+def test_a_config_mistake_is_said_once_before_any_rank_starts(tmp_path: Path, cli: Any) -> None:
+    config, _ = write_tiny_gpt(tmp_path, "[train]\ntrain_iter = 3\n")
+    result = cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path)
+    assert (
+        result.returncode == 2
+        and result.stderr.count("error:") == 1
+        and "train.train_iter: unknown key" in result.stderr
+    )
+
+
 def test_launch_flags_that_cannot_work_are_one_error(tmp_path: Path, cli: Any) -> None:
     config, _ = write_tiny_gpt(tmp_path)
     cases = {
@@ -151,3 +211,51 @@ def test_when_the_rendezvous_host_leaves_the_other_machine_stops_with_one_line(t
     ), log[-3000:]
     saved = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_????????"))
     assert saved and saved[-1] >= step_at_kill  # the ranks checkpointed where they stopped
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    """The process of ``rank`` among a launcher's children (from its environment)."""
+    for pid in children(launcher):
+        try:
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environment:
+            return pid
+    raise AssertionError(f"no rank {rank} under {launcher}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, SIGSTOP")
+@pytest.mark.parametrize("frozen", [1, 0])
+def test_a_frozen_rank_is_named_by_the_others_and_in_the_jobs_last_line(tmp_path: Path, frozen: int) -> None:
+    """A rank stopped with SIGSTOP runs no thread, so it cannot name itself: the other rank,
+    waiting for it, reads the heartbeats in the rendezvous store (rank 0 holds that store under
+    coretrain's launcher: its silence names it) and ends the job; the launcher's last line
+    names the frozen rank, not the one that reported it."""
+    timeouts = "[distributed]\nstep_timeout_seconds = 4\ninit_timeout_seconds = 300\n"
+    config, out = write_tiny_gpt(tmp_path, timeouts, train_iters=100000, log_interval=10, eval_iters=0)
+    errors = tmp_path / "stderr.log"
+    with open(errors, "w") as stderr:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", "2"],
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    try:
+        wait_for(lambda: len(metrics_rows(out)) >= 2 if (out / "metrics.jsonl").exists() else False, "training")
+        stopped = rank_pid(launcher.pid, frozen)
+        os.kill(stopped, signal.SIGSTOP)
+        wait_for(lambda: "is not responding" in errors.read_text(), "the other rank's verdict", 120)
+        os.kill(stopped, signal.SIGKILL)  # else the launcher waits 30 s for it to take its SIGTERM
+        code = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    lines = [line for line in errors.read_text().splitlines() if line.startswith("error:")]
+    assert code == 124 and lines, errors.read_text()[-3000:]
+    reporter = 1 - frozen
+    assert lines[-1].startswith(f"error: rank {frozen} ") and "is not responding" in lines[-1], lines
+    assert f"rank {reporter} waited" in lines[-1]

@@ -11,7 +11,8 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from coretrain.commands.common import add_config_args
 
@@ -69,6 +70,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     stop_with_the_launcher()
     try:
         return _train(args, signals)
+    except SaidByLocalRank0:
+        return 2
     except Interrupted as exc:
         import signal
 
@@ -83,12 +86,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, signals: Any) -> int:
     from coretrain.configload import load_config
     from coretrain.consolelog import say_held, setup_logging
-    from coretrain.pluginmanager import load_plugins
 
-    loaded = load_config(args.config, args.overrides)
+    loaded = said_once(lambda: load_config(args.config, args.overrides))
     noise = setup_logging(args.log_level or loaded.config.run.log_level, loaded.config.output_dir)
     signals.check()
-    plugins = load_plugins(loaded.config, loaded.locations)
+    plugins = said_once(lambda: plugins_for_these_ranks(loaded))
     signals.check()
 
     from coretrain import dist
@@ -114,6 +116,39 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
     dist.shutdown(graceful=True)
     say_held(noise, loaded.config.output_dir)
     return code
+
+
+class SaidByLocalRank0(Exception):
+    """A configuration error on a rank that is not its machine's first: that one says it."""
+
+
+T = TypeVar("T")
+
+
+def said_once(check: Callable[[], T]) -> T:
+    """``check()``, whose mistakes come from the config and the installed packages alone, the
+    same on every rank of a machine: under torchrun, local rank 0 says them, the others exit 2
+    quietly (a mistake is one line per machine, not one per rank)."""
+    from coretrain.errors import UserError
+
+    try:
+        return check()
+    except UserError:
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            raise SaidByLocalRank0 from None
+        raise
+
+
+def plugins_for_these_ranks(loaded: Any) -> Any:
+    """The config's plugins, and the layout and batch sizes checked against the number of ranks."""
+    from coretrain.config import micro_batches_per_step, world_size_from_env
+    from coretrain.pluginmanager import load_plugins
+
+    plugins = load_plugins(loaded.config, loaded.locations)
+    world = world_size_from_env()
+    loaded.config.distributed.check_layout(world)
+    micro_batches_per_step(loaded.config.train, world // loaded.config.distributed.tp_size, warn=False)
+    return plugins
 
 
 def _drop_frames(exc: BaseException | None) -> None:

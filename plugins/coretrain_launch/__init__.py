@@ -49,7 +49,8 @@ def add(commands: Any) -> None:
         default=None,
         metavar="HOST:PORT",
         help="where the machines meet (with --nnodes): a free port on a host every machine reaches; "
-        "that host's launcher keeps the meeting point, so it must stay up",
+        "that host's launcher keeps the meeting point, so it must stay up (one machine: its ranks "
+        "meet there instead of on a port of their own)",
     )
     launch.add_argument(
         "--node-rank",
@@ -100,8 +101,15 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     left) is one error line, not the C++ stack torch's store logs.
     """
     argv = torchrun_arguments(args)  # a mistake in the flags is reported before torch loads
+    import coretrain
+
+    coretrain.load(args.config, args.overrides)  # a mistake in the config: said once, before any rank starts
     cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch loads: this process only
+    if args.rdzv_endpoint:
+        from coretrain_launch.endpoint import check_endpoint
+
+        check_endpoint(args.rdzv_endpoint, args.rdzv_conf)
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -119,6 +127,12 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     except SignalException as exc:
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
+        written = {rank: f for rank, f in exc.failures.items() if "timestamp" in f.error_file_data}  # by a rank
+        verdicts = sorted((f.timestamp, rank, f) for rank, f in written.items())
+        if verdicts:  # a rank wrote down why (the watchdog names the rank that froze): say that
+            _, rank, failure = verdicts[0]
+            print(f"error: {failure.message}", file=sys.stderr)
+            return failure.exitcode if failure.exitcode > 0 else 1
         rank, failure = exc.get_first_failure()
         if failure.exitcode in _STOP_CODES:
             print(
@@ -172,7 +186,7 @@ def torchrun_arguments(args: argparse.Namespace) -> list[str]:
     if not (low.isdigit() and (high or low).isdigit() and 1 <= int(low) <= int(high or low)):
         raise UserError(f"--nnodes {nnodes}: expected a number of machines N or MIN:MAX (e.g. 2 or 1:4)")
     several = int(high or low) > 1
-    if not several:
+    if not several and not args.rdzv_endpoint:
         argv = ["--standalone"]
     elif not args.rdzv_endpoint:
         raise UserError(

@@ -10,12 +10,16 @@ step completes, and during evaluation and checkpoints, which may take long) it p
 ``rank 1: no progress for 60 s at step 412, last in pre_step (plugin 'x', in its pre_step), at
 FILE:LINE in FUNCTION`` and ends the process, so the launcher takes the job down. A rank
 waiting in a collective for a hung peer says so too (``last in agreement``): the line whose
-phase is not a collective names the culprit. Turn it off with ``[plugins.watchdog]
-enabled = false``.
+phase is not a collective names the culprit. A rank that cannot speak for itself — stopped
+(SIGSTOP), stuck in a call holding the interpreter — is named by the rank waiting for it, from
+the heartbeats every rank writes into the rendezvous store (:mod:`.heartbeat`). The verdict
+also goes into torchrun's error file, so the launcher's last line names the culprit. Turn it
+off with ``[plugins.watchdog] enabled = false``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -27,6 +31,7 @@ from pathlib import Path
 from attrs import define, field
 
 from coretrain import Outcome, Run, hookimpl
+from coretrain_watchdog.heartbeat import Heartbeat
 
 log = logging.getLogger("coretrain")
 
@@ -54,8 +59,11 @@ class Watchdog:
             timeouts.step_timeout_seconds,
             Path(run.output_dir),
             run.plugins.running,
-        ).start()
-        return self._watch.beat
+        )
+        self._watch.heartbeat = Heartbeat.of_this_job(
+            run.dist.rank, max(1.0, min(10.0, timeouts.step_timeout_seconds / 10)), self._watch.mark
+        )
+        return self._watch.start().beat
 
     @hookimpl
     def on_train_start(self, run: Run) -> None:
@@ -88,6 +96,8 @@ class HangWatch:
         """The first step this run trains (set once restored): judged by the long timeout."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="coretrain-watchdog", daemon=True)
+        self.heartbeat: Heartbeat | None = None
+        """This rank's pulse in the store, and its peers' (a rank of a torchrun job)."""
 
     def start(self) -> HangWatch:
         self._thread.start()
@@ -95,6 +105,12 @@ class HangWatch:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+
+    def mark(self) -> tuple[int, str]:
+        """Where the loop is: (step, phase)."""
+        return self.step, self.phase
 
     def beat(self, step: int, phase: str) -> None:
         """The loop is at ``phase`` of ``step`` now: two attribute writes, no clock read (the
@@ -121,19 +137,45 @@ class HangWatch:
                 return
             if now != seen:
                 seen, since = now, time.monotonic()
+                if self.heartbeat is not None:
+                    self.heartbeat.peers_wanted = False  # moving again: no need to read the others
                 continue
-            idle = time.monotonic() - since
-            if idle > self._timeout():
-                self._report(idle)
+            idle, timeout = time.monotonic() - since, self._timeout()
+            if self.heartbeat is not None and idle > min(timeout, self.step_timeout) / 4:
+                self.heartbeat.watch_peers()  # stuck a while: is it waiting for a rank whose pulse stopped?
+            culprit = self._culprit(idle)
+            if culprit is not None or idle > timeout:
+                self._report(culprit or self._own_hang(idle))
                 os._exit(HANG_EXIT_CODE)  # the loop is stuck: no clean way out of it
 
-    def _report(self, idle: float) -> None:
+    def _own_hang(self, idle: float) -> str:
         line = f"rank {self.rank}: no progress for {idle:.0f} s at step {self.step}, last in {self.phase}"
         if self.running:
             plugin, hook = self.running[-1]
             line += f" (plugin '{plugin}', in its {hook})"
-        line += self._where()
-        print(f"error: {line}; ending this rank (exit {HANG_EXIT_CODE})", file=sys.stderr, flush=True)
+        return line + self._where()
+
+    def _culprit(self, idle: float) -> str | None:
+        """The rank that cannot speak for itself: its heartbeat (or the store's answers) stopped
+        for ``step_timeout_seconds`` while this rank made no progress (None: every pulse goes on)."""
+        heartbeat, cause = self.heartbeat, "stopped (SIGSTOP?), or stuck in a call that holds the interpreter"
+        if heartbeat is None or not heartbeat.peers_wanted:
+            return None
+        waited = f"rank {self.rank} waited {idle:.0f} s for it at step {self.step}, in {self.phase}"
+        if heartbeat.store_silent_for() > self.step_timeout:
+            return (
+                f"{heartbeat.store_host} is not responding: the rendezvous store it holds has not answered for "
+                f"{heartbeat.store_silent_for():.0f} s — {cause}; {waited}"
+            )
+        silent = [peer for peer in heartbeat.silent_peers() if peer.seconds > self.step_timeout]
+        if not silent:
+            return None
+        names = ", ".join(f"rank {p.rank} (no heartbeat for {p.seconds:.0f} s, last at {p.where})" for p in silent)
+        return f"{names} {'is' if len(silent) == 1 else 'are'} not responding — {cause}; {waited}"
+
+    def _report(self, line: str) -> None:
+        print(f"error: {line}; ending rank {self.rank} (exit {HANG_EXIT_CODE})", file=sys.stderr, flush=True)
+        record_for_the_launcher(line)
         if self.output_dir is not None:
             try:
                 with open(self.output_dir / f"hang.rank{self.rank}.log", "a", encoding="utf-8") as f:
@@ -147,3 +189,15 @@ class HangWatch:
         if frame is None:
             return ""
         return f", at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def record_for_the_launcher(line: str) -> None:
+    """The verdict in torchrun's error file for this rank (``TORCHELASTIC_ERROR_FILE``, in the
+    format torch's ErrorHandler writes), which the launcher reports as the job's root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
