@@ -619,10 +619,18 @@ def test_the_hf_finetune_example_trains_exports_and_loads_back(tmp_path: Path) -
         "train.log_interval=10",
     ]
     # the example's own scripts run as a user runs them; the coretrain commands in this process
-    trained = run_here("run", str(example / "finetune.toml"), *(a for o in overrides for a in ("--set", o)), cwd=REPO)
+    sets = [a for o in overrides for a in ("--set", o)]
+    untrained = [f"run.output_dir={json_str(tmp_path / 'untrained')}", "train.skip_train=true"]
+    before = run_here(
+        "run", str(example / "finetune.toml"), *sets, *(a for o in untrained for a in ("--set", o)), cwd=REPO
+    )
+    assert before.returncode == 0, before.stderr
+    trained = run_here("run", str(example / "finetune.toml"), *sets, cwd=REPO)
     assert trained.returncode == 0, trained.stderr
-    rows = metrics_rows(out)
-    assert [r["valid/loss"] for r in rows if "valid/loss" in r][-1] < rows[0]["loss"]
+    valid = [r["valid/loss"] for r in metrics_rows(out) if "valid/loss" in r]
+    (valid_before,) = [r["valid/loss"] for r in metrics_rows(tmp_path / "untrained") if "valid/loss" in r]
+    print(f"validation loss: {valid_before:.4f} before, {valid[0]:.4f} at step 20, {valid[-1]:.4f} after")
+    assert valid[-1] < valid_before  # like with like: the same validation set, before and after
     exported = run_here(
         "checkpoint", "export", str(out), "--format", "hf", "--merge-lora", "--to", str(tmp_path / "hf"), cwd=tmp_path
     )

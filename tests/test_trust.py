@@ -530,10 +530,18 @@ def test_ctrl_c_during_start_up_stops_the_run(tmp_path: Path, delay: float, comm
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)  # ends: never trains 100000 steps
-    assert process.returncode in (130, -signal.SIGINT), stderr  # -2: before Python ran our code
-    assert "Traceback" not in stderr
-    if process.returncode == 130:
+    assert f"coretrain{os.sep}" not in stderr, stderr  # no traceback through coretrain's code, ever
+    if not interrupted_before_coretrain_ran(process.returncode, stderr):
+        assert process.returncode == 130, stderr
         assert "stopped by SIGINT during start-up" in stderr or "received SIGINT" in stderr, stderr
+
+
+def interrupted_before_coretrain_ran(code: int, stderr: str) -> bool:
+    """The interpreter's own start (site, runpy) took the SIGINT: it dies by the signal, or
+    CPython reports a fatal error in init_import_site — what a test may not hold coretrain to."""
+    if code == -signal.SIGINT:
+        return True
+    return code == 1 and "Fatal Python error: init_import_site" in stderr and "KeyboardInterrupt" in stderr
 
 
 SLOW_ARGPARSE = """
