@@ -1,8 +1,9 @@
 """What grows with the number of ranks: collectives per step, checkpoint files and metadata.
 
-    python benchmarks/scale.py [--ranks 1 2 4 8] [--layers 2 4]
+    python benchmarks/scale.py [--ranks 1 2 4 8] [--layers 2 4] [--layouts ddp fsdp hsdp tp]
 
-For each strategy (ddp, fsdp), GPT depth and rank count, trains the tiny byte-level GPT for 4
+For each layout (ddp; fsdp; hsdp: FSDP2 on a 2 × ranks/2 mesh, replicated over 2; tp: tensor
+parallel over 2, FSDP2 over the rest), GPT depth and rank count, trains the tiny byte-level GPT for 4
 steps under torchrun (gloo, one thread per rank), saving a checkpoint at step 4, with the
 ``profiler`` plugin tracing step 3 on rank 0. Reports the collectives in that step's trace (every
 ``c10d::`` op between pre_step and post_step: DDP's gradient all-reduce, FSDP's all-gathers and
@@ -27,7 +28,20 @@ from pathlib import Path
 STDLIB = Path(os.__file__).parent
 
 
-def config(out: Path, layers: int, strategy: str) -> str:
+LAYOUTS = {  # name: the [distributed] table
+    "ddp": 'strategy = "ddp"',
+    "fsdp": 'strategy = "fsdp"',
+    "hsdp": 'strategy = "fsdp"\ndp_replicate = 2',
+    "tp": "tp_size = 2",
+}
+
+
+def fits(layout: str, ranks: int) -> bool:
+    """HSDP replicates over 2 and TP splits over 2: both need an even number of ranks."""
+    return layout in ("ddp", "fsdp") or ranks % 2 == 0
+
+
+def config(out: Path, layers: int, layout: str) -> str:
     return f"""
 [run]
 output_dir = "{out}"
@@ -53,18 +67,18 @@ eval_iters = 0
 [checkpoint]
 save_interval = 4
 [distributed]
-strategy = "{strategy}"
+{LAYOUTS[layout]}
 [plugins.profiler]
 start = 3
 end = 3
 """
 
 
-def measure(ranks: int, layers: int, strategy: str) -> dict[str, object]:
+def measure(ranks: int, layers: int, layout: str) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         path = Path(tmp) / "c.toml"
-        path.write_text(config(out, layers, strategy))
+        path.write_text(config(out, layers, layout))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([*command, "-m", "coretrain", "run", str(path)], check=True, capture_output=True, env=env)
@@ -91,19 +105,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     args = parser.parse_args()
     print("tiny GPT (n_embd 32), 4 steps, checkpoint at step 4, gloo on CPU; collectives of step 3 on rank 0")
     print(
-        f"{'strategy':<8} {'layers':>6} {'ranks':>5} {'files':>5} {'bytes':>9} {'.metadata':>9} "
+        f"{'layout':<8} {'layers':>6} {'ranks':>5} {'files':>5} {'bytes':>9} {'.metadata':>9} "
         f"{'manifest':>8} {'rank_0':>6}  collectives in one step"
     )
-    for strategy in ("ddp", "fsdp"):
+    for layout in args.layouts:
         for layers in args.layers:
-            for ranks in args.ranks:
-                m = measure(ranks, layers, strategy)
+            for ranks in (r for r in args.ranks if fits(layout, r)):
+                m = measure(ranks, layers, layout)
                 ops = ", ".join(f"{name} {count}" for name, count in m["collectives"].items()) or "none"  # type: ignore[attr-defined]
                 print(
-                    f"{strategy:<8} {layers:>6} {ranks:>5} {m['files']:>5} {m['bytes']:>9} {m['metadata']:>9} "
+                    f"{layout:<8} {layers:>6} {ranks:>5} {m['files']:>5} {m['bytes']:>9} {m['metadata']:>9} "
                     f"{m['manifest']:>8} {m['rank_file']:>6}  {ops}",
                     flush=True,
                 )

@@ -124,6 +124,33 @@ def start_cli(
     )
 
 
+def in_one_job(
+    tmp_path: Path, ranks: int, commands: list[Any], name: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``coretrain`` commands one after another, as that many jobs would run them: in this
+    process for one rank, else all in one torchrun job (``fixtures/commands_in_one_job.py``:
+    a job's start-up, paid once). A command is an argument list, or ``{"args": [...], "expect":
+    CODE}``; the job must give each its expected exit code (0 by default)."""
+    if ranks == 1:
+        for command in commands:
+            args, expected = (command["args"], command["expect"]) if isinstance(command, dict) else (command, 0)
+            done = run_here(*args, cwd=tmp_path, env=env)
+            assert done.returncode == expected, (args, done.stderr)
+        return done
+    plan = tmp_path / f"{name}.json"
+    plan.write_text(json.dumps(commands))
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}")
+    job = run_cli(
+        str(plan),
+        cwd=tmp_path,
+        env=env,
+        command=(*launcher, str(REPO / "tests" / "fixtures" / "commands_in_one_job.py")),
+    )
+    codes = json.loads(plan.with_name(plan.name + ".codes").read_text()) if job.returncode else []
+    assert job.returncode == 0, (commands[len(codes) - 1] if codes else None, job.stderr[-3000:])
+    return job
+
+
 def metrics_rows(out: Path) -> list[dict]:
     """What the metrics-file plugin wrote in a run's output dir, one dict per logged step."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
