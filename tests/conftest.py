@@ -146,8 +146,10 @@ def in_one_job(
         env=env,
         command=(*launcher, str(REPO / "tests" / "fixtures" / "commands_in_one_job.py")),
     )
+    plan.with_name(f"{name}.stderr").write_text(job.stderr)  # the job's whole story, for a failure
     codes = json.loads(plan.with_name(plan.name + ".codes").read_text()) if job.returncode else []
-    assert job.returncode == 0, (commands[len(codes) - 1] if codes else None, job.stderr[-3000:])
+    errors = [line for line in job.stderr.splitlines() if line.startswith(("error:", "Traceback", "  File"))]
+    assert job.returncode == 0, (commands[len(codes) - 1] if codes else None, errors[-20:], job.stderr[-2000:])
     return job
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import coretrain
@@ -27,10 +28,12 @@ def weights(output_dir: Path, choice: str | None) -> list[str]:
 
 def check_out(out: Path) -> None:
     """``--out`` can be written — before the pass, not after it: its folder is made, and a file
-    is created and removed beside where the predictions go."""
+    is created and removed beside where the predictions go (by rank 0, which writes them)."""
     if out.is_dir():
         raise UserError(f"--out {out}: is a directory; give a file name (predictions.jsonl or .parquet)")
-    probe = out.with_name(f".{out.name}.probe")
+    if os.environ.get("RANK", "0") != "0":
+        return
+    probe = out.with_name(f".{out.name}.{os.getpid()}.probe")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         probe.touch()
