@@ -123,30 +123,27 @@ def test_composed_with_compile_or_fp8_the_losses_are_unchanged(tmp_path: Path, p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("name", "distributed", "table"),
-    [("fsdp", {"strategy": "fsdp"}, {"mode": "full"}), ("tp", {"tp_size": 2}, {"mode": "op"})],
-)
-def test_on_two_ranks_with_fsdp_or_tensor_parallel_the_losses_match_one_plain_rank(
-    tmp_path: Path, name: str, distributed: dict[str, Any], table: dict[str, Any]
-) -> None:
-    from conftest import config_file, gpt_preset, metrics_rows, run_train
+def test_on_two_ranks_with_fsdp_or_tensor_parallel_the_losses_match_one_plain_rank(tmp_path: Path) -> None:
+    """Full checkpointing under FSDP2 and op-level under tensor parallelism (both runs in one
+    torchrun job, as two jobs would run them) train as one plain rank does."""
+    from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_here
 
     preset = gpt_preset(tmp_path / "unused")
     preset["model"]["options"] = {"n_layer": 3, "n_head": 4, "n_embd": 32}
     train = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 6, "log_interval": 1, "eval_iters": 0}
+    layouts = {"fsdp": ({"strategy": "fsdp"}, "full"), "tp": ({"tp_size": 2}, "op")}
 
-    def run(run_name: str, extra: dict[str, Any], *launch: str) -> tuple[list[float], str]:
-        path = config_file(
-            tmp_path / f"{run_name}.toml", preset, {"run": {"output_dir": str(tmp_path / run_name)}, **extra}, **train
-        )
-        done = run_train(str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
-        assert done.returncode == 0, done.stderr
-        return [row["loss"] for row in metrics_rows(tmp_path / run_name)], done.stderr
+    def config(name: str, extra: dict[str, Any]) -> str:
+        tables = {"run": {"output_dir": str(tmp_path / name)}, **extra}
+        return str(config_file(tmp_path / f"{name}.toml", preset, tables, **train))
 
-    reference, _ = run("one", {})
-    got, said = run(
-        name, {"distributed": distributed, "plugins": {"activation-checkpointing": table}}, "--nproc-per-node", "2"
-    )
-    assert f"activation checkpointing ({table['mode']}): 3 of 3 blocks (Block)" in said
-    assert got == pytest.approx(reference, rel=1e-5)
+    assert run_here("run", config("one", {}), cwd=tmp_path).returncode == 0
+    runs = [
+        ["run", config(name, {"distributed": distributed, "plugins": {"activation-checkpointing": {"mode": mode}}})]
+        for name, (distributed, mode) in layouts.items()
+    ]
+    job = in_one_job(tmp_path, 2, runs, "checkpointed", env={"OMP_NUM_THREADS": "1"})
+    reference = [row["loss"] for row in metrics_rows(tmp_path / "one")]
+    for name, (_, mode) in layouts.items():
+        assert f"activation checkpointing ({mode}): 3 of 3 blocks (Block)" in job.stderr
+        assert [row["loss"] for row in metrics_rows(tmp_path / name)] == pytest.approx(reference, rel=1e-5), name

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import metrics_rows, run_cli, tiny_gpt_config
+from conftest import metrics_rows, run_cli, run_here, tiny_gpt_config
 
 from coretrain import UserError
 from coretrain.testing import run_steps
@@ -97,7 +97,8 @@ def test_two_ranks_stop_and_keep_the_best_at_the_same_steps_as_one(tmp_path: Pat
             + "\n[plugins.early-stopping]\npatience = 2\nmin_delta = 100.0\n"
             + '[checkpoint]\nkeep_last = 1\nkeep_best = "valid/loss"\nkeep_best_mode = "max"\n'
         )
-        result = run_cli("run", str(config), "--nproc-per-node", nproc, cwd=tmp_path)
+        launch = ("--nproc-per-node", nproc) if nproc != "1" else ()  # one rank: this process
+        result = (run_cli if launch else run_here)("run", str(config), *launch, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         assert "early stopping: valid/loss did not improve" in result.stderr
         steps[name] = max(r["step"] for r in metrics_rows(tmp_path / name))

@@ -7,27 +7,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, metrics_rows, run_train
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_train
 
 pytestmark = pytest.mark.slow  # torchrun ranks: the full suite
 
 
-def run(
-    tmp_path: Path,
-    name: str,
-    fsdp: dict[str, Any] | None,
-    *launch: str,
-    checkpoint: dict[str, Any] | None = None,
-    **train: Any,
-) -> list[dict[str, Any]]:
+def config(tmp_path: Path, name: str, fsdp: dict[str, Any] | None, checkpoint: dict[str, Any] | None = None) -> Path:
     preset = gpt_preset(tmp_path / "unused")
     preset["model"]["options"] = {"n_layer": 2, "n_head": 4, "n_embd": 32}
     settings = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8, "log_interval": 1, "eval_iters": 0}
     extra: dict[str, Any] = {"run": {"output_dir": str(tmp_path / name)}, "checkpoint": checkpoint or {}}
     if fsdp is not None:
         extra |= {"distributed": {"strategy": "fsdp"}, "plugins": {"fsdp": fsdp}}
-    path = config_file(tmp_path / f"{name}.toml", preset, extra, **{**settings, **train})
-    done = run_train(str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    return config_file(tmp_path / f"{name}.toml", preset, extra, **settings)
+
+
+def run(tmp_path: Path, name: str, fsdp: dict[str, Any] | None, *launch: str) -> list[dict[str, Any]]:
+    done = run_train(str(config(tmp_path, name, fsdp)), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     return metrics_rows(tmp_path / name)
 
@@ -42,9 +38,13 @@ def test_bf16_parameters_with_fp32_reductions_train_close_to_fp32(tmp_path: Path
 
 
 def test_cpu_offload_trains_and_its_checkpoint_resumes_exactly(tmp_path: Path) -> None:
-    offload, two = {"cpu_offload": True}, ("--nproc-per-node", "2")
-    whole = [row["loss"] for row in run(tmp_path, "whole", offload, *two, checkpoint={"save_interval": 4})]
+    offload = {"cpu_offload": True}
     step_4 = tmp_path / "whole" / "checkpoints" / "step_00000004"
-    resumed = [row["loss"] for row in run(tmp_path, "resumed", offload, *two, checkpoint={"resume": str(step_4)})]
+    runs = [
+        ["run", str(config(tmp_path, "whole", offload, checkpoint={"save_interval": 4}))],
+        ["run", str(config(tmp_path, "resumed", offload, checkpoint={"resume": str(step_4)}))],
+    ]
+    in_one_job(tmp_path, 2, runs, "offload", env={"OMP_NUM_THREADS": "1"})  # two jobs' runs in one torchrun job
+    whole, resumed = ([row["loss"] for row in metrics_rows(tmp_path / name)] for name in ("whole", "resumed"))
     assert resumed == whole[4:]  # steps 5-8 from the offloaded parameters and optimizer state it saved
     assert whole[-1] < whole[0]

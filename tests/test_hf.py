@@ -17,7 +17,7 @@ from conftest import CORPUS, STDLIB, metrics_rows
 
 from coretrain import UserError, hookimpl
 from coretrain.export import export
-from coretrain.testing import run_ranks, run_steps, write_config
+from coretrain.testing import run_ranks, run_steps, tiny_config, write_config
 
 transformers = pytest.importorskip("transformers")
 from coretrain_hf.model import CausalLM  # noqa: E402
@@ -203,17 +203,26 @@ def test_a_vocabulary_larger_than_the_models_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_train_and_export_from_pretrained(tmp_path: Path, llama_dir: Path, strategy: str) -> None:
-    sections = text_run(llama_dir, global_batch_size=8, eval_iters=0)
-    sections["distributed"] = {"strategy": strategy}
-    finished = run_ranks(tmp_path, nproc=2, steps=6, config=sections)
-    assert finished.returncode == 0, finished.stderr
-    layout = "sharded" if strategy == "fsdp" else "replicated"
-    assert f'"layout": "{layout}"' in (tmp_path / "out/checkpoints/step_00000006/checkpoint.json").read_text()
-    export(tmp_path / "out", None, tmp_path / "exported", "hf", {"merge_lora": False})
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True)
-    assert type(loaded).__name__ == "LlamaForCausalLM"
+def test_two_ranks_train_and_export_from_pretrained(tmp_path: Path, llama_dir: Path) -> None:
+    """On DDP and FSDP ranks (one torchrun job, as two jobs would run them), then exported."""
+    from conftest import in_one_job
+
+    runs = []
+    for strategy in ("ddp", "fsdp"):
+        sections = text_run(llama_dir, global_batch_size=8, eval_iters=0, train_iters=6)
+        sections["distributed"] = {"strategy": strategy, "backend": "gloo"}
+        runs.append(
+            ["run", str(write_config(tmp_path / f"{strategy}.toml", tiny_config(tmp_path / strategy, **sections)))]
+        )
+    in_one_job(tmp_path, 2, runs, "hf", env={"OMP_NUM_THREADS": "1"})
+    for strategy, layout in (("ddp", "replicated"), ("fsdp", "sharded")):
+        out = tmp_path / strategy
+        assert f'"layout": "{layout}"' in (out / "checkpoints/step_00000006/checkpoint.json").read_text()
+        export(out, None, tmp_path / f"exported-{strategy}", "hf", {"merge_lora": False})
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / f"exported-{strategy}", local_files_only=True
+        )
+        assert type(loaded).__name__ == "LlamaForCausalLM"
 
 
 @pytest.mark.slow

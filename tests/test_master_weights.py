@@ -73,9 +73,9 @@ def test_groups_with_their_own_rates_log_each_rate(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # torchrun ranks
 def test_ddp_on_two_ranks_trains_like_one_rank_and_resumes_exactly(tmp_path: Path) -> None:
-    from conftest import config_file, gpt_preset, metrics_rows, run_train
+    from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_here
 
-    def losses(name: str, *launch: str, checkpoint: dict[str, Any] | None = None) -> list[float]:
+    def config(name: str, checkpoint: dict[str, Any] | None = None) -> str:
         preset = gpt_preset(tmp_path / "unused")
         preset["model"]["options"] = {"n_layer": 2, "n_head": 4, "n_embd": 32}
         settings = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8, "log_interval": 1, "eval_iters": 0}
@@ -84,15 +84,16 @@ def test_ddp_on_two_ranks_trains_like_one_rank_and_resumes_exactly(tmp_path: Pat
             "plugins": {"master-weights": {}},
             "checkpoint": checkpoint or {},
         }
-        path = config_file(tmp_path / f"{name}.toml", preset, extra, **settings)
-        done = run_train(str(path), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
-        assert done.returncode == 0, done.stderr
+        return str(config_file(tmp_path / f"{name}.toml", preset, extra, **settings))
+
+    def losses(name: str) -> list[float]:
         return [row["loss"] for row in metrics_rows(tmp_path / name)]
 
-    one = losses("one")
-    two = ("--nproc-per-node", "2")
-    whole = losses("ddp", *two, checkpoint={"save_interval": 4})
-    assert whole == pytest.approx(one, rel=2e-2)  # bf16 gradients all-reduced: rounding, not another run
-    assert whole[-1] < whole[0]
+    assert run_here("run", config("one"), cwd=tmp_path).returncode == 0
     step_4 = tmp_path / "ddp" / "checkpoints" / "step_00000004"
-    assert losses("resumed", *two, checkpoint={"resume": str(step_4)}) == whole[4:]  # from the fp32 master copy
+    runs = [["run", config("ddp", {"save_interval": 4})], ["run", config("resumed", {"resume": str(step_4)})]]
+    in_one_job(tmp_path, 2, runs, "ddp", env={"OMP_NUM_THREADS": "1"})  # two jobs' runs in one torchrun job
+    whole = losses("ddp")
+    assert whole == pytest.approx(losses("one"), rel=2e-2)  # bf16 gradients all-reduced: rounding, not another run
+    assert whole[-1] < whole[0]
+    assert losses("resumed") == whole[4:]  # from the fp32 master copy

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +10,6 @@ import pytest
 from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_cli, run_train
 
 from coretrain.testing import tiny_config, write_config
-
-
-def torchrun(*args: str, cwd: Path, nproc: int) -> subprocess.CompletedProcess[str]:
-    command = (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}")
-    return run_cli(*args, cwd=cwd, command=(*command, "-m", "coretrain"), env={"OMP_NUM_THREADS": "1"})
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -51,19 +45,17 @@ def test_gpt_on_tp2_by_dp2_matches_one_rank_and_its_checkpoint_resumes_at_tp4(tm
     reference = losses(tmp_path / "one")
     assert len(reference) == 20 and reference[20] < reference[1]
 
-    tp2 = torchrun("run", str(config("tp2", tp_size=2)), cwd=tmp_path, nproc=4)
-    assert tp2.returncode == 0, tp2.stderr
-    assert "tensor-parallel: 2 ranks per group split 14 plan entries; data parallel over 2" in tp2.stderr
+    step_10 = tmp_path / "tp2" / "checkpoints" / "step_00000010"
+    resume = {"resume": str(step_10)}  # (into FSDP, DDP and one rank: test_layouts.py)
+    both = [["run", str(config("tp2", tp_size=2))], ["run", str(config("tp4", resume, tp_size=4))]]
+    job = in_one_job(tmp_path, 4, both, "tp", env={"OMP_NUM_THREADS": "1"})  # two jobs' runs, one start-up
+    assert "tensor-parallel: 2 ranks per group split 14 plan entries; data parallel over 2" in job.stderr
     assert_same_losses(reference, losses(tmp_path / "tp2"))
     norms = [[row["params_norm"] for row in metrics_rows(tmp_path / name)] for name in ("one", "tp2")]
     assert norms[1] == pytest.approx(norms[0], rel=1e-5)
-    step_10 = tmp_path / "tp2" / "checkpoints" / "step_00000010"
     assert len(list((step_10 / "sharded").glob("*.distcp"))) == 4  # written sharded by DCP
 
-    resume = {"resume": str(step_10)}  # (into FSDP, DDP and one rank: test_layouts.py)
-    tp4 = torchrun("run", str(config("tp4", resume, tp_size=4)), cwd=tmp_path, nproc=4)
-    assert tp4.returncode == 0, tp4.stderr
-    assert "4 ranks per group" in tp4.stderr and "data parallel over 1" in tp4.stderr
+    assert "4 ranks per group" in job.stderr and "data parallel over 1" in job.stderr
     assert_same_losses(reference, losses(tmp_path / "tp4"), first_step=11)
 
 

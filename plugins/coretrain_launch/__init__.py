@@ -134,6 +134,8 @@ def launch_torchrun(args: argparse.Namespace) -> int:
             print(f"error: {failure.message}", file=sys.stderr)
             return failure.exitcode if failure.exitcode > 0 else 1
         rank, failure = exc.get_first_failure()
+        if failure.exitcode == USAGE_EXIT_CODE:  # a mistake the rank has said in one line already
+            return USAGE_EXIT_CODE
         if failure.exitcode in _STOP_CODES:
             print(
                 f"coretrain: rank {rank} stopped on {_STOP_CODES[failure.exitcode]} after saving a checkpoint "
@@ -161,12 +163,17 @@ _STOP_CODES = {128 + number: name for number, name in ((15, "SIGTERM"), (2, "SIG
 """A rank's exit code after an agreed stop on a signal, with its checkpoint saved (Linux numbers)."""
 
 
+USAGE_EXIT_CODE = 2
+"""A rank's exit code after a user mistake, which it has printed as one ``error:`` line."""
+
+
 class _AgreedStops(logging.Filter):
-    """Drop torch elastic's lines that call an agreed, checkpointed stop a failure."""
+    """Drop torch elastic's lines that call an agreed, checkpointed stop a failure, or repeat a
+    mistake a rank has said itself."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        if any(f"(exitcode: {code})" in text for code in _STOP_CODES):
+        if any(f"(exitcode: {code})" in text for code in (*_STOP_CODES, USAGE_EXIT_CODE)):
             return False
         return "has failed to shutdown the rendezvous" not in text
 
