@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, config_file, metrics_rows, run_cli
+from conftest import REPO, config_file, metrics_rows, run_cli, run_here
 from helpers_inprocess import config, train
 
 from coretrain import hookimpl
@@ -50,7 +50,7 @@ lr = 0.01
         train_iters=train_iters,
         log_interval=1,
     )
-    result = run_cli("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
+    result = run_here("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
     return result, metrics_rows(tmp_path / "out")
 
 
@@ -90,8 +90,10 @@ def test_guards_iterations_to_skip_consume_data_without_updates(tmp_path: Path) 
 
 
 def injected(tmp_path: Path, table: str) -> Any:
+    """A run with a fault injected: in a process of its own when the fault is a signal to it."""
     path = plain_config(tmp_path, f"[plugins.fault-injection]\n{table}")
-    return run_cli("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
+    run = run_cli if "sig" in table else run_here
+    return run("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
 
 
 def test_fault_injection_sigterm_takes_the_graceful_path(tmp_path: Path) -> None:
@@ -118,7 +120,7 @@ def test_fault_injection_at_random_is_seeded(tmp_path: Path) -> None:
 
 def test_profiler_writes_a_chrome_trace_of_the_window(tmp_path: Path) -> None:
     path = plain_config(tmp_path, "[plugins.profiler]\nstart = 3\nend = 5")
-    result = run_cli(
+    result = run_here(
         "run", str(path), "--set", f"run.output_dir={tmp_path / 'prof'}", cwd=tmp_path, env={"PYTHONPATH": TESTS}
     )
     assert result.returncode == 0, result.stderr
@@ -129,7 +131,7 @@ def test_profiler_writes_a_chrome_trace_of_the_window(tmp_path: Path) -> None:
 
 def test_memory_plugin_says_once_that_a_cpu_run_has_nothing_to_do(tmp_path: Path) -> None:
     path = plain_config(tmp_path, "[plugins.memory]\nempty_unused_memory_level = 2\ntrain_sync_interval = 5")
-    result = run_cli("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
+    result = run_here("run", str(path), cwd=tmp_path, env={"PYTHONPATH": TESTS})
     assert result.returncode == 0, result.stderr
     assert (
         result.stderr.count("memory: CPU run; empty_unused_memory_level and train_sync_interval have nothing to do")
@@ -167,7 +169,7 @@ def test_fp8_emulated_training_tracks_full_precision(tmp_path: Path) -> None:
     for name, tail in (("fp32", ""), ("fp8", '\n[plugins.fp8]\nrecipe = "tensorwise"\n')):
         path = tmp_path / f"{name}.toml"
         path.write_text(tiny_gpt_config(tmp_path / name, train_iters=30, log_interval=5, eval_iters=0) + tail)
-        result = run_cli("run", str(path), cwd=tmp_path)
+        result = run_here("run", str(path), cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         losses[name] = [row["loss"] for row in metrics_rows(tmp_path / name)]
         if name == "fp8":

@@ -40,6 +40,8 @@ WITHOUT_OPTIMIZER = ("one", "fsdp", "hsdp")
 def command(config: Path, layout: str, output_dir: Path, *more: str, name: str = "run") -> list[str]:
     """``run CONFIG`` (or ``name``) in ``layout``, writing to ``output_dir``, with ``more`` --set values."""
     sets = (*LAYOUTS[layout][1], f"run.output_dir={json.dumps(str(output_dir))}", *more)
+    if "checkpoint.resume" in str(more) or "checkpoint.pretrained" in str(more):
+        sets = (*sets, "checkpoint.save=false")  # a target: nothing reads its checkpoints
     return [name, str(config), *(arg for value in sets for arg in ("--set", value))]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import metrics_rows, run_cli
+from conftest import metrics_rows, run_here
 from test_launcher import children
 from test_workloads import TESTS, digits_config
 
@@ -69,7 +69,7 @@ class References(dict):  # type: ignore[type-arg]
 
     def __missing__(self, case: str) -> list[tuple[int, float]]:
         config, out = case_config(self.factory.mktemp(case), case, "whole")
-        result = run_cli("run", str(config), cwd=config.parent, env={"PYTHONPATH": TESTS})
+        result = run_here("run", str(config), cwd=config.parent, env={"PYTHONPATH": TESTS})
         assert result.returncode == 0, result.stderr
         self[case], self.directories[case] = train_losses(out), out
         return self[case]  # type: ignore[no-any-return]
@@ -135,7 +135,7 @@ def test_a_sigterm_to_the_whole_process_group_checkpoints_and_resumes_exactly(
     assert f"stopping at step {stopped_at}: received SIGTERM" in stderr
     assert (out / "checkpoints" / f"step_{stopped_at:08d}" / "model.pt").is_file()
 
-    resumed = run_cli("run", str(config), cwd=tmp_path, env={"PYTHONPATH": TESTS})
+    resumed = run_here("run", str(config), cwd=tmp_path, env={"PYTHONPATH": TESTS})
     assert resumed.returncode == 0, resumed.stderr
     assert f"(step {stopped_at}," in resumed.stderr
     assert train_losses(out) == references[case]  # every step's loss, bit for bit
@@ -151,7 +151,7 @@ def test_with_workers_a_run_ended_by_exit_interval_or_sigkill_resumes_exactly(
     from the global generator made every resume diverge at its first step)."""
     config, out = case_config(tmp_path, "map-workers", "stopped")
     if stop == "exit_interval":
-        first = run_cli("run", str(config), "--set", "train.exit_interval=12", cwd=tmp_path, env={"PYTHONPATH": TESTS})
+        first = run_here("run", str(config), "--set", "train.exit_interval=12", cwd=tmp_path, env={"PYTHONPATH": TESTS})
         assert first.returncode == 0, first.stderr
         resumed_from = 12
     else:
@@ -161,7 +161,7 @@ def test_with_workers_a_run_ended_by_exit_interval_or_sigkill_resumes_exactly(
         process.communicate(timeout=60)
         resumed_from = int((out / "checkpoints" / "latest").read_text())
         assert resumed_from >= 20
-    resumed = run_cli("run", str(config), cwd=tmp_path, env={"PYTHONPATH": TESTS})
+    resumed = run_here("run", str(config), cwd=tmp_path, env={"PYTHONPATH": TESTS})
     assert resumed.returncode == 0, resumed.stderr
     assert f"(step {resumed_from}," in resumed.stderr
     assert train_losses(out) == references["map-workers"]

@@ -81,7 +81,7 @@ def test_sigterm_checkpoints_the_step_reached_exits_143_and_resumes_exactly(tmp_
     assert (out / "checkpoints" / f"step_{stopped_at:08d}" / "model.pt").is_file()
     assert "signal at step" in stdout  # progress saw on_train_end
 
-    resumed = run_cli("run", str(config), cwd=tmp_path)
+    resumed = run_here("run", str(config), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {out / 'checkpoints' / f'step_{stopped_at:08d}'}" in resumed.stderr
     assert_same_run(out, reference)
@@ -106,7 +106,7 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(
     assert steps == complete_before_restart
     assert (out / "checkpoints" / "step_00000020.tmp").exists() == (point == "mid_write")
 
-    restarted = run_cli("run", str(config), "--set", "plugins.kill-during-save.enabled=false", cwd=tmp_path, env=env)
+    restarted = run_here("run", str(config), "--set", "plugins.kill-during-save.enabled=false", cwd=tmp_path, env=env)
     assert restarted.returncode == 0, restarted.stderr
     assert f"(step {complete_before_restart[-1]}," in restarted.stderr
     if point == "mid_write":

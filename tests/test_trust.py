@@ -200,7 +200,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused_until_the_first_dies(tmp_
     first = start_cli("run", str(config), cwd=tmp_path)
     try:
         wait_for(logged_step(out, 2), first)
-        second = run_cli(
+        second = run_here(  # another process's lock: this one may be the test's own
             "run", str(config), "--set", "optimizer.lr=0.01", "--set", "train.train_iters=10", cwd=tmp_path
         )
         assert second.returncode == 2
@@ -210,7 +210,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused_until_the_first_dies(tmp_
     finally:
         first.kill()
         first.wait()
-    after = run_cli("run", str(config), "--set", "train.train_iters=4", cwd=tmp_path)  # SIGKILL freed the lock
+    after = run_here("run", str(config), "--set", "train.train_iters=4", cwd=tmp_path)  # SIGKILL freed the lock
     assert after.returncode == 0, after.stderr
 
 
@@ -220,7 +220,7 @@ def test_deleting_the_lock_file_of_a_live_run_does_not_let_a_second_run_in(tmp_p
     try:
         wait_for(logged_step(out, 2), first)
         (out / ".lock").unlink()  # a stray `rm`, a cleanup script
-        second = run_cli("run", str(config), "--set", "train.train_iters=10", cwd=tmp_path)
+        second = run_here("run", str(config), "--set", "train.train_iters=10", cwd=tmp_path)
         assert second.returncode == 2, second.stderr
         line = one_error_line(second.stderr)
         assert line.startswith(f"error: {out} is in use by "), line
@@ -367,7 +367,7 @@ def test_a_save_that_cannot_be_written_is_one_error_and_keeps_the_previous_check
     assert line.endswith("the newest complete checkpoint (step 10) is untouched")
     assert sorted(p.name for p in (out / CKPT).iterdir()) == ["latest", "step_00000010"]
     assert torch.load(step_dir(out, 10) / "model.pt", weights_only=True)
-    resumed = run_cli(
+    resumed = run_here(
         "run", str(config), "--set", "plugins.misbehave.enabled=false", cwd=tmp_path, env={"PYTHONPATH": str(site)}
     )
     assert resumed.returncode == 0 and "(step 10," in resumed.stderr
@@ -447,14 +447,14 @@ def test_a_plugin_state_no_run_could_load_is_refused_at_save_naming_the_plugin(t
         extra='\n[checkpoint]\nsave_interval = 5\n[plugins.misbehave]\nat_step = 10\nstate = "path"\n',
     )
     env = {"PYTHONPATH": str(site)}
-    result = run_cli("run", str(config), cwd=tmp_path, env=env)
+    result = run_here("run", str(config), cwd=tmp_path, env=env)
     assert result.returncode == 1
     assert one_error_line(result.stderr).startswith(
         "error: plugin 'misbehave' failed in on_checkpoint at step 10: TypeError: returned state['where'] is a "
         "pathlib.PosixPath; a checkpoint holds tensors, numbers, str, bool, None and lists/dicts of these"
     )
     assert sorted(p.name for p in (out / CKPT).glob("step_*")) == ["step_00000005"]
-    resumed = run_cli("run", str(config), "--set", "plugins.misbehave.enabled=false", cwd=tmp_path, env=env)
+    resumed = run_here("run", str(config), "--set", "plugins.misbehave.enabled=false", cwd=tmp_path, env=env)
     assert resumed.returncode == 0 and "(step 5," in resumed.stderr
 
 
