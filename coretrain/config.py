@@ -292,6 +292,11 @@ class Config:
     def output_dir(self) -> str:
         return self.run.output_dir.replace("{name}", self.run.name)
 
+    def check_world(self, world_size: int) -> None:
+        """The layout and the batch sizes fit ``world_size`` ranks, or one error naming the keys."""
+        self.distributed.check_layout(world_size)
+        micro_batches_per_step(self.train, world_size // self.distributed.tp_size, warn=False)
+
 
 def micro_batches_per_step(train: TrainConfig, data_parallel_size: int, warn: bool = True) -> int:
     """Gradient-accumulation steps: global / (micro × data-parallel); must divide exactly,

@@ -33,9 +33,9 @@ def test_third_party_plugin_is_found_enabled_from_toml_and_called_in_a_real_run(
     config, out = write_tiny_gpt(
         tmp_path, train_iters=10, exit_interval=6, eval_interval=5, extra='\n[plugins.hooklog]\npath = "calls.jsonl"\n'
     )
-    first = run_cli("run", str(config), cwd=tmp_path, env=env)
+    first = run_here("run", str(config), cwd=tmp_path, env=env)  # the listing above ran as a new process
     assert first.returncode == 0, first.stderr
-    second = run_cli("run", str(config), cwd=tmp_path, env=env)
+    second = run_here("run", str(config), cwd=tmp_path, env=env)
     assert second.returncode == 0, second.stderr
     calls = [json.loads(line) for line in (out / "calls.jsonl").read_text().splitlines()]
     assert [(c["hook"], c["step"]) for c in calls] == [

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_cli, run_train
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_train
 
 from coretrain.testing import tiny_config, write_config
 
@@ -122,17 +121,16 @@ def test_weight_hash_compares_the_weights_a_tensor_parallel_group_replicates(tmp
     preset["model"]["options"] = {"n_layer": 1, "n_head": 2, "n_embd": 32}
     extra = {"distributed": {"tp_size": 2}, "plugins": {"weight-hash": {"interval": 5}}}
 
-    def run(name: str, **plugins: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    def run(name: str, **plugins: dict[str, object]) -> list[str]:
         tables = {**extra, "run": {"output_dir": str(tmp_path / name)}, "plugins": {**extra["plugins"], **plugins}}
-        config = config_file(tmp_path / f"{name}.toml", preset, tables, train_iters=12, eval_iters=0)
-        return run_cli(*("run", str(config), "--nproc-per-node", "2"), cwd=tmp_path, env={"PYTHONPATH": str(site)})
+        return ["run", str(config_file(tmp_path / f"{name}.toml", preset, tables, train_iters=12, eval_iters=0))]
 
-    healthy = run("healthy")
-    assert healthy.returncode == 0, healthy.stderr
-    assert "replicas differ" not in healthy.stderr
-    nudged = run("nudged", **{"perturb-weights": {"rank": 1, "at_step": 7, "parameter": "ln_f.weight"}})
-    assert nudged.returncode == 4, nudged.stderr
-    assert "replicas differ, first at parameter 'ln_f.weight' (ranks grouped by value: [[0], [1]])" in nudged.stderr
+    nudge = {"perturb-weights": {"rank": 1, "at_step": 7, "parameter": "ln_f.weight"}}
+    runs = [run("healthy"), {"args": run("nudged", **nudge), "expect": 4}]  # as two jobs would run them
+    job = in_one_job(tmp_path, 2, runs, "hashes", env={"PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"})
+    healthy, _, nudged = job.stderr.partition("=== coretrain run " + str(tmp_path / "nudged.toml"))
+    assert "replicas differ" not in healthy
+    assert "replicas differ, first at parameter 'ln_f.weight' (ranks grouped by value: [[0], [1]])" in nudged
 
 
 @pytest.mark.slow

@@ -141,13 +141,11 @@ def said_once(check: Callable[[], T]) -> T:
 
 def plugins_for_these_ranks(loaded: Any) -> Any:
     """The config's plugins, and the layout and batch sizes checked against the number of ranks."""
-    from coretrain.config import micro_batches_per_step, world_size_from_env
+    from coretrain.config import world_size_from_env
     from coretrain.pluginmanager import load_plugins
 
     plugins = load_plugins(loaded.config, loaded.locations)
-    world = world_size_from_env()
-    loaded.config.distributed.check_layout(world)
-    micro_batches_per_step(loaded.config.train, world // loaded.config.distributed.tp_size, warn=False)
+    loaded.config.check_world(world_size_from_env())
     return plugins
 
 

@@ -103,7 +103,10 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     argv = torchrun_arguments(args)  # a mistake in the flags is reported before torch loads
     import coretrain
 
-    coretrain.load(args.config, args.overrides)  # a mistake in the config: said once, before any rank starts
+    settings = coretrain.load(args.config, args.overrides).config  # a mistake: said once, before any rank starts
+    low, _, high = (args.nnodes or "1").partition(":")
+    if high in ("", low):  # a fixed number of ranks: the layout and batch sizes must fit it
+        settings.check_world(int(low) * (args.nproc_per_node or 1))
     cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch loads: this process only
     if args.rdzv_endpoint:
