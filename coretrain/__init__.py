@@ -14,54 +14,27 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: `coretra
 __version__ = "0.2.0"
 
 
+# name -> the module that defines it (grouped by module, in the order of __all__)
 _LAZY = {
-    # the Python API: a run from a notebook or a script
-    "train": "coretrain.api",
-    "TrainResult": "coretrain.api",
-    "load": "coretrain.api",
-    # the hook contract
-    "HOOK_API": "coretrain.hookspecs",
-    "Outcome": "coretrain.hookspecs",
-    # what every hook receives, and what it may ask for
-    "Run": "coretrain.run",
-    "TrainState": "coretrain.run",
-    "StepOutputs": "coretrain.run",
-    "Control": "coretrain.control",
-    "Every": "coretrain.cadence",
-    "DistInfo": "coretrain.dist",
-    # data a provider returns
-    "Datasets": "coretrain.run",
-    "DatasetContext": "coretrain.run",
-    "TokenWindows": "coretrain.data",
-    "RandomWindows": "coretrain.data",
-    "windows": "coretrain.data",
-    "fetch": "coretrain.data",
-    "to_device": "coretrain.data",
-    "is_stream": "coretrain.loader",
-    "SampleOrder": "coretrain.data",
-    "SplitBatches": "coretrain.loader",
-    # the model, called as a training step calls it, and its repeated blocks
-    "forward": "coretrain.outputs",
-    "model_outputs": "coretrain.outputs",
-    "NUM_TOKENS": "coretrain.outputs",
-    "blocks_of": "coretrain.blocks",
-    # helpers plugins share with the core
-    "LoggingBackend": "coretrain.backend",
-    "UserError": "coretrain.errors",
-    "require": "coretrain.errors",
-    "config_as_dict": "coretrain.configload",
-    "is_sharded": "coretrain.checkpoint",
-    "find_checkpoint": "coretrain.checkpoint",
-    "max_over_ranks": "coretrain.dist",
-    "mean_over_ranks": "coretrain.dist",
-    "sum_over_ranks": "coretrain.dist",
-    # validators for a plugin's config fields
-    "FieldValueError": "coretrain.validators",
-    "positive": "coretrain.validators",
-    "non_negative": "coretrain.validators",
-    "fraction": "coretrain.validators",
-    "in_range": "coretrain.validators",
-    "exit_code": "coretrain.validators",
+    name: module
+    for module, names in {
+        "coretrain.api": "train TrainResult load",
+        "coretrain.hookspecs": "HOOK_API Outcome",
+        "coretrain.run": "Run TrainState StepOutputs Datasets DatasetContext",
+        "coretrain.control": "Control",
+        "coretrain.cadence": "Every",
+        "coretrain.dist": "DistInfo max_over_ranks mean_over_ranks sum_over_ranks",
+        "coretrain.data": "TokenWindows RandomWindows windows fetch to_device SampleOrder",
+        "coretrain.loader": "is_stream SplitBatches",
+        "coretrain.outputs": "forward model_outputs NUM_TOKENS",
+        "coretrain.blocks": "blocks_of",
+        "coretrain.backend": "LoggingBackend",
+        "coretrain.errors": "UserError require",
+        "coretrain.configload": "config_as_dict",
+        "coretrain.checkpoint": "is_sharded find_checkpoint",
+        "coretrain.validators": "FieldValueError positive non_negative fraction in_range exit_code",
+    }.items()
+    for name in names.split()
 }
 
 if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports on first use
@@ -87,50 +60,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.run import DatasetContext, Datasets, Run, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
 
-__all__ = [
-    "__version__",
-    "train",
-    "TrainResult",
-    "load",
-    "hookimpl",
-    "HOOK_API",
-    "Outcome",
-    "Run",
-    "TrainState",
-    "StepOutputs",
-    "Control",
-    "Every",
-    "DistInfo",
-    "Datasets",
-    "DatasetContext",
-    "TokenWindows",
-    "RandomWindows",
-    "windows",
-    "fetch",
-    "to_device",
-    "is_stream",
-    "SampleOrder",
-    "SplitBatches",
-    "forward",
-    "model_outputs",
-    "NUM_TOKENS",
-    "blocks_of",
-    "LoggingBackend",
-    "UserError",
-    "require",
-    "config_as_dict",
-    "is_sharded",
-    "find_checkpoint",
-    "max_over_ranks",
-    "mean_over_ranks",
-    "sum_over_ranks",
-    "FieldValueError",
-    "positive",
-    "non_negative",
-    "fraction",
-    "in_range",
-    "exit_code",
-]
+__all__ = ["__version__", "hookimpl", *_LAZY]  # the type checker reads the imports above
 
 
 def __getattr__(name: str) -> Any:
