@@ -17,7 +17,7 @@ from attrs import define
 from coretrain import hookimpl
 from coretrain.cadence import Cadence
 from coretrain.config import Config, micro_batches_per_step
-from coretrain.configload import config_as_dict
+from coretrain.configload import config_as_dict, toml_text
 from coretrain.dist import init_distributed
 from coretrain.errors import UserError
 from coretrain.loader import adapt, is_hf_dataset, is_stream
@@ -29,7 +29,6 @@ from coretrain.run import DatasetContext, Datasets, Run
 from coretrain.rundir import OutputDirLock, check_shared
 from coretrain.schedule import ParamScheduler
 from coretrain.signals import SignalWatcher
-from coretrain.tomlwrite import dumps
 from coretrain.usercode import call_with, check_options, import_callable
 
 
@@ -145,7 +144,7 @@ def record_config(run: Run) -> None:
     once it is accepted — built, and resumable from its checkpoints: a refused run leaves the
     file describing the checkpoints beside it."""
     if run.output_lock is not None:
-        (run.output_dir / "config.toml").write_text(dumps(config_as_dict(run.config)), encoding="utf-8")
+        (run.output_dir / "config.toml").write_text(toml_text(config_as_dict(run.config)), encoding="utf-8")
 
 
 def planned_steps(run: Run) -> int:

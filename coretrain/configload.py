@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import attrs
 import cattrs
 import tomli
+import tomli_w
 from cattrs.errors import (
     AttributeValidationNote,
     ClassValidationError,
@@ -396,3 +397,23 @@ def config_as_dict(config: Config) -> dict[str, Any]:
     """The config as plain data (what config.toml and a checkpoint's manifest record)."""
     unstructured: dict[str, Any] = CONVERTER.unstructure(config)
     return unstructured
+
+
+def toml_text(data: Mapping[str, Any]) -> str:
+    """``data`` as TOML (tomli-w), ``None`` (unset) left out: what config.toml is written as."""
+    return tomli_w.dumps(_without_none(data))
+
+
+def _without_none(data: Mapping[str, Any]) -> dict[str, Any]:
+    kept = (
+        (
+            k,
+            _without_none(v)
+            if isinstance(v, Mapping)
+            else [x for x in v if x is not None]
+            if isinstance(v, list)
+            else v,
+        )
+        for k, v in data.items()
+    )
+    return {k: v for k, v in kept if v is not None}

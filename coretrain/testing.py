@@ -33,10 +33,9 @@ import torch
 
 from coretrain import hookimpl
 from coretrain.build import build_run
-from coretrain.configload import deep_merge, load_config
+from coretrain.configload import deep_merge, load_config, toml_text
 from coretrain.pluginmanager import load_plugins
 from coretrain.run import DatasetContext, Datasets, Run
-from coretrain.tomlwrite import dumps
 
 TINY_MODEL = "coretrain.testing:tiny_model"
 TINY_DATA = "coretrain.testing:tiny_data"
@@ -116,7 +115,7 @@ def with_steps(train: Mapping[str, Any], steps: int) -> dict[str, Any]:
 def write_config(path: Path, config: Mapping[str, Any]) -> Path:
     """Write ``config`` as TOML (what a user would hand ``coretrain run``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps(config), encoding="utf-8")
+    path.write_text(toml_text(config), encoding="utf-8")
     return path
 
 

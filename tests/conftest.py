@@ -22,9 +22,8 @@ import pytest
 import tomli
 
 from coretrain.cli import main
-from coretrain.configload import deep_merge
+from coretrain.configload import deep_merge, toml_text
 from coretrain.testing import write_config
-from coretrain.tomlwrite import dumps
 
 REPO = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -183,7 +182,7 @@ def config_file(path: Path, preset: Mapping[str, Any], extra: str | Mapping[str,
 
 def tiny_gpt_config(output_dir: Path, **train: Any) -> str:
     """The GPT preset as TOML text (for tests that append tables to it)."""
-    return dumps(deep_merge(gpt_preset(output_dir), {"train": train}))
+    return toml_text(deep_merge(gpt_preset(output_dir), {"train": train}))
 
 
 def write_tiny_gpt(directory: Path, extra: str = "", **train: Any) -> tuple[Path, Path]:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
+
+import tomli_w
 
 from coretrain.commands.common import add_config_args
 
@@ -42,7 +45,6 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     from coretrain.config import Config
     from coretrain.configload import CONVERTER, load_config
     from coretrain.pluginmanager import field_defaults, load_plugins
-    from coretrain.tomlwrite import dumps
 
     loaded = load_config(args.config, args.overrides)
     plugins = load_plugins(loaded.config, loaded.locations)
@@ -62,7 +64,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         f"# {args.config} resolved ({'extends, ' if 'extends' in loaded.path.read_text() else ''}--set applied); "
         "'# default: ...' marks values you changed"
     )
-    print(dumps(resolved, defaults), end="")
+    print(annotated_toml(resolved, defaults), end="")
     if plugins.implemented("param_group_overrides"):
         print()
         print(describe_param_groups(loaded.config, plugins))
@@ -84,3 +86,48 @@ def describe_param_groups(config: Any, plugins: Any) -> str:
         lines.append(f"#   group {i}: {len(params)} tensors, {count:,} parameters; {settings}")
         lines.append(f"#     {examples}")
     return "\n".join(lines)
+
+
+_NO_DEFAULT = object()
+
+
+def annotated_toml(data: Mapping[str, Any], defaults: Mapping[str, Any]) -> str:
+    """Scalars of a table first, then each sub-table under its own ``[a.b]`` header; unset values
+    appear as comments and each value that differs from its default says what the default was."""
+    return "\n\n".join(block.rstrip("\n") for block in _blocks(data, defaults, ()) if block.strip()) + "\n"
+
+
+def _blocks(data: Mapping[str, Any], defaults: Mapping[str, Any], path: tuple[str, ...]) -> list[str]:
+    lines = [_line(k, v, defaults) for k, v in data.items() if not isinstance(v, Mapping)]
+    blocks = []
+    if lines or (path and not data):
+        header = "[" + ".".join(_key(p) for p in path) + "]\n" if path else ""
+        blocks.append(header + "\n".join(lines))
+    for k, v in data.items():
+        if isinstance(v, Mapping):
+            sub = defaults.get(k, {})
+            blocks += _blocks(v, sub if isinstance(sub, Mapping) else {}, (*path, k))
+    return blocks
+
+
+def _line(name: str, obj: Any, defaults: Mapping[str, Any]) -> str:
+    line = f"# {_key(name)} = (unset)" if obj is None else f"{_key(name)} = {_value(obj)}"
+    default = defaults.get(name, _NO_DEFAULT)
+    if default is _NO_DEFAULT:
+        return line + "  # set (no default)"
+    if default != obj:
+        return line + f"  # default: {'(unset)' if default is None else _value(default)}"
+    return line
+
+
+def _key(name: str) -> str:
+    return tomli_w.dumps({name: 0}).rsplit(" = ", 1)[0]
+
+
+def _value(obj: Any) -> str:
+    """One line, as a user writes it (tomli-w spreads arrays over lines)."""
+    if isinstance(obj, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in obj if x is not None) + "]"
+    if isinstance(obj, Mapping):
+        return "{" + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in obj.items() if v is not None) + "}"
+    return tomli_w.dumps({"v": obj}).split(" = ", 1)[1].strip()
