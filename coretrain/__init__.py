@@ -19,6 +19,7 @@ _LAZY = {
     name: module
     for module, names in {
         "coretrain.api": "train TrainResult load",
+        "coretrain.markers": "hookimpl hookspec",
         "coretrain.hookspecs": "HOOK_API Outcome",
         "coretrain.run": "Run TrainState StepOutputs Datasets DatasetContext",
         "coretrain.control": "Control",
@@ -40,10 +41,6 @@ _LAZY = {
 if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports on first use
     from typing import Any
 
-    import pluggy
-
-    hookimpl: pluggy.HookimplMarker
-    """Mark a plugin method as a hook implementation: ``@hookimpl`` / ``@hookimpl(trylast=True)``."""
     from coretrain.api import TrainResult, load, train
     from coretrain.backend import LoggingBackend
     from coretrain.blocks import blocks_of
@@ -56,19 +53,15 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.errors import UserError, require
     from coretrain.hookspecs import HOOK_API, Outcome
     from coretrain.loader import SplitBatches, is_stream
+    from coretrain.markers import hookimpl, hookspec
     from coretrain.outputs import NUM_TOKENS, forward, model_outputs
     from coretrain.run import DatasetContext, Datasets, Run, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
 
-__all__ = ["__version__", "hookimpl", *_LAZY]  # the type checker reads the imports above
+__all__ = ["__version__", *_LAZY]  # the type checker reads the imports above
 
 
 def __getattr__(name: str) -> Any:
-    if name == "hookimpl":  # pluggy loads on first use too: `python -m coretrain` starts quicker
-        import pluggy
-
-        globals()[name] = pluggy.HookimplMarker("coretrain")
-        return globals()[name]
     if name not in _LAZY:
         raise AttributeError(f"module 'coretrain' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)

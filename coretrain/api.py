@@ -19,9 +19,9 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import hookimpl
 from coretrain.configload import LoadedConfig, Overrides, load_config, load_config_data
 from coretrain.hookspecs import Outcome
+from coretrain.markers import hookimpl
 from coretrain.pluginmanager import load_plugins
 
 

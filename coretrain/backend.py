@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 from typing import Any
 
-from coretrain import hookimpl
+from coretrain.markers import hookimpl
 
 
 class LoggingBackend:

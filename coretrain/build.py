@@ -14,13 +14,13 @@ import numpy as np
 import torch
 from attrs import define
 
-from coretrain import hookimpl
 from coretrain.cadence import Cadence
 from coretrain.config import Config, micro_batches_per_step
 from coretrain.configload import config_as_dict, toml_text
 from coretrain.dist import init_distributed
 from coretrain.errors import UserError
 from coretrain.loader import adapt, is_hf_dataset, is_stream
+from coretrain.markers import hookimpl
 from coretrain.optim import build_optimizer
 from coretrain.outputs import resolve_loss
 from coretrain.pluginmanager import Plugins, hook_calls, is_import_path

@@ -7,7 +7,6 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
     provide_model(run)                      firstresult   the nn.Module (sees run.datasets)
     configure_model(run)                    each, ordered  replace run.model: FP8 (tryfirst),
                                                            tensor parallel, compile, DDP/FSDP (trylast)
-      tensor_parallel_plan(run, model)      firstresult   asked by the tensor-parallel plugin
     param_group_overrides(run, model)       collected     per-parameter lr_mult / weight_decay
     configure_optimizer(run)                each          replace run.optimizer (master weights)
     [resume: on_resume(run, step, state) for each plugin, with the state it saved]
@@ -70,7 +69,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import pluggy
+from coretrain.markers import hookspec
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -80,10 +79,8 @@ if TYPE_CHECKING:
 
     from coretrain.run import DatasetContext, Datasets, Run, StepOutputs
 
-PROJECT = "coretrain"
-hookspec = pluggy.HookspecMarker(PROJECT)
 
-HOOK_API = (1, 9)
+HOOK_API = (1, 10)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -156,22 +153,6 @@ class HookSpecs(Protocol):
         ``trylast`` for parallel wrappers (DDP, FSDP2) that must see the result.
         Returns: nothing.
         Ranks: every rank, once, before training; every rank must wrap the same way.
-        """
-
-    @hookspec(firstresult=True)
-    def tensor_parallel_plan(self, run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
-        """How to split ``model`` over a tensor-parallel group (hook API 1.2).
-
-        Args: ``run`` — ``run.dist.tp_size`` ranks split each layer; ``model`` — the module
-        ``provide_model`` returned (before any wrapper).
-        May change: nothing.
-        Returns: module path -> ``torch.distributed.tensor.parallel.ParallelStyle``, as
-        ``parallelize_module`` takes it (``*`` matches one path part, e.g. ``"blocks.*.mlp.fc"``),
-        or None when this plugin does not know the model; the first answer wins. The model provider
-        answers for its own model (the ``gpt`` plugin: column/row-wise attention and MLP, sequence
-        parallel norms). Raise :class:`coretrain.UserError` when the model cannot be split that way
-        (e.g. heads not divisible by the TP degree).
-        Ranks: every rank, once, during ``configure_model``; every rank returns the same plan.
         """
 
     @hookspec
@@ -387,33 +368,6 @@ class HookSpecs(Protocol):
         """
 
     # --------------------------------------------------------------------------- after training (hook API 1.1)
-
-    @hookspec(firstresult=True)
-    def predict_step(self, run: Run, batch: Any, options: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """The model's predictions for one batch, one record per sample (``coretrain predict``;
-        hook API 1.8).
-
-        Args: ``batch`` — a collated batch of the split on this rank's device (with ``--data
-        FILE``: ``{"prompt": [texts]}``); ``options`` — the command's generation options
-        (``max_new_tokens``, ``temperature``, ``top_p``, ``do_sample``; None where not given).
-        May change: nothing on ``run``; the model is in eval mode, gradients off.
-        Returns: a list of JSON-able dicts, one per sample in batch order, or None when this
-        plugin does not predict this batch (the first answer wins: the ``hf`` provider answers
-        prompts with ``generate``; the built-in answer writes the model's outputs per sample).
-        Ranks: every rank, its own share of the samples.
-        """
-
-    @hookspec(firstresult=True)
-    def write_predictions(self, run: Run, records: list[dict[str, Any]], path: Path) -> str | None:
-        """Write every sample's record to ``path`` (``coretrain predict --out PATH``; hook API 1.8).
-
-        Args: ``records`` — all ranks' records gathered, in sample order, each with its
-        ``index`` in the split.
-        May change: nothing but ``path``.
-        Returns: a one-line description of what was written, or None when this plugin does not
-        write such a path (the built-in answer writes ``.jsonl`` and ``.parquet``).
-        Ranks: rank 0 only, once.
-        """
 
     @hookspec(firstresult=True)
     def export_model(

@@ -26,12 +26,15 @@ from coretrain.config import Config, world_size_from_env
 from coretrain.configload import CONVERTER, Location, structure
 from coretrain.errors import PluginError, RunFailure, UserError, did_you_mean
 from coretrain.hookcalls import HookCalls
+from coretrain.markers import PROJECT
 
 if TYPE_CHECKING:
     from coretrain.run import Run
 
 GROUP = "coretrain"
 AUTOLOAD_GROUP = "coretrain.autoload"
+HOOKSPECS_GROUP = "coretrain.hookspecs"
+"""Hook specifications a plugin distribution adds for other plugins: ``NAME = "module:Class"``."""
 AUTOLOAD_OFF_ENV = "CORETRAIN_DISABLE_PLUGIN_AUTOLOAD"
 TENSOR_PARALLEL = "tensor-parallel"
 """The plugin ``distributed.tp_size > 1`` turns on, as ``distributed.strategy`` turns on its own."""
@@ -177,8 +180,10 @@ class Plugins:
     """The pluggy manager with the enabled plugins registered, plus their names and entries."""
 
     def __init__(self) -> None:
-        self.manager = pluggy.PluginManager(hookspecs.PROJECT)
+        self.manager = pluggy.PluginManager(PROJECT)
         self.manager.add_hookspecs(hookspecs.HookSpecs)
+        for point in metadata.entry_points(group=HOOKSPECS_GROUP):
+            self.manager.add_hookspecs(_load_specs(point))
         self.entries: dict[str, PluginEntry] = {}
         self.calls = HookCalls(self.manager)
         """Typed calls of every hook (the only way the core calls plugins)."""
@@ -228,7 +233,7 @@ class Plugins:
             self.manager.check_pending()
         except pluggy.PluginValidationError as exc:
             plugin_name = self.manager.get_name(exc.plugin) or "?"
-            known = [n for n in dir(hookspecs.HookSpecs) if not n.startswith("_")]
+            known = [caller.name for caller in self.manager.hook.__dict__.values() if caller.has_spec()]
             unknown = [
                 n
                 for n in _hook_like_methods(exc.plugin)
@@ -236,6 +241,21 @@ class Plugins:
             ]
             hints = "; ".join(f"'{n}'{did_you_mean(n, known)}" for n in unknown) or str(exc)
             raise UserError(f"plugin '{plugin_name}' implements hooks that do not exist: {hints}") from None
+
+
+def _load_specs(point: metadata.EntryPoint) -> type:
+    """A distribution's hook specifications; a failure to import them names the distribution."""
+    origin = f"{point.dist.name} {point.dist.version}" if point.dist else "?"
+    try:
+        specs = point.load()
+    except Exception as exc:  # a broken distribution must stop the run with its cause
+        raise UserError(
+            f"hook specifications '{point.name}' (from {origin}) failed to import {point.value}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    if not inspect.isclass(specs):
+        raise UserError(f"hook specifications '{point.name}' (from {origin}): {point.value} is not a class")
+    return specs
 
 
 def check_hook_api(name: str, plugin: object, entry: PluginEntry | None = None) -> None:
@@ -289,7 +309,7 @@ def _hook_like_methods(plugin: object) -> list[str]:
     names = []
     for name in dir(plugin):
         method = getattr(plugin, name, None)
-        if getattr(method, f"{hookspecs.PROJECT}_impl", None) is not None:
+        if getattr(method, f"{PROJECT}_impl", None) is not None:
             names.append(name)
     return names
 
@@ -319,7 +339,7 @@ def load_plugins(
 
 def hooks_of(cls: type) -> list[str]:
     """Names of the hooks a plugin class implements (with the coretrain hookimpl marker)."""
-    return sorted(n for n, m in inspect.getmembers(cls) if getattr(m, f"{hookspecs.PROJECT}_impl", None) is not None)
+    return sorted(n for n, m in inspect.getmembers(cls) if getattr(m, f"{PROJECT}_impl", None) is not None)
 
 
 def field_docs(cls: type) -> dict[str, str]:

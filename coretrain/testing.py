@@ -31,9 +31,9 @@ from typing import Any
 import attrs
 import torch
 
-from coretrain import hookimpl
 from coretrain.build import build_run
 from coretrain.configload import deep_merge, load_config, toml_text
+from coretrain.markers import hookimpl
 from coretrain.pluginmanager import load_plugins
 from coretrain.run import DatasetContext, Datasets, Run
 

@@ -12,11 +12,12 @@ from attrs import define, field
 
 from coretrain import HOOK_API, Every, Run, UserError, hookimpl
 from coretrain.errors import PluginError
-from coretrain.hookspecs import PROJECT, HookSpecs
+from coretrain.hookspecs import HookSpecs
 from coretrain.pluginmanager import Plugins
 from coretrain.testing import run_steps, run_until_signal, stop_and_resume
 
-SPECS = sorted(name for name, fn in vars(HookSpecs).items() if getattr(fn, f"{PROJECT}_spec", None) is not None)
+SPECS = sorted(caller.name for caller in Plugins().manager.hook.__dict__.values() if caller.has_spec())
+"""Every hook: the core's contract and those the installed plugin distributions add."""
 
 
 @define
@@ -175,6 +176,53 @@ def test_a_plugin_for_this_hook_api_registers() -> None:
     plugins = Plugins()
     plugins.register("current", Current())
     assert plugins.implemented("on_log")
+
+
+@pytest.mark.parametrize("minor", range(HOOK_API[1] + 1))
+def test_a_plugin_written_for_an_older_minor_still_runs(tmp_path: Path, minor: int) -> None:
+    """The promise of a minor version: what a plugin for 1.N implemented, 1.N+k still calls —
+    hooks that moved to the plugin distribution that asks them (1.10) included."""
+
+    @define
+    class Older:
+        coretrain_hook_api = (HOOK_API[0], minor)
+        logged: list[int] = field(factory=list)
+
+        @hookimpl
+        def on_log(self, step: int) -> None:
+            self.logged.append(step)
+
+        @hookimpl
+        def tensor_parallel_plan(self) -> None:  # 1.2, a spec of coretrain-plugins' tensor-parallel since 1.10
+            return None
+
+        @hookimpl
+        def predict_step(self) -> None:  # 1.8, coretrain-plugins' predict since 1.10
+            return None
+
+    older = Older()
+    result = run_steps(tmp_path, steps=4, plugins={"older": older})
+    assert result.exit_code == 0 and older.logged == [2, 4]
+
+
+def test_hooks_between_plugins_are_specified_by_their_distribution_not_the_core() -> None:
+    plugins = Plugins()
+    for hook in ("tensor_parallel_plan", "predict_step", "write_predictions"):
+        assert not hasattr(HookSpecs, hook)
+        assert getattr(plugins.manager.hook, hook).has_spec()  # from coretrain-plugins' coretrain.hookspecs
+
+
+def test_a_misspelled_plugin_hook_is_named_with_the_plugins_own_hook_suggested() -> None:
+    @define
+    class Typo:
+        @hookimpl
+        def tensor_paralel_plan(self) -> None:
+            return None
+
+    plugins = Plugins()
+    plugins.register("typo", Typo())
+    with pytest.raises(UserError, match="'tensor_paralel_plan'.*tensor_parallel_plan"):
+        plugins.check_pending()
 
 
 def test_on_train_end_runs_when_restore_fails(tmp_path: Path) -> None:

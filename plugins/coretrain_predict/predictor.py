@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from attrs import define, field
 
 from coretrain import Run, UserError, fetch, hookimpl, is_stream, model_outputs, to_device
+from coretrain_predict.hookspecs import PredictSpecs
 
 log = logging.getLogger("coretrain")
 
@@ -40,14 +41,13 @@ class Predictor:
         size = self.batch_size or run.config.train.eval_micro_batch_size or run.config.train.micro_batch_size
         mine = list(range(rank, len(samples), world))
         records: list[dict[str, Any]] = []
+        hooks = cast(PredictSpecs, run.plugins.calls.hook)
         model = run.model
         model.eval()
         with torch.no_grad():
             for start in range(0, len(mine), size):
                 chunk = mine[start : start + size]
-                answer = run.plugins.calls.hook.predict_step(
-                    run=run, batch=self._batch(run, samples, chunk), options=self.options
-                )
+                answer = hooks.predict_step(run=run, batch=self._batch(run, samples, chunk), options=self.options)
                 if answer is None or len(answer) != len(chunk):
                     got = "no answer" if answer is None else f"{len(answer)} records"
                     raise UserError(f"predict: predict_step gave {got} for a batch of {len(chunk)} samples")
@@ -55,7 +55,7 @@ class Predictor:
         gathered = gather(run, records)
         if run.dist.is_main:
             gathered.sort(key=lambda record: record["index"])
-            written = run.plugins.calls.hook.write_predictions(run=run, records=gathered, path=self.out)
+            written = hooks.write_predictions(run=run, records=gathered, path=self.out)
             if written is None:
                 raise UserError(
                     f"--out {self.out}: no plugin writes {self.out.suffix or 'such'} files; use .jsonl or .parquet"

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import logging
 from fnmatch import fnmatch
-from typing import Any
+from typing import Any, cast
 
 from attrs import define, field
 
 from coretrain import FieldValueError, Run, UserError, hookimpl
+from coretrain_tensor_parallel.hookspecs import TensorParallelSpecs
 
 STYLES = {
     "colwise": "split output features; output stays split (feeds a rowwise layer)",
@@ -149,7 +150,7 @@ class TensorParallel:
         plan = (
             {path: style_of(style) for path, style in self.plan.items()}
             if self.plan
-            else run.plugins.calls.hook.tensor_parallel_plan(run=run, model=model)
+            else cast(TensorParallelSpecs, run.plugins.calls.hook).tensor_parallel_plan(run=run, model=model)
         )
         if not plan:
             linears = [n for n, m in model.named_modules() if type(m).__name__ == "Linear"][:6]
