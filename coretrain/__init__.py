@@ -18,7 +18,7 @@ __version__ = "0.2.0"
 _LAZY = {
     name: module
     for module, names in {
-        "coretrain.api": "train TrainResult load",
+        "coretrain.api": "train TrainResult load prepare load_plugins",
         "coretrain.markers": "hookimpl hookspec",
         "coretrain.hookspecs": "HOOK_API Outcome",
         "coretrain.run": "Run TrainState StepOutputs Datasets DatasetContext",
@@ -32,7 +32,7 @@ _LAZY = {
         "coretrain.backend": "LoggingBackend",
         "coretrain.errors": "UserError require",
         "coretrain.configload": "config_as_dict",
-        "coretrain.checkpoint": "is_sharded find_checkpoint",
+        "coretrain.checkpoint": "is_sharded find_checkpoint step_dirs best_step read_manifest read_weights",
         "coretrain.validators": "FieldValueError positive non_negative fraction in_range exit_code",
     }.items()
     for name in names.split()
@@ -41,11 +41,11 @@ _LAZY = {
 if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports on first use
     from typing import Any
 
-    from coretrain.api import TrainResult, load, train
+    from coretrain.api import TrainResult, load, load_plugins, prepare, train
     from coretrain.backend import LoggingBackend
     from coretrain.blocks import blocks_of
     from coretrain.cadence import Every
-    from coretrain.checkpoint import find_checkpoint, is_sharded
+    from coretrain.checkpoint import best_step, find_checkpoint, is_sharded, read_manifest, read_weights, step_dirs
     from coretrain.configload import config_as_dict
     from coretrain.control import Control
     from coretrain.data import RandomWindows, SampleOrder, TokenWindows, fetch, to_device, windows

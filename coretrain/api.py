@@ -15,14 +15,18 @@ import logging
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attrs import define, field
 
+from coretrain import pluginmanager
 from coretrain.configload import LoadedConfig, Overrides, load_config, load_config_data
 from coretrain.hookspecs import Outcome
 from coretrain.markers import hookimpl
-from coretrain.pluginmanager import load_plugins
+
+if TYPE_CHECKING:
+    from coretrain.pluginmanager import Plugins
+    from coretrain.run import Run
 
 
 @define
@@ -101,7 +105,7 @@ def train(
 
     loaded = load(config, overrides)
     recorder = ResultRecorder()
-    manager = load_plugins(loaded.config, loaded.locations)
+    manager = pluginmanager.load_plugins(loaded.config, loaded.locations)
     for name, instance in {**(plugins or {}), "coretrain-api-result": recorder}.items():
         manager.register(name, instance)
     manager.check_pending()
@@ -122,6 +126,31 @@ def load(config: str | Path | Mapping[str, Any], overrides: Overrides = ()) -> L
     if isinstance(config, Mapping):
         return load_config_data(config, overrides)
     return load_config(config, overrides)
+
+
+def prepare(config: str | Path | Mapping[str, Any], overrides: Overrides = ()) -> Run:
+    """The run as ``coretrain run`` builds it on these ranks — every check before its first step
+    (layout, batch sizes, providers and their options, splits, model, optimizer, the plan of
+    steps) — without training or writing a file: ``coretrain config validate``, a notebook."""
+    from coretrain.build import build_run, planned_steps
+    from coretrain.config import world_size_from_env
+
+    loaded = load(config, overrides)
+    plugins = pluginmanager.load_plugins(loaded.config, loaded.locations)
+    loaded.config.check_world(world_size_from_env())
+    run = build_run(loaded.config, plugins, write_config=False)
+    planned_steps(run)
+    return run
+
+
+def load_plugins(
+    config: str | Path | Mapping[str, Any], overrides: Overrides = (), autoload: bool | None = None
+) -> Plugins:
+    """The plugins ``config`` enables, configured and registered, without a run (a command
+    that asks them something: ``checkpoint export`` asks the format plugins); ``autoload``:
+    whether the on-by-default plugins load (None: unless the environment says not)."""
+    loaded = load(config, overrides)
+    return pluginmanager.load_plugins(loaded.config, loaded.locations, autoload=autoload)
 
 
 @contextlib.contextmanager

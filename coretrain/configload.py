@@ -393,10 +393,9 @@ def _with_overrides(
     return LoadedConfig(config=config, locations=locations, path=path)
 
 
-def config_as_dict(config: Config) -> dict[str, Any]:
-    """The config as plain data (what config.toml and a checkpoint's manifest record)."""
-    unstructured: dict[str, Any] = CONVERTER.unstructure(config)
-    return unstructured
+def config_as_dict(config: Any) -> Any:
+    """The config (or a plugin's table) as plain data (what config.toml and a checkpoint's manifest record)."""
+    return CONVERTER.unstructure(config)
 
 
 def toml_text(data: Mapping[str, Any]) -> str:

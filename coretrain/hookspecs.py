@@ -73,7 +73,6 @@ from coretrain.markers import hookspec
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from pathlib import Path
 
     import torch
 
@@ -365,31 +364,4 @@ class HookSpecs(Protocol):
         Ranks: every rank, exactly once, on every way a run ends — also when ``on_train_start``
         was not called (restore failed, or a signal arrived before the first step). Called plugin
         by plugin, so one plugin's failure does not skip another's.
-        """
-
-    # --------------------------------------------------------------------------- after training (hook API 1.1)
-
-    @hookspec(firstresult=True)
-    def export_model(
-        self,
-        state: dict[str, torch.Tensor],
-        config: dict[str, Any],
-        run_dir: Path,
-        checkpoint: Path,
-        export_format: str,
-        to: Path,
-        options: dict[str, Any],
-    ) -> str | None:
-        """Write a checkpoint's model weights in ``export_format`` (``coretrain checkpoint export
-        --format NAME``): e.g. the ``hf`` provider writes a ``save_pretrained`` directory.
-
-        Args: ``state`` — the full (unsharded) model state dict, keys as the provided model names
-        them; ``config`` — the run's resolved config as plain data; ``run_dir`` — the run's output
-        dir (files the plugin wrote there while training); ``checkpoint`` — the step directory the
-        weights come from (hook API 1.4); ``to`` — the destination the user named;
-        ``options`` — the command's flags (``merge_lora``).
-        May change: nothing but ``to``.
-        Returns: a one-line description of what was written, or None when this plugin does not
-        write ``export_format`` (the first answer wins; none is an error naming the format).
-        Ranks: one process, no run: the plugins of the run's saved config are loaded, not started.
         """

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import CORPUS, STDLIB, metrics_rows
+from coretrain_checkpoint_command.export import export
 
 from coretrain import UserError, hookimpl
-from coretrain.export import export
 from coretrain.testing import run_ranks, run_steps, tiny_config, write_config
 
 transformers = pytest.importorskip("transformers")

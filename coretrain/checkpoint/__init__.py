@@ -17,7 +17,7 @@ Layout under ``<output_dir>/checkpoints/``::
 
 Saving is synchronous, or with ``checkpoint.async_save`` the training thread only copies the
 state to host memory and a background thread writes, fsyncs and commits (:class:`Checkpointer`).
-Resuming is :mod:`coretrain.resume`; listing and exporting :mod:`coretrain.export`. Both read
+Resuming is :mod:`coretrain.resume`; listing and exporting, the `checkpoint` command of coretrain-plugins. Both read
 every file through :mod:`coretrain.safeload` (torch's ``weights_only`` unpickler, a restricted
 unpickler for DCP's ``.metadata``) and use the sharded reader only for a checkpoint whose
 manifest says it was written sharded: nothing in a checkpoint is ever run.
@@ -39,6 +39,7 @@ from coretrain.checkpoint.layout import (
     step_dir,
     step_dirs,
 )
+from coretrain.checkpoint.load import read_weights
 from coretrain.checkpoint.state import is_sharded, rng_state, set_rng_state
 from coretrain.checkpoint.writer import Checkpointer, checkpoint_root
 
@@ -55,6 +56,7 @@ __all__ = [
     "mark_evaluated",
     "parse_step_dir",
     "read_manifest",
+    "read_weights",
     "rng_state",
     "set_rng_state",
     "step_dir",

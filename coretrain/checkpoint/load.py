@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from coretrain import safeload
+from coretrain.checkpoint.layout import read_manifest
 from coretrain.checkpoint.state import dcp_options, is_sharded
 from coretrain.errors import CheckpointUnreadable, UserError
 
@@ -126,3 +127,37 @@ def _not_fitting(path: Path, exc: BaseException) -> UserError:
         f"{path}: the optimizer state does not fit this optimizer ({exc}); "
         "if its parameter groups changed, set checkpoint.load_optimizer = false"
     )
+
+
+def read_weights(source: Path) -> dict[str, torch.Tensor]:
+    """The full model state dict of a complete checkpoint, read safely in this one process (a
+    sharded one's shards gathered): what an export or a conversion reads."""
+    if read_manifest(source)["layout"] == "sharded":
+        weights = read_sharded_model(source / "sharded")
+    else:
+        weights = safeload.load_file(source / "model.pt")
+    if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+        raise CheckpointUnreadable(source, "the model weights are not a dict of tensors")
+    return weights
+
+
+def read_sharded_model(directory: Path) -> dict[str, torch.Tensor]:
+    """The full model state dict of a DCP checkpoint, in this one process, read safely."""
+    # dcp.load fills a copy of the dict it is given; torch's own dcp_to_torch_save calls this instead
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    safeload.check_metadata(directory)
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=safeload.dcp_reader(directory),
+            planner=safeload.dcp_planner(directory, empty=True),
+            no_dist=True,
+        )
+    except safeload.dcp_errors() as exc:
+        raise safeload.dcp_unreadable(directory, exc) from None
+    model = state.get("model")
+    if not isinstance(model, dict):
+        raise CheckpointUnreadable(directory, "no model state in the sharded checkpoint")
+    return model

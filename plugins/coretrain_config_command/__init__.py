@@ -1,4 +1,8 @@
-"""``coretrain config validate | show``: check a config, or print it resolved with the defaults it changes."""
+"""``coretrain config validate | show``: check a config, or print it resolved with the defaults it changes.
+
+A command plugin (``coretrain.commands``), on the public API: ``coretrain.prepare`` is every check a
+run makes before its first step, ``coretrain.load`` / ``load_plugins`` the config and its plugins.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,26 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import tomli_w
 
-from coretrain.commands.common import add_config_args
+import coretrain
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="TOML config file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a config value (TOML syntax; repeatable), e.g. --set optimizer.lr=3e-4",
+    )
 
 
 def add(commands: Any) -> None:
-    """Add this module's command(s) to ``coretrain``'s subcommands."""
+    """Add ``config show | validate`` to ``coretrain``'s subcommands."""
     config = commands.add_parser("config", help="inspect a config file")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
     show = config_commands.add_parser("show", help="print the resolved config; non-default values are marked")
@@ -24,37 +41,22 @@ def add(commands: Any) -> None:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    from coretrain.config import micro_batches_per_step, world_size_from_env
-    from coretrain.configload import load_config
-    from coretrain.pluginmanager import load_plugins
-
-    loaded = load_config(args.config, args.overrides)
-    plugins = load_plugins(loaded.config, loaded.locations)
-    micro_batches_per_step(loaded.config.train, world_size_from_env(), warn=False)  # the batch error first
-    names = plugins.names()
-    from coretrain.build import build_run, planned_steps
-
-    # every check `run` makes before its first step (providers imported, their options, the splits,
-    # the model, a fresh run's plan of steps), without writing anything
-    planned_steps(build_run(loaded.config, plugins, write_config=False))
+    # every check `run` makes before its first step (the layout and batch for these ranks, providers
+    # imported, their options, the splits, the model, a fresh run's plan of steps), writing nothing
+    run = coretrain.prepare(args.config, args.overrides)
+    names = run.plugins.names()
     print(f"{args.config}: ok ({len(names)} plugins enabled: {', '.join(names) or 'none'})")
     return 0
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from coretrain.config import Config
-    from coretrain.configload import CONVERTER, load_config
-    from coretrain.pluginmanager import field_defaults, load_plugins
-
-    loaded = load_config(args.config, args.overrides)
-    plugins = load_plugins(loaded.config, loaded.locations)
-    resolved = CONVERTER.unstructure(loaded.config)
-    defaults = CONVERTER.unstructure(Config())
+    loaded = coretrain.load(args.config, args.overrides)
+    plugins = coretrain.load_plugins(args.config, args.overrides)
+    resolved = coretrain.config_as_dict(loaded.config)
+    defaults = coretrain.config_as_dict(coretrain.load({}).config)
     for name in plugins.names():
         instance = plugins.get(name)
-        cls = type(instance)
-        table = CONVERTER.unstructure(instance)
-        default = field_defaults(cls)
+        table, default = coretrain.config_as_dict(instance), field_defaults(type(instance))
         section = next((s for s in ("model", "data") if getattr(loaded.config, s).provider == name), None)
         if section:
             resolved[section]["options"], defaults[section]["options"] = table, default
@@ -67,15 +69,24 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     print(annotated_toml(resolved, defaults), end="")
     if plugins.implemented("param_group_overrides"):
         print()
-        print(describe_param_groups(loaded.config, plugins))
+        print(describe_param_groups(coretrain.prepare(args.config, args.overrides)))
     return 0
 
 
-def describe_param_groups(config: Any, plugins: Any) -> str:
-    """Build the model and optimizer (no files written) and list the param groups as comments."""
-    from coretrain.build import build_run
+def field_defaults(cls: type) -> dict[str, Any]:
+    """Each option's default, as plain data (a required option has none)."""
+    values = {}
+    for f in attrs.fields(cls):
+        if f.default is attrs.NOTHING or not f.init:
+            continue
+        factory = f.default if isinstance(f.default, attrs.Factory) else None  # type: ignore[arg-type]
+        default = factory.factory() if factory is not None and not factory.takes_self else f.default
+        values[f.name] = coretrain.config_as_dict(default)
+    return values
 
-    run = build_run(config, plugins, write_config=False)
+
+def describe_param_groups(run: coretrain.Run) -> str:
+    """The optimizer's param groups of a built run (no files written), as comments."""
     names = {id(p): n for n, p in run.unwrapped_model.named_parameters()}
     lines = [f"# optimizer param groups ({len(run.optimizer.param_groups)}):"]
     for i, group in enumerate(run.optimizer.param_groups):

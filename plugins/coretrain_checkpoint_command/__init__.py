@@ -1,4 +1,8 @@
-"""``coretrain checkpoint list | export``: look into a run's checkpoints without building the run."""
+"""``coretrain checkpoint list | export``: look into a run's checkpoints without building the run.
+
+A command plugin (``coretrain.commands``) that also owns the ``export_model`` hook it asks of
+format plugins (``safetensors``, ``hf``).
+"""
 
 from __future__ import annotations
 
@@ -49,8 +53,8 @@ def step_or_best(text: str) -> int | str:
 def cmd_checkpoint_list(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coretrain.checkpoint import best_step
-    from coretrain.export import list_checkpoints
+    from coretrain import best_step
+    from coretrain_checkpoint_command.export import list_checkpoints
 
     found = list_checkpoints(Path(args.run_dir))
     latest = Path(args.run_dir) / "checkpoints" / "latest"
@@ -67,7 +71,7 @@ def cmd_checkpoint_list(args: argparse.Namespace) -> int:
 def cmd_checkpoint_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coretrain.export import export
+    from coretrain_checkpoint_command.export import export
 
     options = {"merge_lora": args.merge_lora}
     print(export(Path(args.run_dir), args.step, Path(args.to), args.export_format, options))

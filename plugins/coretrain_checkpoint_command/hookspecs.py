@@ -1,0 +1,43 @@
+"""The hook ``coretrain checkpoint export`` asks (its ``coretrain.hookspecs`` entry point): a
+format plugin writes a checkpoint's weights. A spec of coretrain-plugins since hook API 1.10
+(in the core 1.1–1.9)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from coretrain import hookspec
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+
+class ExportSpecs(Protocol):
+    """What ``coretrain checkpoint export`` asks of plugins."""
+
+    @hookspec(firstresult=True)
+    def export_model(
+        self,
+        state: dict[str, torch.Tensor],
+        config: dict[str, Any],
+        run_dir: Path,
+        checkpoint: Path,
+        export_format: str,
+        to: Path,
+        options: dict[str, Any],
+    ) -> str | None:
+        """Write a checkpoint's model weights in ``export_format`` (``coretrain checkpoint export
+        --format NAME``): e.g. the ``hf`` provider writes a ``save_pretrained`` directory.
+
+        Args: ``state`` — the full (unsharded) model state dict, keys as the provided model names
+        them; ``config`` — the run's resolved config as plain data; ``run_dir`` — the run's output
+        dir (files the plugin wrote there while training); ``checkpoint`` — the step directory the
+        weights come from (hook API 1.4); ``to`` — the destination the user named;
+        ``options`` — the command's flags (``merge_lora``).
+        May change: nothing but ``to``.
+        Returns: a one-line description of what was written, or None when this plugin does not
+        write ``export_format`` (the first answer wins; none is an error naming the format).
+        Ranks: one process, no run: the plugins of the run's saved config are loaded, not started.
+        """
