@@ -47,7 +47,7 @@ class TrainResult:
 
     @property
     def best_checkpoint(self) -> Path | None:
-        """``checkpoints/best`` (with ``checkpoint.keep_best``), if the run has one."""
+        """``checkpoints/best`` (the keep-best plugin), if the run has one."""
         path = self.output_dir / "checkpoints" / "best"
         return path if path.exists() else None
 

@@ -197,11 +197,6 @@ class CheckpointConfig:
     save: bool = True
     """Set false to never write checkpoints."""
     keep_last: int | None = field(default=None, validator=_positive)
-    keep_best: str | None = None
-    """An evaluated metric ("valid/loss", "valid/accuracy"): each evaluation that improves it
-    saves its step, which keep_last never deletes and ``checkpoints/best`` points at."""
-    keep_best_mode: Literal["min", "max"] = "min"
-    """"min": lower is better (a loss); "max": higher is better (accuracy)."""
     resume: str = "auto"
     """"auto" (newest complete checkpoint in the output dir), "never", or a checkpoint path."""
     async_save: bool = False

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from coretrain.errors import UserError
+from coretrain.movedkeys import move_keys
 
 log = logging.getLogger("coretrain")
 
@@ -34,6 +35,8 @@ def config_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> lis
     """(dotted key, checkpoint's value, current value) for every leaf that differs."""
     if not saved:
         return []
+    saved = json.loads(json.dumps(saved))
+    move_keys(saved)  # a checkpoint written before a key moved to its plugin's table
     now = json.loads(json.dumps(current))  # tuples as lists, as the manifest has them
     changes: list[tuple[str, Any, Any]] = []
 

@@ -32,6 +32,7 @@ from cattrs.errors import (
 
 from coretrain.config import Config
 from coretrain.errors import UserError, did_you_mean
+from coretrain.movedkeys import move_keys
 from coretrain.validators import FieldValueError
 
 T = TypeVar("T")
@@ -389,6 +390,7 @@ def _with_overrides(
             raw = merge_layer(raw, {key_path[0]: {"provider": value}})
         apply_override(raw, key_path, value)
         locations[key_path] = where
+    move_keys(raw, locations)
     config = structure(raw, Config, locations=locations, source=source)
     return LoadedConfig(config=config, locations=locations, path=path)
 

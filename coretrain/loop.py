@@ -18,7 +18,6 @@ from attrs import frozen
 
 from coretrain import checkpoint, resume, safeload
 from coretrain.build import planned_steps, record_config
-from coretrain.checkpoint.best import BestCheckpoint
 from coretrain.checkpoint.state import keeping_rng
 from coretrain.errors import PluginError, RunFailure
 from coretrain.hookspecs import Outcome
@@ -124,7 +123,6 @@ class Trainer:
         self.evaluated_at: dict[str, int] = {}
         """Split -> the last step it was evaluated (and logged) at."""
         self.checkpointer = checkpoint.Checkpointer(run)
-        self.best = BestCheckpoint.of(run)
         train = run.config.train
         watched = train.exit_signals if train.exit_signal_handler else []
         if signals is None:
@@ -158,7 +156,6 @@ class Trainer:
         self.log.restore(state.get("interval_log", {}), run.device, run.state.step)
         self.last_saved_step = run.state.step
         self.evaluated_at = {split: run.state.step for split in restored.manifest.get("evaluated", [])}
-        self.best.restore(checkpoint.checkpoint_root(run))
         keeping_rng(hook_calls(run).on_resume)(run=run, step=run.state.step, states=state.get("plugins", {}))
         log.info("resumed from %s (step %d, %d samples consumed)", path, run.state.step, run.state.consumed_samples)
 
@@ -177,7 +174,6 @@ class Trainer:
                 **({"data": data_state} if data_state else {}),
             },
             evaluated=self._evaluated_now(),
-            best=self.best.manifest_entry(run.state.step),
         )
         self.last_saved_step = run.state.step
         run.control.checkpoint_requested = False
@@ -274,7 +270,7 @@ class Trainer:
         if run.dist.is_main and self.last_saved_step == run.state.step and run.config.checkpoint.save:
             directory = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
             checkpoint.mark_evaluated(directory, self._evaluated_now())
-            self.best.mark_saved(directory, run.config.checkpoint.keep_last)
+            checkpoint.apply_retention(directory.parent, run.config.checkpoint.keep_last)  # a best replaced after it
 
     def _eval(self, split: str = "valid") -> None:
         """Evaluate each dataset of ``split`` (one, or several by name) if a plugin evaluates
@@ -291,10 +287,8 @@ class Trainer:
             return
         metrics = {name: value for result in results if result is not None for name, value in result.items()}
         self.evaluated_at[split] = run.state.step
-        if self.hooks.on_eval:  # tryfirst implementations may add metrics keep_best watches
+        if self.hooks.on_eval:
             self.hooks.on_eval(run=run, step=run.state.step, metrics=metrics)
-        if self.best.evaluated(run.state.step, metrics):  # checkpoint.keep_best: keep this step
-            run.control.request_checkpoint()
 
     def _steps(self) -> Outcome:
         """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""

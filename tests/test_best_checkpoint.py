@@ -1,24 +1,25 @@
-"""checkpoint.keep_best: the best evaluated step is saved, kept from keep_last, and found as checkpoints/best."""
+"""keep-best: the best evaluated step is saved, kept from keep_last, and found as checkpoints/best."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from coretrain import UserError, hookimpl
+from coretrain import UserError, hookimpl, movedkeys
 from coretrain.testing import run_steps
 
 
 def settings(mode: str = "min", eval_interval: int = 2, **train: Any) -> dict[str, dict[str, Any]]:
     return {
         "train": {"eval_interval": eval_interval, "eval_iters": 1, **train},
-        "checkpoint": {"save_interval": 4, "keep_last": 1, "keep_best": "valid/loss", "keep_best_mode": mode},
+        "checkpoint": {"save_interval": 4, "keep_last": 1},
+        "plugins": {"keep-best": {"metric": "valid/loss", "mode": mode}},
     }
 
 
@@ -26,9 +27,12 @@ def kept(out: Path) -> list[str]:
     return sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
 
 
-def best_manifest(out: Path) -> dict[str, Any]:
-    manifest: dict[str, Any] = json.loads((out / "checkpoints" / "best" / "checkpoint.json").read_text())
-    return manifest
+def best_state(out: Path) -> dict[str, Any]:
+    """keep-best's state in the newest checkpoint: what a resumed run knows of the best so far."""
+    newest = (out / "checkpoints" / "latest").read_text().strip()
+    saved = torch.load(out / "checkpoints" / f"step_{int(newest):08d}" / "rank_00000.pt", weights_only=True)
+    state: dict[str, Any] = saved["plugins"]["keep-best"]
+    return state
 
 
 def test_keep_last_1_keeps_the_best_evaluation_and_best_points_at_it(tmp_path: Path) -> None:
@@ -40,7 +44,7 @@ def test_keep_last_1_keeps_the_best_evaluation_and_best_points_at_it(tmp_path: P
     assert os.readlink(out / "checkpoints" / "best") == "step_00000002"
     first = result.evals[0]
     assert first["step"] == 2
-    assert best_manifest(out)["best"] == {"metric": "valid/loss", "value": first["valid/loss"], "mode": "max"}
+    assert best_state(out) == {"metric": "valid/loss", "mode": "max", "value": first["valid/loss"], "step": 2}
 
 
 def test_the_final_validation_can_be_the_best(tmp_path: Path) -> None:
@@ -50,7 +54,7 @@ def test_the_final_validation_can_be_the_best(tmp_path: Path) -> None:
     out = result.output_dir
     assert [e["step"] for e in result.evals] == [5, 10, 12]
     assert os.readlink(out / "checkpoints" / "best") == "step_00000012"
-    assert best_manifest(out)["best"]["value"] == result.evals[-1]["valid/loss"]
+    assert result.run.plugins.get("keep-best").value == result.evals[-1]["valid/loss"]  # type: ignore[union-attr]
     assert kept(out) == ["step_00000012"]
 
 
@@ -97,17 +101,17 @@ def test_export_best_without_keep_best_is_one_clear_error(tmp_path: Path, cli: A
         "checkpoint", "export", str(out), "--step", "best", "--to", str(tmp_path / "w.safetensors"), cwd=tmp_path
     )
     assert result.returncode == 2
-    assert "--step best: " in result.stderr and "set checkpoint.keep_best" in result.stderr
+    assert "--step best: " in result.stderr and "[plugins.keep-best]" in result.stderr
 
 
 def test_keep_best_of_a_metric_not_evaluated_or_without_evaluations_is_one_clear_error(tmp_path: Path) -> None:
     wrong = settings()
-    wrong["checkpoint"]["keep_best"] = "valid/accuracy"
-    with pytest.raises(UserError, match=r"checkpoint.keep_best: 'valid/accuracy' is not among .*valid/loss"):
+    wrong["plugins"]["keep-best"]["metric"] = "valid/accuracy"
+    with pytest.raises(UserError, match=r"plugins.keep-best.metric: 'valid/accuracy' is not among .*valid/loss"):
         run_steps(tmp_path / "a", 4, config=wrong)
     never = settings()
     del never["train"]["eval_interval"]
-    with pytest.raises(UserError, match=r"checkpoint.keep_best = 'valid/loss', but this run never evaluates"):
+    with pytest.raises(UserError, match=r"plugins.keep-best.metric = 'valid/loss', but this run never evaluates"):
         run_steps(tmp_path / "b", 4, config=never)
 
 
@@ -121,7 +125,7 @@ class AddsScore:
 
 def test_keep_best_watches_a_metric_a_plugin_adds_in_on_eval(tmp_path: Path) -> None:
     config = settings("max")
-    config["checkpoint"]["keep_best"] = "valid/score"
+    config["plugins"]["keep-best"]["metric"] = "valid/score"
     result = run_steps(tmp_path, 8, config=config, plugins={"score": AddsScore()})
     assert os.readlink(result.output_dir / "checkpoints" / "best") == "step_00000004"
 
@@ -155,8 +159,8 @@ def test_a_best_that_coretrain_did_not_make_is_refused_before_training(tmp_path:
 
 def test_a_best_link_leading_outside_the_run_is_not_trusted(tmp_path: Path, cli: Any) -> None:
     """A ``best`` pointing at another run's step: its value is not read as this run's best so far,
-    ``--step best`` and ``checkpoint.resume = ".../best"`` do not follow it, and the next best
-    replaces it."""
+    ``--step best`` and ``checkpoint.resume = ".../best"`` do not follow it, and a resumed run
+    points it at its own best again (its checkpointed state knows which step that is)."""
     other = run_steps(tmp_path / "other", 4, config=settings("max")).output_dir
     out = run_steps(tmp_path / "run", 4, config=settings("max", eval_interval=3)).output_dir
     link = out / "checkpoints" / "best"
@@ -168,4 +172,31 @@ def test_a_best_link_leading_outside_the_run_is_not_trusted(tmp_path: Path, cli:
         run_steps(tmp_path / "again", 4, config={"checkpoint": {"resume": str(link)}, "train": {"eval_iters": 0}})
     resumed = run_steps(tmp_path / "run", 8, config=settings("max", eval_interval=3))
     assert resumed.exit_code == 0
-    assert os.readlink(link) == "step_00000006"  # its own first evaluation after the resume is the best so far
+    assert os.readlink(link) == "step_00000003"  # its own best (the first evaluation: "max" of a falling loss)
+
+
+def test_the_old_checkpoint_keep_best_keys_still_work_with_one_deprecation_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(movedkeys, "_warned", set())  # a fresh process, as far as warnings go
+    train = {"eval_interval": 2, "eval_iters": 1}
+    old = {"train": train, "checkpoint": {"keep_best": "valid/loss", "keep_best_mode": "max"}}
+    with caplog.at_level("WARNING", logger="coretrain"):
+        result = run_steps(tmp_path / "a", 6, config=old)
+        run_steps(tmp_path / "b", 6, config=old)  # a second load in the process: no second warning
+    assert os.readlink(result.output_dir / "checkpoints" / "best") == "step_00000002"
+    said = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "checkpoint.keep_best is deprecated: it is plugins.keep-best.metric now" in said[0]
+    assert "checkpoint.keep_best_mode is deprecated: it is plugins.keep-best.mode now" in said[1]
+    # a checkpoint written with the old keys resumes under the new ones, with no change to warn of
+    new = {"train": train, "plugins": {"keep-best": {"metric": "valid/loss", "mode": "max"}}}
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="coretrain"):
+        resumed = run_steps(tmp_path / "a", 8, config=new)
+    assert resumed.exit_code == 0 and not [r for r in caplog.records if "keep" in r.getMessage()]
+
+
+def test_a_keep_best_mode_without_keep_best_turns_nothing_on(tmp_path: Path) -> None:
+    result = run_steps(tmp_path, 4, config={"checkpoint": {"keep_best_mode": "max"}})
+    assert result.exit_code == 0 and result.run.plugins.get("keep-best") is None

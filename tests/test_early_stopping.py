@@ -95,7 +95,7 @@ def test_two_ranks_stop_and_keep_the_best_at_the_same_steps_as_one(tmp_path: Pat
                 eval_iters=1,
             )
             + "\n[plugins.early-stopping]\npatience = 2\nmin_delta = 100.0\n"
-            + '[checkpoint]\nkeep_last = 1\nkeep_best = "valid/loss"\nkeep_best_mode = "max"\n'
+            + '[checkpoint]\nkeep_last = 1\n[plugins.keep-best]\nmetric = "valid/loss"\nmode = "max"\n'
         )
         launch = ("--nproc-per-node", nproc) if nproc != "1" else ()  # one rank: this process
         result = (run_cli if launch else run_here)("run", str(config), *launch, cwd=tmp_path)

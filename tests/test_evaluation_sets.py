@@ -24,13 +24,13 @@ def digits_run(tmp_path: Path, provider: str, steps: int = 6, **more: Any) -> An
 
 def test_two_named_validation_sets_are_evaluated_and_logged_apart(tmp_path: Path) -> None:
     """Each set reports its own loss and named values, equal to what it reports alone; the
-    metrics file has them, and early stopping and keep_best can watch any of them."""
+    metrics file has them, and early stopping and keep-best can watch any of them."""
     named = digits_run(
         tmp_path / "named",
         "digits_named_valid",
         autoload=True,
         tables={"early-stopping": {"metric": "valid/noisy/accuracy", "mode": "max", "patience": 10}},
-        config={"checkpoint": {"keep_best": "valid/clean/loss"}},
+        config={"plugins": {"keep-best": {"metric": "valid/clean/loss"}}},
     )
     alone = digits_run(tmp_path / "alone", "digits_clean_valid")
     assert [e["step"] for e in named.evals] == [3, 6]

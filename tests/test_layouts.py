@@ -88,7 +88,7 @@ def test_every_layout_resumes_and_loads_every_other_layouts_checkpoint(tmp_path:
         return [*predict, "--checkpoint", "best", "--split", "valid", "--out", str(out)]
 
     # the HSDP source also keeps its best evaluation (at step 3): predict and pretrained load "best"
-    keep_best = ('checkpoint.keep_best="valid/loss"', f"train.eval_interval={SOURCE_STEP}", "train.eval_iters=1")
+    keep_best = ('plugins.keep-best.metric="valid/loss"', f"train.eval_interval={SOURCE_STEP}", "train.eval_iters=1")
     step_dir["hsdp-best"] = source["hsdp"] / "checkpoints" / "best"
 
     in_one_job(tmp_path, 1, [command(config, "one", reference), stop_at_source_step("one")], "one-sources")

@@ -19,7 +19,8 @@ def digits_config(tmp_path: Path, **train: Any) -> Path:
         model={"provider": "workloads:cnn", "loss": "cross_entropy"},
         data={"provider": "workloads:digits"},
         train={"train_iters": 6, "eval_full": True, "eval_interval": 3, **train},
-        checkpoint={"save_interval": 3, "keep_best": "valid/accuracy", "keep_best_mode": "max"},
+        checkpoint={"save_interval": 3},
+        plugins={"keep-best": {"metric": "valid/accuracy", "mode": "max"}},
     )
     return write_config(tmp_path / "c.toml", config)
 

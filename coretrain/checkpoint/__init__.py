@@ -12,8 +12,8 @@ Layout under ``<output_dir>/checkpoints/``::
                             the splits evaluated and logged at this step, the resolved config)
     step_00000200.tmp/      an interrupted save: never loaded
     latest                  text: the newest committed step (a hint; the directories decide)
-    best -> step_00000100   checkpoint.keep_best: the best evaluated step (its manifest says
-                            the metric and value); keep_last never deletes it
+    best -> step_00000100   the keep-best plugin: the best evaluated step
+                            (its checkpointed state says the value); keep_last never deletes it
 
 Saving is synchronous, or with ``checkpoint.async_save`` the training thread only copies the
 state to host memory and a background thread writes, fsyncs and commits (:class:`Checkpointer`).
@@ -29,6 +29,7 @@ the background: :mod:`.writer`.
 from coretrain.checkpoint.layout import (
     BEST,
     MANIFEST,
+    apply_retention,
     best_step,
     complete_steps,
     find_checkpoint,
@@ -46,6 +47,7 @@ from coretrain.checkpoint.writer import Checkpointer, checkpoint_root
 __all__ = [
     "BEST",
     "MANIFEST",
+    "apply_retention",
     "best_step",
     "Checkpointer",
     "checkpoint_root",

@@ -23,7 +23,7 @@ from coretrain.errors import CheckpointUnreadable, RunFailure, UserError
 
 STEP_DIR = re.compile(r"^step_(\d{8})(\.tmp)?$")
 BEST = "best"
-"""``checkpoints/best``: a relative symlink to the best evaluated step (``checkpoint.keep_best``)."""
+"""``checkpoints/best``: a relative symlink to a committed step beside it (the keep-best plugin writes it)."""
 MANIFEST = "checkpoint.json"
 MANIFEST_FORMAT = 1
 
@@ -92,8 +92,6 @@ def commit(root: Path, step: int, tmp: Path, keep_last: int | None) -> None:
     fsync_dir(root)
     (root / "latest.tmp").write_text(f"{step}\n")
     os.replace(root / "latest.tmp", root / "latest")
-    if "best" in read_manifest(final):  # checkpoint.keep_best: this step's evaluation was the best
-        point_best(root, final)
     apply_retention(root, keep_last)
 
 
@@ -132,70 +130,6 @@ def followed_best(path: Path, option: str) -> Path:
     return step_dir(path.parent, step)
 
 
-def tidy_best(root: Path) -> None:
-    """Before a run writes ``root/best``: what stands there must be coretrain's link.
-
-    ``cp -rL``, ``rsync -L`` and ``shutil.copytree`` turn the link into a copy of the step it
-    named; a run would then fail at every improving evaluation. A copy of a step that still
-    exists is replaced by the link; a copy of one retention has deleted becomes that step
-    again (renamed back), so no weights are lost. A link that leads outside the run is
-    dropped (it is not trusted, see :func:`best_step`). Anything else is refused.
-    """
-    best = root / BEST
-    if best.is_symlink():
-        if best_step(root) is None:
-            log.warning(
-                "%s -> %s is not a link to a step of this run; ignoring and replacing it", best, os.readlink(best)
-            )
-            best.unlink()
-        return
-    if not best.exists():
-        return
-    step = _copied_step(best)
-    if step is None:
-        kind = "directory" if best.is_dir() else "file"
-        raise UserError(
-            f"{best} is not the link coretrain keeps to the best checkpoint (a {kind} it did not write); "
-            "move it out of the checkpoints directory and run again"
-        )
-    original = step_dir(root, step)
-    if original.exists():
-        if _files(original) != _files(best):
-            raise UserError(
-                f"{best} is a directory that differs from {original.name}, the step its manifest names; "
-                "move one of them out of the checkpoints directory and run again"
-            )
-        shutil.rmtree(best)
-    else:
-        os.replace(best, original)
-    point_best(root, original)
-    log.warning("%s was a copy of %s (cp -rL?); it is the link to it again", best, original.name)
-
-
-def _copied_step(directory: Path) -> int | None:
-    """The step a copied checkpoint directory holds, from its manifest (None: not a checkpoint)."""
-    if not directory.is_dir():
-        return None
-    try:
-        step = read_manifest(directory).get("step")
-    except CheckpointUnreadable:
-        return None
-    return step if isinstance(step, int) and step >= 0 and (directory / MANIFEST).is_file() else None
-
-
-def _files(directory: Path) -> dict[str, int]:
-    """Every file under ``directory`` with its size, by relative path."""
-    return {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*") if p.is_file()}
-
-
-def point_best(root: Path, step_directory: Path) -> None:
-    """Make ``root/best`` point at ``step_directory`` (atomically: a reader sees the old or the new)."""
-    tmp = root / f"{BEST}.tmp"
-    tmp.unlink(missing_ok=True)
-    os.symlink(step_directory.name, tmp)
-    os.replace(tmp, root / BEST)
-
-
 def find_checkpoint(root: Path, which: int | str | None, option: str) -> Path:
     """A complete checkpoint under ``root``: at step ``which``, the one ``best`` points at
     ("best"), or the newest (None); a missing one is a UserError naming ``option``."""
@@ -205,7 +139,10 @@ def find_checkpoint(root: Path, which: int | str | None, option: str) -> Path:
     if which == "best":
         which = best_step(root)
         if which is None:
-            raise UserError(f"{option} best: {root} has no best checkpoint (set checkpoint.keep_best)")
+            raise UserError(
+                f"{option} best: {root} has no best checkpoint (the keep-best plugin keeps one: "
+                '[plugins.keep-best] metric = "valid/loss")'
+            )
     if which is not None and which not in complete:
         raise UserError(f"{option} {which}: no complete checkpoint at that step; complete: {complete}")
     return step_dir(root, complete[-1] if which is None else int(which))

@@ -73,9 +73,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "full_tensor") for p in model.parameters())  # DTensor parameters
 
 
-def collect(
-    run: Run, extra_state: dict[str, Any], evaluated: list[str] | None = None, best: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def collect(run: Run, extra_state: dict[str, Any], evaluated: list[str] | None = None) -> dict[str, Any]:
     """This rank's files of the checkpoint: file name -> object to save."""
     state = {
         "train": {
@@ -106,8 +104,6 @@ def collect(
         files["optimizer.pt"] = run.optimizer.state_dict()
     if run.dist.is_main:
         files[MANIFEST] = manifest(run, "sharded" if sharded else "replicated", evaluated or [])
-        if best is not None:  # checkpoint.keep_best: this step's evaluation is the best so far
-            files[MANIFEST]["best"] = best
     return files
 
 

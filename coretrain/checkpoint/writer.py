@@ -147,15 +147,13 @@ class Checkpointer:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def save(
-        self, extra_state: dict[str, Any], evaluated: list[str] | None = None, best: dict[str, Any] | None = None
-    ) -> tuple[Path, float]:
+    def save(self, extra_state: dict[str, Any], evaluated: list[str] | None = None) -> tuple[Path, float]:
         """Start (async) or do (sync) the save of the current step; returns (dir, seconds blocked)."""
         self.wait()
         run = self.run
         started = time.perf_counter()
         root, step, distributed = checkpoint_root(run), run.state.step, run.dist.world_size > 1
-        files = collect(run, extra_state, evaluated, best)
+        files = collect(run, extra_state, evaluated)
         if not self.asynchronous:
             write_andcommit(root, step, files, run.dist.is_main, run.config.checkpoint.keep_last, distributed)
             return step_dir(root, step), time.perf_counter() - started

@@ -25,7 +25,7 @@ def add(commands: Any) -> None:
         "--step",
         type=step_or_best,
         default=None,
-        help="a step, or best (checkpoint.keep_best); default: the newest",
+        help="a step, or best (the keep-best plugin); default: the newest",
     )
     export.add_argument(
         "--to", required=True, help="output: a file for safetensors (model.safetensors), a new directory for hf"

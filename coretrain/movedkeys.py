@@ -1,0 +1,59 @@
+"""Config keys that moved, with their feature, to a plugin's table: the old spelling still works.
+
+A key users have is never removed silently: a config (or a checkpoint's saved config) that
+uses an old key is read as if it used the new one, and the first use in a process logs one
+deprecation warning naming the new key. Listed under "Deprecated" in CHANGELOG.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableMapping
+from typing import Any
+
+from coretrain.errors import UserError
+
+log = logging.getLogger("coretrain")
+
+MOVED: dict[str, tuple[str, bool]] = {
+    "checkpoint.keep_best": ("plugins.keep-best.metric", True),
+    "checkpoint.keep_best_mode": ("plugins.keep-best.mode", False),
+}
+"""Old dotted key -> (new dotted key, whether the old key alone turns the new table on: a
+secondary key such as a mode, set without its feature, is dropped)."""
+
+_warned: set[str] = set()
+
+
+def move_keys(data: dict[str, Any], locations: MutableMapping[tuple[str, ...], str] | None = None) -> None:
+    """Rewrite old keys in ``data`` (TOML-shaped) as their new ones; warn once per old key
+    when ``locations`` is given (a config being loaded, not a checkpoint's saved one)."""
+    for old, (new, turns_on) in MOVED.items():
+        *old_table, old_name = old.split(".")
+        *new_table, new_name = new.split(".")
+        holder = _table(data, old_table)
+        if holder is None or old_name not in holder:
+            continue
+        value = holder.pop(old_name)
+        target = _table(data, new_table, create=turns_on)
+        if locations is not None:
+            where = locations.pop(tuple(old.split(".")), None)
+            if where is not None:
+                locations[tuple(new.split("."))] = where
+            if old not in _warned:
+                _warned.add(old)
+                log.warning("%s%s is deprecated: it is %s now; rename it", f"{where}: " if where else "", old, new)
+        if target is None:
+            continue
+        if new_name in target and target[new_name] != value:
+            raise UserError(f"{old} (deprecated) and {new} are both set, to different values; keep only {new}")
+        target[new_name] = value
+
+
+def _table(data: dict[str, Any], path: list[str], create: bool = False) -> dict[str, Any] | None:
+    node: Any = data
+    for key in path:
+        if not isinstance(node, dict) or (key not in node and not create):
+            return None
+        node = node.setdefault(key, {})
+    return node if isinstance(node, dict) else None
