@@ -104,9 +104,8 @@ def with_coretrain(steps: int, workers: int, output_dir: str) -> float:
             "data": {"provider": f"{__name__}:make_data", "num_workers": workers},
             "train": {"micro_batch_size": BATCH, "train_iters": steps, "log_interval": steps, "eval_iters": 0},
             "optimizer": {"lr": 1e-3},
-            "scheduler": {"decay_style": "constant"},
             "checkpoint": {"save": False, "resume": "never"},
-            "plugins": {"progress": {"enabled": False}},
+            "plugins": {"progress": {"enabled": False}, "schedule": {"decay_style": "constant"}},
         },
         Config,
     )

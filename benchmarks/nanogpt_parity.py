@@ -130,7 +130,7 @@ def coretrain(directory: Path, iters: int, seed: int) -> float:
         lr = {LR}
         betas = [0.9, 0.99]
         weight_decay = 0.1
-        [scheduler]
+        [plugins.schedule]
         warmup_iters = {WARMUP}
         decay_style = "cosine"
         min_lr = {MIN_LR}

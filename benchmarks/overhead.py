@@ -106,7 +106,7 @@ def config(output_dir: str, steps: int) -> Config:
                 "clip_grad": 1.0,
             },
             "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
-            "scheduler": {"decay_style": "constant"},
+            "plugins": {"schedule": {"decay_style": "constant"}},
             "checkpoint": {"save": False, "resume": "never"},
         },
         Config,

@@ -122,9 +122,8 @@ def with_coretrain(steps: int, device: torch.device, precision: str, compiled: b
         "data": {"provider": "throughput:make_data"},
         "train": {"micro_batch_size": micro, "train_iters": steps, "log_interval": max(steps // 2, 1), "eval_iters": 0},
         "optimizer": {"lr": 3e-4, "weight_decay": 0.1, "betas": [0.9, 0.95]},
-        "scheduler": {"decay_style": "constant"},
         "checkpoint": {"save": False, "resume": "never"},
-        "plugins": {"compile": {}} if compiled else {},
+        "plugins": {"schedule": {"decay_style": "constant"}, **({"compile": {}} if compiled else {})},
     }
     cfg = structure(raw, Config)
     plugins = load_plugins(cfg)

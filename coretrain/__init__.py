@@ -21,7 +21,7 @@ _LAZY = {
         "coretrain.api": "train TrainResult load prepare load_plugins",
         "coretrain.markers": "hookimpl hookspec",
         "coretrain.hookspecs": "HOOK_API Outcome",
-        "coretrain.run": "Run TrainState StepOutputs Datasets DatasetContext",
+        "coretrain.run": "Run TrainState StepOutputs Datasets DatasetContext Scheduler",
         "coretrain.control": "Control",
         "coretrain.cadence": "Every",
         "coretrain.dist": "DistInfo max_over_ranks mean_over_ranks sum_over_ranks",
@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.loader import SplitBatches, is_stream
     from coretrain.markers import hookimpl, hookspec
     from coretrain.outputs import NUM_TOKENS, forward, model_outputs
-    from coretrain.run import DatasetContext, Datasets, Run, StepOutputs, TrainState
+    from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
 
 __all__ = ["__version__", *_LAZY]  # the type checker reads the imports above

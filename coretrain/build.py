@@ -25,9 +25,8 @@ from coretrain.optim import build_optimizer
 from coretrain.outputs import resolve_loss
 from coretrain.pluginmanager import Plugins, hook_calls, is_import_path
 from coretrain.providerchecks import check_datasets, check_model
-from coretrain.run import DatasetContext, Datasets, Run
+from coretrain.run import DatasetContext, Datasets, Run, Scheduler, Unscheduled
 from coretrain.rundir import OutputDirLock, check_shared
-from coretrain.schedule import ParamScheduler
 from coretrain.signals import SignalWatcher
 from coretrain.usercode import call_with, check_options, import_callable
 
@@ -244,6 +243,23 @@ def _build_model(run: Run) -> None:
     hook_calls(run).hook.configure_model(run=run)
 
 
+def scheduler_of(run: Run) -> Scheduler:
+    """The schedule a plugin answers with (checked: the loop calls what it promises), or none."""
+    scheduler = hook_calls(run).hook.configure_scheduler(run=run)
+    if scheduler is None:
+        return Unscheduled()
+    missing = [
+        name for name in ("step", "state_dict", "load_state_dict") if not callable(getattr(scheduler, name, None))
+    ]
+    if missing:
+        who = ", ".join(run.plugins.implementers("configure_scheduler"))
+        raise UserError(
+            f"configure_scheduler ({who}) returned {type(scheduler).__name__}, which has no {', '.join(missing)}; "
+            "return an object with step(samples), state_dict() and load_state_dict(state)"
+        )
+    return scheduler
+
+
 def _build_optimizer(run: Run) -> None:
     """The optimizer with the plugins' param-group overrides, the schedule, fp16's scaler."""
     config = run.config
@@ -251,12 +267,6 @@ def _build_optimizer(run: Run) -> None:
     run.optimizer = build_optimizer(config.optimizer, run.model, overrides)
     if hook_calls(run).implemented("configure_optimizer"):
         hook_calls(run).hook.configure_optimizer(run=run)
-    run.scheduler = ParamScheduler(
-        run.optimizer,
-        config.scheduler,
-        config.optimizer.lr,
-        config.train.train_samples or run.train_iters * run.global_batch_size,
-        run.global_batch_size,
-    )
+    run.scheduler = scheduler_of(run)
     if config.run.precision == "fp16":
         run.grad_scaler = torch.amp.GradScaler(run.device.type)

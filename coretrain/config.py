@@ -145,50 +145,6 @@ class OptimizerConfig:
 
 
 @define(kw_only=True)
-class SchedulerConfig:
-    """Warmup, then a decay to min_lr, and optionally a weight-decay schedule: Megatron's
-    OptimizerParamScheduler (its --lr-* names without the prefix). Counted in samples; a key in
-    iterations means that many global batches."""
-
-    warmup_iters: int = field(default=0, validator=_non_negative)
-    warmup_samples: int | None = field(default=None, validator=_non_negative)
-    warmup_fraction: float | None = field(default=None, validator=fraction)
-    """Warmup as a share of the decay span (decay_iters / decay_samples / the whole run)."""
-    decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "cosine"
-    """After warmup. "WSD": warmup, stable at lr, then the last wsd_decay_iters decay to min_lr."""
-    decay_iters: int | None = field(default=None, validator=_positive)
-    """Steps from start to the end of decay; unset = the whole run (train_iters or train_samples)."""
-    decay_samples: int | None = field(default=None, validator=_positive)
-    wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "exponential"
-    """The shape of WSD's final decay (Megatron's default: exponential)."""
-    wsd_decay_iters: int | None = field(default=None, validator=_positive)
-    """WSD: steps of the final decay, ending at decay_iters."""
-    wsd_decay_samples: int | None = field(default=None, validator=_positive)
-    min_lr: float = field(default=0.0, validator=_non_negative)
-    start_weight_decay: float | None = field(default=None, validator=_non_negative)
-    """With end_weight_decay: weight decay goes from this to that over the run (param groups
-    without weight decay keep none); unset = optimizer.weight_decay throughout."""
-    end_weight_decay: float | None = field(default=None, validator=_non_negative)
-    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
-
-    def __attrs_post_init__(self) -> None:
-        for name in ("warmup", "decay", "wsd_decay"):
-            if getattr(self, f"{name}_iters") and getattr(self, f"{name}_samples") is not None:
-                raise FieldValueError(f"{name}_samples", f"set {name}_iters or {name}_samples, not both")
-        if self.warmup_fraction is not None and (self.warmup_iters or self.warmup_samples is not None):
-            raise FieldValueError("warmup_fraction", "set one of warmup_iters, warmup_samples, warmup_fraction")
-        if self.decay_style == "WSD" and self.wsd_decay_iters is None and self.wsd_decay_samples is None:
-            raise FieldValueError("wsd_decay_iters", 'decay_style = "WSD" needs the steps of its final decay')
-        start, end = self.start_weight_decay, self.end_weight_decay
-        if (start is None) != (end is None):
-            raise FieldValueError("end_weight_decay", "set start_weight_decay and end_weight_decay together")
-        if self.weight_decay_incr_style == "constant" and start != end:
-            raise FieldValueError(
-                "weight_decay_incr_style", 'is "constant" but start and end weight decay differ: "linear" or "cosine"?'
-            )
-
-
-@define(kw_only=True)
 class CheckpointConfig:
     """When and where to save, what to resume from."""
 
@@ -277,7 +233,6 @@ class Config:
     data: DataConfig = field(factory=DataConfig)
     train: TrainConfig = field(factory=TrainConfig)
     optimizer: OptimizerConfig = field(factory=OptimizerConfig)
-    scheduler: SchedulerConfig = field(factory=SchedulerConfig)
     checkpoint: CheckpointConfig = field(factory=CheckpointConfig)
     distributed: DistributedConfig = field(factory=DistributedConfig)
     plugins: dict[str, dict[str, Any]] = field(factory=dict)

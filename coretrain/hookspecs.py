@@ -9,6 +9,7 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
                                                            tensor parallel, compile, DDP/FSDP (trylast)
     param_group_overrides(run, model)       collected     per-parameter lr_mult / weight_decay
     configure_optimizer(run)                each          replace run.optimizer (master weights)
+    configure_scheduler(run)                firstresult   the lr schedule (the schedule plugin)
     [resume: on_resume(run, step, state) for each plugin, with the state it saved]
     phase_listener(run)                     collected     marks: listener(step, phase) at every
                                                            phase boundary from here on
@@ -76,7 +77,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from coretrain.run import DatasetContext, Datasets, Run, StepOutputs
+    from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs
 
 
 HOOK_API = (1, 10)
@@ -175,6 +176,20 @@ class HookSpecs(Protocol):
         May change: ``run.optimizer`` (its ``state_dict`` is what checkpoints hold).
         Returns: nothing.
         Ranks: every rank, once, before training (and before a resume loads the optimizer state).
+        """
+
+    @hookspec(firstresult=True)
+    def configure_scheduler(self, run: Run) -> Scheduler | None:
+        """The learning-rate (and weight-decay) schedule (hook API 1.10).
+
+        Args: ``run`` — ``run.optimizer`` is final (after ``configure_optimizer``); ``run.train_iters``
+        and ``run.global_batch_size`` size the run.
+        May change: the optimizer's param groups (the rates of the first update).
+        Returns: an object with ``step(samples)`` (called after each update that was not vetoed,
+        with its samples), ``state_dict()`` and ``load_state_dict(state)`` (checkpointed by the
+        core), or None when this plugin does not schedule; the first answer wins (the ``schedule``
+        plugin answers with Megatron's schedule). None from every plugin: ``optimizer.lr`` throughout.
+        Ranks: every rank, once, before training (and before a resume restores its state).
         """
 
     @hookspec(firstresult=True)

@@ -183,16 +183,6 @@ class IntervalLog:
 
 
 def schedule_metrics(run: Run) -> dict[str, float]:
-    """``lr``; ``lr/groupN`` when param groups have their own rates (optimizer-overrides);
-    ``weight_decay`` when it is scheduled; ``loss_scale`` with fp16 (the scale the next step
-    multiplies the loss by)."""
-    metrics = {"lr": run.scheduler.last_lr}
-    weight_decay = run.scheduler.last_weight_decay
-    if weight_decay is not None:
-        metrics["weight_decay"] = weight_decay
-    group_lrs = run.scheduler.last_group_lrs()
-    if len(set(group_lrs)) > 1:
-        metrics.update({f"lr/group{index}": lr for index, lr in enumerate(group_lrs)})
-    if run.grad_scaler is not None:
-        metrics["loss_scale"] = run.grad_scaler.get_scale()
-    return metrics
+    """``loss_scale`` with fp16 (the scale the next step multiplies the loss by); the rates are
+    the schedule plugin's to log."""
+    return {"loss_scale": run.grad_scaler.get_scale()} if run.grad_scaler is not None else {}

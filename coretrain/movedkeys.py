@@ -16,6 +16,7 @@ from coretrain.errors import UserError
 log = logging.getLogger("coretrain")
 
 MOVED: dict[str, tuple[str, bool]] = {
+    "scheduler": ("plugins.schedule", True),
     "checkpoint.keep_best": ("plugins.keep-best.metric", True),
     "checkpoint.keep_best_mode": ("plugins.keep-best.mode", False),
 }
@@ -37,17 +38,26 @@ def move_keys(data: dict[str, Any], locations: MutableMapping[tuple[str, ...], s
         value = holder.pop(old_name)
         target = _table(data, new_table, create=turns_on)
         if locations is not None:
-            where = locations.pop(tuple(old.split(".")), None)
-            if where is not None:
-                locations[tuple(new.split("."))] = where
+            where = _move_locations(locations, tuple(old.split(".")), tuple(new.split(".")))
             if old not in _warned:
                 _warned.add(old)
                 log.warning("%s%s is deprecated: it is %s now; rename it", f"{where}: " if where else "", old, new)
         if target is None:
             continue
-        if new_name in target and target[new_name] != value:
+        if isinstance(value, dict) and isinstance(target.get(new_name), dict):
+            value = {**value, **target[new_name]}  # a whole table: the new spelling's keys win
+        elif new_name in target and target[new_name] != value:
             raise UserError(f"{old} (deprecated) and {new} are both set, to different values; keep only {new}")
         target[new_name] = value
+
+
+def _move_locations(
+    locations: MutableMapping[tuple[str, ...], str], old: tuple[str, ...], new: tuple[str, ...]
+) -> str | None:
+    """Error messages about the moved key (or the keys of a moved table) point at the old lines."""
+    for key in [k for k in locations if k[: len(old)] == old]:
+        locations[new + key[len(old) :]] = locations.pop(key)
+    return locations.get(new)
 
 
 def _table(data: dict[str, Any], path: list[str], create: bool = False) -> dict[str, Any] | None:

@@ -20,7 +20,32 @@ if TYPE_CHECKING:
     from coretrain.config import Config
     from coretrain.dist import DistInfo
     from coretrain.rundir import OutputDirLock
-    from coretrain.schedule import ParamScheduler
+
+
+class Scheduler(Protocol):
+    """What ``configure_scheduler`` returns (the ``schedule`` plugin's ParamScheduler): the core
+    advances it by each update's samples (vetoed updates do not move it) and checkpoints it."""
+
+    def step(self, samples: int) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Unscheduled:
+    """No plugin schedules: ``optimizer.lr`` throughout; counts the samples as a schedule would."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def step(self, samples: int) -> None:
+        self.samples += samples
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.samples = int(state.get("samples", 0))
+
 
 LossFn = Callable[[Any, Any], Any]
 """``model.loss`` resolved: (the model's outputs, the batch's target) -> the loss."""
@@ -154,7 +179,7 @@ class Run:
     _datasets: Datasets | None = field(default=None, alias="datasets")
     _model: torch.nn.Module | None = field(default=None, alias="model")
     _optimizer: torch.optim.Optimizer | None = field(default=None, alias="optimizer")
-    _scheduler: ParamScheduler | None = field(default=None, alias="scheduler")
+    _scheduler: Scheduler | None = field(default=None, alias="scheduler")
     grad_scaler: torch.amp.GradScaler | None = None
     """Present when run.precision = "fp16"."""
     micro_batches_per_step: int = 1
@@ -177,7 +202,7 @@ class Run:
     datasets = Built[Datasets]("provide_datasets")
     model = Built[torch.nn.Module]("provide_model")
     optimizer = Built[torch.optim.Optimizer]("the optimizer's build, after param_group_overrides")
-    scheduler = Built["ParamScheduler"]("the optimizer's build, after param_group_overrides")
+    scheduler = Built[Scheduler]("configure_scheduler, after the optimizer's build")
 
     @property
     def samples_per_micro_batch(self) -> int:

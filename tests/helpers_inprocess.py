@@ -14,8 +14,7 @@ from typing import Any
 from attrs import define
 
 from coretrain.build import build_run
-from coretrain.config import Config
-from coretrain.configload import structure
+from coretrain.configload import load_config_data
 from coretrain.pluginmanager import load_plugins
 from coretrain.run import Run
 from coretrain.testing import TinyRegression as Regression
@@ -45,8 +44,9 @@ def config(tmp_path: Any, **sections: dict[str, Any]) -> TinyRun:
 
 
 def build(spec: TinyRun, *extra_plugins: tuple[str, object]) -> Run:
-    config = structure(tiny_config(spec.root / "out", **spec.sections), Config)
-    plugins = load_plugins(config, autoload=False)
+    loaded = load_config_data(tiny_config(spec.root / "out", **spec.sections))
+    config = loaded.config
+    plugins = load_plugins(config, loaded.locations, autoload=("schedule",))
     for name, plugin in extra_plugins:
         plugins.register(name, plugin)
     plugins.check_pending()

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+from coretrain_schedule import Schedule as SchedulerConfig
+from coretrain_schedule.scheduler import ParamScheduler
 
-from coretrain import UserError
-from coretrain.config import SchedulerConfig
-from coretrain.schedule import ParamScheduler
+from coretrain import UserError, hookimpl, movedkeys
 from coretrain.testing import run_steps
 
 
@@ -124,7 +124,8 @@ def test_a_run_logs_the_scheduled_weight_decay_and_wsd_ends_at_min_lr(tmp_path: 
         "end_weight_decay": 0.1,
         "weight_decay_incr_style": "linear",
     }
-    metrics = run_steps(tmp_path, 10, config={"scheduler": scheduler, "train": {"log_interval": 1}}).metrics
+    config = {"plugins": {"schedule": scheduler}, "train": {"log_interval": 1}}
+    metrics = run_steps(tmp_path, 10, config=config).metrics
     assert [m["lr"] for m in metrics[:6]] == pytest.approx([0.01] * 6)  # stable until the last 4
     assert metrics[-1]["lr"] == pytest.approx(0.001)
     assert [m["weight_decay"] for m in metrics] == pytest.approx([0.01 * step for step in range(1, 11)])
@@ -137,19 +138,22 @@ def test_a_run_logs_the_scheduled_weight_decay_and_wsd_ends_at_min_lr(tmp_path: 
 @pytest.mark.parametrize(
     ("scheduler", "message"),
     [
-        ({"decay_style": "WSD"}, r"scheduler\.wsd_decay_iters: .*final decay"),
-        ({"warmup_iters": 5, "warmup_fraction": 0.1}, r"scheduler\.warmup_fraction: set one of"),
-        ({"start_weight_decay": 0.0}, r"scheduler\.end_weight_decay: set start_weight_decay and end"),
+        ({"decay_style": "WSD"}, r"plugins\.schedule\.wsd_decay_iters: .*final decay"),
+        ({"warmup_iters": 5, "warmup_fraction": 0.1}, r"plugins\.schedule\.warmup_fraction: set one of"),
+        ({"start_weight_decay": 0.0}, r"plugins\.schedule\.end_weight_decay: set start_weight_decay and end"),
         ({"start_weight_decay": 0.0, "end_weight_decay": 0.1}, r"weight_decay_incr_style: .*\"linear\" or \"cosine\""),
-        ({"decay_iters": 5, "decay_samples": 40}, r"scheduler\.decay_samples: set decay_iters or decay_samples"),
-        ({"decay_style": "wsd"}, r"scheduler\.decay_style: .*did you mean 'WSD'"),
+        (
+            {"decay_iters": 5, "decay_samples": 40},
+            r"plugins\.schedule\.decay_samples: set decay_iters or decay_samples",
+        ),
+        ({"decay_style": "wsd"}, r"plugins\.schedule\.decay_style: .*did you mean 'WSD'"),
     ],
 )
 def test_an_inconsistent_schedule_is_one_error_naming_the_key(
     tmp_path: Path, scheduler: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(UserError, match=message):
-        run_steps(tmp_path, 2, config={"scheduler": scheduler})
+        run_steps(tmp_path, 2, config={"plugins": {"schedule": scheduler}})
 
 
 def test_train_samples_counts_whole_global_batches_and_resume_agrees(tmp_path: Path) -> None:
@@ -186,3 +190,71 @@ def test_train_samples_under_a_rampup_counts_the_ramp_steps_one_by_one(tmp_path:
 def test_train_samples_mistakes_are_one_error(tmp_path: Path, train: dict[str, Any], message: str) -> None:
     with pytest.raises(UserError, match=message):
         run_steps(tmp_path, 0, config={"train": train})
+
+
+def test_the_old_scheduler_table_still_works_with_one_warning_and_errors_point_at_its_lines(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(movedkeys, "_warned", set())
+    old = {"scheduler": {"decay_style": "constant"}, "train": {"log_interval": 1}}
+    with caplog.at_level("WARNING", logger="coretrain"):
+        metrics = run_steps(tmp_path / "a", 3, config={**old, "optimizer": {"lr": 0.02}}).metrics
+        run_steps(tmp_path / "b", 3, config=old)
+    assert [m["lr"] for m in metrics] == pytest.approx([0.02] * 3)  # "constant": the schedule plugin read it
+    said = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(said) == 1 and "scheduler is deprecated: it is plugins.schedule now" in said[0]
+    with pytest.raises(UserError, match=r"config.toml:\d+: plugins\.schedule\.decay_style: .*did you mean 'WSD'"):
+        run_steps(tmp_path / "c", 2, config={"scheduler": {"decay_style": "wsd"}})
+
+
+def test_without_the_schedule_plugin_the_rate_is_optimizer_lr_throughout(tmp_path: Path) -> None:
+    config = {"plugins": {"schedule": {"enabled": False}}, "train": {"log_interval": 1}}
+    result = run_steps(tmp_path, 4, config=config)
+    assert result.exit_code == 0 and "lr" not in result.metrics[-1]
+    assert [g["lr"] for g in result.run.optimizer.param_groups] == [0.01] * len(result.run.optimizer.param_groups)
+
+
+class HalvingSchedule:
+    """A user's own schedule: halve the rate at every update; its state is its count."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer, self.updates = optimizer, 0
+
+    def step(self, samples: int) -> None:
+        self.updates += 1
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.01 * 0.5**self.updates
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.updates = state["updates"]
+        self.step(0)
+        self.updates -= 1
+
+
+class Halving:
+    @hookimpl
+    def configure_scheduler(self, run: Any) -> Any:
+        return HalvingSchedule(run.optimizer)
+
+
+def test_a_plugins_own_schedule_is_stepped_checkpointed_and_resumed(tmp_path: Path) -> None:
+    options = {"plugins": {"halving": Halving()}, "autoload": ("evaluation",)}
+    first = run_steps(tmp_path, 6, config={"train": {"exit_interval": 3}}, **options)
+    assert first.run.scheduler.updates == 3  # type: ignore[attr-defined]
+    resumed = run_steps(tmp_path, 6, **options)
+    assert resumed.run.scheduler.updates == 6  # type: ignore[attr-defined]
+    assert resumed.run.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**6)
+
+
+class Broken:
+    @hookimpl
+    def configure_scheduler(self) -> Any:
+        return 0.1
+
+
+def test_a_schedule_without_step_or_state_is_one_error_naming_the_plugin(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"configure_scheduler \(broken\) returned float, which has no step"):
+        run_steps(tmp_path, 2, plugins={"broken": Broken()}, autoload=("evaluation",))

@@ -202,7 +202,7 @@ RNG = table(
 RANK_FILE = table(
     {
         "train": table({"step": integer(), "consumed_samples": integer(), "skipped_updates": integer()}),
-        "scheduler": table({"samples": integer()}),
+        "scheduler": table({}, {"samples": integer()}, strict=False),  # a plugin's schedule: its own state
         "rng": optional(RNG),
     },
     {
@@ -276,7 +276,8 @@ def check_counters(rank_state: dict[str, Any], path: Path) -> None:
     """The train counters agree with each other: the schedule moved by the samples of every
     update, and a skipped update (which does not move it) is counted; no step is larger than
     any batch could be. One tampered or damaged counter (consumed_samples = 10**15) breaks this."""
-    train, scheduled = rank_state["train"], rank_state["scheduler"]["samples"]
+    train = rank_state["train"]
+    scheduled = rank_state["scheduler"].get("samples", train["consumed_samples"])
     consumed, step, skipped = train["consumed_samples"], train["step"], train["skipped_updates"]
     problem = None
     if consumed > step * MOST_SAMPLES_PER_STEP:

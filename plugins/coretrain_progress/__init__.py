@@ -166,9 +166,10 @@ class Progress:
             if "tokens_per_second" in metrics
             else f"{metrics.get('samples_per_second', 0.0):,.1f} samples/s"
         )
+        lr = f"lr {metrics['lr']:.3e} | " if "lr" in metrics else ""  # no schedule plugin: no lr
         print(
             f"step {step:>{len(str(self._total))}}/{self._total} | loss {metrics.get('loss', math.nan):.4f} | "
-            f"lr {metrics['lr']:.3e} | {rate} | {data_share(metrics)} | ETA {eta(remaining)}",
+            f"{lr}{rate} | {data_share(metrics)} | ETA {eta(remaining)}",
             flush=True,
         )
 

@@ -1,13 +1,15 @@
-"""The learning-rate and weight-decay schedule: Megatron's OptimizerParamScheduler, counted in samples."""
+"""The schedule's arithmetic: Megatron's OptimizerParamScheduler, counted in samples."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
-from coretrain.config import SchedulerConfig
+if TYPE_CHECKING:
+    from coretrain_schedule import Schedule
 
 
 class ParamScheduler:
@@ -24,7 +26,7 @@ class ParamScheduler:
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_lr: float, total_samples: int, batch: int
+        self, optimizer: torch.optim.Optimizer, cfg: Schedule, max_lr: float, total_samples: int, batch: int
     ) -> None:
         self.optimizer, self.cfg, self.max_lr, self.global_batch_size = optimizer, cfg, max_lr, batch
         self.decay = cfg.decay_samples or (cfg.decay_iters or 0) * batch or max(total_samples, 1)
