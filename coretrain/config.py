@@ -46,8 +46,6 @@ class RunConfig:
     for its overflow check, as in Megatron)."""
     output_dir: str = "runs/{name}"
     """Where config.toml, metrics.jsonl and checkpoints go; ``{name}`` is replaced by run.name."""
-    peak_tflops: float | None = field(default=None, validator=_positive)
-    """Peak TFLOP/s of one device, for MFU; unset = a table of known GPUs."""
     threads: int | None = field(default=None, validator=_positive)
     """torch intra-op threads; unset leaves torch's default."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -192,8 +190,6 @@ class DistributedConfig:
     init_timeout_seconds: float = field(default=600.0, validator=_positive)
     """Start-up and the first step (compilation, loading, a slow filesystem), evaluation and
     checkpoints: a rank that makes no progress for this long is named and the job ends."""
-    step_timeout_seconds: float = field(default=300.0, validator=_positive)
-    """After the first step: a rank stuck this long in one step is named and the job ends."""
 
     def resolved_strategy(self, world_size: int) -> str | None:
         """The data-parallel plugin to enable, if any (DDP cannot hold tensor-parallel weights)."""

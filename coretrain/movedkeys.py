@@ -18,6 +18,8 @@ log = logging.getLogger("coretrain")
 MOVED: dict[str, tuple[str, bool]] = {
     "scheduler": ("plugins.schedule", True),
     "checkpoint.keep_best": ("plugins.keep-best.metric", True),
+    "run.peak_tflops": ("plugins.timers.peak_tflops", True),
+    "distributed.step_timeout_seconds": ("plugins.watchdog.step_timeout_seconds", True),
     "checkpoint.keep_best_mode": ("plugins.keep-best.mode", False),
 }
 """Old dotted key -> (new dotted key, whether the old key alone turns the new table on: a

@@ -9,6 +9,8 @@ import pytest
 import tomli
 from conftest import tiny_gpt_config
 
+import coretrain
+from coretrain import movedkeys
 from coretrain.config import Config
 from coretrain.configload import load_config, structure
 
@@ -193,3 +195,32 @@ def test_a_third_party_plugins_own_attrs_validators_name_the_option_and_the_set_
         with pytest.raises(UserError) as error:
             structure(table, LrCsv, prefix=("plugins", "lr-csv"), locations=where)
         assert expected in str(error.value) and "expected a table" not in str(error.value)
+
+
+OLD_VALUES = {
+    "checkpoint.keep_best": "valid/loss",
+    "checkpoint.keep_best_mode": "max",
+    "run.peak_tflops": 312.0,
+    "distributed.step_timeout_seconds": 60.0,
+    "scheduler": {"decay_style": "linear"},
+}
+
+
+@pytest.mark.parametrize("old", sorted(movedkeys.MOVED))
+def test_every_moved_key_still_loads_at_its_new_place_with_one_warning(
+    old: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key that moved with its feature to a plugin's table keeps working (DEVELOPERS.md's rule)."""
+    monkeypatch.setattr(movedkeys, "_warned", set())
+    new, _ = movedkeys.MOVED[old]
+    value = OLD_VALUES[old]
+    extra = {"plugins.keep-best.metric": "valid/loss"} if old == "checkpoint.keep_best_mode" else {}
+    with caplog.at_level("WARNING", logger="coretrain"):
+        for _ in range(2):
+            loaded = coretrain.load({"model": {"provider": "m"}}, {old: value, **extra})
+    data = coretrain.config_as_dict(loaded.config)
+    for part in new.split("."):
+        data = data[part]
+    assert data == value
+    said = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert said == [f"overrides[{old!r}]: {old} is deprecated: it is {new} now; rename it"]

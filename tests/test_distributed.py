@@ -398,7 +398,7 @@ def test_an_output_dir_the_nodes_do_not_share_is_one_clear_error(tmp_path: Path)
 def test_a_hung_rank_is_named_with_its_step_and_phase_and_the_job_ends(tmp_path: Path) -> None:
     config = write(tmp_path, "run", train_iters=40, eval_iters=0)
     hang = '[plugins.fault-injection]\naction = "hang"\nstep = 6\nranks = [1]\n'
-    config.write_text(config.read_text() + "\n[distributed]\nstep_timeout_seconds = 3\n" + hang)
+    config.write_text(config.read_text() + "\n[plugins.watchdog]\nstep_timeout_seconds = 3\n" + hang)
     # with no watchdog this would hang until the test's own timeout, not end with an error
     result = torchrun("run", str(config), cwd=tmp_path)
     assert result.returncode != 0

@@ -111,7 +111,7 @@ def test_checkpoint_list_and_export(tmp_path: Path) -> None:
 
 def test_logged_metrics_include_throughput_flops_mfu_time_and_memory(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=20, log_interval=10, eval_iters=0)
-    result = run_here("run", str(config), "--set", "run.peak_tflops=0.5", cwd=tmp_path)
+    result = run_here("run", str(config), "--set", "plugins.timers.peak_tflops=0.5", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     first, last = [r for r in metrics_rows(out) if "loss" in r]
     assert last["consumed_tokens"] == last["consumed_samples"] * 32 == 20 * 8 * 32
@@ -175,7 +175,7 @@ def test_report_plots_the_run_and_prints_its_summary(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(
         tmp_path, train_iters=20, log_interval=5, eval_interval=10, extra="\n[plugins.model-stats]\n"
     )
-    assert run_cli("run", str(config), "--set", "run.peak_tflops=0.5", cwd=tmp_path).returncode == 0
+    assert run_cli("run", str(config), "--set", "plugins.timers.peak_tflops=0.5", cwd=tmp_path).returncode == 0
     result = run_cli("report", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     rows = metrics_rows(out)

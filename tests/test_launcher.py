@@ -233,7 +233,7 @@ def test_a_frozen_rank_is_named_by_the_others_and_in_the_jobs_last_line(tmp_path
     waiting for it, reads the heartbeats in the rendezvous store (rank 0 holds that store under
     coretrain's launcher: its silence names it) and ends the job; the launcher's last line
     names the frozen rank, not the one that reported it."""
-    timeouts = "[distributed]\nstep_timeout_seconds = 6\ninit_timeout_seconds = 300\n"
+    timeouts = "[distributed]\ninit_timeout_seconds = 300\n[plugins.watchdog]\nstep_timeout_seconds = 6\n"
     config, out = write_tiny_gpt(tmp_path, timeouts, train_iters=100000, log_interval=10, eval_iters=0)
     errors = tmp_path / "stderr.log"
     with open(errors, "w") as stderr:

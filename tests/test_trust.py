@@ -712,7 +712,7 @@ def test_out_of_memory_in_a_step_is_one_line_with_the_sizes(tmp_path: Path) -> N
 
 
 def test_a_hung_plugin_in_a_single_process_run_is_named_and_the_run_ends(tmp_path: Path) -> None:
-    hang = '\n[plugins.fault-injection]\naction = "hang"\nstep = 3\n\n[distributed]\nstep_timeout_seconds = 2\n'
+    hang = '\n[plugins.fault-injection]\naction = "hang"\nstep = 3\n\n[plugins.watchdog]\nstep_timeout_seconds = 2\n'
     config, out = write_tiny_gpt(tmp_path, train_iters=40, log_interval=1, eval_iters=0, extra=hang)
     # with no watchdog on one rank this hung until the test's own timeout
     result = run_cli("run", str(config), cwd=tmp_path, timeout=120)

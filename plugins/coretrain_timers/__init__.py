@@ -15,7 +15,7 @@ setting that helps.
 
 From the core's rates (``samples_per_second``, ``iteration_time``) and ``run.flops_per_sample``:
 ``samples_per_second_per_device``, ``tokens_per_second_per_device``, ``consumed_tokens``,
-``tflops_per_device``, ``mfu`` (against ``run.peak_tflops`` or the GPU's entry in a table of
+``tflops_per_device``, ``mfu`` (against ``peak_tflops`` or the GPU's entry in a table of
 dense bf16 peaks), ``elapsed_seconds`` and ``remaining_seconds``.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from attrs import define, field
 
-from coretrain import Run, fraction, hookimpl, max_over_ranks
+from coretrain import Run, fraction, hookimpl, max_over_ranks, positive
 from coretrain_timers.flops import flops_per_sample
 from coretrain_timers.memory import memory
 
@@ -114,17 +114,19 @@ def _new_events() -> tuple[Any, Any, Any]:
     return new(enable_timing=True), new(enable_timing=True), new(enable_timing=True)  # type: ignore[no-untyped-call]
 
 
-def peak_tflops(run: Run) -> float | None:
-    """``run.peak_tflops`` if set, else the table's entry for this GPU, else unknown."""
-    if run.config.run.peak_tflops:
-        return run.config.run.peak_tflops
+def peak_tflops(run: Run, configured: float | None) -> float | None:
+    """``plugins.timers.peak_tflops`` if set, else the table's entry for this GPU, else unknown."""
+    if configured:
+        return configured
     if run.device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(run.device)
     return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
-def throughput(run: Run, samples_per_second: float, iteration_time: float, elapsed: float) -> dict[str, float]:
+def throughput(
+    run: Run, samples_per_second: float, iteration_time: float, elapsed: float, peak: float | None
+) -> dict[str, float]:
     """Tokens, FLOPs and MFU per device, consumed tokens, elapsed and estimated remaining time."""
     world = run.dist.world_size
     metrics = {
@@ -135,7 +137,6 @@ def throughput(run: Run, samples_per_second: float, iteration_time: float, elaps
     if run.flops_per_sample:
         tflops = samples_per_second * run.flops_per_sample / world / 1e12
         metrics["tflops_per_device"] = tflops
-        peak = peak_tflops(run)
         if peak:
             metrics["mfu"] = tflops / peak
     seq_length = run.datasets.seq_length
@@ -151,6 +152,8 @@ class Timers:
 
     input_bound_share: float = field(default=0.3, validator=fraction)
     """Warn once when the slowest rank waits this share of a step for data (0 = never)."""
+    peak_tflops: float | None = field(default=None, validator=positive)
+    """Peak TFLOP/s of one device, for MFU; unset = a table of known GPUs (was run.peak_tflops)."""
     _times: PhaseTimes | None = field(default=None, init=False, repr=False)
     _said: bool = field(default=False, init=False, repr=False)
 
@@ -174,7 +177,15 @@ class Timers:
     @hookimpl(tryfirst=True)  # before the progress view and the backends, which show these
     def on_log(self, run: Run, metrics: dict[str, float]) -> None:
         elapsed = time.monotonic() - run.started_at
-        metrics.update(throughput(run, metrics["samples_per_second"], metrics["iteration_time"], elapsed))
+        metrics.update(
+            throughput(
+                run,
+                metrics["samples_per_second"],
+                metrics["iteration_time"],
+                elapsed,
+                peak_tflops(run, self.peak_tflops),
+            )
+        )
         metrics.update(memory(run.device))
         if self._times is None:
             return

@@ -5,7 +5,7 @@ and report themselves, while the rank that hung — in a plugin's hook, a data w
 deadlock — says nothing; and a single process that hangs just hangs. Here the loop's phase
 marks (hook ``phase_listener``; each mark is two attribute writes) tell a daemon thread in
 every process, one rank or many, where the loop is: after
-``distributed.step_timeout_seconds`` without one (``init_timeout_seconds`` before the first
+``step_timeout_seconds`` without one (``init_timeout_seconds`` before the first
 step completes, and during evaluation and checkpoints, which may take long) it prints
 ``rank 1: no progress for 60 s at step 412, last in pre_step (plugin 'x', in its pre_step), at
 FILE:LINE in FUNCTION`` and ends the process, so the launcher takes the job down. A rank
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from attrs import define, field
 
-from coretrain import Outcome, Run, hookimpl
+from coretrain import Outcome, Run, hookimpl, positive
 from coretrain_watchdog.heartbeat import Heartbeat
 
 log = logging.getLogger("coretrain")
@@ -46,8 +46,12 @@ that really hung (in a local phase) reports first and names itself."""
 
 @define(kw_only=True)
 class Watchdog:
-    """Ends a rank that makes no progress for distributed.step_timeout_seconds, naming where it hung."""
+    """Ends a rank that makes no progress for step_timeout_seconds, naming where it hung."""
 
+    step_timeout_seconds: float = field(default=300.0, validator=positive)
+    """After the first step: a rank stuck this long in one step is named and the job ends (before
+    it, and in evaluation and checkpoints: distributed.init_timeout_seconds). Was
+    distributed.step_timeout_seconds."""
     _watch: HangWatch | None = field(default=None, init=False, repr=False)
 
     @hookimpl
@@ -56,12 +60,12 @@ class Watchdog:
         self._watch = HangWatch(
             run.dist.rank,
             timeouts.init_timeout_seconds,
-            timeouts.step_timeout_seconds,
+            self.step_timeout_seconds,
             Path(run.output_dir),
             run.plugins.running,
         )
         self._watch.heartbeat = Heartbeat.of_this_job(
-            run.dist.rank, max(1.0, min(10.0, timeouts.step_timeout_seconds / 10)), self._watch.mark
+            run.dist.rank, max(1.0, min(10.0, self.step_timeout_seconds / 10)), self._watch.mark
         )
         return self._watch.start().beat
 
