@@ -98,25 +98,16 @@ def train(
     run by name (Lightning's ``callbacks=[...]``). Raises :class:`coretrain.UserError` for a
     mistake in the config or the data, and whatever a failing plugin or the model raised.
     """
-    from coretrain import dist
-    from coretrain.build import build_run
-    from coretrain.loop import Trainer
+    from coretrain.session import run_session, session_plugins
     from coretrain.signals import SignalWatcher
 
     loaded = load(config, overrides)
     recorder = ResultRecorder()
-    manager = pluginmanager.load_plugins(loaded.config, loaded.locations)
-    for name, instance in {**(plugins or {}), "coretrain-api-result": recorder}.items():
-        manager.register(name, instance)
-    manager.check_pending()
+    manager = session_plugins(loaded, {**(plugins or {}), "coretrain-api-result": recorder})
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may take signals
     signals = SignalWatcher(impatient="raise") if in_main_thread else SignalWatcher([])
     with _console_logging(loaded.config.run.log_level), signals:
-        try:
-            run = build_run(loaded.config, manager, signals=signals)
-            code = Trainer(run, signals).train()
-        finally:
-            dist.shutdown()
+        code, run = run_session(loaded, manager, signals)
     return recorder.result(code, run.state.step, Path(loaded.config.output_dir))
 
 
@@ -133,12 +124,10 @@ def prepare(config: str | Path | Mapping[str, Any], overrides: Overrides = ()) -
     (layout, batch sizes, providers and their options, splits, model, optimizer, the plan of
     steps) — without training or writing a file: ``coretrain config validate``, a notebook."""
     from coretrain.build import build_run, planned_steps
-    from coretrain.config import world_size_from_env
+    from coretrain.session import session_plugins
 
     loaded = load(config, overrides)
-    plugins = pluginmanager.load_plugins(loaded.config, loaded.locations)
-    loaded.config.check_world(world_size_from_env())
-    run = build_run(loaded.config, plugins, write_config=False)
+    run = build_run(loaded.config, session_plugins(loaded), write_config=False)
     planned_steps(run)
     return run
 

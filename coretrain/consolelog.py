@@ -117,7 +117,8 @@ def setup_logging(level_name: str, output_dir: str | None) -> LibraryNoise:
             handlers.append(to_file)
     logging.basicConfig(level=level, force=True, handlers=handlers)
     warnings.simplefilter("once")
-    logging.captureWarnings(True)
+    logging.captureWarnings(False)  # captureWarnings(True) is a no-op while an earlier capture is on,
+    logging.captureWarnings(True)  # though warnings.showwarning may have been reset since (a second run)
     return noise
 
 

@@ -31,10 +31,8 @@ from typing import Any
 import attrs
 import torch
 
-from coretrain.build import build_run
 from coretrain.configload import deep_merge, load_config, toml_text
 from coretrain.markers import hookimpl
-from coretrain.pluginmanager import load_plugins
 from coretrain.run import DatasetContext, Datasets, Run
 
 TINY_MODEL = "coretrain.testing:tiny_model"
@@ -218,23 +216,17 @@ def run_steps(
     job does. Errors are raised as the CLI would report them (:class:`coretrain.UserError` for
     a mistake in the config, ``PluginError`` naming a failing plugin).
     """
+    from coretrain.session import run_session, session_plugins
+
     loaded = load_config(_write_steps_config(Path(tmp_path), steps, tables or {}, config or {}))
-    manager = load_plugins(loaded.config, loaded.locations, autoload=autoload)
-    for name, instance in (plugins or {}).items():
-        manager.register(name, instance)
-    manager.register("coretrain-testing-metrics", MetricsObserver())
-    manager.check_pending()
+    extra = {**(plugins or {}), "coretrain-testing-metrics": MetricsObserver()}
+    manager = session_plugins(loaded, extra, autoload=autoload)
     recorder = HookRecorder()
     undo = recorder.attach(manager)
-    from coretrain import dist
-    from coretrain.loop import Trainer
-
     try:
-        run = build_run(loaded.config, manager)
-        code = Trainer(run).train()
+        code, run = run_session(loaded, manager)
     finally:
         undo()
-        dist.shutdown()
     return Result(exit_code=code, run=run, calls=recorder.calls, output_dir=Path(loaded.config.output_dir))
 
 

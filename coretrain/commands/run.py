@@ -86,34 +86,32 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, signals: Any) -> int:
     from coretrain.configload import load_config
     from coretrain.consolelog import say_held, setup_logging
+    from coretrain.session import session_plugins
 
     loaded = said_once(lambda: load_config(args.config, args.overrides))
     noise = setup_logging(args.log_level or loaded.config.run.log_level, loaded.config.output_dir)
     signals.check()
-    plugins = said_once(lambda: plugins_for_these_ranks(loaded))
+    plugins = said_once(lambda: session_plugins(loaded))
     signals.check()
 
-    from coretrain import dist
-    from coretrain.build import build_run
     from coretrain.errors import FAILURE_EXIT_CODE, PluginError, RunFailure, UserError, summary
-    from coretrain.loop import Trainer
+    from coretrain.session import run_session
     from coretrain.signals import Interrupted
 
+    written: list[str] = []
+
+    def traceback_of(exc: BaseException) -> None:  # a plugin's or the core's failure: its traceback in a file
+        if isinstance(exc, Exception) and not isinstance(exc, (UserError, RunFailure, Interrupted)):
+            written.append(_write_traceback(loaded.config.output_dir, exc, args.traceback))
+
     try:
-        code = Trainer(build_run(loaded.config, plugins, signals=signals), signals).train()
-    except (UserError, RunFailure, Interrupted, KeyboardInterrupt) as exc:
-        _drop_frames(exc)
-        dist.shutdown()
-        raise
-    except Exception as exc:  # a plugin's or the core's failure: one line here, the traceback in a file
-        where = _write_traceback(loaded.config.output_dir, exc, args.traceback)
-        message = str(exc) if isinstance(exc, PluginError) else summary(exc)
-        _drop_frames(exc)
-        dist.shutdown()
-        print(f"error: {message}", file=sys.stderr)
-        print(f"  full traceback: {where}", file=sys.stderr)
+        code, _ = run_session(loaded, plugins, signals, on_error=traceback_of)
+    except Exception as exc:
+        if not written:
+            raise
+        print(f"error: {str(exc) if isinstance(exc, PluginError) else summary(exc)}", file=sys.stderr)
+        print(f"  full traceback: {written[0]}", file=sys.stderr)
         return FAILURE_EXIT_CODE
-    dist.shutdown(graceful=True)
     say_held(noise, loaded.config.output_dir)
     return code
 
@@ -137,23 +135,6 @@ def said_once(check: Callable[[], T]) -> T:
         if os.environ.get("LOCAL_RANK", "0") != "0":
             raise SaidByLocalRank0 from None
         raise
-
-
-def plugins_for_these_ranks(loaded: Any) -> Any:
-    """The config's plugins, and the layout and batch sizes checked against the number of ranks."""
-    from coretrain.config import world_size_from_env
-    from coretrain.pluginmanager import load_plugins
-
-    plugins = load_plugins(loaded.config, loaded.locations)
-    loaded.config.check_world(world_size_from_env())
-    return plugins
-
-
-def _drop_frames(exc: BaseException | None) -> None:
-    """Forget the frames an exception chain holds: they hold the run, which shutdown must free."""
-    while exc is not None:
-        exc.__traceback__ = None
-        exc = exc.__cause__ or exc.__context__
 
 
 def _write_traceback(output_dir: str, exc: BaseException, to_stderr: bool) -> str:

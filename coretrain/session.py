@@ -1,0 +1,62 @@
+"""One run's lifecycle, written once: plugins → build (the output dir locked) → resume → train →
+close. ``coretrain run``, ``coretrain.train()`` and ``coretrain.testing`` all go through it and
+differ only in what they do around it (the CLI's error lines, the API's result, a test's hook
+recorder)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING
+
+from coretrain import dist
+from coretrain.build import build_run
+from coretrain.config import world_size_from_env
+from coretrain.loop import Trainer
+from coretrain.pluginmanager import Plugins, load_plugins
+
+if TYPE_CHECKING:
+    from coretrain.configload import LoadedConfig
+    from coretrain.run import Run
+    from coretrain.signals import SignalWatcher
+
+
+def session_plugins(
+    loaded: LoadedConfig, extra: Mapping[str, object] | None = None, autoload: bool | Collection[str] | None = None
+) -> Plugins:
+    """The config's plugins and ``extra`` instances (a caller's own, by name), every hook name
+    checked, and the layout and batch sizes checked against the ranks this job has."""
+    plugins = load_plugins(loaded.config, loaded.locations, autoload=autoload)
+    for name, instance in (extra or {}).items():
+        plugins.register(name, instance)
+    plugins.check_pending()
+    loaded.config.check_world(world_size_from_env())
+    return plugins
+
+
+def run_session(
+    loaded: LoadedConfig,
+    plugins: Plugins,
+    signals: SignalWatcher | None = None,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> tuple[int, Run]:
+    """Build, resume, train and close; the exit code and the run. ``on_error`` sees a failure
+    while the frames that hold the run still exist (the CLI writes its traceback); then the run
+    is let go and the process group left before the failure propagates."""
+    try:
+        run = build_run(loaded.config, plugins, signals=signals)
+        code = Trainer(run, signals).train()
+    except BaseException as exc:
+        if on_error is not None:
+            on_error(exc)
+        drop_frames(exc)
+        dist.shutdown()
+        raise
+    dist.shutdown(graceful=True)
+    return code, run
+
+
+def drop_frames(exc: BaseException | None) -> None:
+    """Forget the frames an exception chain holds: they hold the run, which shutdown must free."""
+    while exc is not None:
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
