@@ -18,6 +18,7 @@ from attrs import frozen
 
 from coretrain import checkpoint, resume, safeload
 from coretrain.build import planned_steps, record_config
+from coretrain.checkpoint.saves import Saves
 from coretrain.checkpoint.state import keeping_rng
 from coretrain.errors import PluginError, RunFailure
 from coretrain.hookspecs import Outcome
@@ -116,13 +117,12 @@ class Trainer:
         self.run = run
         self.hooks = ResolvedHooks(run)
         self.log = IntervalLog(run.device)
-        self.last_saved_step = -1
         self.feed: TrainBatches | None = None
         self._data_state: dict[str, Any] | None = None
         """A stream's position from the checkpoint resumed from, for the feed made in _steps."""
         self.evaluated_at: dict[str, int] = {}
         """Split -> the last step it was evaluated (and logged) at."""
-        self.checkpointer = checkpoint.Checkpointer(run)
+        self.saves = Saves(run, self.hooks.on_checkpoint_saved)
         train = run.config.train
         watched = train.exit_signals if train.exit_signal_handler else []
         if signals is None:
@@ -154,39 +154,26 @@ class Trainer:
         path, state = restored.path, restored.rank_state
         self._data_state = state.get("data")
         self.log.restore(state.get("interval_log", {}), run.device, run.state.step)
-        self.last_saved_step = run.state.step
+        self.saves.last_step = run.state.step
         self.evaluated_at = {split: run.state.step for split in restored.manifest.get("evaluated", [])}
         keeping_rng(hook_calls(run).on_resume)(run=run, step=run.state.step, states=state.get("plugins", {}))
         log.info("resumed from %s (step %d, %d samples consumed)", path, run.state.step, run.state.consumed_samples)
 
     def save(self) -> None:
+        """The state at this step, with the loop's own parts (unless saved already or saving is off)."""
         run = self.run
-        if not run.config.checkpoint.save or self.last_saved_step == run.state.step:
+        if not self.saves.needed():
             return
         self.mark(run.state.step, "checkpoint")
         self.log.check_finite(run)  # weights updated from a NaN loss are never saved
         data_state = self.feed.state_dict() if self.feed is not None else self._data_state
-        _, blocked = self.checkpointer.save(
-            {
-                "plugins": plugin_states(run),
-                "interval_log": self.log.pending(),
-                **({"interval_log_mean": self.log.pending(over_ranks=True)} if run.dist.world_size > 1 else {}),
-                **({"data": data_state} if data_state else {}),
-            },
-            evaluated=self._evaluated_now(),
-        )
-        self.last_saved_step = run.state.step
-        run.control.checkpoint_requested = False
-        if self.checkpointer.in_flight:
-            log.info("checkpoint step %d: training blocked %.3f s; writing in the background", run.state.step, blocked)
-        else:
-            log.info("checkpoint step %d saved in %.3f s", run.state.step, blocked)
-            self._saved(run.state.step)
-
-    def _saved(self, step: int | None) -> None:
-        if step is not None and self.hooks.on_checkpoint_saved:
-            path = checkpoint.step_dir(checkpoint.checkpoint_root(self.run), step)
-            self.hooks.on_checkpoint_saved(run=self.run, step=step, path=str(path))
+        state = {
+            "plugins": plugin_states(run),
+            "interval_log": self.log.pending(),
+            **({"interval_log_mean": self.log.pending(over_ranks=True)} if run.dist.world_size > 1 else {}),
+            **({"data": data_state} if data_state else {}),
+        }
+        self.saves.save(state, self._evaluated_now())
 
     # ---------------------------------------------------------------- the loop
 
@@ -212,9 +199,9 @@ class Trainer:
             raise RunFailure(out_of_memory(run, exc)) from exc
         finally:
             self.mark(run.state.step, "end")
-            if outcome == "error" and self.checkpointer.in_flight:
+            if outcome == "error" and self.saves.writer.in_flight:
                 with contextlib.suppress(Exception):  # the error in hand is the one to report
-                    self.checkpointer.wait()
+                    self.saves.writer.wait()
             try:
                 self._end(outcome)
             finally:
@@ -233,8 +220,7 @@ class Trainer:
         if outcome == "completed":  # an exit condition means "stop now", as in Megatron
             self.save()  # the trained weights first: a failing validation cannot lose them
             self._final_eval()
-        self._saved(self.checkpointer.wait())  # a save in flight finishes before we leave
-        self._mark_final_validation()
+        self.saves.finish(self._evaluated_now())  # a save in flight finishes before we leave
         return outcome
 
     def _end(self, outcome: Outcome) -> None:
@@ -263,14 +249,6 @@ class Trainer:
 
     def _evaluated_now(self) -> list[str]:
         return sorted(split for split, step in self.evaluated_at.items() if step == self.run.state.step)
-
-    def _mark_final_validation(self) -> None:
-        """Tell the final checkpoint what was evaluated after it, so re-running a finished run adds no row."""
-        run = self.run
-        if run.dist.is_main and self.last_saved_step == run.state.step and run.config.checkpoint.save:
-            directory = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
-            checkpoint.mark_evaluated(directory, self._evaluated_now())
-            checkpoint.apply_retention(directory.parent, run.config.checkpoint.keep_last)  # a best replaced after it
 
     def _eval(self, split: str = "valid") -> None:
         """Evaluate each dataset of ``split`` (one, or several by name) if a plugin evaluates
@@ -340,10 +318,9 @@ class Trainer:
             self._log(step)
         if run.cadence.evaluates(step):
             self._eval("valid")
-        if self.checkpointer.in_flight:
-            self._saved(self.checkpointer.done())
+        self.saves.poll()
         reason = self.stops.after(step)
-        if self._checkpoint_due(step, reason):
+        if self.saves.due(step, reason):
             self.save()
         if reason is not None:
             log.info("stopping at step %d: %s", step, run.control.stop_reason or reason)
@@ -371,14 +348,6 @@ class Trainer:
         metrics = self.log.flush(self.run)
         if self.hooks.on_log:
             self.hooks.on_log(run=self.run, step=step, metrics=metrics)
-
-    def _checkpoint_due(self, step: int, reason: Outcome | None) -> bool:
-        """Every save_interval, when a plugin asks, and before stopping — except that a plugin's
-        stop says itself whether this state is worth saving."""
-        requested = self.run.control.checkpoint_requested
-        if reason == "stopped":
-            return requested
-        return bool(reason or requested or self.run.cadence.saves(step))
 
     def _micro_batches_deciding(self) -> Callable[[int, int], int]:
         """Micro-batches for (step, consumed samples): a plugin's answer (rampup) or the configured."""

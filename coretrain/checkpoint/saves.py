@@ -1,0 +1,73 @@
+"""When a run saves, and what follows a save — decided here, not in the loop (torchtitan's
+``checkpointer.save(step)`` decides itself).
+
+A save is due every ``checkpoint.save_interval``, when a plugin asks (``run.control``), and
+before stopping — except that a plugin's stop says itself whether its state is worth saving.
+Once a save is committed (at once, or later when written in the background) plugins hear
+``on_checkpoint_saved``. After the final validation the final checkpoint records what was
+evaluated after it, and retention runs once more (a ``best`` link may have moved since).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from coretrain.checkpoint.layout import apply_retention, mark_evaluated, step_dir
+from coretrain.checkpoint.writer import Checkpointer, checkpoint_root
+from coretrain.hookspecs import Outcome
+from coretrain.run import Run
+
+log = logging.getLogger("coretrain")
+
+
+class Saves:
+    """The run's checkpoints from the loop's side: is one due, write it, say when it is committed."""
+
+    def __init__(self, run: Run, on_saved: Callable[..., None] | None) -> None:
+        self.run = run
+        self.writer = Checkpointer(run)
+        self.on_saved = on_saved
+        self.last_step = -1
+        """The step of the newest checkpoint this run wrote or resumed from."""
+
+    def due(self, step: int, reason: Outcome | None) -> bool:
+        requested = self.run.control.checkpoint_requested
+        if reason == "stopped":
+            return requested
+        return bool(reason or requested or self.run.cadence.saves(step))
+
+    def needed(self) -> bool:
+        """Whether the state at this step is not saved yet (and saving is on)."""
+        return self.run.config.checkpoint.save and self.last_step != self.run.state.step
+
+    def save(self, state: dict[str, Any], evaluated: list[str]) -> None:
+        run = self.run
+        _, blocked = self.writer.save(state, evaluated=evaluated)
+        self.last_step = run.state.step
+        run.control.checkpoint_requested = False
+        if self.writer.in_flight:
+            log.info("checkpoint step %d: training blocked %.3f s; writing in the background", run.state.step, blocked)
+        else:
+            log.info("checkpoint step %d saved in %.3f s", run.state.step, blocked)
+            self.committed(run.state.step)
+
+    def poll(self) -> None:
+        """A background save that finished since: its ``on_checkpoint_saved``."""
+        if self.writer.in_flight:
+            self.committed(self.writer.done())
+
+    def committed(self, step: int | None) -> None:
+        if step is not None and self.on_saved is not None:
+            path = step_dir(checkpoint_root(self.run), step)
+            self.on_saved(run=self.run, step=step, path=str(path))
+
+    def finish(self, evaluated: list[str]) -> None:
+        """The save in flight finishes; the final checkpoint learns what was evaluated after it."""
+        self.committed(self.writer.wait())
+        run = self.run
+        if run.dist.is_main and self.last_step == run.state.step and run.config.checkpoint.save:
+            directory = step_dir(checkpoint_root(run), run.state.step)
+            mark_evaluated(directory, evaluated)
+            apply_retention(directory.parent, run.config.checkpoint.keep_last)
