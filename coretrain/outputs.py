@@ -109,35 +109,32 @@ def call(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[to
     """One forward: the loss and the named scalar values to log."""
     if loss_fn is None:
         return split_output(call_model(model, batch))
-    if isinstance(batch, dict):
-        inputs = dict(batch)
-        if TARGET_KEY not in inputs:
-            raise UserError(
-                f"model.loss needs a target: dict batches carry it under '{TARGET_KEY}' "
-                f"(this batch has {sorted(inputs)})"
-            )
-        target = inputs.pop(TARGET_KEY)
-        output = model(**inputs)
-    elif isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        *inputs_list, target = batch
-        output = model(*inputs_list)
-    else:
+    inputs, target = inputs_and_target(batch)
+    if target is None and isinstance(batch, dict):
+        raise UserError(
+            f"model.loss needs a target: dict batches carry it under '{TARGET_KEY}' (this batch has {sorted(batch)})"
+        )
+    if target is None:
         raise UserError("model.loss needs a target: a batch of (inputs..., target) or a dict with 'labels'")
-    return split_output(loss_fn(output, target))
+    return split_output(loss_fn(call_model(model, inputs), target))
+
+
+def inputs_and_target(batch: Any) -> tuple[Any, Any]:
+    """A batch for a model with ``model.loss``: what the model gets, and the target held back
+    (the dict's ``labels``, or a tuple's last item); None when the batch has no target."""
+    if isinstance(batch, dict) and TARGET_KEY in batch:
+        return {name: value for name, value in batch.items() if name != TARGET_KEY}, batch[TARGET_KEY]
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        *inputs, target = batch
+        return tuple(inputs), target
+    return batch, None
 
 
 def model_outputs(run: Run, batch: Any) -> tuple[Any, Any]:
     """(the model's outputs, the batch's target or None) as a prediction sees them: with
     ``model.loss`` set the target is held back from the model, as in training; without, the
     model gets the whole batch (and its outputs may hold the loss). Under the run's precision."""
-    target = None
-    inputs = batch
-    if run.loss_fn is not None and isinstance(batch, dict) and TARGET_KEY in batch:
-        inputs = {name: value for name, value in batch.items() if name != TARGET_KEY}
-        target = batch[TARGET_KEY]
-    elif run.loss_fn is not None and isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        *first, target = batch
-        inputs = tuple(first)
+    inputs, target = inputs_and_target(batch) if run.loss_fn is not None else (batch, None)
     with autocast(run):
         return call_model(run.model, inputs), target
 

@@ -26,7 +26,7 @@ from coretrain.checkpoint import (
     step_dir,
     step_dirs,
 )
-from coretrain.checkpoint.load import load_sharded, load_whole, load_whole_optimizer
+from coretrain.checkpoint.load import load_sharded, load_whole, load_whole_optimizer, read_weights
 from coretrain.checkpoint.state import frozen_names
 from coretrain.configchanges import check_changes, config_changes
 from coretrain.configload import config_as_dict
@@ -316,7 +316,7 @@ def load_pretrained(run: Run, path: str) -> None:
         if info["layout"] == "sharded":
             load_sharded(run.model, None, directory / "sharded", frozen_saved, run.dist.world_size == 1)
             return
-        weights = safeload.load_file(directory / "model.pt")
+        weights = read_weights(directory)
     if not isinstance(weights, dict):
         raise CheckpointUnreadable(directory, "not a state dict of model weights")
     check_model_fits(directory, weights, run.unwrapped_model, frozen_saved=frozen_saved)

@@ -178,3 +178,81 @@ def test_the_trainer_stays_within_250_lines() -> None:
     tree = ast.parse((REPO / "coretrain" / "loop.py").read_text())
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
     assert trainer.end_lineno is not None and trainer.end_lineno - trainer.lineno + 1 <= 250
+
+
+# --------------------------------------------------------------------------- no feature leakage
+
+
+def attributes_read(paths: list[Path]) -> set[str]:
+    return {n.attr for p in paths for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Attribute)}
+
+
+def plugin_packages_reading(name: str, public: bool = False) -> set[str]:
+    """The plugin packages that read attribute ``name`` (or, ``public``: import it from coretrain)."""
+    found = set()
+    for path in (REPO / "plugins").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            via_import = isinstance(node, ast.ImportFrom) and node.module == "coretrain"
+            if (via_import and any(a.name == name for a in node.names)) or (
+                isinstance(node, ast.Attribute) and node.attr == name and (not public or _on_coretrain(node))
+            ):
+                found.add(path.relative_to(REPO / "plugins").parts[0])
+    return found
+
+
+def _on_coretrain(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id == "coretrain"
+
+
+def config_keys(cls: type, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    import attrs
+
+    keys = []
+    for f in attrs.fields(cls):
+        factory = f.default.factory if isinstance(f.default, attrs.Factory) else None  # type: ignore[union-attr]
+        if factory is not None and attrs.has(factory):
+            keys += config_keys(factory, (*prefix, f.name))
+        else:
+            keys.append((*prefix, f.name))
+    return keys
+
+
+def test_every_core_config_key_is_read_by_the_core_or_by_two_plugins() -> None:
+    """A key only one plugin reads belongs in that plugin's table (the old spelling moves with one
+    deprecation warning: coretrain/movedkeys.py)."""
+    read_by_core = attributes_read(CORE_MODULES)
+    leaks = {
+        ".".join(key): sorted(plugin_packages_reading(key[-1]))
+        for key in config_keys(Config)
+        if key[-1] not in read_by_core and len(plugin_packages_reading(key[-1])) < 2
+    }
+    assert not leaks
+
+
+USER_API = {
+    "train": "a run from a notebook or script",
+    "TrainResult": "what train() returns",
+    "load": "a config as a run sees it",
+    "prepare": "a run built and checked, untrained (a notebook; config validate)",
+    "load_plugins": "a config's plugins without a run",
+    "RandomWindows": "for users' own data providers",
+    "model_outputs": "for users' own predict_step: the outputs and target of a batch",
+    "hookspec": "a plugin distribution's own hook specifications",
+    "__version__": "the package's version",
+}
+"""Public names that are for users (scripts, notebooks, their own plugins), not for one plugin."""
+
+
+def test_no_public_name_exists_for_one_plugin() -> None:
+    import coretrain
+
+    core_modules = [p for p in CORE_MODULES if p != REPO / "coretrain" / "__init__.py"]
+    names_in_core = attributes_read(core_modules) | {
+        n.id for p in core_modules for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Name)
+    }
+    leaks = {
+        name: sorted(plugin_packages_reading(name, public=True))
+        for name in coretrain.__all__
+        if name not in USER_API and name not in names_in_core and len(plugin_packages_reading(name, public=True)) < 2
+    }
+    assert not leaks

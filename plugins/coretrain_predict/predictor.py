@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from attrs import define, field
 
-from coretrain import Run, UserError, fetch, hookimpl, is_stream, model_outputs, to_device
+from coretrain import Run, SplitBatches, UserError, hookimpl, is_stream, model_outputs
 from coretrain_predict.hookspecs import PredictSpecs
 
 log = logging.getLogger("coretrain")
@@ -40,14 +41,14 @@ class Predictor:
         rank, world = run.dist.dp_rank, run.dist.dp_size
         size = self.batch_size or run.config.train.eval_micro_batch_size or run.config.train.micro_batch_size
         mine = list(range(rank, len(samples), world))
+        chunks = [mine[start : start + size] for start in range(0, len(mine), size)]
         records: list[dict[str, Any]] = []
         hooks = cast(PredictSpecs, run.plugins.calls.hook)
         model = run.model
         model.eval()
         with torch.no_grad():
-            for start in range(0, len(mine), size):
-                chunk = mine[start : start + size]
-                answer = hooks.predict_step(run=run, batch=self._batch(run, samples, chunk), options=self.options)
+            for chunk, batch in zip(chunks, self._batches(run, samples, chunks)):
+                answer = hooks.predict_step(run=run, batch=batch, options=self.options)
                 if answer is None or len(answer) != len(chunk):
                     got = "no answer" if answer is None else f"{len(answer)} records"
                     raise UserError(f"predict: predict_step gave {got} for a batch of {len(chunk)} samples")
@@ -76,10 +77,12 @@ class Predictor:
             )
         return dataset
 
-    def _batch(self, run: Run, samples: Any, chunk: list[int]) -> Any:
+    def _batches(self, run: Run, samples: Any, chunks: list[list[int]]) -> Iterator[Any]:
+        """Each chunk's batch on the device: prompts as they are, a split's samples read as an
+        evaluation reads them (DataLoader workers included)."""
         if self.data is not None:
-            return {"prompt": [samples[i] for i in chunk]}
-        return to_device(fetch(samples, torch.tensor(chunk), run.datasets.collate_fn), run.device)
+            return ({"prompt": [samples[i] for i in chunk]} for chunk in chunks)
+        return (batch for _, batch in SplitBatches(run, samples, [torch.tensor(chunk) for chunk in chunks]))
 
     @hookimpl(trylast=True)
     def predict_step(self, run: Run, batch: Any) -> list[dict[str, Any]] | None:
