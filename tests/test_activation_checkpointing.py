@@ -117,15 +117,19 @@ def test_a_hugging_face_models_decoder_layers_are_checkpointed(tmp_path: Path) -
     ],
 )
 def test_composed_with_compile_or_fp8_the_losses_are_unchanged(tmp_path: Path, plugins: dict[str, Any]) -> None:
-    plain, _ = losses(tmp_path / "plain", None, plugins=plugins)
-    checkpointed, _ = losses(tmp_path / "ac", {"mode": "op"}, plugins=plugins)
+    plain, plain_calls = losses(tmp_path / "plain", None, plugins=plugins)
+    checkpointed, calls = losses(tmp_path / "ac", {"mode": "op"}, plugins=plugins)
+    assert calls == [2 * n for n in plain_calls] and min(plain_calls) > 0  # recomputed under compile / fp8 too
     assert torch.allclose(torch.tensor(checkpointed), torch.tensor(plain), rtol=1e-5, atol=0)
 
 
 @pytest.mark.slow
-def test_on_two_ranks_with_fsdp_or_tensor_parallel_the_losses_match_one_plain_rank(tmp_path: Path) -> None:
+def test_on_two_ranks_with_fsdp_or_tensor_parallel_the_losses_match_one_plain_rank(tmp_path: Path, site: Path) -> None:
     """Full checkpointing under FSDP2 and op-level under tensor parallelism (both runs in one
-    torchrun job, as two jobs would run them) train as one plain rank does."""
+    torchrun job, as two jobs would run them) recompute every block in backward on every rank
+    and train as one plain rank does."""
+    import json
+
     from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_here
 
     preset = gpt_preset(tmp_path / "unused")
@@ -137,13 +141,27 @@ def test_on_two_ranks_with_fsdp_or_tensor_parallel_the_losses_match_one_plain_ra
         tables = {"run": {"output_dir": str(tmp_path / name)}, **extra}
         return str(config_file(tmp_path / f"{name}.toml", preset, tables, **train))
 
-    assert run_here("run", config("one", {}), cwd=tmp_path).returncode == 0
+    counted = {"count-block-calls": {}}  # the test-only plugin: each block's MLP calls on each rank
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)}
+    assert run_here("run", config("one", {"plugins": counted}), cwd=tmp_path, env=env).returncode == 0
     runs = [
-        ["run", config(name, {"distributed": distributed, "plugins": {"activation-checkpointing": {"mode": mode}}})]
+        [
+            "run",
+            config(
+                name, {"distributed": distributed, "plugins": {"activation-checkpointing": {"mode": mode}, **counted}}
+            ),
+        ]
         for name, (distributed, mode) in layouts.items()
     ]
-    job = in_one_job(tmp_path, 2, runs, "checkpointed", env={"OMP_NUM_THREADS": "1"})
+    job = in_one_job(tmp_path, 2, runs, "checkpointed", env=env)
     reference = [row["loss"] for row in metrics_rows(tmp_path / "one")]
+    assert (
+        json.loads((tmp_path / "one" / "block_calls.rank0.json").read_text()) == [6 * 4] * 3
+    )  # 4 micro-batches a step
+    forwards = {"fsdp": 6 * 2, "tp": 6 * 4}  # a rank's micro-batches: FSDP splits the batch, TP ranks share it
     for name, (_, mode) in layouts.items():
         assert f"activation checkpointing ({mode}): 3 of 3 blocks (Block)" in job.stderr
         assert [row["loss"] for row in metrics_rows(tmp_path / name)] == pytest.approx(reference, rel=1e-5), name
+        for rank in (0, 1):
+            calls = json.loads((tmp_path / name / f"block_calls.rank{rank}.json").read_text())
+            assert calls == [2 * forwards[name]] * 3, (name, rank)  # every block ran again in backward
