@@ -156,12 +156,12 @@ def test_on_two_ranks_with_fsdp_or_tensor_parallel_the_losses_match_one_plain_ra
     job = in_one_job(tmp_path, 2, runs, "checkpointed", env=env)
     reference = [row["loss"] for row in metrics_rows(tmp_path / "one")]
     assert (
-        json.loads((tmp_path / "one" / "block_calls.rank0.json").read_text()) == [6 * 4] * 3
+        json.loads((tmp_path / "one" / "block_calls.rank0.json").read_text())["calls"] == [6 * 4] * 3
     )  # 4 micro-batches a step
     forwards = {"fsdp": 6 * 2, "tp": 6 * 4}  # a rank's micro-batches: FSDP splits the batch, TP ranks share it
     for name, (_, mode) in layouts.items():
         assert f"activation checkpointing ({mode}): 3 of 3 blocks (Block)" in job.stderr
         assert [row["loss"] for row in metrics_rows(tmp_path / name)] == pytest.approx(reference, rel=1e-5), name
         for rank in (0, 1):
-            calls = json.loads((tmp_path / name / f"block_calls.rank{rank}.json").read_text())
+            calls = json.loads((tmp_path / name / f"block_calls.rank{rank}.json").read_text())["calls"]
             assert calls == [2 * forwards[name]] * 3, (name, rank)  # every block ran again in backward

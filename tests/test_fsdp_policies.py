@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +19,24 @@ def config(tmp_path: Path, name: str, fsdp: dict[str, Any] | None, checkpoint: d
     settings = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8, "log_interval": 1, "eval_iters": 0}
     extra: dict[str, Any] = {"run": {"output_dir": str(tmp_path / name)}, "checkpoint": checkpoint or {}}
     if fsdp is not None:
-        extra |= {"distributed": {"strategy": "fsdp"}, "plugins": {"fsdp": fsdp}}
+        counted = {"count-block-calls": {}} if fsdp.pop("count-block-calls", False) else {}
+        extra |= {"distributed": {"strategy": "fsdp"}, "plugins": {"fsdp": fsdp, **counted}}
     return config_file(tmp_path / f"{name}.toml", preset, extra, **settings)
 
 
-def run(tmp_path: Path, name: str, fsdp: dict[str, Any] | None, *launch: str) -> list[dict[str, Any]]:
-    done = run_train(str(config(tmp_path, name, fsdp)), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+def run(tmp_path: Path, name: str, fsdp: dict[str, Any] | None, *launch: str, **env: str) -> list[dict[str, Any]]:
+    done = run_train(str(config(tmp_path, name, fsdp)), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1", **env})
     assert done.returncode == 0, done.stderr
     return metrics_rows(tmp_path / name)
 
 
-def test_bf16_parameters_with_fp32_reductions_train_close_to_fp32(tmp_path: Path) -> None:
+def test_bf16_parameters_with_fp32_reductions_train_close_to_fp32(tmp_path: Path, site: Path) -> None:
     reference = [row["loss"] for row in run(tmp_path, "fp32", None)]
-    policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
-    mixed = [row["loss"] for row in run(tmp_path, "bf16", policy, "--nproc-per-node", "2")]
-    assert mixed != reference  # the forward really ran in bf16
+    policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "count-block-calls": True}
+    mixed = [row["loss"] for row in run(tmp_path, "bf16", policy, "--nproc-per-node", "2", PYTHONPATH=str(site))]
+    for rank in (0, 1):  # the blocks computed in bf16 on every rank (their inputs, as the test-only plugin saw them)
+        seen = json.loads((tmp_path / "bf16" / f"block_calls.rank{rank}.json").read_text())
+        assert seen["input_dtypes"] == ["torch.bfloat16"], rank
     assert mixed == pytest.approx(reference, rel=2e-2)  # bf16 rounding, not a different training
     assert mixed[-1] < mixed[0]
 
