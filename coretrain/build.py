@@ -240,12 +240,14 @@ def _build_model(run: Run) -> None:
     check_model(model, config.model.provider)
     run.model = model.to(run.device)
     run.loss_fn = resolve_loss(config.model.loss)
-    hook_calls(run).hook.configure_model(run=run)
+    if hook_calls(run).implemented("configure_model"):
+        hook_calls(run).hook.configure_model(run=run)
 
 
 def scheduler_of(run: Run) -> Scheduler:
     """The schedule a plugin answers with (checked: the loop calls what it promises), or none."""
-    scheduler = hook_calls(run).hook.configure_scheduler(run=run)
+    calls = hook_calls(run)
+    scheduler = calls.hook.configure_scheduler(run=run) if calls.implemented("configure_scheduler") else None
     if scheduler is None:
         return Unscheduled()
     missing = [
