@@ -256,3 +256,25 @@ def test_no_public_name_exists_for_one_plugin() -> None:
         if name not in USER_API and name not in names_in_core and len(plugin_packages_reading(name, public=True)) < 2
     }
     assert not leaks
+
+
+CORE_CODE_LINES_CEILING = 4_950
+"""The core's code lines may only go down: lower this as features leave it. The target of the
+"core, measured right" issue is 4,500 (goal 4,000); README's layout section says where it stands."""
+
+
+def test_the_core_stays_under_its_code_line_ceiling() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("core_size", REPO / "benchmarks" / "core_size.py")
+    assert spec is not None and spec.loader is not None
+    core_size = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(core_size)
+    assert (
+        core_size.code_lines(
+            '"""Doc."""\n\nx = 1  # a comment\n"""About x."""\n\n\ndef f():\n    """Doc."""\n    return x\n'
+        )
+        == 3
+    )
+    total = sum(code for code, _ in core_size.measure(REPO / "coretrain").values())
+    assert total <= CORE_CODE_LINES_CEILING, f"coretrain/ has {total} code lines"

@@ -1,0 +1,70 @@
+"""The core's size in code lines: lines with code on them, not blank, comment or docstring lines
+(a module's, class's or function's docstring, and the string right after an assignment that
+documents it). The contract's documentation is the core's job; its code is what is measured.
+
+    python benchmarks/core_size.py [--top 10]
+
+Prints each module of ``coretrain/`` with its code and physical lines, largest first, and the
+totals; ``tests/test_core_boundary.py`` holds the total under a ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import tokenize
+from pathlib import Path
+
+CORE = Path(__file__).resolve().parents[1] / "coretrain"
+NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+
+
+def docstring_lines(tree: ast.AST) -> set[int]:
+    """Lines of string statements that document: first in a body, or right after an assignment."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        for body in (getattr(node, "body", None), getattr(node, "orelse", None)):
+            if not isinstance(body, list):
+                continue
+            for i, statement in enumerate(body):
+                documents = i == 0 or isinstance(body[i - 1], (ast.Assign, ast.AnnAssign))
+                is_string = isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
+                if documents and is_string and isinstance(statement.value.value, str):
+                    lines.update(range(statement.lineno, (statement.end_lineno or statement.lineno) + 1))
+    return lines
+
+
+def code_lines(source: str) -> int:
+    """Lines holding at least one token of code that is not part of a docstring."""
+    documentation = docstring_lines(ast.parse(source))
+    lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in NOT_CODE:
+            lines.update(n for n in range(token.start[0], token.end[0] + 1) if n not in documentation)
+    return len(lines)
+
+
+def measure(root: Path = CORE) -> dict[str, tuple[int, int]]:
+    """Module path -> (code lines, physical lines)."""
+    return {
+        str(path.relative_to(root.parent)): (code_lines(path.read_text()), len(path.read_text().splitlines()))
+        for path in sorted(root.rglob("*.py"))
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--top", type=int, default=10, help="modules to list (0: all)")
+    args = parser.parse_args(argv)
+    sizes = measure()
+    ranked = sorted(sizes.items(), key=lambda item: -item[1][0])
+    for name, (code, physical) in ranked[: args.top or None]:
+        print(f"{code:>6} {physical:>6}  {name}")
+    code_total = sum(code for code, _ in sizes.values())
+    physical_total = sum(physical for _, physical in sizes.values())
+    print(f"{code_total:>6} {physical_total:>6}  coretrain/ ({len(sizes)} modules): code lines, physical lines")
+
+
+if __name__ == "__main__":
+    main()
