@@ -121,6 +121,8 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     check_providers_named(config)
     register_import_path_providers(config, plugins)
     run = _start(config, plugins)
+    if write_config and plugins.implemented("configure_run"):  # a run that trains, not a check of one
+        hook_calls(run).hook.configure_run(run=run)
     # a first count, to size the datasets by; the loop plans the steps ahead once it knows where it resumes
     run.train_iters = config.train.train_iters or (config.train.train_samples or 0) // run.global_batch_size
     if run.dist.is_main and write_config:

@@ -2,6 +2,7 @@
 
 One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
 
+    configure_run(run)                      each          the run exists, nothing built: log files
     provide_datasets(run, context)          firstresult   train/valid/test datasets
     on_datasets(run)                        each          check or inspect run.datasets (data-checks)
     provide_model(run)                      firstresult   the nn.Module (sees run.datasets)
@@ -98,6 +99,19 @@ class HookSpecs(Protocol):
     plugin; the core calls those through :class:`coretrain.hookcalls.HookCalls`."""
 
     # --------------------------------------------------------------------------- providers
+
+    @hookspec
+    def configure_run(self, run: Run) -> None:
+        """The run exists and nothing is built yet: set up what the whole run needs first (hook API 1.10).
+
+        Args: ``run`` — its config, ``run.dist``, ``run.device`` and ``run.output_dir`` (not
+        necessarily created yet); no datasets, model or optimizer.
+        May change: process-wide settings this plugin owns (log handlers: the ``console-log``
+        plugin routes libraries' lines to ``run.log`` from here on).
+        Returns: nothing.
+        Ranks: every rank, once, before ``provide_datasets``; not for a run only built to be
+        checked (``coretrain config validate``, ``coretrain.prepare``).
+        """
 
     @hookspec(firstresult=True)
     def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets | None:

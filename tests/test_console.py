@@ -6,9 +6,9 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import coretrain_console_log as consolelog
 import pytest
 
-from coretrain import consolelog
 from coretrain.testing import tiny_config, write_config
 
 

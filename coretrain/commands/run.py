@@ -85,11 +85,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, signals: Any) -> int:
     from coretrain.configload import load_config
-    from coretrain.consolelog import say_held, setup_logging
     from coretrain.session import session_plugins
 
     loaded = said_once(lambda: load_config(args.config, args.overrides))
-    noise = setup_logging(args.log_level or loaded.config.run.log_level, loaded.config.output_dir)
+    setup_console(args.log_level or loaded.config.run.log_level)
     signals.check()
     plugins = said_once(lambda: session_plugins(loaded))
     signals.check()
@@ -112,8 +111,21 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
         print(f"error: {str(exc) if isinstance(exc, PluginError) else summary(exc)}", file=sys.stderr)
         print(f"  full traceback: {written[0]}", file=sys.stderr)
         return FAILURE_EXIT_CODE
-    say_held(noise, loaded.config.output_dir)
     return code
+
+
+def setup_console(level_name: str) -> None:
+    """The console: rank 0 at ``level_name``, other ranks warnings and errors only, each line
+    saying who wrote it (the ``console-log`` plugin sends libraries' lines to run.log)."""
+    rank = int(os.environ.get("RANK", "0"))
+    level = getattr(logging, level_name.upper())
+    console = logging.StreamHandler(sys.stderr)
+    console.set_name("coretrain-console")
+    console.setLevel(level if rank == 0 else max(level, logging.WARNING))
+    console.setFormatter(
+        logging.Formatter("coretrain: %(message)s" if rank == 0 else f"coretrain[rank {rank}]: %(message)s")
+    )
+    logging.basicConfig(level=level, force=True, handlers=[console])
 
 
 class SaidByLocalRank0(Exception):

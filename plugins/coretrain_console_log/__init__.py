@@ -1,0 +1,146 @@
+"""``console-log``: a run's own lines on the console, everything in ``OUTPUT_DIR/run.log`` (on by default).
+
+Libraries a run uses (torchao, torch's ``_pytree``, transformers, mlflow, torchdata) warn and
+log on their own; on the console that buries the run's own lines. From ``configure_run`` on
+(the run exists, nothing is built yet), records from installed libraries below ERROR — their
+loggers and the Python warnings they raise — go to the log file only (``run.log``;
+``run.rankN.log`` on other ranks), and the console says once at the end how many there were
+and where. Lines from coretrain and its plugins (the ``coretrain`` logger) and warnings raised
+by the user's own code (outside site-packages and the standard library) stay on the console.
+Python warnings reach each handler once per distinct text. The console handler is the one
+``coretrain run`` sets up (named ``coretrain-console``); a notebook's own handlers are left
+as they are, and only the log file is added.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import site
+import sysconfig
+import warnings
+from collections import Counter
+from pathlib import Path
+
+from attrs import define, field
+
+from coretrain import Run, hookimpl
+
+CONSOLE = "coretrain-console"
+"""The name of the console handler ``coretrain run`` installs."""
+
+LIBRARY_DIRS = tuple(
+    sorted(
+        {
+            str(Path(p).resolve())
+            for p in [
+                *site.getsitepackages(),
+                site.getusersitepackages(),
+                *(sysconfig.get_paths()[name] for name in ("purelib", "platlib", "stdlib", "platstdlib")),
+            ]
+            if p
+        },
+        key=len,
+        reverse=True,  # the most specific first: a library is named by its folder in site-packages
+    )
+)
+"""Directories whose code is "a library": site-packages and the standard library."""
+WARNING_SOURCE = re.compile(r"^(.*?):\d+: \w+: ")
+"""``path:line: Category: text``, as ``logging.captureWarnings`` formats a warning."""
+
+
+def source_file(record: logging.LogRecord) -> str:
+    """The file that logged or warned: for a captured warning, the one named in its text."""
+    if record.name == "py.warnings":
+        match = WARNING_SOURCE.match(record.getMessage())
+        return match.group(1) if match else ""
+    return record.pathname
+
+
+class LibraryNoise(logging.Filter):
+    """Keeps libraries' records below ERROR off the console, counting them by library."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: Counter[str] = Counter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR or record.name.startswith("coretrain"):
+            return True
+        source = source_file(record)
+        path = os.path.realpath(source) if source else ""
+        library = next((d for d in LIBRARY_DIRS if path.startswith(d + os.sep)), None)
+        if library is None:
+            return True
+        relative = Path(path).relative_to(library).parts
+        self.held[relative[0].split(".")[0] if relative else "?"] += 1
+        return False
+
+
+class OnceEach(logging.Filter):
+    """Pass each distinct warning (category and text, wherever it was raised) once.
+
+    Python's "once" filter is undone by libraries that warn inside ``catch_warnings`` blocks
+    with filters of their own; a warning raised every step would then reach the console again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != "py.warnings":
+            return True
+        first = record.getMessage().splitlines()[0] if record.getMessage() else ""
+        key = first.split(": ", 1)[-1]  # "path:line: Category: text" -> "Category: text"
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+@define(kw_only=True)
+class ConsoleLog:
+    """Libraries' lines below ERROR to run.log only, counted on the console at the end."""
+
+    _noise: LibraryNoise | None = field(default=None, init=False, repr=False)
+    _file: logging.Handler | None = field(default=None, init=False, repr=False)
+    _console: logging.Handler | None = field(default=None, init=False, repr=False)
+
+    @hookimpl
+    def configure_run(self, run: Run) -> None:
+        root = logging.getLogger()
+        self._console = next((h for h in root.handlers if h.get_name() == CONSOLE), None)
+        if self._console is not None:
+            self._noise = LibraryNoise()
+            self._console.addFilter(OnceEach())
+            self._console.addFilter(self._noise)
+        name = "run.log" if run.dist.rank == 0 else f"run.rank{run.dist.rank}.log"
+        try:
+            run.output_dir.mkdir(parents=True, exist_ok=True)
+            self._file = logging.FileHandler(run.output_dir / name)
+        except (OSError, ValueError):  # the run's own checks name the unusable directory
+            return
+        self._file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        self._file.addFilter(OnceEach())
+        root.addHandler(self._file)
+        warnings.simplefilter("once")
+        logging.captureWarnings(False)  # captureWarnings(True) is a no-op while an earlier capture is on,
+        logging.captureWarnings(True)  # though warnings.showwarning may have been reset since (a second run)
+
+    @hookimpl(trylast=True)
+    def on_train_end(self, run: Run) -> None:
+        """One console line for the libraries' lines kept in the log file; the handler closed."""
+        if self._noise is not None and self._noise.held and run.dist.is_main:
+            names = ", ".join(name for name, _ in self._noise.held.most_common(5))
+            logging.getLogger("coretrain").info(
+                "%d line(s) from libraries (%s) are in %s",
+                sum(self._noise.held.values()),
+                names,
+                run.output_dir / "run.log",
+            )
+        if self._console is not None and self._noise is not None:
+            self._console.removeFilter(self._noise)
+        if self._file is not None:
+            logging.getLogger().removeHandler(self._file)
+            self._file.close()
