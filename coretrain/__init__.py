@@ -34,6 +34,8 @@ _LAZY = {
         "coretrain.configload": "config_as_dict",
         "coretrain.checkpoint": "is_sharded find_checkpoint step_dirs best_step read_manifest read_weights",
         "coretrain.validators": "FieldValueError positive non_negative fraction in_range exit_code",
+        "coretrain.commands.common": "add_config_args",
+        "coretrain.pluginmanager": "field_defaults",
     }.items()
     for name in names.split()
 }
@@ -46,6 +48,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.blocks import blocks_of
     from coretrain.cadence import Every
     from coretrain.checkpoint import best_step, find_checkpoint, is_sharded, read_manifest, read_weights, step_dirs
+    from coretrain.commands.common import add_config_args
     from coretrain.configload import config_as_dict
     from coretrain.control import Control
     from coretrain.data import RandomWindows, SampleOrder, TokenWindows, fetch, to_device, windows
@@ -55,6 +58,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.loader import SplitBatches, is_stream
     from coretrain.markers import hookimpl, hookspec
     from coretrain.outputs import NUM_TOKENS, forward, model_outputs
+    from coretrain.pluginmanager import field_defaults
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
 

@@ -10,22 +10,9 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
 import tomli_w
 
 import coretrain
-
-
-def add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="TOML config file")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override a config value (TOML syntax; repeatable), e.g. --set optimizer.lr=3e-4",
-    )
 
 
 def add(commands: Any) -> None:
@@ -33,10 +20,10 @@ def add(commands: Any) -> None:
     config = commands.add_parser("config", help="inspect a config file")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
     show = config_commands.add_parser("show", help="print the resolved config; non-default values are marked")
-    add_config_args(show)
+    coretrain.add_config_args(show)
     show.set_defaults(handler=cmd_config_show)
     validate = config_commands.add_parser("validate", help="check a config (and its plugins' tables) without training")
-    add_config_args(validate)
+    coretrain.add_config_args(validate)
     validate.set_defaults(handler=cmd_config_validate)
 
 
@@ -56,7 +43,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     defaults = coretrain.config_as_dict(coretrain.load({}).config)
     for name in plugins.names():
         instance = plugins.get(name)
-        table, default = coretrain.config_as_dict(instance), field_defaults(type(instance))
+        table, default = coretrain.config_as_dict(instance), coretrain.field_defaults(type(instance))
         section = next((s for s in ("model", "data") if getattr(loaded.config, s).provider == name), None)
         if section:
             resolved[section]["options"], defaults[section]["options"] = table, default
@@ -71,18 +58,6 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         print()
         print(describe_param_groups(coretrain.prepare(args.config, args.overrides)))
     return 0
-
-
-def field_defaults(cls: type) -> dict[str, Any]:
-    """Each option's default, as plain data (a required option has none)."""
-    values = {}
-    for f in attrs.fields(cls):
-        if f.default is attrs.NOTHING or not f.init:
-            continue
-        factory = f.default if isinstance(f.default, attrs.Factory) else None  # type: ignore[arg-type]
-        default = factory.factory() if factory is not None and not factory.takes_self else f.default
-        values[f.name] = coretrain.config_as_dict(default)
-    return values
 
 
 def describe_param_groups(run: coretrain.Run) -> str:

@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import coretrain
+
 
 def add(commands: Any) -> None:
     """Add ``lr-find`` to ``coretrain``'s subcommands."""
     finder = commands.add_parser(
         "lr-find", help="sweep the learning rate over a short run, plot loss against it, suggest a value"
     )
-    finder.add_argument("config", help="TOML config file (the run to tune)")
-    finder.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    coretrain.add_config_args(finder, "TOML config file (the run to tune)")
     finder.add_argument("--min-lr", type=float, default=1e-7, help="the first step's lr (default 1e-7)")
     finder.add_argument("--max-lr", type=float, default=1.0, help="the last step's lr (default 1)")
     finder.add_argument("--steps", type=int, default=100, help="steps of the sweep (default 100)")

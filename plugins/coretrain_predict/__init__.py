@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import coretrain
+
 
 def add(commands: Any) -> None:
     """Add ``predict`` to ``coretrain``'s subcommands."""
     predict = commands.add_parser("predict", help="the model's outputs per sample of a split, or for prompts")
-    predict.add_argument("config", help="TOML config file (the run whose model predicts)")
-    predict.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    coretrain.add_config_args(predict, "TOML config file (the run whose model predicts)")
     predict.add_argument(
         "--checkpoint",
         default=None,

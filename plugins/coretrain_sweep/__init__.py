@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import coretrain
+
 
 def add(commands: Any) -> None:
     """Add ``sweep`` to ``coretrain``'s subcommands."""
     sweep = commands.add_parser("sweep", help="run a grid of configs, one output dir each; compare with report")
-    sweep.add_argument("config", help="TOML config file")
+    coretrain.add_config_args(sweep)
     sweep.add_argument(
         "--grid",
         action="append",
@@ -28,7 +30,6 @@ def add(commands: Any) -> None:
         metavar="KEY.PATH=[V1,V2]",
         help="a key and its values, as a TOML array (repeatable: every combination runs)",
     )
-    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
     sweep.add_argument(
         "--launcher",
         choices=("local", "slurm"),
