@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib
 
+from coretrain.version import __version__
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: `coretrain` is the first
 # import of the console script, before its Ctrl-C handler exists, so it imports next to nothing
-__version__ = "0.2.0"
-
 
 # name -> the module that defines it (grouped by module, in the order of __all__)
 _LAZY = {
@@ -62,7 +62,15 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
 
-__all__ = ["__version__", *_LAZY]  # the type checker reads the imports above
+# written out (not built from _LAZY) so that type checkers see what is exported; a test holds the two equal
+__all__ = ["__version__", "train", "TrainResult", "load", "prepare", "load_plugins", "hookimpl", "hookspec"]
+__all__ += ["HOOK_API", "Outcome", "Run", "TrainState", "StepOutputs", "Datasets", "DatasetContext", "Scheduler"]
+__all__ += ["Control", "Every", "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "TokenWindows"]
+__all__ += ["RandomWindows", "windows", "fetch", "to_device", "SampleOrder", "is_stream", "SplitBatches", "forward"]
+__all__ += ["model_outputs", "NUM_TOKENS", "blocks_of", "LoggingBackend", "UserError", "require", "config_as_dict"]
+__all__ += ["is_sharded", "find_checkpoint", "step_dirs", "best_step", "read_manifest", "read_weights"]
+__all__ += ["FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code", "add_config_args"]
+__all__ += ["field_defaults"]
 
 
 def __getattr__(name: str) -> Any:

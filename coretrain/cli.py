@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from coretrain import __version__
+from coretrain.version import __version__
 
 COMMANDS_GROUP = "coretrain.commands"
 

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import pluggy
 
-from coretrain import __version__, hookspecs
+from coretrain import hookspecs
 from coretrain.config import Config, world_size_from_env
 from coretrain.configload import CONVERTER, Location, structure
 from coretrain.errors import PluginError, RunFailure, UserError, did_you_mean
 from coretrain.hookcalls import HookCalls
 from coretrain.markers import PROJECT
+from coretrain.version import __version__
 
 if TYPE_CHECKING:
     from coretrain.run import Run

@@ -278,3 +278,12 @@ def test_the_core_stays_under_its_code_line_ceiling() -> None:
     )
     total = sum(code for code, _ in core_size.measure(REPO / "coretrain").values())
     assert total <= CORE_CODE_LINES_CEILING, f"coretrain/ has {total} code lines"
+
+
+def test_the_written_out_public_names_are_the_lazy_tables() -> None:
+    """``__all__`` is written out for type checkers (a plugin's ``mypy --strict`` needs the
+    names listed); it must name exactly what the lazy table loads."""
+    import coretrain
+
+    assert len(coretrain.__all__) == len(set(coretrain.__all__))
+    assert set(coretrain.__all__) == {"__version__", *coretrain._LAZY}

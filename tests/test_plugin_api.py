@@ -272,7 +272,19 @@ def test_a_phase_listener_that_is_not_a_function_is_its_plugins_error(tmp_path: 
 
 @pytest.mark.parametrize(
     "name",
-    ["watchdog", "timers", "data-checks", "safetensors", "evaluation", "progress", "metrics-file", "progress-file"],
+    [
+        "watchdog",
+        "timers",
+        "data-checks",
+        "safetensors",
+        "evaluation",
+        "progress",
+        "metrics-file",
+        "progress-file",
+        "schedule",
+        "console-log",
+        "optimizer-overrides",
+    ],
 )
 def test_each_built_in_plugin_can_be_turned_off_and_the_run_works(tmp_path: Path, name: str) -> None:
     on = run_steps(tmp_path / "on", steps=2, autoload=True)

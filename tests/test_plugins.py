@@ -135,6 +135,8 @@ def test_autoload_and_enabled_false(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         "safetensors",
         "evaluation",
         "optimizer-overrides",
+        "schedule",
+        "console-log",
     }
     assert _enabled(tmp_path, '[model]\nprovider = "gpt"\n') == {"gpt", *built_in}
     assert _enabled(tmp_path, "[plugins.progress]\nenabled = false\n") == built_in - {"progress"}

@@ -121,7 +121,7 @@ def dcp_options(with_frozen: bool) -> Any:
 
 def manifest(run: Run, layout: str, evaluated: list[str]) -> dict[str, Any]:
     """What rank 0 records about a checkpoint, in plain JSON (read before any tensor file)."""
-    from coretrain import __version__
+    from coretrain.version import __version__
 
     return {
         "format": MANIFEST_FORMAT,
