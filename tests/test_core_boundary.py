@@ -287,3 +287,13 @@ def test_the_written_out_public_names_are_the_lazy_tables() -> None:
 
     assert len(coretrain.__all__) == len(set(coretrain.__all__))
     assert set(coretrain.__all__) == {"__version__", *coretrain._LAZY}
+
+
+def test_every_core_package_is_in_the_wheel() -> None:
+    """A non-editable install ships only the packages pyproject lists (a built wheel once lacked
+    coretrain.checkpoint and coretrain.commands)."""
+    import tomli
+
+    listed = set(tomli.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "coretrain").rglob("__init__.py")}
+    assert found == listed
