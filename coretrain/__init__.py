@@ -32,7 +32,7 @@ _LAZY = {
         "coretrain.backend": "LoggingBackend",
         "coretrain.errors": "UserError require",
         "coretrain.configload": "config_as_dict",
-        "coretrain.checkpoint": "is_sharded find_checkpoint step_dirs best_step read_manifest read_weights",
+        "coretrain.checkpoint": "is_sharded find_checkpoint step_dir step_dirs best_step read_manifest read_weights",
         "coretrain.validators": "FieldValueError positive non_negative fraction in_range exit_code",
         "coretrain.commands.common": "add_config_args",
         "coretrain.pluginmanager": "field_defaults",
@@ -47,7 +47,15 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.backend import LoggingBackend
     from coretrain.blocks import blocks_of
     from coretrain.cadence import Every
-    from coretrain.checkpoint import best_step, find_checkpoint, is_sharded, read_manifest, read_weights, step_dirs
+    from coretrain.checkpoint import (
+        best_step,
+        find_checkpoint,
+        is_sharded,
+        read_manifest,
+        read_weights,
+        step_dir,
+        step_dirs,
+    )
     from coretrain.commands.common import add_config_args
     from coretrain.configload import config_as_dict
     from coretrain.control import Control
@@ -68,7 +76,7 @@ __all__ += ["HOOK_API", "Outcome", "Run", "TrainState", "StepOutputs", "Datasets
 __all__ += ["Control", "Every", "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "TokenWindows"]
 __all__ += ["RandomWindows", "windows", "fetch", "to_device", "SampleOrder", "is_stream", "SplitBatches", "forward"]
 __all__ += ["model_outputs", "NUM_TOKENS", "blocks_of", "LoggingBackend", "UserError", "require", "config_as_dict"]
-__all__ += ["is_sharded", "find_checkpoint", "step_dirs", "best_step", "read_manifest", "read_weights"]
+__all__ += ["is_sharded", "find_checkpoint", "step_dir", "step_dirs", "best_step", "read_manifest", "read_weights"]
 __all__ += ["FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code", "add_config_args"]
 __all__ += ["field_defaults"]
 

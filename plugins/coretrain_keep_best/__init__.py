@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import Run, UserError, best_step, hookimpl, non_negative, read_manifest
-from coretrain_keep_best.link import point_best, step_name, tidy_best
+from coretrain import Run, UserError, best_step, hookimpl, non_negative, read_manifest, step_dir
+from coretrain_keep_best.link import point_best, tidy_best
 
 log = logging.getLogger("coretrain")
 
@@ -67,7 +67,7 @@ class KeepBest:
         if run.dist.is_main:
             root = run.output_dir / "checkpoints"
             tidy_best(root)
-            if self.step is not None and best_step(root) != self.step and (root / step_name(self.step)).is_dir():
+            if self.step is not None and best_step(root) != self.step and step_dir(root, self.step).is_dir():
                 point_best(root, self.step)  # the run's own best, where the link was lost or replaced
 
     @hookimpl(trylast=True)  # after tryfirst on_eval implementations added their metrics
@@ -115,5 +115,5 @@ def _from_manifest(root: Path) -> dict[str, Any]:
     step = best_step(root)
     if step is None:
         return {}
-    entry = read_manifest(root / step_name(step)).get("best") or {}
+    entry = read_manifest(step_dir(root, step)).get("best") or {}
     return {**entry, "step": step} if isinstance(entry, dict) else {}

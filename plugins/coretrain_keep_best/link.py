@@ -8,16 +8,11 @@ import os
 import shutil
 from pathlib import Path
 
-from coretrain import UserError, best_step, read_manifest
+from coretrain import UserError, best_step, read_manifest, step_dir
 
 log = logging.getLogger("coretrain")
 BEST = "best"
 MANIFEST = "checkpoint.json"
-
-
-def step_name(step: int) -> str:
-    """A step's directory name, as the core's checkpoint layout writes it."""
-    return f"step_{step:08d}"
 
 
 def tidy_best(root: Path) -> None:
@@ -46,7 +41,7 @@ def tidy_best(root: Path) -> None:
             f"{best} is not the link coretrain keeps to the best checkpoint (a {kind} it did not write); "
             "move it out of the checkpoints directory and run again"
         )
-    original = root / step_name(step)
+    original = step_dir(root, step)
     if original.exists():
         if _files(original) != _files(best):
             raise UserError(
@@ -80,5 +75,5 @@ def point_best(root: Path, step: int) -> None:
     """Make ``root/best`` point at ``step``'s directory (atomically: a reader sees the old or the new)."""
     tmp = root / f"{BEST}.tmp"
     tmp.unlink(missing_ok=True)
-    os.symlink(step_name(step), tmp)
+    os.symlink(step_dir(root, step).name, tmp)
     os.replace(tmp, root / BEST)
