@@ -133,12 +133,13 @@ def prepare(config: str | Path | Mapping[str, Any], overrides: Overrides = ()) -
 
 
 def load_plugins(
-    config: str | Path | Mapping[str, Any], overrides: Overrides = (), autoload: bool | None = None
+    config: str | Path | Mapping[str, Any] | LoadedConfig, overrides: Overrides = (), autoload: bool | None = None
 ) -> Plugins:
-    """The plugins ``config`` enables, configured and registered, without a run (a command
-    that asks them something: ``checkpoint export`` asks the format plugins); ``autoload``:
-    whether the on-by-default plugins load (None: unless the environment says not)."""
-    loaded = load(config, overrides)
+    """The plugins ``config`` (or what :func:`load` returned) enables, configured and registered,
+    without a run (a command that asks them something: ``checkpoint export`` asks the format
+    plugins); ``autoload``: whether the on-by-default plugins load (None: unless the environment
+    says not)."""
+    loaded = config if isinstance(config, LoadedConfig) else load(config, overrides)
     return pluginmanager.load_plugins(loaded.config, loaded.locations, autoload=autoload)
 
 

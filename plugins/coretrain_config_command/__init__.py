@@ -38,7 +38,7 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     loaded = coretrain.load(args.config, args.overrides)
-    plugins = coretrain.load_plugins(args.config, args.overrides)
+    plugins = coretrain.load_plugins(loaded)
     resolved = coretrain.config_as_dict(loaded.config)
     defaults = coretrain.config_as_dict(coretrain.load({}).config)
     for name in plugins.names():
