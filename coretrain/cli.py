@@ -11,6 +11,7 @@ command imports what it needs. A :class:`UserError` from anywhere becomes one ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -56,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RunFailure, PluginError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return FAILURE_EXIT_CODE
+    except BrokenPipeError:  # the reader stopped early (`coretrain config show | head`): no error, no traceback
+        with contextlib.suppress(Exception):  # and no second one when the interpreter flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:  # before the run's own handler was installed
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -224,3 +224,25 @@ def test_every_moved_key_still_loads_at_its_new_place_with_one_warning(
     assert data == value
     said = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
     assert said == [f"overrides[{old!r}]: {old} is deprecated: it is {new} now; rename it"]
+
+
+class ClosedPipe:
+    """stdout whose reader went away (``| head`` after its lines)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_reader_that_stops_early_is_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coretrain.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text(tiny_gpt_config(tmp_path / "out"))
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(["config", "show", str(config)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
