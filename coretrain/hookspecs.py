@@ -85,7 +85,10 @@ HOOK_API = (1, 10)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
-refused with one error naming it."""
+refused with one error naming it. A hook or argument that is to change or go is first marked in
+its spec with pluggy's ``warn_on_impl`` (``warn_on_impl_args``), naming its replacement, for at
+least one minor before the major that changes it. CHANGELOG.md lists what each minor added and
+the release that ships it."""
 
 Outcome = Literal["completed", "exit_interval", "exit_duration", "stopped", "signal", "error"]
 """How a run ended, as ``on_train_end`` is told."""

@@ -4,13 +4,14 @@ the hook API version, on_train_end on every way a run ends."""
 from __future__ import annotations
 
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 from attrs import define, field
 
-from coretrain import HOOK_API, Every, Run, UserError, hookimpl
+from coretrain import HOOK_API, Every, Run, UserError, hookimpl, hookspec
 from coretrain.errors import PluginError
 from coretrain.hookspecs import HookSpecs
 from coretrain.pluginmanager import Plugins
@@ -203,6 +204,32 @@ def test_a_plugin_written_for_an_older_minor_still_runs(tmp_path: Path, minor: i
     older = Older()
     result = run_steps(tmp_path, steps=4, plugins={"older": older})
     assert result.exit_code == 0 and older.logged == [2, 4]
+
+
+def test_a_deprecated_hook_warns_each_plugin_that_implements_it_naming_the_replacement() -> None:
+    """The path a hook takes before a major removes it: its spec is marked with pluggy's
+    ``warn_on_impl`` and a plugin implementing it hears so when it is registered; one that does
+    not implement it hears nothing."""
+
+    class Specs:
+        @hookspec(warn_on_impl=DeprecationWarning("on_old is deprecated since hook API 1.10: implement on_new"))
+        def on_old(self, run: Run) -> None:
+            """A hook on its way out."""
+
+    plugins = Plugins()
+    plugins.manager.add_hookspecs(Specs)
+
+    class UsesIt:
+        @hookimpl
+        def on_old(self, run: Run) -> None:
+            pass
+
+    with pytest.warns(DeprecationWarning, match="implement on_new"):
+        plugins.register("uses-it", UsesIt())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plugins.register("current", Counter())
+    assert plugins.implementers("on_old") == ["uses-it"]
 
 
 def test_hooks_between_plugins_are_specified_by_their_distribution_not_the_core() -> None:
