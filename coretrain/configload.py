@@ -405,16 +405,7 @@ def toml_text(data: Mapping[str, Any]) -> str:
     return tomli_w.dumps(_without_none(data))
 
 
-def _without_none(data: Mapping[str, Any]) -> dict[str, Any]:
-    kept = (
-        (
-            k,
-            _without_none(v)
-            if isinstance(v, Mapping)
-            else [x for x in v if x is not None]
-            if isinstance(v, list)
-            else v,
-        )
-        for k, v in data.items()
-    )
-    return {k: v for k, v in kept if v is not None}
+def _without_none(data: Any) -> Any:
+    if isinstance(data, Mapping):
+        return {key: _without_none(value) for key, value in data.items() if value is not None}
+    return [_without_none(item) for item in data if item is not None] if isinstance(data, list) else data

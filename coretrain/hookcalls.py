@@ -107,24 +107,14 @@ class HookCalls:
         impls = getattr(self._manager.hook, name).get_hookimpls()
         wrappers = [impl for impl in impls if impl.wrapper or impl.hookwrapper]
         plain = [impl for impl in impls if not (impl.wrapper or impl.hookwrapper)]
-        execute = private_executor(self._manager)
+        execute = self._manager._hookexec  # private, in every pluggy 1.x (pyproject: pluggy>=1.5,<2)
         for impl in reversed(plain):
             subset = [impl, *wrappers]  # pluggy runs the list from the end: wrappers outermost
 
-            def call(_subset: list[Any] = subset, _impl: Any = impl, **kwargs: object) -> list[Any]:
-                if execute is None:  # a pluggy without it: the implementation alone, unwrapped
-                    result = _impl.function(*(kwargs[arg] for arg in _impl.argnames))  # positional, as pluggy calls
-                    return [] if result is None else [result]
+            def call(_subset: list[Any] = subset, **kwargs: object) -> list[Any]:
                 return cast("list[Any]", execute(name, _subset, kwargs, False))
 
             yield impl.plugin_name, call
-
-
-def private_executor(manager: pluggy.PluginManager) -> Callable[..., Any] | None:
-    """pluggy's ``PluginManager._hookexec`` (private in pluggy 1.x), or None where a release has
-    none: the per-plugin calls then run each implementation alone, outside any wrapper."""
-    execute: Callable[..., Any] | None = getattr(manager, "_hookexec", None)
-    return execute
 
 
 def _single(results: list[Any]) -> Any:

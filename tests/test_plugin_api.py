@@ -383,17 +383,7 @@ def test_every_n_is_due_at_multiples_of_n_and_zero_or_none_is_never() -> None:
     assert not any(Every(n)(step) for n in (0, None) for step in range(1, 10))
 
 
-def test_plugin_by_plugin_hooks_still_work_on_a_pluggy_without_its_private_executor(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """on_checkpoint / on_resume / on_train_end use pluggy's private _hookexec (for wrappers);
-    a pluggy release without it must still deliver each plugin its own state."""
-    from coretrain import hookcalls
-
-    monkeypatch.setattr(hookcalls, "private_executor", lambda manager: None)
-    first = Counter()
-    run_steps(tmp_path, steps=6, plugins={"counter": first}, config={"train": {"exit_interval": 3}})
-    assert first.steps == 3 and first.ends == ["exit_interval"]
-    resumed = Counter()  # a new process's plugin: its count comes from the checkpoint
-    run_steps(tmp_path, steps=6, plugins={"counter": resumed})
-    assert resumed.steps == 6 and resumed.ends == ["completed"]
+def test_the_hook_api_this_core_ships_is_in_the_changelog_history() -> None:
+    """A new minor is listed, with what it adds, before it can be released."""
+    changelog = (Path(__file__).parents[1] / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert f"| {HOOK_API[0]}.{HOOK_API[1]} |" in changelog
