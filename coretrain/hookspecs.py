@@ -297,15 +297,16 @@ class HookSpecs(Protocol):
     def on_log(self, run: Run, step: int, metrics: dict[str, float]) -> None:
         """Every ``train.log_interval`` steps: the interval's metrics as host floats.
 
-        Args: ``metrics`` — loss, lr, grad_norm, the rates (``samples_per_second``,
-        ``iteration_time``), memory, the model's ``train/*`` values and ``run.log_tensors``
+        Args: ``metrics`` — loss, lr, grad_norm, the run's counters (``consumed_samples``,
+        ``global_batch_size``), the model's ``train/*`` values and ``run.log_tensors``
         entries, averaged over the interval and over ranks (one device sync per interval, the
         loop's). Loss, grad norm and ``train/*`` are means over the steps that updated
         (absent when none did); ``skipped_steps`` counts the interval's others,
         ``skipped_updates`` all so far.
         May change: ``metrics`` — ``tryfirst`` implementations may add entries that the ones
-        recording or displaying metrics see (the built-in ``timers`` adds ``time/*``, per-device
-        throughput, TFLOP/s and MFU; ``stragglers`` its scores).
+        recording or displaying metrics see (the built-in ``timers`` adds the rates —
+        ``iteration_time``, ``samples_per_second``, ``tokens_per_second`` —, ``time/*``, per-device
+        throughput, TFLOP/s, MFU and memory; ``stragglers`` its scores).
         Returns: nothing.
         Ranks: every rank, the same values; loggers write on rank 0 only.
         """

@@ -2,12 +2,12 @@
 
 What ``on_log`` receives: loss, grad norm, the model's named values and plugins'
 ``run.log_tensors``, averaged over the interval and over ranks with one collective, and the
-rates. Where the time went (``time/*``), FLOPs, MFU and memory are the ``timers`` plugin's.
+run's counters. Time — the rates, where it went (``time/*``), FLOPs, MFU — and memory are the
+``timers`` plugin's.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -35,21 +35,15 @@ class IntervalLog:
         their loss, grad norm and values are left out, and their count is logged."""
         self.grad_norms: list[torch.Tensor] = []
         self.values: dict[str, list[torch.Tensor]] = {}
-        self.samples = 0
-        self.timed_steps = 0
-        self.started = time.perf_counter()
 
     def add(
         self,
         loss: torch.Tensor,
         grad_norm: torch.Tensor | None,
-        samples: int,
         values: dict[str, torch.Tensor] | None,
         step: int = 0,
         skipped: bool = False,
     ) -> None:
-        self.samples += samples
-        self.timed_steps += 1
         if skipped:  # a NaN that was not applied must not reach the mean
             self.skipped += 1
             return
@@ -60,18 +54,6 @@ class IntervalLog:
         if values:
             for name, value in values.items():
                 self.values.setdefault(name, []).append(value)
-
-    def start_clock(self) -> None:
-        """Training starts now (the steps restored from a checkpoint keep counting)."""
-        self.started = time.perf_counter()
-
-    def restart_clock(self) -> None:
-        """Leave the steps so far out of the rates (warm-up: compilation, caches)."""
-        self.samples, self.timed_steps, self.started = 0, 0, time.perf_counter()
-
-    def leave_out(self, seconds: float) -> None:
-        """``seconds`` of the interval were not training (an evaluation): not in the rates."""
-        self.started += seconds
 
     def flush(self, run: Run) -> dict[str, float]:
         """The interval's metrics; ``loss``, ``grad_norm`` and the model's values are means over
@@ -91,27 +73,17 @@ class IntervalLog:
             summed = sum_over_ranks(torch.cat([torch.stack(means), nonfinite]) if means else nonfinite).tolist()
         if summed[-1]:
             raise RunFailure(self._nonfinite_message(int(summed[-1])))
-        elapsed = time.perf_counter() - self.started
-        timed = self.timed_steps
         metrics = {name: value / world for name, value in zip([*series, *extra], summed)}
         metrics.update(schedule_metrics(run))
         metrics.update(
             {
                 "global_batch_size": float(run.global_batch_size),
-                "iteration_time": elapsed / timed if timed else 0.0,
-                "samples_per_second": self.samples / elapsed if timed and elapsed > 0 else 0.0,
                 "consumed_samples": float(run.state.consumed_samples),
                 "skipped_updates": float(run.state.skipped_updates),
                 "skipped_steps": float(self.skipped),
             }
         )
-        seq_length = run.datasets.seq_length
-        if seq_length:
-            metrics["tokens_per_second"] = metrics["samples_per_second"] * seq_length
-        if metrics["iteration_time"] > 0:
-            metrics["time/step"] = metrics["iteration_time"]
         self.losses, self.steps, self.grad_norms, self.values, self.skipped = [], [], [], {}, 0
-        self.restart_clock()
         return metrics
 
     def check_finite(self, run: Run) -> None:
@@ -163,7 +135,6 @@ class IntervalLog:
                 "losses": on_host["losses"],
                 "steps": torch.tensor(self.steps, dtype=torch.int64),
                 "skipped": self.skipped,
-                "samples": self.samples,
                 "grad_norms": on_host["grad_norms"],
                 "values": {name: on_host[f"values/{name}"] for name in self.values},
             }
@@ -179,7 +150,6 @@ class IntervalLog:
             self.losses = list(state["losses"].to(device).unbind())
             self.grad_norms = list(state["grad_norms"].to(device).unbind())
             self.values = {name: list(values.to(device).unbind()) for name, values in state.get("values", {}).items()}
-            self.samples = int(state["samples"])
 
 
 def schedule_metrics(run: Run) -> dict[str, float]:

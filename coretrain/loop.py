@@ -258,9 +258,7 @@ class Trainer:
         if not sets or self.hooks.evaluate is None:
             return
         self.mark(run.state.step, "eval")
-        started = time.perf_counter()
         results = [self.hooks.evaluate(run=run, split=name, dataset=dataset) for name, dataset in sets]
-        self.log.leave_out(time.perf_counter() - started)  # evaluation time is not training time
         if None in results:
             return
         metrics = {name: value for result in results if result is not None for name, value in result.items()}
@@ -272,8 +270,6 @@ class Trainer:
         """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""
         run, hooks, state, mark = self.run, self.hooks, self.run.state, self.mark
         loop = self._loop_settings()
-        first_step = state.step + 1
-        self.log.start_clock()
         while state.step < loop.train_iters:
             step = state.step + 1
             n_micro, consumed = loop.plan.at(step)
@@ -295,9 +291,7 @@ class Trainer:
             mark(step, "post_step")
 
             state.step, state.consumed_samples = step, state.consumed_samples + global_batch
-            self.log.add(loss, grad_norm, global_batch, values, step, skipped)  # device tensors: no sync
-            if step == first_step and not run.cadence.logs(step):
-                self.log.restart_clock()  # the first step warms up (compiles); rates leave it out
+            self.log.add(loss, grad_norm, values, step, skipped)  # device tensors: no sync
             if hooks.post_step:
                 done = StepOutputs(
                     loss=loss.detach(), grad_norm=grad_norm, skipped=skipped, global_batch_size=global_batch

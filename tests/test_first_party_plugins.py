@@ -144,11 +144,14 @@ def test_timers_report_where_the_time_went_from_the_phase_marks(tmp_path: Path) 
             metrics["time/data"] + metrics["time/forward_backward"] + metrics["time/optimizer"] <= metrics["time/step"]
         )
         assert metrics["time/data_max"] == metrics["time/data"]
+        assert metrics["iteration_time"] == metrics["time/step"] and metrics["samples_per_second"] > 0
+        assert metrics["samples_per_second"] * metrics["iteration_time"] == pytest.approx(8)  # samples per step
     # step 3's evaluation and checkpoint came after its log: they are counted in the next interval
     assert logged[0]["time/eval"] == 0 and logged[0]["time/checkpoint"] == 0
     assert logged[1]["time/eval"] > 0 and logged[1]["time/checkpoint"] > 0
     off = run_steps(tmp_path / "off", steps=3, config=config)
-    assert not any(name.startswith("time/") and name != "time/step" for name in off.metrics[-1])
+    assert not any(name.startswith("time/") or name.endswith("_per_second") for name in off.metrics[-1])
+    assert {"global_batch_size", "consumed_samples"} <= set(off.metrics[-1])  # the run's counters are the core's
 
 
 def test_the_start_line_says_how_the_batch_is_made_the_precision_and_the_threads(

@@ -184,10 +184,14 @@ def validate(value: Any, schema: Check, path: Path) -> None:
 SERIES = table(
     {  # the pending interval's applied losses: never NaN (a NaN step is either skipped or stops the run)
         "losses": tensor(torch.float32, dim=1, finite=True),
-        "samples": integer(),
         "grad_norms": tensor(torch.float32, dim=1),
     },
-    {"values": mapping(tensor(torch.float32, dim=1)), "steps": tensor(torch.int64, dim=1), "skipped": integer()},
+    {  # "samples": what 0.3.0 counted for its rates (the timers plugin's since)
+        "values": mapping(tensor(torch.float32, dim=1)),
+        "steps": tensor(torch.int64, dim=1),
+        "skipped": integer(),
+        "samples": integer(),
+    },
 )
 
 RNG = table(

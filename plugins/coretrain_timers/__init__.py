@@ -13,10 +13,12 @@ The first step (compilation, warm caches) is left out unless it is a log step. A
 slowest rank waits ``input_bound_share`` of a step for data is told so, once, with the
 setting that helps.
 
-From the core's rates (``samples_per_second``, ``iteration_time``) and ``run.flops_per_sample``:
-``samples_per_second_per_device``, ``tokens_per_second_per_device``, ``consumed_tokens``,
-``tflops_per_device``, ``mfu`` (against ``peak_tflops`` or the GPU's entry in a table of
-dense bf16 peaks), ``elapsed_seconds`` and ``remaining_seconds``.
+The rates, over the interval's training time (its evaluations left out, the first step too
+unless it is a log step): ``iteration_time`` (= ``time/step``), ``samples_per_second``,
+``tokens_per_second`` (when the datasets declare a ``seq_length``); from them and
+``run.flops_per_sample``: ``samples_per_second_per_device``, ``tokens_per_second_per_device``,
+``consumed_tokens``, ``tflops_per_device``, ``mfu`` (against ``peak_tflops`` or the GPU's entry
+in a table of dense bf16 peaks), ``elapsed_seconds`` and ``remaining_seconds``.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ INTERVAL_PHASES = ("eval", "checkpoint")
 class PhaseTimes:
     """Seconds per phase since the last log, from the loop's marks (one clock read per mark)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.cuda = run.device.type == "cuda"
         self.seconds = dict.fromkeys(STEP_PHASES + INTERVAL_PHASES, 0.0)
         self.steps = 0
         self.reset_at = -1
@@ -57,11 +60,29 @@ class PhaseTimes:
         self._since = perf_counter()
         self._open: str | None = None
         self._open_since = 0.0
+        self.reset()
 
     def reset(self) -> None:
+        """The interval starts now, at the run's present step and samples."""
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         self.steps = 0
         self._events.clear()
+        self.started, self.from_step = perf_counter(), self.run.state.step
+        self.from_samples = self.run.state.consumed_samples
+
+    def rates(self) -> dict[str, float]:
+        """Seconds per step and samples (tokens) per second since :meth:`reset`, its evaluations
+        left out (call before :meth:`collect`, which starts the next interval)."""
+        elapsed = perf_counter() - self.started - self.seconds["eval"]
+        steps = self.run.state.step - self.from_step
+        samples = self.run.state.consumed_samples - self.from_samples
+        per_second = samples / elapsed if steps and elapsed > 0 else 0.0
+        rates = {"iteration_time": elapsed / steps if steps else 0.0, "samples_per_second": per_second}
+        if self.run.datasets.seq_length:
+            rates["tokens_per_second"] = per_second * self.run.datasets.seq_length
+        if rates["iteration_time"] > 0:
+            rates["time/step"] = rates["iteration_time"]
+        return rates
 
     def mark(self, step: int, phase: str) -> None:
         """The phase listener: one comparison chain, no further call (it runs at every mark)."""
@@ -165,30 +186,26 @@ class Timers:
 
     @hookimpl
     def phase_listener(self, run: Run) -> Callable[[int, str], None]:
-        self._times = PhaseTimes(run.device)
+        self._times = PhaseTimes(run)
         return self._times.mark
 
     @hookimpl
     def on_train_start(self, run: Run) -> None:
+        assert self._times is not None  # phase_listener is asked first
+        self._times.reset()  # restored from a checkpoint: the interval counts from here
         first = run.state.step + 1
-        if self._times is not None and not run.cadence.logs(first):
+        if not run.cadence.logs(first):
             self._times.reset_at = first + 1  # the first step warms up (compiles): leave it out
 
     @hookimpl(tryfirst=True)  # before the progress view and the backends, which show these
     def on_log(self, run: Run, metrics: dict[str, float]) -> None:
+        assert self._times is not None
+        rates = self._times.rates()
+        metrics.update(rates)
         elapsed = time.monotonic() - run.started_at
-        metrics.update(
-            throughput(
-                run,
-                metrics["samples_per_second"],
-                metrics["iteration_time"],
-                elapsed,
-                peak_tflops(run, self.peak_tflops),
-            )
-        )
+        peak = peak_tflops(run, self.peak_tflops)
+        metrics.update(throughput(run, rates["samples_per_second"], rates["iteration_time"], elapsed, peak))
         metrics.update(memory(run.device))
-        if self._times is None:
-            return
         mine = self._times.collect()
         slowest = max_over_ranks(*(round(seconds * 1e6) for seconds in mine.values()))  # CPU, no device sync
         metrics.update({name: micros / 1e6 for name, micros in zip(mine, slowest)})
