@@ -19,7 +19,7 @@ from coretrain.config import Config, micro_batches_per_step
 from coretrain.configload import config_as_dict, toml_text
 from coretrain.dist import init_distributed
 from coretrain.errors import UserError
-from coretrain.loader import adapt, is_hf_dataset, is_stream
+from coretrain.loader import is_stream
 from coretrain.markers import hookimpl
 from coretrain.optim import build_optimizer
 from coretrain.outputs import resolve_loss
@@ -83,12 +83,13 @@ class ImportedDataProvider:
 
 
 def splits_list(result: Any) -> bool:
-    """A list of 2 or 3 torch datasets — what ``random_split`` returns — is (train, valid[, test]),
-    not one dataset of 2 samples (a list of samples holds tensors, tuples, dicts, numbers)."""
+    """A list of 2 or 3 datasets — what ``random_split`` returns — is (train, valid[, test]), not
+    one dataset of 2 samples (a list of samples holds tensors, tuples, lists, dicts, numbers)."""
+    samples = (torch.Tensor, np.ndarray, tuple, list, dict, str, int, float)
     return (
         isinstance(result, list)
         and 2 <= len(result) <= 3
-        and all(isinstance(item, torch.utils.data.Dataset) or is_hf_dataset(item) for item in result)
+        and all(hasattr(item, "__len__") and not isinstance(item, samples) for item in result)
     )
 
 
@@ -212,7 +213,8 @@ def _build_datasets(run: Run) -> None:
     run.datasets = datasets
     if config.data.collate_fn:
         run.datasets.collate_fn = import_callable(config.data.collate_fn, "data.collate_fn")
-    adapt(run.datasets)
+    if hook_calls(run).implemented("configure_datasets"):
+        hook_calls(run).hook.configure_datasets(run=run)
     run.cadence = Cadence.of(config, has_valid=run.datasets.valid is not None)
     check_datasets(run.datasets, config.data.provider)
     if hook_calls(run).implemented("on_datasets"):

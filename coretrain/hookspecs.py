@@ -4,6 +4,7 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
 
     configure_run(run)                      each          the run exists, nothing built: log files
     provide_datasets(run, context)          firstresult   train/valid/test datasets
+    configure_datasets(run)                 each          wrap run.datasets' splits (hf-datasets)
     on_datasets(run)                        each          check or inspect run.datasets (data-checks)
     provide_model(run)                      firstresult   the nn.Module (sees run.datasets)
     configure_model(run)                    each, ordered  replace run.model: FP8 (tryfirst),
@@ -81,7 +82,7 @@ if TYPE_CHECKING:
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs
 
 
-HOOK_API = (1, 10)
+HOOK_API = (1, 11)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -127,18 +128,31 @@ class HookSpecs(Protocol):
         Returns: :class:`coretrain.Datasets`; the first non-None answer wins. Called on the provider
         named by ``data.provider`` with its ``[data.options]`` as the plugin's config. A split is
         map-style (``__len__`` + ``__getitem__``, or a ``get_batch(indices)`` fast path fetching a
-        whole micro-batch at once), a Hugging Face ``datasets.Dataset``, or a stream (an
-        ``IterableDataset``); what it returns is checked before step 1 (README, "Bring your own
-        model and data").
+        whole micro-batch at once), a Hugging Face ``datasets.Dataset`` (read by the batch by the
+        built-in ``hf-datasets``), or a stream (an ``IterableDataset``); what it returns is checked
+        before step 1 (README, "Bring your own model and data").
         Ranks: every rank, once, before training.
+        """
+
+    @hookspec
+    def configure_datasets(self, run: Run) -> None:
+        """The datasets are built: wrap or replace their splits before they are checked and read
+        (hook API 1.11) — an adapter for a library's dataset type (coretrain-plugins'
+        ``hf-datasets`` reads a Hugging Face dataset one Arrow slice per micro-batch), sequence
+        packing, a filter.
+
+        Args: ``run`` — ``run.datasets`` is set, ``data.collate_fn`` resolved.
+        May change: ``run.datasets`` (its splits, ``collate_fn``); the result is checked as the
+        provider's is. Returns: nothing.
+        Ranks: every rank, once, before training (``coretrain config validate`` too).
         """
 
     @hookspec
     def on_datasets(self, run: Run) -> None:
         """The datasets are built: check or inspect them before anything reads them (hook API 1.4).
 
-        Args: ``run`` — ``run.datasets`` is set (a Hugging Face dataset already adapted,
-        ``data.collate_fn`` resolved); the model is not built yet.
+        Args: ``run`` — ``run.datasets`` is set (``configure_datasets`` has run,
+        ``data.collate_fn`` is resolved); the model is not built yet.
         May change: plugin-owned state only; raise :class:`coretrain.UserError` to refuse the
         datasets (``coretrain config validate`` runs this too, and nothing is written).
         Returns: nothing.

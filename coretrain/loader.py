@@ -122,44 +122,6 @@ def stream_loader(dataset: Any, run: Run, batch_size: int, stateful: bool) -> An
     return StatefulDataLoader(stream, **kwargs)
 
 
-class Columns:
-    """A Hugging Face ``datasets.Dataset`` read a micro-batch at a time (one Arrow slice per
-    batch, as torch tensors), instead of sample by sample."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset.with_format("torch") if dataset.format.get("type") is None else dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[int(index)]
-
-    def get_batch(self, indices: torch.Tensor) -> Any:
-        return self.dataset[indices.tolist()]
-
-
-def is_hf_dataset(dataset: Any) -> bool:
-    return (
-        type(dataset).__module__.startswith("datasets.")
-        and hasattr(dataset, "with_format")
-        and hasattr(dataset, "column_names")
-        and not is_stream(dataset)
-    )
-
-
-def adapt(datasets: Any) -> None:
-    """Read Hugging Face map-style splits by the batch (unless a collate_fn wants samples)."""
-    if datasets.collate_fn is not None:
-        return
-    for split in ("train", "valid", "test"):
-        value = getattr(datasets, split)
-        if isinstance(value, dict):  # named evaluation sets
-            setattr(datasets, split, {name: Columns(d) if is_hf_dataset(d) else d for name, d in value.items()})
-        elif value is not None and is_hf_dataset(value):
-            setattr(datasets, split, Columns(value))
-
-
 class StepPlan:
     """Micro-batches per rank for each step, decided once, in step order, whoever asks first."""
 

@@ -202,16 +202,17 @@ def run_steps(
     plugins: Mapping[str, object] | None = None,
     tables: Mapping[str, Mapping[str, Any]] | None = None,
     config: Mapping[str, Mapping[str, Any]] | None = None,
-    autoload: bool | Collection[str] = ("evaluation", "optimizer-overrides", "schedule"),
+    autoload: bool | Collection[str] = ("evaluation", "optimizer-overrides", "schedule", "hf-datasets"),
 ) -> Result:
     """Train ``steps`` steps of the tiny workload (or what ``config`` names) in this process.
 
     ``plugins``: instances to register under a name (your plugin, configured in Python);
     ``tables``: installed plugins to enable with these ``[plugins.NAME]`` tables (your plugin as
     a user turns it on); ``config``: more settings by table, e.g. ``{"train": {"log_interval": 5}}``;
-    ``autoload``: the on-by-default plugins to keep on (all: True; by default the three that change
+    ``autoload``: the on-by-default plugins to keep on (all: True; by default those that change
     what a real run computes: ``evaluation``, so it reports ``valid/*``, ``optimizer-overrides``,
-    so biases and norms get no weight decay, and ``schedule``, the learning-rate schedule).
+    so biases and norms get no weight decay, ``schedule``, the learning-rate schedule, and
+    ``hf-datasets``, which reads Hugging Face datasets by the batch).
     A second call with the same ``tmp_path`` resumes from the newest checkpoint, as a restarted
     job does. Errors are raised as the CLI would report them (:class:`coretrain.UserError` for
     a mistake in the config, ``PluginError`` naming a failing plugin).

@@ -64,7 +64,8 @@ def test_run_steps_returns_the_metrics_and_every_hook_call(tmp_path: Path) -> No
     assert result.metrics[-1]["loss"] < result.metrics[0]["loss"]  # the tiny workload learns
     assert result.hooks("post_step") == [1, 2, 3, 4, 5, 6]
     order = result.hooks()  # hooks no plugin implements are never called (on_train_start here)
-    assert order[:2] == ["provide_datasets", "provide_model"] and "on_train_start" not in order
+    assert order[:3] == ["provide_datasets", "configure_datasets", "provide_model"]  # hf-datasets's seam
+    assert "on_train_start" not in order
     assert order.index("post_step") < order.index("on_log") and order[-1] == "on_train_end"
     assert counter.ends == ["completed"]
     assert result.evals and result.evals[-1]["step"] == 6  # the final validation
@@ -230,6 +231,42 @@ def test_a_deprecated_hook_warns_each_plugin_that_implements_it_naming_the_repla
         warnings.simplefilter("error")
         plugins.register("current", Counter())
     assert plugins.implementers("on_old") == ["uses-it"]
+
+
+def test_configure_datasets_wraps_the_splits_before_they_are_checked_and_read(tmp_path: Path) -> None:
+    class Counted:
+        """The train split, counting the samples read through it."""
+
+        def __init__(self, dataset: Any) -> None:
+            self.dataset, self.reads = dataset, 0
+
+        def __len__(self) -> int:
+            return len(self.dataset)
+
+        def __getitem__(self, index: int) -> Any:
+            self.reads += 1
+            return self.dataset[index]
+
+    class Wraps:
+        @hookimpl
+        def configure_datasets(self, run: Run) -> None:
+            run.datasets.train = Counted(run.datasets.train)
+
+    result = run_steps(tmp_path, steps=3, plugins={"wraps": Wraps()})
+    assert result.exit_code == 0 and isinstance(result.run.datasets.train, Counted)
+    assert result.run.datasets.train.reads == 3 * 8  # every sample of every step came through it
+
+
+def test_a_hugging_face_dataset_is_read_by_the_batch_through_the_built_in_hf_datasets(tmp_path: Path) -> None:
+    config = {
+        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+        "data": {"provider": "workloads:hf_digits"},
+        "train": {"micro_batch_size": 16, "eval_iters": 1},
+    }
+    result = run_steps(tmp_path, steps=3, config=config)
+    assert result.exit_code == 0 and result.metrics[-1]["loss"] > 0
+    assert type(result.run.datasets.train).__name__ == "Columns"  # one Arrow slice per micro-batch
+    assert result.run.plugins.implementers("configure_datasets") == ["hf-datasets"]
 
 
 def test_hooks_between_plugins_are_specified_by_their_distribution_not_the_core() -> None:
