@@ -35,7 +35,7 @@ def make_model() -> torch.nn.Module:
 
 
 def make_data() -> Datasets:
-    from coretrain.data import TokenWindows
+    from coretrain_windows import TokenWindows
 
     return Datasets(train=TokenWindows(torch.randint(0, 256, (10_000,)), 64), seq_length=64, vocab_size=256)
 

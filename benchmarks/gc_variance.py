@@ -57,7 +57,7 @@ def make_model() -> torch.nn.Module:
 
 
 def make_data() -> Datasets:
-    from coretrain.data import TokenWindows  # noqa: F401 - keeps the import path realistic
+    from coretrain_windows import TokenWindows  # noqa: F401 - keeps the import path realistic
 
     class Pairs:
         def __init__(self) -> None:

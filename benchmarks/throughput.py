@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from coretrain_gpt.model import GPT, GPTConfig
 from coretrain_timers import PEAK_BF16_TFLOPS
+from coretrain_windows import TokenWindows
 
 from coretrain import hookimpl
 from coretrain.build import build_run
 from coretrain.config import Config
 from coretrain.configload import structure
-from coretrain.data import TokenWindows
 from coretrain.loop import Trainer
 from coretrain.pluginmanager import load_plugins
 from coretrain.run import Datasets

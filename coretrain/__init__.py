@@ -25,7 +25,7 @@ _LAZY = {
         "coretrain.control": "Control",
         "coretrain.cadence": "Every",
         "coretrain.dist": "DistInfo max_over_ranks mean_over_ranks sum_over_ranks",
-        "coretrain.data": "TokenWindows RandomWindows windows fetch to_device SampleOrder",
+        "coretrain.data": "fetch to_device SampleOrder",
         "coretrain.loader": "is_stream SplitBatches",
         "coretrain.outputs": "forward model_outputs NUM_TOKENS",
         "coretrain.blocks": "blocks_of",
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.commands.common import add_config_args
     from coretrain.configload import config_as_dict
     from coretrain.control import Control
-    from coretrain.data import RandomWindows, SampleOrder, TokenWindows, fetch, to_device, windows
+    from coretrain.data import SampleOrder, fetch, to_device
     from coretrain.dist import DistInfo, max_over_ranks, mean_over_ranks, sum_over_ranks
     from coretrain.errors import UserError, require
     from coretrain.hookspecs import HOOK_API, Outcome
@@ -73,20 +73,40 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
 # written out (not built from _LAZY) so that type checkers see what is exported; a test holds the two equal
 __all__ = ["__version__", "train", "TrainResult", "load", "prepare", "load_plugins", "hookimpl", "hookspec"]
 __all__ += ["HOOK_API", "Outcome", "Run", "TrainState", "StepOutputs", "Datasets", "DatasetContext", "Scheduler"]
-__all__ += ["Control", "Every", "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "TokenWindows"]
-__all__ += ["RandomWindows", "windows", "fetch", "to_device", "SampleOrder", "is_stream", "SplitBatches", "forward"]
+__all__ += ["Control", "Every", "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "fetch"]
+__all__ += ["to_device", "SampleOrder", "is_stream", "SplitBatches", "forward"]
 __all__ += ["model_outputs", "NUM_TOKENS", "blocks_of", "LoggingBackend", "UserError", "require", "config_as_dict"]
 __all__ += ["is_sharded", "find_checkpoint", "step_dir", "step_dirs", "best_step", "read_manifest", "read_weights"]
 __all__ += ["FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code", "add_config_args"]
 __all__ += ["field_defaults"]
 
 
+MOVED_GROUP = "coretrain.moved"
+"""Public names that left the core, by the distribution that holds them now: ``NAME = "module:attr"``."""
+
+
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name.startswith("__") or (value := _moved(name)) is None:
         raise AttributeError(f"module 'coretrain' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # the next lookup is a plain attribute
+    globals()[name] = value  # the next lookup is a plain attribute (and a moved name warns once)
     return value
+
+
+def _moved(name: str) -> Any:
+    """A name that moved to a plugin distribution (which says so in the ``coretrain.moved``
+    entry-point group): still found, with a deprecation warning naming its new place."""
+    from importlib.metadata import entry_points
+
+    point = next((p for p in entry_points(group=MOVED_GROUP) if p.name == name), None)
+    if point is None:
+        return None
+    import warnings
+
+    where = f"{point.value.replace(':', '.')} ({point.dist.name if point.dist else 'an installed distribution'})"
+    warnings.warn(f"coretrain.{name} moved to {where}; import it from there", DeprecationWarning, stacklevel=3)
+    return point.load()
 
 
 def __dir__() -> list[str]:

@@ -235,7 +235,6 @@ USER_API = {
     "load": "a config as a run sees it",
     "prepare": "a run built and checked, untrained (a notebook; config validate)",
     "load_plugins": "a config's plugins without a run",
-    "RandomWindows": "for users' own data providers",
     "model_outputs": "for users' own predict_step: the outputs and target of a batch",
     "hookspec": "a plugin distribution's own hook specifications",
     "__version__": "the package's version",
@@ -258,7 +257,7 @@ def test_no_public_name_exists_for_one_plugin() -> None:
     assert not leaks
 
 
-CORE_CODE_LINES_CEILING = 4_820
+CORE_CODE_LINES_CEILING = 4_780
 """The core's code lines may only go down: lower this as features leave it. The target of the
 "core, measured right" issue is 4,500 (goal 4,000); README's layout section says where it stands."""
 
@@ -297,3 +296,23 @@ def test_every_core_package_is_in_the_wheel() -> None:
     listed = set(tomli.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "coretrain").rglob("__init__.py")}
     assert found == listed
+
+
+def test_a_public_name_that_left_the_core_is_found_where_it_went_with_one_warning() -> None:
+    """coretrain.TokenWindows (the core's until 0.3.0) lives in coretrain-plugins now, which says so
+    in the coretrain.moved entry-point group: old imports keep working, warned once."""
+    import warnings
+
+    from coretrain_windows import TokenWindows as moved
+
+    import coretrain
+
+    vars(coretrain).pop("TokenWindows", None)  # as in a fresh interpreter
+    with pytest.warns(DeprecationWarning, match=r"coretrain\.TokenWindows moved to coretrain_windows\.TokenWindows"):
+        from coretrain import TokenWindows
+    assert TokenWindows is moved and "TokenWindows" not in coretrain.__all__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert coretrain.TokenWindows is moved  # once
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        coretrain.NoSuchName  # noqa: B018

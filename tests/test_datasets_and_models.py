@@ -9,8 +9,9 @@ import torch
 from coretrain_gpt.model import GPT, GPTConfig
 from coretrain_text_bytes import TextBytes, is_valid_file
 from coretrain_token_file import TokenFile, open_tokens, write_tokens
+from coretrain_windows import TokenWindows
 
-from coretrain.data import BatchReader, SampleOrder, TokenWindows
+from coretrain.data import BatchReader, SampleOrder
 from coretrain.run import DatasetContext
 
 CONTEXT = DatasetContext(train_samples=100, valid_samples=10, test_samples=10, seed=0)
@@ -96,7 +97,7 @@ def test_gpt_loss_starts_near_uniform_and_flops_follow_the_palm_formula() -> Non
 
 
 def test_random_windows_are_fixed_by_seed_and_index_and_cover_the_text() -> None:
-    from coretrain.data import RandomWindows
+    from coretrain_windows import RandomWindows
 
     tokens = torch.arange(10_000, dtype=torch.int32)
     a, b, other = (RandomWindows(tokens, 16, 5000, seed) for seed in (1, 1, 2))

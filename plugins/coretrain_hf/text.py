@@ -39,13 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 from attrs import define, field
+from coretrain_windows import TokenWindows
 
 from coretrain import (
     DatasetContext,
     Datasets,
     FieldValueError,
     Run,
-    TokenWindows,
     UserError,
     hookimpl,
     non_negative,

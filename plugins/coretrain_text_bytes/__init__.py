@@ -52,8 +52,9 @@ class TextBytes:
     @hookimpl
     def provide_datasets(self, run: Run, context: Any) -> Any:
         import torch
+        from coretrain_windows import TokenWindows, windows
 
-        from coretrain import Datasets, TokenWindows, UserError, windows
+        from coretrain import Datasets, UserError
 
         files = self.files()
         if len(files) < 2:

@@ -77,7 +77,9 @@ class TokenFile:
 
     @hookimpl
     def provide_datasets(self, run: Run, context: Any) -> Any:
-        from coretrain import Datasets, TokenWindows, UserError, windows
+        from coretrain_windows import TokenWindows, windows
+
+        from coretrain import Datasets, UserError
 
         train_tokens = open_tokens(self.train_path, self.dtype)
         valid = TokenWindows(open_tokens(self.valid_path, self.dtype), self.seq_length) if self.valid_path else None
