@@ -8,7 +8,8 @@ The contract (README, "Bring your own model and data"):
 - or, with ``model.loss`` set, it returns outputs (logits, or a dict / object with
   ``logits``) and the configured loss turns them into the loss (Megatron's forward_step /
   loss_func split): the batch's last item — or its ``labels`` key — is the target and the
-  rest is the model's input. ``cross_entropy`` also reports ``accuracy``.
+  rest is the model's input. A name is looked up in the ``coretrain.losses`` entry-point
+  group (coretrain-plugins: ``cross_entropy``, which also reports ``accuracy``, and ``mse``).
 """
 
 from __future__ import annotations
@@ -24,50 +25,34 @@ from coretrain.run import LossFn, Run
 TARGET_KEY = "labels"
 
 
-def logits_of(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict):
-        return output["logits"]
-    return output.logits
-
-
-def cross_entropy(output: Any, target: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean cross entropy over samples (or tokens: [B, T, V] logits, [B, T] targets) and accuracy."""
-    logits = logits_of(output)
-    flat_logits, flat_target = logits.reshape(-1, logits.size(-1)), target.reshape(-1)
-    loss = torch.nn.functional.cross_entropy(flat_logits.float(), flat_target, ignore_index=-100)
-    with torch.no_grad():
-        counted = flat_target != -100
-        accuracy = ((flat_logits.argmax(-1) == flat_target) & counted).sum() / counted.sum().clamp(min=1)
-    return {"loss": loss, "accuracy": accuracy}
-
-
-def mse(output: Any, target: torch.Tensor) -> torch.Tensor:
-    prediction = logits_of(output)
-    return torch.nn.functional.mse_loss(prediction.float(), target.float().reshape(prediction.shape))
-
-
-BUILT_IN: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
+LOSSES_GROUP = "coretrain.losses"
+"""Named losses for ``model.loss`` (coretrain-plugins gives ``cross_entropy`` and ``mse``)."""
 
 
 def resolve_loss(name: str | None) -> LossFn | None:
     """The configured loss function, or None when the model returns its own loss."""
     if name is None:
         return None
-    if name in BUILT_IN:
-        return BUILT_IN[name]
-    if ":" not in name:
-        from coretrain.errors import did_you_mean
+    if ":" in name:
+        from coretrain.usercode import import_callable
 
+        loss_fn: LossFn = import_callable(name, "model.loss")
+        return loss_fn
+    from importlib.metadata import entry_points
+
+    from coretrain.errors import did_you_mean
+
+    named = {point.name: point for point in entry_points(group=LOSSES_GROUP)}
+    if name not in named:
         raise UserError(
-            f"model.loss: '{name}' is neither a built-in loss ({', '.join(BUILT_IN)}) nor an import "
-            f"path 'pkg.module:function'{did_you_mean(name, BUILT_IN)}"
+            f"model.loss: '{name}' is neither an installed loss ({', '.join(sorted(named)) or 'none'}) nor an "
+            f"import path 'pkg.module:function'{did_you_mean(name, named)}"
         )
-    from coretrain.usercode import import_callable
-
-    loss_fn: LossFn = import_callable(name, "model.loss")
-    return loss_fn
+    try:
+        loaded: LossFn = named[name].load()
+    except Exception as exc:  # a broken distribution: name it, with the cause
+        raise UserError(f"model.loss: the loss '{name}' ({named[name].value}) failed to import: {exc}") from None
+    return loaded
 
 
 NUM_TOKENS = "num_tokens"

@@ -125,6 +125,21 @@ def test_a_model_provider_that_raises_exits_or_cannot_be_named_is_one_error(
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
 
 
+@pytest.mark.parametrize(
+    ("loss", "expected"),
+    [
+        ("cross_entrpy", "'cross_entrpy' is neither an installed loss (cross_entropy, mse) nor an import path"),
+        ("cross_entrpy", "did you mean 'cross_entropy'"),
+        ("nosuchmodule:loss", "model.loss"),
+    ],
+)
+def test_a_loss_that_is_not_installed_or_importable_is_one_error(
+    config: Path, capsys: Any, loss: str, expected: str
+) -> None:
+    _, line = cli(capsys, "config", "validate", str(config), "--set", f'model.loss="{loss}"')
+    assert expected in line
+
+
 # --------------------------------------------------------------------------- new-plugin
 
 

@@ -1,0 +1,42 @@
+"""The named losses of ``model.loss``: ``"cross_entropy"`` and ``"mse"``.
+
+A model that returns outputs (logits, or a dict / object with ``logits``) rather than its loss
+gets one from ``model.loss``; a name there is looked up in the ``coretrain.losses`` entry-point
+group, which this distribution fills (yours may add names: ``focal = "mypkg.losses:focal"``),
+and ``"pkg.module:function"`` names any function. A loss is ``fn(outputs, target)`` and
+returns the loss, or a dict with ``loss`` and other scalars to log.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["cross_entropy", "mse"]
+
+
+def logits_of(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        return output["logits"]
+    return output.logits
+
+
+def cross_entropy(output: Any, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean cross entropy over samples (or tokens: [B, T, V] logits, [B, T] targets; -100 is
+    ignored) and accuracy."""
+    logits = logits_of(output)
+    flat_logits, flat_target = logits.reshape(-1, logits.size(-1)), target.reshape(-1)
+    loss = torch.nn.functional.cross_entropy(flat_logits.float(), flat_target, ignore_index=-100)
+    with torch.no_grad():
+        counted = flat_target != -100
+        accuracy = ((flat_logits.argmax(-1) == flat_target) & counted).sum() / counted.sum().clamp(min=1)
+    return {"loss": loss, "accuracy": accuracy}
+
+
+def mse(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of the outputs (their ``logits``) against the target, in float32."""
+    prediction = logits_of(output)
+    return torch.nn.functional.mse_loss(prediction.float(), target.float().reshape(prediction.shape))
