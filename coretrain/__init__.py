@@ -26,7 +26,7 @@ _LAZY = {
         "coretrain.cadence": "Every",
         "coretrain.dist": "DistInfo max_over_ranks mean_over_ranks sum_over_ranks",
         "coretrain.data": "fetch to_device SampleOrder",
-        "coretrain.loader": "is_stream SplitBatches",
+        "coretrain.loader": "is_stream SplitBatches loader_settings",
         "coretrain.outputs": "forward model_outputs NUM_TOKENS",
         "coretrain.blocks": "blocks_of",
         "coretrain.backend": "LoggingBackend",
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.dist import DistInfo, max_over_ranks, mean_over_ranks, sum_over_ranks
     from coretrain.errors import UserError, require
     from coretrain.hookspecs import HOOK_API, Outcome
-    from coretrain.loader import SplitBatches, is_stream
+    from coretrain.loader import SplitBatches, is_stream, loader_settings
     from coretrain.markers import hookimpl, hookspec
     from coretrain.outputs import NUM_TOKENS, forward, model_outputs
     from coretrain.pluginmanager import field_defaults
@@ -74,7 +74,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
 __all__ = ["__version__", "train", "TrainResult", "load", "prepare", "load_plugins", "hookimpl", "hookspec"]
 __all__ += ["HOOK_API", "Outcome", "Run", "TrainState", "StepOutputs", "Datasets", "DatasetContext", "Scheduler"]
 __all__ += ["Control", "Every", "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "fetch"]
-__all__ += ["to_device", "SampleOrder", "is_stream", "SplitBatches", "forward"]
+__all__ += ["to_device", "SampleOrder", "is_stream", "SplitBatches", "loader_settings", "forward"]
 __all__ += ["model_outputs", "NUM_TOKENS", "blocks_of", "LoggingBackend", "UserError", "require", "config_as_dict"]
 __all__ += ["is_sharded", "find_checkpoint", "step_dir", "step_dirs", "best_step", "read_manifest", "read_weights"]
 __all__ += ["FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code", "add_config_args"]

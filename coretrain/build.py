@@ -5,7 +5,6 @@ schedule, and the resolved config.toml."""
 
 from __future__ import annotations
 
-import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ from coretrain.config import Config, micro_batches_per_step
 from coretrain.configload import config_as_dict, toml_text
 from coretrain.dist import init_distributed
 from coretrain.errors import UserError
-from coretrain.loader import is_stream
 from coretrain.markers import hookimpl
 from coretrain.optim import build_optimizer
 from coretrain.outputs import resolve_loss
@@ -219,20 +217,6 @@ def _build_datasets(run: Run) -> None:
     check_datasets(run.datasets, config.data.provider)
     if hook_calls(run).implemented("on_datasets"):
         hook_calls(run).hook.on_datasets(run=run)
-    if is_stream(run.datasets.train) and run.dist.is_main:
-        _warn_stream(run)
-
-
-def _warn_stream(run: Run) -> None:
-    workers, dp = run.config.data.num_workers, run.dist.dp_size
-    logging.getLogger("coretrain").warning(
-        "the train split is a stream, dealt out item by item to %d reader(s) (ranks × workers), and a "
-        "checkpoint resumes exactly only on %d rank(s) with data.num_workers = %d (the stream's position is "
-        "saved per rank and worker)",
-        dp * max(workers, 1),
-        dp,
-        workers,
-    )
 
 
 def _build_model(run: Run) -> None:

@@ -5,6 +5,7 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
     configure_run(run)                      each          the run exists, nothing built: log files
     provide_datasets(run, context)          firstresult   train/valid/test datasets
     configure_datasets(run)                 each          wrap run.datasets' splits (hf-datasets)
+    read_stream(run, dataset, ...)          firstresult   the loader of a stream split (streams)
     on_datasets(run)                        each          check or inspect run.datasets (data-checks)
     provide_model(run)                      firstresult   the nn.Module (sees run.datasets)
     configure_model(run)                    each, ordered  replace run.model: FP8 (tryfirst),
@@ -157,6 +158,22 @@ class HookSpecs(Protocol):
         datasets (``coretrain config validate`` runs this too, and nothing is written).
         Returns: nothing.
         Ranks: every rank, once, before training.
+        """
+
+    @hookspec(firstresult=True)
+    def read_stream(self, run: Run, dataset: Any, micro_batch_size: int, training: bool) -> Any | None:
+        """A loader of this rank's micro-batches of a stream split (hook API 1.11): a split that is
+        iterated, not indexed, has no sample order for the core to deal out.
+
+        Args: ``dataset`` — the stream; ``micro_batch_size``; ``training`` — the train split (read
+        step by step across passes, checkpointed: the loader has ``state_dict()`` and
+        ``load_state_dict()``, a partial last batch is dropped) or an evaluation's pass (from
+        the start, the partial last batch kept).
+        May change: nothing on ``run``.
+        Returns: an iterable of collated micro-batches (on the host; iterating it again starts
+        another pass); the first non-None answer wins (coretrain-plugins' ``streams`` answers
+        last: every rank takes every (ranks × workers)-th item).
+        Ranks: every rank, when the loop or an evaluation first reads the split.
         """
 
     @hookspec(firstresult=True)

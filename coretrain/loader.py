@@ -15,11 +15,9 @@ How many micro-batches a step takes is decided once per step, in order (:class:`
 because the sampler runs ahead of the loop (batch-size rampup changes it on the way).
 
 A stream (an ``IterableDataset``, or anything iterable without ``__getitem__``) has no
-sample order to walk: :class:`RankStream` gives each rank and worker every k-th item, and
-torchdata's ``StatefulDataLoader`` carries the position in each worker's stream into the
-checkpoint — through the stream's own ``state_dict()`` / ``load_state_dict()`` when it has
-them, else by replaying the stream up to the saved position. Such a checkpoint resumes on
-the same number of ranks and workers only; the run says so at start.
+sample order to walk: a plugin reads it (hook ``read_stream``; coretrain-plugins' ``streams``
+deals its items out to ranks and workers and checkpoints the position with torchdata's
+``StatefulDataLoader``), and its loader's ``state_dict()`` goes into the checkpoint.
 
 Random numbers: no loader draws from the run's global generator (a DataLoader takes its
 workers' base seed from it each time an iterator is made, so a resumed run, which makes one
@@ -49,6 +47,7 @@ import torch
 
 from coretrain.data import BatchReader, SampleOrder, batch_size, fetch, to_device
 from coretrain.errors import UserError
+from coretrain.pluginmanager import hook_calls
 
 
 def is_stream(dataset: Any) -> bool:
@@ -58,68 +57,36 @@ def is_stream(dataset: Any) -> bool:
     )
 
 
-class RankStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
-    """The items of a stream that are this rank's and this worker's: every (ranks × workers)-th.
-
-    Its state is the count of stream items passed so far, plus the stream's own state when
-    it has one; loading it resumes there (replaying a stream that has no state of its own).
-    """
-
-    def __init__(self, stream: Any, rank: int, world_size: int) -> None:
-        self.stream, self.rank, self.world = stream, rank, world_size
-        self.stateful = callable(getattr(stream, "state_dict", None)) and callable(
-            getattr(stream, "load_state_dict", None)
+def read_stream(run: Run, dataset: Any, micro_batch_size: int, training: bool) -> Any:
+    """A plugin's loader of this rank's micro-batches of a stream (hook ``read_stream``)."""
+    calls = hook_calls(run)
+    reader = (
+        calls.hook.read_stream(run=run, dataset=dataset, micro_batch_size=micro_batch_size, training=training)
+        if calls.implemented("read_stream")
+        else None
+    )
+    if reader is None:
+        raise UserError(
+            "a split is a stream (an IterableDataset) and no plugin reads streams: coretrain-plugins' "
+            "`streams` does (on by default; is it disabled or not installed?)"
         )
-        self._position = 0
-        self._resume: dict[str, Any] | None = None
-
-    def __iter__(self) -> Iterator[Any]:
-        info = torch.utils.data.get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        slots, mine = self.world * workers, self.rank * workers + worker
-        start, resume, self._resume = 0, self._resume, None
-        if resume is not None:
-            start = int(resume["position"])
-            if self.stateful and resume.get("stream") is not None:
-                self.stream.load_state_dict(resume["stream"])
-        items = iter(self.stream)
-        if resume is not None and not (self.stateful and resume.get("stream") is not None):
-            for _ in range(start):  # no state of its own: replay up to where the checkpoint was
-                next(items, None)
-        self._position = start
-        for item in items:
-            self._position += 1
-            if (self._position - 1) % slots == mine:
-                yield item
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"position": self._position, "stream": self.stream.state_dict() if self.stateful else None}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._resume = state
+    return reader
 
 
-def stream_loader(dataset: Any, run: Run, batch_size: int, stateful: bool) -> Any:
-    """A DataLoader of this rank's share of a stream, in micro-batches (the last partial one dropped
-    in training, kept in evaluation)."""
+def loader_settings(run: Run) -> dict[str, Any]:
+    """The ``torch.utils.data.DataLoader`` arguments every loader of a run shares: ``data.*``'s
+    workers, pinning and prefetch; workers that leave the run's exit signals to the main process
+    (:func:`worker_init_fn`); a generator of its own, fixed by (run seed, rank)."""
     cfg = run.config.data
-    kwargs: dict[str, Any] = dict(
-        batch_size=batch_size,
-        collate_fn=run.datasets.collate_fn,
+    settings: dict[str, Any] = dict(
         num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory and run.device.type == "cuda",
-        drop_last=stateful,
         worker_init_fn=worker_init_fn(run),
         generator=loader_generator(run),
     )
     if cfg.num_workers:
-        kwargs["prefetch_factor"] = cfg.prefetch_factor
-    stream = RankStream(dataset, run.dist.dp_rank, run.dist.dp_size)
-    if not stateful:
-        return torch.utils.data.DataLoader(stream, **kwargs)
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    return StatefulDataLoader(stream, **kwargs)
+        settings["prefetch_factor"] = cfg.prefetch_factor
+    return settings
 
 
 class StepPlan:
@@ -221,18 +188,10 @@ EVAL_SEED = 0x5EED
 def data_loader(
     dataset: Any, sampler: Any, run: Run, persistent: bool = False, seed: int | None = None
 ) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
-    cfg = run.config.data
     seed = run.config.run.seed if seed is None else seed
+    dataset = MicroBatches(dataset, run.datasets.collate_fn, seed)
     return torch.utils.data.DataLoader(
-        MicroBatches(dataset, run.datasets.collate_fn, seed),
-        batch_size=None,
-        sampler=sampler,
-        num_workers=cfg.num_workers,
-        prefetch_factor=cfg.prefetch_factor,
-        pin_memory=cfg.pin_memory and run.device.type == "cuda",
-        persistent_workers=persistent,
-        worker_init_fn=worker_init_fn(run),
-        generator=loader_generator(run),
+        dataset, batch_size=None, sampler=sampler, persistent_workers=persistent, **loader_settings(run)
     )
 
 
@@ -270,7 +229,7 @@ class SplitBatches:
     def _counted(self) -> Iterator[tuple[int, Any]]:
         if is_stream(self.dataset):
             seen = 0
-            for batch in stream_loader(self.dataset, self.run, self.micro_batch_size, stateful=False):
+            for batch in read_stream(self.run, self.dataset, self.micro_batch_size, training=False):
                 if self.limit is not None and seen >= self.limit:
                     return
                 seen += batch_size(batch)
@@ -318,7 +277,7 @@ class TrainBatches:
         self._iterator: Iterator[Any] | None = None
         if is_stream(dataset):
             self._reader = None
-            self._stream = stream_loader(dataset, run, micro, stateful=True)
+            self._stream = read_stream(run, dataset, micro, training=True)
             if state:
                 self._stream.load_state_dict(state["loader"])
             self._iterator = iter(self._stream)

@@ -202,7 +202,7 @@ def run_steps(
     plugins: Mapping[str, object] | None = None,
     tables: Mapping[str, Mapping[str, Any]] | None = None,
     config: Mapping[str, Mapping[str, Any]] | None = None,
-    autoload: bool | Collection[str] = ("evaluation", "optimizer-overrides", "schedule", "hf-datasets"),
+    autoload: bool | Collection[str] = ("evaluation", "optimizer-overrides", "schedule", "hf-datasets", "streams"),
 ) -> Result:
     """Train ``steps`` steps of the tiny workload (or what ``config`` names) in this process.
 
@@ -211,8 +211,8 @@ def run_steps(
     a user turns it on); ``config``: more settings by table, e.g. ``{"train": {"log_interval": 5}}``;
     ``autoload``: the on-by-default plugins to keep on (all: True; by default those that change
     what a real run computes: ``evaluation``, so it reports ``valid/*``, ``optimizer-overrides``,
-    so biases and norms get no weight decay, ``schedule``, the learning-rate schedule, and
-    ``hf-datasets``, which reads Hugging Face datasets by the batch).
+    so biases and norms get no weight decay, ``schedule``, the learning-rate schedule,
+    ``hf-datasets``, which reads Hugging Face datasets by the batch, and ``streams``).
     A second call with the same ``tmp_path`` resumes from the newest checkpoint, as a restarted
     job does. Errors are raised as the CLI would report them (:class:`coretrain.UserError` for
     a mistake in the config, ``PluginError`` naming a failing plugin).

@@ -64,7 +64,7 @@ def test_run_steps_returns_the_metrics_and_every_hook_call(tmp_path: Path) -> No
     assert result.metrics[-1]["loss"] < result.metrics[0]["loss"]  # the tiny workload learns
     assert result.hooks("post_step") == [1, 2, 3, 4, 5, 6]
     order = result.hooks()  # hooks no plugin implements are never called (on_train_start here)
-    assert order[:3] == ["provide_datasets", "configure_datasets", "provide_model"]  # hf-datasets's seam
+    assert order[:4] == ["provide_datasets", "configure_datasets", "on_datasets", "provide_model"]  # built-ins
     assert "on_train_start" not in order
     assert order.index("post_step") < order.index("on_log") and order[-1] == "on_train_end"
     assert counter.ends == ["completed"]
@@ -118,8 +118,9 @@ def test_wrappers_wrap_every_hook(tmp_path: Path) -> None:
     resumed = run_steps(tmp_path, steps=6, plugins={"counter": Counter(), "wrap": wrapper})
     assert resumed.exit_code == 0
     # after training; with tensor parallelism only; asked plugin by plugin and none here listens;
-    # by `coretrain predict` only
+    # by `coretrain predict` only; for a stream split only
     not_in_this_run = {"export_model", "tensor_parallel_plan", "phase_listener", "predict_step", "write_predictions"}
+    not_in_this_run |= {"read_stream"}
     assert sorted(set(wrapper.entered)) == [name for name in SPECS if name not in not_in_this_run]
     assert wrapper.entered.count("on_train_end") == wrapper.left.count("on_train_end") >= 2
     # each wrapped per-plugin call still delivered the plugin's own state
@@ -267,6 +268,31 @@ def test_a_hugging_face_dataset_is_read_by_the_batch_through_the_built_in_hf_dat
     assert result.exit_code == 0 and result.metrics[-1]["loss"] > 0
     assert type(result.run.datasets.train).__name__ == "Columns"  # one Arrow slice per micro-batch
     assert result.run.plugins.implementers("configure_datasets") == ["hf-datasets"]
+
+
+def test_a_stream_is_read_by_the_plugin_that_answers_read_stream_first(tmp_path: Path) -> None:
+    """The built-in ``streams`` answers last: a reader of your own (one that shards by file, say)
+    is asked first, for training and for each evaluation pass."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    asked: list[bool] = []
+
+    class WholeStream:
+        @hookimpl
+        def read_stream(self, run: Run, dataset: Any, micro_batch_size: int, training: bool) -> Any:
+            asked.append(training)
+            return StatefulDataLoader(dataset, batch_size=micro_batch_size, drop_last=training)
+
+    config = {
+        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+        "data": {"provider": "workloads:digit_stream"},
+        "train": {"micro_batch_size": 16, "eval_iters": 1, "eval_interval": 2},
+    }
+    result = run_steps(tmp_path, steps=4, plugins={"whole": WholeStream()}, config=config)
+    assert result.exit_code == 0 and [m["step"] for m in result.evals] == [2, 4]
+    assert asked[0] is True and asked.count(False) == 2  # training once; each validation pass
+    with pytest.raises(UserError, match="no plugin reads streams: coretrain-plugins' `streams` does"):
+        run_steps(tmp_path / "none", steps=4, config=config, autoload=("evaluation",))
 
 
 def test_hooks_between_plugins_are_specified_by_their_distribution_not_the_core() -> None:
