@@ -137,6 +137,8 @@ def test_autoload_and_enabled_false(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         "optimizer-overrides",
         "schedule",
         "console-log",
+        "hf-datasets",
+        "streams",
     }
     assert _enabled(tmp_path, '[model]\nprovider = "gpt"\n') == {"gpt", *built_in}
     assert _enabled(tmp_path, "[plugins.progress]\nenabled = false\n") == built_in - {"progress"}
