@@ -87,7 +87,10 @@ def splits_list(result: Any) -> bool:
     return (
         isinstance(result, list)
         and 2 <= len(result) <= 3
-        and all(hasattr(item, "__len__") and not isinstance(item, samples) for item in result)
+        and all(
+            isinstance(item, torch.utils.data.Dataset) or (hasattr(item, "__len__") and not isinstance(item, samples))
+            for item in result
+        )
     )
 
 

@@ -66,6 +66,30 @@ def test_random_splits_list_is_train_and_valid(tmp_path: Path) -> None:
     assert "valid/accuracy" in result.evals[0]
 
 
+def test_a_list_of_datasets_is_splits_and_a_list_of_samples_is_one_dataset() -> None:
+    import numpy as np
+    import torch
+
+    from coretrain.build import splits_list
+
+    class Sized:  # a Hugging Face dataset, or any indexable object of a library's own
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, index: int) -> int:
+            return index
+
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            return iter(range(3))
+
+    assert splits_list([Sized(), Sized()]) and splits_list([Stream(), Stream(), Stream()])
+    assert splits_list(list(torch.utils.data.random_split(range(10), [0.8, 0.2])))
+    for samples in ([torch.ones(2), torch.zeros(2)], [np.ones(2), np.ones(2)], [(1, 2), (3, 4)], [{"x": 1}, {"x": 2}]):
+        assert not splits_list(samples)
+    assert not splits_list([Sized()]) and not splits_list([Sized()] * 4)
+
+
 def test_report_shows_every_evaluated_metric_and_small_rates(tmp_path: Path, cli: Any) -> None:
     """The summary lists valid/accuracy, each named set and the model's train/ values, gives a
     tiny model's TFLOP/s in significant digits, and the loss plot draws each set."""
