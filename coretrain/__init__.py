@@ -7,6 +7,7 @@ names below load their modules on first use.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from coretrain.version import __version__
@@ -97,9 +98,7 @@ def __getattr__(name: str) -> Any:
 def _moved(name: str) -> Any:
     """A name that moved to a plugin distribution (which says so in the ``coretrain.moved``
     entry-point group): still found, with a deprecation warning naming its new place."""
-    from importlib.metadata import entry_points
-
-    point = next((p for p in entry_points(group=MOVED_GROUP) if p.name == name), None)
+    point = _moved_points().get(name)
     if point is None:
         return None
     import warnings
@@ -107,6 +106,14 @@ def _moved(name: str) -> Any:
     where = f"{point.value.replace(':', '.')} ({point.dist.name if point.dist else 'an installed distribution'})"
     warnings.warn(f"coretrain.{name} moved to {where}; import it from there", DeprecationWarning, stacklevel=3)
     return point.load()
+
+
+@functools.cache
+def _moved_points() -> dict[str, Any]:
+    """Read once: probing for an attribute that is not there costs a dict lookup."""
+    from importlib.metadata import entry_points
+
+    return {point.name: point for point in entry_points(group=MOVED_GROUP)}
 
 
 def __dir__() -> list[str]:
