@@ -33,6 +33,7 @@ _LAZY = {
         "coretrain.backend": "LoggingBackend",
         "coretrain.errors": "UserError require",
         "coretrain.configload": "config_as_dict",
+        "coretrain.configchanges": "config_changes",
         "coretrain.checkpoint": "is_sharded find_checkpoint step_dir step_dirs best_step read_manifest read_weights",
         "coretrain.validators": "FieldValueError positive non_negative fraction in_range exit_code",
         "coretrain.commands.common": "add_config_args",
@@ -58,6 +59,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
         step_dirs,
     )
     from coretrain.commands.common import add_config_args
+    from coretrain.configchanges import config_changes
     from coretrain.configload import config_as_dict
     from coretrain.control import Control
     from coretrain.data import SampleOrder, fetch, to_device
@@ -79,7 +81,7 @@ __all__ += ["to_device", "SampleOrder", "is_stream", "SplitBatches", "loader_set
 __all__ += ["model_outputs", "NUM_TOKENS", "blocks_of", "LoggingBackend", "UserError", "require", "config_as_dict"]
 __all__ += ["is_sharded", "find_checkpoint", "step_dir", "step_dirs", "best_step", "read_manifest", "read_weights"]
 __all__ += ["FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code", "add_config_args"]
-__all__ += ["field_defaults"]
+__all__ += ["field_defaults", "config_changes"]
 
 
 MOVED_GROUP = "coretrain.moved"

@@ -163,9 +163,6 @@ class CheckpointConfig:
     load_optimizer: bool = True
     """On resume, load the optimizer's state; false starts it afresh (e.g. after changing
     optimizer.name), keeping weights, step, schedule position and data position."""
-    allow_changes: list[str] = field(factory=list)
-    """Config keys (or sections, e.g. "model.options.dropout", "data.options") that a resume may
-    change although they change what the checkpoint means (the seed, the model, the dataset)."""
 
 
 @define(kw_only=True)

@@ -77,6 +77,7 @@ from coretrain.markers import hookspec
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from pathlib import Path
 
     import torch
 
@@ -393,6 +394,18 @@ class HookSpecs(Protocol):
         Returns: nothing.
         Ranks: every rank, on the training thread: right after a synchronous save, or at the first
         step boundary after an asynchronous save finished.
+        """
+
+    @hookspec
+    def check_resume(self, run: Run, manifest: dict[str, Any], path: Path) -> None:
+        """A checkpoint is about to be resumed: refuse it before anything of the run changes
+        (hook API 1.11) — the built-in ``resume-checks`` refuses a changed seed, model or dataset.
+
+        Args: ``manifest`` — the checkpoint's ``manifest.json`` (``config`` as it was saved,
+        ``step``, ``world_size``, ...); ``path`` — its directory.
+        May change: nothing; raise :class:`coretrain.UserError` to refuse (exit 2, nothing written).
+        Returns: nothing.
+        Ranks: every rank, once, on resume (not for ``checkpoint.pretrained``).
         """
 
     @hookspec

@@ -21,6 +21,7 @@ MOVED: dict[str, tuple[str, bool]] = {
     "run.peak_tflops": ("plugins.timers.peak_tflops", True),
     "distributed.step_timeout_seconds": ("plugins.watchdog.step_timeout_seconds", True),
     "checkpoint.keep_best_mode": ("plugins.keep-best.mode", False),
+    "checkpoint.allow_changes": ("plugins.resume-checks.allow_changes", True),
 }
 """Old dotted key -> (new dotted key, whether the old key alone turns the new table on: a
 secondary key such as a mode, set without its feature, is dropped)."""

@@ -28,10 +28,11 @@ from coretrain.checkpoint import (
 )
 from coretrain.checkpoint.load import load_sharded, load_whole, load_whole_optimizer, read_weights
 from coretrain.checkpoint.state import frozen_names
-from coretrain.configchanges import check_changes, config_changes
+from coretrain.configchanges import config_changes
 from coretrain.configload import config_as_dict
 from coretrain.errors import CheckpointUnreadable, UserError
 from coretrain.loader import is_stream
+from coretrain.pluginmanager import hook_calls
 from coretrain.run import Run, TrainState
 
 log = logging.getLogger("coretrain")
@@ -241,20 +242,19 @@ def read_newest_loadable(run: Run, candidates: list[Path], explicit: bool, with_
     raise AssertionError("no candidates")  # callers pass at least one
 
 
-def check_resumable(
-    run: Run, info: dict[str, Any], rank_state: dict[str, Any] | None = None, source: Path | None = None
-) -> None:
+def check_resumable(run: Run, info: dict[str, Any], rank_state: dict[str, Any], path: Path) -> None:
     """Refuse what a resume cannot carry over; say which settings change.
 
-    The optimizer class (with its state), the sequence length, a stream's rank and worker
-    counts, and the keys :mod:`coretrain.configchanges` refuses are part of what the checkpoint
-    means: a change is an error naming the keys. Every other change is applied from the first
-    resumed step, and one warning lists them all.
+    The optimizer class (with its state), the sequence length and a stream's rank and worker
+    counts are part of what the checkpoint means: a change is an error naming the keys. Then
+    plugins may refuse it (``check_resume``: the built-in ``resume-checks`` refuses a changed
+    seed, model or dataset and lists every other change in one warning).
     """
     _check_optimizer(run, info.get("optimizer"))
     _check_seq_length(run, info)
-    _check_stream_layout(run, info.get("world_size"), (rank_state or {}).get("data") or {})
-    check_changes(info.get("config"), config_as_dict(run.config), list(run.config.checkpoint.allow_changes), source)
+    _check_stream_layout(run, info.get("world_size"), rank_state.get("data") or {})
+    if hook_calls(run).implemented("check_resume"):  # a plugin's refusal: resume-checks, the config's changes
+        hook_calls(run).hook.check_resume(run=run, manifest=info, path=path)
 
 
 def _check_optimizer(run: Run, saved_optimizer: str | None) -> None:

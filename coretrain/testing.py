@@ -36,6 +36,8 @@ from coretrain.markers import hookimpl
 from coretrain.run import DatasetContext, Datasets, Run
 
 TINY_MODEL = "coretrain.testing:tiny_model"
+BEHAVIOUR = ("evaluation", "optimizer-overrides", "schedule", "hf-datasets", "streams", "resume-checks")
+"""The on-by-default plugins that change what a run computes or accepts (the others watch or report)."""
 TINY_DATA = "coretrain.testing:tiny_data"
 
 
@@ -202,7 +204,7 @@ def run_steps(
     plugins: Mapping[str, object] | None = None,
     tables: Mapping[str, Mapping[str, Any]] | None = None,
     config: Mapping[str, Mapping[str, Any]] | None = None,
-    autoload: bool | Collection[str] = ("evaluation", "optimizer-overrides", "schedule", "hf-datasets", "streams"),
+    autoload: bool | Collection[str] = BEHAVIOUR,
 ) -> Result:
     """Train ``steps`` steps of the tiny workload (or what ``config`` names) in this process.
 
@@ -212,7 +214,7 @@ def run_steps(
     ``autoload``: the on-by-default plugins to keep on (all: True; by default those that change
     what a real run computes: ``evaluation``, so it reports ``valid/*``, ``optimizer-overrides``,
     so biases and norms get no weight decay, ``schedule``, the learning-rate schedule,
-    ``hf-datasets``, which reads Hugging Face datasets by the batch, and ``streams``).
+    ``hf-datasets`` and ``streams``, which read those splits, and ``resume-checks``).
     A second call with the same ``tmp_path`` resumes from the newest checkpoint, as a restarted
     job does. Errors are raised as the CLI would report them (:class:`coretrain.UserError` for
     a mistake in the config, ``PluginError`` naming a failing plugin).

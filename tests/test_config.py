@@ -203,6 +203,7 @@ OLD_VALUES = {
     "run.peak_tflops": 312.0,
     "distributed.step_timeout_seconds": 60.0,
     "scheduler": {"decay_style": "linear"},
+    "checkpoint.allow_changes": ["run.seed"],
 }
 
 

@@ -295,7 +295,8 @@ def test_a_damaged_only_checkpoint_and_a_refused_change_are_one_error_each(
     step = tmp_path / "out" / "checkpoints" / "step_00000002"
     longer = ("--set", "train.train_iters=4")
     recorded = (tmp_path / "out" / "config.toml").read_text()
-    code, line = cli(capsys, "run", str(config), *longer, "--set", "run.seed=8")
+    checks = ("--set", "plugins.resume-checks.allow_changes=[]")  # on by default; autoload is off here
+    code, line = cli(capsys, "run", str(config), *longer, *checks, "--set", "run.seed=8")
     assert code == 2 and f"resuming from {step} would change what it means: run.seed 7 -> 8" in line, line
     assert (tmp_path / "out" / "config.toml").read_text() == recorded  # still the checkpoints' config
 

@@ -139,6 +139,7 @@ def test_autoload_and_enabled_false(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         "console-log",
         "hf-datasets",
         "streams",
+        "resume-checks",
     }
     assert _enabled(tmp_path, '[model]\nprovider = "gpt"\n') == {"gpt", *built_in}
     assert _enabled(tmp_path, "[plugins.progress]\nenabled = false\n") == built_in - {"progress"}

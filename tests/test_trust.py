@@ -277,7 +277,7 @@ def test_resume_refuses_a_changed_model_shape_seq_length_or_optimizer_class(tmp_
     assert wider.returncode == 2
     line = one_error_line(wider.stderr)
     assert "would change what it means: model.options.n_embd 32 -> 64" in line
-    assert 'checkpoint.allow_changes = ["model.options.n_embd"]' in line
+    assert '[plugins.resume-checks] allow_changes = ["model.options.n_embd"]' in line
     forced = run_here(
         "run",
         str(config),

@@ -1,0 +1,77 @@
+"""``resume-checks`` (on by default): what a resume may change in the config, and what it may not.
+
+A checkpoint's weights, data position and random streams mean something only together with
+the config they were trained under. Some keys may change on resume and take effect from the
+first resumed step (the learning rate, the batch size, the cadence, plugins); others would
+silently change what the run is (another seed reorders the data from here on; another
+``n_head`` reinterprets the same weights; another dataset makes the data position point at
+other samples). Every key has one rule, by its longest listed prefix; keys not listed are
+applied. Applied changes are listed in one warning; refused ones are one error naming them,
+unless ``allow_changes`` lists them. Asked through the core's ``check_resume`` hook, before
+anything of the run changes; ``enabled = false`` resumes whatever changed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from attrs import define, field
+
+from coretrain import Run, UserError, config_as_dict, config_changes, hookimpl
+
+log = logging.getLogger("coretrain")
+
+REFUSED = {
+    "run.seed": "the data order and every random stream follow it",
+    "model": "the checkpoint's weights are those of the model it configured",
+    "data.provider": "the data position counts samples of the dataset it built",
+    "data.options": "the data position counts samples of the dataset it built",
+}
+"""Key (or section prefix) -> why a change is refused. Everything else is applied."""
+
+
+def refusal(key: str, allowed: list[str]) -> str | None:
+    """Why a change of ``key`` is refused, or None when it is applied."""
+    if any(key == a or key.startswith(f"{a}.") for a in allowed):
+        return None
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        reason = REFUSED.get(".".join(parts[:end]))
+        if reason is not None:
+            return reason
+    return None
+
+
+def describe(changes: list[tuple[str, Any, Any]]) -> str:
+    return ", ".join(f"{key} {before!r} -> {after!r}" for key, before, after in changes)
+
+
+@define
+class ResumeChecks:
+    """Refuse a resume that would change what its checkpoint means; warn about other changes."""
+
+    allow_changes: list[str] = field(factory=list)
+    """Config keys (or sections, e.g. "model.options.dropout", "data.options") that a resume may
+    change although they change what the checkpoint means (was checkpoint.allow_changes)."""
+
+    @hookimpl
+    def check_resume(self, run: Run, manifest: dict[str, Any], path: Path) -> None:
+        changes = config_changes(manifest.get("config"), config_as_dict(run.config))
+        refused = [(change, why) for change in changes if (why := refusal(change[0], self.allow_changes)) is not None]
+        if refused:
+            reasons = "; ".join(f"{key} {before!r} -> {after!r}: {why}" for (key, before, after), why in refused)
+            keys = json.dumps([key for (key, _, _), _ in refused])
+            raise UserError(
+                f"resuming from {path} would change what it means: {reasons}. Resume with the checkpoint's "
+                f"values; or start a new run (another run.output_dir) from its weights with "
+                f'checkpoint.pretrained = "{path}"; or apply them anyway with [plugins.resume-checks] '
+                f"allow_changes = {keys}"
+            )
+        if changes and run.dist.is_main:
+            log.warning(
+                "resuming with changed settings; the config's values are used from now on: %s",
+                describe(changes),
+            )
