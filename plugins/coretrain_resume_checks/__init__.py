@@ -62,7 +62,7 @@ class ResumeChecks:
         changes = config_changes(manifest.get("config"), config_as_dict(run.config))
         refused = [(change, why) for change in changes if (why := refusal(change[0], self.allow_changes)) is not None]
         if refused:
-            reasons = "; ".join(f"{key} {before!r} -> {after!r}: {why}" for (key, before, after), why in refused)
+            reasons = "; ".join(f"{describe([change])}: {why}" for change, why in refused)
             keys = json.dumps([key for (key, _, _), _ in refused])
             raise UserError(
                 f"resuming from {path} would change what it means: {reasons}. Resume with the checkpoint's "

@@ -71,14 +71,14 @@ class Streams:
 
     @hookimpl(trylast=True)  # a reader of your own answers first
     def read_stream(self, run: Run, dataset: Any, micro_batch_size: int, training: bool) -> Any:
-        settings = loader_settings(run)
-        stream = RankStream(dataset, run.dist.dp_rank, run.dist.dp_size)
-        collate = run.datasets.collate_fn
-        if not training:  # an evaluation's pass: from the start, the last partial batch kept
-            return torch.utils.data.DataLoader(stream, batch_size=micro_batch_size, collate_fn=collate, **settings)
-        from torchdata.stateful_dataloader import StatefulDataLoader
+        loader: Any = torch.utils.data.DataLoader  # an evaluation's pass: from the start, the partial batch kept
+        if training:  # checkpointed, each worker's position with it; the partial last batch dropped
+            from torchdata.stateful_dataloader import StatefulDataLoader
 
-        return StatefulDataLoader(stream, batch_size=micro_batch_size, collate_fn=collate, drop_last=True, **settings)
+            loader = StatefulDataLoader
+        stream = RankStream(dataset, run.dist.dp_rank, run.dist.dp_size)
+        settings = {"collate_fn": run.datasets.collate_fn, "drop_last": training, **loader_settings(run)}
+        return loader(stream, batch_size=micro_batch_size, **settings)
 
     @hookimpl
     def on_datasets(self, run: Run) -> None:
