@@ -59,18 +59,6 @@ class Refused(pickle.UnpicklingError):
     """The pickle asked for something DCP metadata never holds: a crafted file."""
 
 
-def allowed_classes() -> list[Any]:
-    """The classes a metadata pickle may name (for tests that check none of them changed)."""
-    import importlib
-
-    return [
-        getattr(importlib.import_module(module), name)
-        for module, names in _ALLOWED.items()
-        for name in sorted(names)
-        if isinstance(getattr(importlib.import_module(module), name), type)
-    ]
-
-
 def _qualified(obj: Any) -> tuple[str, str]:
     kind = type(obj)
     return kind.__module__, kind.__qualname__

@@ -34,6 +34,8 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
         signal agreed?        on_signal(run, signum) -> checkpoint -> exit 128+signum
         exit condition?       train_iters | exit_interval | exit_duration_in_mins |
                               run.control.request_stop(reason)
+    explain_failure(run, error)             firstresult   an exception that ends the run, told in
+                                                           one line (out-of-memory: the sizes)
     on_train_end(run, outcome)              always, on every plugin even if one raises; also after
                                             an error in restore (outcome "error") or a signal
                                             before the first step, without on_train_start
@@ -428,6 +430,18 @@ class HookSpecs(Protocol):
         May change: plugin-owned state (note why the run stops).
         Returns: nothing.
         Ranks: every rank, at the same step, once.
+        """
+
+    @hookspec(firstresult=True)
+    def explain_failure(self, run: Run, error: BaseException) -> str | None:
+        """An exception from the model, the data or torch is ending the run: say what it means in
+        one line (hook API 1.11) — the built-in ``out-of-memory`` names the sizes that decide memory.
+
+        Args: ``error`` — what was raised (not a plugin's own failure nor a ``UserError``).
+        May change: nothing.
+        Returns: the line (the run then fails with it, exit 1, the exception kept as its cause
+        in the traceback file), or None for an exception this plugin does not know.
+        Ranks: the rank that raised it, once, before ``on_train_end``.
         """
 
     @hookspec

@@ -319,6 +319,4 @@ class TrainBatches:
 
     def state_dict(self) -> dict[str, Any] | None:
         """A stream's position (per rank, per worker) for the checkpoint; None for map-style data."""
-        if self._stream is None:
-            return None
-        return {"loader": self._stream.state_dict(), "num_workers": self.run.config.data.num_workers}
+        return {"loader": self._stream.state_dict()} if self._stream is not None else None

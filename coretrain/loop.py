@@ -20,7 +20,7 @@ from coretrain import checkpoint, resume, safeload
 from coretrain.build import planned_steps, record_config
 from coretrain.checkpoint.saves import Saves
 from coretrain.checkpoint.state import keeping_rng
-from coretrain.errors import PluginError, RunFailure
+from coretrain.errors import PluginError, RunFailure, UserError
 from coretrain.hookspecs import Outcome
 from coretrain.intervallog import IntervalLog
 from coretrain.loader import StepPlan, TrainBatches
@@ -68,27 +68,13 @@ class ResolvedHooks:
         self.on_train_end = calls.on_train_end if on("on_train_end") else None
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's RuntimeError."""
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(exc)
-
-
-def out_of_memory(run: Run, exc: BaseException) -> str:
-    """One line with the sizes that decide memory, and what to lower."""
-    params = sum(p.numel() for p in run.model.parameters()) if Run.model.is_built(run) else 0
-    seq = run.datasets.seq_length if Run.datasets.is_built(run) else None
-    shape = f"micro_batch_size {run.config.train.micro_batch_size}" + (f" × seq_length {seq}" if seq else "")
-    text = str(exc)
-    detail = (
-        text[text.index("you tried") :].split(".")[0]
-        if "you tried" in text
-        else next((line for line in text.splitlines() if line.strip()), type(exc).__name__)[:160]
-    )
-    return (
-        f"out of memory at step {run.state.step + 1} on {run.device} ({shape}, model {params / 1e6:.1f}M "
-        f"parameters): {detail}; lower train.micro_batch_size (global_batch_size stays, through "
-        "gradient accumulation) or the model size"
-    )
+def explained(run: Run, error: Exception) -> RunFailure | None:
+    """A plugin's one line for an exception from the model, the data or torch (``explain_failure``)."""
+    calls = hook_calls(run)
+    if isinstance(error, (UserError, RunFailure)) or not calls.implemented("explain_failure"):
+        return None
+    line = calls.hook.explain_failure(run=run, error=error)
+    return RunFailure(line) if line else None
 
 
 def plugin_states(run: Run) -> dict[str, Any]:
@@ -149,7 +135,7 @@ class Trainer:
             return
         with_optimizer = run.config.checkpoint.load_optimizer
         restored = resume.read_newest_loadable(run, candidates, explicit, with_optimizer)
-        resume.check_resumable(run, restored.manifest, restored.rank_state, restored.path)
+        resume.check_resumable(run, restored.manifest, restored.path)
         resume.apply(run, restored, with_optimizer)
         path, state = restored.path, restored.rank_state
         self._data_state = state.get("data")
@@ -193,10 +179,10 @@ class Trainer:
             if exc.step is None:
                 exc.step = run.state.step
             raise
-        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            if not is_out_of_memory(exc):
+        except Exception as exc:
+            if (failure := explained(run, exc)) is None:
                 raise
-            raise RunFailure(out_of_memory(run, exc)) from exc
+            raise failure from exc
         finally:
             self.mark(run.state.step, "end")
             if outcome == "error" and self.saves.writer.in_flight:

@@ -31,7 +31,6 @@ from coretrain.checkpoint.state import frozen_names
 from coretrain.configchanges import config_changes
 from coretrain.configload import config_as_dict
 from coretrain.errors import CheckpointUnreadable, UserError
-from coretrain.loader import is_stream
 from coretrain.pluginmanager import hook_calls
 from coretrain.run import Run, TrainState
 
@@ -242,17 +241,15 @@ def read_newest_loadable(run: Run, candidates: list[Path], explicit: bool, with_
     raise AssertionError("no candidates")  # callers pass at least one
 
 
-def check_resumable(run: Run, info: dict[str, Any], rank_state: dict[str, Any], path: Path) -> None:
+def check_resumable(run: Run, info: dict[str, Any], path: Path) -> None:
     """Refuse what a resume cannot carry over; say which settings change.
 
-    The optimizer class (with its state), the sequence length and a stream's rank and worker
-    counts are part of what the checkpoint means: a change is an error naming the keys. Then
-    plugins may refuse it (``check_resume``: the built-in ``resume-checks`` refuses a changed
-    seed, model or dataset and lists every other change in one warning).
+    The optimizer class, with its state, is part of what the checkpoint means: a change is an
+    error naming the key. Then plugins may refuse it (``check_resume``: the built-in
+    ``resume-checks`` refuses a changed seed, model, dataset or sequence length and lists every
+    other change in one warning; ``streams`` a stream's changed ranks or workers).
     """
     _check_optimizer(run, info.get("optimizer"))
-    _check_seq_length(run, info)
-    _check_stream_layout(run, info.get("world_size"), rank_state.get("data") or {})
     if hook_calls(run).implemented("check_resume"):  # a plugin's refusal: resume-checks, the config's changes
         hook_calls(run).hook.check_resume(run=run, manifest=info, path=path)
 
@@ -264,32 +261,6 @@ def _check_optimizer(run: Run, saved_optimizer: str | None) -> None:
             f"optimizer.name: the checkpoint was trained with '{saved_optimizer}', the config asks for "
             f"'{config.optimizer.name}'; its state cannot carry over: set checkpoint.load_optimizer = "
             "false to start the optimizer afresh (weights, step and data position are kept)"
-        )
-
-
-def _check_seq_length(run: Run, info: dict[str, Any]) -> None:
-    saved_seq, seq = info.get("seq_length"), run.datasets.seq_length if run.datasets else None
-    if saved_seq is not None and seq is not None and saved_seq != seq:
-        hint = changed_keys_hint(info.get("config"), run.config, ("data", "model")) or "; the data provider reports it"
-        raise UserError(
-            f"seq_length is {seq} now and {saved_seq} in the checkpoint{hint}: the data position and "
-            "the model depend on it; resume with the old value or start a new run (another "
-            'run.output_dir, or checkpoint.resume = "never")'
-        )
-
-
-def _check_stream_layout(run: Run, saved_world: int | None, data_state: dict[str, Any]) -> None:
-    """A stream's position is saved per rank and per worker, so both counts must match."""
-    if Run.datasets.is_built(run) and is_stream(run.datasets.train) and saved_world not in (None, run.dist.world_size):
-        raise UserError(
-            f"the train split is a stream and the checkpoint was written on {saved_world} rank(s), this "
-            f"run has {run.dist.world_size}: a stream's position is saved per rank, so it resumes on "
-            f"{saved_world} rank(s) only"
-        )
-    if "num_workers" in data_state and data_state["num_workers"] != run.config.data.num_workers:
-        raise UserError(
-            f"data.num_workers: the checkpoint's stream position was saved with {data_state['num_workers']} "
-            f"worker(s), the config asks for {run.config.data.num_workers}; resume with the same number"
         )
 
 

@@ -45,10 +45,18 @@ def real_metadata(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return (directory / ".metadata").read_bytes()
 
 
+def allowed_classes() -> list[type]:
+    """The classes a metadata pickle may name (the reader's allowlist, as objects)."""
+    import importlib
+
+    named = [getattr(importlib.import_module(m), n) for m, names in dcpmetadata._ALLOWED.items() for n in sorted(names)]
+    return [value for value in named if isinstance(value, type)]
+
+
 def snapshot() -> dict[str, Any]:
     """Every attribute of every class the reader may name, and of the enum members it may make."""
     state: dict[str, Any] = {}
-    for cls in dcpmetadata.allowed_classes():
+    for cls in allowed_classes():
         for klass in cls.__mro__[:-1]:  # `object` itself cannot be changed from Python
             state[f"{klass.__module__}.{klass.__qualname__}"] = dict(vars(klass))
         if issubclass(cls, enum.Enum):

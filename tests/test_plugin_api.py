@@ -118,9 +118,9 @@ def test_wrappers_wrap_every_hook(tmp_path: Path) -> None:
     resumed = run_steps(tmp_path, steps=6, plugins={"counter": Counter(), "wrap": wrapper})
     assert resumed.exit_code == 0
     # after training; with tensor parallelism only; asked plugin by plugin and none here listens;
-    # by `coretrain predict` only; for a stream split only
+    # by `coretrain predict` only; for a stream split only; when the run fails
     not_in_this_run = {"export_model", "tensor_parallel_plan", "phase_listener", "predict_step", "write_predictions"}
-    not_in_this_run |= {"read_stream"}
+    not_in_this_run |= {"read_stream", "explain_failure"}
     assert sorted(set(wrapper.entered)) == [name for name in SPECS if name not in not_in_this_run]
     assert wrapper.entered.count("on_train_end") == wrapper.left.count("on_train_end") >= 2
     # each wrapped per-plugin call still delivered the plugin's own state
@@ -450,3 +450,18 @@ def test_the_hook_api_this_core_ships_is_in_the_changelog_history() -> None:
     """A new minor is listed, with what it adds, before it can be released."""
     changelog = (Path(__file__).parents[1] / "CHANGELOG.md").read_text(encoding="utf-8")
     assert f"| {HOOK_API[0]}.{HOOK_API[1]} |" in changelog
+
+
+def test_a_stream_resumes_only_with_the_ranks_and_workers_that_saved_its_position(tmp_path: Path) -> None:
+    """The built-in ``streams`` refuses, through ``check_resume``, a resume that would redeal a
+    stream's saved per-worker positions to another number of workers."""
+    config = {
+        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+        "data": {"provider": "workloads:digit_stream"},
+        "train": {"micro_batch_size": 16, "eval_iters": 0, "exit_interval": 2},
+    }
+    assert run_steps(tmp_path, steps=4, config=config).run.state.step == 2
+    more_workers = {**config, "data": {**config["data"], "num_workers": 1}}
+    with pytest.raises(UserError, match=r"on 1 rank\(s\) with data.num_workers = 0, and this run has 1 with 1"):
+        run_steps(tmp_path, steps=4, config=more_workers)
+    assert run_steps(tmp_path, steps=4, config=config).run.state.step == 4  # the same counts resume

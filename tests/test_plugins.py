@@ -140,6 +140,7 @@ def test_autoload_and_enabled_false(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         "hf-datasets",
         "streams",
         "resume-checks",
+        "out-of-memory",
     }
     assert _enabled(tmp_path, '[model]\nprovider = "gpt"\n') == {"gpt", *built_in}
     assert _enabled(tmp_path, "[plugins.progress]\nenabled = false\n") == built_in - {"progress"}

@@ -1,14 +1,15 @@
 """``resume-checks`` (on by default): what a resume may change in the config, and what it may not.
 
 A checkpoint's weights, data position and random streams mean something only together with
-the config they were trained under. Some keys may change on resume and take effect from the
-first resumed step (the learning rate, the batch size, the cadence, plugins); others would
-silently change what the run is (another seed reorders the data from here on; another
-``n_head`` reinterprets the same weights; another dataset makes the data position point at
-other samples). Every key has one rule, by its longest listed prefix; keys not listed are
-applied. Applied changes are listed in one warning; refused ones are one error naming them,
-unless ``allow_changes`` lists them. Asked through the core's ``check_resume`` hook, before
-anything of the run changes; ``enabled = false`` resumes whatever changed.
+the config they were trained under, and the sequence length the data provider reports. Some
+keys may change on resume and take effect from the first resumed step (the learning rate, the
+batch size, the cadence, plugins); others would silently change what the run is (another seed
+reorders the data from here on; another ``n_head`` reinterprets the same weights; another
+dataset or sequence length makes the data position point at other samples). Every key has one
+rule, by its longest listed prefix; keys not listed are applied. Applied changes are listed in
+one warning; refused ones are one error naming them, unless ``allow_changes`` lists them. Asked
+through the core's ``check_resume`` hook, before anything of the run changes; ``enabled =
+false`` resumes whatever changed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ REFUSED = {
     "model": "the checkpoint's weights are those of the model it configured",
     "data.provider": "the data position counts samples of the dataset it built",
     "data.options": "the data position counts samples of the dataset it built",
+    "seq_length": "the data position and the model depend on it (the data provider reports it)",
 }
 """Key (or section prefix) -> why a change is refused. Everything else is applied."""
 
@@ -60,6 +62,9 @@ class ResumeChecks:
     @hookimpl
     def check_resume(self, run: Run, manifest: dict[str, Any], path: Path) -> None:
         changes = config_changes(manifest.get("config"), config_as_dict(run.config))
+        saved_seq, seq = manifest.get("seq_length"), run.datasets.seq_length
+        if saved_seq is not None and seq is not None and saved_seq != seq:
+            changes.append(("seq_length", saved_seq, seq))
         refused = [(change, why) for change in changes if (why := refusal(change[0], self.allow_changes)) is not None]
         if refused:
             reasons = "; ".join(f"{describe([change])}: {why}" for change, why in refused)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from attrs import define
 
-from coretrain import Run, hookimpl, is_stream, loader_settings
+from coretrain import Run, UserError, hookimpl, is_stream, loader_settings
 
 log = logging.getLogger("coretrain")
 
@@ -79,6 +79,21 @@ class Streams:
         stream = RankStream(dataset, run.dist.dp_rank, run.dist.dp_size)
         settings = {"collate_fn": run.datasets.collate_fn, "drop_last": training, **loader_settings(run)}
         return loader(stream, batch_size=micro_batch_size, **settings)
+
+    @hookimpl
+    def check_resume(self, run: Run, manifest: dict[str, Any]) -> None:
+        """A stream's position is saved per rank and per worker: both counts must be the same."""
+        if not is_stream(run.datasets.train):
+            return
+        saved_ranks = manifest.get("world_size", run.dist.world_size)
+        saved_workers = (manifest.get("config") or {}).get("data", {}).get("num_workers", run.config.data.num_workers)
+        if (saved_ranks, saved_workers) != (run.dist.world_size, run.config.data.num_workers):
+            raise UserError(
+                f"the train split is a stream, whose position the checkpoint saved per rank and per worker: on "
+                f"{saved_ranks} rank(s) with data.num_workers = {saved_workers}, and this run has "
+                f"{run.dist.world_size} with {run.config.data.num_workers}; resume with the checkpoint's "
+                "counts (a stream's position cannot be redealt to others)"
+            )
 
     @hookimpl
     def on_datasets(self, run: Run) -> None:
