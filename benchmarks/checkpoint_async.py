@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from coretrain_gpt.model import GPT, GPTConfig
 
-from coretrain import checkpoint
 from coretrain.build import build_run
+from coretrain.checkpoint.writer import Checkpointer
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.pluginmanager import load_plugins
@@ -71,9 +71,9 @@ def main() -> None:
         size = sum(t.numel() * t.element_size() for t in run.model.state_dict().values()) * 3
         sync_s, async_block_s, async_total_s = [], [], []
         run.config.checkpoint.async_save = True
-        saver = checkpoint.Checkpointer(run)  # one per run, as in training: staging buffers persist
+        saver = Checkpointer(run)  # one per run, as in training: staging buffers persist
         run.config.checkpoint.async_save = False
-        syncer = checkpoint.Checkpointer(run)
+        syncer = Checkpointer(run)
         for i in range(args.rounds + 1):
             run.state.step = 2 * i + 1
             _, blocked = syncer.save({})

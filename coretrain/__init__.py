@@ -34,7 +34,9 @@ _LAZY = {
         "coretrain.errors": "UserError require",
         "coretrain.configload": "config_as_dict",
         "coretrain.configchanges": "config_changes",
-        "coretrain.checkpoint": "is_sharded find_checkpoint step_dir step_dirs best_step read_manifest read_weights",
+        "coretrain.checkpoint.state": "is_sharded",
+        "coretrain.checkpoint.layout": "find_checkpoint step_dir step_dirs best_step read_manifest",
+        "coretrain.checkpoint.load": "read_weights",
         "coretrain.validators": "FieldValueError positive non_negative fraction in_range exit_code",
         "coretrain.commands.common": "add_config_args",
         "coretrain.pluginmanager": "field_defaults",
@@ -49,15 +51,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.backend import LoggingBackend
     from coretrain.blocks import blocks_of
     from coretrain.cadence import Every
-    from coretrain.checkpoint import (
-        best_step,
-        find_checkpoint,
-        is_sharded,
-        read_manifest,
-        read_weights,
-        step_dir,
-        step_dirs,
-    )
+    from coretrain.checkpoint.layout import best_step, find_checkpoint, read_manifest, step_dir, step_dirs
+    from coretrain.checkpoint.load import read_weights
+    from coretrain.checkpoint.state import is_sharded
     from coretrain.commands.common import add_config_args
     from coretrain.configchanges import config_changes
     from coretrain.configload import config_as_dict

@@ -16,10 +16,12 @@ from typing import Any
 import torch
 from attrs import frozen
 
-from coretrain import checkpoint, resume, safeload
+from coretrain import resume, safeload
 from coretrain.build import planned_steps, record_config
+from coretrain.checkpoint.layout import step_dir
 from coretrain.checkpoint.saves import Saves
 from coretrain.checkpoint.state import keeping_rng
+from coretrain.checkpoint.writer import checkpoint_root
 from coretrain.errors import PluginError, RunFailure, UserError
 from coretrain.hookspecs import Outcome
 from coretrain.intervallog import IntervalLog
@@ -80,7 +82,7 @@ def explained(run: Run, error: Exception) -> RunFailure | None:
 def plugin_states(run: Run) -> dict[str, Any]:
     """Each plugin's ``on_checkpoint`` state, checked before it reaches the disk: a state no
     run could load again stops the run naming the plugin."""
-    path = checkpoint.step_dir(checkpoint.checkpoint_root(run), run.state.step)
+    path = step_dir(checkpoint_root(run), run.state.step)
     states = {}
     on_checkpoint = keeping_rng(hook_calls(run).on_checkpoint)
     for name, state in on_checkpoint(run=run, step=run.state.step, path=str(path)).items():

@@ -16,18 +16,11 @@ import torch
 
 from coretrain import safeload
 from coretrain.build import seed_everything
-from coretrain.checkpoint import (
-    checkpoint_root,
-    followed_best,
-    parse_step_dir,
-    read_manifest,
-    schema,
-    set_rng_state,
-    step_dir,
-    step_dirs,
-)
+from coretrain.checkpoint import schema
+from coretrain.checkpoint.layout import followed_best, parse_step_dir, read_manifest, step_dir, step_dirs
 from coretrain.checkpoint.load import load_sharded, load_whole, load_whole_optimizer, read_weights
-from coretrain.checkpoint.state import frozen_names
+from coretrain.checkpoint.state import frozen_names, set_rng_state
+from coretrain.checkpoint.writer import checkpoint_root
 from coretrain.configchanges import config_changes
 from coretrain.configload import config_as_dict
 from coretrain.errors import CheckpointUnreadable, UserError

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from coretrain import checkpoint, outputs
+from coretrain import outputs
+from coretrain.checkpoint.state import is_sharded
 from coretrain.dist import max_over_ranks, sum_over_ranks
 from coretrain.errors import RunFailure
 from coretrain.pluginmanager import hook_calls
@@ -51,7 +52,7 @@ class StepNumerics:
         self.model, self.optimizer, self.scheduler = run.model, run.optimizer, run.scheduler
         self.params = [p for p in run.model.parameters() if p.requires_grad]
         self.clip = run.config.train.clip_grad
-        self.sharded_norm = checkpoint.is_sharded(run.model)
+        self.sharded_norm = is_sharded(run.model)
 
     def forward_backward(self, batches: list[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """The step's loss (and the model's named values) with gradients accumulated."""

@@ -14,7 +14,8 @@ import torch
 from helpers_inprocess import config, train
 
 from coretrain import hookimpl
-from coretrain.checkpoint import complete_steps, rng_state, set_rng_state
+from coretrain.checkpoint.layout import complete_steps
+from coretrain.checkpoint.state import rng_state, set_rng_state
 from coretrain.errors import UserError
 from coretrain.testing import run_steps
 

@@ -23,44 +23,6 @@ unpickler for DCP's ``.metadata``) and use the sharded reader only for a checkpo
 manifest says it was written sharded: nothing in a checkpoint is ever run.
 
 Layout and commit: :mod:`.layout`; what is saved: :mod:`.state`; writing, synchronous or in
-the background: :mod:`.writer`.
+the background: :mod:`.writer`; reading weights: :mod:`.load`; what each file must hold:
+:mod:`.schema`. Each name is imported from its module: this package only documents them.
 """
-
-from coretrain.checkpoint.layout import (
-    BEST,
-    MANIFEST,
-    apply_retention,
-    best_step,
-    complete_steps,
-    find_checkpoint,
-    followed_best,
-    mark_evaluated,
-    parse_step_dir,
-    read_manifest,
-    step_dir,
-    step_dirs,
-)
-from coretrain.checkpoint.load import read_weights
-from coretrain.checkpoint.state import is_sharded, rng_state, set_rng_state
-from coretrain.checkpoint.writer import Checkpointer, checkpoint_root
-
-__all__ = [
-    "BEST",
-    "MANIFEST",
-    "apply_retention",
-    "best_step",
-    "Checkpointer",
-    "checkpoint_root",
-    "complete_steps",
-    "find_checkpoint",
-    "followed_best",
-    "is_sharded",
-    "mark_evaluated",
-    "parse_step_dir",
-    "read_manifest",
-    "read_weights",
-    "rng_state",
-    "set_rng_state",
-    "step_dir",
-    "step_dirs",
-]
