@@ -41,18 +41,11 @@ _ALLOWED = {
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
 }
-_BUILDABLE = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "TensorProperties",
-        "ChunkStorageMetadata",
-        "BytesStorageMetadata",
-        "MetadataIndex",
-        "StorageMeta",
-    )
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_BUILDABLE = {  # BUILD fills in instances of DCP's own dataclasses only (not the enum, not a class)
+    (module, name)
+    for module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    for name in _ALLOWED[module] - {"_MEM_FORMAT_ENCODING"}
+}
 
 
 class Refused(pickle.UnpicklingError):

@@ -29,6 +29,18 @@ REPO = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread per test process, as every run here asks (``run.threads = 1``): the
+    tests that compute before any run would otherwise spin one intra-op thread per core in each
+    xdist worker, and on a 2-core machine the workers then wait on each other's spinning. (Not
+    in xdist's controller, which runs no test and need not load torch.)"""
+    if config.pluginmanager.hasplugin("dsession"):
+        return
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Move what the imports made (torch, transformers, the test modules) out of the collector's
     reach: a test's ``gc.collect()`` (the gc plugin's, a leak check's) then scans only what
