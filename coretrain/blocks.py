@@ -10,9 +10,14 @@ import torch
 
 def blocks_of(model: torch.nn.Module, block_types: Sequence[str] = ()) -> list[torch.nn.Module]:
     """Instances of ``block_types`` (class names); by default the model's own ``_no_split_modules``
-    (Hugging Face models name their decoder layers there), else every child of every
-    ``nn.ModuleList`` (a transformer's layer stack, as the ``gpt`` provider's)."""
+    (Hugging Face models name their decoder layers there), else every child of the outermost
+    ``nn.ModuleList``s (a transformer's layer stack, as the ``gpt`` provider's; a list inside a
+    layer, such as a mixture's experts, is part of its layer)."""
     names = set(block_types) or {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
     if names:
         return [m for m in model.modules() if type(m).__name__ in names]
-    return [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
+    blocks: list[torch.nn.Module] = []
+    for module in model.modules():  # outer modules first
+        if isinstance(module, torch.nn.ModuleList) and not any(module in block.modules() for block in blocks):
+            blocks.extend(module)
+    return blocks

@@ -72,10 +72,9 @@ class ResolvedHooks:
 
 def explained(run: Run, error: Exception) -> RunFailure | None:
     """A plugin's one line for an exception from the model, the data or torch (``explain_failure``)."""
-    calls = hook_calls(run)
-    if isinstance(error, (UserError, RunFailure)) or not calls.implemented("explain_failure"):
+    if isinstance(error, (UserError, RunFailure)) or not hook_calls(run).implemented("explain_failure"):
         return None
-    line = calls.hook.explain_failure(run=run, error=error)
+    line = hook_calls(run).hook.explain_failure(run=run, error=error)
     return RunFailure(line) if line else None
 
 

@@ -8,6 +8,15 @@
     n_embd = 128
 
 ``vocab_size`` and ``block_size`` default to the dataset's vocab size and sequence length.
+
+A mixture of experts (Megatron-Core's router and losses, :mod:`coretrain_gpt.moe`) in place of
+every block's MLP::
+
+    n_experts = 8
+    moe_top_k = 2
+    moe_aux_loss_coeff = 1e-2     # load balancing
+    moe_z_loss_coeff = 1e-3       # router z-loss
+    moe_capacity_factor = 1.25    # unset: dropless
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import FieldValueError, Run, fraction, hookimpl, positive
+from coretrain import FieldValueError, Run, fraction, hookimpl, non_negative, positive
 
 
 @define(kw_only=True)
@@ -37,8 +46,26 @@ class GPTProvider:
     """Dropout on attention, residual and embeddings."""
     bias: bool = False
     """Biases in Linear and LayerNorm layers (GPT-2 style)."""
+    n_experts: int = field(default=0, validator=non_negative)
+    """Routed experts in each block's MLP (a mixture of experts); 0 = a dense MLP."""
+    moe_top_k: int = field(default=2, validator=positive)
+    """Experts each token is routed to (Megatron's moe_router_topk)."""
+    moe_capacity_factor: float | None = field(default=None, validator=positive)
+    """Assignments an expert takes at most, as a multiple of an even share; unset = dropless."""
+    moe_aux_loss_coeff: float = field(default=0.0, validator=non_negative)
+    """Weight of the load-balancing loss (Megatron's moe_aux_loss_coeff; 1e-2 is common)."""
+    moe_z_loss_coeff: float = field(default=0.0, validator=non_negative)
+    """Weight of the router z-loss (Megatron's moe_z_loss_coeff; 1e-3 is common)."""
+    moe_shared_experts: int = field(default=0, validator=non_negative)
+    """Experts' width of a dense MLP every token also passes through (shared experts); 0 = none."""
 
     def __attrs_post_init__(self) -> None:
+        if self.n_experts == 1 or (self.n_experts and self.moe_top_k > self.n_experts):
+            raise FieldValueError(
+                "n_experts" if self.n_experts == 1 else "moe_top_k",
+                f"a token is routed to moe_top_k ({self.moe_top_k}) of n_experts ({self.n_experts}) experts: "
+                "set n_experts to at least 2 and moe_top_k to at most n_experts (or n_experts = 0 for a dense MLP)",
+            )
         if self.n_embd % self.n_head:
             fits = next(h for h in range(self.n_head, 0, -1) if self.n_embd % h == 0)
             raise FieldValueError(
@@ -49,6 +76,7 @@ class GPTProvider:
     def provide_model(self, run: Run) -> Any:
         from coretrain import UserError
         from coretrain_gpt.model import GPT, GPTConfig
+        from coretrain_gpt.moe import MoEConfig
 
         datasets = run.datasets
         vocab_size = self.vocab_size or (datasets.vocab_size if datasets else None)
@@ -67,7 +95,21 @@ class GPTProvider:
                 n_embd=self.n_embd,
                 dropout=self.dropout,
                 bias=self.bias,
+                moe=self._experts(MoEConfig),
             )
+        )
+
+    def _experts(self, config: Any) -> Any:
+        """The mixture-of-experts settings, or None for a dense MLP."""
+        if not self.n_experts:
+            return None
+        return config(
+            n_experts=self.n_experts,
+            top_k=self.moe_top_k,
+            capacity_factor=self.moe_capacity_factor,
+            aux_loss_coeff=self.moe_aux_loss_coeff,
+            z_loss_coeff=self.moe_z_loss_coeff,
+            shared_experts=self.moe_shared_experts,
         )
 
     @hookimpl

@@ -2,7 +2,9 @@
 
 Pre-norm transformer blocks with causal self-attention (PyTorch's fused
 scaled_dot_product_attention), a GELU MLP, learned positions and an output head tied to the
-token embedding. ``forward(idx, targets)`` returns the mean cross-entropy loss.
+token embedding. ``forward(idx, targets)`` returns the mean cross-entropy loss. With
+``GPTConfig.moe`` each block's MLP is a mixture of experts (:mod:`coretrain_gpt.moe`), and the
+forward with targets returns the loss with the routers' losses and their metrics as a dict.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from attrs import define
 
+from coretrain_gpt.moe import MoE, MoEConfig, moe_outputs
+
 
 @define(frozen=True)
 class GPTConfig:
@@ -24,6 +28,7 @@ class GPTConfig:
     n_embd: int
     dropout: float
     bias: bool
+    moe: MoEConfig | None = None
 
 
 class CausalSelfAttention(nn.Module):
@@ -59,10 +64,10 @@ def _split_fused_qkv(module: nn.Module, state_dict: dict[str, torch.Tensor], pre
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, width: int = 1) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.fc = nn.Linear(cfg.n_embd, 4 * width * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * width * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +81,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg) if cfg.moe is None else MoE(cfg.n_embd, lambda w: MLP(cfg, w), cfg.moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -111,8 +116,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab) without targets; the mean cross-entropy loss with them."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Logits (B, T, vocab) without targets; the mean cross-entropy loss with them (with
+        experts: a dict of it and the routers' losses and loads, :func:`coretrain_gpt.moe.moe_outputs`)."""
         T = idx.size(1)
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
@@ -123,10 +129,18 @@ class GPT(nn.Module):
         logits: torch.Tensor = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long())
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long())
+        experts = [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
+        return moe_outputs(loss, experts, self.training) if experts else loss
 
     def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters a token passes through: of the routed experts, only ``top_k`` of them."""
         n = sum(p.numel() for p in self.parameters())
+        moe = self.cfg.moe
+        if moe is not None:
+            layer = next(m for m in self.modules() if isinstance(m, MoE))
+            per_expert = sum(p.numel() for p in layer.experts[0].parameters())
+            n -= self.cfg.n_layer * (moe.n_experts - moe.top_k) * per_expert
         return n - self.wpe.weight.numel() if non_embedding else n
 
     def flops_per_token(self) -> float:

@@ -39,6 +39,18 @@ def data_share(metrics: dict[str, float]) -> str:
     return f"data {100 * metrics.get('time/data', 0.0) / step:.0f}%" if step > 0 else "data -"
 
 
+def experts(metrics: dict[str, float]) -> str:
+    """A mixture of experts' load over its layers and its load-balancing loss, e.g. "experts
+    load 9%–41%, aux 0.0102" (the smallest and largest share of assignments any expert took);
+    "" for a model without experts."""
+    lows = [value for name, value in metrics.items() if name.startswith("train/moe/") and name.endswith("/load_min")]
+    highs = [value for name, value in metrics.items() if name.startswith("train/moe/") and name.endswith("/load_max")]
+    if not lows or not highs:
+        return ""
+    aux = f", aux {metrics['train/moe_aux_loss']:.4g}" if "train/moe_aux_loss" in metrics else ""
+    return f"experts load {min(lows):.0%}–{max(highs):.0%}{aux}"
+
+
 def in_notebook() -> bool:
     """Jupyter (or Colab): rich draws its live view there as a notebook output."""
     from rich.console import Console
@@ -148,6 +160,7 @@ class Progress:
             else (f"{m['samples_per_second']:,.1f} samples/s" if "samples_per_second" in m else ""),
             data_share(m) if m else "data -",
             valid_losses(self._eval),
+            *([load] if (load := experts(m)) else []),
         ]
         table.add_row(*cells)
         lines = list(self._events) + [""] * (EVENT_LINES - len(self._events))  # a fixed height
@@ -167,9 +180,10 @@ class Progress:
             else f"{metrics.get('samples_per_second', 0.0):,.1f} samples/s"
         )
         lr = f"lr {metrics['lr']:.3e} | " if "lr" in metrics else ""  # no schedule plugin: no lr
+        load = f" | {load}" if (load := experts(metrics)) else ""
         print(
             f"step {step:>{len(str(self._total))}}/{self._total} | loss {metrics.get('loss', math.nan):.4f} | "
-            f"{lr}{rate} | {data_share(metrics)} | ETA {eta(remaining)}",
+            f"{lr}{rate} | {data_share(metrics)}{load} | ETA {eta(remaining)}",
             flush=True,
         )
 

@@ -1,0 +1,124 @@
+"""Mixture of experts for the GPT: Megatron-Core's top-k router, its auxiliary losses and
+expert capacity, in plain PyTorch.
+
+Routing, as Megatron-Core's ``TopKRouter`` with its defaults (softmax score function,
+``moe_router_pre_softmax = false``): each token's router logits (computed in fp32) pick its
+``top_k`` experts, and the softmax over those ``top_k`` logits weighs their outputs.
+
+- Load balancing (``moe_aux_loss_coeff``, Megatron's ``switch_load_balancing_loss_func`` at the
+  micro-batch level): ``E · Σ_i f_i · P_i · coeff``, with ``f_i`` the share of the micro-batch's
+  token assignments that chose expert ``i`` and ``P_i`` the mean full-softmax probability of it;
+  1 × coeff when the load is even.
+- Router z-loss (``moe_z_loss_coeff``, ST-MoE): ``mean(logsumexp(logits)²) · coeff``.
+- Capacity (``moe_capacity_factor``; unset: dropless): each expert takes at most
+  ``ceil(tokens · top_k / E · factor)`` assignments, the most probable ones (Megatron's
+  ``drop_policy = "probs"``); a dropped assignment adds nothing, so the token keeps its residual.
+- Shared experts (``moe_shared_experts``): a dense MLP of that many experts' width that every
+  token passes through, added to the routed output (DeepSeek's shared experts).
+
+Both losses are added to the training loss (what is optimized); :attr:`MoE.stats` holds the
+layer's losses and its expert load (the smallest and largest share of assignments) for logging.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from attrs import define
+
+
+@define(frozen=True)
+class MoEConfig:
+    n_experts: int
+    top_k: int
+    capacity_factor: float | None
+    aux_loss_coeff: float
+    z_loss_coeff: float
+    shared_experts: int
+
+
+def load_balancing_loss(probs: torch.Tensor, routed: torch.Tensor, top_k: int, coeff: float) -> torch.Tensor:
+    """Megatron's switch load-balancing loss: ``probs`` the full softmax (tokens × experts),
+    ``routed`` the top-k choice before any capacity drop (tokens × experts, bool)."""
+    tokens, experts = probs.shape
+    per_expert = routed.sum(dim=0).to(probs.dtype)
+    return (probs.sum(dim=0) * per_expert).sum() * (experts * coeff / (top_k * tokens * tokens))
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """ST-MoE's router z-loss: keeps the router's logits small."""
+    return torch.logsumexp(logits, dim=-1).square().mean() * coeff
+
+
+def capacity(tokens: int, cfg: MoEConfig) -> int:
+    """Assignments one expert takes at most (Megatron's ``get_capacity``)."""
+    assert cfg.capacity_factor is not None
+    return math.ceil(tokens * cfg.top_k / cfg.n_experts * cfg.capacity_factor)
+
+
+def drop_over_capacity(weights: torch.Tensor, routed: torch.Tensor, limit: int) -> torch.Tensor:
+    """The routing map with each expert's assignments beyond ``limit`` dropped, the least
+    probable first."""
+    if limit >= weights.size(0):
+        return routed
+    kept = torch.zeros_like(routed).scatter(0, torch.topk(weights, k=limit, dim=0, sorted=False).indices, True)
+    return routed & kept
+
+
+class MoE(nn.Module):
+    """Routed experts (and optional shared ones) in place of a block's MLP."""
+
+    def __init__(self, n_embd: int, make_mlp: Callable[[int], nn.Module], cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(n_embd, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(make_mlp(1) for _ in range(cfg.n_experts))
+        self.shared = make_mlp(cfg.shared_experts) if cfg.shared_experts else None
+        self.stats: dict[str, torch.Tensor] = {}
+        """The last forward's ``aux_loss``, ``z_loss``, ``load_min`` and ``load_max``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        tokens = x.reshape(-1, x.size(-1))
+        logits = F.linear(tokens.float(), self.router.weight.float())  # the router in fp32, as Megatron's
+        top_logits, chosen = logits.topk(cfg.top_k, dim=-1)
+        routed = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
+        weights = torch.zeros_like(logits).scatter(1, chosen, torch.softmax(top_logits, dim=-1))
+        kept = (
+            routed if cfg.capacity_factor is None else drop_over_capacity(weights, routed, capacity(len(tokens), cfg))
+        )
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):  # an expert without tokens still runs (on none): every
+            rows = kept[:, e].nonzero().squeeze(1)  # parameter gets a gradient, as DDP and FSDP expect
+            out = out.index_add(0, rows, expert(tokens[rows]) * weights[rows, e, None].to(tokens.dtype))
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        load = kept.sum(dim=0).float() / (len(tokens) * cfg.top_k)
+        self.stats = {
+            "aux_loss": load_balancing_loss(torch.softmax(logits, dim=-1), routed, cfg.top_k, cfg.aux_loss_coeff),
+            "z_loss": z_loss(logits, cfg.z_loss_coeff),
+            "load_min": load.min().detach(),
+            "load_max": load.max().detach(),
+        }
+        return out.view_as(x)
+
+
+def moe_outputs(loss: torch.Tensor, layers: list[MoE], training: bool) -> dict[str, torch.Tensor]:
+    """The model's returned dict: the loss (with the routers' losses while training), the
+    language-model loss alone, and each MoE layer's losses and expert load."""
+    stats = [layer.stats for layer in layers]
+    aux = torch.stack([s["aux_loss"] for s in stats]).sum()
+    zed = torch.stack([s["z_loss"] for s in stats]).sum()
+    values: dict[str, torch.Tensor] = {
+        "loss": loss + aux + zed if training else loss,
+        "lm_loss": loss.detach(),
+        "moe_aux_loss": aux.detach(),
+        "moe_z_loss": zed.detach(),
+    }
+    for i, s in enumerate(stats):
+        values.update({f"moe/layer{i}/{name}": value.detach() for name, value in s.items()})
+    return values
