@@ -710,3 +710,34 @@ def test_predict_generates_for_prompts_as_transformers_does(tmp_path: Path, toke
         assert record["completion"] == tokenizer.decode(
             expected[0, ids["input_ids"].shape[1] :], skip_special_tokens=True
         )
+
+
+# --------------------------------------------------------------------------- mixtures of experts
+
+MOE_TABLES = {
+    "mixtral": {**llama_table(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)},
+    "qwen2_moe": {
+        **llama_table(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+        "shared_expert_intermediate_size": 32,
+    },
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MOE_TABLES))
+def test_a_mixture_of_experts_trains_with_its_load_balancing_loss_as_transformers_adds_it(
+    tmp_path: Path, kind: str
+) -> None:
+    table = {**MOE_TABLES[kind], "output_router_logits": True, "router_aux_loss_coef": 0.02, "vocab_size": VOCAB}
+    config = transformers.AutoConfig.for_model(**table)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(0, VOCAB, (2, 16))
+    ours = CausalLM(hf)(input_ids=ids)
+    assert torch.allclose(ours["loss"], hf(input_ids=ids, labels=ids).loss)  # CE + coef × aux, as transformers does
+    assert torch.allclose(ours["loss"], ours["lm_loss"] + ours["moe_aux_loss"])
+    sections = text_run(Path("unused"))
+    sections["model"]["options"] = {"config": {k: v for k, v in table.items() if k != "vocab_size"}}
+    result = run_steps(tmp_path, steps=4, config={**sections, "train": {**sections["train"], "log_interval": 2}})
+    last = result.metrics[-1]
+    assert last["loss"] == pytest.approx(last["train/lm_loss"] + last["train/moe_aux_loss"], rel=1e-6)
+    assert 0 <= last["train/moe/layer0/load_min"] <= 0.25 <= last["train/moe/layer0/load_max"] <= 1

@@ -12,6 +12,12 @@ Two batch conventions meet here, and mixing them up silently trains the wrong ob
 ``labels``), so neither convention is shifted twice. The loss is the mean over the tokens that
 count (labels != -100); for dict batches the model also returns ``num_tokens``, so the loop
 averages over every real token of the step, not over micro-batches (Megatron's per-token loss).
+
+A mixture-of-experts model (Mixtral, Qwen-MoE, ...) whose config sets ``output_router_logits``
+trains with its load-balancing loss, as ``transformers`` adds it (``router_aux_loss_coef`` ×
+its ``aux_loss``), and reports ``lm_loss``, ``moe_aux_loss`` and each layer's expert load
+(``moe/layerN/load_min`` / ``load_max``: the smallest and largest share of the token
+assignments an expert took), named as the ``gpt`` provider's experts are.
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ class CausalLM(torch.nn.Module):
     def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         if args:  # coretrain's (input_ids, targets): already shifted, every position a target
             input_ids, targets = args
-            logits = self.hf(input_ids=input_ids, use_cache=False).logits
-            return token_loss(logits, targets)
+            output = self.hf(input_ids=input_ids, use_cache=False)
+            return with_experts(token_loss(output.logits, targets), output, self.hf.config, self.training)
         labels = batch.pop("labels", None)
         if labels is None:
             labels = batch["input_ids"]
@@ -45,11 +51,13 @@ class CausalLM(torch.nn.Module):
                 labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
         # no cache in training: with none, position_ids that restart (packed examples) make
         # transformers mask attention per example
-        logits = self.hf(**batch, use_cache=False).logits
+        output = self.hf(**batch, use_cache=False)
         targets = labels[:, 1:]  # the one shift: position t predicts t + 1
+        loss = with_experts(token_loss(output.logits[:, :-1], targets), output, self.hf.config, self.training)
         # masked and padded batches differ in how many tokens count: say so, and the loop weighs
         # every token alike across micro-batches and ranks (coretrain.outputs.NUM_TOKENS)
-        return {"loss": token_loss(logits[:, :-1], targets), "num_tokens": (targets != IGNORE_INDEX).sum()}
+        values = loss if isinstance(loss, dict) else {"loss": loss}
+        return {**values, "num_tokens": (targets != IGNORE_INDEX).sum()}
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6·N (matmuls, embeddings excluded) + 12·L·H·T (attention)."""
@@ -78,6 +86,25 @@ class SequenceClassifier(torch.nn.Module):
         loss = F.cross_entropy(logits.float(), labels.long())
         accuracy = (logits.argmax(-1) == labels).float().mean()
         return {"loss": loss, "accuracy": accuracy}
+
+
+def with_experts(
+    loss: torch.Tensor, output: Any, config: Any, training: bool
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``loss`` as it is, or for a mixture of experts that reports its routers (``output_router_logits``):
+    a dict of the loss with the load-balancing loss added while training, the parts, and each
+    layer's expert load."""
+    aux, routers = getattr(output, "aux_loss", None), getattr(output, "router_logits", None)
+    if aux is None or not routers:
+        return loss
+    aux = float(getattr(config, "router_aux_loss_coef", 0.0)) * aux.to(loss.device)
+    values = {"loss": loss + aux if training else loss, "lm_loss": loss.detach(), "moe_aux_loss": aux.detach()}
+    top_k = int(getattr(config, "num_experts_per_tok", 1))
+    for i, logits in enumerate(routers):
+        chosen = logits.detach().topk(top_k, dim=-1).indices.flatten()
+        load = torch.bincount(chosen, minlength=logits.size(-1)).float() / chosen.numel()
+        values |= {f"moe/layer{i}/load_min": load.min(), f"moe/layer{i}/load_max": load.max()}
+    return values
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
