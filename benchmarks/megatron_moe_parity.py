@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from coretrain_gpt.model import MLP, GPTConfig
-from coretrain_gpt.moe import MoE, MoEConfig
+from coretrain_gpt.model import GPTConfig, moe_layer
+from coretrain_gpt.moe import MoEConfig
 
 FUNCTIONS = {
     "topk_routing_with_score_function",
@@ -56,7 +56,7 @@ def trial(mc: dict[str, Any], seed: int, experts: int, top_k: int, capacity: flo
     torch.manual_seed(seed)
     gpt = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=16, dropout=0.0, bias=False)
     cfg = MoEConfig(experts, top_k, capacity, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, shared_experts=0)
-    moe = MoE(16, lambda width: MLP(gpt, width), cfg)
+    moe = moe_layer(gpt, cfg)
     x = torch.randn(4, 32, 16)
     with torch.no_grad():
         out = moe(x).reshape(-1, 16)
@@ -74,7 +74,7 @@ def trial(mc: dict[str, Any], seed: int, experts: int, top_k: int, capacity: flo
         for e in range(experts):
             rows = routed[:, e].nonzero().squeeze(1)
             if rows.numel():
-                reference = reference.index_add(0, rows, moe.experts[e](tokens[rows]) * probs[rows, e, None])
+                reference = reference.index_add(0, rows, moe.experts(tokens[rows], e) * probs[rows, e, None])
     return [
         (out - reference).abs().max().item(),
         abs(aux.item() - moe.stats["aux_loss"].item()),

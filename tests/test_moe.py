@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import gpt_preset
-from coretrain_gpt.model import MLP, GPTConfig
+from coretrain_gpt.model import GPTConfig, moe_layer
 from coretrain_gpt.moe import MoE, MoEConfig, capacity, load_balancing_loss
 
 from coretrain import UserError
@@ -30,7 +30,7 @@ def layer(n_experts: int = 4, top_k: int = 2, **options: Any) -> MoE:
         shared_experts=options.get("shared", 0),
     )
     torch.manual_seed(0)
-    return MoE(GPT_SIZE.n_embd, lambda width: MLP(GPT_SIZE, width), cfg)
+    return moe_layer(GPT_SIZE, cfg)
 
 
 def test_each_token_is_the_softmax_over_its_top_k_logits_weighing_those_experts() -> None:
@@ -43,7 +43,7 @@ def test_each_token_is_the_softmax_over_its_top_k_logits_weighing_those_experts(
         logits = moe.router(token)
         top, chosen = logits.topk(2)
         weights = torch.softmax(top, dim=-1)
-        routed = sum(w * moe.experts[int(e)](token) for w, e in zip(weights, chosen))
+        routed = sum(w * moe.experts(token, int(e)) for w, e in zip(weights, chosen))
         expected.append(routed + moe.shared(token))  # type: ignore[misc]
     torch.testing.assert_close(got.reshape(-1, GPT_SIZE.n_embd), torch.stack(expected), rtol=1e-5, atol=1e-6)
 

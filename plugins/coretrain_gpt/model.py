@@ -75,13 +75,19 @@ class MLP(nn.Module):
         return out
 
 
+def moe_layer(cfg: GPTConfig, moe: MoEConfig) -> MoE:
+    """A block's mixture of experts, with its shared experts as one dense MLP that wide."""
+    shared = MLP(cfg, moe.shared_experts) if moe.shared_experts else None
+    return MoE(cfg.n_embd, cfg.bias, cfg.dropout, moe, shared)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp: nn.Module = MLP(cfg) if cfg.moe is None else MoE(cfg.n_embd, lambda w: MLP(cfg, w), cfg.moe)
+        self.mlp: nn.Module = MLP(cfg) if cfg.moe is None else moe_layer(cfg, cfg.moe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -139,7 +145,7 @@ class GPT(nn.Module):
         moe = self.cfg.moe
         if moe is not None:
             layer = next(m for m in self.modules() if isinstance(m, MoE))
-            per_expert = sum(p.numel() for p in layer.experts[0].parameters())
+            per_expert = sum(p.numel() for p in layer.experts.parameters()) // moe.n_experts
             n -= self.cfg.n_layer * (moe.n_experts - moe.top_k) * per_expert
         return n - self.wpe.weight.numel() if non_embedding else n
 

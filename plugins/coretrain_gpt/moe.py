@@ -16,6 +16,11 @@ Routing, as Megatron-Core's ``TopKRouter`` with its defaults (softmax score func
 - Shared experts (``moe_shared_experts``): a dense MLP of that many experts' width that every
   token passes through, added to the routed output (DeepSeek's shared experts).
 
+The experts' weights are stacked, one tensor per projection with the expert first
+(``experts.fc.weight``: experts × hidden × width), as grouped GEMMs and torchtitan keep them:
+spreading experts over ranks is then a split of that first dimension, and a checkpoint
+names the same tensors however the experts are spread.
+
 Both losses are added to the training loss (what is optimized); :attr:`MoE.stats` holds the
 layer's losses and its expert load (the smallest and largest share of assignments) for logging.
 """
@@ -23,7 +28,6 @@ layer's losses and its expert load (the smallest and largest share of assignment
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -69,15 +73,42 @@ def drop_over_capacity(weights: torch.Tensor, routed: torch.Tensor, limit: int) 
     return routed & kept
 
 
+class StackedLinear(nn.Module):
+    """One ``nn.Linear`` per expert, stacked: ``weight`` is experts × out × in."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features).normal_(0.0, 0.02))
+        self.bias = nn.Parameter(torch.zeros(experts, out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return F.linear(x, self.weight[expert], None if self.bias is None else self.bias[expert])
+
+
+class Experts(nn.Module):
+    """The routed experts: each the GPT's MLP (GELU, 4× wide), their weights stacked."""
+
+    def __init__(self, experts: int, n_embd: int, bias: bool, dropout: float) -> None:
+        super().__init__()
+        self.fc = StackedLinear(experts, n_embd, 4 * n_embd, bias)
+        self.proj = StackedLinear(experts, 4 * n_embd, n_embd, bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Expert ``expert`` on the tokens ``x`` (tokens × width)."""
+        out: torch.Tensor = self.dropout(self.proj(F.gelu(self.fc(x, expert)), expert))
+        return out
+
+
 class MoE(nn.Module):
     """Routed experts (and optional shared ones) in place of a block's MLP."""
 
-    def __init__(self, n_embd: int, make_mlp: Callable[[int], nn.Module], cfg: MoEConfig) -> None:
+    def __init__(self, n_embd: int, bias: bool, dropout: float, cfg: MoEConfig, shared: nn.Module | None) -> None:
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(n_embd, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(make_mlp(1) for _ in range(cfg.n_experts))
-        self.shared = make_mlp(cfg.shared_experts) if cfg.shared_experts else None
+        self.experts = Experts(cfg.n_experts, n_embd, bias, dropout)
+        self.shared = shared
         self.stats: dict[str, torch.Tensor] = {}
         """The last forward's ``aux_loss``, ``z_loss``, ``load_min`` and ``load_max``."""
 
@@ -92,9 +123,9 @@ class MoE(nn.Module):
             routed if cfg.capacity_factor is None else drop_over_capacity(weights, routed, capacity(len(tokens), cfg))
         )
         out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):  # an expert without tokens still runs (on none): every
+        for e in range(cfg.n_experts):  # an expert without tokens still runs (on none): every
             rows = kept[:, e].nonzero().squeeze(1)  # parameter gets a gradient, as DDP and FSDP expect
-            out = out.index_add(0, rows, expert(tokens[rows]) * weights[rows, e, None].to(tokens.dtype))
+            out = out.index_add(0, rows, self.experts(tokens[rows], e) * weights[rows, e, None].to(tokens.dtype))
         if self.shared is not None:
             out = out + self.shared(tokens)
         load = kept.sum(dim=0).float() / (len(tokens) * cfg.top_k)
