@@ -1,20 +1,24 @@
 """``python -m coretrain``, ``torchrun -m coretrain`` and the ``coretrain`` console script run the CLI.
 
-A Ctrl-C while Python loads the CLI (hundreds of milliseconds on a cold disk) would print a
-KeyboardInterrupt traceback. Importing this module, which imports nothing of coretrain's,
-installs a quiet handler first; once the CLI is loaded, Ctrl-C is a KeyboardInterrupt again,
-which the CLI and the run handle themselves.
+A Ctrl-C while Python loads the CLI and parses the command line (hundreds of milliseconds on
+a cold disk) would print a KeyboardInterrupt traceback — or, raised while a finalizer runs,
+be swallowed, and the run would go on. Importing this module, which imports nothing of
+coretrain's, installs a handler that leaves at once instead; nothing exists yet that leaving
+could leave half-done. Once the command line is parsed, a command that does not handle signals
+itself gets Ctrl-C as a KeyboardInterrupt again; ``run`` replaces it with its own watcher.
 """
 
+import os
 import signal
 import sys
 
 
 def _stopped_while_loading(signum: int, frame: object) -> None:
-    print("coretrain: stopped by SIGINT during start-up; nothing was trained or saved", file=sys.stderr)
-    raise SystemExit(128 + signum)
+    sys.stderr.write("coretrain: stopped by SIGINT during start-up; nothing was trained or saved\n")  # line-buffered
+    os._exit(128 + signum)
 
 
+_stopped_while_loading.coretrain_start_up = True  # type: ignore[attr-defined]  # what cli.main replaces
 signal.signal(signal.SIGINT, _stopped_while_loading)
 
 
@@ -22,7 +26,6 @@ def console() -> int:
     """The console script's entry point (``coretrain``)."""
     from coretrain.cli import main
 
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     return main()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
@@ -36,12 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)  # loads every command's package: may take a moment
-        from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, PluginError, RunFailure, UserError
-    except KeyboardInterrupt:
-        print("coretrain: stopped by SIGINT during start-up; nothing was trained or saved", file=sys.stderr)
-        return 130
+    args = build_parser().parse_args(argv)  # loads every command's package: may take a moment
+    from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, PluginError, RunFailure, UserError
+
+    if getattr(signal.getsignal(signal.SIGINT), "coretrain_start_up", False) and not getattr(args, "own_signals", 0):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the start-up handler's job is done
     try:
         cwd = os.getcwd()
     except FileNotFoundError:

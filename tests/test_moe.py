@@ -14,7 +14,7 @@ from conftest import gpt_preset
 from coretrain_gpt.model import GPTConfig, moe_layer
 from coretrain_gpt.moe import MoE, MoEConfig, capacity, load_balancing_loss
 
-from coretrain import UserError
+from coretrain import UserError, hookimpl
 from coretrain.testing import run_steps, stop_and_resume
 
 GPT_SIZE = GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.0, bias=False)
@@ -182,3 +182,36 @@ def test_experts_on_two_data_parallel_ranks_train_like_one_rank(tmp_path: Path, 
     assert [s for s, _ in runs["one"]] == [s for s, _ in runs["two"]] == [3, 6, 9, 12]
     for (_, one), (_, two) in zip(runs["one"], runs["two"]):
         assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
+
+
+class CountsRouting:
+    """Counts the mixture layers' forward calls (a recomputed block routes its tokens again)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @hookimpl
+    def on_train_start(self, run: Any) -> None:
+        for module in run.model.modules():
+            if isinstance(module, MoE):
+                # a pre-hook: recomputation stops once the last kept tensor is back, inside the layer
+                module.register_forward_pre_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+
+def test_checkpointed_expert_layers_route_again_in_backward_and_train_the_same_losses(tmp_path: Path) -> None:
+    """Recomputing a block in backward routes its tokens again: the same experts (dropout's
+    random numbers replayed), so the losses are those of a run that keeps the activations."""
+    config = moe_config(tmp_path)
+    config["model"]["options"]["dropout"] = 0.1
+    config["train"]["eval_iters"] = 0
+    counts = {"plain": CountsRouting(), "full": CountsRouting()}
+    plain = run_steps(tmp_path / "plain", steps=4, config=config, plugins={"count": counts["plain"]})
+    recomputed = run_steps(
+        tmp_path / "full",
+        steps=4,
+        config=config,
+        plugins={"count": counts["full"]},
+        tables={"activation-checkpointing": {"mode": "full"}},
+    )
+    assert counts["plain"].calls == 2 * 4 and counts["full"].calls == 2 * 2 * 4  # 2 layers, 4 steps, twice
+    assert [m["loss"] for m in plain.metrics] == [m["loss"] for m in recomputed.metrics]

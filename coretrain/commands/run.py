@@ -44,7 +44,7 @@ def add(commands: Any) -> None:
         help="when a plugin or the run fails, print the full traceback on stderr too "
         "(it is always written to OUTPUT_DIR/traceback.log)",
     )
-    run.set_defaults(handler=cmd_run)
+    run.set_defaults(handler=cmd_run, own_signals=True)  # the start-up Ctrl-C handler stays until the watcher
 
 
 def stop_with_the_launcher() -> None:
