@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # loads every command's package: may take a moment
     from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, PluginError, RunFailure, UserError
 
-    if getattr(signal.getsignal(signal.SIGINT), "coretrain_start_up", False) and not getattr(args, "own_signals", 0):
+    if getattr(signal.getsignal(signal.SIGINT), "coretrain_start_up", 0) and not getattr(args, "own_signals", 0):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the start-up handler's job is done
     try:
         cwd = os.getcwd()

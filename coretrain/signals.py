@@ -57,8 +57,9 @@ class SignalWatcher:
 
     def install(self) -> SignalWatcher:
         for signum in self.signums:
-            if signum not in self._previous:
-                self._previous[signum] = signal.signal(signum, self._handle)
+            if signum not in self._previous:  # after the run, a Ctrl-C is no longer one "during start-up"
+                old = signal.signal(signum, self._handle)
+                self._previous[signum] = signal.default_int_handler if getattr(old, "coretrain_start_up", 0) else old
         return self
 
     def keep_only(self, names: Sequence[str]) -> None:

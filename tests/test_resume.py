@@ -152,3 +152,23 @@ def test_a_repeated_sigterm_or_sigusr1_waits_but_a_second_ctrl_c_aborts_at_once(
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == -signal.SIGINT and "survived repeats" in result.stdout
     assert "survived ctrl-c" not in result.stdout
+
+
+def test_after_the_run_ctrl_c_is_a_keyboard_interrupt_again_not_the_start_up_exit() -> None:
+    """``python -m coretrain`` installs a start-up handler that exits at once; the run's watcher
+    replaces it, and gives back Python's own handler, not that one, when the run is over."""
+    import signal
+
+    from coretrain.signals import SignalWatcher
+
+    def start_up(signum: int, frame: object) -> None:  # what coretrain.__main__ installs
+        raise AssertionError("the start-up handler must not come back")
+
+    start_up.coretrain_start_up = True  # type: ignore[attr-defined]
+    before = signal.signal(signal.SIGINT, start_up)
+    try:
+        with SignalWatcher():
+            assert signal.getsignal(signal.SIGINT) is not start_up
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -51,8 +52,6 @@ def stop_with_the_launcher() -> None:
     """A rank torchrun started gets SIGTERM when its launcher dies (Linux): killed alone, the
     launcher would leave its ranks training, and the other machines' ranks waiting on them.
     SIGTERM is the graceful stop: every rank agrees, checkpoints and exits."""
-    import signal
-
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -73,8 +72,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     except SaidByLocalRank0:
         return 2
     except Interrupted as exc:
-        import signal
-
         logging.getLogger("coretrain").info(
             "stopped by %s during start-up; nothing was trained or saved", signal.Signals(exc.signum).name
         )
