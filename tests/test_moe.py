@@ -215,3 +215,16 @@ def test_checkpointed_expert_layers_route_again_in_backward_and_train_the_same_l
     )
     assert counts["plain"].calls == 2 * 4 and counts["full"].calls == 2 * 2 * 4  # 2 layers, 4 steps, twice
     assert [m["loss"] for m in plain.metrics] == [m["loss"] for m in recomputed.metrics]
+
+
+def test_tensor_parallelism_of_an_expert_model_is_one_clear_error() -> None:
+    from types import SimpleNamespace
+
+    from coretrain_gpt import GPTProvider
+    from coretrain_gpt.model import GPT
+
+    cfg = MoEConfig(n_experts=4, top_k=2, capacity_factor=None, aux_loss_coeff=0.0, z_loss_coeff=0.0, shared_experts=0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0, bias=False, moe=cfg))
+    run = SimpleNamespace(dist=SimpleNamespace(tp_size=2), datasets=SimpleNamespace(seq_length=8))
+    with pytest.raises(UserError, match=r"distributed.tp_size \(2\): this plan does not split a mixture of experts"):
+        GPTProvider().tensor_parallel_plan(run=run, model=model)  # type: ignore[arg-type]

@@ -133,6 +133,11 @@ class GPTProvider:
         if not isinstance(model, GPT):
             return None
         tp, cfg = run.dist.tp_size, model.cfg
+        if cfg.moe is not None:
+            raise UserError(
+                f"distributed.tp_size ({tp}): this plan does not split a mixture of experts (model.options.n_experts "
+                f"= {cfg.moe.n_experts}) yet; train it with data parallelism (DDP or FSDP), or set n_experts = 0"
+            )
         seq_length = run.datasets.seq_length or cfg.block_size
         for what, size in (("model.options.n_head", cfg.n_head), ("the sequence length", seq_length)):
             if size % tp:
