@@ -171,12 +171,15 @@ class DistributedConfig:
 
     strategy: str = "auto"
     """The data-parallel plugin's name ("ddp", "fsdp"), "none", or "auto": with more than one
-    data-parallel replica "ddp", or "fsdp" when tp_size > 1; else none. Its settings go in
+    data-parallel replica "ddp", or "fsdp" when tp_size, dp_replicate or ep_size > 1; else none. Its settings go in
     [plugins.NAME]."""
     tp_size: int = field(default=1, validator=_positive)
     """Tensor-parallel degree: each group of tp_size neighbouring ranks splits every layer of
     one model replica (the ``tensor-parallel`` plugin; settings in [plugins.tensor-parallel]);
     data parallel = ranks / tp_size."""
+    ep_size: int = field(default=1, validator=_positive)
+    """Expert-parallel degree: a mixture of experts' experts spread over this many data-parallel
+    ranks, tokens sent to them by all-to-all (the ``expert-parallel`` plugin, on FSDP)."""
     dp_replicate: int = field(default=1, validator=_positive)
     """HSDP: data-parallel replicas, each sharding the model over dp_shard ranks (FSDP2 on a 2-D
     mesh: gradients all-reduced across replicas, reduce-scattered within one). 1 = plain FSDP."""
@@ -193,7 +196,7 @@ class DistributedConfig:
         if self.strategy == "auto":
             if world_size // self.tp_size <= 1:
                 return None
-            return "fsdp" if self.tp_size > 1 or self.dp_replicate > 1 else "ddp"
+            return "fsdp" if self.tp_size > 1 or self.dp_replicate > 1 or self.ep_size > 1 else "ddp"
         return None if self.strategy == "none" else self.strategy
 
     def check_layout(self, world_size: int) -> None:

@@ -37,8 +37,8 @@ AUTOLOAD_GROUP = "coretrain.autoload"
 HOOKSPECS_GROUP = "coretrain.hookspecs"
 """Hook specifications a plugin distribution adds for other plugins: ``NAME = "module:Class"``."""
 AUTOLOAD_OFF_ENV = "CORETRAIN_DISABLE_PLUGIN_AUTOLOAD"
-TENSOR_PARALLEL = "tensor-parallel"
-"""The plugin ``distributed.tp_size > 1`` turns on, as ``distributed.strategy`` turns on its own."""
+PARALLELISM = {"tp_size": "tensor-parallel", "ep_size": "expert-parallel"}
+"""The plugin ``distributed.KEY > 1`` turns on, as ``distributed.strategy`` turns on its own."""
 INSTALL_HINT = "install one, e.g. `pip install -e ./plugins` for the first-party plugins"
 
 
@@ -114,8 +114,9 @@ def enabled_tables(
     chosen = _providers(config, installed)
     strategy = config.distributed.resolved_strategy(world_size_from_env())
     parallelism = {strategy: "distributed.strategy"} if strategy is not None else {}
-    if config.distributed.tp_size > 1:
-        parallelism[TENSOR_PARALLEL] = "distributed.tp_size"
+    for key, name in PARALLELISM.items():
+        if getattr(config.distributed, key) > 1:
+            parallelism[name] = f"distributed.{key}"
     for name, key in parallelism.items():
         _require_installed(name, key, installed)
         chosen[name] = (("plugins", name), {})

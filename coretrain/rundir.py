@@ -39,12 +39,9 @@ def prepare(path: Path, key: str = "run.output_dir") -> None:
         raise UserError(f"{key}: '{path}' exists and is not a directory; choose another output dir")
     if not os.access(path, os.W_OK | os.X_OK):
         raise UserError(f"{key}: '{path}' is not writable by this user")
-    for name in ("checkpoints",):  # what the run makes inside: a file there would fail the first save
-        inner = path / name
-        if inner.exists() and not inner.is_dir():
-            raise UserError(
-                f"{key}: '{inner}' exists and is not a directory; move it away, or choose another output dir"
-            )
+    inner = path / "checkpoints"  # what the run makes inside: a file there would fail the first save
+    if inner.exists() and not inner.is_dir():
+        raise UserError(f"{key}: '{inner}' exists and is not a directory; move it away, or choose another output dir")
 
 
 class OutputDirLock:

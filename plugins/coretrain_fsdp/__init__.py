@@ -76,6 +76,9 @@ class FSDP:
                 output_dtype=torch_dtype(self.output_dtype),
             ),
         }
+        # parameters already spread over this mesh (expert parallelism's experts) stay as they are
+        if spread := {p for p in run.model.parameters() if getattr(p, "device_mesh", None) == options["mesh"]}:
+            options["ignored_params"] = spread
         for block in blocks_of(run.model, self.block_types):
             fully_shard(block, **options)
         fully_shard(run.model, **options)

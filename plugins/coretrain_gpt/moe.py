@@ -28,6 +28,7 @@ layer's losses and its expert load (the smallest and largest share of assignment
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -82,7 +83,16 @@ class StackedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(experts, out_features)) if bias else None
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        return F.linear(x, self.weight[expert], None if self.bias is None else self.bias[expert])
+        """Expert ``expert`` of the ones this rank holds (all of them, unless expert parallelism
+        spread them: then ``weight`` is a DTensor and this rank's slice is used)."""
+        bias = None if self.bias is None else local(self.bias)[expert]
+        return F.linear(x, local(self.weight)[expert], bias)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor parameter (differentiably), or the tensor itself."""
+    part: torch.Tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return part
 
 
 class Experts(nn.Module):
@@ -109,6 +119,9 @@ class MoE(nn.Module):
         self.router = nn.Linear(n_embd, cfg.n_experts, bias=False)
         self.experts = Experts(cfg.n_experts, n_embd, bias, dropout)
         self.shared = shared
+        self.dispatch: Callable[[Experts, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        """Set by expert parallelism: sends each token to its experts' rank and back
+        (``dispatch(experts, tokens, kept, weights)`` → the weighted sum of its experts' outputs)."""
         self.stats: dict[str, torch.Tensor] = {}
         """The last forward's ``aux_loss``, ``z_loss``, ``load_min`` and ``load_max``."""
 
@@ -122,10 +135,8 @@ class MoE(nn.Module):
         kept = (
             routed if cfg.capacity_factor is None else drop_over_capacity(weights, routed, capacity(len(tokens), cfg))
         )
-        out = torch.zeros_like(tokens)
-        for e in range(cfg.n_experts):  # an expert without tokens still runs (on none): every
-            rows = kept[:, e].nonzero().squeeze(1)  # parameter gets a gradient, as DDP and FSDP expect
-            out = out.index_add(0, rows, self.experts(tokens[rows], e) * weights[rows, e, None].to(tokens.dtype))
+        dispatch = self.dispatch or combine
+        out = dispatch(self.experts, tokens, kept, weights)
         if self.shared is not None:
             out = out + self.shared(tokens)
         load = kept.sum(dim=0).float() / (len(tokens) * cfg.top_k)
@@ -136,6 +147,16 @@ class MoE(nn.Module):
             "load_max": load.max().detach(),
         }
         return out.view_as(x)
+
+
+def combine(experts: Experts, tokens: torch.Tensor, kept: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's experts' outputs, weighted and summed, with every expert here. An expert no
+    token chose still runs, on none: every parameter gets a gradient, as DDP and FSDP expect."""
+    out = torch.zeros_like(tokens)
+    for e in range(kept.size(1)):
+        rows = kept[:, e].nonzero().squeeze(1)
+        out = out.index_add(0, rows, experts(tokens[rows], e) * weights[rows, e, None].to(tokens.dtype))
+    return out
 
 
 def moe_outputs(loss: torch.Tensor, layers: list[MoE], training: bool) -> dict[str, torch.Tensor]:

@@ -1,0 +1,106 @@
+"""``expert-parallel``: a mixture of experts' experts spread over the data-parallel ranks, each
+token sent to its experts' rank and back by all-to-all (``distributed.ep_size``).
+
+    [distributed]
+    strategy = "fsdp"     # "auto" picks it with ep_size > 1
+    ep_size = 2           # the data-parallel ranks; each holds n_experts / ep_size experts
+
+The gpt provider keeps its experts' weights stacked, expert first: each rank keeps its slice of
+that dimension as a DTensor sharded over the data-parallel mesh — the mesh FSDP2 shards the
+other parameters over, and FSDP leaves these alone — so clipping, the optimizer and DCP
+checkpoints see one kind of parameter, and a checkpoint holds the whole stacked tensors under
+their names: it resumes with another ``ep_size`` or on one rank.
+
+A step on each rank routes its own tokens; the tokens bound for another rank's experts travel
+there in one all-to-all per MoE layer (their counts in one before it: a host sync per layer, as
+Megatron's dispatcher has), are computed there, and come back in one more, summed in the same
+order as on one rank. Every rank's tokens reach an expert, so its gradient holds every rank's
+loss: it is divided by the ranks, the data-parallel mean FSDP gives the other parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from attrs import define
+
+from coretrain import Run, UserError, hookimpl
+
+log = logging.getLogger("coretrain")
+
+
+class AllToAll:
+    """The dispatcher a MoE layer calls in place of running every expert itself."""
+
+    def __init__(self, group: Any, ranks: int, rank: int, per_rank: int) -> None:
+        self.group, self.ranks, self.rank, self.per_rank = group, ranks, rank, per_rank
+
+    def __call__(self, experts: Any, tokens: Any, kept: Any, weights: Any) -> Any:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.nn import functional
+
+        all_to_all_single: Any = functional.all_to_all_single  # differentiable: its backward sends back
+
+        token_idx, expert_idx = kept.nonzero(as_tuple=True)  # by token, then expert
+        order = torch.argsort(expert_idx, stable=True)  # by expert (so by rank), tokens in order
+        token_idx, expert_idx = token_idx[order], expert_idx[order]
+        send = torch.bincount(expert_idx // self.per_rank, minlength=self.ranks)
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send, group=self.group)
+        sent, received = send.tolist(), receive.tolist()  # the host sync: split sizes
+        their_experts = expert_idx.new_empty(sum(received))
+        dist.all_to_all_single(their_experts, expert_idx, received, sent, group=self.group)
+        outgoing = tokens[token_idx]
+        arrived = all_to_all_single(
+            outgoing.new_empty(sum(received), tokens.size(1)), outgoing, received, sent, self.group
+        )
+        mine = their_experts - self.rank * self.per_rank
+        computed = torch.zeros_like(arrived)
+        for e in range(self.per_rank):  # every local expert runs, on no tokens too (each gets a gradient)
+            rows = (mine == e).nonzero().squeeze(1)
+            computed = computed.index_add(0, rows, experts(arrived[rows], e))
+        back = all_to_all_single(torch.empty_like(outgoing), computed, sent, received, self.group)
+        scaled = back * weights[token_idx, expert_idx, None].to(tokens.dtype)
+        return torch.zeros_like(tokens).index_add(0, token_idx, scaled)
+
+
+@define
+class ExpertParallel:
+    """Spread a mixture of experts' experts over the data-parallel ranks (all-to-all dispatch)."""
+
+    @hookimpl(tryfirst=True)  # before FSDP shards the rest
+    def configure_model(self, run: Run) -> None:
+        import torch
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        ep, dp = run.config.distributed.ep_size, run.dist.dp_size
+        layers: list[Any] = [m for m in run.model.modules() if hasattr(m, "dispatch") and hasattr(m, "experts")]
+        if not layers:
+            raise UserError(
+                f"distributed.ep_size ({ep}): the model has no experts to spread (the gpt provider's "
+                "model.options.n_experts makes a mixture of experts)"
+            )
+        n_experts: int = layers[0].cfg.n_experts
+        if ep != dp or n_experts % ep or run.config.distributed.resolved_strategy(run.dist.world_size) != "fsdp":
+            raise UserError(
+                f"distributed.ep_size ({ep}) must be the data-parallel ranks ({dp}) and divide "
+                f'model.options.n_experts ({n_experts}), with distributed.strategy = "fsdp"'
+            )
+        mesh = run.device_mesh()["dp"]
+        for layer in layers:
+            for name, param in list(layer.experts.named_parameters()):
+                module_name, _, attribute = name.rpartition(".")
+                module = layer.experts.get_submodule(module_name)
+                spread: Any = torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)]))
+                spread.register_hook(lambda grad: grad / dp)  # every rank's loss reached it: their mean
+                setattr(module, attribute, spread)
+            layer.dispatch = AllToAll(mesh.get_group(), dp, mesh.get_local_rank(), n_experts // dp)
+        if run.dist.is_main:
+            here = tuple(layers[0].experts.fc.weight.to_local().shape)
+            log.info(
+                "expert-parallel: %d experts in each of %d layers, %d on each of %d ranks (this rank's "
+                "experts.fc.weight: %s), tokens sent to them by all-to-all",
+                *(n_experts, len(layers), n_experts // dp, dp, here),
+            )

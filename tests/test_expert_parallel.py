@@ -1,0 +1,78 @@
+"""Expert parallelism: a mixture of experts' experts spread over 2 gloo ranks, tokens sent by
+all-to-all, trains the losses of one rank and resumes across the layouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import config_file, gpt_preset, metrics_rows, run_train
+
+from coretrain import UserError
+from coretrain.testing import run_steps
+
+MOE = {"n_layer": 2, "n_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
+TRAIN = {"micro_batch_size": 2, "global_batch_size": 4, "train_iters": 12, "log_interval": 3, "eval_iters": 1}
+
+
+def write(tmp_path: Path, name: str, ep: bool, **train: Any) -> Path:
+    preset = gpt_preset(tmp_path / name)
+    preset["model"]["options"] |= MOE
+    extra = {"distributed": {"ep_size": 2}} if ep else {}
+    extra["checkpoint"] = {"save_interval": 6}
+    return config_file(tmp_path / f"{name}.toml", preset, extra, **{**TRAIN, "eval_interval": 6, **train})
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    return [(row["step"], row.get("loss", row.get("valid/loss"))) for row in metrics_rows(out)]
+
+
+def assert_same(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> None:
+    assert [s for s, _ in a] == [s for s, _ in b]
+    for (_, x), (_, y) in zip(a, b):
+        assert y == pytest.approx(x, rel=1e-5)
+
+
+@pytest.mark.slow  # torchrun with 2 gloo ranks
+def test_experts_spread_over_two_ranks_train_like_one_rank_and_resume_across_layouts(tmp_path: Path) -> None:
+    from test_distributed import torchrun
+
+    one = run_train(str(write(tmp_path, "one", ep=False)), cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    ep = torchrun("run", str(write(tmp_path, "ep", ep=True)), cwd=tmp_path)
+    assert ep.returncode == 0, ep.stderr
+    # each rank holds 2 of the 4 experts (fc: 128 × 32 each); a forward over all 4 would fail
+    assert "2 on each of 2 ranks (this rank's experts.fc.weight: (2, 128, 32))" in ep.stderr
+    assert_same(losses(tmp_path / "one"), losses(tmp_path / "ep"))
+
+    # EP 2 → one rank: stopped at 6 on two ranks, resumed alone
+    split = write(tmp_path, "ep_then_one", ep=True)
+    assert torchrun("run", str(split), "--set", "train.exit_interval=6", cwd=tmp_path).returncode == 0
+    alone = run_train(str(split), "--set", "distributed.ep_size=1", cwd=tmp_path)
+    assert alone.returncode == 0 and "(step 6," in alone.stderr, alone.stderr
+    assert_same(losses(tmp_path / "one"), losses(tmp_path / "ep_then_one"))
+
+    # one rank → EP 2
+    grow = write(tmp_path, "one_then_ep", ep=False)
+    assert run_train(str(grow), "--set", "train.exit_interval=6", cwd=tmp_path).returncode == 0
+    spread = torchrun("run", str(grow), "--set", "distributed.ep_size=2", cwd=tmp_path)
+    assert spread.returncode == 0 and "(step 6," in spread.stderr, spread.stderr
+    assert_same(losses(tmp_path / "one"), losses(tmp_path / "one_then_ep"))
+
+
+@pytest.mark.parametrize(
+    ("options", "distributed", "expected"),
+    [
+        (MOE, {"ep_size": 2}, r"distributed.ep_size \(2\) must be the data-parallel ranks \(1\)"),
+        ({"n_layer": 1}, {"ep_size": 2}, r"distributed.ep_size \(2\): the model has no experts to spread"),
+    ],
+)
+def test_a_layout_expert_parallelism_cannot_take_is_one_error(
+    tmp_path: Path, options: dict[str, Any], distributed: dict[str, Any], expected: str
+) -> None:
+    preset = gpt_preset(tmp_path)
+    preset["model"]["options"] |= options
+    config = {name: preset[name] for name in ("model", "data", "optimizer")} | {"distributed": distributed}
+    with pytest.raises(UserError, match=expected):
+        run_steps(tmp_path, steps=1, config=config)
