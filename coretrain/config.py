@@ -177,6 +177,9 @@ class DistributedConfig:
     """Tensor-parallel degree: each group of tp_size neighbouring ranks splits every layer of
     one model replica (the ``tensor-parallel`` plugin; settings in [plugins.tensor-parallel]);
     data parallel = ranks / tp_size."""
+    cp_size: int = field(default=1, validator=_positive)
+    """Context-parallel degree: the ranks that split each sequence of a batch (the
+    ``context-parallel`` plugin); data parallel = ranks / tp_size / cp_size."""
     ep_size: int = field(default=1, validator=_positive)
     """Expert-parallel degree: a mixture of experts' experts spread over this many data-parallel
     ranks, tokens sent to them by all-to-all (the ``expert-parallel`` plugin, on FSDP)."""
@@ -208,11 +211,13 @@ class DistributedConfig:
                 f"distributed.tp_size ({tp}) must divide the number of ranks ({world_size}); "
                 f"start a multiple of {tp} ranks, or set distributed.tp_size = {fits}"
             )
-        data_parallel = world_size // tp
+        data_parallel = world_size // tp // self.cp_size
+        if (world_size // tp) % self.cp_size:
+            raise UserError(f"distributed.cp_size ({self.cp_size}) must divide ranks / tp_size ({world_size // tp})")
         if data_parallel % replicas or (self.dp_shard or data_parallel // replicas) * replicas != data_parallel:
             raise UserError(
                 f"distributed.dp_replicate ({replicas}) × dp_shard ({self.dp_shard or 'unset'}) must be the "
-                f"data-parallel ranks: {world_size} ranks / tp_size {tp} = {data_parallel}"
+                f"data-parallel ranks: {world_size} ranks / tp_size {tp} / cp_size {self.cp_size} = {data_parallel}"
             )
         if replicas > 1 and self.resolved_strategy(world_size) != "fsdp":
             raise UserError(
@@ -241,7 +246,8 @@ class Config:
     def check_world(self, world_size: int) -> None:
         """The layout and the batch sizes fit ``world_size`` ranks, or one error naming the keys."""
         self.distributed.check_layout(world_size)
-        micro_batches_per_step(self.train, world_size // self.distributed.tp_size, warn=False)
+        split = self.distributed.tp_size * self.distributed.cp_size  # ranks that share one batch
+        micro_batches_per_step(self.train, world_size // split, warn=False)
 
 
 def micro_batches_per_step(train: TrainConfig, data_parallel_size: int, warn: bool = True) -> int:

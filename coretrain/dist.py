@@ -25,6 +25,8 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     tp_size: int = 1
+    cp_size: int = 1
+    """Context parallel: neighbouring ranks (outside the TP group) splitting each sequence."""
     dp_replicate: int = 1
 
     @property
@@ -34,12 +36,12 @@ class DistInfo:
     @property
     def dp_size(self) -> int:
         """Data-parallel replicas: how many different batches one step reads."""
-        return self.world_size // self.tp_size
+        return self.world_size // self.tp_size // self.cp_size
 
     @property
     def dp_rank(self) -> int:
-        """Which of those batches this rank reads (the same for every rank of a TP group)."""
-        return self.rank // self.tp_size
+        """Which of those batches this rank reads (the same for every rank of a TP or CP group)."""
+        return self.rank // (self.tp_size * self.cp_size)
 
 
 def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
@@ -60,6 +62,7 @@ def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
         world_size=dist.get_world_size(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         tp_size=config.tp_size,
+        cp_size=config.cp_size,
         dp_replicate=config.dp_replicate,
     )
 
@@ -69,11 +72,11 @@ _mesh: Any = None
 
 def mesh_dims(info: DistInfo) -> dict[str, int]:
     """The mesh's dims, outermost first: ("dp",), with HSDP ("dp_replicate", "dp_shard"), then
-    "tp" with tensor parallelism."""
+    "cp" with context parallelism, then "tp" with tensor parallelism."""
     dims = {"dp": info.dp_size}
     if info.dp_replicate > 1:
         dims = {"dp_replicate": info.dp_replicate, "dp_shard": info.dp_size // info.dp_replicate}
-    return dims | ({"tp": info.tp_size} if info.tp_size > 1 else {})
+    return dims | {name: size for name, size in (("cp", info.cp_size), ("tp", info.tp_size)) if size > 1}
 
 
 def device_mesh(device_type: str, info: DistInfo) -> Any:
@@ -99,6 +102,8 @@ def device_mesh(device_type: str, info: DistInfo) -> Any:
         data_parallel = tuple(name for name in dims if name.startswith("dp"))
         if len(data_parallel) > 1:
             _mesh[data_parallel]._flatten("dp")
+        if info.cp_size > 1:  # the ranks that average gradients: every batch and every chunk of it
+            _mesh[(*data_parallel, "cp")]._flatten("dp_cp")
         if info.tp_size > 1:
             # one group over all dims (torchtitan does the same): a norm partial on both, as
             # gradient clipping has, is then reduced once instead of once per dimension

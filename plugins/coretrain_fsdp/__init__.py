@@ -67,7 +67,7 @@ class FSDP:
         options = {
             # HSDP: a 2-D mesh, replicated over the first dim and sharded over the second; with
             # tensor parallelism the "tp" splits stay inside the parameters' DTensors
-            "mesh": mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp"],
+            "mesh": mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_cp" if run.dist.cp_size > 1 else "dp"],
             "reshard_after_forward": self.reshard_after_forward,
             "offload_policy": CPUOffloadPolicy(pin_memory=cuda) if self.cpu_offload else OffloadPolicy(),
             "mp_policy": MixedPrecisionPolicy(

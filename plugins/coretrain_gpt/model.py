@@ -10,6 +10,7 @@ forward with targets returns the loss with the routers' losses and their metrics
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -43,13 +44,20 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.exchange: Callable[..., torch.Tensor] | None = None
+        """Set by context parallelism: attention of this rank's queries over every rank's keys
+        and values (``exchange(q, k, v, dropout_p)``)."""
         self.register_load_state_dict_pre_hook(_split_fused_qkv)  # type: ignore[no-untyped-call]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         # -1: the heads this rank holds (all of them, unless tensor parallelism split them)
         q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if self.exchange is not None:
+            y = self.exchange(q, k, v, dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         out: torch.Tensor = self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(B, T, -1)))
         return out
 
@@ -108,6 +116,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
+        self.positions: torch.Tensor | None = None
+        """Set by context parallelism: the positions of every sequence this rank computes."""
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
             if name.endswith("proj.weight"):
@@ -129,6 +139,9 @@ class GPT(nn.Module):
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
         pos = torch.arange(T, device=idx.device)
+        if self.positions is not None:  # context parallelism: this rank's chunks of each sequence
+            pos = self.positions
+            idx, targets = idx[:, pos], None if targets is None else targets[:, pos]
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)

@@ -1,0 +1,111 @@
+"""``context-parallel``: each sequence of a batch split over ``distributed.cp_size`` ranks, for
+sequences whose activations one rank cannot hold.
+
+    [distributed]
+    cp_size = 2     # data parallel = ranks / tp_size / cp_size
+
+The ranks of a context-parallel group read the same batch; each computes 2 of the sequence's
+2 × cp_size equal chunks, chunk r and chunk 2·cp_size − 1 − r, so that under the causal mask
+every rank has the same amount of attention to compute (a plain split would give the last rank
+all the long rows). Attention is over the whole sequence: every rank's keys and values are
+gathered (all-gather, differentiable), and each query sees the keys at or before its own
+position in the sequence. Positions are the chunks' own. Each rank's loss is the mean over its
+tokens, all ranks hold as many, and gradients are averaged over every data-parallel and
+context-parallel rank, so the step's loss and gradients are those of the whole sequence.
+
+torch's ``context_parallel`` (ring attention on SDPA) does not run on CPU: its CPU flash
+attention has no sharding rule; the all-gather here runs on gloo and NCCL alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from attrs import define
+
+from coretrain import Run, UserError, hookimpl
+
+log = logging.getLogger("coretrain")
+
+
+def balanced_positions(seq_length: int, ranks: int, rank: int) -> Any:
+    """The positions rank ``rank`` computes: chunks ``rank`` and ``2·ranks − 1 − rank`` of the
+    sequence cut into ``2·ranks`` equal chunks (load-balanced under a causal mask)."""
+    import torch
+
+    chunks = torch.arange(seq_length).chunk(2 * ranks)
+    return torch.cat([chunks[rank], chunks[2 * ranks - 1 - rank]])
+
+
+class GatheredAttention:
+    """This rank's queries over every rank's keys and values, causal by sequence position."""
+
+    def __init__(self, group: Any, ranks: int, rank: int, seq_length: int, device: Any) -> None:
+        import torch
+
+        self.group, self.ranks = group, ranks
+        self.queries = balanced_positions(seq_length, ranks, rank).to(device)
+        keys = torch.cat([balanced_positions(seq_length, ranks, r) for r in range(ranks)]).to(device)
+        self.mask = keys[None, :] <= self.queries[:, None]  # a query sees the keys at or before it
+
+    def __call__(self, q: Any, k: Any, v: Any, dropout_p: float) -> Any:
+        import torch.nn.functional as F
+
+        keys, values = gathered(k, self.group, self.ranks), gathered(v, self.group, self.ranks)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, dropout_p=dropout_p)
+
+
+def gathered(local: Any, group: Any, ranks: int) -> Any:
+    """Every rank's ``local`` (batch × heads × positions × dims) along the positions, in rank
+    order; in backward each rank gets the gradient of its own part summed over every rank's use."""
+    import torch
+    import torch.distributed as dist
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, part: Any) -> Any:
+            parts = [torch.empty_like(part) for _ in range(ranks)]
+            dist.all_gather(parts, part.contiguous(), group=group)
+            return torch.cat(parts, dim=2)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            total = grad.contiguous()
+            dist.all_reduce(total, group=group)  # every rank's queries' use of every part
+            return total.chunk(ranks, dim=2)[dist.get_rank(group)]
+
+    gather: Any = Gather.apply
+    return gather(local)
+
+
+@define
+class ContextParallel:
+    """Split each sequence over the context-parallel ranks; attention over all of it."""
+
+    @hookimpl(tryfirst=True)  # on the model as built, before data parallelism wraps it
+    def configure_model(self, run: Run) -> None:
+        cp, seq = run.config.distributed.cp_size, run.datasets.seq_length
+        model: Any = run.model
+        attentions = [m for m in model.modules() if hasattr(m, "exchange")]
+        if not hasattr(model, "positions") or not attentions:
+            raise UserError(
+                f"distributed.cp_size ({cp}): this model cannot split its sequences (the gpt provider's can)"
+            )
+        if not seq or seq % (2 * cp):
+            raise UserError(
+                f"distributed.cp_size ({cp}) must cut the sequence length ({seq}) into 2 × cp_size equal chunks"
+            )
+        if run.dist.tp_size > 1 or run.dist.dp_replicate > 1:
+            raise UserError(f"distributed.cp_size ({cp}) does not compose with tp_size or dp_replicate yet")
+        mesh = run.device_mesh()["cp"]
+        rank = mesh.get_local_rank()
+        attention = GatheredAttention(mesh.get_group(), cp, rank, seq, run.device)
+        model.positions = attention.queries
+        for module in attentions:
+            module.exchange = attention
+        if run.dist.is_main:
+            log.info(
+                "context-parallel: each sequence of %d positions over %d ranks, %d positions each",
+                *(seq, cp, len(attention.queries)),
+            )

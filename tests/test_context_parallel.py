@@ -1,0 +1,63 @@
+"""Context parallelism: each sequence split over 2 gloo ranks (load-balanced chunks, keys and
+values gathered) trains the losses of one rank, with DDP and with FSDP, and resumes on DP 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import config_file, gpt_preset, metrics_rows, run_train
+
+from coretrain import UserError
+from coretrain.testing import run_steps
+
+TRAIN = {"micro_batch_size": 4, "train_iters": 12, "log_interval": 3, "eval_iters": 1, "eval_interval": 6}
+
+
+def write(tmp_path: Path, name: str, distributed: dict[str, Any], **options: Any) -> Path:
+    preset = gpt_preset(tmp_path / name)
+    preset["model"]["options"] |= {"n_layer": 2}
+    preset["data"]["options"] |= options
+    return config_file(tmp_path / f"{name}.toml", preset, {"distributed": distributed}, **TRAIN)
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    return [(row["step"], row.get("loss", row.get("valid/loss"))) for row in metrics_rows(out)]
+
+
+@pytest.mark.slow  # torchrun with 2 gloo ranks
+def test_sequences_split_over_two_ranks_train_like_one_rank_and_resume_on_data_parallel(tmp_path: Path) -> None:
+    from test_distributed import torchrun
+
+    assert run_train(str(write(tmp_path, "one", {})), cwd=tmp_path).returncode == 0
+    one = losses(tmp_path / "one")
+    for name, distributed in (("cp", {"cp_size": 2}), ("cp_fsdp", {"cp_size": 2, "strategy": "fsdp"})):
+        result = torchrun("run", str(write(tmp_path, name, distributed)), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert "each sequence of 32 positions over 2 ranks, 16 positions each" in result.stderr
+        split = losses(tmp_path / name)
+        assert [s for s, _ in split] == [s for s, _ in one]
+        assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(one, split)), (one, split)
+    # CP 2 → DP 2: the same global batch (4), now one micro-batch of 2 per rank
+    config = write(tmp_path, "cp_then_dp", {"cp_size": 2})
+    assert torchrun("run", str(config), "--set", "train.exit_interval=6", cwd=tmp_path).returncode == 0
+    dp = torchrun(
+        "run", str(config), "--set", "distributed.cp_size=1", "--set", "train.micro_batch_size=2", cwd=tmp_path
+    )
+    assert dp.returncode == 0 and "(step 6," in dp.stderr, dp.stderr
+    resumed = losses(tmp_path / "cp_then_dp")
+    assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(one, resumed)), (one, resumed)
+    # a sequence the ranks cannot cut into 2 × cp_size equal chunks
+    odd = torchrun("run", str(write(tmp_path, "odd", {"cp_size": 2}, seq_length=30)), cwd=tmp_path)
+    assert odd.returncode != 0  # each rank exits 2; torchrun reports a failed rank with 1
+    assert "error: distributed.cp_size (2) must cut the sequence length (30) into 2 × cp_size equal chunks" in (
+        odd.stderr
+    )
+
+
+def test_more_context_parallel_ranks_than_there_are_is_one_error(tmp_path: Path) -> None:
+    preset = gpt_preset(tmp_path)
+    config = {name: preset[name] for name in ("model", "data", "optimizer")} | {"distributed": {"cp_size": 2}}
+    with pytest.raises(UserError, match=r"distributed.cp_size \(2\) must divide ranks / tp_size \(1\)"):
+        run_steps(tmp_path, steps=1, config=config)
