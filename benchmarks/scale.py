@@ -1,17 +1,18 @@
 """What grows with the number of ranks: collectives per step, checkpoint files and metadata.
 
-    python benchmarks/scale.py [--ranks 1 2 4 8] [--layers 2 4] [--layouts ddp fsdp hsdp tp]
+    python benchmarks/scale.py [--ranks 1 2 4 8] [--layers 2 4] [--layouts ddp fsdp hsdp tp cp ep]
 
 For each layout (ddp; fsdp; hsdp: FSDP2 on a 2 × ranks/2 mesh, replicated over 2; tp: tensor
-parallel over 2, FSDP2 over the rest), GPT depth and rank count, trains the tiny byte-level GPT for 4
-steps under torchrun (gloo, one thread per rank), saving a checkpoint at step 4, with the
-``profiler`` plugin tracing step 3 on rank 0. Reports the collectives in that step's trace (every
-``c10d::`` op between pre_step and post_step: DDP's gradient all-reduce, FSDP's all-gathers and
-reduce-scatters, the gradient-norm all-reduce; coretrain's own agreement runs after post_step,
-one asynchronous all-reduce of 4 integers a step — benchmarks/agreement.py), the files of the
-step-4 checkpoint, their bytes, and the size of DCP's ``.metadata`` (sharded checkpoints) and
-of coretrain's ``checkpoint.json``. The README's "At 1,000 GPUs"
-section extrapolates from these figures.
+parallel over 2, FSDP2 over the rest; cp: each sequence split over 2 ranks, DDP over all; ep: a
+mixture of max(4, ranks) experts, top 2, spread over every rank, FSDP2 for the rest), GPT depth
+and rank count, trains the tiny byte-level GPT for 4 steps under torchrun (gloo, one thread per
+rank), saving a checkpoint at step 4, with the ``profiler`` plugin tracing step 3 on rank 0.
+Reports the collectives in that step's trace (every ``c10d::`` op between pre_step and
+post_step: DDP's gradient all-reduce, FSDP's all-gathers and reduce-scatters, the gradient-norm
+all-reduce; coretrain's own agreement runs after post_step, one asynchronous all-reduce of 4
+integers a step — benchmarks/agreement.py), the files of the step-4 checkpoint, their bytes,
+and the size of DCP's ``.metadata`` (sharded checkpoints) and of coretrain's
+``checkpoint.json``. The README's "At 1,000 GPUs" section extrapolates from these figures.
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ LAYOUTS = {  # name: the [distributed] table
     "fsdp": 'strategy = "fsdp"',
     "hsdp": 'strategy = "fsdp"\ndp_replicate = 2',
     "tp": "tp_size = 2",
+    "cp": "cp_size = 2",
+    "ep": 'strategy = "fsdp"\nep_size = {ranks}',
 }
 
 
 def fits(layout: str, ranks: int) -> bool:
-    """HSDP replicates over 2 and TP splits over 2: both need an even number of ranks."""
-    return layout in ("ddp", "fsdp") or ranks % 2 == 0
+    """HSDP replicates over 2, TP and CP split over 2: they need an even number of ranks; EP two."""
+    return layout in ("ddp", "fsdp") or (ranks >= 2 if layout == "ep" else ranks % 2 == 0)
 
 
-def config(out: Path, layers: int, layout: str) -> str:
+def config(out: Path, layers: int, layout: str, ranks: int) -> str:
+    experts = f"n_experts = {max(4, ranks)}\nmoe_top_k = 2" if layout == "ep" else ""
     return f"""
 [run]
 output_dir = "{out}"
@@ -52,6 +56,7 @@ provider = "gpt"
 n_layer = {layers}
 n_head = 2
 n_embd = 32
+{experts}
 [data]
 provider = "text-bytes"
 [data.options]
@@ -67,7 +72,7 @@ eval_iters = 0
 [checkpoint]
 save_interval = 4
 [distributed]
-{LAYOUTS[layout]}
+{LAYOUTS[layout].format(ranks=ranks)}
 [plugins.profiler]
 start = 3
 end = 3
@@ -78,7 +83,7 @@ def measure(ranks: int, layers: int, layout: str) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
         path = Path(tmp) / "c.toml"
-        path.write_text(config(out, layers, layout))
+        path.write_text(config(out, layers, layout, ranks))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([*command, "-m", "coretrain", "run", str(path)], check=True, capture_output=True, env=env)
