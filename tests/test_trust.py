@@ -531,6 +531,24 @@ spec.loader.exec_module(module)
 """
 
 
+def start_with_argparse(shim_source: str, config: Path, command: str) -> subprocess.Popen:
+    """``coretrain run CONFIG`` (the console script pip made, or ``python -m coretrain``) with
+    ``shim_source`` as the argparse the CLI imports; returned once the shim has run its cue."""
+    shim = config.parent / "shim"
+    shim.mkdir()
+    (shim / "argparse.py").write_text(shim_source)
+    script = (str(Path(sys.executable).parent / "coretrain"),)
+    process = start_cli(
+        "run",
+        str(config),
+        cwd=config.parent,
+        env={"PYTHONPATH": str(shim)},
+        **({"command": script} if command == "coretrain" else {}),
+    )
+    wait_for(lambda: (shim / "loading").exists(), process, timeout=60)
+    return process
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.6, 1.5, 3.0])
 @pytest.mark.parametrize("command", ["python -m coretrain", "coretrain"])
 def test_ctrl_c_during_start_up_stops_the_run(tmp_path: Path, delay: float, command: str) -> None:
@@ -539,19 +557,8 @@ def test_ctrl_c_during_start_up_stops_the_run(tmp_path: Path, delay: float, comm
     signal inside the interpreter's own start, before any of coretrain's code, is CPython's:
     it may print "Failed checking if argv[0] is an import path entry" and go on, as a 120 s
     hang of this test once showed when its first Ctrl-C was timed 50 ms after the launch."""
-    config, out = write_tiny_gpt(tmp_path, train_iters=100000, log_interval=50, eval_iters=0)
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "argparse.py").write_text(CUE_ARGPARSE)
-    script = (str(Path(sys.executable).parent / "coretrain"),)  # the console script pip made
-    process = start_cli(
-        "run",
-        str(config),
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(shim)},
-        **({"command": script} if command == "coretrain" else {}),
-    )
-    wait_for(lambda: (shim / "loading").exists(), process, timeout=60)
+    config, _ = write_tiny_gpt(tmp_path, train_iters=100000, log_interval=50, eval_iters=0)
+    process = start_with_argparse(CUE_ARGPARSE, config, command)
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)  # ends: never trains 100000 steps
@@ -572,18 +579,7 @@ def test_ctrl_c_while_the_cli_is_imported_is_quiet(tmp_path: Path, command: str)
     """A slow disk makes importing the CLI take long; argparse is made slow here, so the Ctrl-C lands
     exactly there, not by chance."""
     config, _ = write_tiny_gpt(tmp_path)
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "argparse.py").write_text(SLOW_ARGPARSE)
-    script = (str(Path(sys.executable).parent / "coretrain"),)
-    process = start_cli(
-        "run",
-        str(config),
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(shim)},
-        **({"command": script} if command == "coretrain" else {}),
-    )
-    wait_for(lambda: (shim / "loading").exists(), process, timeout=60)
+    process = start_with_argparse(SLOW_ARGPARSE, config, command)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
