@@ -1,5 +1,6 @@
 """Context parallelism: each sequence split over 2 gloo ranks (load-balanced chunks, keys and
-values gathered) trains the losses of one rank, with DDP and with FSDP, and resumes on DP 2."""
+values gathered) trains the losses of one rank, with DDP and as CP 2 × FSDP 2 on 4 ranks, and
+resumes on DP 2."""
 
 from __future__ import annotations
 
@@ -32,8 +33,16 @@ def test_sequences_split_over_two_ranks_train_like_one_rank_and_resume_on_data_p
 
     assert run_train(str(write(tmp_path, "one", {})), cwd=tmp_path).returncode == 0
     one = losses(tmp_path / "one")
-    for name, distributed in (("cp", {"cp_size": 2}), ("cp_fsdp", {"cp_size": 2, "strategy": "fsdp"})):
-        result = torchrun("run", str(write(tmp_path, name, distributed)), cwd=tmp_path)
+    # CP 2 with DDP on 2 ranks; CP 2 × FSDP 2 on 4 (the same global batch: micro-batches of 2)
+    for name, distributed, nproc in (("cp", {"cp_size": 2}, 2), ("cp_fsdp", {"cp_size": 2, "strategy": "fsdp"}, 4)):
+        config = write(tmp_path, name, distributed)
+        result = torchrun(
+            "run",
+            str(config),
+            *(("--set", "train.micro_batch_size=2") if nproc == 4 else ()),
+            cwd=tmp_path,
+            nproc=nproc,
+        )
         assert result.returncode == 0, result.stderr
         assert "each sequence of 32 positions over 2 ranks, 16 positions each" in result.stderr
         split = losses(tmp_path / name)
