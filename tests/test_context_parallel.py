@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, metrics_rows, run_train
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_train
 
 from coretrain import UserError
 from coretrain.testing import run_steps
@@ -32,31 +32,24 @@ def test_sequences_split_over_two_ranks_train_like_one_rank_and_resume_on_data_p
     from test_distributed import torchrun
 
     assert run_train(str(write(tmp_path, "one", {})), cwd=tmp_path).returncode == 0
+    # CP 2 with DDP, and CP 2 → DP 2 (the same global batch: one micro-batch of 2 per rank), in
+    # one torchrun job (its start-up paid once); CP 2 × FSDP 2 on 4 ranks
+    split = write(tmp_path, "cp_then_dp", {"cp_size": 2})
+    jobs = [
+        ["run", str(write(tmp_path, "cp", {"cp_size": 2}))],
+        ["run", str(split), "--set", "train.exit_interval=6"],
+        ["run", str(split), "--set", "distributed.cp_size=1", "--set", "train.micro_batch_size=2"],
+    ]
+    job = in_one_job(tmp_path, 2, jobs, "cp")
+    assert "each sequence of 32 positions over 2 ranks, 16 positions each" in job.stderr
+    four = write(tmp_path, "cp_fsdp", {"cp_size": 2, "strategy": "fsdp"})
+    result = torchrun("run", str(four), "--set", "train.micro_batch_size=2", cwd=tmp_path, nproc=4)
+    assert result.returncode == 0, result.stderr
     one = losses(tmp_path / "one")
-    # CP 2 with DDP on 2 ranks; CP 2 × FSDP 2 on 4 (the same global batch: micro-batches of 2)
-    for name, distributed, nproc in (("cp", {"cp_size": 2}, 2), ("cp_fsdp", {"cp_size": 2, "strategy": "fsdp"}, 4)):
-        config = write(tmp_path, name, distributed)
-        result = torchrun(
-            "run",
-            str(config),
-            *(("--set", "train.micro_batch_size=2") if nproc == 4 else ()),
-            cwd=tmp_path,
-            nproc=nproc,
-        )
-        assert result.returncode == 0, result.stderr
-        assert "each sequence of 32 positions over 2 ranks, 16 positions each" in result.stderr
-        split = losses(tmp_path / name)
-        assert [s for s, _ in split] == [s for s, _ in one]
-        assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(one, split)), (one, split)
-    # CP 2 → DP 2: the same global batch (4), now one micro-batch of 2 per rank
-    config = write(tmp_path, "cp_then_dp", {"cp_size": 2})
-    assert torchrun("run", str(config), "--set", "train.exit_interval=6", cwd=tmp_path).returncode == 0
-    dp = torchrun(
-        "run", str(config), "--set", "distributed.cp_size=1", "--set", "train.micro_batch_size=2", cwd=tmp_path
-    )
-    assert dp.returncode == 0 and "(step 6," in dp.stderr, dp.stderr
-    resumed = losses(tmp_path / "cp_then_dp")
-    assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(one, resumed)), (one, resumed)
+    for name in ("cp", "cp_then_dp", "cp_fsdp"):
+        split_losses = losses(tmp_path / name)
+        assert [s for s, _ in split_losses] == [s for s, _ in one]
+        assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(one, split_losses)), (name, split_losses)
 
 
 def test_more_context_parallel_ranks_than_there_are_is_one_error(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, metrics_rows, run_train
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_train
 
 from coretrain import UserError
 from coretrain.testing import run_steps
@@ -36,29 +36,24 @@ def assert_same(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> None:
 
 @pytest.mark.slow  # torchrun with 2 gloo ranks
 def test_experts_spread_over_two_ranks_train_like_one_rank_and_resume_across_layouts(tmp_path: Path) -> None:
-    from test_distributed import torchrun
-
-    one = run_train(str(write(tmp_path, "one", ep=False)), cwd=tmp_path)
-    assert one.returncode == 0, one.stderr
-    ep = torchrun("run", str(write(tmp_path, "ep", ep=True)), cwd=tmp_path)
-    assert ep.returncode == 0, ep.stderr
-    # each rank holds 2 of the 4 experts (fc: 128 × 32 each); a forward over all 4 would fail
-    assert "2 on each of 2 ranks (this rank's experts.fc.weight: (2, 128, 32))" in ep.stderr
-    assert_same(losses(tmp_path / "one"), losses(tmp_path / "ep"))
-
-    # EP 2 → one rank: stopped at 6 on two ranks, resumed alone
-    split = write(tmp_path, "ep_then_one", ep=True)
-    assert torchrun("run", str(split), "--set", "train.exit_interval=6", cwd=tmp_path).returncode == 0
-    alone = run_train(str(split), "--set", "distributed.ep_size=1", cwd=tmp_path)
-    assert alone.returncode == 0 and "(step 6," in alone.stderr, alone.stderr
-    assert_same(losses(tmp_path / "one"), losses(tmp_path / "ep_then_one"))
-
-    # one rank → EP 2
+    """One rank's run and the first half of one → EP 2 here; then one torchrun job (its start-up
+    paid once) runs EP 2, the first half of EP 2 → one rank, and the second half of one → EP 2."""
+    assert run_train(str(write(tmp_path, "one", ep=False)), cwd=tmp_path).returncode == 0
     grow = write(tmp_path, "one_then_ep", ep=False)
     assert run_train(str(grow), "--set", "train.exit_interval=6", cwd=tmp_path).returncode == 0
-    spread = torchrun("run", str(grow), "--set", "distributed.ep_size=2", cwd=tmp_path)
-    assert spread.returncode == 0 and "(step 6," in spread.stderr, spread.stderr
-    assert_same(losses(tmp_path / "one"), losses(tmp_path / "one_then_ep"))
+    split = write(tmp_path, "ep_then_one", ep=True)
+    jobs = [
+        ["run", str(write(tmp_path, "ep", ep=True))],
+        ["run", str(split), "--set", "train.exit_interval=6"],
+        ["run", str(grow), "--set", "distributed.ep_size=2"],
+    ]
+    job = in_one_job(tmp_path, 2, jobs, "ep")
+    # each rank holds 2 of the 4 experts (fc: 128 × 32 each); a forward over all 4 would fail
+    assert "2 on each of 2 ranks (this rank's experts.fc.weight: (2, 128, 32))" in job.stderr
+    alone = run_train(str(split), "--set", "distributed.ep_size=1", cwd=tmp_path)
+    assert alone.returncode == 0 and "(step 6," in alone.stderr, alone.stderr
+    for name in ("ep", "ep_then_one", "one_then_ep"):  # EP 2; EP 2 → one rank; one rank → EP 2
+        assert_same(losses(tmp_path / "one"), losses(tmp_path / name))
 
 
 @pytest.mark.parametrize(
