@@ -72,3 +72,24 @@ def test_a_sequence_the_chunks_cannot_divide_is_one_error() -> None:
     run.model = model
     with pytest.raises(UserError, match=r"cp_size \(2\) must cut the sequence length \(30\) into 2 × cp_size equal"):
         ContextParallel().configure_model(run=run)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow  # torchrun with 2 gloo ranks
+def test_a_hugging_face_llama_split_over_two_ranks_trains_like_one_rank(tmp_path: Path) -> None:
+    """Through transformers' own attention registry: rotary positions per chunk, grouped-query
+    attention (4 query heads on 2 key/value heads) over every rank's keys and values."""
+    pytest.importorskip("transformers")
+    from test_distributed import torchrun
+
+    llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    llama |= {"num_attention_heads": 4, "num_key_value_heads": 2}
+    runs = {}
+    for name, distributed in (("one", {}), ("cp", {"cp_size": 2})):
+        preset = gpt_preset(tmp_path / name)
+        preset["model"] = {"provider": "hf", "options": {"config": llama}}
+        config = config_file(tmp_path / f"{name}.toml", preset, {"distributed": distributed}, **TRAIN)
+        result = run_train(str(config), cwd=tmp_path) if not distributed else torchrun("run", str(config), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        runs[name] = losses(tmp_path / name)
+    assert [s for s, _ in runs["cp"]] == [s for s, _ in runs["one"]]
+    assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(runs["one"], runs["cp"])), runs

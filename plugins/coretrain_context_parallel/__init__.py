@@ -49,11 +49,13 @@ class GatheredAttention:
         keys = torch.cat([balanced_positions(seq_length, ranks, r) for r in range(ranks)]).to(device)
         self.mask = keys[None, :] <= self.queries[:, None]  # a query sees the keys at or before it
 
-    def __call__(self, q: Any, k: Any, v: Any, dropout_p: float) -> Any:
+    def __call__(self, q: Any, k: Any, v: Any, dropout_p: float, scale: float | None = None) -> Any:
         import torch.nn.functional as F
 
         keys, values = gathered(k, self.group, self.ranks), gathered(v, self.group, self.ranks)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, dropout_p=dropout_p)
+        if (groups := q.size(1) // keys.size(1)) > 1:  # grouped-query attention: a key head per group
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, dropout_p=dropout_p, scale=scale)
 
 
 def gathered(local: Any, group: Any, ranks: int) -> Any:
@@ -79,6 +81,25 @@ def gathered(local: Any, group: Any, ranks: int) -> Any:
     return gather(local)
 
 
+ATTENTION_NAME = "coretrain-context-parallel"
+
+
+def use_in_transformers(hf: Any, attention: GatheredAttention) -> None:
+    """Make a transformers model attend through ``attention`` (transformers' own attention
+    registry; the causal mask transformers builds for this rank's chunk alone is not used)."""
+    from transformers import AttentionInterface
+
+    def forward(module: Any, query: Any, key: Any, value: Any, mask: Any, dropout: float = 0.0, **kw: Any) -> Any:
+        out = attention(query, key, value, dropout, kw.get("scaling"))
+        return out.transpose(1, 2).contiguous(), None  # as transformers' sdpa returns it
+
+    AttentionInterface.register(ATTENTION_NAME, forward)
+    if hasattr(hf, "set_attn_implementation"):
+        hf.set_attn_implementation(ATTENTION_NAME)
+    else:
+        hf.config._attn_implementation = ATTENTION_NAME
+
+
 @define
 class ContextParallel:
     """Split each sequence over the context-parallel ranks; attention over all of it."""
@@ -88,9 +109,10 @@ class ContextParallel:
         cp, seq = run.config.distributed.cp_size, run.datasets.seq_length
         model: Any = run.model
         attentions = [m for m in model.modules() if hasattr(m, "exchange")]
-        if not hasattr(model, "positions") or not attentions:
+        hf = getattr(model, "hf", None)  # the hf provider's causal LM: its attention is registered with transformers
+        if not hasattr(model, "positions") or not (attentions or hf is not None):
             raise UserError(
-                f"distributed.cp_size ({cp}): this model cannot split its sequences (the gpt provider's can)"
+                f"distributed.cp_size ({cp}): this model cannot split its sequences (the gpt and hf providers' can)"
             )
         if not seq or seq % (2 * cp):
             raise UserError(
@@ -104,6 +126,8 @@ class ContextParallel:
         model.positions = attention.queries
         for module in attentions:
             module.exchange = attention
+        if hf is not None:
+            use_in_transformers(hf, attention)
         if run.dist.is_main:
             log.info(
                 "context-parallel: each sequence of %d positions over %d ranks, %d positions each",

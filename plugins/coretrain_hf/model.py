@@ -37,12 +37,21 @@ class CausalLM(torch.nn.Module):
         super().__init__()
         self.hf: Any = hf  # a transformers PreTrainedModel
         self.seq_length = seq_length
+        self.positions: torch.Tensor | None = None
+        """Set by context parallelism: the positions of every sequence this rank computes (its
+        attention, registered with transformers, sees every rank's keys and values)."""
 
     def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         if args:  # coretrain's (input_ids, targets): already shifted, every position a target
             input_ids, targets = args
-            output = self.hf(input_ids=input_ids, use_cache=False)
+            extra = {}
+            if self.positions is not None:  # context parallelism: this rank's chunks, at their positions
+                input_ids, targets = input_ids[:, self.positions], targets[:, self.positions]
+                extra["position_ids"] = self.positions.expand(len(input_ids), -1)
+            output = self.hf(input_ids=input_ids, use_cache=False, **extra)
             return with_experts(token_loss(output.logits, targets), output, self.hf.config, self.training)
+        if self.positions is not None:
+            raise ValueError("context parallelism splits coretrain's (input_ids, targets) windows, not dict batches")
         labels = batch.pop("labels", None)
         if labels is None:
             labels = batch["input_ids"]
