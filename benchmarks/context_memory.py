@@ -7,8 +7,8 @@ For each sequence length and context-parallel size, ranks started with torchrun 
 thread each) build the same model (4 layers × 128, 4 heads, micro-batch 2, fp32) and run one
 forward with rank 0 counting the distinct storages autograd saves for backward
 (``benchmarks/memory.py``'s measure). Reported: those bytes on rank 0, and their ratio to one
-rank's at the same length. What CP cannot split stays whole on every rank: the gathered keys
-and values each layer's attention reads (a sequence's worth, saved for its backward).
+rank's at the same length. Every rank still holds each layer's gathered keys and values for the
+whole sequence, which is part of why the ratio stays above 1 / cp.
 """
 
 from __future__ import annotations
