@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import metrics_rows
 
 from coretrain import UserError
@@ -109,3 +110,23 @@ def test_report_shows_every_evaluated_metric_and_small_rates(tmp_path: Path, cli
     tflops = [line for line in shown.stdout.splitlines() if "TFLOP/s per device" in line][0]
     assert float(tflops.split("│")[-2]) > 0  # "0.00" before
     assert "2 validation" in shown.stdout
+
+
+@pytest.mark.parametrize("micro", [1, 2, 3])
+def test_every_rank_runs_as_many_forwards_in_a_full_evaluation(micro: int) -> None:
+    """A sharded or expert-parallel forward is a collective: a rank with one micro-batch more than
+    another waited forever (seen: 361 samples, 2 expert-parallel ranks, micro-batch 1). The
+    shorter shares end on sample 0 again, run and not counted; every sample counts once."""
+    from types import SimpleNamespace
+
+    from coretrain_evaluation import UNCOUNTED, index_chunks
+
+    shares = []
+    for rank in range(2):
+        train = SimpleNamespace(eval_full=True, eval_micro_batch_size=None, micro_batch_size=micro)
+        run = SimpleNamespace(config=SimpleNamespace(train=train), dist=SimpleNamespace(dp_rank=rank, dp_size=2))
+        shares.append(index_chunks(run, 361))  # type: ignore[arg-type]
+    assert len(shares[0]) == len(shares[1])
+    counted = [chunk for share in shares for chunk in share if chunk is not UNCOUNTED]
+    assert sorted(torch.cat(counted).tolist()) == list(range(361))
+    assert sum(chunk is UNCOUNTED for chunk in shares[1]) == 1  # 181 samples against 180

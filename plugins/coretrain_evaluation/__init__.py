@@ -19,6 +19,7 @@ batch sizes and the number of ranks. ``ppl`` is reported for token-level losses 
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -30,12 +31,24 @@ from coretrain import NUM_TOKENS, Run, SampleOrder, SplitBatches, forward, hooki
 EVAL_SEED_OFFSET = 1_000_003
 
 
+UNCOUNTED = torch.zeros(1, dtype=torch.long)
+"""The micro-batch a rank with a shorter share runs to stay in step with the others (sample 0,
+its result left out)."""
+
+
 def index_chunks(run: Run, length: int) -> list[torch.Tensor]:
-    """This rank's micro-batches of sample indices for one evaluation of a split of ``length``."""
+    """This rank's micro-batches of sample indices for one evaluation of a split of ``length``.
+
+    Every rank reads as many: the forward of a sharded or expert-parallel model is a collective,
+    and a rank that ran one more would wait for the others forever. With ``eval_full`` a rank
+    whose share is a micro-batch shorter than the first rank's reads sample 0 once more at the
+    end, run but not counted (:data:`UNCOUNTED`)."""
     train, rank, world = run.config.train, run.dist.dp_rank, run.dist.dp_size
     micro = train.eval_micro_batch_size or train.micro_batch_size
     if train.eval_full:
-        return list(torch.split(torch.arange(rank, length, world), micro))
+        chunks = list(torch.split(torch.arange(rank, length, world), micro))
+        most = -(-len(range(0, length, world)) // micro)  # the first rank's share is the longest
+        return chunks + [UNCOUNTED] * (most - len(chunks))
     order = SampleOrder(length, run.config.run.seed + EVAL_SEED_OFFSET)
     global_batch = run.global_batch_size
     per_rank = global_batch // world
@@ -64,9 +77,11 @@ def evaluate_split(run: Run, batches: SplitBatches, split: str) -> dict[str, flo
     totals: dict[str, torch.Tensor] = {}
     samples = 0
     try:
-        for count, batch in batches:
-            samples += count
+        for chunk, (count, batch) in zip(batches.chunks or itertools.repeat(None), batches):
             loss, extras = forward(run, batch)
+            if chunk is UNCOUNTED:  # run to keep this rank in step with the others, not counted
+                continue
+            samples += count
             tokens = extras.pop(NUM_TOKENS, None)
             for name, value in {"loss": loss, **extras}.items():
                 weight = tokens if name == "loss" and tokens is not None else count

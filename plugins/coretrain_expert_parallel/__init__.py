@@ -39,9 +39,6 @@ class AllToAll:
     def __call__(self, experts: Any, tokens: Any, kept: Any, weights: Any) -> Any:
         import torch
         import torch.distributed as dist
-        from torch.distributed.nn import functional
-
-        all_to_all_single: Any = functional.all_to_all_single  # differentiable: its backward sends back
 
         token_idx, expert_idx = kept.nonzero(as_tuple=True)  # by token, then expert
         order = torch.argsort(expert_idx, stable=True)  # by expert (so by rank), tokens in order
@@ -53,17 +50,38 @@ class AllToAll:
         their_experts = expert_idx.new_empty(sum(received))
         dist.all_to_all_single(their_experts, expert_idx, received, sent, group=self.group)
         outgoing = tokens[token_idx]
-        arrived = all_to_all_single(
-            outgoing.new_empty(sum(received), tokens.size(1)), outgoing, received, sent, self.group
-        )
+        arrived = exchange(outgoing, received, sent, self.group)
         mine = their_experts - self.rank * self.per_rank
         computed = torch.zeros_like(arrived)
         for e in range(self.per_rank):  # every local expert runs, on no tokens too (each gets a gradient)
             rows = (mine == e).nonzero().squeeze(1)
             computed = computed.index_add(0, rows, experts(arrived[rows], e))
-        back = all_to_all_single(torch.empty_like(outgoing), computed, sent, received, self.group)
+        back = exchange(computed, sent, received, self.group)
         scaled = back * weights[token_idx, expert_idx, None].to(tokens.dtype)
         return torch.zeros_like(tokens).index_add(0, token_idx, scaled)
+
+
+def exchange(rows: Any, receive: list[int], send: list[int], group: Any) -> Any:
+    """All-to-all of ``rows``: ``send[r]`` of them to rank r, ``receive[r]`` from it; in backward
+    the gradients go back the way the rows came."""
+    import torch
+    import torch.distributed as dist
+
+    class Exchange(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, part: Any) -> Any:
+            out = part.new_empty(sum(receive), *part.shape[1:])
+            dist.all_to_all_single(out, part.contiguous(), receive, send, group=group)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            out = grad.new_empty(sum(send), *grad.shape[1:])
+            dist.all_to_all_single(out, grad.contiguous(), send, receive, group=group)
+            return out
+
+    apply: Any = Exchange.apply
+    return apply(rows)
 
 
 @define
