@@ -19,6 +19,7 @@ attention has no sharding rule; the all-gather here runs on gloo and NCCL alike.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -61,12 +62,19 @@ class GatheredAttention:
 def gathered(local: Any, group: Any, ranks: int) -> Any:
     """Every rank's ``local`` (batch × heads × positions × dims) along the positions, in rank
     order; in backward each rank gets the gradient of its own part summed over every rank's use."""
+    return gather_function().apply(local, group, ranks)
+
+
+@functools.cache
+def gather_function() -> Any:
+    """The differentiable all-gather, defined once (torch is imported when a run uses it)."""
     import torch
     import torch.distributed as dist
 
     class Gather(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, part: Any) -> Any:
+        def forward(ctx: Any, part: Any, group: Any, ranks: int) -> Any:
+            ctx.group, ctx.ranks = group, ranks
             parts = [torch.empty_like(part) for _ in range(ranks)]
             dist.all_gather(parts, part.contiguous(), group=group)
             return torch.cat(parts, dim=2)
@@ -74,11 +82,10 @@ def gathered(local: Any, group: Any, ranks: int) -> Any:
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
             total = grad.contiguous()
-            dist.all_reduce(total, group=group)  # every rank's queries' use of every part
-            return total.chunk(ranks, dim=2)[dist.get_rank(group)]
+            dist.all_reduce(total, group=ctx.group)  # every rank's queries' use of every part
+            return total.chunk(ctx.ranks, dim=2)[dist.get_rank(ctx.group)], None, None
 
-    gather: Any = Gather.apply
-    return gather(local)
+    return Gather
 
 
 ATTENTION_NAME = "coretrain-context-parallel"

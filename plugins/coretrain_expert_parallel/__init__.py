@@ -20,6 +20,7 @@ loss: it is divided by the ranks, the data-parallel mean FSDP gives the other pa
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -64,24 +65,30 @@ class AllToAll:
 def exchange(rows: Any, receive: list[int], send: list[int], group: Any) -> Any:
     """All-to-all of ``rows``: ``send[r]`` of them to rank r, ``receive[r]`` from it; in backward
     the gradients go back the way the rows came."""
+    return exchange_function().apply(rows, receive, send, group)
+
+
+@functools.cache
+def exchange_function() -> Any:
+    """The differentiable all-to-all, defined once (torch is imported when a run uses it)."""
     import torch
     import torch.distributed as dist
 
     class Exchange(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, part: Any) -> Any:
+        def forward(ctx: Any, part: Any, receive: list[int], send: list[int], group: Any) -> Any:
+            ctx.receive, ctx.send, ctx.group = receive, send, group
             out = part.new_empty(sum(receive), *part.shape[1:])
             dist.all_to_all_single(out, part.contiguous(), receive, send, group=group)
             return out
 
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
-            out = grad.new_empty(sum(send), *grad.shape[1:])
-            dist.all_to_all_single(out, grad.contiguous(), send, receive, group=group)
-            return out
+            out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+            dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
+            return out, None, None, None
 
-    apply: Any = Exchange.apply
-    return apply(rows)
+    return Exchange
 
 
 @define

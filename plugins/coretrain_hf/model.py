@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from coretrain import UserError
+
 IGNORE_INDEX = -100
 
 
@@ -51,7 +53,9 @@ class CausalLM(torch.nn.Module):
             output = self.hf(input_ids=input_ids, use_cache=False, **extra)
             return with_experts(token_loss(output.logits, targets), output, self.hf.config, self.training)
         if self.positions is not None:
-            raise ValueError("context parallelism splits coretrain's (input_ids, targets) windows, not dict batches")
+            raise UserError(
+                "distributed.cp_size: context parallelism splits (input_ids, targets) windows, not dict batches"
+            )
         labels = batch.pop("labels", None)
         if labels is None:
             labels = batch["input_ids"]
