@@ -32,20 +32,22 @@ class Mismatch(Exception):
         super().__init__(f"{where or 'the file'}: expected {expected}, found {found}")
 
 
-def integer(minimum: int = 0) -> Check:
+def satisfies(test: Callable[[Any], bool], expected: str) -> Check:
+    """A value for which ``test`` holds; else a :class:`Mismatch` saying ``expected``."""
+
     def check(value: Any, where: str) -> None:
-        if type(value) is not int or value < minimum:
-            raise Mismatch(where, f"an integer >= {minimum}", value)
+        if not test(value):
+            raise Mismatch(where, expected, value)
 
     return check
+
+
+def integer(minimum: int = 0) -> Check:
+    return satisfies(lambda value: type(value) is int and value >= minimum, f"an integer >= {minimum}")
 
 
 def kind(*types: type) -> Check:
-    def check(value: Any, where: str) -> None:
-        if type(value) not in types:
-            raise Mismatch(where, " or ".join(t.__name__ for t in types), value)
-
-    return check
+    return satisfies(lambda value: type(value) in types, " or ".join(t.__name__ for t in types))
 
 
 def optional(inner: Check) -> Check:
@@ -57,11 +59,7 @@ def optional(inner: Check) -> Check:
 
 
 def one_of(*choices: Any) -> Check:
-    def check(value: Any, where: str) -> None:
-        if value not in choices:
-            raise Mismatch(where, " or ".join(map(repr, choices)), value)
-
-    return check
+    return satisfies(lambda value: value in choices, " or ".join(map(repr, choices)))
 
 
 def tensor(
@@ -88,16 +86,12 @@ def tensor(
 def number(minimum: float, strictly: bool = False) -> Check:
     """A finite int or float ``>= minimum`` (``> minimum`` when ``strictly``)."""
 
-    def check(value: Any, where: str) -> None:
-        if (
-            type(value) not in (int, float)
-            or not math.isfinite(value)
-            or value < minimum
-            or (strictly and value == minimum)
-        ):
-            raise Mismatch(where, f"a finite number {'>' if strictly else '>='} {minimum}", value)
+    def test(value: Any) -> bool:
+        return (
+            type(value) in (int, float) and math.isfinite(value) and (value > minimum if strictly else value >= minimum)
+        )
 
-    return check
+    return satisfies(test, f"a finite number {'>' if strictly else '>='} {minimum}")
 
 
 def items(*checks: Check) -> Check:

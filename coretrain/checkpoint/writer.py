@@ -11,14 +11,7 @@ from typing import Any
 import torch
 
 from coretrain import safeload
-from coretrain.checkpoint.layout import (
-    barrier,
-    begin,
-    commit,
-    step_dir,
-    write_failure,
-    write_json_atomically,
-)
+from coretrain.checkpoint.layout import barrier, begin, commit, step_dir, write_failure, write_json_atomically
 from coretrain.checkpoint.state import ShardedState, collect
 from coretrain.run import Run
 
@@ -102,24 +95,6 @@ def write_files(tmp: Path, files: dict[str, Any]) -> None:
             _save_file(obj, tmp / name)
 
 
-def write_andcommit(
-    root: Path, step: int, files: dict[str, Any], is_main: bool, keep_last: int | None, distributed: bool
-) -> Path:
-    """The synchronous save: write into step_N.tmp on every rank, then rank 0 commits."""
-    tmp = begin(root, step, is_main, distributed)
-    try:
-        write_files(tmp, files)
-    except safeload.dcp_errors() as exc:
-        raise write_failure(root, step, tmp, exc) from exc
-    if distributed:
-        barrier()
-    if is_main:
-        commit(root, step, tmp, keep_last)
-    if distributed:
-        barrier()
-    return step_dir(root, step)
-
-
 class Checkpointer:
     """Saves checkpoints synchronously, or asynchronously with ``checkpoint.async_save``.
 
@@ -154,16 +129,24 @@ class Checkpointer:
         started = time.perf_counter()
         root, step, distributed = checkpoint_root(run), run.state.step, run.dist.world_size > 1
         files = collect(run, extra_state, evaluated)
-        if not self.asynchronous:
-            write_andcommit(root, step, files, run.dist.is_main, run.config.checkpoint.keep_last, distributed)
-            return step_dir(root, step), time.perf_counter() - started
-
         tmp = begin(root, step, run.dist.is_main, distributed)
         rank_file = f"rank_{run.dist.rank:05d}.pt"
-        try:
-            write_files(tmp, {rank_file: files.pop(rank_file)})
+        try:  # async: the small per-rank file now, the rest in the background
+            write_files(tmp, {rank_file: files.pop(rank_file)} if self.asynchronous else files)
         except safeload.dcp_errors() as exc:
             raise write_failure(root, step, tmp, exc) from exc
+        if distributed:  # every rank's own file is written before anyone may commit
+            barrier()
+        if self.asynchronous:
+            self._start_background(root, step, tmp, files)
+        elif run.dist.is_main:
+            commit(root, step, tmp, run.config.checkpoint.keep_last)
+        if distributed and not self.asynchronous:
+            barrier()
+        return step_dir(root, step), time.perf_counter() - started
+
+    def _start_background(self, root: Path, step: int, tmp: Path, files: dict[str, Any]) -> None:
+        """Stage the rest to host memory (DCP stages a sharded model's itself) and write it in a thread."""
         sharded = files.pop("sharded", None)
         future = None
         if sharded is not None:
@@ -173,14 +156,11 @@ class Checkpointer:
         staged = self._staging.copy(files)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land first
-        if distributed:
-            barrier()  # every rank's own file is written before anyone may commit
         self._pending_step = step
         self._thread = threading.Thread(
             target=self._finish, name=f"checkpoint-{step}", daemon=False, args=(root, step, tmp, staged, future)
         )
         self._thread.start()
-        return step_dir(root, step), time.perf_counter() - started
 
     def _finish(self, root: Path, step: int, tmp: Path, staged: dict[str, Any], future: Any) -> None:
         try:

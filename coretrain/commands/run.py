@@ -23,22 +23,11 @@ def add(commands: Any) -> None:
     run = commands.add_parser("run", help="train as the config says (works under torchrun too)")
     add_config_args(run)
     loudness = run.add_mutually_exclusive_group()
-    loudness.add_argument(
-        "-q",
-        "--quiet",
-        action="store_const",
-        const="warning",
-        dest="log_level",
-        help='only warnings and errors (run.log_level = "warning"); no progress output',
-    )
-    loudness.add_argument(
-        "-v",
-        "--verbose",
-        action="store_const",
-        const="debug",
-        dest="log_level",
-        help='debug messages too (run.log_level = "debug")',
-    )
+    for flags, level in ((("-q", "--quiet"), "warning"), (("-v", "--verbose"), "debug")):
+        what = "only warnings and errors, no progress output" if level == "warning" else "debug messages too"
+        loudness.add_argument(
+            *flags, action="store_const", const=level, dest="log_level", help=f'{what} (run.log_level = "{level}")'
+        )
     run.add_argument(
         "--traceback",
         action="store_true",
