@@ -73,18 +73,8 @@ class ResultRecorder:
 
     def result(self, exit_code: int, step: int, output_dir: Path) -> TrainResult:
         """The run's outcome with the last value of each metric it logged."""
-        metrics: dict[str, float] = {}
-        for row in self.history:
-            metrics.update(row)
-        metrics.pop("step", None)
-        return TrainResult(
-            outcome=self.outcome,
-            exit_code=exit_code,
-            step=step,
-            output_dir=output_dir,
-            metrics=metrics,
-            history=self.history,
-        )
+        metrics = {name: value for row in self.history for name, value in row.items() if name != "step"}
+        return TrainResult(self.outcome, exit_code, step, output_dir, metrics, self.history)
 
 
 def train(

@@ -25,16 +25,10 @@ from typing import IO, Any
 import torch
 
 _ALLOWED = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
-        "ChunkStorageMetadata",
-        "BytesStorageMetadata",
-        "MetadataIndex",
-        "StorageMeta",
-    },
+    "torch.distributed.checkpoint.metadata": set(
+        "Metadata TensorStorageMetadata TensorProperties _MEM_FORMAT_ENCODING ChunkStorageMetadata "
+        "BytesStorageMetadata MetadataIndex StorageMeta".split()
+    ),
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -48,6 +42,9 @@ _BUILDABLE = {  # BUILD fills in instances of DCP's own dataclasses only (not th
 }
 
 
+_DICTS = (dict, collections.OrderedDict)
+
+
 class Refused(pickle.UnpicklingError):
     """The pickle asked for something DCP metadata never holds: a crafted file."""
 
@@ -58,6 +55,18 @@ def _qualified(obj: Any) -> tuple[str, str]:
 
 
 _PurePythonUnpickler: Any = pickle._Unpickler  # its opcodes are methods in a table: they can be guarded
+
+
+def _guarded(dispatch: dict[int, Any], opcode: str, kinds: tuple[type, ...], target: Any) -> tuple[int, Any]:
+    """Pickle's ``opcode`` run only when what it would change (``target(unpickler)``) is one of ``kinds``."""
+    code, original = getattr(pickle, opcode)[0], dispatch[getattr(pickle, opcode)[0]]
+
+    def load(self: Any) -> None:
+        if type(target(self)) not in kinds:
+            raise Refused(f"{opcode} on a {type(target(self)).__qualname__} is not allowed")
+        original(self)
+
+    return code, load
 
 
 class MetadataUnpickler(_PurePythonUnpickler):  # type: ignore[misc]
@@ -81,22 +90,6 @@ class MetadataUnpickler(_PurePythonUnpickler):  # type: ignore[misc]
             raise Refused(f"BUILD on a {type(target).__qualname__} is not allowed")
         super().load_build()
 
-    def load_setitem(self) -> None:
-        self._require(self.stack[-3] if len(self.stack) >= 3 else None, (dict, collections.OrderedDict), "SETITEM")
-        super().load_setitem()
-
-    def load_setitems(self) -> None:
-        self._require(self._below_mark(), (dict, collections.OrderedDict), "SETITEMS")
-        super().load_setitems()
-
-    def load_append(self) -> None:
-        self._require(self.stack[-2] if len(self.stack) >= 2 else None, (list,), "APPEND")
-        super().load_append()
-
-    def load_appends(self) -> None:
-        self._require(self._below_mark(), (list,), "APPENDS")
-        super().load_appends()
-
     def load_additems(self) -> None:
         raise Refused("sets are not allowed")
 
@@ -104,16 +97,15 @@ class MetadataUnpickler(_PurePythonUnpickler):  # type: ignore[misc]
         """The object under the topmost mark (what SETITEMS / APPENDS would change)."""
         return self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None
 
-    @staticmethod
-    def _require(target: Any, kinds: tuple[type, ...], opcode: str) -> None:
-        if type(target) not in kinds:
-            raise Refused(f"{opcode} on a {type(target).__qualname__} is not allowed")
-
     dispatch[pickle.BUILD[0]] = load_build
-    dispatch[pickle.SETITEM[0]] = load_setitem
-    dispatch[pickle.SETITEMS[0]] = load_setitems
-    dispatch[pickle.APPEND[0]] = load_append
-    dispatch[pickle.APPENDS[0]] = load_appends
+    dispatch.update(  # each changes the object below its operands, or the one under the mark
+        [
+            _guarded(dispatch, "SETITEM", _DICTS, lambda self: self.stack[-3] if len(self.stack) >= 3 else None),
+            _guarded(dispatch, "SETITEMS", _DICTS, lambda self: self._below_mark()),
+            _guarded(dispatch, "APPEND", (list,), lambda self: self.stack[-2] if len(self.stack) >= 2 else None),
+            _guarded(dispatch, "APPENDS", (list,), lambda self: self._below_mark()),
+        ]
+    )
     dispatch[pickle.ADDITEMS[0]] = load_additems
 
 

@@ -42,13 +42,7 @@ class Stop(enum.IntEnum):
         return _OUTCOMES[self]
 
 
-_OUTCOMES: dict[Stop, Outcome | None] = {
-    Stop.NONE: None,
-    Stop.EXIT_INTERVAL: "exit_interval",
-    Stop.EXIT_DURATION: "exit_duration",
-    Stop.PLUGIN: "stopped",
-    Stop.SIGNAL: "signal",
-}
+_OUTCOMES: tuple[Outcome | None, ...] = (None, "exit_interval", "exit_duration", "stopped", "signal")  # by value
 
 
 class StopAgreement:

@@ -76,11 +76,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def collect(run: Run, extra_state: dict[str, Any], evaluated: list[str] | None = None) -> dict[str, Any]:
     """This rank's files of the checkpoint: file name -> object to save."""
     state = {
-        "train": {
-            "step": run.state.step,
-            "consumed_samples": run.state.consumed_samples,
-            "skipped_updates": run.state.skipped_updates,
-        },
+        "train": attrs.asdict(run.state),  # step, consumed_samples, skipped_updates
         "scheduler": run.scheduler.state_dict(),
         "rng": rng_state(),
         **extra_state,
