@@ -63,9 +63,7 @@ class ResultRecorder:
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
         self.history.append({"step": step, **metrics})
 
-    @hookimpl(trylast=True)
-    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self.history.append({"step": step, **metrics})
+    on_eval = on_log  # an evaluation's metrics are kept the same way
 
     @hookimpl
     def on_train_end(self, outcome: Outcome) -> None:

@@ -67,10 +67,7 @@ class LoggingBackend:
         if self._opened:
             self.write(step, metrics)
 
-    @hookimpl(trylast=True)
-    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        if self._opened:
-            self.write(step, metrics)
+    on_eval = on_log  # evaluation metrics are written the same way
 
     @hookimpl(trylast=True)
     def on_train_end(self, outcome: Outcome) -> None:

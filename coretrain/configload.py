@@ -96,11 +96,8 @@ def structure(
         problems = [(prefix + path, message) for path, message in _problems(exc, (), cls, data)]
         if not problems:
             raise
-        lines = []
-        for path, message in problems:
-            where = (locations or {}).get(path) or _nearest(locations or {}, path) or source
-            key = ".".join(path) or "(top level)"
-            lines.append(f"{where + ': ' if where else ''}{key}: {message}")
+        wheres = [(locations or {}).get(path) or _nearest(locations or {}, path) or source for path, _ in problems]
+        lines = [f"{w + ': ' if w else ''}{'.'.join(p) or '(top level)'}: {m}" for w, (p, m) in zip(wheres, problems)]
         raise UserError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 

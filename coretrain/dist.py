@@ -91,12 +91,8 @@ def device_mesh(device_type: str, info: DistInfo) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
-            dist.init_process_group(
-                "gloo" if device_type == "cpu" else "nccl",
-                rank=0,
-                world_size=1,
-                store=dist.HashStore(),  # type: ignore[attr-defined]
-            )
+            store = dist.HashStore()  # type: ignore[attr-defined]
+            dist.init_process_group("gloo" if device_type == "cpu" else "nccl", rank=0, world_size=1, store=store)
         dims = mesh_dims(info)
         _mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         data_parallel = tuple(name for name in dims if name.startswith("dp"))

@@ -50,12 +50,9 @@ class HookCalls:
     def param_group_overrides(self, run: Run, model: torch.nn.Module) -> dict[str, dict[str, float]]:
         """The plugins' overrides merged: later plugins (in pluggy's call order) win per key."""
         merged: dict[str, dict[str, float]] = {}
-        results = (
-            self._manager.hook.param_group_overrides(run=run, model=model)
-            if self.implemented("param_group_overrides")
-            else []
-        )
-        for result in reversed(results):
+        if not self.implemented("param_group_overrides"):
+            return merged
+        for result in reversed(self._manager.hook.param_group_overrides(run=run, model=model)):
             for name, values in result.items():
                 merged.setdefault(name, {}).update(values)
         return merged

@@ -60,17 +60,14 @@ def is_stream(dataset: Any) -> bool:
 def read_stream(run: Run, dataset: Any, micro_batch_size: int, training: bool) -> Any:
     """A plugin's loader of this rank's micro-batches of a stream (hook ``read_stream``)."""
     calls = hook_calls(run)
-    reader = (
-        calls.hook.read_stream(run=run, dataset=dataset, micro_batch_size=micro_batch_size, training=training)
-        if calls.implemented("read_stream")
-        else None
+    if calls.implemented("read_stream"):
+        reader = calls.hook.read_stream(run=run, dataset=dataset, micro_batch_size=micro_batch_size, training=training)
+        if reader is not None:
+            return reader
+    raise UserError(
+        "a split is a stream (an IterableDataset) and no plugin reads streams: coretrain-plugins' "
+        "`streams` does (on by default; is it disabled or not installed?)"
     )
-    if reader is None:
-        raise UserError(
-            "a split is a stream (an IterableDataset) and no plugin reads streams: coretrain-plugins' "
-            "`streams` does (on by default; is it disabled or not installed?)"
-        )
-    return reader
 
 
 def loader_settings(run: Run) -> dict[str, Any]:
@@ -276,7 +273,6 @@ class TrainBatches:
         self._reader: BatchReader | None = None
         self._iterator: Iterator[Any] | None = None
         if is_stream(dataset):
-            self._reader = None
             self._stream = read_stream(run, dataset, micro, training=True)
             if state:
                 self._stream.load_state_dict(state["loader"])
@@ -288,7 +284,6 @@ class TrainBatches:
                 dataset, order, run.dist.dp_rank, run.dist.dp_size, run.device, run.datasets.collate_fn
             )
         else:
-            self._reader = None
             sampler = RankBatchSampler(order, plan, run.dist.dp_rank, run.dist.dp_size, micro, first_step)
             self._iterator = iter(data_loader(dataset, sampler, run))
 

@@ -24,10 +24,7 @@ def build_optimizer(
         key = tuple(sorted(override.items()))
         group = groups.setdefault(key, {"params": [], "lr_mult": 1.0, **override})
         group["params"].append(param)
-    if cfg.name == "sgd":
-        options: dict[str, Any] = {"momentum": cfg.momentum}
-    else:
-        options = {"betas": cfg.betas, "eps": cfg.eps}
+    options: dict[str, Any] = {"momentum": cfg.momentum} if cfg.name == "sgd" else {"betas": cfg.betas, "eps": cfg.eps}
     optimizer: torch.optim.Optimizer = OPTIMIZERS[cfg.name](
         list(groups.values()), lr=cfg.lr, weight_decay=cfg.weight_decay, **options
     )

@@ -95,12 +95,11 @@ def call(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[to
     if loss_fn is None:
         return split_output(call_model(model, batch))
     inputs, target = inputs_and_target(batch)
-    if target is None and isinstance(batch, dict):
-        raise UserError(
-            f"model.loss needs a target: dict batches carry it under '{TARGET_KEY}' (this batch has {sorted(batch)})"
-        )
     if target is None:
-        raise UserError("model.loss needs a target: a batch of (inputs..., target) or a dict with 'labels'")
+        keys = f" (this batch's keys: {sorted(batch)})" if isinstance(batch, dict) else ""
+        raise UserError(
+            f"model.loss needs a target: a batch of (inputs..., target) or a dict with '{TARGET_KEY}'{keys}"
+        )
     return split_output(loss_fn(call_model(model, inputs), target))
 
 

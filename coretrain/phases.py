@@ -11,19 +11,7 @@ from collections.abc import Callable, Sequence
 
 Listener = Callable[[int, str], None]
 
-PHASES = (
-    "restore",
-    "pre_step",
-    "data",
-    "forward_backward",
-    "update",
-    "post_step",
-    "log",
-    "eval",
-    "checkpoint",
-    "agreement",
-    "end",
-)
+PHASES = tuple("restore pre_step data forward_backward update post_step log eval checkpoint agreement end".split())
 """Every phase the loop marks, in the order a step meets them (restore first, end last)."""
 
 

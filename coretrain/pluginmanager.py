@@ -79,11 +79,7 @@ def discover() -> dict[str, PluginEntry]:
     for ep in metadata.entry_points(group=GROUP):
         dist = ep.dist
         entry = PluginEntry(
-            name=ep.name,
-            value=ep.value,
-            distribution=dist.name if dist else "?",
-            version=dist.version if dist else "?",
-            autoload=ep.name in autoload,
+            ep.name, ep.value, dist.name if dist else "?", dist.version if dist else "?", ep.name in autoload
         )
         if ep.name in found and found[ep.name].value != entry.value:
             raise UserError(
@@ -236,11 +232,7 @@ class Plugins:
         except pluggy.PluginValidationError as exc:
             plugin_name = self.manager.get_name(exc.plugin) or "?"
             known = [caller.name for caller in self.manager.hook.__dict__.values() if caller.has_spec()]
-            unknown = [
-                n
-                for n in _hook_like_methods(exc.plugin)
-                if not hasattr(self.manager.hook, n) or not getattr(self.manager.hook, n).has_spec()
-            ]
+            unknown = [name for name in hooks_of(exc.plugin) if name not in known]
             hints = "; ".join(f"'{n}'{did_you_mean(n, known)}" for n in unknown) or str(exc)
             raise UserError(f"plugin '{plugin_name}' implements hooks that do not exist: {hints}") from None
 
@@ -295,25 +287,15 @@ def _naming_failures(
             return function(*args)
         except (UserError, PluginError, RunFailure):
             raise  # already says what to fix / who failed
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a hook must not end the process behind the loop's back either
             step = args[step_at] if step_at is not None and step_at < len(args) else None
+            if isinstance(exc, SystemExit):
+                raise PluginError(plugin, hook, RuntimeError(f"called sys.exit({exc.code!r})"), step) from None
             raise PluginError(plugin, hook, exc, step) from exc
-        except SystemExit as exc:  # a hook must not end the process behind the loop's back
-            step = args[step_at] if step_at is not None and step_at < len(args) else None
-            raise PluginError(plugin, hook, RuntimeError(f"called sys.exit({exc.code!r})"), step) from None
         finally:
             running.pop()
 
     return guarded
-
-
-def _hook_like_methods(plugin: object) -> list[str]:
-    names = []
-    for name in dir(plugin):
-        method = getattr(plugin, name, None)
-        if getattr(method, f"{PROJECT}_impl", None) is not None:
-            names.append(name)
-    return names
 
 
 def load_plugins(
@@ -339,9 +321,9 @@ def load_plugins(
 # --------------------------------------------------------------------------- describing plugins
 
 
-def hooks_of(cls: type) -> list[str]:
-    """Names of the hooks a plugin class implements (with the coretrain hookimpl marker)."""
-    return sorted(n for n, m in inspect.getmembers(cls) if getattr(m, f"{PROJECT}_impl", None) is not None)
+def hooks_of(plugin: object) -> list[str]:
+    """Names of the hooks a plugin (class or instance) implements (with the coretrain hookimpl marker)."""
+    return sorted(n for n, m in inspect.getmembers(plugin) if getattr(m, f"{PROJECT}_impl", None) is not None)
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -242,19 +242,15 @@ def check_resumable(run: Run, info: dict[str, Any], path: Path) -> None:
     ``resume-checks`` refuses a changed seed, model, dataset or sequence length and lists every
     other change in one warning; ``streams`` a stream's changed ranks or workers).
     """
-    _check_optimizer(run, info.get("optimizer"))
-    if hook_calls(run).implemented("check_resume"):  # a plugin's refusal: resume-checks, the config's changes
-        hook_calls(run).hook.check_resume(run=run, manifest=info, path=path)
-
-
-def _check_optimizer(run: Run, saved_optimizer: str | None) -> None:
-    config = run.config
+    saved_optimizer, config = info.get("optimizer"), run.config
     if saved_optimizer and saved_optimizer != config.optimizer.name and config.checkpoint.load_optimizer:
         raise UserError(
             f"optimizer.name: the checkpoint was trained with '{saved_optimizer}', the config asks for "
             f"'{config.optimizer.name}'; its state cannot carry over: set checkpoint.load_optimizer = "
             "false to start the optimizer afresh (weights, step and data position are kept)"
         )
+    if hook_calls(run).implemented("check_resume"):  # a plugin's refusal: resume-checks, the config's changes
+        hook_calls(run).hook.check_resume(run=run, manifest=info, path=path)
 
 
 def changed_keys_hint(saved: dict[str, Any] | None, config: Any, sections: tuple[str, ...]) -> str:

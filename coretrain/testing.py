@@ -107,11 +107,6 @@ def tiny_config(output_dir: str | Path, **sections: Mapping[str, Any]) -> dict[s
     return deep_merge(base, {name: dict(values) for name, values in sections.items()})
 
 
-def with_steps(train: Mapping[str, Any], steps: int) -> dict[str, Any]:
-    """The ``train`` table running ``steps`` steps, unless it counts in ``train_samples`` or names its own."""
-    return dict(train) if "train_samples" in train else {"train_iters": steps, **train}
-
-
 def write_config(path: Path, config: Mapping[str, Any]) -> Path:
     """Write ``config`` as TOML (what a user would hand ``coretrain run``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,9 +163,7 @@ class MetricsObserver:
     def on_log(self) -> None:
         pass
 
-    @hookimpl(trylast=True)
-    def on_eval(self) -> None:
-        pass
+    on_eval = on_log
 
 
 class HookRecorder:
@@ -237,7 +230,8 @@ def _write_steps_config(
     root: Path, steps: int, tables: Mapping[str, Mapping[str, Any]], config: Mapping[str, Mapping[str, Any]]
 ) -> Path:
     sections: dict[str, Any] = {name: dict(values) for name, values in config.items()}
-    sections["train"] = with_steps(sections.get("train", {}), steps)
+    train = sections.get("train", {})  # steps, unless it counts in train_samples or names its own
+    sections["train"] = train if "train_samples" in train else {"train_iters": steps, **train}
     if tables:
         sections["plugins"] = {**sections.get("plugins", {}), **{name: dict(t) for name, t in tables.items()}}
     return write_config(root / "config.toml", tiny_config(root / "out", **sections))
@@ -290,11 +284,10 @@ def run_ranks(
     one torch thread per rank. Plugins must be installed (entry points) to run in the ranks;
     enable them through ``config={"plugins": {...}}``. Returns the finished process (stdout and
     stderr captured); the run's files are under ``tmp_path / "out"``."""
-    root = Path(tmp_path)
-    sections: dict[str, Any] = {name: dict(values) for name, values in (config or {}).items()}
-    sections["train"] = with_steps(sections.get("train", {}), steps)
-    sections["distributed"] = {"backend": "gloo", **sections.get("distributed", {})}
-    path = write_config(root / "config.toml", tiny_config(root / "out", **sections))
+    root, config = Path(tmp_path), dict(config or {})
+    path = _write_steps_config(
+        root, steps, {}, {**config, "distributed": {"backend": "gloo", **config.get("distributed", {})}}
+    )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     command += ["-m", "coretrain", "run", str(path)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}

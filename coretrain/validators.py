@@ -32,8 +32,8 @@ def in_range(low: float | None = None, high: float | None = None, *, high_inclus
             too_low = low is not None and item < low
             too_high = high is not None and (item > high if high_inclusive else item >= high)
             if too_low or too_high:
-                parts = ([f">= {low}"] if low is not None else []) + (
-                    [f"{'<=' if high_inclusive else '<'} {high}"] if high is not None else []
+                parts = [f">= {low}"] * (low is not None) + [f"{'<=' if high_inclusive else '<'} {high}"] * (
+                    high is not None
                 )
                 raise FieldValueError(attribute.name, f"must be {' and '.join(parts)}, got {value!r}")
 

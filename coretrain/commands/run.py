@@ -146,11 +146,10 @@ def _write_traceback(output_dir: str, exc: BaseException, to_stderr: bool) -> st
         print(text, file=sys.stderr, end="")
     rank = int(os.environ.get("RANK", "0"))
     path = Path(output_dir) / ("traceback.log" if rank == 0 else f"traceback.rank{rank}.log")
+    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     try:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(
-                f"--- {datetime.datetime.now().astimezone().isoformat(timespec='seconds')} pid {os.getpid()}\n{text}"
-            )
+            f.write(f"--- {now} pid {os.getpid()}\n{text}")
     except (OSError, ValueError):  # ValueError: a path the OS cannot take (a NUL byte in it)
         if not to_stderr:
             print(text, file=sys.stderr, end="")
