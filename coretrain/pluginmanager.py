@@ -13,6 +13,7 @@ import ast
 import functools
 import inspect
 import os
+import sys
 import textwrap
 from collections.abc import Callable, Collection, Mapping
 from importlib import metadata
@@ -73,7 +74,19 @@ class PluginEntry:
 
 
 def discover() -> dict[str, PluginEntry]:
-    """Every installed plugin, by name, from entry-point metadata alone."""
+    """Every installed plugin, by name, from entry-point metadata alone: read once while no
+    directory on sys.path changes (installing or removing a distribution changes its directory's
+    modification time), as a scan of every distribution costs milliseconds and a run asks often."""
+    return dict(_discover(_path_state()))
+
+
+def _path_state() -> tuple[tuple[str, int], ...]:
+    """Each entry of sys.path with its directory's modification time (0: not a directory)."""
+    return tuple((path, os.stat(path or ".").st_mtime_ns if os.path.isdir(path or ".") else 0) for path in sys.path)
+
+
+@functools.lru_cache(maxsize=1)
+def _discover(path_state: tuple[tuple[str, int], ...]) -> dict[str, PluginEntry]:
     autoload = {ep.name for ep in metadata.entry_points(group=AUTOLOAD_GROUP)}
     found: dict[str, PluginEntry] = {}
     for ep in metadata.entry_points(group=GROUP):
@@ -180,8 +193,8 @@ class Plugins:
     def __init__(self) -> None:
         self.manager = pluggy.PluginManager(PROJECT)
         self.manager.add_hookspecs(hookspecs.HookSpecs)
-        for point in metadata.entry_points(group=HOOKSPECS_GROUP):
-            self.manager.add_hookspecs(_load_specs(point))
+        for specs in _plugin_hookspecs(_path_state()):
+            self.manager.add_hookspecs(specs)
         self.entries: dict[str, PluginEntry] = {}
         self.calls = HookCalls(self.manager)
         """Typed calls of every hook (the only way the core calls plugins)."""
@@ -235,6 +248,12 @@ class Plugins:
             unknown = [name for name in hooks_of(exc.plugin) if name not in known]
             hints = "; ".join(f"'{n}'{did_you_mean(n, known)}" for n in unknown) or str(exc)
             raise UserError(f"plugin '{plugin_name}' implements hooks that do not exist: {hints}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _plugin_hookspecs(path_state: tuple[tuple[str, int], ...]) -> tuple[type, ...]:
+    """The hook specifications installed distributions add (read once per state of sys.path)."""
+    return tuple(_load_specs(point) for point in metadata.entry_points(group=HOOKSPECS_GROUP))
 
 
 def _load_specs(point: metadata.EntryPoint) -> type:

@@ -171,23 +171,16 @@ class HookRecorder:
 
     def __init__(self) -> None:
         self.calls: list[HookCall] = []
-        self._run: Run | None = None
 
     def attach(self, plugins: Any) -> Any:
-        def before(hook_name: str, impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-            run = kwargs.get("run")
-            if isinstance(run, Run):
-                self._run = run
-
         def after(outcome: Any, hook_name: str, impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-            step = kwargs.get("step")
-            if step is None:
-                step = self._run.state.step if self._run is not None else 0
+            run = kwargs.get("run")
+            step = kwargs.get("step", run.state.step if isinstance(run, Run) else 0)
             recorded = {name: dict(value) if isinstance(value, dict) else value for name, value in kwargs.items()}
             names = tuple(impl.plugin_name for impl in impls)
             self.calls.append(HookCall(hook=hook_name, step=int(step), plugins=names, kwargs=recorded))
 
-        return plugins.manager.add_hookcall_monitoring(before, after)
+        return plugins.manager.add_hookcall_monitoring(lambda *_: None, after)
 
 
 def run_steps(

@@ -117,6 +117,36 @@ def test_first_party_plugins_come_from_their_distribution() -> None:
     assert found["progress"].autoload and found["metrics-file"].autoload and not found["gpt"].autoload
 
 
+def _dist_info(site: Path, name: str) -> None:
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[coretrain]\n{name} = {name}:Plugin\n")
+
+
+def test_discovery_sees_a_distribution_installed_or_removed_after_the_last_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entry points are read once per state of sys.path (a scan costs milliseconds, and a run
+    asks for five groups): a new path, and a distribution added to or removed from a path
+    already scanned, are seen by the next discovery (the directory's mtime changed)."""
+    import shutil
+    import time
+
+    site = tmp_path / "site"
+    site.mkdir()
+    _dist_info(site, "early_plugin")
+    assert "early_plugin" not in discover()
+    monkeypatch.syspath_prepend(str(site))
+    assert "early_plugin" in discover() and "late_plugin" not in discover()
+    time.sleep(0.05)  # a directory's mtime moves on the filesystem's clock tick (ms), not per write
+    _dist_info(site, "late_plugin")
+    assert {"early_plugin", "late_plugin"} <= set(discover())
+    time.sleep(0.05)
+    shutil.rmtree(site / "early_plugin-1.0.dist-info")
+    assert "early_plugin" not in discover() and "late_plugin" in discover()
+
+
 def _enabled(tmp_path: Path, text: str) -> set[str]:
     path = tmp_path / "c.toml"
     path.write_text(text)
