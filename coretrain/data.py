@@ -94,7 +94,10 @@ class BatchReader:
     def read(self, start: int, global_batch_size: int, micro_batch_size: int) -> list[Any]:
         per_rank = global_batch_size // self.world_size
         indices = self.order.indices(start + self.rank * per_rank, per_rank)
-        batches = [self.get_batch(indices[i : i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]
+        if per_rank == micro_batch_size:  # the common case: no slicing
+            batches = [self.get_batch(indices)]
+        else:
+            batches = [self.get_batch(indices[i : i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]
         if self.device is not None:
             batches = [to_device(b, self.device) for b in batches]
         return batches
