@@ -171,8 +171,12 @@ class DistributedConfig:
 
     strategy: str = "auto"
     """The data-parallel plugin's name ("ddp", "fsdp"), "none", or "auto": with more than one
-    data-parallel replica "ddp", or "fsdp" when tp_size, dp_replicate or ep_size > 1; else none. Its settings go in
-    [plugins.NAME]."""
+    data-parallel replica "ddp", or "fsdp" when tp_size, dp_replicate or ep_size > 1, and always with
+    pp_size > 1; else none. Its settings go in [plugins.NAME]."""
+    pp_size: int = field(default=1, validator=_positive)
+    """Pipeline-parallel degree: the model's layers cut into this many stages, each held by other
+    ranks, micro-batches flowing through them (the ``pipeline-parallel`` plugin, on FSDP);
+    the outermost split of the ranks: data parallel = ranks / pp_size / tp_size / cp_size."""
     tp_size: int = field(default=1, validator=_positive)
     """Tensor-parallel degree: each group of tp_size neighbouring ranks splits every layer of
     one model replica (the ``tensor-parallel`` plugin; settings in [plugins.tensor-parallel]);
@@ -197,6 +201,8 @@ class DistributedConfig:
     def resolved_strategy(self, world_size: int) -> str | None:
         """The data-parallel plugin to enable, if any (DDP cannot hold tensor-parallel weights)."""
         if self.strategy == "auto":
+            if self.pp_size > 1:  # a stage's weights as DTensors: checkpoints sharded by name on any layout
+                return "fsdp"
             if world_size // self.tp_size <= 1:
                 return None
             return "fsdp" if self.tp_size > 1 or self.dp_replicate > 1 or self.ep_size > 1 else "ddp"
@@ -211,18 +217,23 @@ class DistributedConfig:
                 f"distributed.tp_size ({tp}) must divide the number of ranks ({world_size}); "
                 f"start a multiple of {tp} ranks, or set distributed.tp_size = {fits}"
             )
-        data_parallel = world_size // tp // self.cp_size
-        if (world_size // tp) % self.cp_size:
-            raise UserError(f"distributed.cp_size ({self.cp_size}) must divide ranks / tp_size ({world_size // tp})")
+        data_parallel = world_size // tp
+        splits = (("cp_size", self.cp_size, "ranks / tp_size"), ("pp_size", self.pp_size, "ranks / tp_size / cp_size"))
+        for key, size, what in splits:
+            if data_parallel % size:
+                raise UserError(f"distributed.{key} ({size}) must divide {what} ({data_parallel})")
+            data_parallel //= size
         if data_parallel % replicas or (self.dp_shard or data_parallel // replicas) * replicas != data_parallel:
             raise UserError(
                 f"distributed.dp_replicate ({replicas}) × dp_shard ({self.dp_shard or 'unset'}) must be the "
-                f"data-parallel ranks: {world_size} ranks / tp_size {tp} / cp_size {self.cp_size} = {data_parallel}"
+                f"data-parallel ranks: {world_size} ranks / tp_size {tp} / cp_size {self.cp_size} / pp_size "
+                f"{self.pp_size} = {data_parallel}"
             )
-        if replicas > 1 and self.resolved_strategy(world_size) != "fsdp":
-            raise UserError(
-                f'distributed.dp_replicate = {replicas} is HSDP, a layout of FSDP2: set distributed.strategy = "fsdp"'
-            )
+        for key, size, what in (("dp_replicate", replicas, "HSDP"), ("pp_size", self.pp_size, "pipelined")):
+            if size > 1 and self.resolved_strategy(world_size) != "fsdp":
+                raise UserError(
+                    f'distributed.{key} = {size} is {what}, a layout of FSDP2: set distributed.strategy = "fsdp"'
+                )
 
 
 @define(kw_only=True)
@@ -246,7 +257,8 @@ class Config:
     def check_world(self, world_size: int) -> None:
         """The layout and the batch sizes fit ``world_size`` ranks, or one error naming the keys."""
         self.distributed.check_layout(world_size)
-        split = self.distributed.tp_size * self.distributed.cp_size  # ranks that share one batch
+        layout = self.distributed
+        split = layout.tp_size * layout.cp_size * layout.pp_size  # ranks that share one batch
         micro_batches_per_step(self.train, world_size // split, warn=False)
 
 

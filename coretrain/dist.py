@@ -16,8 +16,8 @@ from coretrain.config import DistributedConfig, world_size_from_env
 
 @define(frozen=True)
 class DistInfo:
-    """Who this process is. Ranks form a (data parallel × tensor parallel) grid, tensor
-    parallel innermost (the ranks of one TP group are neighbours, on one machine), as in
+    """Who this process is. Ranks form a (pipeline × data parallel × context × tensor parallel)
+    grid, tensor parallel innermost (the ranks of one TP group are neighbours, on one machine), as in
     torchtitan and Megatron: ranks ``dp_rank * tp_size .. + tp_size - 1`` share one batch.
     With HSDP the data-parallel ranks are themselves (dp_replicate × dp_shard), shard innermost."""
 
@@ -26,6 +26,8 @@ class DistInfo:
     local_rank: int = 0
     tp_size: int = 1
     cp_size: int = 1
+    pp_size: int = 1
+    """Pipeline parallel: the outermost split, each part of the ranks holding one stage of the model."""
     """Context parallel: neighbouring ranks (outside the TP group) splitting each sequence."""
     dp_replicate: int = 1
 
@@ -36,12 +38,12 @@ class DistInfo:
     @property
     def dp_size(self) -> int:
         """Data-parallel replicas: how many different batches one step reads."""
-        return self.world_size // self.tp_size // self.cp_size
+        return self.world_size // self.tp_size // self.cp_size // self.pp_size
 
     @property
     def dp_rank(self) -> int:
         """Which of those batches this rank reads (the same for every rank of a TP or CP group)."""
-        return self.rank // (self.tp_size * self.cp_size)
+        return self.rank // (self.tp_size * self.cp_size) % self.dp_size
 
 
 def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
@@ -63,6 +65,7 @@ def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         tp_size=config.tp_size,
         cp_size=config.cp_size,
+        pp_size=config.pp_size,
         dp_replicate=config.dp_replicate,
     )
 
@@ -71,12 +74,12 @@ _mesh: Any = None
 
 
 def mesh_dims(info: DistInfo) -> dict[str, int]:
-    """The mesh's dims, outermost first: ("dp",), with HSDP ("dp_replicate", "dp_shard"), then
-    "cp" with context parallelism, then "tp" with tensor parallelism."""
-    dims = {"dp": info.dp_size}
-    if info.dp_replicate > 1:
-        dims = {"dp_replicate": info.dp_replicate, "dp_shard": info.dp_size // info.dp_replicate}
-    return dims | {name: size for name, size in (("cp", info.cp_size), ("tp", info.tp_size)) if size > 1}
+    """The mesh's dims, outermost first: "pp" with pipeline parallelism, ("dp",) or with HSDP
+    ("dp_replicate", "dp_shard"), then "cp" with context parallelism, "tp" with tensor parallelism."""
+    hsdp = {"dp_replicate": info.dp_replicate, "dp_shard": info.dp_size // info.dp_replicate}
+    dims = {"pp": info.pp_size, **(hsdp if info.dp_replicate > 1 else {"dp": info.dp_size})}
+    dims |= {"cp": info.cp_size, "tp": info.tp_size}
+    return {name: size for name, size in dims.items() if size > 1 or name.startswith("dp")}
 
 
 def device_mesh(device_type: str, info: DistInfo) -> Any:

@@ -21,10 +21,12 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
         num_micro_batches(run, step, consumed_samples)     firstresult, batch-size rampup
         pre_step(run, step)                 may veto the step: run.control.skip_update(reason)
                                             draws its batch and runs nothing (agreed as below)
-        for each micro-batch:  forward, loss, backward      # no hooks here
+        for each micro-batch:  forward, loss, backward      # no hooks here, unless
+        forward_backward(run, batches)      firstresult   runs them all (a pipeline schedule)
         before_update(run, step, loss)      veto point: run.control.skip_update(reason), by a
                                             plugin with coretrain_vetoes_updates = True
-        clip, optimizer.step(), scheduler.step()           # unless any rank vetoed
+        clip, optimizer.step(), scheduler.step()           # unless any rank vetoed;
+        clip_gradients(run, parameters, max_norm)  firstresult  the norm over every stage
         post_step(run, step, outputs)       outputs hold device tensors; no sync required
         every log_interval:   on_log(run, step, metrics)   ONE host sync per interval
         every eval_interval:  evaluate(run, split, dataset)  firstresult   the metrics (evaluation)
@@ -294,6 +296,32 @@ class HookSpecs(Protocol):
         counts as a skipped update. Agreed across ranks as ``before_update``'s veto.
         Returns: nothing.
         Ranks: every rank. Per step: yes — no host-device sync.
+        """
+
+    @hookspec(firstresult=True)
+    def forward_backward(self, run: Run, batches: list[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """Run the step's forward and backward passes yourself (hook API 1.11): a pipeline
+        schedule, whose stages each hold a part of the model, does so for all its micro-batches.
+
+        Args: ``batches`` — this rank's micro-batches of the step, on the run's device.
+        May change: gradients (accumulated as the core's own loop would: the step's mean over
+        micro-batches); ``run.reports_loss`` is false on a rank whose part computes no loss.
+        Returns: (the step's mean loss, the model's named scalar values), device tensors; on a
+        rank that reports no loss, any finite placeholder (it is not logged); None to leave the
+        step to the core.
+        Ranks: every rank. Per step: yes — no host-device sync.
+        """
+
+    @hookspec(firstresult=True)
+    def clip_gradients(self, run: Run, parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor | None:
+        """Clip the gradients to a global norm of ``max_norm`` yourself (hook API 1.11): the norm
+        over every pipeline stage, each rank holding the parameters of its own.
+
+        Args: ``parameters`` — this rank's trainable parameters; ``max_norm`` — ``train.clip_grad``.
+        May change: gradients, in place.
+        Returns: the global norm before clipping (a device scalar, the same on every rank), or
+        None to leave clipping to ``torch.nn.utils.clip_grad_norm_``.
+        Ranks: every rank, each step that updates with clipping on.
         """
 
     @hookspec

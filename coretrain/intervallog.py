@@ -64,16 +64,20 @@ class IntervalLog:
             series = {"loss": self.losses, "grad_norm": self.grad_norms}
             series.update({f"train/{name}": values for name, values in self.values.items()})
             series = {name: values for name, values in series.items() if values}
-            means = [torch.stack(values).float().mean() for values in series.values()]
+            reports = torch.tensor([float(run.reports_loss)], device=device)  # the loss and values: its ranks'
+            means = [torch.stack(v).float().mean() * (1 if n == "grad_norm" else reports[0]) for n, v in series.items()]
             extra = list(run.log_tensors)
             means.extend(run.log_tensors[name].detach().float().to(device) for name in extra)
             run.log_tensors.clear()
-            nonfinite = self._nonfinite_applied(device)
             # the interval's one collective and host sync: sums over ranks, then means on the host
-            summed = sum_over_ranks(torch.cat([torch.stack(means), nonfinite]) if means else nonfinite).tolist()
-        if summed[-1]:
-            raise RunFailure(self._nonfinite_message(int(summed[-1])))
-        metrics = {name: value / world for name, value in zip([*series, *extra], summed)}
+            summed = sum_over_ranks(
+                torch.cat([*(m.reshape(1) for m in means), reports, self._nonfinite_applied(device)])
+            )
+        *sums, reporters, nonfinite = summed.tolist()
+        if nonfinite:
+            raise RunFailure(self._nonfinite_message(int(nonfinite)))
+        by = {name: world if name == "grad_norm" or name in extra else reporters for name in [*series, *extra]}
+        metrics = {name: value / by[name] for name, value in zip([*series, *extra], sums)}
         metrics.update(schedule_metrics(run))
         metrics.update(
             {
@@ -110,12 +114,12 @@ class IntervalLog:
             "earlier steps are intact"
         )
 
-    def pending(self, over_ranks: bool = False) -> dict[str, Any]:
+    def pending(self, over_ranks: bool = False, reports: bool = True) -> dict[str, Any]:
         """What a checkpoint must carry so the next log after resume averages the same steps.
 
-        ``over_ranks``: averaged over all ranks, step by step (one all-reduce; every rank must
-        call it) — what a resume on another number of ranks continues from, so no rank has to
-        read every other rank's file."""
+        ``over_ranks``: averaged over the ranks that ``reports`` a loss, step by step (one
+        all-reduce; every rank must call it) — what a resume on another number of ranks continues
+        from, so no rank has to read every other rank's file."""
         if not self.losses and not self.skipped:
             return {}
         with torch.no_grad():
@@ -127,7 +131,9 @@ class IntervalLog:
             stacked = {name: torch.stack(t).float() if t else torch.empty(0) for name, t in series.items()}
             present = {name: t for name, t in stacked.items() if t.numel()}
             if over_ranks and present:
-                flat = mean_over_ranks(torch.cat(list(present.values())))
+                flat = torch.cat(list(present.values()))
+                flat = mean_over_ranks(torch.cat([flat * float(reports), flat.new_tensor([float(reports)])]))
+                flat = flat[:-1] / flat[-1]
                 parts = torch.split(flat, [t.numel() for t in present.values()])
                 stacked.update({name: part.view_as(t) for (name, t), part in zip(present.items(), parts)})
             on_host = {name: t.cpu() for name, t in stacked.items()}

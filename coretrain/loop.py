@@ -157,7 +157,7 @@ class Trainer:
         state = {
             "plugins": plugin_states(run),
             "interval_log": self.log.pending(),
-            **({"interval_log_mean": self.log.pending(over_ranks=True)} if run.dist.world_size > 1 else {}),
+            **({"interval_log_mean": self.log.pending(True, run.reports_loss)} if run.dist.world_size > 1 else {}),
             **({"data": data_state} if data_state else {}),
         }
         self.saves.save(state, self._evaluated_now())

@@ -22,8 +22,9 @@ def build_optimizer(
             continue
         override = dict(overrides.get(name, {}))
         key = tuple(sorted(override.items()))
-        group = groups.setdefault(key, {"params": [], "lr_mult": 1.0, **override})
+        group = groups.setdefault(key, {"params": [], "param_names": [], "lr_mult": 1.0, **override})
         group["params"].append(param)
+        group["param_names"].append(name)  # saved with the state: it loads by name into any part of the model
     options: dict[str, Any] = {"momentum": cfg.momentum} if cfg.name == "sgd" else {"betas": cfg.betas, "eps": cfg.eps}
     optimizer: torch.optim.Optimizer = OPTIMIZERS[cfg.name](
         list(groups.values()), lr=cfg.lr, weight_decay=cfg.weight_decay, **options

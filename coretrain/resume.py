@@ -52,15 +52,16 @@ def resume_candidates(run: Run) -> tuple[list[Path], bool]:
 
 
 def model_mismatches(
-    saved: dict[str, Any], model: torch.nn.Module, frozen_saved: bool = True, dtypes: bool = False
+    saved: dict[str, Any], model: torch.nn.Module, frozen_saved: bool = True, dtypes: bool = False, part: bool = False
 ) -> str:
     """The parameters whose names or shapes (or, with ``dtypes``, dtypes) differ, or that hold
     NaN or Inf (never saved: such weights stop a run first), in one phrase ("" when the weights
-    fit); a checkpoint saved without frozen parameters may lack exactly those."""
+    fit); a checkpoint saved without frozen parameters may lack exactly those, and one loaded into
+    a ``part`` of the model (a pipeline stage) holds the other parts' too."""
     current = model.state_dict()
     optional = set() if frozen_saved else frozen_names(model)
     problems = [f"'{k}' is missing from the checkpoint" for k in current if k not in saved and k not in optional]
-    problems += [f"'{k}' is in the checkpoint but not in the model" for k in saved if k not in current]
+    problems += [f"'{k}' is in the checkpoint but not in the model" for k in saved if k not in current and not part]
     problems += [
         f"'{k}' has shape {list(saved[k].shape)} in the checkpoint, {list(v.shape)} now"
         for k, v in current.items()
@@ -81,10 +82,10 @@ def model_mismatches(
 
 
 def check_model_fits(
-    directory: Path, saved: dict[str, Any], model: torch.nn.Module, hint: str = "", frozen_saved: bool = True
+    directory: Path, saved: dict[str, Any], run: Run, hint: str = "", frozen_saved: bool = True
 ) -> None:
     """One error naming the parameters whose names or shapes differ (a changed model config)."""
-    if problems := model_mismatches(saved, model, frozen_saved):
+    if problems := model_mismatches(saved, run.unwrapped_model, frozen_saved, part=run.dist.pp_size > 1):
         raise UserError(f"{directory}: the checkpoint does not fit the model: {problems}{hint}")
 
 
@@ -129,7 +130,7 @@ def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
         if with_optimizer:
             restored.optimizer = safeload.load_file(path / "optimizer.pt")
             schema.validate(restored.optimizer, schema.OPTIMIZER_FILE, path / "optimizer.pt")
-            if not changed_keys_hint(info.get("config"), run.config, ("model", "data")):
+            if run.dist.pp_size == 1 and not changed_keys_hint(info.get("config"), run.config, ("model", "data")):
                 schema.check_optimizer_fits(restored.optimizer, run.optimizer, path / "optimizer.pt")
     else:  # DCP reads it again when applying; reading it here lets a crafted or torn one fail early
         safeload.check_metadata(path / "sharded")
@@ -160,7 +161,8 @@ def _model_file(run: Run, path: Path, info: dict[str, Any]) -> dict[str, Any]:
     schema.validate(model, schema.MODEL_FILE, path / "model.pt")
     if changed_keys_hint(info.get("config"), run.config, ("model", "data")):
         return dict(model)  # the config changed: whether it still fits is for check_resumable and apply to say
-    if problems := model_mismatches(model, run.unwrapped_model, info.get("frozen_saved", True), dtypes=True):
+    frozen_saved, part = info.get("frozen_saved", True), run.dist.pp_size > 1
+    if problems := model_mismatches(model, run.unwrapped_model, frozen_saved, dtypes=True, part=part):
         raise CheckpointUnreadable(
             path / "model.pt", f"not a valid checkpoint file: it does not fit the model it was saved from: {problems}"
         )
@@ -186,10 +188,11 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
             raise CheckpointUnreadable(exc.path, exc.reason + hint, unsafe=exc.unsafe) from None
     else:
         assert restored.model is not None
-        check_model_fits(path, restored.model, run.unwrapped_model, hint, frozen_saved)
+        check_model_fits(path, restored.model, run, hint, frozen_saved)
         load_whole(run.model, run.unwrapped_model, restored.model, strict=frozen_saved)
         if with_optimizer:
-            load_whole_optimizer(run.model, run.optimizer, restored.optimizer or {}, path / "optimizer.pt")
+            saved = restored.optimizer or {}
+            load_whole_optimizer(run.model, run.optimizer, saved, path / "optimizer.pt", restored.model)
     for group, settings in zip(run.optimizer.param_groups, configured):
         group.update(settings)
     run.scheduler.load_state_dict(state["scheduler"])
@@ -279,5 +282,5 @@ def load_pretrained(run: Run, path: str) -> None:
         weights = read_weights(directory)
     if not isinstance(weights, dict):
         raise CheckpointUnreadable(directory, "not a state dict of model weights")
-    check_model_fits(directory, weights, run.unwrapped_model, frozen_saved=frozen_saved)
+    check_model_fits(directory, weights, run, frozen_saved=frozen_saved)
     load_whole(run.model, run.unwrapped_model, weights, strict=frozen_saved)

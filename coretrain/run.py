@@ -194,6 +194,9 @@ class Run:
     flops_per_sample: float | None = None
     """Training FLOPs (forward + backward) of one sample, for plugins that report throughput; set
     before any wrapper by the plugin that counts them (``timers``), None when none does."""
+    reports_loss: bool = True
+    """False on a rank whose part of the model computes no loss (a pipeline's stages before the
+    last, ``forward_backward``): its step's loss is a placeholder, left out of the logged means."""
     loss_fn: LossFn | None = None
     """``model.loss`` resolved: turns the model's outputs and the batch's target into the loss."""
     output_lock: OutputDirLock | None = field(default=None, repr=False)

@@ -87,14 +87,14 @@ def load_metadata(stream: IO[bytes], path: Path) -> Any:
         raise unreadable(path, exc) from None
 
 
-def check_metadata(directory: Path) -> None:
+def check_metadata(directory: Path) -> Any:
     """Read a DCP directory's ``.metadata`` through the restricted unpickler before DCP touches it
-    (DCP logs a traceback and retries with other files when its reader fails)."""
+    (DCP logs a traceback and retries with other files when its reader fails); it, checked."""
     path = directory / ".metadata"
     if not path.is_file():
         raise CheckpointUnreadable(path, "missing; the sharded checkpoint is incomplete")
     with open(path, "rb") as stream:
-        load_metadata(stream, path)
+        return load_metadata(stream, path)
 
 
 def dcp_reader(directory: Path) -> Any:

@@ -39,6 +39,8 @@ class StepNumerics:
         self.run = run
         calls = hook_calls(run)
         self.before_update = calls.hook.before_update if calls.implemented("before_update") else None
+        self.own_step = calls.hook.forward_backward if calls.implemented("forward_backward") else None
+        self.own_clip = calls.hook.clip_gradients if calls.implemented("clip_gradients") else None
         self.world = run.dist.world_size
         vetoing = set(run.plugins.vetoing())
         self.agree_skip = self.world > 1 and bool(vetoing)
@@ -56,6 +58,8 @@ class StepNumerics:
 
     def forward_backward(self, batches: list[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """The step's loss (and the model's named values) with gradients accumulated."""
+        if self.own_step is not None and (done := self.own_step(run=self.run, batches=batches)) is not None:
+            return done
         if len(batches) == 1 and self.plain:  # the common case, with nothing a hand-written loop would not do
             batch = batches[0]
             model = self.model
@@ -87,14 +91,19 @@ class StepNumerics:
         if not skipped and run.grad_scaler is not None:
             skipped, grad_norm = self._scaled_update(run.grad_scaler, global_batch)
         elif not skipped:
-            if self.clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-                if self.sharded_norm:  # FSDP2: the norm is a DTensor
-                    grad_norm = grad_norm.full_tensor()  # type: ignore[attr-defined]
+            grad_norm = self._clip() if self.clip > 0 else None
             self.optimizer.step()
             self.scheduler.step(global_batch)
         self.optimizer.zero_grad(set_to_none=True)
         return skipped, grad_norm
+
+    def _clip(self) -> torch.Tensor:
+        """Clip to ``train.clip_grad``: the global norm before clipping (a plugin's, over pipeline stages)."""
+        own = self.own_clip(run=self.run, parameters=self.params, max_norm=self.clip) if self.own_clip else None
+        if own is not None:
+            return own
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        return norm.full_tensor() if self.sharded_norm else norm  # type: ignore[attr-defined]  # FSDP2: a DTensor
 
     def _vetoed(self, step: int, agree: bool) -> bool:
         """Whether a plugin vetoed the step on any rank (counted as a skipped update)."""
@@ -117,7 +126,7 @@ class StepNumerics:
         """
         run = self.run
         scaler.unscale_(run.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip) if self.clip > 0 else None
+        grad_norm = self._clip() if self.clip > 0 else None
         scale = scaler.get_scale()
         scaler.step(run.optimizer)
         scaler.update()

@@ -382,3 +382,23 @@ def test_a_sharded_checkpoint_whose_weights_hold_nan_is_refused_naming_it(tmp_pa
         dcp.save({"model": weights}, checkpoint_id=str(tmp_path / "sharded"), no_dist=True)
     with pytest.raises(CheckpointUnreadable, match=r"sharded: not a valid checkpoint: '0.weight' holds NaN or Inf"):
         load_sharded(model, None, tmp_path / "sharded", with_frozen=True, single_process=True)
+
+
+def test_a_sharded_checkpoint_of_0_3_with_nested_optimizer_groups_resumes_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sharded checkpoints save the optimizer's groups flat (one entry per parameter) since
+    pipeline stages each hold other parameters; one saved before, with torch's nested groups,
+    is told apart by its keys and resumes as it was saved."""
+    from coretrain.checkpoint import state
+
+    fsdp = {"distributed": {"strategy": "fsdp"}, "train": {"log_interval": 1}}
+    whole = run_steps(tmp_path / "whole", steps=6, config=fsdp)
+    nested = state.dcp_options
+    monkeypatch.setattr(state, "dcp_options", lambda with_frozen: nested(with_frozen, flat=False))
+    first = run_steps(tmp_path / "old", steps=6, config={**fsdp, "train": {"log_interval": 1, "exit_interval": 3}})
+    saved = torch.distributed.checkpoint.FileSystemReader(str(first.output_dir / "checkpoints/step_00000003/sharded"))
+    assert "optimizer.param_groups.0.params" in saved.read_metadata().state_dict_metadata  # the nested form
+    monkeypatch.undo()
+    resumed = run_steps(tmp_path / "old", steps=6, config=fsdp)
+    assert [m["loss"] for m in first.metrics + resumed.metrics] == [m["loss"] for m in whole.metrics]

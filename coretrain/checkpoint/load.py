@@ -43,8 +43,9 @@ def load_sharded(
     from torch.distributed.checkpoint import state_dict as dsd
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    safeload.check_metadata(directory)
-    options = dcp_options(with_frozen)
+    saved = safeload.check_metadata(directory).state_dict_metadata  # torch's nested optimizer groups before 0.4
+    nested = any(key.startswith("optimizer.param_groups.") and key.endswith(".params") for key in saved)
+    options = dcp_options(with_frozen, flat=not nested)
     state: dict[str, Any] = {"model": dsd.get_model_state_dict(model, options=options)}
     if optimizer is not None:
         state["optimizer"] = dsd.get_optimizer_state_dict(model, optimizer, options=options)
@@ -88,20 +89,27 @@ def load_whole(
     weights: dict[str, Any],
     strict: bool,
 ) -> None:
-    """Whole tensors (a replicated ``model.pt``) into a plain model, or cut into a DTensor model's shards."""
+    """Whole tensors (a replicated ``model.pt``) into a plain model, or cut into a DTensor model's
+    shards; keys the model does not have (a pipeline stage's: the other stages') are not asked for."""
+    wanted = unwrapped.state_dict()
+    weights = {key: value for key, value in weights.items() if key in wanted}
     if not is_sharded(model):
         unwrapped.load_state_dict(weights, strict=strict)
         return
     from torch.distributed.checkpoint import state_dict as dsd
 
-    options = dsd.StateDictOptions(full_state_dict=True, strict=strict)
-    dsd.set_model_state_dict(model, dict(weights), options=options)
+    dsd.set_model_state_dict(model, weights, options=dsd.StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def load_whole_optimizer(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], path: Path
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], path: Path, weights: Any = None
 ) -> None:
-    """A replicated ``optimizer.pt`` (torch's numbered form) into the run's optimizer, sharded or not."""
+    """A replicated ``optimizer.pt`` (torch's numbered form) into the run's optimizer, sharded or not.
+
+    A DTensor model's optimizer is given its state by parameter name: the saved groups' names
+    (``param_names``, recorded since 0.4) or, in an older file, the run's own order; a name the
+    saved weights tie to another (an output head tied to the embedding) takes that one's state, as
+    a pipeline's last stage, holding the head alone, needs."""
     if not is_sharded(model):
         try:
             optimizer.load_state_dict(saved)
@@ -111,12 +119,17 @@ def load_whole_optimizer(
     from torch.distributed.checkpoint import state_dict as dsd
 
     groups: Any = dsd.get_optimizer_state_dict(model, optimizer)["param_groups"]
-    names = [name for group in groups for name in group["params"]]  # in torch's numbering
+    names = [name for group in saved["param_groups"] for name in group.get("param_names", [])]
+    names = names or [name for group in groups for name in group["params"]]  # in torch's numbering
+    first: dict[int, str] = {}
+    for key, tensor in (weights or {}).items():  # tied names share one tensor: the first name is the optimizer's
+        first.setdefault(tensor.data_ptr(), key)
+    tied = {key: first[tensor.data_ptr()] for key, tensor in (weights or {}).items() if tensor.numel()}
     try:
-        named: Any = {
-            "state": {names[index]: moments for index, moments in saved["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]],
-        }
+        state = {names[index]: moments for index, moments in saved["state"].items()}
+        state |= {key: state[tied[key]] for group in groups for key in group["params"] if tied.get(key) in state}
+        named: Any = {"state": {key: state[key] for group in groups for key in group["params"] if key in state}}
+        named["param_groups"] = groups
         dsd.set_optimizer_state_dict(model, optimizer, named, options=dsd.StateDictOptions(full_state_dict=True))
     except (ValueError, KeyError, IndexError, RuntimeError) as exc:
         raise _not_fitting(path, exc) from None

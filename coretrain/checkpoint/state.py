@@ -108,11 +108,13 @@ def frozen_names(model: torch.nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
-def dcp_options(with_frozen: bool) -> Any:
-    """torch.distributed.checkpoint's state-dict options: frozen parameters in or out."""
+def dcp_options(with_frozen: bool, flat: bool = True) -> Any:
+    """torch.distributed.checkpoint's state-dict options: frozen parameters in or out; the
+    optimizer's parameter groups ``flat``, one entry per parameter (as torchtitan saves them), so
+    that ranks holding other parameters — pipeline stages — each save their own groups."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=not with_frozen)
+    return StateDictOptions(ignore_frozen_params=not with_frozen, flatten_optimizer_state_dict=flat)
 
 
 def manifest(run: Run, layout: str, evaluated: list[str]) -> dict[str, Any]:

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from attrs import define, field
 
 from coretrain import NUM_TOKENS, Run, SampleOrder, SplitBatches, forward, hookimpl, is_stream, sum_over_ranks
+
+if TYPE_CHECKING:
+    from coretrain_evaluation.hookspecs import EvaluationSpecs
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -72,13 +75,18 @@ def split_batches(run: Run, dataset: Any) -> SplitBatches:
 def evaluate_split(run: Run, batches: SplitBatches, split: str) -> dict[str, float]:
     """``SPLIT/NAME`` means over every sample the ranks read, with one collective."""
     model = run.model
+    own = (
+        cast("EvaluationSpecs", run.plugins.calls.hook).forward_batch
+        if run.plugins.implemented("forward_batch")
+        else None
+    )
     was_training = model.training
     model.eval()
     totals: dict[str, torch.Tensor] = {}
     samples = 0
     try:
         for chunk, (count, batch) in zip(batches.chunks or itertools.repeat(None), batches):
-            loss, extras = forward(run, batch)
+            loss, extras = (own(run=run, batch=batch) if own else None) or forward(run, batch)
             if chunk is UNCOUNTED:  # run to keep this rank in step with the others, not counted
                 continue
             samples += count

@@ -161,3 +161,24 @@ class GPTProvider:
             "ln_f": SequenceParallel(),
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         }
+
+    @hookimpl
+    def pipeline_split(self, run: Run, model: Any) -> dict[str, Any] | None:
+        """Stages by block: embeddings on the first, final norm, head and loss on the last; the
+        head's weight is the embedding's (tied), so the two stages holding them sum its gradient."""
+        from coretrain import UserError
+        from coretrain_gpt.model import GPT, GPTStage, token_loss
+
+        if not isinstance(model, GPT):
+            return None
+        if model.cfg.moe is not None:
+            raise UserError(
+                f"distributed.pp_size ({run.dist.pp_size}): a mixture of experts (model.options.n_experts) is not "
+                "split into pipeline stages yet; use data or expert parallelism"
+            )
+        return {
+            "layers": model.cfg.n_layer,
+            "stage": lambda layers, first, last: GPTStage(model, layers, first, last),
+            "loss": token_loss,
+            "tied": [("wte.weight", "lm_head.weight")],
+        }

@@ -166,3 +166,33 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6·N for the matmuls plus 12·L·C·T for attention (PaLM, appendix B)."""
         cfg = self.cfg
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage of a GPT: its blocks, under the names they have in the whole model
+    (``blocks.5.attn.q.weight``, so checkpoints stay layout-free), the embeddings on the first
+    stage and the final norm and output head on the last. Takes token ids on the first stage,
+    the previous stage's hidden states on the others; returns logits on the last."""
+
+    _no_split_modules = ("Block",)  # what FSDP shards and activation checkpointing wraps
+
+    def __init__(self, model: GPT, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.cfg, self.first, self.last = model.cfg, first, last
+        if first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.drop(self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device)))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy over every token, as :meth:`GPT.forward` computes it."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long())

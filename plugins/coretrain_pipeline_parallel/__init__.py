@@ -1,0 +1,71 @@
+"""``pipeline-parallel``: the model's blocks cut into ``distributed.pp_size`` stages, each held by
+other ranks, micro-batches flowing through them on ``torch.distributed.pipelining``'s schedules.
+
+    [distributed]
+    pp_size = 2                 # data parallel = ranks / pp_size / tp_size / cp_size
+    [plugins.pipeline-parallel]
+    pp_schedule = "1F1B"        # or "GPipe"
+    pp_microbatches = 8         # unset: the step's micro-batches (its gradient accumulation)
+    pp_split = [3, 5]           # blocks per stage; unset: as many on each
+
+The model provider cuts its model (hook ``pipeline_split``: the ``gpt`` provider's does, by
+block, embeddings on the first stage, norm, head and loss on the last), keeping each
+parameter's name, so a checkpoint saved on one layout resumes on any other. Stages run on
+FSDP2 (over their data-parallel ranks, one or more), which makes the checkpoint sharded by name.
+
+The step's loss is the last stage's (the other stages log none: ``run.reports_loss``); the
+gradient norm for clipping is taken over every stage; a weight the model ties across the first
+and last stage (the ``gpt`` head and embedding) has its gradient summed between them each step
+— the one collective per step besides the schedule's own sends, as in Megatron. Evaluation runs
+through the pipeline (the ``evaluation`` plugin's ``forward_batch``), its loss sent from the last
+stage to the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Literal
+
+from attrs import define, field
+
+from coretrain import Run, hookimpl, positive
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("coretrain")
+
+
+@define(kw_only=True)
+class PipelineParallel:
+    """Cut the model into stages over distributed.pp_size ranks; run each step as a pipeline schedule."""
+
+    pp_schedule: Literal["1F1B", "GPipe"] = "1F1B"
+    """The schedule: 1F1B (one forward, one backward: activations of at most pp_size
+    micro-batches held) or GPipe (all forwards, then all backwards)."""
+    pp_microbatches: int | None = field(default=None, validator=positive)
+    """Micro-batches each step's batch is cut into for the pipeline; unset = the step's
+    micro-batches (train.global_batch_size / micro_batch_size / data parallel)."""
+    pp_split: list[int] | None = None
+    """Blocks on each stage, first to last (e.g. [3, 5]: fewer on the first, which also embeds);
+    unset = as many on each (pp_size must divide the blocks)."""
+
+    _parts: Any = field(default=None, init=False, repr=False)
+
+    @hookimpl(tryfirst=True)  # on the model as built: tensor parallelism and FSDP wrap the stage
+    def configure_model(self, run: Run) -> None:
+        from coretrain_pipeline_parallel.stages import Pipeline
+
+        self._parts = Pipeline.of(run, self.pp_schedule, self.pp_microbatches, self.pp_split)
+
+    @hookimpl
+    def forward_backward(self, run: Run, batches: list[Any]) -> Any:
+        return self._parts.train_step(run, batches)
+
+    @hookimpl
+    def clip_gradients(self, run: Run, parameters: list[torch.nn.Parameter], max_norm: float) -> Any:
+        return self._parts.clip(parameters, max_norm)
+
+    @hookimpl
+    def forward_batch(self, run: Run, batch: Any) -> Any:
+        return self._parts.evaluate(run, batch)

@@ -1,0 +1,36 @@
+"""The hook the ``pipeline-parallel`` plugin asks model providers (its ``coretrain.hookspecs``
+entry point): how their model cuts into stages."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from coretrain import hookspec
+
+if TYPE_CHECKING:
+    import torch
+
+    from coretrain import Run
+
+
+class PipelineSpecs(Protocol):
+    """Hooks for model providers whose models a pipeline can cut into stages."""
+
+    @hookspec(firstresult=True)
+    def pipeline_split(self, run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
+        """How ``model`` cuts into pipeline stages (a spec of coretrain-plugins since hook API 1.11).
+
+        Args: ``run`` — ``run.dist.pp_size`` stages; ``model`` — the module ``provide_model``
+        returned (before any wrapper).
+        May change: nothing (the stage built from the answer reuses the model's modules).
+        Returns: None when this plugin does not know the model, else a dict: ``layers`` — the
+        number of repeated blocks to place; ``stage(layers: range, first: bool, last: bool)`` —
+        the module holding those blocks (with the embeddings when ``first``, the output head when
+        ``last``), its parameters named as in the whole model so checkpoints stay layout-free;
+        it takes the batch's inputs on the first stage, the previous stage's output on the
+        others; ``loss(output, target)`` — the last stage's loss; ``tied`` — pairs of parameter
+        names (first stage's, last stage's) that are one weight in the whole model (a tied
+        output head), whose gradients the two stages sum. Raise :class:`coretrain.UserError`
+        for a model that cannot be split.
+        Ranks: every rank, once, during ``configure_model``.
+        """

@@ -1,0 +1,120 @@
+"""Pipeline parallelism: a GPT cut into stages over gloo ranks (1F1B and GPipe, blocks placed
+evenly or by hand, PP 4 and PP 2 × DP 2 on 4 ranks) trains and evaluates the losses of one rank,
+stops and resumes, and resumes across layouts (1 rank → PP 2 → 1 rank)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_train
+
+from coretrain import UserError
+from coretrain.testing import run_steps
+
+TRAIN = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 30, "log_interval": 3}
+TRAIN |= {"eval_iters": 1, "eval_interval": 15}
+
+
+def write(tmp_path: Path, name: str, distributed: dict[str, Any], **pipeline: Any) -> Path:
+    preset = gpt_preset(tmp_path / name)
+    preset["model"]["options"] |= {"n_layer": 4}
+    sections: dict[str, Any] = {"distributed": distributed}
+    if pipeline:
+        sections["plugins"] = {"pipeline-parallel": pipeline}
+    return config_file(tmp_path / f"{name}.toml", preset, sections, **TRAIN)
+
+
+def losses(out: Path) -> list[tuple[int, str, float]]:
+    return [
+        (row["step"], key, row[key])
+        for row in metrics_rows(out)
+        for key in ("loss", "grad_norm", "valid/loss")
+        if key in row
+    ]
+
+
+@pytest.mark.slow  # torchrun with 2 and 4 gloo ranks
+def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Path) -> None:
+
+    assert run_train(str(write(tmp_path, "one", {})), cwd=tmp_path).returncode == 0
+    to_pp = write(tmp_path, "to_pp", {})  # 1 rank → PP 2: a replicated checkpoint into two stages
+    assert run_train(str(to_pp), "--set", "train.exit_interval=12", cwd=tmp_path).returncode == 0
+    resumed = write(tmp_path, "resumed", {"pp_size": 2})
+    from_pp = write(tmp_path, "from_pp", {"pp_size": 2})
+    jobs = [
+        ["run", str(write(tmp_path, "pp", {"pp_size": 2}))],
+        ["run", str(write(tmp_path, "gpipe", {"pp_size": 2}, pp_schedule="GPipe", pp_microbatches=2, pp_split=[1, 3]))],
+        ["run", str(resumed), "--set", "train.exit_interval=12"],
+        ["run", str(resumed)],
+        ["run", str(to_pp), "--set", "distributed.pp_size=2"],
+        ["run", str(from_pp), "--set", "train.exit_interval=12"],
+        {"args": ["run", str(write(tmp_path, "odd", {"pp_size": 2})), "--set", "model.options.n_layer=3"], "expect": 2},
+        {
+            "args": ["run", str(write(tmp_path, "few", {"pp_size": 2})), "--set", "train.global_batch_size=2"],
+            "expect": 2,
+        },
+    ]
+    job = in_one_job(tmp_path, 2, jobs, "pp")
+    assert "pipeline-parallel: 2 stages of [2, 2] blocks, 1F1B schedule" in job.stderr
+    assert "distributed.pp_size (2) must divide the model's 3 blocks" in job.stderr
+    assert "the 1F1B schedule needs at least as many micro-batches per step as stages, and a step has 1" in job.stderr
+    assert run_train(str(from_pp), "--set", "distributed.pp_size=1", cwd=tmp_path).returncode == 0  # PP 2 → 1 rank
+    four = [
+        ["run", str(write(tmp_path, "pp4", {"pp_size": 4}))],
+        ["run", str(write(tmp_path, "pp2dp2", {"pp_size": 2}))],
+    ]
+    in_one_job(tmp_path, 4, four, "pp4")
+    one = losses(tmp_path / "one")
+    assert [key for _, key, _ in one].count("valid/loss") == 2
+    for name in ("pp", "gpipe", "resumed", "to_pp", "from_pp", "pp4", "pp2dp2"):
+        split = losses(tmp_path / name)
+        assert [(s, k) for s, k, _ in split] == [(s, k) for s, k, _ in one], name
+        assert all(b == pytest.approx(a, rel=1e-5) for (_, _, a), (_, _, b) in zip(one, split)), (name, split)
+
+
+def test_more_pipeline_stages_than_ranks_is_one_error(tmp_path: Path) -> None:
+    preset = gpt_preset(tmp_path)
+    config = {name: preset[name] for name in ("model", "data", "optimizer")} | {"distributed": {"pp_size": 2}}
+    with pytest.raises(UserError, match=r"distributed.pp_size \(2\) must divide ranks / tp_size / cp_size \(1\)"):
+        run_steps(tmp_path, steps=1, config=config)
+
+
+def test_a_pipeline_on_ddp_is_one_error() -> None:
+    from coretrain.config import DistributedConfig
+
+    with pytest.raises(
+        UserError, match='pp_size = 2 is pipelined, a layout of FSDP2: set distributed.strategy = "fsdp"'
+    ):
+        DistributedConfig(pp_size=2, strategy="ddp").check_layout(4)
+
+
+@pytest.mark.parametrize(
+    ("layers", "split", "sizes"),
+    [(8, None, [4, 4]), (8, [3, 5], [3, 5]), (7, None, None), (8, [4, 3], None), (8, [8, 0], None)],
+)
+def test_blocks_are_placed_evenly_or_as_given(layers: int, split: list[int] | None, sizes: list[int] | None) -> None:
+    from coretrain_pipeline_parallel.stages import stage_sizes
+
+    if sizes is None:
+        with pytest.raises(UserError, match="pp_size \\(2\\) must divide the model's 7 blocks|must give each of the 2"):
+            stage_sizes(layers, 2, split)
+    else:
+        assert stage_sizes(layers, 2, split) == sizes
+
+
+def test_a_model_without_a_stage_split_is_one_error() -> None:
+    """A provider that does not answer ``pipeline_split`` (an import-path model here) is named."""
+    from types import SimpleNamespace
+
+    from coretrain_pipeline_parallel.stages import Pipeline
+
+    mesh = SimpleNamespace(size=lambda: 2, get_local_rank=lambda: 0)
+    plugins = SimpleNamespace(implemented=lambda name: False, calls=SimpleNamespace(hook=None))
+    run: Any = SimpleNamespace(device_mesh=lambda: {"pp": mesh}, plugins=plugins, micro_batches_per_step=2)
+    run.model, run.config = object(), SimpleNamespace(model=SimpleNamespace(provider="mymodels:build"))
+    with pytest.raises(
+        UserError, match="the model provider 'mymodels:build' does not cut its object into pipeline stages"
+    ):
+        Pipeline.of(run, "1F1B", None, None)
