@@ -71,10 +71,8 @@ def _strict(kind: type, accept: tuple[type, ...]) -> Any:
 def make_converter() -> cattrs.Converter:
     """A cattrs converter that refuses unknown keys and never coerces "3" into 3 or 1 into "1"."""
     converter = cattrs.Converter(forbid_extra_keys=True)
-    converter.register_structure_hook(int, _strict(int, (int,)))
-    converter.register_structure_hook(float, _strict(float, (int, float)))
-    converter.register_structure_hook(bool, _strict(bool, (bool,)))
-    converter.register_structure_hook(str, _strict(str, (str,)))
+    for kind, accepted in ((int, (int,)), (float, (int, float)), (bool, (bool,)), (str, (str,))):
+        converter.register_structure_hook(kind, _strict(kind, accepted))
     return converter
 
 

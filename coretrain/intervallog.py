@@ -137,13 +137,10 @@ class IntervalLog:
                 parts = torch.split(flat, [t.numel() for t in present.values()])
                 stacked.update({name: part.view_as(t) for (name, t), part in zip(present.items(), parts)})
             on_host = {name: t.cpu() for name, t in stacked.items()}
-            return {
-                "losses": on_host["losses"],
-                "steps": torch.tensor(self.steps, dtype=torch.int64),
-                "skipped": self.skipped,
-                "grad_norms": on_host["grad_norms"],
-                "values": {name: on_host[f"values/{name}"] for name in self.values},
-            }
+            steps = torch.tensor(self.steps, dtype=torch.int64)
+            values = {name: on_host[f"values/{name}"] for name in self.values}
+            saved = {"losses": on_host["losses"], "grad_norms": on_host["grad_norms"], "values": values}
+            return {**saved, "steps": steps, "skipped": self.skipped}
 
     def restore(self, state: dict[str, Any], device: torch.device, step: int = 0) -> None:
         """Continue the interval a checkpoint at ``step`` saved (one before the skipped steps

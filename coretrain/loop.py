@@ -112,11 +112,8 @@ class Trainer:
         self.saves = Saves(run, self.hooks.on_checkpoint_saved)
         train = run.config.train
         watched = train.exit_signals if train.exit_signal_handler else []
-        if signals is None:
-            signals = SignalWatcher(watched)
-        else:  # installed at start-up by the CLI: keep watching what the config asks for
-            signals.keep_only(watched)
-        self.signals = signals
+        self.signals = signals or SignalWatcher(watched)
+        self.signals.keep_only(watched)  # one installed at start-up by the CLI: what the config asks for
         self.mark = combined(hook_calls(run).phase_listeners(run))
         """``mark(step, phase)`` at each phase boundary, for the plugins that watch or time the loop."""
         self.stops = StopAgreement(run, self.signals, self.hooks.on_signal, self.mark)

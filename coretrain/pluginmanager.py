@@ -60,12 +60,7 @@ class PluginEntry:
 
     def load(self) -> type:
         """Import the plugin's class; any failure is a UserError naming plugin, distribution, cause."""
-        try:
-            obj = metadata.EntryPoint(self.name, self.value, GROUP).load()
-        except Exception as exc:  # a broken plugin must stop the run with its cause
-            raise UserError(
-                f"plugin '{self.name}' (from {self.origin}) failed to import {self.value}: {type(exc).__name__}: {exc}"
-            ) from None
+        obj = imported(metadata.EntryPoint(self.name, self.value, GROUP), f"plugin '{self.name}'", self.origin)
         if not (inspect.isclass(obj) and attrs.has(obj)):
             raise UserError(
                 f"plugin '{self.name}' (from {self.origin}): {self.value} is not an attrs class; "
@@ -257,16 +252,18 @@ def _plugin_hookspecs(path_state: tuple[tuple[str, int], ...]) -> tuple[type, ..
     return tuple(_load_specs(point) for point in metadata.entry_points(group=HOOKSPECS_GROUP))
 
 
+def imported(point: metadata.EntryPoint, what: str, origin: str) -> Any:
+    """The entry point's object; a failure to import it is one error naming ``what`` and where it is from."""
+    try:
+        return point.load()
+    except Exception as exc:  # a broken distribution must stop the run with its cause
+        raise UserError(f"{what} (from {origin}) failed to import {point.value}: {type(exc).__name__}: {exc}") from None
+
+
 def _load_specs(point: metadata.EntryPoint) -> type:
     """A distribution's hook specifications; a failure to import them names the distribution."""
     origin = f"{point.dist.name} {point.dist.version}" if point.dist else "?"
-    try:
-        specs = point.load()
-    except Exception as exc:  # a broken distribution must stop the run with its cause
-        raise UserError(
-            f"hook specifications '{point.name}' (from {origin}) failed to import {point.value}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from None
+    specs = imported(point, f"hook specifications '{point.name}'", origin)
     if not inspect.isclass(specs):
         raise UserError(f"hook specifications '{point.name}' (from {origin}): {point.value} is not a class")
     return specs

@@ -25,18 +25,16 @@ LOCK_NAME = ".lock"
 
 def prepare(path: Path, key: str = "run.output_dir") -> None:
     """Create ``path`` (and parents) or say in one line why it cannot be a run's directory."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{key}: '{path}' exists and is not a directory; choose another output dir")
     try:
         path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise UserError(f"{key}: '{path}' exists and is not a directory; choose another output dir") from None
     except NotADirectoryError:
         raise UserError(f"{key}: a parent of '{path}' is a file, not a directory") from None
     except PermissionError:
         raise UserError(f"{key}: no permission to create '{path}'") from None
     except OSError as exc:
         raise UserError(f"{key}: cannot create '{path}': {exc.strerror}") from None
-    if not path.is_dir():
-        raise UserError(f"{key}: '{path}' exists and is not a directory; choose another output dir")
     if not os.access(path, os.W_OK | os.X_OK):
         raise UserError(f"{key}: '{path}' is not writable by this user")
     inner = path / "checkpoints"  # what the run makes inside: a file there would fail the first save

@@ -58,19 +58,6 @@ class TinyRegression(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.net(x), y)
 
 
-class TensorPairs(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """A map-style dataset of (x, y) rows."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
-
-
 def tiny_model(width: int = 16, dropout: float = 0.0) -> torch.nn.Module:
     """The model provider ``"coretrain.testing:tiny_model"``."""
     return TinyRegression(width, dropout)
@@ -85,7 +72,8 @@ def tiny_data(context: DatasetContext, samples: int = 256, valid: bool = True, d
     x = torch.randn(samples, 4, generator=g)
     x[:, :dead_inputs] = 0.0
     y = 0.5 * x.sum(dim=1, keepdim=True)
-    return Datasets(train=TensorPairs(x, y), valid=TensorPairs(x[:64], y[:64]) if valid else None)
+    pairs = torch.utils.data.TensorDataset
+    return Datasets(train=pairs(x, y), valid=pairs(x[:64], y[:64]) if valid else None)
 
 
 def tiny_config(output_dir: str | Path, **sections: Mapping[str, Any]) -> dict[str, Any]:

@@ -43,6 +43,5 @@ def check_options(fn: Any, options: dict[str, Any], key: str, available: tuple[s
 
 def call_with(fn: Any, options: dict[str, Any], key: str, **available: Any) -> Any:
     """Call ``fn(**options)``, also passing ``run`` / ``context`` when its signature asks for them."""
-    check_options(fn, options, key, tuple(available))
     parameters = inspect.signature(fn).parameters
     return fn(**{name: value for name, value in available.items() if name in parameters}, **options)

@@ -232,7 +232,7 @@ def failing(context):
 
 def with_nan(context):
     datasets = tiny_data(context)
-    datasets.train.x[37] = float("nan")  # one bad record in the input
+    datasets.train.tensors[0][37] = float("nan")  # one bad record in the input
     return datasets
 """
 

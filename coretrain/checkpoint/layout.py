@@ -34,11 +34,6 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
-def tmp_dir(root: Path, step: int) -> Path:
-    """Where the save of ``step`` is written before its commit."""
-    return root / f"step_{step:08d}.tmp"
-
-
 def parse_step_dir(name: str) -> tuple[int, bool] | None:
     """(step, committed) for a step directory's name; None for any other name."""
     match = STEP_DIR.match(name)
@@ -73,7 +68,7 @@ def barrier() -> None:
 
 def begin(root: Path, step: int, is_main: bool, distributed: bool) -> Path:
     """Rank 0 makes a fresh step_N.tmp; every rank returns it once it exists."""
-    tmp = tmp_dir(root, step)
+    tmp = root / f"step_{step:08d}.tmp"  # the save, until its commit
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -168,10 +163,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     """The checkpoint's manifest; one written before manifests existed is described from its files."""
     path = directory / MANIFEST
     if not path.exists():
-        layout = (
-            "sharded" if (directory / "sharded").is_dir() and not (directory / "model.pt").exists() else "replicated"
-        )
-        return {"layout": layout, "evaluated": []}
+        sharded = (directory / "sharded").is_dir() and not (directory / "model.pt").exists()
+        return {"layout": "sharded" if sharded else "replicated", "evaluated": []}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:

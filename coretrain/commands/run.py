@@ -37,33 +37,17 @@ def add(commands: Any) -> None:
     run.set_defaults(handler=cmd_run, own_signals=True)  # the start-up Ctrl-C handler stays until the watcher
 
 
-def stop_with_the_launcher() -> None:
-    """A rank torchrun started gets SIGTERM when its launcher dies (Linux): killed alone, the
-    launcher would leave its ranks training, and the other machines' ranks waiting on them.
-    SIGTERM is the graceful stop: every rank agrees, checkpoints and exits."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() == 1:  # the launcher died before we asked
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from coretrain.signals import Interrupted, SignalWatcher
 
     signals = SignalWatcher().install()  # before torch is imported: no signal is lost in start-up
-    stop_with_the_launcher()
     try:
         return _train(args, signals)
     except SaidByLocalRank0:
         return 2
     except Interrupted as exc:
-        logging.getLogger("coretrain").info(
-            "stopped by %s during start-up; nothing was trained or saved", signal.Signals(exc.signum).name
-        )
+        name = signal.Signals(exc.signum).name
+        logging.getLogger("coretrain").info("stopped by %s during start-up; nothing was trained or saved", name)
         return 128 + exc.signum
     finally:
         signals.uninstall()
@@ -108,9 +92,8 @@ def setup_console(level_name: str) -> None:
     console = logging.StreamHandler(sys.stderr)
     console.set_name("coretrain-console")
     console.setLevel(level if rank == 0 else max(level, logging.WARNING))
-    console.setFormatter(
-        logging.Formatter("coretrain: %(message)s" if rank == 0 else f"coretrain[rank {rank}]: %(message)s")
-    )
+    who = "coretrain" if rank == 0 else f"coretrain[rank {rank}]"
+    console.setFormatter(logging.Formatter(f"{who}: %(message)s"))
     logging.basicConfig(level=level, force=True, handlers=[console])
 
 

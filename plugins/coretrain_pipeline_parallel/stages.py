@@ -82,7 +82,7 @@ class Pipeline:
             raise UserError(
                 f"distributed.pp_size ({stages}): the 1F1B schedule needs at least as many micro-batches per step as "
                 f"stages, and a step has {count} (global_batch_size / micro_batch_size / data parallel, or "
-                "[plugins.pipeline-parallel] pp_microbatches): raise global_batch_size, or use pp_schedule = \"GPipe\""
+                '[plugins.pipeline-parallel] pp_microbatches): raise global_batch_size, or use pp_schedule = "GPipe"'
             )
         sizes = stage_sizes(split["layers"], stages, sizes_by_hand)
         start = sum(sizes[:index])

@@ -13,8 +13,10 @@ waiting in a collective for a hung peer says so too (``last in agreement``): the
 phase is not a collective names the culprit. A rank that cannot speak for itself — stopped
 (SIGSTOP), stuck in a call holding the interpreter — is named by the rank waiting for it, from
 the heartbeats every rank writes into the rendezvous store (:mod:`.heartbeat`). The verdict
-also goes into torchrun's error file, so the launcher's last line names the culprit. Turn it
-off with ``[plugins.watchdog] enabled = false``.
+also goes into torchrun's error file, so the launcher's last line names the culprit. And a rank
+whose launcher dies (torchrun killed alone) is sent SIGTERM: it stops as on any SIGTERM, agreed
+and checkpointed, instead of training on without it. Turn it off with
+``[plugins.watchdog] enabled = false``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,21 @@ WAITING_PHASES = frozenset({"forward_backward", "update", "log", "agreement"})
 that really hung (in a local phase) reports first and names itself."""
 
 
+def stop_with_the_launcher() -> None:
+    """A rank torchrun started gets SIGTERM when its launcher dies (Linux): killed alone, the
+    launcher would leave its ranks training, and the other machines' ranks waiting on them.
+    SIGTERM is the graceful stop: every rank agrees, checkpoints and exits."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the launcher died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 @define(kw_only=True)
 class Watchdog:
     """Ends a rank that makes no progress for step_timeout_seconds, naming where it hung."""
@@ -53,6 +70,10 @@ class Watchdog:
     it, and in evaluation and checkpoints: distributed.init_timeout_seconds). Was
     distributed.step_timeout_seconds."""
     _watch: HangWatch | None = field(default=None, init=False, repr=False)
+
+    @hookimpl
+    def configure_run(self) -> None:
+        stop_with_the_launcher()
 
     @hookimpl
     def phase_listener(self, run: Run) -> Callable[[int, str], None]:
