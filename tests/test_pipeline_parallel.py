@@ -37,10 +37,16 @@ def losses(out: Path) -> list[tuple[int, str, float]]:
 
 @pytest.mark.slow  # torchrun with 2 and 4 gloo ranks
 def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Path) -> None:
-
     assert run_train(str(write(tmp_path, "one", {})), cwd=tmp_path).returncode == 0
     to_pp = write(tmp_path, "to_pp", {})  # 1 rank → PP 2: a replicated checkpoint into two stages
     assert run_train(str(to_pp), "--set", "train.exit_interval=12", cwd=tmp_path).returncode == 0
+    pp_tp = write(tmp_path, "pp_tp", {"pp_size": 2, "tp_size": 2})  # PP 2 × TP 2, then resumed on PP 2
+    four = [
+        ["run", str(write(tmp_path, "pp4", {"pp_size": 4}))],
+        ["run", str(write(tmp_path, "pp2dp2", {"pp_size": 2}))],
+        ["run", str(pp_tp), "--set", "train.exit_interval=12"],
+    ]
+    in_one_job(tmp_path, 4, four, "pp4")
     resumed = write(tmp_path, "resumed", {"pp_size": 2})
     from_pp = write(tmp_path, "from_pp", {"pp_size": 2})
     jobs = [
@@ -50,6 +56,14 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
         ["run", str(resumed)],
         ["run", str(to_pp), "--set", "distributed.pp_size=2"],
         ["run", str(from_pp), "--set", "train.exit_interval=12"],
+        ["run", str(pp_tp), "--set", "distributed.tp_size=1"],
+        [
+            "run",
+            str(write(tmp_path, "recomputed", {"pp_size": 2})),
+            "--set",
+            'plugins.activation-checkpointing.mode="full"',
+        ],
+        ["run", str(write(tmp_path, "compiled", {"pp_size": 2})), "--set", 'plugins.compile.backend="eager"'],
         {"args": ["run", str(write(tmp_path, "odd", {"pp_size": 2})), "--set", "model.options.n_layer=3"], "expect": 2},
         {
             "args": ["run", str(write(tmp_path, "few", {"pp_size": 2})), "--set", "train.global_batch_size=2"],
@@ -61,14 +75,10 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     assert "distributed.pp_size (2) must divide the model's 3 blocks" in job.stderr
     assert "the 1F1B schedule needs at least as many micro-batches per step as stages, and a step has 1" in job.stderr
     assert run_train(str(from_pp), "--set", "distributed.pp_size=1", cwd=tmp_path).returncode == 0  # PP 2 → 1 rank
-    four = [
-        ["run", str(write(tmp_path, "pp4", {"pp_size": 4}))],
-        ["run", str(write(tmp_path, "pp2dp2", {"pp_size": 2}))],
-    ]
-    in_one_job(tmp_path, 4, four, "pp4")
     one = losses(tmp_path / "one")
     assert [key for _, key, _ in one].count("valid/loss") == 2
-    for name in ("pp", "gpipe", "resumed", "to_pp", "from_pp", "pp4", "pp2dp2"):
+    names = ("pp", "gpipe", "resumed", "to_pp", "from_pp", "pp4", "pp2dp2", "pp_tp", "recomputed", "compiled")
+    for name in names:
         split = losses(tmp_path / name)
         assert [(s, k) for s, k, _ in split] == [(s, k) for s, k, _ in one], name
         assert all(b == pytest.approx(a, rel=1e-5) for (_, _, a), (_, _, b) in zip(one, split)), (name, split)

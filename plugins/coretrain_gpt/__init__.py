@@ -128,9 +128,9 @@ class GPTProvider:
         )
 
         from coretrain import UserError
-        from coretrain_gpt.model import GPT
+        from coretrain_gpt.model import GPT, GPTStage
 
-        if not isinstance(model, GPT):
+        if not isinstance(model, (GPT, GPTStage)):
             return None
         tp, cfg = run.dist.tp_size, model.cfg
         if cfg.moe is not None:
@@ -145,7 +145,7 @@ class GPTProvider:
                     f"distributed.tp_size ({tp}) must divide {what} ({size}): each rank takes an equal share"
                 )
         gather_positions = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        return {
+        plan = {
             "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
             "drop": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
             "blocks.*.ln_1": SequenceParallel(),
@@ -161,6 +161,8 @@ class GPTProvider:
             "ln_f": SequenceParallel(),
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         }
+        present = {name for name, _ in model.named_modules()}  # a pipeline stage holds some of them
+        return {key: style for key, style in plan.items() if "*" in key or key in present}
 
     @hookimpl
     def pipeline_split(self, run: Run, model: Any) -> dict[str, Any] | None:
