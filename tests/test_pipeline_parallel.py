@@ -128,3 +128,25 @@ def test_a_model_without_a_stage_split_is_one_error() -> None:
         UserError, match="the model provider 'mymodels:build' does not cut its object into pipeline stages"
     ):
         Pipeline.of(run, "1F1B", None, None)
+
+
+@pytest.mark.slow  # torchrun with 2 gloo ranks
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_hugging_face_llama_cut_into_stages_trains_like_one_rank(tmp_path: Path, tied: bool) -> None:
+    """By decoder layer, rotary positions on every stage, grouped-query attention; with the head
+    tied to the embedding, the two stages that hold them sum its gradient."""
+    pytest.importorskip("transformers")
+    from test_distributed import torchrun
+
+    llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4}
+    llama |= {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": tied}
+    runs = {}
+    for name, distributed in (("one", {}), ("pp", {"pp_size": 2})):
+        preset = gpt_preset(tmp_path / name)
+        preset["model"] = {"provider": "hf", "options": {"config": llama}}
+        config = config_file(tmp_path / f"{name}.toml", preset, {"distributed": distributed}, **TRAIN)
+        result = run_train(str(config), cwd=tmp_path) if not distributed else torchrun("run", str(config), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        runs[name] = losses(tmp_path / name)
+    assert [(s, k) for s, k, _ in runs["pp"]] == [(s, k) for s, k, _ in runs["one"]]
+    assert all(b == pytest.approx(a, rel=1e-5) for (_, _, a), (_, _, b) in zip(runs["one"], runs["pp"])), runs

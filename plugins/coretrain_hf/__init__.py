@@ -118,6 +118,14 @@ class HFModel:
         return {prefix + path: style for path, style in plan.items()}
 
     @hookimpl
+    def pipeline_split(self, run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
+        """Llama-shaped causal LMs by decoder layer (:mod:`coretrain_hf.stages`)."""
+        from coretrain_hf.model import CausalLM
+        from coretrain_hf.stages import pipeline_split
+
+        return pipeline_split(model) if isinstance(model, CausalLM) else None
+
+    @hookimpl
     def on_train_start(self, run: Run) -> None:
         if run.dist.is_main:
             from coretrain_hf.export import save_config

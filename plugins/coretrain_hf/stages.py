@@ -1,0 +1,73 @@
+"""Pipeline stages of a Hugging Face causal LM (Llama-shaped: an embedding, decoder layers with
+rotary positions, a final norm and a head), for the ``pipeline-parallel`` plugin's split."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from coretrain import UserError
+
+
+class HFStage(torch.nn.Module):
+    """The decoder layers ``layers`` of ``model`` (a :class:`~coretrain_hf.model.CausalLM`) under
+    their names in the whole model (``hf.model.layers.5.self_attn.q_proj.weight``), with the token
+    embedding on the first stage and the final norm and head on the last. Takes token ids on the
+    first stage, hidden states on the others; returns logits on the last. Attention is causal
+    through SDPA (no mask is built: the sequences are whole windows)."""
+
+    def __init__(self, model: Any, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        hf = model.hf
+        base = getattr(hf, hf.base_model_prefix)
+        self.first, self.last = first, last
+        self.hf = torch.nn.Module()
+        self.hf.config = hf.config  # what save_config records (a plain attribute, not a module)
+        shell = torch.nn.Module()
+        setattr(self.hf, hf.base_model_prefix, shell)
+        self.base = hf.base_model_prefix
+        if first:
+            shell.embed_tokens = base.embed_tokens
+        shell.layers = torch.nn.ModuleDict({str(i): base.layers[i] for i in layers})
+        shell.rotary_emb = base.rotary_emb  # its inverse frequencies are buffers left out of checkpoints
+        if last:
+            shell.norm, self.hf.lm_head = base.norm, hf.lm_head
+        self._no_split_modules = (type(base.layers[0]).__name__,)  # what FSDP shards, checkpointing wraps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = getattr(self.hf, self.base)
+        if self.first:
+            x = base.embed_tokens(x)
+        positions = torch.arange(x.size(1), device=x.device)[None]
+        rotary = base.rotary_emb(x, positions)
+        for layer in base.layers.values():
+            out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+            x = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns a tuple
+        head: Any = self.hf.lm_head if self.last else None
+        return head(base.norm(x)) if head is not None else x
+
+
+def pipeline_split(model: Any) -> dict[str, Any]:
+    """The ``pipeline_split`` answer for a :class:`~coretrain_hf.model.CausalLM`."""
+    from coretrain_hf.model import token_loss
+
+    hf = model.hf
+    base: Any = getattr(hf, hf.base_model_prefix, None)
+    if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise UserError(
+            f"distributed.pp_size: a {type(hf).__name__} is not cut into pipeline stages (Llama-shaped causal LMs "
+            "are: an embedding, decoder layers with rotary positions, a norm and a head)"
+        )
+    if hf.config._attn_implementation != "sdpa":
+        raise UserError(
+            'distributed.pp_size: pipeline stages attend through SDPA: set model.options.attn_implementation = "sdpa"'
+        )
+    prefix = f"hf.{hf.base_model_prefix}."
+    tied = [(prefix + "embed_tokens.weight", "hf.lm_head.weight")] if hf.config.tie_word_embeddings else []
+    return {
+        "layers": len(base.layers),
+        "stage": lambda layers, first, last: HFStage(model, layers, first, last),
+        "loss": token_loss,
+        "tied": tied,
+    }
