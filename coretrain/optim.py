@@ -24,7 +24,9 @@ def build_optimizer(
         key = tuple(sorted(override.items()))
         group = groups.setdefault(key, {"params": [], "param_names": [], "lr_mult": 1.0, **override})
         group["params"].append(param)
-        group["param_names"].append(name)  # saved with the state: it loads by name into any part of the model
+        # saved with the state, as the checkpoint names the weights (without DDP's "module."): it
+        # loads by name into any part of the model
+        group["param_names"].append(name.removeprefix("module." if hasattr(model, "module") else ""))
     options: dict[str, Any] = {"momentum": cfg.momentum} if cfg.name == "sgd" else {"betas": cfg.betas, "eps": cfg.eps}
     optimizer: torch.optim.Optimizer = OPTIMIZERS[cfg.name](
         list(groups.values()), lr=cfg.lr, weight_decay=cfg.weight_decay, **options

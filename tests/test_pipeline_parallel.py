@@ -1,6 +1,7 @@
 """Pipeline parallelism: a GPT cut into stages over gloo ranks (1F1B and GPipe, blocks placed
-evenly or by hand, PP 4 and PP 2 × DP 2 on 4 ranks) trains and evaluates the losses of one rank,
-stops and resumes, and resumes across layouts (1 rank → PP 2 → 1 rank)."""
+evenly or by hand; PP 4, PP 2 × DP 2, PP 2 × HSDP and PP 2 × TP 2 on 4 ranks; with recomputation
+and compiled) and a Llama cut by decoder layer train and evaluate the losses of one rank, stop
+and resume, and resume across layouts (1 rank → PP 2 → 1 rank, PP 2 × TP 2 → PP 2)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_train
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_here, run_train
 
 from coretrain import UserError
 from coretrain.testing import run_steps
@@ -37,13 +38,16 @@ def losses(out: Path) -> list[tuple[int, str, float]]:
 
 @pytest.mark.slow  # torchrun with 2 and 4 gloo ranks
 def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Path) -> None:
-    assert run_train(str(write(tmp_path, "one", {})), cwd=tmp_path).returncode == 0
+    one_config = write(tmp_path, "one", {})
+    assert run_train(str(one_config), cwd=tmp_path).returncode == 0
+    predict = ["predict", str(one_config), "--set", 'model.loss="cross_entropy"', "--split", "valid", "--out"]
     to_pp = write(tmp_path, "to_pp", {})  # 1 rank → PP 2: a replicated checkpoint into two stages
     assert run_train(str(to_pp), "--set", "train.exit_interval=12", cwd=tmp_path).returncode == 0
     pp_tp = write(tmp_path, "pp_tp", {"pp_size": 2, "tp_size": 2})  # PP 2 × TP 2, then resumed on PP 2
     four = [
         ["run", str(write(tmp_path, "pp4", {"pp_size": 4}))],
         ["run", str(write(tmp_path, "pp2dp2", {"pp_size": 2}))],
+        ["run", str(write(tmp_path, "pp_hsdp", {"pp_size": 2, "dp_replicate": 2}))],
         ["run", str(pp_tp), "--set", "train.exit_interval=12"],
     ]
     in_one_job(tmp_path, 4, four, "pp4")
@@ -64,6 +68,7 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
             'plugins.activation-checkpointing.mode="full"',
         ],
         ["run", str(write(tmp_path, "compiled", {"pp_size": 2})), "--set", 'plugins.compile.backend="eager"'],
+        [*predict, str(tmp_path / "pp.jsonl"), "--set", "distributed.pp_size=2"],  # the logits of the last stage
         {"args": ["run", str(write(tmp_path, "odd", {"pp_size": 2})), "--set", "model.options.n_layer=3"], "expect": 2},
         {
             "args": ["run", str(write(tmp_path, "few", {"pp_size": 2})), "--set", "train.global_batch_size=2"],
@@ -75,9 +80,24 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     assert "distributed.pp_size (2) must divide the model's 3 blocks" in job.stderr
     assert "the 1F1B schedule needs at least as many micro-batches per step as stages, and a step has 1" in job.stderr
     assert run_train(str(from_pp), "--set", "distributed.pp_size=1", cwd=tmp_path).returncode == 0  # PP 2 → 1 rank
+    assert run_here(*predict, str(tmp_path / "one.jsonl"), cwd=tmp_path).returncode == 0
+    predicted = {name: (tmp_path / f"{name}.jsonl").read_text().splitlines() for name in ("one", "pp")}
+    assert len(predicted["one"]) > 100 and predicted["pp"] == predicted["one"]
     one = losses(tmp_path / "one")
     assert [key for _, key, _ in one].count("valid/loss") == 2
-    names = ("pp", "gpipe", "resumed", "to_pp", "from_pp", "pp4", "pp2dp2", "pp_tp", "recomputed", "compiled")
+    names = (
+        "pp",
+        "gpipe",
+        "resumed",
+        "to_pp",
+        "from_pp",
+        "pp4",
+        "pp2dp2",
+        "pp_hsdp",
+        "pp_tp",
+        "recomputed",
+        "compiled",
+    )
     for name in names:
         split = losses(tmp_path / name)
         assert [(s, k) for s, k, _ in split] == [(s, k) for s, k, _ in one], name

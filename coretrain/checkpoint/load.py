@@ -102,7 +102,7 @@ def load_whole(
 
 
 def load_whole_optimizer(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], path: Path, weights: Any = None
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any], path: Path, weights: dict[str, Any]
 ) -> None:
     """A replicated ``optimizer.pt`` (torch's numbered form) into the run's optimizer, sharded or not.
 
@@ -121,14 +121,15 @@ def load_whole_optimizer(
     groups: Any = dsd.get_optimizer_state_dict(model, optimizer)["param_groups"]
     names = [name for group in saved["param_groups"] for name in group.get("param_names", [])]
     names = names or [name for group in groups for name in group["params"]]  # in torch's numbering
-    first: dict[int, str] = {}
-    for key, tensor in (weights or {}).items():  # tied names share one tensor: the first name is the optimizer's
-        first.setdefault(tensor.data_ptr(), key)
-    tied = {key: first[tensor.data_ptr()] for key, tensor in (weights or {}).items() if tensor.numel()}
+    first = {tensor.data_ptr(): key for key, tensor in reversed(weights.items())}  # tied names share a tensor
+    tied = {key: first[tensor.data_ptr()] for key, tensor in weights.items() if tensor.numel()}
     try:
         state = {names[index]: moments for index, moments in saved["state"].items()}
         state |= {key: state[tied[key]] for group in groups for key in group["params"] if tied.get(key) in state}
         named: Any = {"state": {key: state[key] for group in groups for key in group["params"] if key in state}}
+        known = set(names) | {key for key, alias in tied.items() if alias in names}
+        if unknown := [key for group in groups for key in group["params"] if key not in known]:
+            raise KeyError(f"the file has no parameter named {', '.join(unknown[:3])}")
         named["param_groups"] = groups
         dsd.set_optimizer_state_dict(model, optimizer, named, options=dsd.StateDictOptions(full_state_dict=True))
     except (ValueError, KeyError, IndexError, RuntimeError) as exc:

@@ -18,7 +18,8 @@ gradient norm for clipping is taken over every stage; a weight the model ties ac
 and last stage (the ``gpt`` head and embedding) has its gradient summed between them each step
 — the one collective per step besides the schedule's own sends, as in Megatron. Evaluation runs
 through the pipeline (the ``evaluation`` plugin's ``forward_batch``), its loss sent from the last
-stage to the others.
+stage to the others; so does ``coretrain predict`` (the ``predict`` plugin's ``predict_outputs``:
+the last stage's outputs are written).
 """
 
 from __future__ import annotations
@@ -69,3 +70,7 @@ class PipelineParallel:
     @hookimpl
     def forward_batch(self, run: Run, batch: Any) -> Any:
         return self._parts.evaluate(run, batch)
+
+    @hookimpl
+    def predict_outputs(self, run: Run, batch: Any) -> Any:
+        return self._parts.outputs(batch)

@@ -148,6 +148,13 @@ class Pipeline:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
         return total
 
+    def outputs(self, batch: Any) -> tuple[Any, Any]:
+        """One prediction batch through the stages: the last stage's outputs (None on the others)."""
+        inputs, target = batch
+        schedule = self._schedule(1, training=False)  # its loss is computed too: it needs the target
+        output = schedule.eval(*((inputs,) if self.first else ()), target=target if self.last else None)
+        return (output if self.last else None), target
+
     def evaluate(self, run: Run, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One evaluation batch through the stages; its loss sent from the last stage to the others."""
         loss = self._run(batch, 1, training=False)

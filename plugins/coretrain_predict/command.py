@@ -75,5 +75,6 @@ def predict(args: argparse.Namespace) -> int:
         "plugins.early-stopping.enabled=false",
     ]
     coretrain.train(args.config, overrides=sets, plugins={"predict": predictor})
-    print(f"predict: {predictor.written}")
+    if predictor.written:  # rank 0 wrote the file
+        print(f"predict: {predictor.written}")
     return 0

@@ -33,6 +33,20 @@ class PredictSpecs(Protocol):
         """
 
     @hookspec(firstresult=True)
+    def predict_outputs(self, run: Run, batch: Any) -> tuple[Any, Any] | None:
+        """The model's outputs for one batch, for a model that cannot be called on it whole (a
+        spec of coretrain-plugins since hook API 1.11: a pipeline's stages).
+
+        Args: ``batch`` — as ``predict_step`` gets it (not prompts).
+        May change: nothing; the model is in eval mode, gradients off.
+        Returns: (outputs, target or None) as ``coretrain.model_outputs`` gives them; on a rank
+        whose part of the model produces no outputs (``run.reports_loss`` false: a pipeline's
+        stages before the last), (None, target) — its records are not written. None leaves the
+        forward to ``coretrain.model_outputs``.
+        Ranks: every rank, for each batch (the stages of a pipeline run it together).
+        """
+
+    @hookspec(firstresult=True)
     def write_predictions(self, run: Run, records: list[dict[str, Any]], path: Path) -> str | None:
         """Write every sample's record to ``path`` (``coretrain predict --out PATH``; hook API 1.8).
 

@@ -90,8 +90,12 @@ class Predictor:
         model trained with ``model.loss = "cross_entropy"``, the outputs themselves, the target."""
         if isinstance(batch, dict) and "prompt" in batch:
             return None  # text in: only a model that generates can answer
-        output, target = model_outputs(run, batch)
+        hooks = cast(PredictSpecs, run.plugins.calls.hook)
+        own = hooks.predict_outputs(run=run, batch=batch) if run.plugins.implemented("predict_outputs") else None
+        output, target = own or model_outputs(run, batch)
         size = len(target) if target is not None else batch_size(batch)
+        if not run.reports_loss:  # a part of the model without outputs: placeholders, not written
+            return [{} for _ in range(size)]
         values = per_sample(output, size)
         if run.config.model.loss == "cross_entropy" and "output" in values:  # class ids (per position for an LM)
             values = {"prediction": values["output"].argmax(-1), **values}
@@ -178,10 +182,10 @@ def plain(value: torch.Tensor) -> Any:
 
 def gather(run: Run, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every rank's records on rank 0 (one object gather; the ranks of a tensor-parallel group
-    predicted the same samples: their first rank's copy is kept)."""
+    predicted the same samples: their first rank's copy is kept; a pipeline's last stage's)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return records
     everyone: list[Any] = [None] * run.dist.world_size
-    torch.distributed.all_gather_object(everyone, (run.dist.dp_rank, records))
-    by_replica = dict(everyone[::-1])  # the first rank of each data-parallel replica wins
+    torch.distributed.all_gather_object(everyone, (run.dist.dp_rank, records if run.reports_loss else None))
+    by_replica = dict(part for part in everyone[::-1] if part[1] is not None)  # each replica's first that has them
     return [record for _, mine in sorted(by_replica.items()) for record in mine]
