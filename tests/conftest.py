@@ -324,3 +324,21 @@ def text_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     datasets.Dataset.from_dict({"body": PROSE}).to_parquet(str(root / "prose.parquet"))
     return {"code": root / "code.jsonl", "prose": root / "prose.txt", "parquet": root / "prose.parquet"}
+
+
+def train_llama(
+    tmp_path: Path, layouts: Mapping[str, Mapping[str, Any]], train: Mapping[str, Any], **config: Any
+) -> None:
+    """A tiny Llama (the hf provider, built from its config: 4 query heads on 2 key/value heads,
+    ``config`` on top) trained on the GPT preset's data in each layout, by name: ``{}`` on one
+    rank, any other ``[distributed]`` table on 2 torchrun ranks; output in ``tmp_path / name``."""
+    from test_distributed import torchrun
+
+    llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    llama |= {"num_attention_heads": 4, "num_key_value_heads": 2, **config}
+    for name, distributed in layouts.items():
+        preset = gpt_preset(tmp_path / name)
+        preset["model"] = {"provider": "hf", "options": {"config": llama}}
+        path = config_file(tmp_path / f"{name}.toml", preset, {"distributed": dict(distributed)}, **train)
+        result = run_train(str(path), cwd=tmp_path) if not distributed else torchrun("run", str(path), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr

@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_train
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_train, train_llama
 
 from coretrain import UserError
-from coretrain.testing import run_steps
 
 TRAIN = {"micro_batch_size": 4, "train_iters": 12, "log_interval": 3, "eval_iters": 1, "eval_interval": 6}
 
@@ -52,13 +51,6 @@ def test_sequences_split_over_two_ranks_train_like_one_rank_and_resume_on_data_p
         assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(one, split_losses)), (name, split_losses)
 
 
-def test_more_context_parallel_ranks_than_there_are_is_one_error(tmp_path: Path) -> None:
-    preset = gpt_preset(tmp_path)
-    config = {name: preset[name] for name in ("model", "data", "optimizer")} | {"distributed": {"cp_size": 2}}
-    with pytest.raises(UserError, match=r"distributed.cp_size \(2\) must divide ranks / tp_size \(1\)"):
-        run_steps(tmp_path, steps=1, config=config)
-
-
 def test_a_sequence_the_chunks_cannot_divide_is_one_error() -> None:
     from types import SimpleNamespace
 
@@ -79,17 +71,7 @@ def test_a_hugging_face_llama_split_over_two_ranks_trains_like_one_rank(tmp_path
     """Through transformers' own attention registry: rotary positions per chunk, grouped-query
     attention (4 query heads on 2 key/value heads) over every rank's keys and values."""
     pytest.importorskip("transformers")
-    from test_distributed import torchrun
-
-    llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
-    llama |= {"num_attention_heads": 4, "num_key_value_heads": 2}
-    runs = {}
-    for name, distributed in (("one", {}), ("cp", {"cp_size": 2})):
-        preset = gpt_preset(tmp_path / name)
-        preset["model"] = {"provider": "hf", "options": {"config": llama}}
-        config = config_file(tmp_path / f"{name}.toml", preset, {"distributed": distributed}, **TRAIN)
-        result = run_train(str(config), cwd=tmp_path) if not distributed else torchrun("run", str(config), cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
-        runs[name] = losses(tmp_path / name)
+    train_llama(tmp_path, {"one": {}, "cp": {"cp_size": 2}}, TRAIN)
+    runs = {name: losses(tmp_path / name) for name in ("one", "cp")}
     assert [s for s, _ in runs["cp"]] == [s for s, _ in runs["one"]]
     assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(runs["one"], runs["cp"])), runs

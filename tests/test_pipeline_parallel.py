@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_here, run_train
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_here, run_train, train_llama
 
 from coretrain import UserError
 from coretrain.testing import run_steps
@@ -104,10 +104,11 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
         assert all(b == pytest.approx(a, rel=1e-5) for (_, _, a), (_, _, b) in zip(one, split)), (name, split)
 
 
-def test_more_pipeline_stages_than_ranks_is_one_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("key", "rest"), [("cp_size", "ranks / tp_size"), ("pp_size", "ranks / tp_size / cp_size")])
+def test_more_context_or_pipeline_ranks_than_there_are_is_one_error(tmp_path: Path, key: str, rest: str) -> None:
     preset = gpt_preset(tmp_path)
-    config = {name: preset[name] for name in ("model", "data", "optimizer")} | {"distributed": {"pp_size": 2}}
-    with pytest.raises(UserError, match=r"distributed.pp_size \(2\) must divide ranks / tp_size / cp_size \(1\)"):
+    config = {name: preset[name] for name in ("model", "data", "optimizer")} | {"distributed": {key: 2}}
+    with pytest.raises(UserError, match=rf"distributed.{key} \(2\) must divide {rest} \(1\)"):
         run_steps(tmp_path, steps=1, config=config)
 
 
@@ -156,17 +157,7 @@ def test_a_hugging_face_llama_cut_into_stages_trains_like_one_rank(tmp_path: Pat
     """By decoder layer, rotary positions on every stage, grouped-query attention; with the head
     tied to the embedding, the two stages that hold them sum its gradient."""
     pytest.importorskip("transformers")
-    from test_distributed import torchrun
-
-    llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4}
-    llama |= {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": tied}
-    runs = {}
-    for name, distributed in (("one", {}), ("pp", {"pp_size": 2})):
-        preset = gpt_preset(tmp_path / name)
-        preset["model"] = {"provider": "hf", "options": {"config": llama}}
-        config = config_file(tmp_path / f"{name}.toml", preset, {"distributed": distributed}, **TRAIN)
-        result = run_train(str(config), cwd=tmp_path) if not distributed else torchrun("run", str(config), cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
-        runs[name] = losses(tmp_path / name)
+    train_llama(tmp_path, {"one": {}, "pp": {"pp_size": 2}}, TRAIN, num_hidden_layers=4, tie_word_embeddings=tied)
+    runs = {name: losses(tmp_path / name) for name in ("one", "pp")}
     assert [(s, k) for s, k, _ in runs["pp"]] == [(s, k) for s, k, _ in runs["one"]]
     assert all(b == pytest.approx(a, rel=1e-5) for (_, _, a), (_, _, b) in zip(runs["one"], runs["pp"])), runs
