@@ -84,7 +84,8 @@ def mesh_dims(info: DistInfo) -> dict[str, int]:
 
 def device_mesh(device_type: str, info: DistInfo) -> Any:
     """The run's DeviceMesh, built once, with :func:`mesh_dims`; "dp" always names every
-    data-parallel rank (with HSDP, the two dims flattened into one), "dp_tp" all ranks with TP.
+    data-parallel rank (with HSDP, the two dims flattened into one), "dp_tp" all ranks with TP,
+    "dp_cp" (and with HSDP "dp_shard_cp") the data and context ranks.
 
     Parallelism plugins share it (FSDP2 shards over ``mesh["dp"]``, tensor parallelism splits
     over ``mesh["tp"]``): a 2-D layout works only when both come from one mesh. Every rank must
@@ -98,15 +99,14 @@ def device_mesh(device_type: str, info: DistInfo) -> Any:
             dist.init_process_group("gloo" if device_type == "cpu" else "nccl", rank=0, world_size=1, store=store)
         dims = mesh_dims(info)
         _mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
-        data_parallel = tuple(name for name in dims if name.startswith("dp"))
-        if len(data_parallel) > 1:
-            _mesh[data_parallel]._flatten("dp")
-        if info.cp_size > 1:  # the ranks that average gradients: every batch and every chunk of it
-            _mesh[(*data_parallel, "cp")]._flatten("dp_cp")
-        if info.tp_size > 1:
-            # one group over all dims (torchtitan does the same): a norm partial on both, as
-            # gradient clipping has, is then reduced once instead of once per dimension
-            _mesh[(*data_parallel, "tp")]._flatten("dp_tp")
+        data = tuple(name for name in dims if name.startswith("dp"))
+        # "dp_cp": the ranks that average gradients, every batch and every chunk of it (with HSDP
+        # a replica's "dp_shard_cp"); "dp_tp": one group over both (torchtitan's too), so that a
+        # norm partial on both, as gradient clipping has, is reduced once, not once per dim
+        flat = {"dp": data, "dp_cp": (*data, "cp"), "dp_shard_cp": ("dp_shard", "cp"), "dp_tp": (*data, "tp")}
+        for name, parts in flat.items():
+            if len(parts) > 1 and all(part in dims for part in parts):
+                _mesh[parts]._flatten(name)
     return _mesh
 
 

@@ -1,6 +1,6 @@
 """Context parallelism: each sequence split over 2 gloo ranks (load-balanced chunks, keys and
-values gathered) trains the losses of one rank, with DDP and as CP 2 × FSDP 2 on 4 ranks, and
-resumes on DP 2."""
+values gathered) trains the losses of one rank, with DDP and as CP 2 × FSDP 2 and CP 2 × HSDP on
+4 ranks, and resumes on DP 2."""
 
 from __future__ import annotations
 
@@ -26,10 +26,8 @@ def losses(out: Path) -> list[tuple[int, float]]:
     return [(row["step"], row.get("loss", row.get("valid/loss"))) for row in metrics_rows(out)]
 
 
-@pytest.mark.slow  # torchrun with 2 gloo ranks
+@pytest.mark.slow  # torchrun with 2 and 4 gloo ranks
 def test_sequences_split_over_two_ranks_train_like_one_rank_and_resume_on_data_parallel(tmp_path: Path) -> None:
-    from test_distributed import torchrun
-
     assert run_train(str(write(tmp_path, "one", {})), cwd=tmp_path).returncode == 0
     # CP 2 with DDP, and CP 2 → DP 2 (the same global batch: one micro-batch of 2 per rank), in
     # one torchrun job (its start-up paid once); CP 2 × FSDP 2 on 4 ranks
@@ -41,11 +39,12 @@ def test_sequences_split_over_two_ranks_train_like_one_rank_and_resume_on_data_p
     ]
     job = in_one_job(tmp_path, 2, jobs, "cp")
     assert "each sequence of 32 positions over 2 ranks, 16 positions each" in job.stderr
-    four = write(tmp_path, "cp_fsdp", {"cp_size": 2, "strategy": "fsdp"})
-    result = torchrun("run", str(four), "--set", "train.micro_batch_size=2", cwd=tmp_path, nproc=4)
-    assert result.returncode == 0, result.stderr
+    # CP 2 × FSDP 2, and CP 2 × HSDP (2 replicas of 1 shard: FSDP over shard × context ranks)
+    layouts = {"cp_fsdp": {"cp_size": 2, "strategy": "fsdp"}, "cp_hsdp": {"cp_size": 2, "dp_replicate": 2}}
+    four = [["run", str(write(tmp_path, n, d)), "--set", "train.micro_batch_size=2"] for n, d in layouts.items()]
+    in_one_job(tmp_path, 4, four, "cp4")
     one = losses(tmp_path / "one")
-    for name in ("cp", "cp_then_dp", "cp_fsdp"):
+    for name in ("cp", "cp_then_dp", "cp_fsdp", "cp_hsdp"):
         split_losses = losses(tmp_path / name)
         assert [s for s, _ in split_losses] == [s for s, _ in one]
         assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(one, split_losses)), (name, split_losses)

@@ -125,8 +125,8 @@ class ContextParallel:
             raise UserError(
                 f"distributed.cp_size ({cp}) must cut the sequence length ({seq}) into 2 × cp_size equal chunks"
             )
-        if run.dist.tp_size > 1 or run.dist.dp_replicate > 1:
-            raise UserError(f"distributed.cp_size ({cp}) does not compose with tp_size or dp_replicate yet")
+        if run.dist.tp_size > 1:
+            raise UserError(f"distributed.cp_size ({cp}) does not compose with tp_size yet")
         mesh = run.device_mesh()["cp"]
         rank = mesh.get_local_rank()
         attention = GatheredAttention(mesh.get_group(), cp, rank, seq, run.device)

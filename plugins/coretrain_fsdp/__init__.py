@@ -60,14 +60,14 @@ class FSDP:
         if self.cpu_offload and not cuda and run.dist.is_main:
             log.info("fsdp: cpu_offload on a CPU run keeps the state where it already is (no memory saved)")
         mesh = run.device_mesh()
-        hsdp = "dp_replicate" in (mesh.mesh_dim_names or ())
+        hsdp, cp = "dp_replicate" in (mesh.mesh_dim_names or ()), run.dist.cp_size > 1
         if hsdp and run.dist.is_main:
             replicas, shards = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
             log.info("fsdp: HSDP, %d replicas each sharded over %d ranks", replicas, shards)
         options = {
             # HSDP: a 2-D mesh, replicated over the first dim and sharded over the second; with
             # tensor parallelism the "tp" splits stay inside the parameters' DTensors
-            "mesh": mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_cp" if run.dist.cp_size > 1 else "dp"],
+            "mesh": mesh[("dp_replicate", "dp_shard_cp" if cp else "dp_shard") if hsdp else "dp_cp" if cp else "dp"],
             "reshard_after_forward": self.reshard_after_forward,
             "offload_policy": CPUOffloadPolicy(pin_memory=cuda) if self.cpu_offload else OffloadPolicy(),
             "mp_policy": MixedPrecisionPolicy(
