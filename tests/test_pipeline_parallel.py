@@ -52,12 +52,17 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     ]
     in_one_job(tmp_path, 4, four, "pp4")
     resumed = write(tmp_path, "resumed", {"pp_size": 2})
+    signalled = write(tmp_path, "signalled", {"pp_size": 2})  # SIGTERM on the last stage alone: an agreed stop
+    sigterm = ["--set", 'plugins.fault-injection.action="sigterm"', "--set", "plugins.fault-injection.step=5"]
+    sigterm += ["--set", "plugins.fault-injection.ranks=[1]"]
     from_pp = write(tmp_path, "from_pp", {"pp_size": 2})
     jobs = [
         ["run", str(write(tmp_path, "pp", {"pp_size": 2}))],
         ["run", str(write(tmp_path, "gpipe", {"pp_size": 2}, pp_schedule="GPipe", pp_microbatches=2, pp_split=[1, 3]))],
         ["run", str(resumed), "--set", "train.exit_interval=12"],
         ["run", str(resumed)],
+        {"args": ["run", str(signalled), *sigterm], "expect": 128 + 15},
+        ["run", str(signalled)],
         ["run", str(to_pp), "--set", "distributed.pp_size=2"],
         ["run", str(from_pp), "--set", "train.exit_interval=12"],
         ["run", str(pp_tp), "--set", "distributed.tp_size=1"],
@@ -85,19 +90,7 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     assert len(predicted["one"]) > 100 and predicted["pp"] == predicted["one"]
     one = losses(tmp_path / "one")
     assert [key for _, key, _ in one].count("valid/loss") == 2
-    names = (
-        "pp",
-        "gpipe",
-        "resumed",
-        "to_pp",
-        "from_pp",
-        "pp4",
-        "pp2dp2",
-        "pp_hsdp",
-        "pp_tp",
-        "recomputed",
-        "compiled",
-    )
+    names = "pp gpipe resumed signalled to_pp from_pp pp4 pp2dp2 pp_hsdp pp_tp recomputed compiled".split()
     for name in names:
         split = losses(tmp_path / name)
         assert [(s, k) for s, k, _ in split] == [(s, k) for s, k, _ in one], name
