@@ -7,6 +7,7 @@ import gc
 import io
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -331,7 +332,8 @@ def train_llama(
 ) -> None:
     """A tiny Llama (the hf provider, built from its config: 4 query heads on 2 key/value heads,
     ``config`` on top) trained on the GPT preset's data in each layout, by name: ``{}`` on one
-    rank, any other ``[distributed]`` table on 2 torchrun ranks; output in ``tmp_path / name``."""
+    rank, any other ``[distributed]`` table on as many torchrun ranks as its sizes multiply to (2 at
+    least); output in ``tmp_path / name``."""
     from test_distributed import torchrun
 
     llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
@@ -340,5 +342,8 @@ def train_llama(
         preset = gpt_preset(tmp_path / name)
         preset["model"] = {"provider": "hf", "options": {"config": llama}}
         path = config_file(tmp_path / f"{name}.toml", preset, {"distributed": dict(distributed)}, **train)
-        result = run_train(str(path), cwd=tmp_path) if not distributed else torchrun("run", str(path), cwd=tmp_path)
+        ranks = max(2, math.prod(size for key, size in distributed.items() if key.endswith("_size")))
+        result = (
+            torchrun("run", str(path), cwd=tmp_path, nproc=ranks) if distributed else run_train(str(path), cwd=tmp_path)
+        )
         assert result.returncode == 0, result.stderr

@@ -39,18 +39,29 @@ def test_sequences_split_over_two_ranks_train_like_one_rank_and_resume_on_data_p
     ]
     job = in_one_job(tmp_path, 2, jobs, "cp")
     assert "each sequence of 32 positions over 2 ranks, 16 positions each" in job.stderr
-    # CP 2 × FSDP 2, and CP 2 × HSDP (2 replicas of 1 shard: FSDP over shard × context ranks)
+    # CP 2 × FSDP 2, CP 2 × HSDP (2 replicas of 1 shard: FSDP over shard × context ranks), CP 2 × TP 2
     layouts = {"cp_fsdp": {"cp_size": 2, "strategy": "fsdp"}, "cp_hsdp": {"cp_size": 2, "dp_replicate": 2}}
     four = [["run", str(write(tmp_path, n, d)), "--set", "train.micro_batch_size=2"] for n, d in layouts.items()]
+    # heads over TP, each rank's positions over CP and again over TP: one data-parallel rank, micro-batches of 4
+    four.append(["run", str(write(tmp_path, "cp_tp", {"cp_size": 2, "tp_size": 2}))])
     in_one_job(tmp_path, 4, four, "cp4")
     one = losses(tmp_path / "one")
-    for name in ("cp", "cp_then_dp", "cp_fsdp", "cp_hsdp"):
+    for name in ("cp", "cp_then_dp", "cp_fsdp", "cp_hsdp", "cp_tp"):
         split_losses = losses(tmp_path / name)
         assert [s for s, _ in split_losses] == [s for s, _ in one]
         assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(one, split_losses)), (name, split_losses)
 
 
-def test_a_sequence_the_chunks_cannot_divide_is_one_error() -> None:
+@pytest.mark.parametrize(
+    ("seq_length", "tp", "message"),
+    [
+        (30, 1, r"cp_size \(2\) must cut the sequence length \(30\) into 2 × cp_size equal chunks"),
+        (24, 5, r"distributed.tp_size \(5\) must divide each rank's 12 positions"),
+    ],
+)
+def test_a_sequence_the_chunks_or_tensor_parallelism_cannot_divide_is_one_error(
+    seq_length: int, tp: int, message: str
+) -> None:
     from types import SimpleNamespace
 
     from coretrain_context_parallel import ContextParallel
@@ -58,19 +69,22 @@ def test_a_sequence_the_chunks_cannot_divide_is_one_error() -> None:
 
     model = GPT(GPTConfig(vocab_size=256, block_size=30, n_layer=1, n_head=2, n_embd=8, dropout=0.0, bias=False))
     run = SimpleNamespace(
-        config=SimpleNamespace(distributed=SimpleNamespace(cp_size=2)), datasets=SimpleNamespace(seq_length=30)
+        config=SimpleNamespace(distributed=SimpleNamespace(cp_size=2)),
+        datasets=SimpleNamespace(seq_length=seq_length),
+        dist=SimpleNamespace(tp_size=tp),
     )
     run.model = model
-    with pytest.raises(UserError, match=r"cp_size \(2\) must cut the sequence length \(30\) into 2 × cp_size equal"):
+    with pytest.raises(UserError, match=message):
         ContextParallel().configure_model(run=run)  # type: ignore[arg-type]
 
 
-@pytest.mark.slow  # torchrun with 2 gloo ranks
+@pytest.mark.slow  # torchrun with 2 and 4 gloo ranks
 def test_a_hugging_face_llama_split_over_two_ranks_trains_like_one_rank(tmp_path: Path) -> None:
     """Through transformers' own attention registry: rotary positions per chunk, grouped-query
     attention (4 query heads on 2 key/value heads) over every rank's keys and values."""
     pytest.importorskip("transformers")
-    train_llama(tmp_path, {"one": {}, "cp": {"cp_size": 2}}, TRAIN)
-    runs = {name: losses(tmp_path / name) for name in ("one", "cp")}
-    assert [s for s, _ in runs["cp"]] == [s for s, _ in runs["one"]]
-    assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(runs["one"], runs["cp"])), runs
+    train_llama(tmp_path, {"one": {}, "cp": {"cp_size": 2}, "cp_tp": {"cp_size": 2, "tp_size": 2}}, TRAIN)
+    runs = {name: losses(tmp_path / name) for name in ("one", "cp", "cp_tp")}
+    for name in ("cp", "cp_tp"):  # CP 2, and CP 2 × TP 2 with transformers' own plan on 4 ranks
+        assert [s for s, _ in runs[name]] == [s for s, _ in runs["one"]]
+        assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(runs["one"], runs[name])), runs

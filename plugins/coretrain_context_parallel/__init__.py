@@ -125,8 +125,8 @@ class ContextParallel:
             raise UserError(
                 f"distributed.cp_size ({cp}) must cut the sequence length ({seq}) into 2 × cp_size equal chunks"
             )
-        if run.dist.tp_size > 1:
-            raise UserError(f"distributed.cp_size ({cp}) does not compose with tp_size yet")
+        if (seq // cp) % run.dist.tp_size:  # tensor parallelism splits a rank's positions again
+            raise UserError(f"distributed.tp_size ({run.dist.tp_size}) must divide each rank's {seq // cp} positions")
         mesh = run.device_mesh()["cp"]
         rank = mesh.get_local_rank()
         attention = GatheredAttention(mesh.get_group(), cp, rank, seq, run.device)
