@@ -40,6 +40,11 @@ def losses(out: Path) -> list[tuple[int, str, float]]:
 def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Path) -> None:
     one_config = write(tmp_path, "one", {})
     assert run_train(str(one_config), cwd=tmp_path).returncode == 0
+    veto = ["--set", 'plugins.fault-injection.action="skip"', "--set", "plugins.fault-injection.step=5"]
+    skipped_once = write(tmp_path, "one_skipped", {})  # step 5's update vetoed
+    assert (
+        run_train(str(skipped_once), *veto, "--set", "plugins.fault-injection.ranks=[0]", cwd=tmp_path).returncode == 0
+    )
     predict = ["predict", str(one_config), "--set", 'model.loss="cross_entropy"', "--split", "valid", "--out"]
     to_pp = write(tmp_path, "to_pp", {})  # 1 rank → PP 2: a replicated checkpoint into two stages
     assert run_train(str(to_pp), "--set", "train.exit_interval=12", cwd=tmp_path).returncode == 0
@@ -62,6 +67,8 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
         ["run", str(resumed), "--set", "train.exit_interval=12"],
         ["run", str(resumed)],
         {"args": ["run", str(signalled), *sigterm], "expect": 128 + 15},
+        # the last stage alone vetoes step 5's update (as a guard seeing its loss would): both skip it
+        ["run", str(write(tmp_path, "skipped", {"pp_size": 2})), *veto, "--set", "plugins.fault-injection.ranks=[1]"],
         ["run", str(signalled)],
         ["run", str(to_pp), "--set", "distributed.pp_size=2"],
         ["run", str(from_pp), "--set", "train.exit_interval=12"],
@@ -91,10 +98,12 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     one = losses(tmp_path / "one")
     assert [key for _, key, _ in one].count("valid/loss") == 2
     names = "pp gpipe resumed signalled to_pp from_pp pp4 pp2dp2 pp_hsdp pp_tp recomputed compiled".split()
-    for name in names:
-        split = losses(tmp_path / name)
-        assert [(s, k) for s, k, _ in split] == [(s, k) for s, k, _ in one], name
-        assert all(b == pytest.approx(a, rel=1e-5) for (_, _, a), (_, _, b) in zip(one, split)), (name, split)
+    for name, reference in [*((name, "one") for name in names), ("skipped", "one_skipped")]:
+        expected, split = losses(tmp_path / reference), losses(tmp_path / name)
+        assert [(s, k) for s, k, _ in split] == [(s, k) for s, k, _ in expected], name
+        assert all(b == pytest.approx(a, rel=1e-5) for (_, _, a), (_, _, b) in zip(expected, split)), (name, split)
+    assert max(row.get("skipped_updates", 0) for row in metrics_rows(tmp_path / "skipped")) == 1
+    assert losses(tmp_path / "skipped")[6:9] != losses(tmp_path / "one")[6:9]  # the skip changed what followed
 
 
 @pytest.mark.parametrize(("key", "rest"), [("cp_size", "ranks / tp_size"), ("pp_size", "ranks / tp_size / cp_size")])

@@ -2,8 +2,10 @@
 
 At a chosen step (or at random with a seeded probability per step), on chosen ranks, before
 the step starts: ``hang`` (sleep until killed), ``raise`` (an exception, as a bug would),
-``sigkill`` / ``sigterm`` (the signal to this process), or ``sleep`` (a slow rank; with
-``every_step`` from that step on). Used by the straggler, signal and restart tests.
+``sigkill`` / ``sigterm`` (the signal to this process), ``sleep`` (a slow rank; with
+``every_step`` from that step on), or ``skip`` (veto that step's update, as a guard that saw a
+bad loss on this rank alone would: the ranks agree, and every one skips it). Used by the
+straggler, signal, restart and agreement tests.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ log = logging.getLogger("coretrain")
 class FaultInjection:
     """Hang, raise, SIGKILL, SIGTERM or sleep on chosen ranks at a chosen or random step."""
 
-    action: Literal["hang", "raise", "sigkill", "sigterm", "sleep"]
+    action: Literal["hang", "raise", "sigkill", "sigterm", "sleep", "skip"]
     """What goes wrong."""
     step: int | None = None
     """The step it happens at (before the step runs)."""
@@ -40,6 +42,12 @@ class FaultInjection:
     every_step: bool = False
     """For action = "sleep": sleep on every step from `step` on."""
     _rng: random.Random | None = field(default=None, init=False, repr=False)
+    _veto_at: int | None = field(default=None, init=False, repr=False)
+
+    @property
+    def coretrain_vetoes_updates(self) -> bool:
+        """With ``skip``, this plugin vetoes updates: the ranks agree on its veto every step."""
+        return self.action == "skip"
 
     def _due(self, rank: int, step: int) -> bool:
         if self.ranks and rank not in self.ranks:
@@ -58,7 +66,9 @@ class FaultInjection:
             return
         if self.action != "sleep" or not self.every_step or step == self.step:
             log.warning("fault-injection: %s on rank %d at step %d", self.action, run.dist.rank, step)
-        if self.action == "sleep":
+        if self.action == "skip":
+            self._veto_at = step
+        elif self.action == "sleep":
             time.sleep(self.sleep_seconds)
         elif self.action == "hang":
             while True:
@@ -67,3 +77,8 @@ class FaultInjection:
             raise RuntimeError(f"fault-injection: raised on rank {run.dist.rank} at step {step}")
         else:
             os.kill(os.getpid(), signal.SIGKILL if self.action == "sigkill" else signal.SIGTERM)
+
+    @hookimpl
+    def before_update(self, run: Run, step: int) -> None:
+        if step == self._veto_at:
+            run.control.skip_update(f"fault-injection on rank {run.dist.rank}")
