@@ -194,6 +194,10 @@ class Run:
     flops_per_sample: float | None = None
     """Training FLOPs (forward + backward) of one sample, for plugins that report throughput; set
     before any wrapper by the plugin that counts them (``timers``), None when none does."""
+    model_parts: list[torch.nn.Module] = field(factory=list)
+    """The modules the model's forward runs through when it is not ``run.model`` itself (a
+    pipeline's stages on this rank, sharing ``run.model``'s submodules, which keep the names):
+    plugins that wrap a forward (FSDP's roots, compile) wrap each. Empty: ``run.model``."""
     reports_loss: bool = True
     """False on a rank whose part of the model computes no loss (a pipeline's stages before the
     last, ``forward_backward``): its step's loss is a placeholder, left out of the logged means."""

@@ -57,6 +57,8 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     ]
     in_one_job(tmp_path, 4, four, "pp4")
     resumed = write(tmp_path, "resumed", {"pp_size": 2})
+    interleaved = write(tmp_path, "interleaved", {"pp_size": 2})
+    looped = ["--set", 'plugins.pipeline-parallel.pp_schedule="Interleaved1F1B"']
     signalled = write(tmp_path, "signalled", {"pp_size": 2})  # SIGTERM on the last stage alone: an agreed stop
     sigterm = ["--set", 'plugins.fault-injection.action="sigterm"', "--set", "plugins.fault-injection.step=5"]
     sigterm += ["--set", "plugins.fault-injection.ranks=[1]"]
@@ -66,6 +68,10 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
         ["run", str(write(tmp_path, "gpipe", {"pp_size": 2}, pp_schedule="GPipe", pp_microbatches=2, pp_split=[1, 3]))],
         ["run", str(resumed), "--set", "train.exit_interval=12"],
         ["run", str(resumed)],
+        # two stages per rank (4 of one block each), run as torch's interleaved 1F1B; stopped, then
+        # resumed on one stage per rank
+        ["run", str(interleaved), *looped, "--set", "train.exit_interval=12"],
+        ["run", str(interleaved)],
         {"args": ["run", str(signalled), *sigterm], "expect": 128 + 15},
         # the last stage alone vetoes step 5's update (as a guard seeing its loss would): both skip it
         ["run", str(write(tmp_path, "skipped", {"pp_size": 2})), *veto, "--set", "plugins.fault-injection.ranks=[1]"],
@@ -89,6 +95,7 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     ]
     job = in_one_job(tmp_path, 2, jobs, "pp")
     assert "pipeline-parallel: 2 stages of [2, 2] blocks, 1F1B schedule" in job.stderr
+    assert "pipeline-parallel: 4 stages of [1, 1, 1, 1] blocks, Interleaved1F1B schedule" in job.stderr
     assert "distributed.pp_size (2) must divide the model's 3 blocks" in job.stderr
     assert "the 1F1B schedule needs at least as many micro-batches per step as stages, and a step has 1" in job.stderr
     assert run_train(str(from_pp), "--set", "distributed.pp_size=1", cwd=tmp_path).returncode == 0  # PP 2 → 1 rank
@@ -97,7 +104,7 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     assert len(predicted["one"]) > 100 and predicted["pp"] == predicted["one"]
     one = losses(tmp_path / "one")
     assert [key for _, key, _ in one].count("valid/loss") == 2
-    names = "pp gpipe resumed signalled to_pp from_pp pp4 pp2dp2 pp_hsdp pp_tp recomputed compiled".split()
+    names = "pp gpipe resumed interleaved signalled to_pp from_pp pp4 pp2dp2 pp_hsdp pp_tp recomputed compiled".split()
     for name, reference in [*((name, "one") for name in names), ("skipped", "one_skipped")]:
         expected, split = losses(tmp_path / reference), losses(tmp_path / name)
         assert [(s, k) for s, k, _ in split] == [(s, k) for s, k, _ in expected], name
@@ -150,7 +157,7 @@ def test_a_model_without_a_stage_split_is_one_error() -> None:
     with pytest.raises(
         UserError, match="the model provider 'mymodels:build' does not cut its object into pipeline stages"
     ):
-        Pipeline.of(run, "1F1B", None, None)
+        Pipeline.of(run, {"schedule": "1F1B", "microbatches": None, "split": None, "virtual": 1})
 
 
 @pytest.mark.slow  # torchrun with 2 gloo ranks
@@ -163,3 +170,12 @@ def test_a_hugging_face_llama_cut_into_stages_trains_like_one_rank(tmp_path: Pat
     runs = {name: losses(tmp_path / name) for name in ("one", "pp")}
     assert [(s, k) for s, k, _ in runs["pp"]] == [(s, k) for s, k, _ in runs["one"]]
     assert all(b == pytest.approx(a, rel=1e-5) for (_, _, a), (_, _, b) in zip(runs["one"], runs["pp"])), runs
+
+
+def test_interleaved_stages_loop_over_the_ranks() -> None:
+    from coretrain_pipeline_parallel.stages import local_stages, stage_sizes
+
+    assert [local_stages("Interleaved1F1B", 4, rank, 2) for rank in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert local_stages("1F1B", 4, 2, 2) == [2]
+    with pytest.raises(UserError, match=r"distributed.pp_size \(4\) × 2 stages per rank must divide the model's 12"):
+        stage_sizes(12, 8, None, per_rank=2)

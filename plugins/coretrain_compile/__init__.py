@@ -32,5 +32,6 @@ class Compile:
 
     @hookimpl
     def configure_model(self, run: Run) -> None:
-        run.model.compile(mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic, backend=self.backend)
+        for part in run.model_parts or [run.model]:  # a pipeline's stages on this rank: each
+            part.compile(mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic, backend=self.backend)
         log.info("compile: model compiled with mode=%s backend=%s (first step compiles)", self.mode, self.backend)

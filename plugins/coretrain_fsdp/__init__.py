@@ -79,6 +79,7 @@ class FSDP:
         # parameters already spread over this mesh (expert parallelism's experts) stay as they are
         if spread := {p for p in run.model.parameters() if getattr(p, "device_mesh", None) == options["mesh"]}:
             options["ignored_params"] = spread
-        for block in blocks_of(run.model, self.block_types):
-            fully_shard(block, **options)
-        fully_shard(run.model, **options)
+        for part in run.model_parts or [run.model]:  # a pipeline's stages on this rank: a root each
+            for block in blocks_of(part, self.block_types):
+                fully_shard(block, **options)
+            fully_shard(part, **options)

@@ -4,7 +4,7 @@ other ranks, micro-batches flowing through them on ``torch.distributed.pipelinin
     [distributed]
     pp_size = 2                 # data parallel = ranks / pp_size / tp_size / cp_size
     [plugins.pipeline-parallel]
-    pp_schedule = "1F1B"        # or "GPipe"
+    pp_schedule = "1F1B"        # or "GPipe", or "Interleaved1F1B" (pp_virtual_stages per rank)
     pp_microbatches = 8         # unset: the step's micro-batches (its gradient accumulation)
     pp_split = [3, 5]           # blocks per stage; unset: as many on each
 
@@ -12,6 +12,12 @@ The model provider cuts its model (hook ``pipeline_split``: the ``gpt`` provider
 block, embeddings on the first stage, norm, head and loss on the last), keeping each
 parameter's name, so a checkpoint saved on one layout resumes on any other. Stages run on
 FSDP2 (over their data-parallel ranks, one or more), which makes the checkpoint sharded by name.
+With Interleaved1F1B each rank holds ``pp_virtual_stages`` stages (rank r: stages r, r + pp_size,
+...): ``run.model`` holds all of them under their names, and each stage is a view sharing its
+modules (``run.model_parts``), which FSDP2 shards as a root of its own. The zero-bubble
+schedules (ZBVZeroBubble, DualPipeV) split each backward into input and weight halves, which
+these FSDP2-sharded stages do not combine correctly yet (a V-shaped rank loses the head's
+weight gradient): not offered.
 
 The step's loss is the last stage's (the other stages log none: ``run.reports_loss``); the
 gradient norm for clipping is taken over every stage; a weight the model ties across the first
@@ -41,9 +47,12 @@ log = logging.getLogger("coretrain")
 class PipelineParallel:
     """Cut the model into stages over distributed.pp_size ranks; run each step as a pipeline schedule."""
 
-    pp_schedule: Literal["1F1B", "GPipe"] = "1F1B"
+    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B"
     """The schedule: 1F1B (one forward, one backward: activations of at most pp_size
-    micro-batches held) or GPipe (all forwards, then all backwards)."""
+    micro-batches held), GPipe (all forwards, then all backwards), or Interleaved1F1B
+    (pp_virtual_stages stages per rank, looped over the ranks: a smaller bubble)."""
+    pp_virtual_stages: int = field(default=2, validator=positive)
+    """Stages per rank with Interleaved1F1B (torch's interleaved schedule)."""
     pp_microbatches: int | None = field(default=None, validator=positive)
     """Micro-batches each step's batch is cut into for the pipeline; unset = the step's
     micro-batches (train.global_batch_size / micro_batch_size / data parallel)."""
@@ -57,7 +66,8 @@ class PipelineParallel:
     def configure_model(self, run: Run) -> None:
         from coretrain_pipeline_parallel.stages import Pipeline
 
-        self._parts = Pipeline.of(run, self.pp_schedule, self.pp_microbatches, self.pp_split)
+        options = {"schedule": self.pp_schedule, "microbatches": self.pp_microbatches, "split": self.pp_split}
+        self._parts = Pipeline.of(run, {**options, "virtual": self.pp_virtual_stages})
 
     @hookimpl
     def forward_backward(self, run: Run, batches: list[Any]) -> Any:

@@ -24,9 +24,11 @@ class PipelineSpecs(Protocol):
         returned (before any wrapper).
         May change: nothing (the stage built from the answer reuses the model's modules).
         Returns: None when this plugin does not know the model, else a dict: ``layers`` — the
-        number of repeated blocks to place; ``stage(layers: range, first: bool, last: bool)`` —
-        the module holding those blocks (with the embeddings when ``first``, the output head when
-        ``last``), its parameters named as in the whole model so checkpoints stay layout-free;
+        number of repeated blocks to place; ``stage(layers, first: bool, last: bool)`` — the
+        module holding the blocks ``layers`` (their indices, in order), with the embeddings when
+        ``first``, the output head when ``last`` (a rank holding several stages asks for one
+        module over all of them, then one per stage: they share its modules), its parameters
+        named as in the whole model so checkpoints stay layout-free;
         it takes the batch's inputs on the first stage, the previous stage's output on the
         others; ``loss(output, target)`` — the last stage's loss; ``tied`` — pairs of parameter
         names (first stage's, last stage's) that are one weight in the whole model (a tied

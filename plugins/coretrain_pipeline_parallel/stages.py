@@ -1,4 +1,4 @@
-"""This rank's pipeline stage, the schedules that run it, and what crosses stages: the tied
+"""This rank's pipeline stages, the schedules that run them, and what crosses stages: the tied
 weights' gradients, the gradient norm, an evaluation's loss."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("coretrain")
 
-SCHEDULES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}
+SCHEDULES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
 
 
-def stage_sizes(layers: int, stages: int, split: list[int] | None) -> list[int]:
+def stage_sizes(layers: int, stages: int, split: list[int] | None, per_rank: int = 1) -> list[int]:
     """Blocks on each stage: ``split`` as given (checked), else an equal share each."""
     if split is not None:
         if len(split) != stages or sum(split) != layers or min(split) < 1:
@@ -29,79 +29,99 @@ def stage_sizes(layers: int, stages: int, split: list[int] | None) -> list[int]:
             )
         return list(split)
     if layers % stages:
+        many = f" × {per_rank} stages per rank" if per_rank > 1 else ""
         raise UserError(
-            f"distributed.pp_size ({stages}) must divide the model's {layers} blocks, or place them by hand: "
-            "[plugins.pipeline-parallel] pp_split = [...] (blocks per stage)"
+            f"distributed.pp_size ({stages // per_rank}){many} must divide the model's {layers} blocks, or place "
+            "them by hand: [plugins.pipeline-parallel] pp_split = [...] (blocks per stage)"
         )
     return [layers // stages] * stages
 
 
-def tie_group(run: Run, stages: int) -> Any:
-    """The group of this rank's first and last stage (every rank makes every such group, in order)."""
+def local_stages(schedule: str, ranks: int, rank: int, virtual: int) -> list[int]:
+    """The stages this rank holds: one, or ``virtual`` looped over the ranks (interleaved)."""
+    return [rank + k * ranks for k in range(virtual if schedule == "Interleaved1F1B" else 1)]
+
+
+def tie_group(run: Run, ranks: int) -> Any:
+    """The group of this rank's first and last stage's ranks (every rank makes every such group)."""
     mesh = run.device_mesh()
-    if stages == 2:
+    if ranks == 2:
         return mesh["pp"].get_group()
     mine = None
-    for column in mesh.mesh.reshape(stages, -1).T.tolist():
+    for column in mesh.mesh.reshape(ranks, -1).T.tolist():
         group = dist.new_group([column[0], column[-1]])
         mine = group if dist.get_rank() in (column[0], column[-1]) else mine
     return mine
 
 
 class Pipeline:
-    """This rank's stage of the model and the schedules that run it (made at the first step,
-    around the model as its wrappers left it)."""
+    """This rank's stages of the model and the schedules that run them (made at the first step,
+    around the stages as their wrappers left them)."""
 
-    def __init__(
-        self, run: Run, index: int, stages: int, split: dict[str, Any], schedule: str, microbatches: int | None
-    ):
-        self.run, self.index, self.stages = run, index, stages
-        self.first, self.last = index == 0, index == stages - 1
-        self.loss, self.schedule_name, self.microbatches = split["loss"], schedule, microbatches
+    def __init__(self, run: Run, held: list[int], total: int, split: dict[str, Any], options: dict[str, Any]):
+        self.run, self.held, self.total = run, held, total
+        self.first, self.last = 0 in held, total - 1 in held
+        self.loss, self.schedule_name, self.microbatches = split["loss"], options["schedule"], options["microbatches"]
         self.group = run.device_mesh()["pp"].get_group()
-        self.tied = (
-            [pair[0] if self.first else pair[1] for pair in split.get("tied", [])] if self.first or self.last else []
-        )
-        self.tie_group = tie_group(run, stages) if split.get("tied") else None
+        ranks = self.group.size()
+        self.tied = [pair for pair in split.get("tied", []) if self.first or self.last]
+        self.tie_group = tie_group(run, ranks) if split.get("tied") else None
         self._schedules: dict[tuple[int, bool], Any] = {}
 
     @classmethod
-    def of(cls, run: Run, schedule: str, microbatches: int | None, sizes_by_hand: list[int] | None) -> Pipeline:
-        """Cut ``run.model`` into stages and keep this rank's as the run's model."""
+    def of(cls, run: Run, options: dict[str, Any]) -> Pipeline:
+        """Cut ``run.model`` into stages and keep this rank's: as the run's model (one stage) or
+        as its parts over a model holding them all under their names (several)."""
         mesh = run.device_mesh()["pp"]
-        stages, index = mesh.size(), mesh.get_local_rank()
+        ranks, rank, schedule = mesh.size(), mesh.get_local_rank(), options["schedule"]
         hooks = cast("PipelineSpecs", run.plugins.calls.hook)
         split = hooks.pipeline_split(run=run, model=run.model) if run.plugins.implemented("pipeline_split") else None
         if split is None:
             raise UserError(
-                f"distributed.pp_size ({stages}): the model provider '{run.config.model.provider}' does not cut "
+                f"distributed.pp_size ({ranks}): the model provider '{run.config.model.provider}' does not cut "
                 f"its {type(run.model).__name__} into pipeline stages (the gpt provider's model is cut by block)"
             )
-        count = microbatches or run.micro_batches_per_step
-        if schedule == "1F1B" and count < stages:
+        count = options["microbatches"] or run.micro_batches_per_step
+        if schedule == "1F1B" and count < ranks:
             raise UserError(
-                f"distributed.pp_size ({stages}): the 1F1B schedule needs at least as many micro-batches per step as "
+                f"distributed.pp_size ({ranks}): the 1F1B schedule needs at least as many micro-batches per step as "
                 f"stages, and a step has {count} (global_batch_size / micro_batch_size / data parallel, or "
                 '[plugins.pipeline-parallel] pp_microbatches): raise global_batch_size, or use pp_schedule = "GPipe"'
             )
-        sizes = stage_sizes(split["layers"], stages, sizes_by_hand)
-        start = sum(sizes[:index])
-        layers = range(start, start + sizes[index])
-        run.model = split["stage"](layers, index == 0, index == stages - 1)
-        run.reports_loss = index == stages - 1
+        if schedule == "Interleaved1F1B" and count % max(1, count // ranks):
+            raise UserError(
+                f"plugins.pipeline-parallel: the Interleaved1F1B schedule takes the step's {count} micro-batches in "
+                f"rounds of pp_size ({ranks}): make them a multiple of {ranks}, or fewer than {2 * ranks}"
+            )
+        held = local_stages(schedule, ranks, rank, options["virtual"])
+        total = ranks * len(held)
+        sizes = stage_sizes(split["layers"], total, options["split"], len(held))
+        blocks = {s: list(range(sum(sizes[:s]), sum(sizes[: s + 1]))) for s in held}
+        first, last = 0 in held, total - 1 in held
+        run.model = split["stage"](sorted(i for s in held for i in blocks[s]), first, last)
+        if len(held) > 1:  # each stage a view over the run's model, sharing its modules
+            run.model_parts = [split["stage"](blocks[s], s == 0, s == total - 1) for s in held]
+        run.reports_loss = last
         if run.dist.is_main:
-            log.info("pipeline-parallel: %d stages of %s blocks, %s schedule", stages, sizes, schedule)
-        return cls(run, index, stages, split, schedule, microbatches)
+            log.info("pipeline-parallel: %d stages of %s blocks, %s schedule", total, sizes, schedule)
+        return cls(run, held, total, split, options)
+
+    def _parts(self) -> list[torch.nn.Module]:
+        return self.run.model_parts or [self.run.model]
 
     def _schedule(self, count: int, training: bool) -> Any:
-        """The schedule for ``count`` micro-batches (GPipe's forwards alone for an evaluation)."""
+        """The schedule for ``count`` micro-batches (forwards alone, breadth first, for an evaluation)."""
         if (count, training) not in self._schedules:
             from torch.distributed.pipelining import PipelineStage, schedules
 
-            run = self.run
-            stage = PipelineStage(run.model, self.index, self.stages, run.device, group=self.group)
-            kind = getattr(schedules, SCHEDULES[self.schedule_name] if training else "ScheduleGPipe")
-            self._schedules[count, training] = kind(stage, count, loss_fn=self.loss)
+            run, single = self.run, len(self.held) == 1
+            stages = [
+                PipelineStage(part, s, self.total, run.device, group=self.group)
+                for part, s in zip(self._parts(), self.held)
+            ]
+            name = SCHEDULES[self.schedule_name] if training else "ScheduleGPipe" if single else "ScheduleLoopedBFS"
+            kind = getattr(schedules, name)
+            self._schedules[count, training] = kind(stages[0] if single else stages, count, loss_fn=self.loss)
         return self._schedules[count, training]
 
     def _run(self, batch: tuple[torch.Tensor, torch.Tensor], count: int, training: bool) -> torch.Tensor:
@@ -131,7 +151,7 @@ class Pipeline:
             )
         joined = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
         loss = self._run(joined, self.microbatches or len(batches), training=True)
-        for name in self.tied:
+        for name in (a if self.first else b for a, b in self.tied):  # the first stage's rank and the last's
             grad = run.model.get_parameter(name).grad
             if grad is not None:
                 dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.tie_group)
@@ -139,7 +159,7 @@ class Pipeline:
 
     def clip(self, parameters: list[Any], max_norm: float) -> torch.Tensor:
         """Clip to the norm over every stage (a tied weight counted once, on the first stage)."""
-        skip = {id(self.run.model.get_parameter(name)) for name in self.tied} if self.last and not self.first else set()
+        skip = {id(self.run.model.get_parameter(b)) for _, b in self.tied} if self.last else set()
         grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.run.device)
         squared = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float() ** 2
@@ -158,5 +178,7 @@ class Pipeline:
     def evaluate(self, run: Run, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One evaluation batch through the stages; its loss sent from the last stage to the others."""
         loss = self._run(batch, 1, training=False)
-        dist.broadcast(loss, src=dist.get_global_rank(self.group, self.stages - 1), group=self.group)
+        ranks = self.group.size()
+        last_rank = (self.total - 1) % ranks  # the rank holding the last stage
+        dist.broadcast(loss, src=dist.get_global_rank(self.group, last_rank), group=self.group)
         return loss, {}
