@@ -32,8 +32,8 @@ V_SHAPED = (S.ScheduleZBVZeroBubble, S.ScheduleDualPipeV)
 COST = {S.FORWARD: 1, S.FULL_BACKWARD: 2, S.BACKWARD_INPUT: 1, S.BACKWARD_WEIGHT: 1}
 
 
-def actions(kind: Any, ranks: int, per_rank: int, microbatches: int) -> tuple[dict[int, list[Any]], Any]:
-    """The schedule's compute actions per rank, and the rank of each stage."""
+def actions(kind: Any, ranks: int, per_rank: int, microbatches: int) -> dict[int, list[Any]]:
+    """The schedule's compute actions per rank."""
     stages = ranks * per_rank
 
     def stage_of(local: int) -> int:
@@ -48,8 +48,7 @@ def actions(kind: Any, ranks: int, per_rank: int, microbatches: int) -> tuple[di
     for stage in fake:
         stage.is_first, stage.is_last = stage.stage_index == 0, stage.stage_index == stages - 1
     order = kind(fake, microbatches).pipeline_order  # every rank's table (rank-independent arithmetic)
-    rank_of = (lambda s: s if s < ranks else 2 * ranks - 1 - s) if kind in V_SHAPED else (lambda s: s % ranks)
-    return {rank: [a for a in acts if a is not None] for rank, acts in order.items()}, rank_of
+    return {rank: [a for a in acts if a is not None] for rank, acts in order.items()}
 
 
 def parts(action: Any) -> list[Any]:
@@ -69,7 +68,7 @@ def needs(part: Any, stages: int) -> list[tuple[Any, int, int]]:
 
 def bubble(kind: Any, ranks: int, per_rank: int, microbatches: int) -> float:
     """Idle share of ranks × makespan when the schedule's tables run with their dependencies."""
-    order, _ = actions(kind, ranks, per_rank, microbatches)
+    order = actions(kind, ranks, per_rank, microbatches)
     stages = ranks * per_rank
     done: dict[tuple[Any, int, int], float] = {}
     clock = dict.fromkeys(order, 0.0)

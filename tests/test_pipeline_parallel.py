@@ -157,7 +157,9 @@ def test_a_model_without_a_stage_split_is_one_error() -> None:
     with pytest.raises(
         UserError, match="the model provider 'mymodels:build' does not cut its object into pipeline stages"
     ):
-        Pipeline.of(run, {"schedule": "1F1B", "microbatches": None, "split": None, "virtual": 1})
+        from coretrain_pipeline_parallel import PipelineParallel
+
+        Pipeline.of(run, PipelineParallel())
 
 
 @pytest.mark.slow  # torchrun with 2 gloo ranks

@@ -44,8 +44,11 @@ class HFStage(torch.nn.Module):
         for layer in base.layers.values():
             out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
             x = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns a tuple
-        head: Any = self.hf.lm_head if self.last else None
-        return head(base.norm(x)) if head is not None else x
+        if not self.last:
+            return x
+        head: Any = self.hf.lm_head
+        logits: torch.Tensor = head(base.norm(x))
+        return logits
 
 
 def pipeline_split(model: Any) -> dict[str, Any]:

@@ -66,8 +66,7 @@ class PipelineParallel:
     def configure_model(self, run: Run) -> None:
         from coretrain_pipeline_parallel.stages import Pipeline
 
-        options = {"schedule": self.pp_schedule, "microbatches": self.pp_microbatches, "split": self.pp_split}
-        self._parts = Pipeline.of(run, {**options, "virtual": self.pp_virtual_stages})
+        self._parts = Pipeline.of(run, self)
 
     @hookimpl
     def forward_backward(self, run: Run, batches: list[Any]) -> Any:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from coretrain import Run, UserError
 
 if TYPE_CHECKING:
+    from coretrain_pipeline_parallel import PipelineParallel
     from coretrain_pipeline_parallel.hookspecs import PipelineSpecs
 
 log = logging.getLogger("coretrain")
@@ -58,10 +59,10 @@ class Pipeline:
     """This rank's stages of the model and the schedules that run them (made at the first step,
     around the stages as their wrappers left them)."""
 
-    def __init__(self, run: Run, held: list[int], total: int, split: dict[str, Any], options: dict[str, Any]):
+    def __init__(self, run: Run, held: list[int], total: int, split: dict[str, Any], settings: PipelineParallel):
         self.run, self.held, self.total = run, held, total
         self.first, self.last = 0 in held, total - 1 in held
-        self.loss, self.schedule_name, self.microbatches = split["loss"], options["schedule"], options["microbatches"]
+        self.loss, self.schedule_name, self.microbatches = split["loss"], settings.pp_schedule, settings.pp_microbatches
         self.group = run.device_mesh()["pp"].get_group()
         ranks = self.group.size()
         self.tied = [pair for pair in split.get("tied", []) if self.first or self.last]
@@ -69,11 +70,11 @@ class Pipeline:
         self._schedules: dict[tuple[int, bool], Any] = {}
 
     @classmethod
-    def of(cls, run: Run, options: dict[str, Any]) -> Pipeline:
+    def of(cls, run: Run, settings: PipelineParallel) -> Pipeline:
         """Cut ``run.model`` into stages and keep this rank's: as the run's model (one stage) or
         as its parts over a model holding them all under their names (several)."""
         mesh = run.device_mesh()["pp"]
-        ranks, rank, schedule = mesh.size(), mesh.get_local_rank(), options["schedule"]
+        ranks, rank, schedule = mesh.size(), mesh.get_local_rank(), settings.pp_schedule
         hooks = cast("PipelineSpecs", run.plugins.calls.hook)
         split = hooks.pipeline_split(run=run, model=run.model) if run.plugins.implemented("pipeline_split") else None
         if split is None:
@@ -81,7 +82,7 @@ class Pipeline:
                 f"distributed.pp_size ({ranks}): the model provider '{run.config.model.provider}' does not cut "
                 f"its {type(run.model).__name__} into pipeline stages (the gpt provider's model is cut by block)"
             )
-        count = options["microbatches"] or run.micro_batches_per_step
+        count = settings.pp_microbatches or run.micro_batches_per_step
         if schedule == "1F1B" and count < ranks:
             raise UserError(
                 f"distributed.pp_size ({ranks}): the 1F1B schedule needs at least as many micro-batches per step as "
@@ -93,9 +94,9 @@ class Pipeline:
                 f"plugins.pipeline-parallel: the Interleaved1F1B schedule takes the step's {count} micro-batches in "
                 f"rounds of pp_size ({ranks}): make them a multiple of {ranks}, or fewer than {2 * ranks}"
             )
-        held = local_stages(schedule, ranks, rank, options["virtual"])
+        held = local_stages(schedule, ranks, rank, settings.pp_virtual_stages)
         total = ranks * len(held)
-        sizes = stage_sizes(split["layers"], total, options["split"], len(held))
+        sizes = stage_sizes(split["layers"], total, settings.pp_split, len(held))
         blocks = {s: list(range(sum(sizes[:s]), sum(sizes[: s + 1]))) for s in held}
         first, last = 0 in held, total - 1 in held
         run.model = split["stage"](sorted(i for s in held for i in blocks[s]), first, last)
@@ -104,7 +105,7 @@ class Pipeline:
         run.reports_loss = last
         if run.dist.is_main:
             log.info("pipeline-parallel: %d stages of %s blocks, %s schedule", total, sizes, schedule)
-        return cls(run, held, total, split, options)
+        return cls(run, held, total, split, settings)
 
     def _parts(self) -> list[torch.nn.Module]:
         return self.run.model_parts or [self.run.model]
