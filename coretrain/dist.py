@@ -26,9 +26,9 @@ class DistInfo:
     local_rank: int = 0
     tp_size: int = 1
     cp_size: int = 1
+    """Context parallel: neighbouring ranks (outside the TP group) splitting each sequence."""
     pp_size: int = 1
     """Pipeline parallel: the outermost split, each part of the ranks holding one stage of the model."""
-    """Context parallel: neighbouring ranks (outside the TP group) splitting each sequence."""
     dp_replicate: int = 1
 
     @property

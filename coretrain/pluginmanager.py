@@ -38,8 +38,12 @@ AUTOLOAD_GROUP = "coretrain.autoload"
 HOOKSPECS_GROUP = "coretrain.hookspecs"
 """Hook specifications a plugin distribution adds for other plugins: ``NAME = "module:Class"``."""
 AUTOLOAD_OFF_ENV = "CORETRAIN_DISABLE_PLUGIN_AUTOLOAD"
-PARALLELISM = {"tp_size": "tensor-parallel", "cp_size": "context-parallel", "ep_size": "expert-parallel"}
-PARALLELISM["pp_size"] = "pipeline-parallel"
+PARALLELISM = {
+    "tp_size": "tensor-parallel",
+    "cp_size": "context-parallel",
+    "ep_size": "expert-parallel",
+    "pp_size": "pipeline-parallel",
+}
 """The plugin ``distributed.KEY > 1`` turns on, as ``distributed.strategy`` turns on its own."""
 INSTALL_HINT = "install one, e.g. `pip install -e ./plugins` for the first-party plugins"
 
