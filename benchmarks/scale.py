@@ -1,11 +1,12 @@
 """What grows with the number of ranks: collectives per step, checkpoint files and metadata.
 
-    python benchmarks/scale.py [--ranks 1 2 4 8] [--layers 2 4] [--layouts ddp fsdp hsdp tp cp ep pp]
+    python benchmarks/scale.py [--ranks 1 2 4 8] [--layers 2 4] [--layouts ddp fsdp hsdp tp cp ep pp zbv]
 
 For each layout (ddp; fsdp; hsdp: FSDP2 on a 2 × ranks/2 mesh, replicated over 2; tp: tensor
 parallel over 2, FSDP2 over the rest; cp: each sequence split over 2 ranks, DDP over all; ep: a
 mixture of max(4, ranks) experts, top 2, spread over every rank, FSDP2 for the rest; pp: two
-pipeline stages, 1F1B, FSDP2 over the rest), GPT depth
+pipeline stages, 1F1B, FSDP2 over the rest; zbv: the same on the ZBVZeroBubble schedule, two
+stages per rank — its depth must be a multiple of 4), GPT depth
 and rank count, trains the tiny byte-level GPT for 4 steps under torchrun (gloo, one thread per
 rank), saving a checkpoint at step 4, with the ``profiler`` plugin tracing step 3 on rank 0.
 Reports the collectives in that step's trace (every ``c10d::`` op between pre_step and
@@ -38,11 +39,15 @@ LAYOUTS = {  # name: the [distributed] table
     "cp": "cp_size = 2",
     "ep": 'strategy = "fsdp"\nep_size = {ranks}',
     "pp": "pp_size = 2",
+    "zbv": 'pp_size = 2\n[plugins.pipeline-parallel]\npp_schedule = "ZBVZeroBubble"',
 }
 
 
-def fits(layout: str, ranks: int) -> bool:
-    """HSDP replicates over 2, TP, CP and PP split over 2: they need an even number of ranks; EP two."""
+def fits(layout: str, ranks: int, layers: int) -> bool:
+    """HSDP replicates over 2, TP, CP and PP split over 2: they need an even number of ranks; EP
+    two; ZBV's four stages a depth they divide."""
+    if layout == "zbv" and layers % 4:
+        return False
     return layout in ("ddp", "fsdp") or (ranks >= 2 if layout == "ep" else ranks % 2 == 0)
 
 
@@ -121,7 +126,7 @@ def main() -> None:
     )
     for layout in args.layouts:
         for layers in args.layers:
-            for ranks in (r for r in args.ranks if fits(layout, r)):
+            for ranks in (r for r in args.ranks if fits(layout, r, layers)):
                 m = measure(ranks, layers, layout)
                 ops = ", ".join(f"{name} {count}" for name, count in m["collectives"].items()) or "none"  # type: ignore[attr-defined]
                 print(

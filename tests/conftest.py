@@ -333,7 +333,7 @@ def train_llama(
     """A tiny Llama (the hf provider, built from its config: 4 query heads on 2 key/value heads,
     ``config`` on top) trained on the GPT preset's data in each layout, by name: ``{}`` on one
     rank, any other ``[distributed]`` table on as many torchrun ranks as its sizes multiply to (2 at
-    least); output in ``tmp_path / name``."""
+    least), its ``plugins`` key the ``[plugins]`` tables; output in ``tmp_path / name``."""
     from test_distributed import torchrun
 
     llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
@@ -341,7 +341,9 @@ def train_llama(
     for name, distributed in layouts.items():
         preset = gpt_preset(tmp_path / name)
         preset["model"] = {"provider": "hf", "options": {"config": llama}}
-        path = config_file(tmp_path / f"{name}.toml", preset, {"distributed": dict(distributed)}, **train)
+        sections = {"distributed": {key: value for key, value in distributed.items() if key != "plugins"}}
+        sections |= {"plugins": distributed["plugins"]} if "plugins" in distributed else {}
+        path = config_file(tmp_path / f"{name}.toml", preset, sections, **train)
         ranks = max(2, math.prod(size for key, size in distributed.items() if key.endswith("_size")))
         result = (
             torchrun("run", str(path), cwd=tmp_path, nproc=ranks) if distributed else run_train(str(path), cwd=tmp_path)

@@ -1,7 +1,8 @@
-"""Pipeline parallelism: a GPT cut into stages over gloo ranks (1F1B and GPipe, blocks placed
-evenly or by hand; PP 4, PP 2 × DP 2, PP 2 × HSDP and PP 2 × TP 2 on 4 ranks; with recomputation
-and compiled) and a Llama cut by decoder layer train and evaluate the losses of one rank, stop
-and resume, and resume across layouts (1 rank → PP 2 → 1 rank, PP 2 × TP 2 → PP 2)."""
+"""Pipeline parallelism: a GPT cut into stages over gloo ranks (1F1B, GPipe, Interleaved1F1B and
+the zero-bubble ZBVZeroBubble and DualPipeV, blocks placed evenly or by hand; PP 4, PP 2 × DP 2,
+PP 2 × HSDP and PP 2 × TP 2 on 4 ranks; with recomputation and compiled) and a Llama cut by
+decoder layer train and evaluate the losses of one rank, stop and resume, and resume across
+layouts and schedules (1 rank → PP 2 → 1 rank, PP 2 × TP 2 → PP 2, ZBV → DualPipeV)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def write(tmp_path: Path, name: str, distributed: dict[str, Any], **pipeline: An
     if pipeline:
         sections["plugins"] = {"pipeline-parallel": pipeline}
     return config_file(tmp_path / f"{name}.toml", preset, sections, **TRAIN)
+
+
+def schedule(name: str) -> list[str]:
+    return ["--set", f'plugins.pipeline-parallel.pp_schedule="{name}"']
 
 
 def losses(out: Path) -> list[tuple[int, str, float]]:
@@ -52,13 +57,21 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     four = [
         ["run", str(write(tmp_path, "pp4", {"pp_size": 4}))],
         ["run", str(write(tmp_path, "pp2dp2", {"pp_size": 2}))],
-        ["run", str(write(tmp_path, "pp_hsdp", {"pp_size": 2, "dp_replicate": 2}))],
+        # DualPipeV over HSDP: 2 micro-batches a step, each cut in 4 for the pipeline
+        [
+            "run",
+            str(
+                write(
+                    tmp_path, "pp_hsdp", {"pp_size": 2, "dp_replicate": 2}, pp_schedule="DualPipeV", pp_microbatches=4
+                )
+            ),
+        ],
         ["run", str(pp_tp), "--set", "train.exit_interval=12"],
     ]
     in_one_job(tmp_path, 4, four, "pp4")
     resumed = write(tmp_path, "resumed", {"pp_size": 2})
     interleaved = write(tmp_path, "interleaved", {"pp_size": 2})
-    looped = ["--set", 'plugins.pipeline-parallel.pp_schedule="Interleaved1F1B"']
+
     signalled = write(tmp_path, "signalled", {"pp_size": 2})  # SIGTERM on the last stage alone: an agreed stop
     sigterm = ["--set", 'plugins.fault-injection.action="sigterm"', "--set", "plugins.fault-injection.step=5"]
     sigterm += ["--set", "plugins.fault-injection.ranks=[1]"]
@@ -66,18 +79,18 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     jobs = [
         ["run", str(write(tmp_path, "pp", {"pp_size": 2}))],
         ["run", str(write(tmp_path, "gpipe", {"pp_size": 2}, pp_schedule="GPipe", pp_microbatches=2, pp_split=[1, 3]))],
-        ["run", str(resumed), "--set", "train.exit_interval=12"],
-        ["run", str(resumed)],
+        ["run", str(resumed), "--set", "train.exit_interval=12", *schedule("ZBVZeroBubble")],
+        ["run", str(resumed), *schedule("DualPipeV")],  # resumed on the other zero-bubble schedule
         # two stages per rank (4 of one block each), run as torch's interleaved 1F1B; stopped, then
         # resumed on one stage per rank
-        ["run", str(interleaved), *looped, "--set", "train.exit_interval=12"],
+        ["run", str(interleaved), *schedule("Interleaved1F1B"), "--set", "train.exit_interval=12"],
         ["run", str(interleaved)],
         {"args": ["run", str(signalled), *sigterm], "expect": 128 + 15},
         # the last stage alone vetoes step 5's update (as a guard seeing its loss would): both skip it
         ["run", str(write(tmp_path, "skipped", {"pp_size": 2})), *veto, "--set", "plugins.fault-injection.ranks=[1]"],
         ["run", str(signalled)],
         ["run", str(to_pp), "--set", "distributed.pp_size=2"],
-        ["run", str(from_pp), "--set", "train.exit_interval=12"],
+        ["run", str(from_pp), "--set", "train.exit_interval=12", *schedule("ZBVZeroBubble")],  # V: tied on rank 0
         ["run", str(pp_tp), "--set", "distributed.tp_size=1"],
         [
             "run",
@@ -96,6 +109,7 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     job = in_one_job(tmp_path, 2, jobs, "pp")
     assert "pipeline-parallel: 2 stages of [2, 2] blocks, 1F1B schedule" in job.stderr
     assert "pipeline-parallel: 4 stages of [1, 1, 1, 1] blocks, Interleaved1F1B schedule" in job.stderr
+    assert "pipeline-parallel: 4 stages of [1, 1, 1, 1] blocks, ZBVZeroBubble schedule" in job.stderr
     assert "distributed.pp_size (2) must divide the model's 3 blocks" in job.stderr
     assert "the 1F1B schedule needs at least as many micro-batches per step as stages, and a step has 1" in job.stderr
     assert run_train(str(from_pp), "--set", "distributed.pp_size=1", cwd=tmp_path).returncode == 0  # PP 2 → 1 rank
@@ -118,6 +132,13 @@ def test_more_context_or_pipeline_ranks_than_there_are_is_one_error(tmp_path: Pa
     preset = gpt_preset(tmp_path)
     config = {name: preset[name] for name in ("model", "data", "optimizer")} | {"distributed": {key: 2}}
     with pytest.raises(UserError, match=rf"distributed.{key} \(2\) must divide {rest} \(1\)"):
+        run_steps(tmp_path, steps=1, config=config)
+
+
+def test_a_pipeline_table_on_one_stage_is_one_error(tmp_path: Path) -> None:
+    preset = gpt_preset(tmp_path)
+    config = {name: preset[name] for name in ("model", "data", "optimizer")} | {"plugins": {"pipeline-parallel": {}}}
+    with pytest.raises(UserError, match=r"distributed.pp_size is 1, so there is nothing to cut into stages"):
         run_steps(tmp_path, steps=1, config=config)
 
 
@@ -166,12 +187,49 @@ def test_a_model_without_a_stage_split_is_one_error() -> None:
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_hugging_face_llama_cut_into_stages_trains_like_one_rank(tmp_path: Path, tied: bool) -> None:
     """By decoder layer, rotary positions on every stage, grouped-query attention; with the head
-    tied to the embedding, the two stages that hold them sum its gradient."""
+    tied to the embedding on a zero-bubble V, whose first rank holds both, the two sum its gradient."""
     pytest.importorskip("transformers")
-    train_llama(tmp_path, {"one": {}, "pp": {"pp_size": 2}}, TRAIN, num_hidden_layers=4, tie_word_embeddings=tied)
+    pipeline = {"pp_size": 2} | ({"plugins": {"pipeline-parallel": {"pp_schedule": "ZBVZeroBubble"}}} if tied else {})
+    train_llama(tmp_path, {"one": {}, "pp": pipeline}, TRAIN, num_hidden_layers=4, tie_word_embeddings=tied)
     runs = {name: losses(tmp_path / name) for name in ("one", "pp")}
     assert [(s, k) for s, k, _ in runs["pp"]] == [(s, k) for s, k, _ in runs["one"]]
     assert all(b == pytest.approx(a, rel=1e-5) for (_, _, a), (_, _, b) in zip(runs["one"], runs["pp"])), runs
+
+
+def test_zero_bubble_stages_go_down_the_ranks_and_back() -> None:
+    from coretrain_pipeline_parallel.stages import local_stages
+
+    assert [local_stages("ZBVZeroBubble", 4, rank, 3) for rank in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [local_stages("DualPipeV", 2, rank, 2) for rank in range(2)] == [[0, 3], [1, 2]]
+
+
+def test_dualpipev_with_fewer_micro_batches_than_stages_is_one_error() -> None:
+    from types import SimpleNamespace
+
+    from coretrain_pipeline_parallel import PipelineParallel
+    from coretrain_pipeline_parallel.stages import Pipeline
+
+    mesh = SimpleNamespace(size=lambda: 2, get_local_rank=lambda: 0)
+    hook = SimpleNamespace(pipeline_split=lambda run, model: {"layers": 4})
+    plugins = SimpleNamespace(implemented=lambda name: True, calls=SimpleNamespace(hook=hook))
+    run: Any = SimpleNamespace(device_mesh=lambda: {"pp": mesh}, plugins=plugins, micro_batches_per_step=2, model=None)
+    with pytest.raises(UserError, match=r"DualPipeV schedule needs at least as many micro-batches per step as stages"):
+        Pipeline.of(run, PipelineParallel(pp_schedule="DualPipeV"))
+
+
+def test_a_zero_bubble_schedule_on_compiled_stages_is_one_error() -> None:
+    """torch runs a compiled backward once; a split backward would run it twice."""
+    from types import SimpleNamespace
+
+    import torch
+    from coretrain_pipeline_parallel.stages import Pipeline
+
+    pipeline = Pipeline.__new__(Pipeline)
+    pipeline.run, pipeline.schedule_name = SimpleNamespace(model=torch.nn.Linear(2, 2), model_parts=[]), "DualPipeV"
+    pipeline._check_uncompiled()
+    pipeline.run.model.compile()
+    with pytest.raises(UserError, match="'DualPipeV' splits each backward .* not run on compiled stages"):
+        pipeline._check_uncompiled()
 
 
 def test_interleaved_stages_loop_over_the_ranks() -> None:

@@ -4,7 +4,8 @@ other ranks, micro-batches flowing through them on ``torch.distributed.pipelinin
     [distributed]
     pp_size = 2                 # data parallel = ranks / pp_size / tp_size / cp_size
     [plugins.pipeline-parallel]
-    pp_schedule = "1F1B"        # or "GPipe", or "Interleaved1F1B" (pp_virtual_stages per rank)
+    pp_schedule = "1F1B"        # or "GPipe", "Interleaved1F1B" (pp_virtual_stages per rank),
+                                # "ZBVZeroBubble" or "DualPipeV" (two stages per rank, in a V)
     pp_microbatches = 8         # unset: the step's micro-batches (its gradient accumulation)
     pp_split = [3, 5]           # blocks per stage; unset: as many on each
 
@@ -15,9 +16,13 @@ FSDP2 (over their data-parallel ranks, one or more), which makes the checkpoint 
 With Interleaved1F1B each rank holds ``pp_virtual_stages`` stages (rank r: stages r, r + pp_size,
 ...): ``run.model`` holds all of them under their names, and each stage is a view sharing its
 modules (``run.model_parts``), which FSDP2 shards as a root of its own. The zero-bubble
-schedules (ZBVZeroBubble, DualPipeV) split each backward into input and weight halves, which
-these FSDP2-sharded stages do not combine correctly yet (a V-shaped rank loses the head's
-weight gradient): not offered.
+schedules (ZBVZeroBubble, DualPipeV) place two stages per rank in a V (rank r: r and
+2·pp_size − 1 − r) and split each backward into an input half, sent on at once, and a weight
+half run later to fill the bubble; the weight half finds the weights in the autograd graph only
+while FSDP keeps them unsharded, so their stages are not resharded after forward (more memory
+between a forward and its backward, no all-gather per micro-batch). The first rank holds the
+first and the last stage, so a weight tied between them gets a copy on the last (a parameter
+is sharded by one FSDP root), its gradient summed with the first's each step.
 
 The step's loss is the last stage's (the other stages log none: ``run.reports_loss``); the
 gradient norm for clipping is taken over every stage; a weight the model ties across the first
@@ -35,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from attrs import define, field
 
-from coretrain import Run, hookimpl, positive
+from coretrain import Run, UserError, hookimpl, positive
 
 if TYPE_CHECKING:
     import torch
@@ -47,12 +52,15 @@ log = logging.getLogger("coretrain")
 class PipelineParallel:
     """Cut the model into stages over distributed.pp_size ranks; run each step as a pipeline schedule."""
 
-    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B"
+    pp_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"] = "1F1B"
     """The schedule: 1F1B (one forward, one backward: activations of at most pp_size
-    micro-batches held), GPipe (all forwards, then all backwards), or Interleaved1F1B
-    (pp_virtual_stages stages per rank, looped over the ranks: a smaller bubble)."""
+    micro-batches held), GPipe (all forwards, then all backwards), Interleaved1F1B
+    (pp_virtual_stages stages per rank, looped over the ranks: a smaller bubble), or a
+    zero-bubble one, ZBVZeroBubble or DualPipeV (two stages per rank in a V, each backward
+    split into input and weight halves; DualPipeV needs 2 × pp_size micro-batches or more)."""
     pp_virtual_stages: int = field(default=2, validator=positive)
-    """Stages per rank with Interleaved1F1B (torch's interleaved schedule)."""
+    """Stages per rank with Interleaved1F1B (torch's interleaved schedule); the V-shaped
+    schedules always hold two."""
     pp_microbatches: int | None = field(default=None, validator=positive)
     """Micro-batches each step's batch is cut into for the pipeline; unset = the step's
     micro-batches (train.global_batch_size / micro_batch_size / data parallel)."""
@@ -66,6 +74,11 @@ class PipelineParallel:
     def configure_model(self, run: Run) -> None:
         from coretrain_pipeline_parallel.stages import Pipeline
 
+        if run.dist.pp_size == 1:
+            raise UserError(
+                "plugins.pipeline-parallel: distributed.pp_size is 1, so there is nothing to cut into stages; "
+                "set distributed.pp_size = 2 (or more), or remove [plugins.pipeline-parallel]"
+            )
         self._parts = Pipeline.of(run, self)
 
     @hookimpl

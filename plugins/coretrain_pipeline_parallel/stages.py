@@ -8,16 +8,27 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _Action, _ComputationType
 
 from coretrain import Run, UserError
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
     from coretrain_pipeline_parallel import PipelineParallel
     from coretrain_pipeline_parallel.hookspecs import PipelineSpecs
 
 log = logging.getLogger("coretrain")
 
-SCHEDULES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
+SCHEDULES = {
+    "1F1B": "Schedule1F1B",
+    "GPipe": "ScheduleGPipe",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank, down the ranks and back up
 
 
 def stage_sizes(layers: int, stages: int, split: list[int] | None, per_rank: int = 1) -> list[int]:
@@ -39,8 +50,21 @@ def stage_sizes(layers: int, stages: int, split: list[int] | None, per_rank: int
 
 
 def local_stages(schedule: str, ranks: int, rank: int, virtual: int) -> list[int]:
-    """The stages this rank holds: one, or ``virtual`` looped over the ranks (interleaved)."""
+    """The stages this rank holds: one, ``virtual`` looped over the ranks (interleaved), or two
+    in a V (rank r: r and 2·pp_size − 1 − r, so the first rank holds the first and last)."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * ranks - 1 - rank]
     return [rank + k * ranks for k in range(virtual if schedule == "Interleaved1F1B" else 1)]
+
+
+def untie(model: torch.nn.Module, tied: list[tuple[str, str]]) -> None:
+    """Give each tied pair's second name a weight of its own: one rank holds both stages, each an
+    FSDP2 root of its own, and a parameter sharded by two roots is not. Their gradients are
+    summed each step, so the two stay equal (same start, same updates)."""
+    for first, second in tied:
+        owner, _, name = second.rpartition(".")
+        weight = model.get_parameter(first)
+        setattr(model.get_submodule(owner), name, torch.nn.Parameter(weight.detach().clone()))
 
 
 def tie_group(run: Run, ranks: int) -> Any:
@@ -55,6 +79,26 @@ def tie_group(run: Run, ranks: int) -> Any:
     return mine
 
 
+class VShapedForwards(ScheduleLoopedBFS):
+    """Forwards alone, breadth first, over two stages per rank placed in a V (torch's LoopedBFS
+    places them in a loop; its V-shaped schedules have no forward-only run)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        backward = {_ComputationType.FULL_BACKWARD, _ComputationType.SEND_B, _ComputationType.RECV_B}
+        for rank, actions in self.pipeline_order_with_comms.items():  # an eval runs none of them
+            self.pipeline_order_with_comms[rank] = [a for a in actions if a.computation_type not in backward]
+
+    def _calculate_single_rank_operations(self, rank: int) -> list[_Action | None]:
+        held, count = local_stages("ZBVZeroBubble", self.pp_group_size, rank, 2), self._n_microbatches
+        operations: list[_Action | None] = [None] * rank
+        for stage in held:
+            operations += [_Action(stage, _ComputationType.FORWARD, mb) for mb in range(count)]
+        for stage in reversed(held):  # torch checks that a schedule holds them (dropped above)
+            operations += [_Action(stage, _ComputationType.FULL_BACKWARD, mb) for mb in reversed(range(count))]
+        return operations
+
+
 class Pipeline:
     """This rank's stages of the model and the schedules that run them (made at the first step,
     around the stages as their wrappers left them)."""
@@ -66,7 +110,8 @@ class Pipeline:
         self.group = run.device_mesh()["pp"].get_group()
         ranks = self.group.size()
         self.tied = [pair for pair in split.get("tied", []) if self.first or self.last]
-        self.tie_group = tie_group(run, ranks) if split.get("tied") else None
+        crossing = split.get("tied") and settings.pp_schedule not in V_SHAPED  # in a V, one rank holds both
+        self.tie_group = tie_group(run, ranks) if crossing else None
         self._schedules: dict[tuple[int, bool], Any] = {}
 
     @classmethod
@@ -94,12 +139,20 @@ class Pipeline:
                 f"plugins.pipeline-parallel: the Interleaved1F1B schedule takes the step's {count} micro-batches in "
                 f"rounds of pp_size ({ranks}): make them a multiple of {ranks}, or fewer than {2 * ranks}"
             )
+        if schedule == "DualPipeV" and count < 2 * ranks:
+            raise UserError(
+                f"distributed.pp_size ({ranks}): the DualPipeV schedule needs at least as many micro-batches per step "
+                f"as stages ({2 * ranks}: two per rank), and a step has {count}: raise global_batch_size or "
+                'pp_microbatches, or use pp_schedule = "ZBVZeroBubble"'
+            )
         held = local_stages(schedule, ranks, rank, settings.pp_virtual_stages)
         total = ranks * len(held)
         sizes = stage_sizes(split["layers"], total, settings.pp_split, len(held))
         blocks = {s: list(range(sum(sizes[:s]), sum(sizes[: s + 1]))) for s in held}
         first, last = 0 in held, total - 1 in held
         run.model = split["stage"](sorted(i for s in held for i in blocks[s]), first, last)
+        if first and last:
+            untie(run.model, split.get("tied", []))
         if len(held) > 1:  # each stage a view over the run's model, sharing its modules
             run.model_parts = [split["stage"](blocks[s], s == 0, s == total - 1) for s in held]
         run.reports_loss = last
@@ -113,17 +166,31 @@ class Pipeline:
     def _schedule(self, count: int, training: bool) -> Any:
         """The schedule for ``count`` micro-batches (forwards alone, breadth first, for an evaluation)."""
         if (count, training) not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, schedules
-
-            run, single = self.run, len(self.held) == 1
+            run, single, v_shaped = self.run, len(self.held) == 1, self.schedule_name in V_SHAPED
+            if v_shaped:  # the weight half of a backward finds the weights in the graph only unsharded
+                self._check_uncompiled()
+                for part in self._parts():
+                    cast("FSDPModule", part).set_reshard_after_forward(False)
             stages = [
                 PipelineStage(part, s, self.total, run.device, group=self.group)
                 for part, s in zip(self._parts(), self.held)
             ]
             name = SCHEDULES[self.schedule_name] if training else "ScheduleGPipe" if single else "ScheduleLoopedBFS"
-            kind = getattr(schedules, name)
-            self._schedules[count, training] = kind(stages[0] if single else stages, count, loss_fn=self.loss)
+            kind = VShapedForwards if v_shaped and not training else getattr(schedules, name)
+            schedule = kind(stages[0] if single else stages, count, loss_fn=self.loss)
+            self._schedules[count, training] = schedule
         return self._schedules[count, training]
+
+    def _check_uncompiled(self) -> None:
+        """A split backward runs a compiled backward twice, which torch does not allow (its own
+        check sees only ``torch.compile(module)``, not ``module.compile()``)."""
+        parts = self._parts()
+        if any(getattr(m, "_compiled_call_impl", None) is not None for part in parts for m in part.modules()):
+            raise UserError(
+                f"plugins.pipeline-parallel.pp_schedule = {self.schedule_name!r} splits each backward into input and "
+                "weight halves, which torch does not run on compiled stages: drop [plugins.compile], or use "
+                'pp_schedule = "Interleaved1F1B"'
+            )
 
     def _run(self, batch: tuple[torch.Tensor, torch.Tensor], count: int, training: bool) -> torch.Tensor:
         """The schedule over ``batch`` cut into ``count`` micro-batches; the mean loss on the last stage."""
@@ -152,11 +219,22 @@ class Pipeline:
             )
         joined = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
         loss = self._run(joined, self.microbatches or len(batches), training=True)
-        for name in (a if self.first else b for a, b in self.tied):  # the first stage's rank and the last's
-            grad = run.model.get_parameter(name).grad
-            if grad is not None:
-                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.tie_group)
+        for pair in self.tied:
+            self._sum_tied(pair)
         return loss, {}
+
+    def _sum_tied(self, pair: tuple[str, str]) -> None:
+        """Sum a tied weight's gradient over the first and last stage: between their ranks, or
+        here when this rank holds both (a V-shaped schedule)."""
+        here = [name for name, held in zip(pair, (self.first, self.last)) if held]
+        grads = [self.run.model.get_parameter(name).grad for name in here]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
+        if self.tie_group is not None:
+            for grad in local:
+                dist.all_reduce(grad, group=self.tie_group)
+        elif len(local) == 2:
+            local[0].add_(local[1])
+            local[1].copy_(local[0])
 
     def clip(self, parameters: list[Any], max_norm: float) -> torch.Tensor:
         """Clip to the norm over every stage (a tied weight counted once, on the first stage)."""
@@ -180,6 +258,6 @@ class Pipeline:
         """One evaluation batch through the stages; its loss sent from the last stage to the others."""
         loss = self._run(batch, 1, training=False)
         ranks = self.group.size()
-        last_rank = (self.total - 1) % ranks  # the rank holding the last stage
+        last_rank = 0 if self.schedule_name in V_SHAPED else (self.total - 1) % ranks  # holds the last stage
         dist.broadcast(loss, src=dist.get_global_rank(self.group, last_rank), group=self.group)
         return loss, {}
