@@ -16,16 +16,17 @@ from torch.utils.data import default_collate
 
 
 class SampleOrder:
-    """Position -> dataset index, shuffled per epoch with a seed of its own."""
+    """Position -> dataset index, shuffled per epoch with a seed of its own (or in the dataset's
+    order, ``shuffle=False``, for a dataset whose order is its training order already)."""
 
-    def __init__(self, length: int, seed: int) -> None:
+    def __init__(self, length: int, seed: int, shuffle: bool = True) -> None:
         if length <= 0:
             raise ValueError("dataset is empty")
-        self.length, self.seed = length, seed
-        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+        self.length, self.seed, self.shuffle = length, seed, shuffle
+        self._epoch, self._perm = -1, torch.arange(length)
 
     def _permutation(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
+        if epoch != self._epoch and self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + epoch)
             self._epoch, self._perm = epoch, torch.randperm(self.length, generator=generator)
         return self._perm
@@ -88,8 +89,7 @@ class BatchReader:
     ) -> None:
         self.dataset, self.order, self.rank, self.world_size = dataset, order, rank, world_size
         self.device = device if device.type != "cpu" else None
-        get_batch = getattr(dataset, "get_batch", None)
-        self.get_batch = get_batch if get_batch is not None else (lambda indices: fetch(dataset, indices, collate))
+        self.get_batch = getattr(dataset, "get_batch", None) or (lambda indices: fetch(dataset, indices, collate))
 
     def read(self, start: int, global_batch_size: int, micro_batch_size: int) -> list[Any]:
         per_rank = global_batch_size // self.world_size

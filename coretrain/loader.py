@@ -278,7 +278,7 @@ class TrainBatches:
                 self._stream.load_state_dict(state["loader"])
             self._iterator = iter(self._stream)
             return
-        order = SampleOrder(len(dataset), run.config.run.seed)
+        order = SampleOrder(len(dataset), run.config.run.seed, shuffle=not run.datasets.in_order)
         if run.config.data.num_workers == 0:
             self._reader = BatchReader(
                 dataset, order, run.dist.dp_rank, run.dist.dp_size, run.device, run.datasets.collate_fn

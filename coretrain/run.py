@@ -84,6 +84,9 @@ class Datasets:
     collate_fn: Any = None
     """Turns a list of samples into a batch; None = torch's default_collate (``data.collate_fn``
     in the config takes precedence)."""
+    in_order: bool = False
+    """The datasets' own order is their training order (Megatron's GPTDataset shuffles its
+    samples itself): training and evaluation read them in it, without a shuffle of their own."""
 
     def sets(self, split: str) -> list[tuple[str, Any]]:
         """The datasets of ``split`` as (name, dataset): ``[("valid", d)]`` for one dataset,

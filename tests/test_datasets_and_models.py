@@ -35,6 +35,12 @@ def test_sample_order_is_a_seeded_permutation_per_epoch_and_resumable() -> None:
     assert torch.equal(SampleOrder(10, seed=3).indices(7, 9), stream[7:16])  # position alone resumes
 
 
+def test_a_dataset_in_training_order_is_read_in_it_epoch_after_epoch() -> None:
+    order = SampleOrder(10, seed=3, shuffle=False)  # Datasets.in_order: the provider shuffled it
+    assert order.indices(0, 4).tolist() == [0, 1, 2, 3]
+    assert order.indices(8, 5).tolist() == [8, 9, 0, 1, 2]
+
+
 def test_ranks_and_micro_batches_split_a_global_batch_without_changing_it() -> None:
     data = TokenWindows(torch.arange(1000), seq_length=4)
     order = SampleOrder(len(data), seed=1)

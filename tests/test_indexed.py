@@ -58,7 +58,8 @@ def test_windows_run_across_document_boundaries_of_a_shuffled_order(tmp_path: Pa
     assert train.order[:50].tolist() != list(range(50))
     for index in (0, 1, 7, len(train) - 1):
         x, y = train[index]
-        window = stream[index * 16 : index * 16 + 17]
+        start = int(train.shuffle[index]) * 16  # the sample the shuffle index puts at this position
+        window = stream[start : start + 17]
         assert x.tolist() == window[:-1].tolist() and y.tolist() == window[1:].tolist()
     assert len(train) >= 200 and len({int(t) for i in range(len(train)) for t in train[i][0]}) == 50
     x, y = train.get_batch(torch.tensor([3, 0]))
@@ -92,13 +93,15 @@ def test_separate_paths_per_split_and_the_cached_order_is_reused(tmp_path: Path,
     paths = {"train_data_path": str(tmp_path / "train"), "valid_data_path": [str(tmp_path / "valid")]}
     first = datasets(tmp_path, **paths)
     assert {int(first.valid[0][0][0])} <= set(range(500, 505)) and first.test is None
-    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["order", "order"]
+    kinds = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir())
+    assert kinds == ["order", "order", "shuffle", "shuffle"]
 
     import coretrain_indexed.samples as samples
 
-    monkeypatch.setattr(samples, "shuffled", lambda *a: pytest.fail("the cached order was rebuilt"))
+    monkeypatch.setattr(samples, "megatron_order", lambda *a: pytest.fail("the cached order was rebuilt"))
     again = datasets(tmp_path, **paths)
     assert np.array_equal(again.train.order, first.train.order)
+    assert np.array_equal(again.train.shuffle, first.train.shuffle)
 
 
 @pytest.mark.parametrize(

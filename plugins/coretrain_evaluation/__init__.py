@@ -52,7 +52,7 @@ def index_chunks(run: Run, length: int) -> list[torch.Tensor]:
         chunks = list(torch.split(torch.arange(rank, length, world), micro))
         most = -(-len(range(0, length, world)) // micro)  # the first rank's share is the longest
         return chunks + [UNCOUNTED] * (most - len(chunks))
-    order = SampleOrder(length, run.config.run.seed + EVAL_SEED_OFFSET)
+    order = SampleOrder(length, run.config.run.seed + EVAL_SEED_OFFSET, shuffle=not run.datasets.in_order)
     global_batch = run.global_batch_size
     per_rank = global_batch // world
     return [

@@ -9,11 +9,15 @@
     seq_length = 1024
     # or train_data_path / valid_data_path / test_data_path, each a prefix or a blend
 
-Samples are windows of ``seq_length + 1`` tokens across document boundaries of a seeded
-shuffled document order (Megatron's GPTDataset); blends take each sample from the prefix that
-lags its weight most (BlendedDataset). The orders are cached as ``.npy`` files in ``cache_dir``
-(default: ``cache/`` beside the first prefix) and reused. Resume is exact: the loop's sampler
-owns the position in the data.
+The k-th sample of each split is Megatron-Core's ``GPTDataset`` / ``BlendedDataset`` ``[k]``
+for the same files, ``split``, ``seq_length`` and seed (``run.seed`` = Megatron's
+``random_seed``): windows of ``seq_length + 1`` tokens across document boundaries of its seeded
+shuffled document order, taken in its shuffled sample order (the last, partial epoch shuffled
+apart), blends drawing each sample from the prefix that lags its weight most, every prefix with
+the one seed and ``ceil(ceil(n·w)·1.005)`` samples. The loop reads them in that order (no shuffle
+of its own), so the k-th consumed sample is Megatron's ``train[k]``, across resumes and rank
+counts. The orders are cached as ``.npy`` files in ``cache_dir`` (default: ``cache/`` beside
+the first prefix) and reused.
 """
 
 from __future__ import annotations
@@ -83,4 +87,5 @@ class Indexed:
             test=splits.test,
             seq_length=self.seq_length,
             vocab_size=self.vocab_size or splits.max_token + 1,
+            in_order=True,  # shuffled as Megatron shuffles them: the loop reads sample k at consumed sample k
         )

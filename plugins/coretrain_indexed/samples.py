@@ -55,9 +55,10 @@ class Windows:
 
 
 class DocumentWindows(Windows):
-    """Sample i: tokens ``[i·T, i·T + T + 1)`` of the documents laid end to end in a seeded
-    shuffled order, repeated for as many epochs as ``samples`` need; (input, target) pairs.
-    The order is cached in ``cache_dir`` (``.npy``, written atomically) and reused."""
+    """Megatron-Core's GPTDataset: sample i is sample ``shuffle[i]`` of the documents laid end to
+    end in a seeded shuffled order, sample j being tokens ``[j·T, j·T + T + 1)`` of them,
+    repeated for as many epochs as ``samples`` need (:func:`megatron_order`). The orders are
+    cached in ``cache_dir`` (``.npy``, written atomically) and reused."""
 
     def __init__(
         self, source: IndexedTokens, documents: np.ndarray, seq_length: int, samples: int, seed: int, cache_dir: Path
@@ -72,22 +73,23 @@ class DocumentWindows(Windows):
             "prefix": os.path.abspath(source.prefix),
             "documents": [int(documents[0]), len(documents)],
         }
-        key |= {"tokens": per_epoch, "seq_length": seq_length, "epochs": epochs, "seed": seed}
+        key |= {"tokens": per_epoch, "seq_length": seq_length, "samples": samples, "seed": seed, "order": "megatron"}
         key["written"] = os.stat(f"{source.prefix}.idx").st_mtime_ns  # a re-prepared corpus is not the cached one
-        self.order = cached(
-            cache_dir,
-            "order",
-            key,
-            lambda: shuffled(documents, epochs, seed),
-            lambda o: order_problem(o, documents, epochs),
-        )
+        self.samples = (epochs * per_epoch - 1) // seq_length
+        built: list[tuple[np.ndarray, np.ndarray]] = []
+
+        def build(part: int) -> np.ndarray:
+            built[:] = built or [megatron_order(documents, per_epoch, seq_length, samples, seed)]
+            return built[0][part]
+
+        self.order = cached(cache_dir, "order", key, lambda: build(0), lambda o: order_problem(o, documents, epochs))
+        self.shuffle = cached(cache_dir, "shuffle", key, lambda: build(1), lambda o: shuffle_problem(o, self.samples))
         self.ends = np.cumsum(source.document_lengths[self.order], dtype=np.int64)
-        self.samples = int(self.ends[-1] - 1) // seq_length
 
     def window(self, index: int) -> np.ndarray:
         if not 0 <= index < self.samples:
             raise IndexError(index)
-        start, need = index * self.seq_length, self.seq_length + 1
+        start, need = int(self.shuffle[index]) * self.seq_length, self.seq_length + 1
         position = int(np.searchsorted(self.ends, start, side="right"))
         offset = start - int(self.ends[position] - self.source.document_lengths[self.order[position]])
         parts = []
@@ -96,6 +98,34 @@ class DocumentWindows(Windows):
             parts.append(tokens)
             need, position, offset = need - len(tokens), position + 1, 0
         return np.concatenate(parts).astype(np.int64)
+
+
+def megatron_order(
+    documents: np.ndarray, per_epoch: int, seq_length: int, samples: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Megatron-Core's document index and shuffle index for ``samples`` samples (its
+    ``_build_document_sample_shuffle_indices``, with ``add_extra_token_to_sequence``): one
+    ``RandomState(seed)`` shuffles the documents of all epochs — of all but the last, then the
+    last's on its own, when the last epoch is needed for less than 80% of its samples
+    (``separate_final_epoch``) — and then the samples, those of the last epoch again apart."""
+    epochs = max(math.ceil((samples * seq_length + 1) / per_epoch), 1)
+    total = (epochs * per_epoch - 1) // seq_length
+    before_last = ((epochs - 1) * per_epoch - 1) // seq_length
+    separate = epochs > 1 and samples - before_last < int(0.80 * ((per_epoch - 1) // seq_length))
+    state = np.random.RandomState(seed)
+
+    def shuffled(values: np.ndarray) -> np.ndarray:
+        state.shuffle(values)
+        return values
+
+    if separate:
+        order = np.concatenate(
+            [shuffled(np.tile(documents.astype(np.int32), epochs - 1)), shuffled(documents.astype(np.int32))]
+        )
+        shuffle = np.concatenate([shuffled(np.arange(before_last)), shuffled(np.arange(before_last, total))])
+    else:
+        order, shuffle = shuffled(np.tile(documents.astype(np.int32), epochs)), shuffled(np.arange(total))
+    return order, shuffle.astype(np.int64)
 
 
 class Blend(Windows):
@@ -136,15 +166,10 @@ def blend_index(weights: list[float], samples: int) -> np.ndarray:
 
 
 def blend_sizes(weights: list[float], samples: int) -> list[int]:
-    """Samples to build from each dataset of a blend (Megatron's 0.5% margin)."""
+    """Samples to build from each dataset of a blend: Megatron's ``ceil(ceil(n·w)·1.005)``,
+    ``w`` the normalized weight (its 0.5% margin)."""
     total = sum(weights)
-    return [math.ceil(w / total * samples * 1.005) for w in weights]
-
-
-def shuffled(documents: np.ndarray, epochs: int, seed: int) -> np.ndarray:
-    order = np.tile(documents.astype(np.int32), epochs)
-    np.random.RandomState(seed).shuffle(order)
-    return order
+    return [math.ceil(math.ceil(samples * (w / total)) * 1.005) for w in weights]
 
 
 def order_problem(order: np.ndarray, documents: np.ndarray, epochs: int) -> str | None:
@@ -158,6 +183,15 @@ def order_problem(order: np.ndarray, documents: np.ndarray, epochs: int) -> str 
     wanted = np.zeros(high - low + 1, dtype=np.int64)
     wanted[documents - low] = epochs
     return None if np.array_equal(counts, wanted) else f"not each of this split's documents {epochs} time(s)"
+
+
+def shuffle_problem(shuffle: np.ndarray, samples: int) -> str | None:
+    """What makes ``shuffle`` other than a permutation of the ``samples`` sample numbers."""
+    if shuffle.dtype != np.int64 or shuffle.shape != (samples,):
+        return f"{shuffle.dtype}[{', '.join(map(str, shuffle.shape))}], not int64[{samples}]"
+    if not np.array_equal(np.bincount(shuffle, minlength=samples), np.ones(samples, dtype=np.int64)):
+        return f"not each of the samples 0..{samples - 1} once"
+    return None
 
 
 def blend_problem(index: np.ndarray, sizes: list[int], samples: int) -> str | None:

@@ -91,8 +91,8 @@ def dataset(
     sizes = blend_sizes([w for w, _, _ in parts], samples) if len(parts) > 1 else [samples]
     try:
         windows = [
-            DocumentWindows(source, documents, seq_length, size, seed + i, cache)
-            for i, ((_, source, documents), size) in enumerate(zip(parts, sizes, strict=True))
+            DocumentWindows(source, documents, seq_length, size, seed, cache)  # one seed for all, as Megatron's
+            for (_, source, documents), size in zip(parts, sizes, strict=True)
         ]
     except ValueError:
         raise UserError(f"data.options: the {name} split of {[s.prefix for _, s, _ in parts]} has no tokens") from None

@@ -1,0 +1,206 @@
+"""Megatron-Core's sample order: the k-th sample the training loop feeds from an ``indexed``
+2-prefix blend, over 2 epochs of each prefix, on 1 rank, on 2 ranks and across a resume from 1
+rank onto 2, is ``train[k]`` of Megatron's ``BlendedDataset`` over its ``GPTDataset``s.
+
+The reference below is Megatron-Core 0.19.2's algorithm written out from its source, function
+by function (``gpt_dataset.py``: ``_get_num_epochs``, ``_build_document_index``,
+``_build_shuffle_index``, ``_build_document_sample_shuffle_indices``,
+``_query_document_sample_shuffle_indices``; ``helpers.cpp``: ``build_sample_idx``,
+``build_blending_indices``; ``blended_megatron_dataset_builder.py``: the split bounds and the
+per-prefix sizes), independent of the provider's code. (Against Megatron-Core itself, installed
+in a scratch environment, the provider's samples were equal for 3 configurations × one prefix
+and a blend × train, valid and test: README.)"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import config_file, gpt_preset, in_one_job, run_train
+from test_indexed import write_from_spec
+
+SEQ, SEED, STEPS, GLOBAL = 16, 1234, 20, 8
+WEIGHTS = (0.6, 0.4)
+
+
+def split_bounds(split: str, documents: int) -> list[int]:
+    weights = [float(s) for s in split.split(",")]
+    weights = [w / sum(weights) for w in weights]
+    bounds = [0]
+    for weight in weights:
+        bounds.append(bounds[-1] + int(round(weight * float(documents))))
+    return [bounds[0]] + [b - (bounds[-1] - documents) for b in bounds[1:]]
+
+
+def document_index(documents: np.ndarray, epochs: int, state: np.random.RandomState, separate: bool) -> np.ndarray:
+    if not separate or epochs == 1:
+        index = np.mgrid[0:epochs, 0 : len(documents)][1]
+        index[:] = documents
+        index = index.reshape(-1).astype(np.int32)
+        state.shuffle(index)
+        return index
+    first = document_index(documents, epochs - 1, state, False)
+    return np.concatenate((first, document_index(documents, 1, state, False)))
+
+
+def shuffle_index(samples: int, total: int, state: np.random.RandomState) -> np.ndarray:
+    first = np.arange(0, samples, dtype=np.uint32)
+    state.shuffle(first)
+    if samples == total:
+        return first
+    last = np.arange(samples, total, dtype=np.uint32)
+    state.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def sample_index(sizes: np.ndarray, documents: np.ndarray, epochs: int, per_epoch: int) -> list[tuple[int, int]]:
+    """helpers.cpp build_sample_idx with add_extra_token_to_sequence = 1, partial sequence dropped."""
+    count = (epochs * per_epoch - 1) // SEQ
+    index, position, offset = [(0, 0)], 0, 0
+    while len(index) <= count:
+        remaining = SEQ + 1
+        while remaining != 0:
+            length = int(sizes[documents[position]]) - offset
+            remaining -= length
+            if remaining <= 0:
+                offset += remaining + length - 1
+                remaining = 0
+            elif position == len(documents) - 1:
+                offset = int(sizes[documents[position]]) - 1
+                break
+            else:
+                position, offset = position + 1, 0
+        index.append((position, offset))
+    return index
+
+
+def gpt_dataset(
+    tokens: list[np.ndarray], documents: np.ndarray, samples: int
+) -> tuple[Callable[[int], np.ndarray], int]:
+    """GPTDataset: sample k's seq_length + 1 tokens, and how many samples (and epochs) it has."""
+    sizes = np.array([len(t) for t in tokens])
+    per_epoch = int(sizes[documents].sum())
+    epochs, covered = 1, per_epoch
+    while covered < samples * SEQ + 1:
+        epochs, covered = epochs + 1, covered + per_epoch
+    separate, sans_final = False, 0
+    if epochs > 1:
+        sans_final = ((epochs - 1) * per_epoch - 1) // SEQ
+        separate = samples - sans_final < int(0.80 * ((per_epoch - 1) // SEQ))
+    state = np.random.RandomState(SEED)
+    order = document_index(documents, epochs, state, separate)
+    starts = sample_index(sizes, order, epochs, per_epoch)
+    shuffle = shuffle_index(sans_final if separate else len(starts) - 1, len(starts) - 1, state)
+
+    def sample(k: int) -> np.ndarray:
+        (first, begin), (last, end) = starts[shuffle[k]], starts[shuffle[k] + 1]
+        if first == last:
+            return tokens[order[first]][begin : end + 1]
+        middle = [tokens[order[d]] for d in range(first + 1, last)]
+        return np.concatenate([tokens[order[first]][begin:], *middle, tokens[order[last]][: end + 1]])
+
+    return sample, epochs
+
+
+def megatron_train(corpora: list[list[np.ndarray]], split: str, samples: int) -> tuple[list[np.ndarray], list[int]]:
+    """BlendedDataset over the prefixes' train splits: its first ``samples`` samples, and the epochs
+    each prefix's GPTDataset spans."""
+    weights = [w / sum(WEIGHTS) for w in WEIGHTS]
+    sizes = [int(math.ceil(math.ceil(samples * w) * 1.005)) for w in weights]
+    parts = []
+    for tokens, size in zip(corpora, sizes, strict=True):
+        low, high = split_bounds(split, len(tokens))[:2]
+        parts.append(gpt_dataset(tokens, np.arange(low, high, dtype=np.int32), size))
+    taken, blended = [0] * len(weights), []
+    for k in range(samples):  # build_blending_indices
+        errors = [w * max(k, 1.0) - taken[i] for i, w in enumerate(weights)]
+        chosen = errors.index(max(errors))
+        blended.append(parts[chosen][0](taken[chosen]))
+        taken[chosen] += 1
+    return blended, [epochs for _, epochs in parts]
+
+
+RECORDER = '''
+import json
+import traceback
+from coretrain_indexed import Indexed
+
+
+class Fed:
+    """The training set, writing each batch the loop reads (its samples' tokens) to a file per rank
+    (not those the data checks and the FLOPs count read before training)."""
+
+    def __init__(self, data, path):
+        self.data, self.path = data, path
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        return self.data[index]
+
+    def get_batch(self, indices):
+        inputs, targets = self.data.get_batch(indices)
+        if any(frame.name == "read" for frame in traceback.extract_stack()):  # the loop's BatchReader, not a probe
+            rows = [row + [tail] for row, tail in zip(inputs.tolist(), targets[:, -1].tolist())]
+            with open(self.path, "a") as file:
+                file.write(json.dumps(rows) + "\\n")
+        return inputs, targets
+
+
+def provide(run, context, **options):
+    datasets = Indexed(**options).provide_datasets(run=run, context=context)
+    datasets.train = Fed(datasets.train, f"{run.output_dir}/fed.rank{run.dist.rank}.jsonl")
+    return datasets
+'''
+
+
+def fed_rows(out: Path, rank: int) -> list[list[int]]:
+    """The samples one rank's loop read, in the order it read them."""
+    lines = (out / f"fed.rank{rank}.jsonl").read_text().splitlines()
+    return [row for line in lines for row in json.loads(line)]
+
+
+def in_consumed_order(blocks: list[list[list[int]]], per_rank: int) -> list[list[int]]:
+    """The ranks' samples step by step, rank 0's block of each global batch first."""
+    steps = len(blocks[0]) // per_rank
+    return [row for s in range(steps) for rows in blocks for row in rows[s * per_rank : (s + 1) * per_rank]]
+
+
+@pytest.mark.slow  # torchrun with 2 gloo ranks
+def test_the_loop_feeds_megatrons_blended_samples_in_order_on_any_ranks_and_across_a_resume(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    corpora = [
+        [np.arange(base + 64 * d, base + 64 * d + int(rng.integers(3, 41)), dtype=np.int64) for d in range(30)]
+        for base in (1, 3000)
+    ]
+    for name, tokens in zip(("web", "code"), corpora, strict=True):
+        write_from_spec(tmp_path / name, [t.tolist() for t in tokens])
+    (tmp_path / "recorded.py").write_text(RECORDER)
+    split = "90,8,2"
+    expected, epochs = megatron_train(corpora, split, STEPS * GLOBAL)
+    assert min(epochs) >= 2, epochs  # every prefix is read over more than one epoch
+
+    def write(name: str) -> Path:
+        preset = gpt_preset(tmp_path / name)
+        options = {"data_path": [WEIGHTS[0], str(tmp_path / "web"), WEIGHTS[1], str(tmp_path / "code")]}
+        options |= {"split": split, "seq_length": SEQ, "cache_dir": str(tmp_path / "cache")}
+        preset["data"] = {"provider": "recorded:provide", "options": options}
+        preset["run"] |= {"seed": SEED}
+        train = {"micro_batch_size": 2, "global_batch_size": GLOBAL, "train_iters": STEPS, "eval_iters": 0}
+        return config_file(tmp_path / f"{name}.toml", preset, **train, log_interval=5)
+
+    one, resumed = write("one"), write("resumed")
+    assert run_train(str(one), cwd=tmp_path).returncode == 0
+    assert run_train(str(resumed), "--set", "train.exit_interval=8", cwd=tmp_path).returncode == 0
+    in_one_job(tmp_path, 2, [["run", str(write("two"))], ["run", str(resumed)]], "two")
+    reference = [sample.tolist() for sample in expected]
+    assert fed_rows(tmp_path / "one", 0) == reference
+    assert in_consumed_order([fed_rows(tmp_path / "two", r) for r in range(2)], GLOBAL // 2) == reference
+    first, second = fed_rows(tmp_path / "resumed", 0), fed_rows(tmp_path / "resumed", 1)  # steps 1-8 on one rank
+    after = in_consumed_order([first[8 * GLOBAL :], second], GLOBAL // 2)  # 9-20 on two
+    assert first[: 8 * GLOBAL] + after == reference
