@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from coretrain_lr_find.finder import LRFinder
 
@@ -34,8 +35,25 @@ def test_lr_find_sweeps_beside_the_run_and_leaves_its_checkpoints_alone(tmp_path
     assert (tmp_path / "out" / "lr_find" / "lr_find.png").is_file()
     assert not (tmp_path / "out" / "lr_find" / "checkpoints").exists()
     assert {p: p.stat().st_mtime_ns for p in before} == before  # nothing of the run changed
-    suggested = [line for line in found.stdout.splitlines() if line.startswith("suggested: --set optimizer.lr=")]
+    suggested = [line for line in found.stdout.splitlines() if line.startswith("suggested (steepest): --set")]
     assert len(suggested) == 1 and 1e-5 <= float(suggested[0].rsplit("=", 1)[1]) <= 0.1
+    named = {line.split()[0]: line.split()[1] for line in found.stdout.splitlines() if line.startswith("  ")}
+    assert set(named) == {"steepest", "lightning", "minimum/10"}
+    assert "(steepest fall against lr: Lightning's rule)" in found.stdout
+    again = cli(
+        "lr-find",
+        str(config),
+        "--steps",
+        "30",
+        "--min-lr",
+        "1e-5",
+        "--max-lr",
+        "0.1",
+        "--rule",
+        "lightning",
+        cwd=tmp_path,
+    )
+    assert f"suggested (lightning): --set optimizer.lr={named['lightning']}" in again.stdout
 
 
 class SeenRates:
@@ -84,3 +102,9 @@ def test_the_suggestions_on_a_known_curve() -> None:
     assert math.isclose(found["steepest"], 1e-3, rel_tol=0.26)
     lowest = min(zip(finder.smoothed, finder.lrs))[1]
     assert math.isclose(found["minimum/10"], lowest / 10)
+    # Lightning's rule differentiates against lr itself (numpy's gradient: the same second-order
+    # differences on uneven steps): a slope against log(lr) divided by lr, which leans to smaller rates
+    kept = slice(10, -1)
+    gradient = np.gradient(np.float32(finder.smoothed[kept]), np.float32(finder.lrs[kept]))
+    assert found["lightning"] == finder.lrs[10 + int(np.argmin(gradient))]
+    assert found["lightning"] < found["steepest"]

@@ -27,10 +27,17 @@ def add(commands: Any) -> None:
     finder.add_argument(
         "--diverge", type=float, default=4.0, help="stop once the smoothed loss exceeds this × its lowest (default 4)"
     )
+    finder.add_argument(
+        "--rule",
+        choices=["steepest", "lightning", "minimum/10"],
+        default="steepest",
+        help="which suggestion to set: the steepest fall against log(lr) (default), against lr (Lightning's), "
+        "or the lowest loss's lr / 10 (fastai's); all three are printed",
+    )
     finder.set_defaults(handler=cmd_lr_find)
 
 
 def cmd_lr_find(args: argparse.Namespace) -> int:
     from coretrain_lr_find.command import lr_find
 
-    return lr_find(args.config, args.overrides, args.min_lr, args.max_lr, args.steps, args.diverge)
+    return lr_find(args.config, args.overrides, args.min_lr, args.max_lr, args.steps, args.diverge, args.rule)

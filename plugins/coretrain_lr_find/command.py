@@ -13,7 +13,16 @@ MIN_STEPS = 20
 """Fewer leaves too little of the curve once its ends are skipped."""
 
 
-def lr_find(config: str, sets: list[str], min_lr: float, max_lr: float, steps: int, diverge: float) -> int:
+RULES = {
+    "steepest": "steepest fall against log(lr)",
+    "lightning": "steepest fall against lr: Lightning's rule",
+    "minimum/10": "lowest loss's lr / 10: fastai's rule",
+}
+
+
+def lr_find(
+    config: str, sets: list[str], min_lr: float, max_lr: float, steps: int, diverge: float, rule: str = "steepest"
+) -> int:
     if not 0 < min_lr < max_lr:
         raise UserError(f"lr-find: expected 0 < --min-lr < --max-lr, got {min_lr:g} and {max_lr:g}")
     if steps < MIN_STEPS:
@@ -43,9 +52,9 @@ def lr_find(config: str, sets: list[str], min_lr: float, max_lr: float, steps: i
         raise UserError("lr-find: no finite loss was recorded; lower --min-lr")
     print(f"lr-find: {len(finder.lrs)} steps from {min_lr:g} to {finder.lrs[-1]:.3g}; wrote {out}")
     for name, lr in found.items():
-        print(f"  {name:<11} {lr:.3g}")
-    best = found.get("steepest", found["minimum/10"])
-    print(f"suggested: --set optimizer.lr={best:.3g}")
+        print(f"  {name:<11} {lr:<9.3g} ({RULES[name]})")
+    chosen = rule if rule in found else "minimum/10"
+    print(f"suggested ({chosen}): --set optimizer.lr={found[chosen]:.3g}")
     return 0
 
 

@@ -2,9 +2,12 @@
 
 Each step trains at a learning rate that grows exponentially from ``min_lr`` to ``max_lr``;
 the loss is smoothed (exponential moving average with bias correction, beta 0.98, as Lightning
-does) and the test stops early once it exceeds ``diverge`` times its lowest value. Two
-suggestions: where the smoothed loss falls fastest against log(lr) (Lightning's), and the lr
-of the lowest smoothed loss divided by ten (fastai's "minimum / 10").
+does) and the test stops early once it exceeds ``diverge`` times its lowest value. Three
+suggestions, each a rule of its own: ``steepest``, where the smoothed loss falls fastest
+against log(lr) (the slope on the log axis the curve is plotted on); ``lightning``, where it
+falls fastest against lr itself (Lightning 2.6's ``suggestion()``: ``torch.gradient`` over lr,
+the log slope divided by lr, which leans to smaller rates); and ``minimum/10``, the lr of the lowest
+smoothed loss divided by ten (fastai's).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from attrs import define, field
 
 from coretrain import Run, StepOutputs, hookimpl
@@ -72,7 +76,7 @@ class LRFinder:
             run.control.request_stop("lr-find: the range is covered", checkpoint=False)
 
     def suggestions(self) -> dict[str, float]:
-        """{"steepest": lr, "minimum/10": lr}, each present when the curve allows it."""
+        """{"steepest": lr, "lightning": lr, "minimum/10": lr}, each present when the curve allows it."""
         points = [(lr, loss) for lr, loss in zip(self.lrs, self.smoothed) if math.isfinite(loss)]
         found: dict[str, float] = {}
         if not points:
@@ -87,7 +91,20 @@ class LRFinder:
             ]
             steepest = min(range(len(slopes)), key=slopes.__getitem__)
             found["steepest"] = window[steepest + 1][0]
-        return found
+        lightning = self.lightning()
+        return found | ({"lightning": lightning} if lightning is not None else {})
+
+    def lightning(self) -> float | None:
+        """Lightning's rule, as its ``_LRFinder.suggestion`` computes it: the ends skipped, the
+        non-finite losses dropped, the lowest ``torch.gradient(loss, spacing=lr)``; its index
+        counted from the first kept step, as Lightning counts it."""
+        losses = torch.tensor(self.smoothed[SKIP_START:-SKIP_END])
+        lrs = torch.tensor(self.lrs[SKIP_START:-SKIP_END])
+        finite = torch.isfinite(losses)
+        losses, lrs = losses[finite], lrs[finite]
+        if len(losses) < 2:
+            return None
+        return self.lrs[int(torch.argmin(torch.gradient(losses, spacing=[lrs])[0])) + SKIP_START]
 
     def rows(self) -> list[dict[str, Any]]:
         return [
