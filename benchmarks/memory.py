@@ -1,5 +1,8 @@
 """Activation memory and step time of the ``gpt`` provider with activation checkpointing off,
-selective (every 2nd block), full and op-level — the ``activation-checkpointing`` plugin's modes.
+selective (every 2nd block), full, op-level, offload and selective + offload — the
+``activation-checkpointing`` plugin's modes. (On CPU, offloading moves nothing: the activations
+are in host memory already; its "kept" is what the device would keep, on CUDA, and its saved
+tensors are those outside the offload hooks, the embeddings and head.)
 
     python benchmarks/memory.py                                    # CPU: the small size
     python benchmarks/memory.py --device cuda --sizes 124M,350M --precision bf16
@@ -33,7 +36,7 @@ SIZES = {  # name: (n_layer, n_head, n_embd, seq_length, micro_batch)
     "124M": (12, 12, 768, 1024, 8),
     "350M": (24, 16, 1024, 1024, 8),
 }
-MODES = ("none", "selective", "full", "op")
+MODES = ("none", "selective", "full", "op", "offload", "selective+offload")
 VOCAB = 50304
 
 
@@ -81,7 +84,7 @@ def measure(
     )
     model = GPT(cfg).to(device)
     if mode != "none":
-        apply(model, mode, every=2)
+        apply(model, mode.split("+"), every=2)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(1)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -125,10 +128,10 @@ def report(name: str, size: tuple[int, ...], rows: dict[str, dict[str, float]], 
     base = rows["none"]
     n_layer, _, n_embd, seq, batch = size
     print(f"\ngpt {name}: {n_layer} layers × {n_embd}, seq {seq}, micro-batch {batch}, on {device}")
-    header = f"{'mode':<10} {'kept for backward':>22} {'saved tensors':>22} {'step time':>18}"
+    header = f"{'mode':<18} {'kept for backward':>22} {'saved tensors':>22} {'step time':>18}"
     print(header + (f" {'peak above start':>22}" if "peak" in base else ""))
     for mode, row in rows.items():
-        line = f"{mode:<10} {row['kept'] / 2**20:>10.1f} MB ({row['kept'] / base['kept']:.2f}×)"
+        line = f"{mode:<18} {row['kept'] / 2**20:>10.1f} MB ({row['kept'] / base['kept']:.2f}×)"
         line += f" {row['saved'] / 2**20:>10.1f} MB ({row['saved'] / base['saved']:.2f}×)"
         line += f" {row['seconds'] * 1e3:>8.1f} ms ({row['seconds'] / base['seconds']:.2f}×)"
         if "peak" in row:

@@ -61,6 +61,8 @@ def losses(
         ({"mode": "selective", "every": 2}, [1, 0, 1, 0]),
         ({"mode": "selective", "every": 3}, [1, 0, 0, 1]),
         ({"mode": "op"}, [1, 1, 1, 1]),
+        ({"mode": "offload"}, [0, 0, 0, 0]),
+        ({"mode": ["selective", "offload"], "every": 2}, [1, 0, 1, 0]),
     ],
 )
 def test_checkpointed_blocks_run_again_in_backward_and_the_losses_are_unchanged(
@@ -86,6 +88,30 @@ def test_full_checkpointing_keeps_under_half_the_activations_in_the_memory_bench
     size, cpu = (6, 4, 64, 64, 8), torch.device("cpu")  # layers, heads, width, seq, micro-batch
     none, full = (benchmark.measure(size, mode, cpu, "fp32", steps=1, vocab=256) for mode in ("none", "full"))
     assert 0 < full["saved"] < 0.5 * none["saved"]
+
+
+def test_offloaded_blocks_keep_their_activations_out_of_autograds_own_storage() -> None:
+    """What an offloaded block saves goes through save_on_cpu's hooks (host memory), not the
+    hooks around the whole forward that the memory benchmark counts with."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("memory_benchmark", REPO / "benchmarks" / "memory.py")
+    assert spec is not None and spec.loader is not None
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    size, cpu = (6, 4, 64, 64, 8), torch.device("cpu")
+    none, offload = (benchmark.measure(size, mode, cpu, "fp32", steps=1, vocab=256) for mode in ("none", "offload"))
+    assert 0 < offload["saved"] < 0.2 * none["saved"]
+
+
+@pytest.mark.parametrize("mode", ["everything", ["full", "op"], ["offload", "offload"], [], 3])
+def test_an_unknown_or_doubled_mode_is_one_error(tmp_path: Path, mode: Any) -> None:
+    from coretrain import UserError
+
+    with pytest.raises(UserError, match=r"plugins.activation-checkpointing.mode: expected one of full, selective"):
+        run_steps(tmp_path, steps=1, config=GPT, tables={"activation-checkpointing": {"mode": mode}})
 
 
 def test_a_model_without_blocks_is_one_error_naming_block_types(tmp_path: Path) -> None:

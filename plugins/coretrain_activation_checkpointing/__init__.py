@@ -6,6 +6,11 @@
   others keep everything — a dial between memory and time.
 - ``mode = "op"``: every block keeps the outputs of its matmuls and attention (all but every
   second matmul, torchtitan's op-level policy) and recomputes the cheap ops between them.
+- ``mode = "offload"``: nothing recomputed; what every block saves for backward is kept in host
+  memory (``torch.autograd.graph.save_on_cpu``, pinned on CUDA) and copied back in backward.
+  It composes: ``mode = ["selective", "offload"]`` recomputes every ``every``-th block and
+  offloads the others' (with ``full`` or ``op`` the recomputed blocks save little of their own
+  to offload: their inputs and, for ``op``, the matmul outputs its cache keeps on the device).
 
 The blocks are :func:`coretrain.blocks_of`'s: ``block_types`` by class name, else the model's
 ``_no_split_modules`` (a Hugging Face model's decoder layers), else the children of every
@@ -23,13 +28,13 @@ import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from attrs import define, field
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from coretrain import Run, UserError, blocks_of, hookimpl, positive
+from coretrain import FieldValueError, Run, UserError, blocks_of, hookimpl, positive
 
 log = logging.getLogger("coretrain")
 
@@ -88,23 +93,62 @@ def checkpoint_forward(block: torch.nn.Module, preserve_rng_state: bool, op_leve
     block.forward = forward
 
 
+def offload_forward(block: torch.nn.Module) -> None:
+    """Run ``block.forward`` with what it saves for backward kept in host memory."""
+    inner: Callable[..., Any] = block.forward
+    pin = torch.cuda.is_available()  # pinned memory needs a device to pin for
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            return inner(*args, **kwargs)
+
+    block.forward = forward
+
+
 def apply(
-    model: torch.nn.Module, mode: str, every: int = 2, block_types: Sequence[str] = (), preserve_rng_state: bool = True
+    model: torch.nn.Module,
+    mode: str | Sequence[str],
+    every: int = 2,
+    block_types: Sequence[str] = (),
+    preserve_rng_state: bool = True,
 ) -> tuple[list[torch.nn.Module], int]:
-    """Checkpoint ``model``'s blocks as ``mode`` says: (the blocks checkpointed, the number of blocks)."""
+    """Checkpoint and/or offload ``model``'s blocks as ``mode`` says: (the blocks recomputed or
+    offloaded, the number of blocks)."""
+    modes = {mode} if isinstance(mode, str) else set(mode)
+    recompute = next((m for m in ("full", "selective", "op") if m in modes), None)
     blocks = blocks_of(model, block_types)
-    chosen = [b for i, b in enumerate(blocks) if mode != "selective" or i % every == 0]
+    chosen = [b for i, b in enumerate(blocks) if recompute and (recompute != "selective" or i % every == 0)]
     for block in chosen:
-        checkpoint_forward(block, preserve_rng_state, op_level=mode == "op")
-    return chosen, len(blocks)
+        checkpoint_forward(block, preserve_rng_state, op_level=recompute == "op")
+    if "offload" in modes:
+        for block in blocks:
+            offload_forward(block)  # outside the checkpoint: what a recomputed block keeps goes too
+    return (blocks if "offload" in modes else chosen), len(blocks)
+
+
+MODES = ("full", "selective", "op", "offload")
+
+
+def _modes(instance: Any, attribute: Any, value: Any) -> None:
+    modes = [value] if isinstance(value, str) else value if isinstance(value, list) else [value]
+    recompute = [m for m in modes if m != "offload"]
+    if not modes or any(m not in MODES for m in modes) or len(recompute) > 1 or len(set(modes)) < len(modes):
+        raise FieldValueError(
+            attribute.name,
+            f'expected one of {", ".join(MODES)}, or a recomputing mode and "offload" '
+            f'(["selective", "offload"]); got {value!r}',
+        )
 
 
 @define(kw_only=True)
 class ActivationCheckpointing:
     """Recompute activations in backward instead of keeping them: full, every Nth block, or op-level."""
 
-    mode: Literal["full", "selective", "op"] = "full"
-    """full: every block; selective: every `every`-th block; op: keep matmul/attention outputs only."""
+    mode: Any = field(default="full", validator=_modes)  # a mode, or a list of two (cattrs: no str | list union)
+    """full: every block; selective: every `every`-th block; op: keep matmul/attention outputs
+    only; offload: keep every block's saved activations in host memory; or a list of one of the
+    first three and "offload"."""
     every: int = field(default=2, validator=positive)
     """With mode = "selective": checkpoint blocks 0, every, 2·every, …"""
     block_types: list[str] = field(factory=list)
@@ -122,4 +166,5 @@ class ActivationCheckpointing:
             )
         if run.dist.is_main:
             kinds = ", ".join(sorted({type(b).__name__ for b in chosen}))
-            log.info("activation checkpointing (%s): %d of %d blocks (%s)", self.mode, len(chosen), total, kinds)
+            mode = self.mode if isinstance(self.mode, str) else " + ".join(self.mode)
+            log.info("activation checkpointing (%s): %d of %d blocks (%s)", mode, len(chosen), total, kinds)
