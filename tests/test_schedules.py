@@ -147,6 +147,8 @@ def test_a_run_logs_the_scheduled_weight_decay_and_wsd_ends_at_min_lr(tmp_path: 
             r"plugins\.schedule\.decay_samples: set decay_iters or decay_samples",
         ),
         ({"decay_style": "wsd"}, r"plugins\.schedule\.decay_style: .*did you mean 'WSD'"),
+        ({"warmup_iters": 5}, r"warmup \(40 samples\) is not shorter than the decay it starts \(the whole run: 16"),
+        ({"warmup_iters": 2, "decay_iters": 2}, r"not shorter than the decay it starts \(decay_iters / decay_samp"),
     ],
 )
 def test_an_inconsistent_schedule_is_one_error_naming_the_key(

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from coretrain import UserError
+
 if TYPE_CHECKING:
     from coretrain_schedule import Schedule
 
@@ -36,6 +38,13 @@ class ParamScheduler:
             else cfg.warmup_iters * batch or round((cfg.warmup_fraction or 0.0) * self.decay)
         )
         self.wsd_decay = cfg.wsd_decay_samples or (cfg.wsd_decay_iters or 0) * batch
+        if self.warmup >= self.decay and cfg.decay_style != "constant":  # Megatron asserts it
+            span = "decay_iters / decay_samples" if cfg.decay_iters or cfg.decay_samples else "the whole run"
+            raise UserError(
+                f"plugins.schedule: the warmup ({self.warmup:,} samples) is not shorter than the decay it "
+                f"starts ({span}: {self.decay:,} samples), so the rate would never decay; shorten warmup_iters "
+                f'(or warmup_samples / warmup_fraction), lengthen the decay, or set decay_style = "constant"'
+            )
         self.total = max(total_samples, 1)
         self.samples = 0
         self._applied: tuple[str, float, float | None] | None = None
