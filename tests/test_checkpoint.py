@@ -363,6 +363,16 @@ def test_a_changed_key_on_resume_is_applied_and_listed_or_refused_by_name(
         assert resumed.state.consumed_samples == 4 * 8 + 2 * 16  # the new batch from the first resumed step
 
 
+def test_changing_only_when_the_job_stops_resumes_without_a_warning(
+    tmp_path: Path, no_autoload: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    train(config(tmp_path, train={"train_iters": 6, "exit_interval": 2}))
+    with caplog.at_level("WARNING", logger="coretrain"):
+        resumed, code = train(config(tmp_path, train={"train_iters": 6, "exit_interval": 4}))
+    assert code == 0 and resumed.state.step == 4
+    assert not [r.message for r in caplog.records if "changed settings" in r.message]
+
+
 def test_a_sharded_checkpoint_whose_weights_hold_nan_is_refused_naming_it(tmp_path: Path) -> None:
     """DCP files are read into the model's own tensors: a NaN planted there (never saved: a
     non-finite loss stops a run first) stops the resume, naming the checkpoint."""

@@ -34,6 +34,10 @@ REFUSED = {
 }
 """Key (or section prefix) -> why a change is refused. Everything else is applied."""
 
+UNREMARKED = ("train.exit_interval", "train.exit_duration_in_mins")
+"""When this job stops: changed from one job of a run to the next as a matter of course
+(Megatron's jobs do), so applied without a warning."""
+
 
 def refusal(key: str, allowed: list[str]) -> str | None:
     """Why a change of ``key`` is refused, or None when it is applied."""
@@ -75,8 +79,9 @@ class ResumeChecks:
                 f'checkpoint.pretrained = "{path}"; or apply them anyway with [plugins.resume-checks] '
                 f"allow_changes = {keys}"
             )
-        if changes and run.dist.is_main:
+        remarked = [change for change in changes if change[0] not in UNREMARKED]
+        if remarked and run.dist.is_main:
             log.warning(
                 "resuming with changed settings; the config's values are used from now on: %s",
-                describe(changes),
+                describe(remarked),
             )
