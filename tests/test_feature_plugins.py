@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,23 @@ def test_model_stats_can_be_turned_off_one_by_one(tmp_path: Path, no_autoload: N
         ("seen", seen),
     )
     assert "params_norm" in seen.logs[3] and "zero_grads" not in seen.logs[3]
+
+
+def test_each_blocks_gradient_norm_adds_up_to_the_logged_one(tmp_path: Path) -> None:
+    """Per block of a 3-block GPT, plus the embeddings and head: their norms' squares sum to
+    the whole model's grad_norm (both before clipping), at log steps."""
+    from coretrain.testing import run_steps
+
+    gpt = {"provider": "gpt", "options": {"n_layer": 3, "n_head": 2, "n_embd": 16, "vocab_size": 64}}
+    data = {"provider": "mock", "options": {"seq_length": 16, "vocab_size": 64}}
+    train_keys = {"micro_batch_size": 2, "log_interval": 1, "eval_iters": 0, "clip_grad": 0.5}  # grad_norm: this step's
+    config = {"model": gpt, "data": data, "train": train_keys}
+    result = run_steps(tmp_path, steps=4, config=config, tables={"model-stats": {"layer_grad_norms": True}})
+    for row in result.metrics:
+        layers = {key: value for key, value in row.items() if key.startswith("grad_norm/")}
+        assert sorted(layers) == ["grad_norm/blocks.0", "grad_norm/blocks.1", "grad_norm/blocks.2", "grad_norm/other"]
+        assert math.sqrt(sum(v**2 for v in layers.values())) == pytest.approx(row["grad_norm"], rel=1e-5)
+        assert row["grad_norm"] > 0.5  # clipped, and the per-block figures are still the unclipped ones
 
 
 def test_stragglers_individual_score_compares_a_rank_with_its_own_earlier_intervals(

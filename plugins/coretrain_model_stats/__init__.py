@@ -1,4 +1,5 @@
-"""``model-stats``: the parameter norm and the number of zero gradients, at log steps only.
+"""``model-stats``: the parameter norm, the number of zero gradients and (``layer_grad_norms``)
+each block's gradient norm, at log steps only.
 
 Megatron's ``--log-params-norm`` and ``--log-num-zeros-in-grad``. Each costs a pass over the
 parameters, so it runs on the last step of each log interval and nowhere else: the zero count
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from attrs import define
 
-from coretrain import Run, hookimpl, is_sharded
+from coretrain import Run, blocks_of, hookimpl, is_sharded
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,6 +60,25 @@ def zero_grads(model: torch.nn.Module) -> torch.Tensor:
     return _whole_model(parts, model)
 
 
+def layer_grad_norms(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each block's gradient L2 norm (``blocks_of``: a decoder layer, a ``gpt`` block) by its
+    module name, and the rest's (embeddings, head) as ``other``: one all-reduce for all of them."""
+    names = {id(module): name for name, module in model.named_modules()}
+    groups: dict[str, list[torch.nn.Parameter]] = {names[id(b)]: list(b.parameters()) for b in blocks_of(model)}
+    inside = {id(p) for params in groups.values() for p in params}
+    groups["other"] = [p for p in model.parameters() if id(p) not in inside]
+    device = next(model.parameters()).device
+
+    def squared(params: list[torch.nn.Parameter]) -> torch.Tensor:
+        parts = [_local(p.grad).float().pow(2).sum() / _holders(p) for p in params if p.grad is not None]
+        return torch.stack(parts).sum() if parts else torch.zeros((), device=device)
+
+    total = torch.stack([squared(params) for params in groups.values()])
+    if is_sharded(model):
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return {f"grad_norm/{name}": norm for name, norm in zip(groups, total.sqrt().unbind(), strict=True)}
+
+
 @define(kw_only=True)
 class ModelStats:
     """params_norm and zero_grads in the logged metrics, measured once per log interval."""
@@ -67,11 +87,19 @@ class ModelStats:
     """Log ``params_norm``, the L2 norm of all parameters after the update."""
     zero_grads: bool = True
     """Log ``zero_grads``, the number of exactly-zero gradient entries before the update."""
+    layer_grad_norms: bool = False
+    """Log ``grad_norm/BLOCK`` for each block (``grad_norm/blocks.3``, ``grad_norm/model.layers.3``)
+    and ``grad_norm/other`` for the rest, before clipping, as ``grad_norm`` is — of the log step
+    alone, where ``grad_norm`` is the interval's mean."""
 
     @hookimpl
     def before_update(self, run: Run, step: int) -> None:
-        if self.zero_grads and run.cadence.logs(step):
+        if not run.cadence.logs(step):
+            return
+        if self.zero_grads:
             run.log_tensors["zero_grads"] = zero_grads(run.model)
+        if self.layer_grad_norms:
+            run.log_tensors.update(layer_grad_norms(run.unwrapped_model))
 
     @hookimpl
     def post_step(self, run: Run, step: int) -> None:
