@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, config_file, metrics_rows, run_cli, run_here
 from helpers_inprocess import config, train
 
-from coretrain import hookimpl
+from coretrain import Run, hookimpl
 from coretrain.testing import tiny_config
 
 pytestmark = pytest.mark.slow  # feature plugins in CLI runs: the full suite, not the fast tier
@@ -128,6 +128,48 @@ def test_profiler_writes_a_chrome_trace_of_the_window(tmp_path: Path) -> None:
     trace = json.loads((tmp_path / "prof" / "profile" / "rank0_steps3-5.json").read_text())
     names = {event.get("name", "") for event in trace["traceEvents"]}
     assert any(name.startswith("aten::linear") for name in names) and any("Optimizer.step" in n for n in names)
+
+
+class MarkRecorder:
+    def __init__(self) -> None:
+        self.marks: list[tuple[int, str]] = []
+
+    @hookimpl
+    def phase_listener(self, run: Run) -> Any:
+        return lambda step, phase: self.marks.append((step, phase))
+
+
+class Recording:
+    """Stands in for torch.cuda.nvtx and cudart on a machine without CUDA: what was called, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args: self.calls.append(" ".join([name, *map(str, args)]))
+
+
+def test_nvtx_ranges_follow_the_loops_phases_inside_the_profiled_window(tmp_path: Path) -> None:
+    """The marks of a real 6-step run, replayed into the listener ``nvtx = true`` installs on
+    CUDA: one range open at a time, steps 3-5 only, the capture started and stopped once."""
+    from coretrain_profiler.nvtx import PhaseRanges
+
+    from coretrain.testing import run_steps
+
+    recorder = MarkRecorder()
+    result = run_steps(tmp_path, steps=6, tables={"profiler": {"start": 3, "end": 5, "nvtx": True}})
+    assert result.run.plugins.get("profiler") is not None  # on CPU: no listener, nothing else changes
+    run_steps(tmp_path / "marks", steps=6, plugins={"marks": recorder})
+    nvtx, cudart = Recording(), Recording()
+    ranges = PhaseRanges(3, 5, nvtx=nvtx, cudart=cudart)
+    for step, phase in recorder.marks:
+        ranges(step, phase)
+    pushed = [call.split(" ", 1)[1] for call in nvtx.calls if call.startswith("range_push")]
+    assert pushed and {int(name.rsplit(" ", 1)[1]) for name in pushed} == {3, 4, 5}
+    assert {"data 3", "forward_backward 4", "update 5"} <= set(pushed)
+    assert nvtx.calls.count("range_pop") == len(pushed)  # each closed, by the next mark
+    assert all(a != b for a, b in zip(nvtx.calls, nvtx.calls[1:]))  # push, pop, push, pop...
+    assert cudart.calls == ["cudaProfilerStart", "cudaProfilerStop"]
 
 
 def test_memory_plugin_says_once_that_a_cpu_run_has_nothing_to_do(tmp_path: Path) -> None:

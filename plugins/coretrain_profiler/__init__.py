@@ -3,12 +3,16 @@
 Profiles steps ``start`` to ``end`` (inclusive) on the chosen ranks and writes
 ``profile/rank{R}_steps{start}-{end}.json`` (open in chrome://tracing or Perfetto). With
 ``memory_snapshot = true`` on CUDA it also records the allocator history over the window and
-writes ``profile/rank{R}_memory.pickle`` for pytorch.org/memory_viz.
+writes ``profile/rank{R}_memory.pickle`` for pytorch.org/memory_viz. With ``nvtx = true`` on
+CUDA, the loop's phases inside the window are NVTX ranges and the window is bracketed by
+``cudaProfilerStart``/``Stop``, for ``nsys profile --capture-range=cudaProfilerApi``
+(Megatron's ``--profile`` with nsys); off CUDA it does nothing.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,9 @@ class Profiler:
     with_stack: bool = False
     memory_snapshot: bool = False
     """CUDA only: record the allocator history and dump a snapshot at the end of the window."""
+    nvtx: bool = False
+    """CUDA only: NVTX ranges named by the loop's phases over the window, bracketed by
+    cudaProfilerStart/Stop for Nsight Systems; a no-op elsewhere."""
     _profile: Any = field(default=None, init=False, repr=False)
 
     def _mine(self, run: Run) -> bool:
@@ -42,6 +49,14 @@ class Profiler:
     def __attrs_post_init__(self) -> None:
         if self.end < self.start:
             raise FieldValueError("end", f"must be >= start ({self.start}), got {self.end}")
+
+    @hookimpl
+    def phase_listener(self, run: Run) -> Callable[[int, str], None] | None:
+        if not (self.nvtx and run.device.type == "cuda" and self._mine(run)):
+            return None
+        from coretrain_profiler.nvtx import PhaseRanges
+
+        return PhaseRanges(self.start, self.end)
 
     @hookimpl(tryfirst=True)
     def pre_step(self, run: Run, step: int) -> None:
