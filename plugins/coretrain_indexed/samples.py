@@ -4,6 +4,7 @@ document order, the train/valid/test split by documents, and blends by weight.""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -76,14 +77,9 @@ class DocumentWindows(Windows):
         key |= {"tokens": per_epoch, "seq_length": seq_length, "samples": samples, "seed": seed, "order": "megatron"}
         key["written"] = os.stat(f"{source.prefix}.idx").st_mtime_ns  # a re-prepared corpus is not the cached one
         self.samples = (epochs * per_epoch - 1) // seq_length
-        built: list[tuple[np.ndarray, np.ndarray]] = []
-
-        def build(part: int) -> np.ndarray:
-            built[:] = built or [megatron_order(documents, per_epoch, seq_length, samples, seed)]
-            return built[0][part]
-
-        self.order = cached(cache_dir, "order", key, lambda: build(0), lambda o: order_problem(o, documents, epochs))
-        self.shuffle = cached(cache_dir, "shuffle", key, lambda: build(1), lambda o: shuffle_problem(o, self.samples))
+        build = functools.cache(lambda: megatron_order(documents, per_epoch, seq_length, samples, epochs, seed))
+        self.order = cached(cache_dir, "order", key, lambda: build()[0], lambda o: order_problem(o, documents, epochs))
+        self.shuffle = cached(cache_dir, "shuffle", key, lambda: build()[1], lambda o: shuffle_problem(o, self.samples))
         self.ends = np.cumsum(source.document_lengths[self.order], dtype=np.int64)
 
     def window(self, index: int) -> np.ndarray:
@@ -101,14 +97,14 @@ class DocumentWindows(Windows):
 
 
 def megatron_order(
-    documents: np.ndarray, per_epoch: int, seq_length: int, samples: int, seed: int
+    documents: np.ndarray, per_epoch: int, seq_length: int, samples: int, epochs: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Megatron-Core's document index and shuffle index for ``samples`` samples (its
-    ``_build_document_sample_shuffle_indices``, with ``add_extra_token_to_sequence``): one
-    ``RandomState(seed)`` shuffles the documents of all epochs — of all but the last, then the
-    last's on its own, when the last epoch is needed for less than 80% of its samples
-    (``separate_final_epoch``) — and then the samples, those of the last epoch again apart."""
-    epochs = max(math.ceil((samples * seq_length + 1) / per_epoch), 1)
+    """Megatron-Core's document index and shuffle index for ``samples`` samples over ``epochs``
+    epochs of ``per_epoch`` tokens (its ``_build_document_sample_shuffle_indices``, with
+    ``add_extra_token_to_sequence``): one ``RandomState(seed)`` shuffles the documents of all
+    epochs — of all but the last, then the last's on its own, when the last epoch is needed for
+    less than 80% of its samples (``separate_final_epoch``) — and then the samples, those of the
+    last epoch again apart."""
     total = (epochs * per_epoch - 1) // seq_length
     before_last = ((epochs - 1) * per_epoch - 1) // seq_length
     separate = epochs > 1 and samples - before_last < int(0.80 * ((per_epoch - 1) // seq_length))

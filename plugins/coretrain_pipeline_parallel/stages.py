@@ -177,8 +177,7 @@ class Pipeline:
             ]
             name = SCHEDULES[self.schedule_name] if training else "ScheduleGPipe" if single else "ScheduleLoopedBFS"
             kind = VShapedForwards if v_shaped and not training else getattr(schedules, name)
-            schedule = kind(stages[0] if single else stages, count, loss_fn=self.loss)
-            self._schedules[count, training] = schedule
+            self._schedules[count, training] = kind(stages[0] if single else stages, count, loss_fn=self.loss)
         return self._schedules[count, training]
 
     def _check_uncompiled(self) -> None:
