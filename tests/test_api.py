@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,17 +59,36 @@ def test_a_mistake_in_the_overrides_is_a_user_error_naming_it(tmp_path: Path) ->
         coretrain.train(tiny_config(tmp_path / "out"), overrides={"optimizer.lrr": 0.1})
 
 
-def test_the_progress_view_is_live_in_jupyter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """rich knows a notebook by IPython's shell class; the progress plugin asks rich."""
+class ZMQInteractiveShell:
+    """What rich looks for to know it runs in Jupyter: IPython's kernel shell, by class name."""
+
+
+def test_the_progress_view_is_live_in_jupyter_with_ipywidgets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rich knows a notebook by IPython's shell class; the progress plugin asks rich, and draws
+    live only where rich can (ipywidgets importable)."""
+    import types
+
     from coretrain_progress import in_notebook
 
     assert not in_notebook()
-
-    class ZMQInteractiveShell:
-        pass
-
     monkeypatch.setattr(builtins, "get_ipython", ZMQInteractiveShell, raising=False)
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # not installed: import fails
+    assert not in_notebook()
+    monkeypatch.setitem(sys.modules, "ipywidgets", types.ModuleType("ipywidgets"))
     assert in_notebook()
+
+
+def test_a_notebook_without_ipywidgets_shows_the_step_lines_and_the_last_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setattr(builtins, "get_ipython", ZMQInteractiveShell, raising=False)
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)
+    config = tiny_config(tmp_path / "out", train={"train_iters": 4, "log_interval": 2})
+    result = coretrain.train(config, plugins=None)
+    out = capsys.readouterr()
+    assert result.outcome == "completed"
+    assert "step 2/4" in out.out and "step 4/4" in out.out and "completed at step 4" in out.out + out.err
+    assert "ipywidgets" not in out.out + out.err
 
 
 @pytest.mark.slow  # 20 quickstart steps

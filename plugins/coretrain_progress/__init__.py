@@ -7,8 +7,9 @@ spent waiting for data, the last validation and the last few events. The panel k
 width and a fixed number of event lines, and while it is up every log line (the core's, a
 library's) is printed above it through rich, so nothing written to the terminal can leave a
 stale copy of it behind. In Jupyter, the same panel as a notebook output (rich's notebook
-support; the Python API, ``coretrain.train``). When stdout is neither (CI, ``| tee``, a job
-log), one plain line per log interval instead. Above ``run.log_level = "info"`` (``--quiet``) it stays silent.
+support, with ipywidgets; the Python API, ``coretrain.train``). When stdout is neither (CI,
+``| tee``, a job log) or the notebook has no ipywidgets, one plain line per log interval
+instead. Above ``run.log_level = "info"`` (``--quiet``) it stays silent.
 """
 
 from __future__ import annotations
@@ -52,10 +53,17 @@ def experts(metrics: dict[str, float]) -> str:
 
 
 def in_notebook() -> bool:
-    """Jupyter (or Colab): rich draws its live view there as a notebook output."""
+    """Jupyter (or Colab) with ipywidgets: rich draws its live view there as a notebook output.
+    Without ipywidgets rich can only warn that it needs them, so the notebook gets plain lines."""
     from rich.console import Console
 
-    return Console().is_jupyter
+    if not Console().is_jupyter:
+        return False
+    try:
+        import ipywidgets  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def valid_losses(metrics: dict[str, float]) -> str:
