@@ -22,9 +22,14 @@ def test_library_noise_goes_to_run_log_and_the_users_own_warning_stays_on_the_co
             """
             import logging, warnings
 
+            own = logging.getLogger("noisylib.own")  # as torch's loggers: a handler of its own, not the root's
+            own.propagate = False
+            own.addHandler(logging.StreamHandler())
+
             def build():
                 warnings.warn("noisylib: this API is deprecated", FutureWarning)
                 logging.getLogger("noisylib").warning("noisylib: falling back to the slow path")
+                own.warning("noisylib: printed by its own handler")
             """
         )
     )
@@ -52,7 +57,8 @@ def test_library_noise_goes_to_run_log_and_the_users_own_warning_stays_on_the_co
     assert result.returncode == 0, result.stderr
     assert "noisylib:" not in result.stderr
     assert "mine: check the learning rate" in result.stderr
-    assert f"2 line(s) from libraries (noisylib) are in {tmp_path / 'out' / 'run.log'}" in result.stderr
+    assert f"3 line(s) from libraries (noisylib) are in {tmp_path / 'out' / 'run.log'}" in result.stderr
     logged = (tmp_path / "out" / "run.log").read_text()
     assert "noisylib: this API is deprecated" in logged and "noisylib: falling back to the slow path" in logged
+    assert "noisylib: printed by its own handler" in logged
     assert "mine: check the learning rate" in logged

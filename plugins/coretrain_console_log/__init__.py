@@ -59,11 +59,14 @@ def source_file(record: logging.LogRecord) -> str:
 
 
 class LibraryNoise(logging.Filter):
-    """Keeps libraries' records below ERROR off the console, counting them by library."""
+    """Keeps libraries' records below ERROR off the console, counting them by library (in
+    ``held``, which filters may share), and hands each to ``divert`` (the log file) where the
+    record would not reach it otherwise."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: Counter[str] | None = None, divert: logging.Handler | None = None) -> None:
         super().__init__()
-        self.held: Counter[str] = Counter()
+        self.held: Counter[str] = Counter() if held is None else held
+        self.divert = divert
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR or record.name.startswith("coretrain"):
@@ -75,7 +78,23 @@ class LibraryNoise(logging.Filter):
             return True
         relative = Path(path).relative_to(library).parts
         self.held[relative[0].split(".")[0] if relative else "?"] += 1
+        if self.divert is not None:
+            self.divert.handle(record)
         return False
+
+
+def own_terminal_handlers() -> list[logging.Handler]:
+    """Terminal handlers of loggers that print for themselves rather than through the root
+    logger's (torch's: ``torch`` and ``torch.distributed`` do not propagate, and write to stderr
+    with handlers of their own)."""
+    loggers = [logger for logger in logging.root.manager.loggerDict.values() if isinstance(logger, logging.Logger)]
+    return [
+        handler
+        for logger in loggers
+        if not logger.propagate
+        for handler in logger.handlers
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+    ]
 
 
 class OnceEach(logging.Filter):
@@ -104,6 +123,7 @@ class ConsoleLog:
     """Libraries' lines below ERROR to run.log only, counted on the console at the end."""
 
     _noise: LibraryNoise | None = field(default=None, init=False, repr=False)
+    _diverted: list[tuple[logging.Handler, LibraryNoise]] = field(factory=list, init=False, repr=False)
     _file: logging.Handler | None = field(default=None, init=False, repr=False)
     _console: logging.Handler | None = field(default=None, init=False, repr=False)
 
@@ -124,6 +144,11 @@ class ConsoleLog:
         self._file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
         self._file.addFilter(OnceEach())
         root.addHandler(self._file)
+        if self._noise is not None:  # libraries that print through handlers of their own (torch)
+            for handler in own_terminal_handlers():
+                diverted = LibraryNoise(self._noise.held, divert=self._file)
+                handler.addFilter(diverted)
+                self._diverted.append((handler, diverted))
         warnings.simplefilter("once")
         logging.captureWarnings(False)  # captureWarnings(True) is a no-op while an earlier capture is on,
         logging.captureWarnings(True)  # though warnings.showwarning may have been reset since (a second run)
@@ -141,6 +166,9 @@ class ConsoleLog:
             )
         if self._console is not None and self._noise is not None:
             self._console.removeFilter(self._noise)
+        for handler, diverted in self._diverted:
+            handler.removeFilter(diverted)
+        self._diverted.clear()
         if self._file is not None:
             logging.getLogger().removeHandler(self._file)
             self._file.close()

@@ -38,6 +38,7 @@ def save_pretrained(
     options: dict[str, Any],
 ) -> str:
     transformers = require("transformers", needed_by="checkpoint export --format hf", extra="hf")
+    transformers.utils.logging.disable_progress_bar()  # "Writing model shards": one line says what was written
     from coretrain_hf import DTYPES, TASKS
 
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
