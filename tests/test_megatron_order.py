@@ -7,9 +7,8 @@ by function (``gpt_dataset.py``: ``_get_num_epochs``, ``_build_document_index``,
 ``_build_shuffle_index``, ``_build_document_sample_shuffle_indices``,
 ``_query_document_sample_shuffle_indices``; ``helpers.cpp``: ``build_sample_idx``,
 ``build_blending_indices``; ``blended_megatron_dataset_builder.py``: the split bounds and the
-per-prefix sizes), independent of the provider's code. (Against Megatron-Core itself, installed
-in a scratch environment, the provider's samples were equal for 3 configurations × one prefix
-and a blend × train, valid and test: README.)"""
+per-prefix sizes), independent of the provider's code. (Against Megatron-Core itself, which CI
+does not install: ``benchmarks/megatron_order_parity.py``, 7,448 of 7,448 samples equal.)"""
 
 from __future__ import annotations
 
