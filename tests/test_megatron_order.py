@@ -1,6 +1,7 @@
 """Megatron-Core's sample order: the k-th sample the training loop feeds from an ``indexed``
 2-prefix blend, over 2 epochs of each prefix, on 1 rank, on 2 ranks and across a resume from 1
-rank onto 2, is ``train[k]`` of Megatron's ``BlendedDataset`` over its ``GPTDataset``s.
+rank onto 2, is ``train[k]`` of Megatron's ``BlendedDataset`` over its ``GPTDataset``s; the
+evaluations read ``valid[k]`` on, block after block, as Megatron's do.
 
 The reference below is Megatron-Core 0.19.2's algorithm written out from its source, function
 by function (``gpt_dataset.py``: ``_get_num_epochs``, ``_build_document_index``,
@@ -22,7 +23,7 @@ import pytest
 from conftest import config_file, gpt_preset, in_one_job, run_train
 from test_indexed import write_from_spec
 
-SEQ, SEED, STEPS, GLOBAL = 16, 1234, 20, 8
+SEQ, SEED, STEPS, GLOBAL, EVERY = 16, 1234, 20, 8, 8
 WEIGHTS = (0.6, 0.4)
 
 
@@ -105,14 +106,16 @@ def gpt_dataset(
     return sample, epochs
 
 
-def megatron_train(corpora: list[list[np.ndarray]], split: str, samples: int) -> tuple[list[np.ndarray], list[int]]:
-    """BlendedDataset over the prefixes' train splits: its first ``samples`` samples, and the epochs
-    each prefix's GPTDataset spans."""
+def megatron_blend(
+    corpora: list[list[np.ndarray]], split: str, samples: int, part: int
+) -> tuple[list[np.ndarray], list[int]]:
+    """BlendedDataset over the prefixes' ``part`` split (0 train, 1 valid) sized for ``samples``:
+    its samples, and the epochs each prefix's GPTDataset spans."""
     weights = [w / sum(WEIGHTS) for w in WEIGHTS]
     sizes = [int(math.ceil(math.ceil(samples * w) * 1.005)) for w in weights]
     parts = []
     for tokens, size in zip(corpora, sizes, strict=True):
-        low, high = split_bounds(split, len(tokens))[:2]
+        low, high = split_bounds(split, len(tokens))[part : part + 2]
         parts.append(gpt_dataset(tokens, np.arange(low, high, dtype=np.int32), size))
     taken, blended = [0] * len(weights), []
     for k in range(samples):  # build_blending_indices
@@ -130,11 +133,12 @@ from coretrain_indexed import Indexed
 
 
 class Fed:
-    """The training set, writing each batch the loop reads (its samples' tokens) to a file per rank
-    (not those the data checks and the FLOPs count read before training)."""
+    """A split, writing each batch that ``reader`` asks for (its samples' tokens) to a file per
+    rank: the loop's BatchReader.read for train, an evaluation's SplitBatches for valid (not the
+    probes of the data checks and the FLOPs count)."""
 
-    def __init__(self, data, path):
-        self.data, self.path = data, path
+    def __init__(self, data, path, reader):
+        self.data, self.path, self.reader = data, path, reader
 
     def __len__(self):
         return len(self.data)
@@ -144,7 +148,7 @@ class Fed:
 
     def get_batch(self, indices):
         inputs, targets = self.data.get_batch(indices)
-        if any(frame.name == "read" for frame in traceback.extract_stack()):  # the loop's BatchReader, not a probe
+        if any(frame.name == self.reader for frame in traceback.extract_stack()):
             rows = [row + [tail] for row, tail in zip(inputs.tolist(), targets[:, -1].tolist())]
             with open(self.path, "a") as file:
                 file.write(json.dumps(rows) + "\\n")
@@ -153,14 +157,15 @@ class Fed:
 
 def provide(run, context, **options):
     datasets = Indexed(**options).provide_datasets(run=run, context=context)
-    datasets.train = Fed(datasets.train, f"{run.output_dir}/fed.rank{run.dist.rank}.jsonl")
+    datasets.train = Fed(datasets.train, f"{run.output_dir}/fed.rank{run.dist.rank}.jsonl", "read")
+    datasets.valid = Fed(datasets.valid, f"{run.output_dir}/valid.rank{run.dist.rank}.jsonl", "_counted")
     return datasets
 '''
 
 
-def fed_rows(out: Path, rank: int) -> list[list[int]]:
-    """The samples one rank's loop read, in the order it read them."""
-    lines = (out / f"fed.rank{rank}.jsonl").read_text().splitlines()
+def fed_rows(out: Path, rank: int, split: str = "fed") -> list[list[int]]:
+    """The samples one rank read of a split (``fed``: train), in the order it read them."""
+    lines = (out / f"{split}.rank{rank}.jsonl").read_text().splitlines()
     return [row for line in lines for row in json.loads(line)]
 
 
@@ -181,8 +186,10 @@ def test_the_loop_feeds_megatrons_blended_samples_in_order_on_any_ranks_and_acro
         write_from_spec(tmp_path / name, [t.tolist() for t in tokens])
     (tmp_path / "recorded.py").write_text(RECORDER)
     split = "90,8,2"
-    expected, epochs = megatron_train(corpora, split, STEPS * GLOBAL)
+    expected, epochs = megatron_blend(corpora, split, STEPS * GLOBAL, part=0)
     assert min(epochs) >= 2, epochs  # every prefix is read over more than one epoch
+    evaluations = STEPS // EVERY + 1  # at 8 and 16, and after training at 20
+    expected_valid, _ = megatron_blend(corpora, split, evaluations * GLOBAL, part=1)
 
     def write(name: str) -> Path:
         preset = gpt_preset(tmp_path / name)
@@ -190,7 +197,8 @@ def test_the_loop_feeds_megatrons_blended_samples_in_order_on_any_ranks_and_acro
         options |= {"split": split, "seq_length": SEQ, "cache_dir": str(tmp_path / "cache")}
         preset["data"] = {"provider": "recorded:provide", "options": options}
         preset["run"] |= {"seed": SEED}
-        train = {"micro_batch_size": 2, "global_batch_size": GLOBAL, "train_iters": STEPS, "eval_iters": 0}
+        train = {"micro_batch_size": 2, "global_batch_size": GLOBAL, "train_iters": STEPS}
+        train |= {"eval_interval": EVERY, "eval_iters": 1}
         return config_file(tmp_path / f"{name}.toml", preset, **train, log_interval=5)
 
     one, resumed = write("one"), write("resumed")
@@ -203,3 +211,9 @@ def test_the_loop_feeds_megatrons_blended_samples_in_order_on_any_ranks_and_acro
     first, second = fed_rows(tmp_path / "resumed", 0), fed_rows(tmp_path / "resumed", 1)  # steps 1-8 on one rank
     after = in_consumed_order([first[8 * GLOBAL :], second], GLOBAL // 2)  # 9-20 on two
     assert first[: 8 * GLOBAL] + after == reference
+    # each evaluation reads the next global batch of valid, as Megatron's validation iterator does
+    valid = [sample.tolist() for sample in expected_valid]
+    assert len(valid) == 3 * GLOBAL and fed_rows(tmp_path / "one", 0, "valid") == valid
+    assert in_consumed_order([fed_rows(tmp_path / "two", r, "valid") for r in range(2)], GLOBAL // 2) == valid
+    first, second = fed_rows(tmp_path / "resumed", 0, "valid"), fed_rows(tmp_path / "resumed", 1, "valid")
+    assert first[:GLOBAL] + in_consumed_order([first[GLOBAL:], second], GLOBAL // 2) == valid

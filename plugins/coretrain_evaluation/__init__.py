@@ -39,8 +39,9 @@ UNCOUNTED = torch.zeros(1, dtype=torch.long)
 its result left out)."""
 
 
-def index_chunks(run: Run, length: int) -> list[torch.Tensor]:
-    """This rank's micro-batches of sample indices for one evaluation of a split of ``length``.
+def index_chunks(run: Run, length: int, block: int = 0) -> list[torch.Tensor]:
+    """This rank's micro-batches of sample indices for one evaluation of a split of ``length``:
+    its ``block``-th ``eval_iters`` global batches.
 
     Every rank reads as many: the forward of a sharded or expert-parallel model is a collective,
     and a rank that ran one more would wait for the others forever. With ``eval_full`` a rank
@@ -55,20 +56,32 @@ def index_chunks(run: Run, length: int) -> list[torch.Tensor]:
     order = SampleOrder(length, run.config.run.seed + EVAL_SEED_OFFSET, shuffle=not run.datasets.in_order)
     global_batch = run.global_batch_size
     per_rank = global_batch // world
+    first = block * train.eval_iters
     return [
         chunk
-        for i in range(train.eval_iters)
+        for i in range(first, first + train.eval_iters)
         for chunk in torch.split(order.indices(i * global_batch + rank * per_rank, per_rank), micro)
     ]
 
 
-def split_batches(run: Run, dataset: Any) -> SplitBatches:
+def block_of(run: Run, split: str) -> int:
+    """Which ``eval_iters`` global batches this evaluation reads: always the first, except for the
+    valid split of a dataset in training order (Megatron's), which moves on through them as
+    Megatron's validation iterator does — the evaluation at step s reads block ⌈s / eval_interval⌉ − 1,
+    so a resumed run reads what an uninterrupted one would."""
+    interval = run.cadence.eval_every
+    if not (run.datasets.in_order and split.startswith("valid") and interval):
+        return 0
+    return max(run.state.step - 1, 0) // interval
+
+
+def split_batches(run: Run, dataset: Any, block: int = 0) -> SplitBatches:
     train = run.config.train
     micro = train.eval_micro_batch_size or train.micro_batch_size
     if is_stream(dataset):
         limit = None if train.eval_full else train.eval_iters * run.global_batch_size // run.dist.dp_size
         return SplitBatches(run, dataset, micro_batch_size=micro, limit=limit)
-    return SplitBatches(run, dataset, index_chunks(run, len(dataset)))
+    return SplitBatches(run, dataset, index_chunks(run, len(dataset), block))
 
 
 @torch.no_grad()
@@ -116,16 +129,17 @@ def evaluate_split(run: Run, batches: SplitBatches, split: str) -> dict[str, flo
 class Evaluation:
     """The loss and the model's named values over the valid split (and test after training)."""
 
-    _batches: dict[str, SplitBatches] = field(factory=dict, init=False, repr=False)
+    _batches: dict[str, tuple[int, SplitBatches]] = field(factory=dict, init=False, repr=False)
 
     @hookimpl(trylast=True)  # a plugin of yours that evaluates answers first
     def evaluate(self, run: Run, split: str, dataset: Any) -> dict[str, float] | None:
         train = run.config.train
         if not (train.eval_full or train.eval_iters):
             return None
-        if split not in self._batches:  # index chunks and DataLoader workers made once, reused
-            self._batches[split] = split_batches(run, dataset)
-        return evaluate_split(run, self._batches[split], split)
+        block = 0 if train.eval_full else block_of(run, split)
+        if self._batches.get(split, (None,))[0] != block:  # index chunks and workers made once, reused
+            self._batches[split] = (block, split_batches(run, dataset, block))
+        return evaluate_split(run, self._batches[split][1], split)
 
     @hookimpl
     def on_train_end(self) -> None:
