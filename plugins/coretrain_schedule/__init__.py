@@ -14,12 +14,15 @@ Formerly the core's ``[scheduler]`` table: it still works, with one deprecation 
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from attrs import define, field
 
 from coretrain import FieldValueError, Run, Scheduler, fraction, hookimpl, non_negative, positive
 from coretrain_schedule.scheduler import ParamScheduler
+
+log = logging.getLogger("coretrain")
 
 
 @define(kw_only=True)
@@ -68,7 +71,14 @@ class Schedule:
     @hookimpl
     def configure_scheduler(self, run: Run) -> Scheduler:
         total = run.config.train.train_samples or run.train_iters * run.global_batch_size
-        return ParamScheduler(run.optimizer, self, run.config.optimizer.lr, total, run.global_batch_size)
+        scheduler = ParamScheduler(run.optimizer, self, run.config.optimizer.lr, total, run.global_batch_size)
+        if scheduler.never_decays and run.dist.is_main:  # the decay spans the run: a short smoke run of a config
+            log.warning(
+                "schedule: this run (%s samples) is not longer than its warmup (%s): the rate never decays",
+                f"{scheduler.decay:,}",
+                f"{scheduler.warmup:,}",
+            )
+        return scheduler
 
     @hookimpl(tryfirst=True)  # the rates join the interval's metrics before any backend sees them
     def on_log(self, run: Run, metrics: dict[str, float]) -> None:

@@ -38,12 +38,13 @@ class ParamScheduler:
             else cfg.warmup_iters * batch or round((cfg.warmup_fraction or 0.0) * self.decay)
         )
         self.wsd_decay = cfg.wsd_decay_samples or (cfg.wsd_decay_iters or 0) * batch
-        if self.warmup >= self.decay and cfg.decay_style != "constant":  # Megatron asserts it
-            span = "decay_iters / decay_samples" if cfg.decay_iters or cfg.decay_samples else "the whole run"
+        self.never_decays = self.warmup >= self.decay and cfg.decay_style != "constant"
+        if self.never_decays and (cfg.decay_iters or cfg.decay_samples):  # Megatron asserts it
             raise UserError(
-                f"plugins.schedule: the warmup ({self.warmup:,} samples) is not shorter than the decay it "
-                f"starts ({span}: {self.decay:,} samples), so the rate would never decay; shorten warmup_iters "
-                f'(or warmup_samples / warmup_fraction), lengthen the decay, or set decay_style = "constant"'
+                f"plugins.schedule: the warmup ({self.warmup:,} samples) is not shorter than the decay it starts "
+                f"(decay_iters / decay_samples: {self.decay:,} samples), so the rate would never decay; "
+                "shorten warmup_iters (or warmup_samples / warmup_fraction), lengthen the decay, or set "
+                'decay_style = "constant"'
             )
         self.total = max(total_samples, 1)
         self.samples = 0
