@@ -42,13 +42,6 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests first (each keeps its place among them): xdist's workers then start the
-    long torchrun matrices at once and fill in with the quick ones, instead of one worker
-    finishing a two-minute test alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Move what the imports made (torch, transformers, the test modules) out of the collector's
     reach: a test's ``gc.collect()`` (the gc plugin's, a leak check's) then scans only what
