@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, config_file, metrics_rows, run_cli, run_here
 from helpers_inprocess import config, train
 
-from coretrain import Run, hookimpl
+from coretrain import hookimpl
 from coretrain.testing import tiny_config
 
 pytestmark = pytest.mark.slow  # feature plugins in CLI runs: the full suite, not the fast tier
@@ -130,15 +130,6 @@ def test_profiler_writes_a_chrome_trace_of_the_window(tmp_path: Path) -> None:
     assert any(name.startswith("aten::linear") for name in names) and any("Optimizer.step" in n for n in names)
 
 
-class MarkRecorder:
-    def __init__(self) -> None:
-        self.marks: list[tuple[int, str]] = []
-
-    @hookimpl
-    def phase_listener(self, run: Run) -> Any:
-        return lambda step, phase: self.marks.append((step, phase))
-
-
 class Recording:
     """Stands in for torch.cuda.nvtx and cudart on a machine without CUDA: what was called, in order."""
 
@@ -153,16 +144,17 @@ def test_nvtx_ranges_follow_the_loops_phases_inside_the_profiled_window(tmp_path
     """The marks of a real 6-step run, replayed into the listener ``nvtx = true`` installs on
     CUDA: one range open at a time, steps 3-5 only, the capture started and stopped once."""
     from coretrain_profiler.nvtx import PhaseRanges
+    from test_plugin_api import Marks
 
     from coretrain.testing import run_steps
 
-    recorder = MarkRecorder()
+    recorder = Marks()
     result = run_steps(tmp_path, steps=6, tables={"profiler": {"start": 3, "end": 5, "nvtx": True}})
     assert result.run.plugins.get("profiler") is not None  # on CPU: no listener, nothing else changes
     run_steps(tmp_path / "marks", steps=6, plugins={"marks": recorder})
     nvtx, cudart = Recording(), Recording()
     ranges = PhaseRanges(3, 5, nvtx=nvtx, cudart=cudart)
-    for step, phase in recorder.marks:
+    for step, phase in recorder.seen:
         ranges(step, phase)
     pushed = [call.split(" ", 1)[1] for call in nvtx.calls if call.startswith("range_push")]
     assert pushed and {int(name.rsplit(" ", 1)[1]) for name in pushed} == {3, 4, 5}
