@@ -33,6 +33,9 @@ def _signal_names(instance: object, attribute: attrs.Attribute[Any], value: list
             raise FieldValueError(attribute.name, f"{name!r} is not a signal name (e.g. 'SIGTERM', 'SIGUSR1')")
 
 
+PRECISION_NAMES = {"bf16_mixed": "bf16", "bf16-mixed": "bf16", "fp16_mixed": "fp16", "16-mixed": "fp16"}
+
+
 @define(kw_only=True)
 class RunConfig:
     """Identity and placement of the run."""
@@ -41,9 +44,11 @@ class RunConfig:
     seed: int = field(default=1234, validator=in_range(0, 2**32 - 1))
     """Seeds Python, numpy and torch (numpy accepts 0 .. 2**32-1)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Autocast dtype for forward; fp16 adds a checkpointed grad scaler (and one sync per step
-    for its overflow check, as in Megatron)."""
+    precision: Literal["fp32", "bf16", "fp16", "bf16_mixed", "fp16_mixed", "bf16-mixed", "16-mixed"] = "fp32"
+    """Autocast dtype for forward, fp32 weights; fp16 adds a checkpointed grad scaler (and one sync
+    per step for its overflow check, as in Megatron). Megatron-Bridge's recipe names
+    (``bf16_mixed``, ``fp16_mixed``) and Lightning's (``bf16-mixed``, ``16-mixed``) are
+    read as bf16 and fp16; FP8 is the ``fp8`` plugin's (``[plugins.fp8]``)."""
     output_dir: str = "runs/{name}"
     """Where config.toml, metrics.jsonl and checkpoints go; ``{name}`` is replaced by run.name."""
     threads: int | None = field(default=None, validator=_positive)
@@ -51,6 +56,9 @@ class RunConfig:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """What reaches the console (rank 0; other ranks print warnings and errors only);
     ``coretrain run --quiet`` / ``--verbose`` override it."""
+
+    def __attrs_post_init__(self) -> None:
+        self.precision = PRECISION_NAMES.get(self.precision, self.precision)  # type: ignore[assignment]
 
 
 @define(kw_only=True)
@@ -152,10 +160,15 @@ class CheckpointConfig:
     """Set false to never write checkpoints."""
     keep_last: int | None = field(default=None, validator=_positive)
     resume: str = "auto"
-    """"auto" (newest complete checkpoint in the output dir), "never", or a checkpoint path."""
+    """"auto" (newest complete checkpoint in the output dir), "never", or a checkpoint path (a
+    run's output directory: its newest complete checkpoint)."""
     async_save: bool = False
+    storage_writers_per_rank: int = field(default=1, validator=_positive)
+    """Threads, each writing a file of its own, with which every rank writes a sharded (DCP)
+    checkpoint: torch.distributed.checkpoint's ``thread_count`` (Megatron-Bridge's key)."""
     pretrained: str | None = None
-    """Load model weights only from this checkpoint (fine-tuning: step 0, fresh optimizer)."""
+    """Load model weights only from this checkpoint (fine-tuning: step 0, fresh optimizer); a
+    run's output directory (or its ``checkpoints/``) means its newest complete checkpoint."""
     save_frozen: bool = True
     """Save the parameters that do not train (requires_grad false) too; false saves only what
     trains (e.g. LoRA adapters), and a resume takes the rest from the model provider again

@@ -369,6 +369,7 @@ def load_config_data(data: Mapping[str, Any], overrides: Overrides = ()) -> Load
         if not Path(base).exists():
             raise UserError(f"extends: {str(base)!r} not found (relative to {Path.cwd()})")
         raw = merge_layer(raw, _load_chain(Path(base), (), locations))
+    locations = {key: where for key, where in locations.items() if _lookup(layer, key) is _MISSING}  # the dict's own
     return _with_overrides(merge_layer(raw, layer), overrides, locations, Path("config.toml"), "the config")
 
 

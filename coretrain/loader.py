@@ -90,11 +90,7 @@ class StepPlan:
     """Micro-batches per rank for each step, decided once, in step order, whoever asks first."""
 
     def __init__(
-        self,
-        decide: Callable[[int, int], int],
-        samples_per_micro_batch: int,
-        last_step: int,
-        consumed_samples: int,
+        self, decide: Callable[[int, int], int], samples_per_micro_batch: int, last_step: int, consumed_samples: int
     ) -> None:
         self._decide, self._per_micro = decide, samples_per_micro_batch
         self._next_step, self._next_consumed = last_step + 1, consumed_samples

@@ -49,11 +49,7 @@ class StopAgreement:
     """Asked after every step whether training stops (and on a signal, tells on_signal)."""
 
     def __init__(
-        self,
-        run: Run,
-        signals: SignalWatcher,
-        on_signal: Callable[..., Any] | None,
-        mark: Callable[[int, str], None],
+        self, run: Run, signals: SignalWatcher, on_signal: Callable[..., Any] | None, mark: Callable[[int, str], None]
     ) -> None:
         self.run, self.signals, self.on_signal, self.mark = run, signals, on_signal, mark
         self.signum: int | None = None

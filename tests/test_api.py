@@ -42,6 +42,32 @@ def test_a_dict_may_extend_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert result.step == 2
 
 
+def test_a_mistake_in_a_dict_that_extends_a_file_is_named_at_the_dicts_key_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dict's own keys are no line of the file it extends: its typos and wrong values are
+    named by their key path in the dict; the file's own mistakes keep their file and line."""
+    base = tiny_config(tmp_path / "out", train={"train_iters": 4, "log_interval": 2})
+    write_config(tmp_path / "base.toml", base)
+    monkeypatch.chdir(tmp_path)
+    for layer, expected in [
+        (
+            {"train": {"lgo_interval": 2}},
+            "\n  the config: train.lgo_interval: unknown key (did you mean 'log_interval'?)",
+        ),
+        ({"train": {"log_interval": "2"}}, "\n  the config: train.log_interval: expected an integer, got '2' (string)"),
+    ]:
+        with pytest.raises(UserError) as caught:
+            coretrain.load({"extends": "base.toml", **layer})
+        assert str(caught.value).endswith(expected), str(caught.value)
+    write_config(tmp_path / "base.toml", {**base, "train": {**base["train"], "eval_iters": "x"}})
+    line = next(
+        n for n, text in enumerate((tmp_path / "base.toml").read_text().splitlines(), 1) if "eval_iters" in text
+    )
+    with pytest.raises(UserError, match=f"base.toml:{line}: train.eval_iters: expected an integer"):
+        coretrain.load({"extends": "base.toml", "train": {"log_interval": 1}})
+
+
 def test_a_stop_is_the_outcome_not_an_exception(tmp_path: Path) -> None:
     config = tiny_config(
         tmp_path / "out",

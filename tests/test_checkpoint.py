@@ -80,6 +80,32 @@ def test_pretrained_loads_weights_only_and_starts_at_step_zero(tmp_path: Any, no
     assert target.scheduler.position == 3  # a fresh optimizer and schedule
 
 
+@pytest.mark.parametrize("named", ["out", "out/checkpoints"])
+def test_pretrained_and_resume_take_a_run_directory_as_its_newest_complete_checkpoint(
+    tmp_path: Any, no_autoload: None, named: str
+) -> None:
+    source, _ = train(config(tmp_path / "a", train={"train_iters": 6}, checkpoint={"save_interval": 2}))
+    newest = tmp_path / "a" / "out" / "checkpoints" / "step_00000006"
+    (newest.parent / "step_00000008.tmp").mkdir()  # a save that never committed is passed over
+    seen = FirstWeights()
+    pretrained = {"pretrained": str(tmp_path / "a" / named)}
+    target, _ = train(config(tmp_path / "b", train={"train_iters": 3}, checkpoint=pretrained), ("seen", seen))
+    assert seen.step == 0 and target.state.step == 3
+    assert all(torch.equal(seen.weights[k], v) for k, v in source.model.state_dict().items())
+    resumed = FirstWeights()  # checkpoint.resume names the run too: it continues from step 6
+    train(
+        config(tmp_path / "c", train={"train_iters": 8}, checkpoint={"resume": str(tmp_path / "a" / named)}),
+        ("r", resumed),
+    )
+    assert resumed.step == 6 and all(torch.equal(resumed.weights[k], v) for k, v in source.model.state_dict().items())
+
+
+def test_pretrained_naming_a_run_without_a_complete_checkpoint_is_one_error(tmp_path: Any, no_autoload: None) -> None:
+    (tmp_path / "a" / "checkpoints" / "step_00000002.tmp").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"checkpoint.pretrained: .*checkpoints holds no complete checkpoint"):
+        train(config(tmp_path / "b", checkpoint={"pretrained": str(tmp_path / "a")}))
+
+
 @pytest.fixture
 def trained(tmp_path: Path, no_autoload: None) -> Path:
     """A run's output dir with a complete checkpoint at step 2."""
@@ -411,4 +437,22 @@ def test_a_sharded_checkpoint_of_0_3_with_nested_optimizer_groups_resumes_exactl
     assert "optimizer.param_groups.0.params" in saved.read_metadata().state_dict_metadata  # the nested form
     monkeypatch.undo()
     resumed = run_steps(tmp_path / "old", steps=6, config=fsdp)
+    assert [m["loss"] for m in first.metrics + resumed.metrics] == [m["loss"] for m in whole.metrics]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_storage_writers_per_rank_writes_a_sharded_checkpoint_in_that_many_files_that_resume_exactly(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """checkpoint.storage_writers_per_rank is DCP's thread count (Megatron-Bridge's key): each
+    writer thread writes a file of its own, and the checkpoint resumes as one written by one."""
+    fsdp = {"distributed": {"strategy": "fsdp"}, "train": {"log_interval": 1}}
+    whole = run_steps(tmp_path / "whole", steps=6, config=fsdp)
+    writers = {**fsdp, "checkpoint": {"storage_writers_per_rank": 3, "async_save": async_save}}
+    first = run_steps(tmp_path / "split", steps=6, config={**writers, "train": {"log_interval": 1, "exit_interval": 3}})
+    files = sorted(p.name for p in (first.output_dir / "checkpoints/step_00000003/sharded").glob("*.distcp"))
+    assert files == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    one = sorted(p.name for p in (whole.output_dir / "checkpoints/step_00000006/sharded").glob("*.distcp"))
+    assert one == ["__0_0.distcp"]  # the default: one writer per rank
+    resumed = run_steps(tmp_path / "split", steps=6, config=writers)
     assert [m["loss"] for m in first.metrics + resumed.metrics] == [m["loss"] for m in whole.metrics]

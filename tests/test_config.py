@@ -247,3 +247,19 @@ def test_a_reader_that_stops_early_is_not_an_error(
     monkeypatch.setattr("sys.stdout", ClosedPipe())
     assert main(["config", "show", str(config)]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "means"),
+    [("bf16_mixed", "bf16"), ("fp16_mixed", "fp16"), ("bf16-mixed", "bf16"), ("16-mixed", "fp16"), ("bf16", "bf16")],
+)
+def test_megatron_bridge_and_lightning_precision_names_are_read_as_ours(name: str, means: str) -> None:
+    """run.precision takes Megatron-Bridge's recipe names and Lightning's for the same mixed
+    precision; the run (and its config.toml) sees ours, so every plugin reads one spelling."""
+    config = coretrain.load({"model": {"provider": "m"}, "run": {"precision": name}}).config
+    assert config.run.precision == means
+
+
+def test_a_precision_name_we_do_not_take_is_one_error_listing_those_we_do() -> None:
+    with pytest.raises(coretrain.UserError, match=r"run\.precision: expected one of 'fp32', 'bf16', .*'16-mixed', got"):
+        coretrain.load({"model": {"provider": "m"}, "run": {"precision": "bf16_with_fp8_delayed_scaling_mixed"}})

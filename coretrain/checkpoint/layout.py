@@ -61,11 +61,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
 def begin(root: Path, step: int, is_main: bool, distributed: bool) -> Path:
     """Rank 0 makes a fresh step_N.tmp; every rank returns it once it exists."""
     tmp = root / f"step_{step:08d}.tmp"  # the save, until its commit
@@ -73,7 +68,7 @@ def begin(root: Path, step: int, is_main: bool, distributed: bool) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     if distributed:
-        barrier()
+        torch.distributed.barrier()
     return tmp
 
 
@@ -112,8 +107,12 @@ def best_step(root: Path) -> int | None:
 
 
 def followed_best(path: Path, option: str) -> Path:
-    """``path`` itself, or the step directory a ``.../checkpoints/best`` link names (never
-    where an untrusted link leads)."""
+    """``path`` itself, the step directory a ``.../checkpoints/best`` link names (never where an
+    untrusted link leads), or the newest complete checkpoint of a run's output directory or of
+    its ``checkpoints/`` (what a user names after a run: the run, not one of its steps)."""
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if step_dirs(root):
+        return find_checkpoint(root, None, option)
     if path.name != BEST or not path.is_symlink():
         return path
     step = best_step(path.parent)

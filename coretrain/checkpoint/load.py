@@ -83,12 +83,7 @@ def _check_finite(weights: dict[str, Any], directory: Path, single_process: bool
         raise CheckpointUnreadable(directory, f"not a valid checkpoint: {where} holds NaN or Inf")
 
 
-def load_whole(
-    model: torch.nn.Module,
-    unwrapped: torch.nn.Module,
-    weights: dict[str, Any],
-    strict: bool,
-) -> None:
+def load_whole(model: torch.nn.Module, unwrapped: torch.nn.Module, weights: dict[str, Any], strict: bool) -> None:
     """Whole tensors (a replicated ``model.pt``) into a plain model, or cut into a DTensor model's
     shards; keys the model does not have (a pipeline stage's: the other stages') are not asked for."""
     wanted = unwrapped.state_dict()

@@ -67,6 +67,8 @@ class ShardedState:
     """Model + optimizer state of a sharded (FSDP2) model: saved collectively with DCP."""
 
     state: dict[str, Any]
+    writers: int = 1
+    """Threads (and files) per rank: ``checkpoint.storage_writers_per_rank``."""
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -85,15 +87,15 @@ def collect(run: Run, extra_state: dict[str, Any], evaluated: list[str] | None =
         state["grad_scaler"] = run.grad_scaler.state_dict()
     files: dict[str, Any] = {f"rank_{run.dist.rank:05d}.pt": state}
     sharded = is_sharded(run.model)
-    with_frozen = run.config.checkpoint.save_frozen
+    checkpoint = run.config.checkpoint
     if sharded:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(run.model, run.optimizer, options=dcp_options(with_frozen))
-        files["sharded"] = ShardedState({"model": model_state, "optimizer": optimizer_state})
+        model, optimizer = get_state_dict(run.model, run.optimizer, options=dcp_options(checkpoint.save_frozen))
+        files["sharded"] = ShardedState({"model": model, "optimizer": optimizer}, checkpoint.storage_writers_per_rank)
     elif run.dist.is_main:
         model_state = run.unwrapped_model.state_dict()
-        if not with_frozen:
+        if not checkpoint.save_frozen:
             frozen = frozen_names(run.unwrapped_model)
             model_state = {name: value for name, value in model_state.items() if name not in frozen}
         files["model.pt"] = model_state

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from coretrain import safeload
-from coretrain.checkpoint.layout import barrier, begin, commit, step_dir, write_failure, write_json_atomically
+from coretrain.checkpoint.layout import begin, commit, step_dir, write_failure, write_json_atomically
 from coretrain.checkpoint.state import ShardedState, collect
 from coretrain.run import Run
 
@@ -86,9 +86,10 @@ class HostStaging:
 def write_files(tmp: Path, files: dict[str, Any]) -> None:
     for name, obj in files.items():
         if isinstance(obj, ShardedState):  # every rank writes its shards; .metadata comes last
-            from torch.distributed.checkpoint.state_dict_saver import save
+            from torch.distributed.checkpoint import filesystem, state_dict_saver
 
-            save(obj.state, checkpoint_id=str(tmp / name))
+            writer = filesystem.FileSystemWriter(tmp / name, thread_count=obj.writers)
+            state_dict_saver.save(obj.state, storage_writer=writer)
         elif name.endswith(".json"):
             write_json_atomically(tmp / name, obj)
         else:
@@ -136,13 +137,13 @@ class Checkpointer:
         except safeload.dcp_errors() as exc:
             raise write_failure(root, step, tmp, exc) from exc
         if distributed:  # every rank's own file is written before anyone may commit
-            barrier()
+            torch.distributed.barrier()
         if self.asynchronous:
             self._start_background(root, step, tmp, files)
         elif run.dist.is_main:
             commit(root, step, tmp, run.config.checkpoint.keep_last)
         if distributed and not self.asynchronous:
-            barrier()
+            torch.distributed.barrier()
         return step_dir(root, step), time.perf_counter() - started
 
     def _start_background(self, root: Path, step: int, tmp: Path, files: dict[str, Any]) -> None:
@@ -150,9 +151,10 @@ class Checkpointer:
         sharded = files.pop("sharded", None)
         future = None
         if sharded is not None:
-            from torch.distributed.checkpoint.state_dict_saver import async_save
+            from torch.distributed.checkpoint import filesystem, state_dict_saver
 
-            future = async_save(sharded.state, checkpoint_id=str(tmp / "sharded"), process_group=self._group)
+            writer = filesystem.FileSystemWriter(tmp / "sharded", thread_count=sharded.writers)
+            future = state_dict_saver.async_save(sharded.state, storage_writer=writer, process_group=self._group)
         staged = self._staging.copy(files)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land first
