@@ -5,6 +5,7 @@ schedule, and the resolved config.toml."""
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from coretrain.config import Config, micro_batches_per_step
 from coretrain.configload import config_as_dict, toml_text
 from coretrain.dist import init_distributed
 from coretrain.errors import UserError
+from coretrain.loader import is_stream
 from coretrain.markers import hookimpl
 from coretrain.optim import build_optimizer
 from coretrain.outputs import resolve_loss
@@ -151,11 +153,11 @@ def record_config(run: Run) -> None:
 
 
 def planned_steps(run: Run) -> int:
-    """``train.train_iters``, or the last step ``train.train_samples`` comes to in whole global
-    batches — Megatron's update_train_iters: a rampup's steps counted one by one, the rest at
+    """``train.train_iters``, or the last step ``train.train_samples`` (or ``train_epochs``) comes
+    to in whole global batches — Megatron's update_train_iters: a rampup's steps counted one by one, the rest at
     the full batch (a partial last batch is left out). Planned from where the run stands (a
     resumed one on other ranks asks only about the steps ahead of it)."""
-    samples = run.config.train.train_samples
+    samples = samples_to_train(run)
     if samples is None:
         return run.config.train.train_iters or 0
     full, step, consumed = run.global_batch_size, run.state.step, run.state.consumed_samples
@@ -168,8 +170,20 @@ def planned_steps(run: Run) -> int:
         step, consumed = step + 1, consumed + batch
     step += max(samples - consumed, 0) // full
     if step == 0:
-        raise UserError(f"train.train_samples ({samples}) is less than one global batch ({full})")
+        epochs = run.config.train.train_epochs
+        what = f"train.train_epochs ({epochs}: {samples} samples)" if epochs else f"train.train_samples ({samples})"
+        raise UserError(f"{what} is less than one global batch ({full})")
     return step
+
+
+def samples_to_train(run: Run) -> int | None:
+    """``train.train_samples``, or ``train.train_epochs`` passes over the train split in samples."""
+    train, dataset = run.config.train, run.datasets.train
+    if train.train_epochs is None:
+        return train.train_samples
+    if is_stream(dataset):
+        raise UserError("train.train_epochs: the train split is a stream, of no known length; set train_iters")
+    return math.ceil(train.train_epochs * len(dataset))
 
 
 def check_providers_named(config: Config) -> None:
@@ -220,6 +234,8 @@ def _build_datasets(run: Run) -> None:
     check_datasets(run.datasets, config.data.provider)
     if hook_calls(run).implemented("on_datasets"):
         hook_calls(run).hook.on_datasets(run=run)
+    if train.train_epochs:  # the steps they come to, now that the split's length is known
+        run.train_iters = planned_steps(run)
 
 
 def _build_model(run: Run) -> None:

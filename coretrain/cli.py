@@ -51,12 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, cwd)
     try:
         return int(args.handler(args) or 0)
-    except UserError as exc:
+    except (UserError, RunFailure, PluginError) as exc:  # the user's to fix (exit 2), or a failure (exit 1)
         print(f"error: {exc}", file=sys.stderr)
-        return USAGE_EXIT_CODE
-    except (RunFailure, PluginError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return FAILURE_EXIT_CODE
+        return USAGE_EXIT_CODE if isinstance(exc, UserError) else FAILURE_EXIT_CODE
     except BrokenPipeError:  # the reader stopped early (`coretrain config show | head`): no error, no traceback
         with contextlib.suppress(Exception):  # and no second one when the interpreter flushes stdout at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

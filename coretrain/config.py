@@ -108,6 +108,9 @@ class TrainConfig:
     train_samples: int | None = field(default=None, validator=_positive)
     """Instead of train_iters: train on this many samples (Megatron's --train-samples), whole
     global batches; the steps follow from the global batch (and a rampup, if any)."""
+    train_epochs: float | None = field(default=None, validator=_positive)
+    """Instead of train_iters: this many passes over the train split (1.5 allowed), converted to
+    samples once the split is built (its length × this), then trained as train_samples."""
     exit_interval: int | None = field(default=None, validator=_positive)
     """Checkpoint and exit when the step is a multiple of this."""
     exit_duration_in_mins: float | None = field(default=None, validator=_positive)
@@ -130,9 +133,10 @@ class TrainConfig:
     """Max global gradient norm; 0 disables clipping."""
 
     def __attrs_post_init__(self) -> None:
-        if self.train_iters is not None and self.train_samples is not None:
-            raise FieldValueError("train_samples", "set train_iters or train_samples, not both")
-        if self.train_iters is None and self.train_samples is None:
+        lengths = [key for key in ("train_iters", "train_samples", "train_epochs") if getattr(self, key) is not None]
+        if len(lengths) > 1:
+            raise FieldValueError(lengths[1], f"set one of train_iters, train_samples and train_epochs, not {lengths}")
+        if not lengths:
             self.train_iters = 1000
 
 

@@ -62,16 +62,12 @@ def model_mismatches(
     optional = set() if frozen_saved else frozen_names(model)
     problems = [f"'{k}' is missing from the checkpoint" for k in current if k not in saved and k not in optional]
     problems += [f"'{k}' is in the checkpoint but not in the model" for k in saved if k not in current and not part]
-    problems += [
-        f"'{k}' has shape {list(saved[k].shape)} in the checkpoint, {list(v.shape)} now"
-        for k, v in current.items()
-        if k in saved and hasattr(saved[k], "shape") and saved[k].shape != v.shape
-    ]
-    problems += [
-        f"'{k}' is {saved[k].dtype} in the checkpoint, {v.dtype} in the model"
-        for k, v in current.items()
-        if dtypes and k in saved and isinstance(saved[k], torch.Tensor) and saved[k].dtype != v.dtype
-    ]
+    for k, v in current.items():
+        was: Any = saved.get(k)
+        if hasattr(was, "shape") and was.shape != v.shape:
+            problems.append(f"'{k}' has shape {list(was.shape)} in the checkpoint, {list(v.shape)} now")
+        elif dtypes and isinstance(was, torch.Tensor) and was.dtype != v.dtype:
+            problems.append(f"'{k}' is {was.dtype} in the checkpoint, {v.dtype} in the model")
     problems += [
         f"'{k}' holds NaN or Inf"
         for k, v in saved.items()

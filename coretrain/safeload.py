@@ -87,10 +87,11 @@ def load_metadata(stream: IO[bytes], path: Path) -> Any:
         raise unreadable(path, exc) from None
 
 
-def check_metadata(directory: Path) -> Any:
-    """Read a DCP directory's ``.metadata`` through the restricted unpickler before DCP touches it
-    (DCP logs a traceback and retries with other files when its reader fails); it, checked."""
-    path = directory / ".metadata"
+def check_metadata(directory: Path, path: Path | None = None) -> Any:
+    """Read a DCP directory's ``.metadata`` (or the metadata file ``path``) through the restricted
+    unpickler before DCP touches it (DCP logs a traceback and retries with other files when its
+    reader fails); it, checked."""
+    path = path or directory / ".metadata"
     if not path.is_file():
         raise CheckpointUnreadable(path, "missing; the sharded checkpoint is incomplete")
     with open(path, "rb") as stream:
@@ -103,11 +104,7 @@ def dcp_reader(directory: Path) -> Any:
 
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            path = Path(self._get_metadata_path(kwargs.get("rank")))
-            if not path.is_file():
-                raise CheckpointUnreadable(path, "no .metadata; the sharded checkpoint is incomplete")
-            with open(path, "rb") as stream:
-                metadata = load_metadata(stream, path)
+            metadata = check_metadata(directory, Path(self._get_metadata_path(kwargs.get("rank"))))
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             if getattr(metadata, "storage_meta", None) is None:

@@ -39,6 +39,8 @@ TINY_MODEL = "coretrain.testing:tiny_model"
 BEHAVIOUR = ("evaluation", "optimizer-overrides", "schedule", "hf-datasets", "streams", "resume-checks")
 """The on-by-default plugins that change what a run computes or accepts (the others watch or report)."""
 TINY_DATA = "coretrain.testing:tiny_data"
+COUNTED_OTHERWISE = {"train_samples", "train_epochs"}
+"""The train keys that say the run's length instead of ``train_iters``."""
 
 
 # --------------------------------------------------------------------------- a tiny workload
@@ -90,7 +92,7 @@ def tiny_config(output_dir: str | Path, **sections: Mapping[str, Any]) -> dict[s
         "train": {"micro_batch_size": 8, "train_iters": 10, "log_interval": 2, "eval_iters": 2},
         "optimizer": {"lr": 0.01},
     }
-    if "train_samples" in sections.get("train", {}):  # counted in samples: no default step count
+    if COUNTED_OTHERWISE & set(sections.get("train", {})):  # counted in samples or epochs: no step count
         del base["train"]["train_iters"]
     return deep_merge(base, {name: dict(values) for name, values in sections.items()})
 
@@ -211,8 +213,8 @@ def _write_steps_config(
     root: Path, steps: int, tables: Mapping[str, Mapping[str, Any]], config: Mapping[str, Mapping[str, Any]]
 ) -> Path:
     sections: dict[str, Any] = {name: dict(values) for name, values in config.items()}
-    train = sections.get("train", {})  # steps, unless it counts in train_samples or names its own
-    sections["train"] = train if "train_samples" in train else {"train_iters": steps, **train}
+    train = sections.get("train", {})  # steps, unless it counts in samples or epochs or names its own
+    sections["train"] = train if COUNTED_OTHERWISE & set(train) else {"train_iters": steps, **train}
     if tables:
         sections["plugins"] = {**sections.get("plugins", {}), **{name: dict(t) for name, t in tables.items()}}
     return write_config(root / "config.toml", tiny_config(root / "out", **sections))

@@ -56,6 +56,15 @@ def test_lr_find_sweeps_beside_the_run_and_leaves_its_checkpoints_alone(tmp_path
     assert f"suggested (lightning): --set optimizer.lr={named['lightning']}" in again.stdout
 
 
+def test_a_run_counted_in_epochs_is_swept_in_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from coretrain_lr_find.command import lr_find
+
+    config = write_config(tmp_path / "c.toml", tiny_config(tmp_path / "out", train={"train_epochs": 3}))
+    assert lr_find(str(config), [], min_lr=1e-5, max_lr=0.1, steps=20, diverge=4.0) == 0
+    assert len(rows(tmp_path / "out" / "lr_find" / "lr_find.jsonl")) == 20
+    assert "suggested (steepest): --set optimizer.lr=" in capsys.readouterr().out
+
+
 class SeenRates:
     """Reads the rate each optimizer step really uses, just before it steps."""
 

@@ -179,6 +179,54 @@ def test_train_samples_counts_whole_global_batches_and_resume_agrees(tmp_path: P
     assert resumed.run.state.consumed_samples == 96
 
 
+def test_train_epochs_are_passes_over_the_train_split_in_whole_global_batches_and_resume_agrees(tmp_path: Path) -> None:
+    """train.train_epochs = 1.5 over tiny_data's 256 samples is 384 samples: 48 global batches of
+    8, each sample read once in the first pass and half of them again in the second; the
+    schedule spans those samples, and a resumed run plans the same steps."""
+    seen: list[int] = []
+
+    class Reads:
+        @hookimpl
+        def configure_datasets(self, run: Any) -> None:
+            train = run.datasets.train
+            run.datasets.train = Counting(train, seen)
+
+    by_epochs = {"train": {"train_epochs": 1.5, "micro_batch_size": 8}, "checkpoint": {"save_interval": 10}}
+    whole = run_steps(tmp_path / "whole", 0, config=by_epochs, plugins={"reads": Reads()})
+    assert whole.run.train_iters == 48 and whole.run.state.consumed_samples == 384
+    assert sorted(seen[:256]) == list(range(256)) and len(set(seen[256:])) == 128  # one pass, then half of one
+    assert whole.run.scheduler.decay == 48 * 8
+    stopped = {**by_epochs, "train": {**by_epochs["train"], "exit_interval": 20}}
+    run_steps(tmp_path / "split", 0, config=stopped)
+    resumed = run_steps(tmp_path / "split", 0, config=by_epochs)
+    assert resumed.run.train_iters == 48 and resumed.run.state.consumed_samples == 384
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in whole.metrics if m["step"] > 20]
+
+
+class Counting(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A split that records which of its samples are read, in order."""
+
+    def __init__(self, dataset: Any, seen: list[int]) -> None:
+        self.dataset, self.seen = dataset, seen
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        self.seen.append(index)
+        return self.dataset[index]
+
+
+def test_train_epochs_of_a_stream_is_one_error(tmp_path: Path) -> None:
+    config = {
+        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+        "data": {"provider": "workloads:digit_stream"},
+        "train": {"train_epochs": 1},
+    }
+    with pytest.raises(UserError, match=r"train\.train_epochs: the train split is a stream, of no known length"):
+        run_steps(tmp_path, 0, config=config)
+
+
 def test_train_samples_under_a_rampup_counts_the_ramp_steps_one_by_one(tmp_path: Path) -> None:
     train = {"train_samples": 200, "micro_batch_size": 4, "global_batch_size": 16, "log_interval": 1}
     rampup = {"batch-rampup": {"rampup_batch_size": [4, 4, 48]}}
@@ -191,7 +239,13 @@ def test_train_samples_under_a_rampup_counts_the_ramp_steps_one_by_one(tmp_path:
 @pytest.mark.parametrize(
     ("train", "message"),
     [
-        ({"train_iters": 10, "train_samples": 80}, r"train\.train_samples: set train_iters or train_samples"),
+        ({"train_iters": 10, "train_samples": 80}, r"train\.train_samples: set one of train_iters, train_samples and"),
+        ({"train_samples": 80, "train_epochs": 2}, r"train\.train_epochs: set one of train_iters, train_samples and"),
+        (
+            {"train_epochs": 0.01, "micro_batch_size": 8},
+            r"train\.train_epochs \(0\.01: 3 samples\) is less than one global batch \(8\)",
+        ),
+        ({"train_epochs": 0}, r"train\.train_epochs: must be > 0"),
         (
             {"train_samples": 5, "micro_batch_size": 8},
             r"train\.train_samples \(5\) is less than one global batch \(8\)",

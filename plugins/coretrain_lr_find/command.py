@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import coretrain
 from coretrain import UserError
@@ -45,7 +46,7 @@ def lr_find(
         "train.eval_full=false",
         "plugins.early-stopping.enabled=false",
     ]
-    coretrain.train(config, overrides=sweep, plugins={"lr-find": finder})
+    coretrain.train(counted_in_steps(config, settings), overrides=sweep, plugins={"lr-find": finder})
     write(out, finder)
     found = finder.suggestions()
     if not found:
@@ -56,6 +57,16 @@ def lr_find(
     chosen = rule if rule in found else "minimum/10"
     print(f"suggested ({chosen}): --set optimizer.lr={found[chosen]:.3g}")
     return 0
+
+
+def counted_in_steps(config: str, settings: Any) -> str | dict[str, Any]:
+    """The config a sweep of N steps runs: a run counted in epochs is the same run counted in
+    steps (a sweep of its length in epochs would be as long as the training)."""
+    if settings.train.train_epochs is None:
+        return config
+    data: dict[str, Any] = coretrain.config_as_dict(settings)
+    data["train"] = {key: value for key, value in data["train"].items() if key != "train_epochs"}
+    return data
 
 
 def write(out: Path, finder: LRFinder) -> None:
