@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -57,8 +57,7 @@ class ImportedModelProvider:
 
     @hookimpl
     def provide_model(self, run: Run) -> torch.nn.Module | None:
-        model: torch.nn.Module | None = call_with(self.fn, self.options, "model.options", run=run)
-        return model
+        return cast("torch.nn.Module | None", call_with(self.fn, self.options, "model.options", run=run))
 
 
 @define

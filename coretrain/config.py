@@ -94,6 +94,20 @@ class DataConfig:
 
 
 @define(kw_only=True)
+class TokenizerConfig:
+    """The run's one tokenizer (Megatron-Bridge's TokenizerConfig), for every plugin that needs one:
+    the text providers tokenize with it, ``indexed`` takes its vocabulary from it, ``predict``
+    encodes prompts with it, ``data prepare --config`` writes the data with it."""
+
+    path: str | None = None
+    """A local Hugging Face tokenizer directory (what ``save_pretrained`` writes); unset: a
+    provider's own option (``data.options.tokenizer``), as before this section."""
+    trust_remote_code: bool = False
+    """Let transformers run code shipped in the tokenizer's (or the ``hf`` model's) directory, a
+    custom architecture's; off: such a directory is one error naming this key."""
+
+
+@define(kw_only=True)
 class TrainConfig:
     """Batch sizes, duration and cadence (Megatron-Bridge TrainingConfig names)."""
 
@@ -260,6 +274,7 @@ class Config:
     run: RunConfig = field(factory=RunConfig)
     model: ModelConfig = field(factory=ModelConfig)
     data: DataConfig = field(factory=DataConfig)
+    tokenizer: TokenizerConfig = field(factory=TokenizerConfig)
     train: TrainConfig = field(factory=TrainConfig)
     optimizer: OptimizerConfig = field(factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(factory=CheckpointConfig)

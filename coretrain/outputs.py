@@ -15,7 +15,7 @@ The contract (README, "Bring your own model and data"):
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,8 +36,7 @@ def resolve_loss(name: str | None) -> LossFn | None:
     if ":" in name:
         from coretrain.usercode import import_callable
 
-        loss_fn: LossFn = import_callable(name, "model.loss")
-        return loss_fn
+        return cast(LossFn, import_callable(name, "model.loss"))
     from importlib.metadata import entry_points
 
     from coretrain.errors import did_you_mean

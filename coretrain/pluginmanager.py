@@ -17,7 +17,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Collection, Mapping
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import pluggy
@@ -381,5 +381,4 @@ def field_defaults(cls: type) -> dict[str, Any]:
 
 def hook_calls(run: Run) -> HookCalls:
     """``run.plugins.calls``, typed: how the core calls a run's hooks."""
-    calls: HookCalls = run.plugins.calls
-    return calls
+    return cast(HookCalls, run.plugins.calls)

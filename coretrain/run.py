@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast, overload
 
 import torch
 from attrs import define, field
@@ -237,5 +237,4 @@ class Run:
     @property
     def unwrapped_model(self) -> torch.nn.Module:
         """The model without DDP-style wrappers (whose state_dict keys gain a 'module.' prefix)."""
-        module: torch.nn.Module = getattr(self.model, "module", self.model)
-        return module
+        return cast(torch.nn.Module, getattr(self.model, "module", self.model))

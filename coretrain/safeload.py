@@ -21,7 +21,7 @@ import io
 import pickle
 import re
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -53,8 +53,7 @@ def dcp_errors() -> tuple[type[BaseException], ...]:
 def first_failure(exc: BaseException) -> BaseException:
     """The underlying error of DCP's CheckpointException (which maps rank -> (error, stack))."""
     for failure in (getattr(exc, "failures", None) or {}).values():
-        cause: BaseException = failure[0] if isinstance(failure, tuple) else failure
-        return cause
+        return cast(BaseException, failure[0] if isinstance(failure, tuple) else failure)
     return exc
 
 

@@ -357,6 +357,7 @@ CHANGES = [  # (sections changed on resume, the key, applied?)
     ({"model": {"options": {"width": 8}}}, "model.options.width", False),
     ({"data": {"options": {"samples": 300}}}, "data.options.samples", False),
     ({"data": {"provider": "coretrain.testing:tiny_data"}}, "data.provider", False),
+    ({"tokenizer": {"path": "models/another-tokenizer"}}, "tokenizer.path", False),
     ({"train": {"global_batch_size": 16}}, "train.global_batch_size", True),
     ({"train": {"clip_grad": 0.5}}, "train.clip_grad", True),
     ({"run": {"precision": "bf16"}}, "run.precision", True),

@@ -100,6 +100,50 @@ def test_the_indexed_provider_trains_on_what_prepare_wrote(
     assert losses and all(np.isfinite(losses))
 
 
+def test_one_tokenizer_section_prepares_the_data_sizes_it_and_pads_the_models_vocabulary(
+    tmp_path: Path, tokenizer_dir: Path, inputs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's [tokenizer]: `data prepare --config` writes with it what `--tokenizer` writes,
+    `indexed` takes its vocabulary from it, and the gpt pads that as Megatron does."""
+    from transformers import AutoTokenizer
+
+    run_config = tmp_path / "run.toml"
+    run_config.write_text(f'[model]\nprovider = "gpt"\n\n[tokenizer]\npath = "{tokenizer_dir}"\n')
+    by_flag, by_config = tmp_path / "flag" / "code", tmp_path / "config" / "code"
+    assert (
+        prepare(
+            str(inputs["jsonl"]), "--tokenizer", str(tokenizer_dir), "--output-prefix", str(by_flag), capsys=capsys
+        )[0]
+        == 0
+    )
+    assert (
+        prepare(str(inputs["jsonl"]), "--config", str(run_config), "--output-prefix", str(by_config), capsys=capsys)[0]
+        == 0
+    )
+    for suffix in (".bin", ".idx"):
+        assert (
+            Path(f"{by_config}_text_document{suffix}").read_bytes()
+            == Path(f"{by_flag}_text_document{suffix}").read_bytes()
+        )
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    gpt = {"provider": "gpt", "options": {"n_layer": 1, "n_head": 2, "n_embd": 16, "make_vocab_size_divisible_by": 64}}
+    data = {
+        "provider": "indexed",
+        "options": {"data_path": f"{by_config}_text_document", "split": "90,10,0", "seq_length": 16},
+    }
+    sections = {"model": gpt, "data": data, "tokenizer": {"path": str(tokenizer_dir)}, "train": {"micro_batch_size": 4}}
+    result = run_steps(tmp_path / "run", 2, config=sections)
+    assert result.run.datasets.vocab_size == vocab and vocab % 64  # the tokenizer's, not the largest id + 1
+    assert result.run.model.lm_head.weight.shape[0] == -(-vocab // 64) * 64
+    code, _, err = prepare(
+        str(inputs["jsonl"]), "--config", str(tmp_path / "x.toml"), "--output-prefix", "p", capsys=capsys
+    )
+    assert code == 2 and "x.toml: config file not found" in err
+    run_config.write_text('[model]\nprovider = "gpt"\n')
+    code, _, err = prepare(str(inputs["jsonl"]), "--config", str(run_config), "--output-prefix", "p", capsys=capsys)
+    assert code == 2 and "run.toml: no [tokenizer] path" in err
+
+
 @pytest.mark.parametrize(
     ("content", "fragment"),
     [

@@ -741,3 +741,143 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss_as_transformer
     last = result.metrics[-1]
     assert last["loss"] == pytest.approx(last["train/lm_loss"] + last["train/moe_aux_loss"], rel=1e-6)
     assert 0 <= last["train/moe/layer0/load_min"] <= 0.25 <= last["train/moe/layer0/load_max"] <= 1
+
+
+# --------------------------------------------------------------------------- [tokenizer]: the run's one tokenizer
+
+
+def moved_to_tokenizer_section(sections: dict[str, Any]) -> dict[str, Any]:
+    """The same run with its tokenizer named in ``[tokenizer]`` instead of the provider's option."""
+    options = {key: value for key, value in sections["data"]["options"].items() if key != "tokenizer"}
+    tokenizer = {"path": sections["data"]["options"]["tokenizer"]}
+    return {**sections, "data": {**sections["data"], "options": options}, "tokenizer": tokenizer}
+
+
+def test_the_tokenizer_section_is_the_text_providers_tokenizer(
+    tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path]
+) -> None:
+    """hf-text and hf-sft read [tokenizer] path as they read their own option: the same samples,
+    the same losses; naming two different tokenizers, or none, is one error."""
+    sections = tokenized_run(tokenizer_dir, [text_files["code"]], tmp_path / "cache")
+    own = run_steps(tmp_path / "own", steps=3, config=sections)
+    shared = run_steps(tmp_path / "shared", steps=3, config=moved_to_tokenizer_section(sections))
+    assert [t.tolist() for t in shared.run.datasets.train[0]] == [t.tolist() for t in own.run.datasets.train[0]]
+    assert [m["loss"] for m in shared.metrics] == [m["loss"] for m in own.metrics]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in SFT_RECORDS * 4))
+    sft = run_steps(tmp_path / "sft", steps=2, config=moved_to_tokenizer_section(sft_run(tokenizer_dir, path, 2)))
+    assert sft.exit_code == 0 and sft.run.datasets.vocab_size == len(
+        transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    )
+    other = tmp_path / "other-tokenizer"
+    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(other)
+    with pytest.raises(
+        UserError, match=r"data\.options\.tokenizer \(.*\) and tokenizer\.path \(.*\) name two tokenizers"
+    ):
+        run_steps(tmp_path / "two", steps=1, config={**sections, "tokenizer": {"path": str(other)}})
+    neither = moved_to_tokenizer_section(sections)
+    del neither["tokenizer"]
+    with pytest.raises(UserError, match=r'data\.options\.tokenizer: no tokenizer: set \[tokenizer\] path = "DIR"'):
+        run_steps(tmp_path / "none", steps=1, config=neither)
+
+
+CUSTOM_TOKENIZER = '''
+import os
+
+from transformers import PreTrainedTokenizerFast
+
+
+class ShoutingTokenizer(PreTrainedTokenizerFast):
+    """A tokenizer with code of its own, as a hub repository may ship one."""
+
+    def __init__(self, *args, **kwargs):
+        os.environ["CORETRAIN_TEST_CUSTOM_TOKENIZER_RAN"] = "1"  # the test sees its code ran
+        super().__init__(*args, **kwargs)
+'''
+
+
+def test_a_tokenizer_that_ships_code_runs_only_with_trust_remote_code(
+    tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CORETRAIN_TEST_CUSTOM_TOKENIZER_RAN", raising=False)
+    custom = tmp_path / "custom-tokenizer"
+    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(custom)
+    (custom / "shouting.py").write_text(CUSTOM_TOKENIZER)
+    settings = json.loads((custom / "tokenizer_config.json").read_text())
+    settings["auto_map"] = {"AutoTokenizer": [None, "shouting.ShoutingTokenizer"]}
+    settings["tokenizer_class"] = "ShoutingTokenizer"  # no class of transformers' own to fall back on
+    (custom / "tokenizer_config.json").write_text(json.dumps(settings))
+    sections = moved_to_tokenizer_section(tokenized_run(custom, [text_files["code"]], tmp_path / "cache"))
+    with pytest.raises(UserError, match=r"tokenizer\.path: the tokenizer in .*custom-tokenizer ships code of its own"):
+        run_steps(tmp_path / "refused", steps=1, config=sections)
+    sections["tokenizer"]["trust_remote_code"] = True
+    assert "CORETRAIN_TEST_CUSTOM_TOKENIZER_RAN" not in os.environ  # refused before any of its code ran
+    trusted = run_steps(tmp_path / "trusted", steps=2, config=sections)
+    assert trusted.exit_code == 0 and os.environ["CORETRAIN_TEST_CUSTOM_TOKENIZER_RAN"] == "1"
+
+
+CUSTOM_MODEL = """
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class TinyCustomConfig(LlamaConfig):
+    model_type = "tiny-custom"
+
+
+class TinyCustomLM(LlamaForCausalLM):
+    config_class = TinyCustomConfig
+"""
+
+
+def test_a_model_that_ships_code_runs_only_with_trust_remote_code(tmp_path: Path, llama_dir: Path) -> None:
+    """The one key, [tokenizer] trust_remote_code, lets the hf provider run a custom architecture's code."""
+    import shutil
+
+    custom = tmp_path / "custom-model"
+    shutil.copytree(llama_dir, custom)
+    (custom / "tiny_custom.py").write_text(CUSTOM_MODEL)
+    settings = json.loads((custom / "config.json").read_text())
+    settings["model_type"] = "tiny-custom"
+    settings["auto_map"] = {
+        "AutoConfig": "tiny_custom.TinyCustomConfig",
+        "AutoModelForCausalLM": "tiny_custom.TinyCustomLM",
+    }
+    (custom / "config.json").write_text(json.dumps(settings))
+    sections = text_run(custom)
+    with pytest.raises(UserError, match=r"model\.options\.path: the model in .*custom-model ships code of its own"):
+        run_steps(tmp_path / "refused", steps=1, config=sections)
+    trusted = run_steps(tmp_path / "trusted", steps=2, config={**sections, "tokenizer": {"trust_remote_code": True}})
+    assert type(trusted.run.model.hf).__name__ == "TinyCustomLM" and trusted.exit_code == 0
+
+
+def test_a_new_models_vocabulary_is_padded_as_megatron_pads_it(tmp_path: Path) -> None:
+    """make_vocab_size_divisible_by: the data's 256 byte ids in an embedding of 300 rows (a
+    multiple of 100 × tp_size); the data's ids are unchanged, the rest are never produced."""
+    from coretrain_tokenizer import padded_vocab
+
+    sections = text_run(tmp_path)
+    sections["model"] = {"provider": "hf", "options": {"config": llama_table(), "make_vocab_size_divisible_by": 100}}
+    result = run_steps(tmp_path / "run", steps=2, config=sections)
+    assert result.run.model.hf.config.vocab_size == 300 and result.run.datasets.vocab_size == 256
+    assert [padded_vocab(256, 128, tp) for tp in (1, 2, 4)] == [256, 256, 512]
+    assert [padded_vocab(50257, 128, 1), padded_vocab(50257, None, 8)] == [50304, 50257]  # GPT-2's, Megatron's
+
+
+def test_predict_encodes_prompts_with_the_runs_tokenizer(tokenizer_dir: Path, llama_dir: Path) -> None:
+    """A model directory without a tokenizer and a data provider without one: [tokenizer] path
+    is the tokenizer the prompts are encoded with (before it, `predict --data` had none)."""
+    import types
+
+    from coretrain_hf.generate import prompt_tokenizer
+
+    from coretrain.config import Config
+
+    config = Config()
+    with pytest.raises(UserError, match="no tokenizer for the prompts: no \\[tokenizer\\] path"):
+        prompt_tokenizer(types.SimpleNamespace(config=config), str(llama_dir))
+    config.tokenizer.path = str(tokenizer_dir)
+    tokenizer = prompt_tokenizer(types.SimpleNamespace(config=config), str(llama_dir))
+    assert (
+        tokenizer("def f(x)")["input_ids"]
+        == transformers.AutoTokenizer.from_pretrained(tokenizer_dir)("def f(x)")["input_ids"]
+    )

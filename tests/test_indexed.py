@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import struct
+import types
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from coretrain import DatasetContext, UserError
+from coretrain.config import Config
 from coretrain.testing import run_steps
 
 
@@ -45,7 +47,8 @@ def provider(tmp_path: Path, **options: Any) -> Any:
 
 def datasets(tmp_path: Path, train: int = 200, valid: int = 20, test: int = 10, **options: Any) -> Any:
     context = DatasetContext(train_samples=train, valid_samples=valid, test_samples=test, seed=1234)
-    return provider(tmp_path, **options).provide_datasets(run=None, context=context)
+    run = types.SimpleNamespace(config=Config())  # what the provider reads of the run: its [tokenizer]
+    return provider(tmp_path, **options).provide_datasets(run=run, context=context)
 
 
 def test_windows_run_across_document_boundaries_of_a_shuffled_order(tmp_path: Path) -> None:
@@ -181,7 +184,8 @@ def test_a_corrupt_corpus_is_one_error_naming_the_file(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"lengths\.idx: negative sequence lengths"):
         datasets(tmp_path, data_path=str(tmp_path / "lengths"))
     write_from_spec(tmp_path / "ok", tagged_documents(10))
-    with pytest.raises(UserError, match=r"vocab_size = 5, but the data holds token id 10; set it to at least 11"):
+    words = "data.options.vocab_size: the vocabulary has 5 tokens, but the data holds token id 10; set data"
+    with pytest.raises(UserError, match=words):
         datasets(tmp_path, data_path=str(tmp_path / "ok"), vocab_size=5)
 
 

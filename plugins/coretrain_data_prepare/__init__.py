@@ -20,7 +20,13 @@ def add(commands: Any) -> None:
         help="tokenize jsonl/parquet/text files into PREFIX_KEY_document.bin/.idx (preprocess_data.py's output)",
     )
     prepare.add_argument("inputs", nargs="+", metavar="INPUT", help=".jsonl/.json, .parquet or text files")
-    prepare.add_argument("--tokenizer", required=True, metavar="DIR", help="a local Hugging Face tokenizer directory")
+    which = prepare.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer directory")
+    which.add_argument(
+        "--config",
+        metavar="CONFIG",
+        help="the run's config: its [tokenizer] (path, trust_remote_code), as the run's",
+    )
     prepare.add_argument(
         "--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX_KEY_document.bin/.idx per key"
     )
@@ -50,9 +56,19 @@ def add(commands: Any) -> None:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from coretrain_data_prepare.prepare import Request, prepare
 
+    tokenizer, trusted, key = args.tokenizer, False, "--tokenizer"
+    if args.config is not None:
+        import coretrain
+
+        settings = coretrain.load(args.config).config.tokenizer
+        if settings.path is None:
+            raise coretrain.UserError(f'--config {args.config}: no [tokenizer] path; set path = "DIR" there')
+        tokenizer, trusted, key = settings.path, settings.trust_remote_code, "tokenizer.path"
     request = Request(
         inputs=args.inputs,
-        tokenizer=args.tokenizer,
+        tokenizer=tokenizer,
+        trust_remote_code=trusted,
+        tokenizer_key=key,
         output_prefix=args.output_prefix,
         json_keys=args.json_keys,
         append_eod=args.append_eod,

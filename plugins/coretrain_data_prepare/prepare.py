@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 from attrs import define
+from coretrain_tokenizer import REMOTE_CODE, remote_code_refused
 
 from coretrain import UserError
 from coretrain_data_prepare import pairs
@@ -46,21 +47,27 @@ class Request:
     input_format: str = "auto"
     sample_by: str = "line"
     log_interval: int = 10000
+    trust_remote_code: bool = False
+    """Run code a custom tokenizer ships (``--config``'s ``[tokenizer] trust_remote_code``)."""
+    tokenizer_key: str = "--tokenizer"
+    """Where the tokenizer was named, for messages (``tokenizer.path`` with ``--config``)."""
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "--tokenizer") -> Any:
     """A local Hugging Face tokenizer (a directory ``save_pretrained`` wrote); never the hub."""
     if not Path(path).is_dir():
-        raise UserError(f"--tokenizer {path}: not a directory; give a local tokenizer saved with save_pretrained")
+        raise UserError(f"{key} {path}: not a directory; give a local tokenizer saved with save_pretrained")
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise UserError("--tokenizer needs transformers (pip install 'coretrain[hf]')") from None
+        raise UserError(f"{key} needs transformers (pip install 'coretrain[hf]')") from None
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:  # a broken config fails in many ways: JSON, a missing key, a wrong type
+        if REMOTE_CODE in str(exc) and not trust_remote_code:
+            raise UserError(remote_code_refused(key, Path(path), "tokenizer")) from None
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"--tokenizer {path}: not a Hugging Face tokenizer ({detail})") from None
+        raise UserError(f"{key} {path}: not a Hugging Face tokenizer ({detail})") from None
 
 
 def token_dtype(vocab_size: int) -> np.dtype[Any]:
@@ -72,8 +79,8 @@ _worker: dict[str, Any] = {}
 """The tokenizer and EOS of this worker process (set once by :func:`_start_worker`)."""
 
 
-def _start_worker(tokenizer_path: str, eod: int | None) -> None:
-    _worker["tokenizer"], _worker["eod"] = load_tokenizer(tokenizer_path), eod
+def _start_worker(tokenizer_path: str, eod: int | None, trust_remote_code: bool = False) -> None:
+    _worker["tokenizer"], _worker["eod"] = load_tokenizer(tokenizer_path, trust_remote_code), eod
 
 
 def _encode(chunk: list[Document]) -> tuple[dict[str, list[list[int]]], int]:
@@ -180,7 +187,7 @@ def prepare(request: Request) -> dict[str, Path]:
         raise UserError(f"--workers {request.workers}: expected 1 or more")
     check_keys(request.json_keys)
     paths = check_inputs(request.inputs)
-    tokenizer = load_tokenizer(request.tokenizer)
+    tokenizer = load_tokenizer(request.tokenizer, request.trust_remote_code, request.tokenizer_key)
     eod = _eod(tokenizer, request)
     dtype = token_dtype(len(tokenizer))
     prefixes = {key: f"{request.output_prefix}_{key}_document" for key in request.json_keys}
@@ -210,12 +217,14 @@ def prepare(request: Request) -> dict[str, Path]:
 def _encoded(work: Iterator[list[Document]], request: Request, eod: int | None) -> Iterator[Any]:
     """The chunks tokenized in order: here, or by ``workers`` processes (each with its own tokenizer)."""
     if request.workers == 1:
-        _start_worker(request.tokenizer, eod)
+        _start_worker(request.tokenizer, eod, request.trust_remote_code)
         yield from map(_encode, work)
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the processes are the parallelism
     context = multiprocessing.get_context("spawn")  # no fork of a process holding tokenizer threads
-    with context.Pool(request.workers, initializer=_start_worker, initargs=(request.tokenizer, eod)) as pool:
+    with context.Pool(
+        request.workers, initializer=_start_worker, initargs=(request.tokenizer, eod, request.trust_remote_code)
+    ) as pool:
         yield from pool.imap(_encode, work)
 
 

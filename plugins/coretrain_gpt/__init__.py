@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from attrs import define, field
+from coretrain_tokenizer import padded_vocab
 
 from coretrain import FieldValueError, Run, fraction, hookimpl, non_negative, positive
 
@@ -39,7 +40,10 @@ class GPTProvider:
     n_embd: int = field(default=128, validator=positive)
     """Model width."""
     vocab_size: int | None = field(default=None, validator=positive)
-    """Token vocabulary; unset = the dataset's vocab_size."""
+    """Token vocabulary; unset = the dataset's vocab_size (padded by make_vocab_size_divisible_by)."""
+    make_vocab_size_divisible_by: int | None = field(default=None, validator=positive)
+    """The dataset's vocabulary padded up to a multiple of this × tp_size, as Megatron pads the
+    tokenizer's (128 there: an equal, aligned slice of the embedding per rank); unset: as it is."""
     block_size: int | None = field(default=None, validator=positive)
     """Longest sequence; unset = the dataset's seq_length."""
     dropout: float = field(default=0.0, validator=fraction)
@@ -80,6 +84,8 @@ class GPTProvider:
 
         datasets = run.datasets
         vocab_size = self.vocab_size or (datasets.vocab_size if datasets else None)
+        if vocab_size and not self.vocab_size:
+            vocab_size = padded_vocab(vocab_size, self.make_vocab_size_divisible_by, run.dist.tp_size)
         block_size = self.block_size or (datasets.seq_length if datasets else None)
         if not vocab_size or not block_size:
             raise UserError(

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 from attrs import define, field
+from coretrain_tokenizer import REMOTE_CODE, padded_vocab, remote_code_refused
 
 from coretrain import FieldValueError, Run, UserError, hookimpl, positive, require
 
@@ -48,6 +49,9 @@ class HFModel:
     """Classes, for sequence-classification (unset = the model config's)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel: PyTorch's scaled_dot_product_attention, or the reference one."""
+    make_vocab_size_divisible_by: int | None = field(default=None, validator=positive)
+    """A new model's (``config``) vocabulary, the data's, padded up to a multiple of this ×
+    tp_size, as Megatron pads it (128 there); unset: the data's as it is."""
 
     def __attrs_post_init__(self) -> None:
         if self.path is None and not self.config:
@@ -61,9 +65,14 @@ class HFModel:
 
         transformers = require("transformers", needed_by=NEEDED_BY, extra="hf")
         transformers.utils.logging.disable_progress_bar()  # coretrain shows its own progress
-        config = self.model_config(run.datasets.vocab_size, run.datasets.seq_length)
+        trusted = run.config.tokenizer.trust_remote_code
+        vocab = run.datasets.vocab_size
+        if vocab and self.path is None:
+            vocab = padded_vocab(vocab, self.make_vocab_size_divisible_by, run.dist.tp_size)
+        config = self.model_config(vocab, run.datasets.seq_length, trusted)
         auto = getattr(transformers, TASKS[self.task])
         options: dict[str, Any] = {"dtype": DTYPES[self.dtype], "attn_implementation": self.attn_implementation}
+        options["trust_remote_code"] = trusted
         try:
             if self.path is not None:
                 hf = auto.from_pretrained(self.path, config=config, local_files_only=True, **options)
@@ -76,8 +85,11 @@ class HFModel:
             return CausalLM(hf, run.datasets.seq_length)
         return SequenceClassifier(hf)
 
-    def model_config(self, vocab_size: int | None = None, seq_length: int | None = None) -> Any:
-        """The transformers config this plugin's options describe."""
+    def model_config(
+        self, vocab_size: int | None = None, seq_length: int | None = None, trust_remote_code: bool = False
+    ) -> Any:
+        """The transformers config this plugin's options describe (``trust_remote_code``: a custom
+        architecture's code in ``path`` may run: ``[tokenizer] trust_remote_code``)."""
         transformers = require("transformers", needed_by=NEEDED_BY, extra="hf")
         fields = dict(self.config)
         if self.num_labels is not None:
@@ -90,7 +102,9 @@ class HFModel:
                         f"model.options.path: {directory} has no config.json; give a directory written by "
                         "save_pretrained (downloaded models: the snapshot directory)"
                     )
-                return transformers.AutoConfig.from_pretrained(directory, local_files_only=True, **fields)
+                return transformers.AutoConfig.from_pretrained(
+                    directory, local_files_only=True, trust_remote_code=trust_remote_code, **fields
+                )
             model_type = fields.pop("model_type")
             if vocab_size:
                 fields.setdefault("vocab_size", vocab_size)
@@ -98,6 +112,8 @@ class HFModel:
                 fields.setdefault("max_position_embeddings", seq_length)
             return transformers.AutoConfig.for_model(model_type, **fields)
         except (OSError, ValueError, KeyError, TypeError) as exc:
+            if REMOTE_CODE in str(exc) and not trust_remote_code and self.path is not None:
+                raise UserError(remote_code_refused("model.options.path", Path(self.path), "model")) from None
             raise UserError(f"model.options.config: {exc}") from None
 
     @hookimpl

@@ -44,16 +44,17 @@ def save_pretrained(
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
         raise UserError(f"--to: {to} exists and is not an empty directory; name a new one")
     saved = run_dir / CONFIG_DIR
+    trusted = bool(config.get("tokenizer", {}).get("trust_remote_code", False))  # a custom architecture's code
     hf_config = (
-        transformers.AutoConfig.from_pretrained(saved, local_files_only=True)
+        transformers.AutoConfig.from_pretrained(saved, local_files_only=True, trust_remote_code=trusted)
         if (saved / "config.json").is_file()
-        else provider.model_config()
+        else provider.model_config(trust_remote_code=trusted)
     )
     weights = {name.removeprefix(PREFIX): tensor for name, tensor in state.items()}
     auto = getattr(transformers, TASKS[provider.task])
     lora = lora_settings(config)
     if lora is None:
-        model = auto.from_config(hf_config, dtype=DTYPES[provider.dtype])
+        model = auto.from_config(hf_config, dtype=DTYPES[provider.dtype], trust_remote_code=trusted)
         load_strictly(model, weights)
         what = "model"
     else:
@@ -61,10 +62,14 @@ def save_pretrained(
 
         frozen_saved = config.get("checkpoint", {}).get("save_frozen", True)
         if frozen_saved:
-            base = auto.from_config(hf_config, dtype=DTYPES[provider.dtype])
+            base = auto.from_config(hf_config, dtype=DTYPES[provider.dtype], trust_remote_code=trusted)
         elif provider.path is not None:  # the checkpoint holds the adapters; the base is where it came from
             base = auto.from_pretrained(
-                provider.path, config=hf_config, local_files_only=True, dtype=DTYPES[provider.dtype]
+                provider.path,
+                config=hf_config,
+                local_files_only=True,
+                dtype=DTYPES[provider.dtype],
+                trust_remote_code=trusted,
             )
         else:
             raise UserError(
@@ -105,12 +110,17 @@ def load_strictly(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> N
 def copy_tokenizer(config: dict[str, Any], to: Path) -> str | None:
     """The tokenizer the run's data (or its model directory) used, saved next to the weights."""
     candidates = [
+        config.get("tokenizer", {}).get("path"),
         config.get("data", {}).get("options", {}).get("tokenizer"),
         config.get("model", {}).get("options", {}).get("path"),
     ]
+    trusted = bool(config.get("tokenizer", {}).get("trust_remote_code", False))
     for candidate in candidates:
         if candidate and (Path(candidate) / "tokenizer_config.json").is_file():
             transformers = require("transformers", needed_by="checkpoint export --format hf", extra="hf")
-            transformers.AutoTokenizer.from_pretrained(candidate, local_files_only=True).save_pretrained(to)
+            loaded = transformers.AutoTokenizer.from_pretrained(
+                candidate, local_files_only=True, trust_remote_code=trusted
+            )
+            loaded.save_pretrained(to)
             return str(candidate)
     return None

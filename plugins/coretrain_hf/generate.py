@@ -5,24 +5,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from coretrain_tokenizer import load_tokenizer
+
 from coretrain import Run, UserError
 from coretrain_hf.model import wrapped_model
-from coretrain_hf.tokenizer import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+NEEDED_BY = "coretrain predict"
 
 
 def prompt_tokenizer(run: Run, model_path: str | None) -> Any:
-    """The model directory's own tokenizer (a downloaded model carries one), else the data's."""
+    """The run's ``[tokenizer]``; else the model directory's own (a downloaded model carries
+    one); else the data's."""
+    trusted = run.config.tokenizer.trust_remote_code
+    if run.config.tokenizer.path is not None:
+        return load_tokenizer(run.config.tokenizer.path, "tokenizer.path", NEEDED_BY, trusted)
     if model_path is not None and any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
-        return load_tokenizer(model_path, "coretrain predict")
+        return load_tokenizer(model_path, "model.options.path", NEEDED_BY, trusted)
     data_tokenizer = dict(run.config.data.options).get("tokenizer")
     if not isinstance(data_tokenizer, str):
         raise UserError(
-            "predict --data: no tokenizer for the prompts: model.options.path has none, and "
-            "data.options.tokenizer is not set"
+            "predict --data: no tokenizer for the prompts: no [tokenizer] path, model.options.path has "
+            "none, and data.options.tokenizer is not set"
         )
-    return load_tokenizer(data_tokenizer, "coretrain predict")
+    return load_tokenizer(data_tokenizer, "data.options.tokenizer", NEEDED_BY, trusted)
 
 
 def generate(run: Run, model_path: str | None, prompts: list[str], options: dict[str, Any]) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from attrs import define, field
+from coretrain_tokenizer import run_tokenizer
 
 from coretrain import (
     DatasetContext,
@@ -45,7 +46,6 @@ from coretrain import (
     require,
 )
 from coretrain_hf.splits import bounds, check_shares
-from coretrain_hf.tokenizer import load_tokenizer
 
 IGNORE_INDEX = -100
 READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -56,8 +56,6 @@ NEEDED_BY = 'data.provider = "hf-sft"'
 class HFSFT:
     """Prompt/response (or chat) records for instruction tuning: loss on response tokens only."""
 
-    tokenizer: str
-    """A local tokenizer directory."""
     data_path: list[str]
     """jsonl / json / parquet files of records, read in order."""
     seq_length: int = field(default=1024, validator=positive)
@@ -70,6 +68,8 @@ class HFSFT:
     """A record with this field is a chat, rendered with the tokenizer's chat template."""
     split: list[float] = field(factory=lambda: [0.95, 0.05, 0.0], validator=non_negative)
     """Shares of the records for train, valid, test."""
+    tokenizer: str | None = None
+    """A local tokenizer directory; unset: the run's ``[tokenizer] path``."""
 
     def __attrs_post_init__(self) -> None:
         if not self.data_path:
@@ -83,7 +83,7 @@ class HFSFT:
     def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets:
         datasets = require("datasets", needed_by=NEEDED_BY, extra="hf")
         datasets.disable_progress_bars()
-        tokenizer = load_tokenizer(self.tokenizer, NEEDED_BY)
+        tokenizer, _ = run_tokenizer(run, self.tokenizer, "data.options.tokenizer", NEEDED_BY)
         examples = [self.encode(record, tokenizer) for record in self.records(datasets)]
         examples = [e for e in examples if (e[1] != IGNORE_INDEX).any()]
         if not examples:

@@ -3,7 +3,7 @@
     [data]
     provider = "hf-text"
     [data.options]
-    tokenizer = "models/tiny-llama"                 # a local tokenizer directory
+    tokenizer = "models/tiny-llama"                 # a local tokenizer directory (or [tokenizer] path)
     data_path = [0.3, "data/code.jsonl", 0.7, "data/prose.txt"]   # Megatron's weights and paths
     seq_length = 1024
     split = [0.98, 0.01, 0.01]                      # train / valid / test
@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from attrs import define, field
+from coretrain_tokenizer import run_tokenizer
 from coretrain_windows import TokenWindows
 
 from coretrain import (
@@ -53,7 +54,6 @@ from coretrain import (
     require,
 )
 from coretrain_hf.splits import bounds, check_shares
-from coretrain_hf.tokenizer import load_tokenizer
 
 log = logging.getLogger("coretrain")
 
@@ -66,8 +66,6 @@ NEEDED_BY = 'data.provider = "hf-text"'
 class HFText:
     """Local text / jsonl / parquet files, tokenized once (cached, memory-mapped), packed, blended."""
 
-    tokenizer: str
-    """A local tokenizer directory (tokenizer.json / tokenizer_config.json, as save_pretrained writes)."""
     data_path: list[Any]
     """Files, or Megatron's blend: [weight, path, weight, path, ...]."""
     seq_length: int = field(default=1024, validator=positive)
@@ -80,6 +78,9 @@ class HFText:
     """End each document with the tokenizer's EOS token."""
     cache_dir: str | None = None
     """Where tokenized files are kept; unset = $CORETRAIN_CACHE or ~/.cache/coretrain/tokens."""
+    tokenizer: str | None = None
+    """A local tokenizer directory (tokenizer.json / tokenizer_config.json, as save_pretrained
+    writes); unset: the run's ``[tokenizer] path``."""
 
     def __attrs_post_init__(self) -> None:
         blend(self.data_path)  # raises FieldValueError naming data_path
@@ -88,10 +89,9 @@ class HFText:
     @hookimpl
     def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets:
         require("datasets", needed_by=NEEDED_BY, extra="hf")
-        tokenizer = load_tokenizer(self.tokenizer, NEEDED_BY)
-        directory = Path(self.tokenizer)
+        tokenizer, directory = run_tokenizer(run, self.tokenizer, "data.options.tokenizer", NEEDED_BY)
         if self.append_eos and tokenizer.eos_token_id is None:
-            raise UserError(f"data.options.tokenizer: {directory} has no EOS token; set append_eos = false")
+            raise UserError(f"{directory}: the tokenizer has no EOS token; set data.options.append_eos = false")
         cache = Path(self.cache_dir or os.environ.get("CORETRAIN_CACHE") or Path.home() / ".cache/coretrain/tokens")
         splits: list[list[TokenWindows | None]] = [[], [], []]
         weights = []

@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 from attrs import define, field
+from coretrain_tokenizer import run_tokenizer
 
 from coretrain import DatasetContext, Datasets, FieldValueError, Run, UserError, hookimpl, positive
 from coretrain_indexed.splits import build_splits, parse_blend
@@ -63,7 +64,8 @@ class Indexed:
     seq_length: int = field(default=1024, validator=positive)
     """Tokens per sample (each sample reads one more, for the shifted target)."""
     vocab_size: int | None = field(default=None, validator=positive)
-    """Passed on to the model; unset = the largest token id in the data + 1."""
+    """Passed on to the model; unset = the run's tokenizer's (``[tokenizer] path``: its length,
+    what Megatron's tokenizer gives), else the largest token id in the data + 1."""
     cache_dir: str | None = None
     """Where the sample orders are cached; unset = ``cache/`` beside the first prefix."""
 
@@ -76,16 +78,20 @@ class Indexed:
             )
         paths = {name: getattr(self, f"{name}_data_path") for name in ("train", "valid", "test")}
         splits = build_splits(self.data_path, self.split, paths, self.seq_length, context, self.cache_dir)
-        if self.vocab_size is not None and splits.max_token >= self.vocab_size:
+        vocab_size, key = self.vocab_size, "data.options.vocab_size"
+        if vocab_size is None and run.config.tokenizer.path is not None:
+            tokenizer, _ = run_tokenizer(run, None, key, 'data.provider = "indexed"')
+            vocab_size, key = len(tokenizer), "tokenizer.path"
+        if vocab_size is not None and splits.max_token >= vocab_size:
             raise UserError(
-                f"data.options.vocab_size = {self.vocab_size}, but the data holds token id {splits.max_token}; "
-                f"set it to at least {splits.max_token + 1}, or leave it unset"
+                f"{key}: the vocabulary has {vocab_size} tokens, but the data holds token id {splits.max_token}; "
+                f"set data.options.vocab_size to at least {splits.max_token + 1}, or check the tokenizer"
             )
         return Datasets(
             train=splits.train,
             valid=splits.valid,
             test=splits.test,
             seq_length=self.seq_length,
-            vocab_size=self.vocab_size or splits.max_token + 1,
+            vocab_size=vocab_size or splits.max_token + 1,
             in_order=True,  # shuffled as Megatron shuffles them: the loop reads sample k at consumed sample k
         )

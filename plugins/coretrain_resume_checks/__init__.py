@@ -31,6 +31,7 @@ REFUSED = {
     "data.provider": "the data position counts samples of the dataset it built",
     "data.options": "the data position counts samples of the dataset it built",
     "seq_length": "the data position and the model depend on it (the data provider reports it)",
+    "tokenizer.path": "the data's token ids and the model's vocabulary come from it",
 }
 """Key (or section prefix) -> why a change is refused. Everything else is applied."""
 
