@@ -151,6 +151,10 @@ def test_config_show_marks_non_defaults_and_includes_plugin_defaults(tmp_path: P
     assert "n_layer = 1  # default: 4" in lines  # provider options with their defaults
     assert "dropout = 0.0" in lines
     assert "[plugins.progress]" in lines  # autoloaded plugins show too
+    by_samples = tiny_gpt_config(tmp_path / "out").replace("train_iters = ", "train_samples = ")
+    lines = cli("config", "show", str(write(tmp_path / "s.toml", by_samples)), cwd=tmp_path).stdout.splitlines()
+    assert "# train_iters = (unset)" in lines  # unset: no "default: 1000" (that is a run counted by nothing else)
+    assert not [line for line in lines[1:] if line.startswith("# ") and "# default" in line]
 
 
 def test_resolved_config_written_by_a_run_loads_back_identically(tmp_path: Path, cli: Any) -> None:

@@ -97,7 +97,9 @@ def _blocks(data: Mapping[str, Any], defaults: Mapping[str, Any], path: tuple[st
 
 
 def _line(name: str, obj: Any, defaults: Mapping[str, Any]) -> str:
-    line = f"# {_key(name)} = (unset)" if obj is None else f"{_key(name)} = {_value(obj)}"
+    if obj is None:  # unset: no default to mark (train_iters' 1000 is only what a run counted by nothing else takes)
+        return f"# {_key(name)} = (unset)"
+    line = f"{_key(name)} = {_value(obj)}"
     default = defaults.get(name, _NO_DEFAULT)
     if default is _NO_DEFAULT:
         return line + "  # set (no default)"
