@@ -21,6 +21,7 @@ import site
 import sysconfig
 import warnings
 from collections import Counter
+from collections.abc import Generator
 from pathlib import Path
 
 from attrs import define, field
@@ -76,9 +77,12 @@ class LibraryNoise(logging.Filter):
         library = next((d for d in LIBRARY_DIRS if path.startswith(d + os.sep)), None)
         if library is None:
             return True
+        if self.divert is not None and getattr(record, "coretrain_diverted", False):
+            return False  # another handler of the logger's took it to the log file already
         relative = Path(path).relative_to(library).parts
         self.held[relative[0].split(".")[0] if relative else "?"] += 1
         if self.divert is not None:
+            record.coretrain_diverted = True
             self.divert.handle(record)
         return False
 
@@ -126,24 +130,52 @@ class ConsoleLog:
     _diverted: list[tuple[logging.Handler, LibraryNoise]] = field(factory=list, init=False, repr=False)
     _file: logging.Handler | None = field(default=None, init=False, repr=False)
     _console: logging.Handler | None = field(default=None, init=False, repr=False)
+    _stand_in: logging.Handler | None = field(default=None, init=False, repr=False)
+    """The console handler put in for Python's last resort (no handler set up), while diverting."""
 
     @hookimpl
     def configure_run(self, run: Run) -> None:
+        name = "run.log" if run.dist.rank == 0 else f"run.rank{run.dist.rank}.log"
+        self.divert(run.output_dir / name)
+
+    @hookimpl(trylast=True)
+    def on_train_end(self, run: Run) -> None:
+        """One console line for the libraries' lines kept in the log file; the handler closed."""
+        self.restore(run.output_dir / "run.log" if run.dist.is_main else None)
+
+    @hookimpl(wrapper=True)
+    def export_model(self, run_dir: Path) -> Generator[None, str | None, str | None]:
+        """``coretrain checkpoint export`` imports the model's libraries (transformers, peft and
+        torchao with it): their lines go to the run's run.log, as in training."""
+        self.divert(run_dir / "run.log")
+        try:
+            return (yield)
+        finally:
+            self.restore(run_dir / "run.log")
+
+    def divert(self, log_file: Path) -> None:
+        """From now on libraries' records below ERROR reach ``log_file`` and not the console: the
+        console is ``coretrain run``'s handler or, where no handler is set up (the Python API in a
+        script or notebook, a command), one that prints what Python's last resort would; a
+        caller's own handlers are left as they are."""
         root = logging.getLogger()
         self._console = next((h for h in root.handlers if h.get_name() == CONSOLE), None)
+        if self._console is None and not root.handlers:  # what Python's last resort would print, filtered
+            self._console = self._stand_in = logging.StreamHandler()  # stderr, the message alone, as it does
+            self._stand_in.setLevel(logging.WARNING)
+            root.addHandler(self._stand_in)
         if self._console is not None:
             self._noise = LibraryNoise()
             self._console.addFilter(OnceEach())
             self._console.addFilter(self._noise)
-        name = "run.log" if run.dist.rank == 0 else f"run.rank{run.dist.rank}.log"
         try:
-            run.output_dir.mkdir(parents=True, exist_ok=True)
-            self._file = logging.FileHandler(run.output_dir / name)
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            self._file = logging.FileHandler(log_file)
         except (OSError, ValueError):  # the run's own checks name the unusable directory
             return
         self._file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
         self._file.addFilter(OnceEach())
-        root.addHandler(self._file)
+        root.addHandler(self._file)  # a root handler: Python's last resort no longer prints
         if self._noise is not None:  # libraries that print through handlers of their own (torch)
             for handler in own_terminal_handlers():
                 diverted = LibraryNoise(self._noise.held, divert=self._file)
@@ -153,22 +185,23 @@ class ConsoleLog:
         logging.captureWarnings(False)  # captureWarnings(True) is a no-op while an earlier capture is on,
         logging.captureWarnings(True)  # though warnings.showwarning may have been reset since (a second run)
 
-    @hookimpl(trylast=True)
-    def on_train_end(self, run: Run) -> None:
-        """One console line for the libraries' lines kept in the log file; the handler closed."""
-        if self._noise is not None and self._noise.held and run.dist.is_main:
+    def restore(self, told: Path | None) -> None:
+        """Say how many lines went to ``told`` (None: say nothing), and put the handlers back."""
+        if self._noise is not None and self._noise.held and told is not None:
             names = ", ".join(name for name, _ in self._noise.held.most_common(5))
             logging.getLogger("coretrain").info(
-                "%d line(s) from libraries (%s) are in %s",
-                sum(self._noise.held.values()),
-                names,
-                run.output_dir / "run.log",
+                "%d line(s) from libraries (%s) are in %s", sum(self._noise.held.values()), names, told
             )
         if self._console is not None and self._noise is not None:
             self._console.removeFilter(self._noise)
         for handler, diverted in self._diverted:
             handler.removeFilter(diverted)
         self._diverted.clear()
+        self._noise = None
+        if self._stand_in is not None:
+            logging.getLogger().removeHandler(self._stand_in)
+            self._stand_in = None
         if self._file is not None:
             logging.getLogger().removeHandler(self._file)
             self._file.close()
+            self._file = None
