@@ -10,9 +10,11 @@ import sys
 
 import torch
 import transformers
+from quiet import quiet_libraries
 
 
 def main(directory: str) -> None:
+    quiet_libraries()
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
     for prompt in ("What is 12 plus 30?\nAnswer:", "Spell 'owl' backwards.\nAnswer:"):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from quiet import quiet_libraries
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -59,6 +60,7 @@ def pretrain(
 
 
 def main(assets: Path = ASSETS) -> None:
+    quiet_libraries()
     # one torch thread: a tiny model gains nothing from more, and on a busy machine idle
     # intra-op threads spin (a loaded shared box once took 46 minutes instead of seconds)
     torch.set_num_threads(1)
