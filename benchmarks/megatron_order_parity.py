@@ -91,6 +91,7 @@ def main() -> None:
     from coretrain_indexed import Indexed
 
     from coretrain import DatasetContext
+    from coretrain.config import Config
 
     args.work.mkdir(parents=True, exist_ok=True)
     prefixes = [str(args.work / "web"), str(args.work / "code")]
@@ -103,7 +104,7 @@ def main() -> None:
             data_path = [x for w, p in zip(blend_weights or [1.0], blend, strict=True) for x in (w, p)]
             context = DatasetContext(train_samples=train, valid_samples=valid, test_samples=test, seed=seed)
             ours = Indexed(data_path=data_path, split=SPLIT, seq_length=seq, cache_dir=str(args.work / "ours"))
-            mine = ours.provide_datasets(run=None, context=context)
+            mine = ours.provide_datasets(run=types.SimpleNamespace(config=Config()), context=context)
             config = dataset_config(
                 random_seed=seed, sequence_length=seq, blend=(blend, blend_weights), split=SPLIT,
                 tokenizer=Tokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,

@@ -29,8 +29,11 @@ import attrs
 from attrs import define, field
 from coretrain_tokenizer import run_tokenizer
 
-from coretrain import DatasetContext, Datasets, FieldValueError, Run, UserError, hookimpl, positive
+from coretrain import DatasetContext, Datasets, FieldValueError, Run, UserError, hookimpl, in_range, positive
+from coretrain_indexed.fim import FIM, sentinel_ids
 from coretrain_indexed.splits import build_splits, parse_blend
+
+NEEDED_BY = 'data.provider = "indexed"'
 
 
 def _blend_or_unset(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -68,6 +71,28 @@ class Indexed:
     what Megatron's tokenizer gives), else the largest token id in the data + 1."""
     cache_dir: str | None = None
     """Where the sample orders are cached; unset = ``cache/`` beside the first prefix."""
+    fim_rate: float = field(default=0.0, validator=in_range(0, 1))
+    """Fill-in-the-middle (Megatron-LM's ``--fim-rate``): the share of document pieces rearranged
+    into prefix/suffix/middle form; needs the run's ``[tokenizer] path``. 0: off."""
+    fim_spm_rate: float = field(default=0.5, validator=in_range(0, 1))
+    """The share of rearranged pieces in SPM form (suffix first); the rest are PSM."""
+    fim_split_sample: str | None = None
+    """A token (a file separator) at which a piece is split, each fragment rearranged on its own."""
+    fim_fragment_rate: float | None = field(default=None, validator=in_range(0, 1))
+    """The share of fragments rearranged when fim_split_sample splits a piece."""
+    fim_no_prefix: str | None = None
+    """A piece whose text starts with this is left as it is."""
+    fim_prefix_token: str = "<fim_prefix>"
+    fim_middle_token: str = "<fim_middle>"
+    fim_suffix_token: str = "<fim_suffix>"
+    fim_pad_token: str = "<fim_pad>"
+    """The sentinel tokens (each one token of the tokenizer: its added special tokens)."""
+    fim_eod_token: str | None = None
+    """The end-of-document token pieces are cut at; unset = the tokenizer's EOS."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.fim_split_sample is not None and self.fim_fragment_rate is None:
+            raise FieldValueError("fim_fragment_rate", "fim_split_sample splits pieces: set the fragments' rate too")
 
     @hookimpl
     def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets:
@@ -77,10 +102,11 @@ class Indexed:
                 "(with valid_data_path / test_data_path), not both or neither"
             )
         paths = {name: getattr(self, f"{name}_data_path") for name in ("train", "valid", "test")}
-        splits = build_splits(self.data_path, self.split, paths, self.seq_length, context, self.cache_dir)
+        fim = self.fill_in_the_middle(run) if self.fim_rate > 0 else None
+        splits = build_splits(self.data_path, self.split, paths, self.seq_length, context, self.cache_dir, fim)
         vocab_size, key = self.vocab_size, "data.options.vocab_size"
         if vocab_size is None and run.config.tokenizer.path is not None:
-            tokenizer, _ = run_tokenizer(run, None, key, 'data.provider = "indexed"')
+            tokenizer, _ = run_tokenizer(run, None, key, NEEDED_BY)
             vocab_size, key = len(tokenizer), "tokenizer.path"
         if vocab_size is not None and splits.max_token >= vocab_size:
             raise UserError(
@@ -94,4 +120,16 @@ class Indexed:
             seq_length=self.seq_length,
             vocab_size=vocab_size or splits.max_token + 1,
             in_order=True,  # shuffled as Megatron shuffles them: the loop reads sample k at consumed sample k
+        )
+
+    def fill_in_the_middle(self, run: Run) -> FIM:
+        """The FIM transformation with the run's tokenizer and its sentinel tokens."""
+        tokenizer, _ = run_tokenizer(run, None, "data.options.fim_rate", NEEDED_BY)
+        names: dict[str, str | None] = {"prefix": self.fim_prefix_token, "middle": self.fim_middle_token}
+        names |= {"suffix": self.fim_suffix_token}
+        names |= {"pad": self.fim_pad_token, "split": self.fim_split_sample}
+        tokens = sentinel_ids(tokenizer, names, self.fim_eod_token)
+        special = frozenset(tokenizer.all_special_tokens)
+        return FIM(
+            self.fim_rate, self.fim_spm_rate, tokenizer, tokens, self.fim_fragment_rate, self.fim_no_prefix, special
         )

@@ -128,9 +128,7 @@ class Blend(Windows):
     """Megatron's BlendedDataset: sample i comes from the dataset whose share so far lags its
     weight the most, so every prefix of the blend follows the weights."""
 
-    def __init__(
-        self, datasets: list[DocumentWindows], weights: list[float], samples: int, cache_dir: Path, key: Any
-    ) -> None:
+    def __init__(self, datasets: list[Windows], weights: list[float], samples: int, cache_dir: Path, key: Any) -> None:
         self.datasets = datasets
         total = sum(weights)
         normalized = [w / total for w in weights]

@@ -10,8 +10,9 @@ import attrs
 import numpy as np
 
 from coretrain import DatasetContext, FieldValueError, UserError
+from coretrain_indexed.fim import FIM, FIMWindows
 from coretrain_indexed.format import IndexedTokens
-from coretrain_indexed.samples import Blend, DocumentWindows, blend_sizes, split_ranges
+from coretrain_indexed.samples import Blend, DocumentWindows, Windows, blend_sizes, split_ranges
 
 SPLITS = ("train", "valid", "test")
 
@@ -51,7 +52,13 @@ class Splits:
 
 
 def build_splits(
-    data_path: Any, split: str, paths: dict[str, Any], seq_length: int, context: DatasetContext, cache_dir: str | None
+    data_path: Any,
+    split: str,
+    paths: dict[str, Any],
+    seq_length: int,
+    context: DatasetContext,
+    cache_dir: str | None,
+    fim: FIM | None = None,
 ) -> Splits:
     """Each split's (blended) dataset sized by the context's sample counts; None where it has no
     documents. ``data_path`` split by ``split``, else ``paths`` (split name -> prefix or blend)."""
@@ -70,7 +77,9 @@ def build_splits(
             sources |= {prefix: sources.get(prefix) or IndexedTokens(prefix) for _, prefix in blend}
             parts[name] = [(w, sources[p], np.arange(len(sources[p]))) for w, p in blend]
     cache = Path(cache_dir) if cache_dir else Path(next(iter(sources))).parent / "cache"
-    built = {name: dataset(name, parts[name], seq_length, max(wanted[name], 1), context.seed, cache) for name in SPLITS}
+    built = {
+        name: dataset(name, parts[name], seq_length, max(wanted[name], 1), context.seed, cache, fim) for name in SPLITS
+    }
     if built["train"] is None:
         raise UserError("data.options: the train split has no documents; check data_path / split")
     return Splits(**built, max_token=max(max_token(source) for source in sources.values()))
@@ -83,8 +92,10 @@ def dataset(
     samples: int,
     seed: int,
     cache: Any,
+    fim: FIM | None = None,
 ) -> Any:
-    """One split: windows over each prefix's documents of it, blended by weight."""
+    """One split: windows over each prefix's documents of it (fill-in-the-middle applied to each,
+    as Megatron's GPTFIMDataset is one per prefix), blended by weight."""
     parts = [(w, source, documents) for w, source, documents in parts if len(documents)]
     if not parts:
         return None
@@ -96,10 +107,11 @@ def dataset(
         ]
     except ValueError:
         raise UserError(f"data.options: the {name} split of {[s.prefix for _, s, _ in parts]} has no tokens") from None
-    if len(windows) == 1:
-        return windows[0]
+    shown: list[Windows] = [FIMWindows(w, fim, seed) for w in windows] if fim is not None else list(windows)
+    if len(shown) == 1:
+        return shown[0]
     key = [name, seq_length, seed, [[w, s.prefix, len(d)] for w, s, d in parts]]
-    return Blend(windows, [w for w, _, _ in parts], samples, cache, key)
+    return Blend(shown, [w for w, _, _ in parts], samples, cache, key)
 
 
 def max_token(source: IndexedTokens, chunk: int = 1 << 24) -> int:
