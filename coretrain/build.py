@@ -97,11 +97,11 @@ def splits_list(result: Any) -> bool:
 
 def register_import_path_providers(config: Config, plugins: Plugins) -> None:
     """Import ``pkg.mod:fn`` providers, check their options against their signatures, register them."""
-    if is_import_path(config.model.provider):
+    if is_import_path(config.model.provider) and plugins.get("model.provider") is None:  # (an in-process restart's)
         fn = import_callable(config.model.provider, "model.provider")
         check_options(fn, dict(config.model.options), "model.options", ("run",))
         plugins.register("model.provider", ImportedModelProvider(fn, dict(config.model.options)))
-    if is_import_path(config.data.provider):
+    if is_import_path(config.data.provider) and plugins.get("data.provider") is None:
         fn = import_callable(config.data.provider, "data.provider")
         check_options(fn, dict(config.data.options), "data.options", ("run", "context"))
         plugins.register("data.provider", ImportedDataProvider(fn, dict(config.data.options)))

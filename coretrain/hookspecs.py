@@ -41,6 +41,8 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
     on_train_end(run, outcome)              always, on every plugin even if one raises; also after
                                             an error in restore (outcome "error") or a signal
                                             before the first step, without on_train_start
+    restart_in_process(run, error)          firstresult   after a failure, the process group
+                                            left: True = build, resume and train again here
 
 Rules every implementation can rely on:
 
@@ -88,7 +90,7 @@ if TYPE_CHECKING:
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs
 
 
-HOOK_API = (1, 11)
+HOOK_API = (1, 12)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -470,6 +472,21 @@ class HookSpecs(Protocol):
         Returns: the line (the run then fails with it, exit 1, the exception kept as its cause
         in the traceback file), or None for an exception this plugin does not know.
         Ranks: the rank that raised it, once, before ``on_train_end``.
+        """
+
+    @hookspec(firstresult=True)
+    def restart_in_process(self, run: Run | None, error: BaseException) -> bool | None:
+        """The run failed — on this rank, or as a peer's failure seen here (a collective whose
+        peer left) — and the process group has been left (hook API 1.12): train again in this
+        process instead of ending it (the ``inprocess-restart`` plugin).
+
+        Args: ``run`` — the failed run (None when building it failed); ``error`` — what was raised.
+        May change: the process group: form the next one (``torch.distributed.init_process_group``
+        through the launcher's store) before returning True; the core then builds the run again
+        (imports, and everything a process keeps, stay) and resumes it from the newest checkpoint.
+        Returns: True to train again; None to let the failure end the process.
+        Ranks: every rank that failed; the ranks must answer alike (a peer of a failing rank
+        fails at its next collective, so every rank is asked once per failure).
         """
 
     @hookspec

@@ -79,14 +79,9 @@ class IntervalLog:
         by = {name: world if name == "grad_norm" or name in extra else reporters for name in [*series, *extra]}
         metrics = {name: value / by[name] for name, value in zip([*series, *extra], sums)}
         metrics.update(schedule_metrics(run))
-        metrics.update(
-            {
-                "global_batch_size": float(run.global_batch_size),
-                "consumed_samples": float(run.state.consumed_samples),
-                "skipped_updates": float(run.state.skipped_updates),
-                "skipped_steps": float(self.skipped),
-            }
-        )
+        counts = {"global_batch_size": run.global_batch_size, "consumed_samples": run.state.consumed_samples}
+        counts |= {"skipped_updates": run.state.skipped_updates, "skipped_steps": self.skipped}
+        metrics.update({name: float(count) for name, count in counts.items()})
         self.losses, self.steps, self.grad_norms, self.values, self.skipped = [], [], [], {}, 0
         return metrics
 

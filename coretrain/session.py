@@ -42,15 +42,20 @@ def run_session(
     """Build, resume, train and close; the exit code and the run. ``on_error`` sees a failure
     while the frames that hold the run still exist (the CLI writes its traceback); then the run
     is let go and the process group left before the failure propagates."""
-    try:
-        run = build_run(loaded.config, plugins, signals=signals)
-        code = Trainer(run, signals).train()
-    except BaseException as exc:
-        if on_error is not None:
-            on_error(exc)
-        drop_frames(exc)
-        dist.shutdown()
-        raise
+    while True:
+        run = None
+        try:
+            run = build_run(loaded.config, plugins, signals=signals)
+            code = Trainer(run, signals).train()
+            break
+        except BaseException as exc:
+            if on_error is not None:
+                on_error(exc)
+            drop_frames(exc)
+            dist.shutdown()
+            restart = isinstance(exc, Exception) and plugins.implemented("restart_in_process")
+            if not (restart and plugins.calls.hook.restart_in_process(run=run, error=exc)):
+                raise
     dist.shutdown(graceful=True)
     return code, run
 

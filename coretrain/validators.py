@@ -55,11 +55,7 @@ def non_negative(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> 
         raise FieldValueError(attribute.name, f"must be >= 0, got {value!r}")
 
 
-def fraction(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """A share in [0, 1)."""
-    in_range(0, 1, high_inclusive=False)(instance, attribute, value)
-
-
-def exit_code(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """A process exit status a shell can see: 1..125 (126+ mean 'not run' and signals)."""
-    in_range(1, 125)(instance, attribute, value)
+fraction = in_range(0, 1, high_inclusive=False)
+"""A share in [0, 1)."""
+exit_code = in_range(1, 125)
+"""A process exit status a shell can see: 1..125 (126+ mean 'not run' and signals)."""

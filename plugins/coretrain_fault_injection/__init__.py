@@ -2,7 +2,7 @@
 
 At a chosen step (or at random with a seeded probability per step), on chosen ranks, before
 the step starts: ``hang`` (sleep until killed), ``raise`` (an exception, as a bug would),
-``sigkill`` / ``sigterm`` (the signal to this process), ``sleep`` (a slow rank; with
+``sigkill`` / ``sigterm`` / ``sigstop`` (the signal to this process), ``sleep`` (a slow rank; with
 ``every_step`` from that step on), or ``skip`` (veto that step's update, as a guard that saw a
 bad loss on this rank alone would: the ranks agree, and every one skips it). Used by the
 straggler, signal, restart and agreement tests.
@@ -19,7 +19,7 @@ from typing import Literal
 
 from attrs import define, field
 
-from coretrain import Run, hookimpl
+from coretrain import Run, hookimpl, positive
 
 log = logging.getLogger("coretrain")
 
@@ -28,8 +28,8 @@ log = logging.getLogger("coretrain")
 class FaultInjection:
     """Hang, raise, SIGKILL, SIGTERM or sleep on chosen ranks at a chosen or random step."""
 
-    action: Literal["hang", "raise", "sigkill", "sigterm", "sleep", "skip"]
-    """What goes wrong."""
+    action: Literal["hang", "raise", "sigkill", "sigterm", "sigstop", "sleep", "skip"]
+    """What goes wrong (``sigstop``: the process freezes, as one stuck in the kernel does)."""
     step: int | None = None
     """The step it happens at (before the step runs)."""
     probability: float = 0.0
@@ -41,6 +41,11 @@ class FaultInjection:
     """For action = "sleep"."""
     every_step: bool = False
     """For action = "sleep": sleep on every step from `step` on."""
+    times: int | None = field(default=None, validator=positive)
+    """At most this many times in this process; unset: once for a fault at ``step`` (the same
+    step run again after an in-process restart does not fire again), every time it is due with
+    ``probability`` or ``every_step``."""
+    _fired: int = field(default=0, init=False, repr=False)
     _rng: random.Random | None = field(default=None, init=False, repr=False)
     _veto_at: int | None = field(default=None, init=False, repr=False)
 
@@ -51,6 +56,10 @@ class FaultInjection:
 
     def _due(self, rank: int, step: int) -> bool:
         if self.ranks and rank not in self.ranks:
+            return False
+        once = self.step is not None and not self.every_step and not self.probability
+        limit = self.times if self.times is not None else 1 if once else None
+        if limit is not None and self._fired >= limit:
             return False
         if self.step is not None and (step == self.step or (self.every_step and step >= self.step)):
             return True
@@ -64,6 +73,7 @@ class FaultInjection:
     def pre_step(self, run: Run, step: int) -> None:
         if not self._due(run.dist.rank, step):
             return
+        self._fired += 1
         if self.action != "sleep" or not self.every_step or step == self.step:
             log.warning("fault-injection: %s on rank %d at step %d", self.action, run.dist.rank, step)
         if self.action == "skip":
@@ -76,7 +86,8 @@ class FaultInjection:
         elif self.action == "raise":
             raise RuntimeError(f"fault-injection: raised on rank {run.dist.rank} at step {step}")
         else:
-            os.kill(os.getpid(), signal.SIGKILL if self.action == "sigkill" else signal.SIGTERM)
+            signals = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
+            os.kill(os.getpid(), signals[self.action])
 
     @hookimpl
     def before_update(self, run: Run, step: int) -> None:

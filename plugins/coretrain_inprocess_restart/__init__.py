@@ -1,0 +1,154 @@
+"""``inprocess-restart``: a failure costs seconds, not a job restart (Megatron's in-process restart).
+
+    [plugins.inprocess-restart]
+    max_restarts = 3                 # then the failure ends the job, as without the plugin
+    restart_timeout_seconds = 60     # how long the ranks wait for each other to re-form
+
+When a rank raises — a failing step, a plugin's error, a collective whose peer left — every rank
+leaves the run (a peer of the failing rank fails at its next collective: gloo and NCCL report the
+broken connection), the process group is left and formed again through the launcher's
+rendezvous store (torchrun's, on ``MASTER_ADDR:MASTER_PORT``, under a key prefix of its own for
+each restart), and the core builds the run again in the same process — no new process, no
+re-import — and resumes it from the newest checkpoint. The ranks that raised leave their cause in
+the store, so every rank's log line names it: ``in-process restart 1/3 after rank 1 raised at
+step 8: RuntimeError: ...``, then ``resumed at step 5 in 0.4 s``; ``inprocess_restarts`` joins
+the logged metrics. Losses after a restart are an uninterrupted run's (the resume is exact).
+
+A process that dies (SIGKILL, the OOM killer) cannot restart itself: its launcher restarts the
+job (``torchrun --max-restarts``), as without this plugin.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from attrs import define, field
+
+from coretrain import Outcome, Run, hookimpl, non_negative, positive
+from coretrain_inprocess_restart.groups import abort_nccl, cut, tcp_connections
+
+log = logging.getLogger("coretrain")
+
+_generation = 0
+"""Process groups this process formed after a failure: each on a store prefix of its own (every
+rank of a job restarts alike, so their counts agree), also across runs in one process."""
+
+PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+"""Words of the errors a rank sees when a peer, not itself, failed (gloo's and NCCL's)."""
+
+
+def described(run: Run | None, error: BaseException) -> str:
+    """This rank's failure in a few words: where, and what was raised (a plugin's error by the
+    plugin and hook, then its cause)."""
+    step = getattr(error, "step", None) or (run.state.step + 1 if run is not None else None)
+    where = f" at step {step}" if step is not None else " while the run was built"
+    cause = getattr(error, "cause", None) if hasattr(error, "plugin") else None
+    inner = cause if isinstance(cause, BaseException) else error
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    what = f"{type(inner).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    if inner is not error:
+        what = f"plugin '{getattr(error, 'plugin', '?')}' in {getattr(error, 'hook', '?')}: {what}"
+    return f"raised{where}: {what}"
+
+
+@define(kw_only=True)
+class InProcessRestart:
+    """After a failure, re-form the process group and resume from the newest checkpoint in-process."""
+
+    max_restarts: int = field(default=3, validator=non_negative)
+    """Restarts this process may make; the next failure ends the job."""
+    restart_timeout_seconds: float = field(default=60.0, validator=positive)
+    """How long the ranks wait for each other to form the next process group."""
+    _restarts: int = field(default=0, init=False)
+    _backend: str | None = field(default=None, init=False)
+    _timeout: float = field(default=600.0, init=False)
+    _since: float | None = field(default=None, init=False)
+    _connections: dict[int, int] = field(factory=dict, init=False)
+    """gloo's connections to the peers (fd -> socket inode), to shut down when leaving."""
+
+    @hookimpl
+    def configure_run(self, run: Run) -> None:
+        """How the run's process group was formed, to form the next one alike; its connections."""
+        if dist.is_available() and dist.is_initialized():
+            self._backend = dist.get_backend()
+        self._timeout = run.config.distributed.init_timeout_seconds
+
+    @hookimpl(trylast=True)
+    def on_train_end(self, outcome: Outcome) -> None:
+        """A failing run leaves its process group now, before anything waits on a peer."""
+        if outcome == "error" and self._restarts < self.max_restarts:
+            self._leave_group()
+
+    def _leave_group(self) -> None:
+        if self._backend == "nccl":
+            abort_nccl()
+        cut(self._connections or self._gloo_connections())  # failed before training: what there is now
+        self._connections = {}
+
+    @hookimpl
+    def restart_in_process(self, run: Run | None, error: BaseException) -> bool | None:
+        if self._restarts >= self.max_restarts:
+            log.error(
+                "inprocess-restart: %d restart(s) made, the most allowed: this failure ends the job", self._restarts
+            )
+            return None
+        self._leave_group()  # (when building the run failed, on_train_end was not called)
+        self._restarts += 1
+        self._since = time.monotonic()
+        cause = f"this rank {described(run, error)}"
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            cause = self._form_group(described(run, error))
+        log.warning("in-process restart %d/%d after %s", self._restarts, self.max_restarts, cause)
+        return True
+
+    def _form_group(self, failure: str) -> str:
+        """The next process group, through the launcher's store; which ranks raised what."""
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        wait = datetime.timedelta(seconds=self.restart_timeout_seconds)
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(address, port, world, False, timeout=wait)  # type: ignore[attr-defined]
+        global _generation
+        _generation += 1
+        prefix = f"coretrain/inprocess-restart/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}"
+        if not any(words in failure for words in PEER_FAILURE):  # this rank failed, not a peer of one
+            store.set(f"{prefix}/cause/{rank}", failure)
+        backend = self._backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        timeout = datetime.timedelta(seconds=self._timeout)
+        group_store = dist.PrefixStore(f"{prefix}/group", store)  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=group_store, rank=rank, world_size=world, timeout=timeout)
+        dist.barrier()  # every rank has joined, so every cause is written
+        keys = [f"{prefix}/cause/{r}" for r in range(world)]
+        causes = [f"rank {r} {store.get(k).decode()}" for r, k in enumerate(keys) if store.check([k])]
+        return "; ".join(causes) or f"a peer's failure (this rank {failure})"
+
+    @hookimpl
+    def on_resume(self, step: int) -> None:
+        self._said_resumed(step)
+
+    @hookimpl(tryfirst=True)
+    def on_train_start(self, run: Run) -> None:
+        """gloo's connections to the peers, connected by now (the model's wrapping and the resume
+        used them) and before logging backends open connections of their own."""
+        self._connections = self._gloo_connections()
+        self._said_resumed(run.state.step)  # no checkpoint to resume from: from the start
+
+    def _gloo_connections(self) -> dict[int, int]:
+        if self._backend != "gloo" or "MASTER_PORT" not in os.environ:
+            return {}
+        return tcp_connections(except_port=int(os.environ["MASTER_PORT"]))
+
+    def _said_resumed(self, step: int) -> None:
+        if self._since is not None:
+            seconds, self._since = time.monotonic() - self._since, None
+            say = log.warning if os.environ.get("RANK", "0") == "0" else log.debug
+            say("in-process restart %d: resumed at step %d, %.2f s after the failure", self._restarts, step, seconds)
+
+    @hookimpl(tryfirst=True)
+    def on_log(self, metrics: dict[str, float]) -> None:
+        if self._restarts:
+            metrics["inprocess_restarts"] = float(self._restarts)

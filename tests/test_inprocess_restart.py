@@ -1,0 +1,70 @@
+"""The ``inprocess-restart`` plugin: a rank that raises costs a restart inside the same processes
+— the process group re-formed through the launcher's store, the run rebuilt and resumed from the
+newest checkpoint — and the run's losses are an uninterrupted run's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import in_one_job, metrics_rows
+
+from coretrain.testing import run_steps, tiny_config, write_config
+
+RESTART = {"inprocess-restart": {"max_restarts": 2}}
+
+
+def losses(out: Path) -> list[float]:
+    return [row["loss"] for row in metrics_rows(out) if "loss" in row]
+
+
+def test_one_process_restarts_in_place_and_trains_the_losses_of_an_uninterrupted_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = {"train": {"log_interval": 1}, "checkpoint": {"save_interval": 4}}
+    written = {"metrics-file": {}}
+    whole = run_steps(tmp_path / "whole", 12, config=config, tables=written)
+    fault = {"fault-injection": {"action": "raise", "step": 7}}
+    with caplog.at_level("WARNING", logger="coretrain"):
+        restarted = run_steps(tmp_path / "restarted", 12, config=config, tables={**fault, **RESTART, **written})
+    assert restarted.exit_code == 0 and restarted.run.state.step == 12
+    assert losses(restarted.output_dir) == losses(whole.output_dir)
+    said = [r.getMessage() for r in caplog.records if "in-process restart" in r.getMessage()]
+    assert said[0].startswith("in-process restart 1/2 after this rank raised at step 7: plugin 'fault-injection'")
+    assert said[1].startswith("in-process restart 1: resumed at step 4, ")
+    assert [row.get("inprocess_restarts") for row in metrics_rows(restarted.output_dir)][4:12] == [1.0] * 8
+
+
+def test_a_fault_at_every_run_of_a_step_ends_the_run_once_the_restarts_are_used(tmp_path: Path) -> None:
+    fault = {"fault-injection": {"action": "raise", "step": 3, "times": 5}}
+    with pytest.raises(Exception, match="fault-injection: raised on rank 0 at step 3"):
+        run_steps(tmp_path, 6, config={"checkpoint": {"save_interval": 2}}, tables={**fault, **RESTART})
+
+
+def config(tmp_path: Path, name: str, **plugins: Any) -> str:
+    sections = tiny_config(
+        tmp_path / name,
+        train={"train_iters": 12, "log_interval": 1},
+        checkpoint={"save_interval": 4},
+        distributed={"backend": "gloo"},
+        plugins=plugins,
+    )
+    return str(write_config(tmp_path / f"{name}.toml", sections))
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_costs_an_in_process_restart_on_two_gloo_ranks(tmp_path: Path) -> None:
+    """The issue's check: ``action = "raise", step = 8, ranks = [1]`` with ``[plugins.inprocess-restart]``
+    completes with exit 0 on 2 ranks, says so, and logs the losses of an uninterrupted run. Rank 0
+    is blocked in DDP's gradient all-reduce when rank 1 raises: it fails at once (rank 1 shuts its
+    gloo connections down), both form a new group and resume from step 4."""
+    fault = {"action": "raise", "step": 8, "ranks": [1]}
+    commands = [
+        ["run", config(tmp_path, "whole")],
+        ["run", config(tmp_path, "restarted", **{"fault-injection": fault, **RESTART})],
+    ]
+    job = in_one_job(tmp_path, 2, commands, "restart", env={"OMP_NUM_THREADS": "1"})
+    assert losses(tmp_path / "restarted") == losses(tmp_path / "whole")
+    assert "in-process restart 1/2 after rank 1 raised at step 8: plugin 'fault-injection' in pre_step" in job.stderr
+    assert "in-process restart 1: resumed at step 4, " in job.stderr
