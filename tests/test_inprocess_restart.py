@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import in_one_job, metrics_rows
+from conftest import in_one_job, metrics_rows, run_train
 
 from coretrain.testing import run_steps, tiny_config, write_config
 
@@ -54,17 +54,23 @@ def config(tmp_path: Path, name: str, **plugins: Any) -> str:
 
 
 @pytest.mark.slow
-def test_a_rank_that_raises_costs_an_in_process_restart_on_two_gloo_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["coretrain", "torchrun"])
+def test_a_rank_that_raises_costs_an_in_process_restart_on_two_gloo_ranks(tmp_path: Path, launcher: str) -> None:
     """The issue's check: ``action = "raise", step = 8, ranks = [1]`` with ``[plugins.inprocess-restart]``
     completes with exit 0 on 2 ranks, says so, and logs the losses of an uninterrupted run. Rank 0
     is blocked in DDP's gradient all-reduce when rank 1 raises: it fails at once (rank 1 shuts its
-    gloo connections down), both form a new group and resume from step 4."""
+    gloo connections down), both form a new group and resume from step 4 — under coretrain's
+    launcher (rank 0 serves the store) and under torchrun's agent store (here, with the
+    reference run, in one torchrun job)."""
     fault = {"action": "raise", "step": 8, "ranks": [1]}
-    commands = [
-        ["run", config(tmp_path, "whole")],
-        ["run", config(tmp_path, "restarted", **{"fault-injection": fault, **RESTART})],
-    ]
-    job = in_one_job(tmp_path, 2, commands, "restart", env={"OMP_NUM_THREADS": "1"})
+    whole, restarted = config(tmp_path, "whole"), config(tmp_path, "restarted", **{"fault-injection": fault, **RESTART})
+    if launcher == "coretrain":
+        env = {"OMP_NUM_THREADS": "1"}
+        assert run_train(whole, "--nproc-per-node", "2", cwd=tmp_path, env=env).returncode == 0
+        job = run_train(restarted, "--nproc-per-node", "2", cwd=tmp_path, env=env)
+        assert job.returncode == 0, job.stderr[-3000:]
+    else:
+        job = in_one_job(tmp_path, 2, [["run", whole], ["run", restarted]], "restart", env={"OMP_NUM_THREADS": "1"})
     assert losses(tmp_path / "restarted") == losses(tmp_path / "whole")
     assert "in-process restart 1/2 after rank 1 raised at step 8: plugin 'fault-injection' in pre_step" in job.stderr
     assert "in-process restart 1: resumed at step 4, " in job.stderr

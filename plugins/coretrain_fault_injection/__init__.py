@@ -19,7 +19,7 @@ from typing import Literal
 
 from attrs import define, field
 
-from coretrain import Run, hookimpl, positive
+from coretrain import Run, hookimpl, non_negative, positive
 
 log = logging.getLogger("coretrain")
 
@@ -45,6 +45,9 @@ class FaultInjection:
     """At most this many times in this process; unset: once for a fault at ``step`` (the same
     step run again after an in-process restart does not fire again), every time it is due with
     ``probability`` or ``every_step``."""
+    attempt: int | None = field(default=None, validator=non_negative)
+    """Only in this attempt of the job (torchrun's ``TORCHELASTIC_RESTART_COUNT``: 0 is the first,
+    1 the job restarted once); unset: in every attempt."""
     _fired: int = field(default=0, init=False, repr=False)
     _rng: random.Random | None = field(default=None, init=False, repr=False)
     _veto_at: int | None = field(default=None, init=False, repr=False)
@@ -56,6 +59,8 @@ class FaultInjection:
 
     def _due(self, rank: int, step: int) -> bool:
         if self.ranks and rank not in self.ranks:
+            return False
+        if self.attempt is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != self.attempt:
             return False
         once = self.step is not None and not self.every_step and not self.probability
         limit = self.times if self.times is not None else 1 if once else None

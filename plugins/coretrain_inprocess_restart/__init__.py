@@ -24,6 +24,7 @@ import datetime
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,20 +69,26 @@ class InProcessRestart:
     _backend: str | None = field(default=None, init=False)
     _timeout: float = field(default=600.0, init=False)
     _since: float | None = field(default=None, init=False)
+    _store: Any = field(default=None, init=False)
     _connections: dict[int, int] = field(factory=dict, init=False)
     """gloo's connections to the peers (fd -> socket inode), to shut down when leaving."""
 
     @hookimpl
     def configure_run(self, run: Run) -> None:
-        """How the run's process group was formed, to form the next one alike; its connections."""
+        """How the run's process group was formed, to form the next one alike; its store, kept:
+        the launcher's (torchrun's agent's), or the one rank 0 serves (coretrain's launcher),
+        which would go with the group otherwise."""
         if dist.is_available() and dist.is_initialized():
             self._backend = dist.get_backend()
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                self._store = dist.distributed_c10d._get_default_store()
         self._timeout = run.config.distributed.init_timeout_seconds
 
     @hookimpl(trylast=True)
     def on_train_end(self, outcome: Outcome) -> None:
         """A failing run leaves its process group now, before anything waits on a peer."""
         if outcome == "error" and self._restarts < self.max_restarts:
+            self._since = time.monotonic()  # the run failed now: a restart's seconds count from here
             self._leave_group()
 
     def _leave_group(self) -> None:
@@ -99,19 +106,23 @@ class InProcessRestart:
             return None
         self._leave_group()  # (when building the run failed, on_train_end was not called)
         self._restarts += 1
-        self._since = time.monotonic()
+        self._since = self._since or time.monotonic()
         cause = f"this rank {described(run, error)}"
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             cause = self._form_group(described(run, error))
-        log.warning("in-process restart %d/%d after %s", self._restarts, self.max_restarts, cause)
+        say = log.warning if os.environ.get("RANK", "0") == "0" else log.debug  # the job's one line: rank 0's
+        say("in-process restart %d/%d after %s", self._restarts, self.max_restarts, cause)
         return True
 
     def _form_group(self, failure: str) -> str:
         """The next process group, through the launcher's store; which ranks raised what."""
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        wait = datetime.timedelta(seconds=self.restart_timeout_seconds)
-        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        store = dist.TCPStore(address, port, world, False, timeout=wait)  # type: ignore[attr-defined]
+        store = self._store
+        if store is None:  # the group never formed (the first build failed): the launcher's store
+            wait = datetime.timedelta(seconds=self.restart_timeout_seconds)
+            address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            store = dist.TCPStore(address, port, world, False, timeout=wait)  # type: ignore[attr-defined]
+        store.set_timeout(datetime.timedelta(seconds=self.restart_timeout_seconds))
         global _generation
         _generation += 1
         prefix = f"coretrain/inprocess-restart/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}"

@@ -20,8 +20,8 @@ def _socket_inode(fd: int) -> int | None:
 
 
 def tcp_connections(except_port: int) -> dict[int, int]:
-    """This process's connected TCP sockets, fd -> inode, but those to ``except_port`` (the
-    launcher's store, which the next group is formed through)."""
+    """This process's connected TCP sockets, fd -> inode, but those to or from ``except_port``
+    (the store the next group is formed through: the launcher's, or the one rank 0 serves)."""
     found: dict[int, int] = {}
     for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
         fd = int(name)
@@ -34,7 +34,10 @@ def tcp_connections(except_port: int) -> dict[int, int]:
             continue
         try:
             if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
-                if sock.getpeername()[1] != except_port:
+                if except_port not in (
+                    sock.getpeername()[1],
+                    sock.getsockname()[1],
+                ):  # the store: client or server side
                     found[fd] = inode
         except OSError:  # not connected
             pass

@@ -1,0 +1,113 @@
+"""What a fault costs: seconds and steps of work, for a full job restart and an in-process one.
+
+    python benchmarks/recovery.py [--ranks 2 4] [--repeat 2]
+
+One job per case (``coretrain run --nproc-per-node N``: torchrun's agent, as users start it), on
+the tiny workload (gloo, one torch thread per rank), 16 steps, a checkpoint every 4, and rank 1
+raising at step 10 (``fault-injection``):
+
+- baseline — no fault;
+- (a) full restart — ``--max-restarts 1``: every worker exits and is started again,
+  re-imports torch, rebuilds and resumes from the checkpoint at step 8;
+- (b) in-process restart — ``[plugins.inprocess-restart]``: the ranks re-form their process group
+  and rebuild and resume in the same processes;
+- (c) a dead process (SIGKILL at step 10) — today the same as (a): torchrun's agent restarts
+  every worker of the job, not the one that died.
+
+A case's cost is its wall time less the baseline's (median of ``--repeat``), the time from the
+fault to the run being where it was plus the re-done steps; the steps lost are those since the
+last checkpoint (2: steps 9 and 10 are trained again). Every case checks that its losses are
+the baseline's; a job that fails is counted and named, not timed. Prints a markdown table (README's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from coretrain.testing import tiny_config, write_config
+
+FAULT_STEP, SAVE_EVERY, STEPS = 10, 4, 16
+CASES = {
+    "baseline": ({}, 0),
+    "(a) full restart": ({"fault-injection": {"action": "raise", "step": FAULT_STEP, "ranks": [1], "attempt": 0}}, 1),
+    "(b) in-process restart": (
+        {"fault-injection": {"action": "raise", "step": FAULT_STEP, "ranks": [1]}, "inprocess-restart": {}},
+        0,
+    ),
+    "(c) dead process (SIGKILL)": (
+        {"fault-injection": {"action": "sigkill", "step": FAULT_STEP, "ranks": [1], "attempt": 0}},
+        1,
+    ),
+}
+
+
+def run_case(root: Path, ranks: int, plugins: dict[str, Any], restarts: int) -> tuple[float, list[float]] | None:
+    """Wall seconds of one torchrun job and the losses it logged; None when the job failed (its
+    output's tail printed)."""
+    sections = tiny_config(
+        root / "out",
+        train={"train_iters": STEPS, "log_interval": 1, "eval_iters": 0},
+        checkpoint={"save_interval": SAVE_EVERY},
+        distributed={"backend": "gloo"},
+        plugins=plugins,
+    )
+    config = write_config(root / "config.toml", sections)
+    command = [sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", str(ranks)]
+    command += ["--max-restarts", str(restarts)]  # coretrain's launcher: torchrun's agent, as users start it
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if line.startswith(("error:", "[E"))]
+        print(f"{root}: the job failed, exit {done.returncode}: {errors[-3:]}", file=sys.stderr)
+        return None
+    rows = [json.loads(line) for line in (root / "out" / "metrics.jsonl").read_text().splitlines()]
+    return seconds, [row["loss"] for row in rows if "loss" in row]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args()
+    lines = ["| ranks | case | job seconds | cost of the fault | steps lost |", "| --- | --- | --- | --- | --- |"]
+    for ranks in args.ranks:
+        times: dict[str, list[float]] = {name: [] for name in CASES}
+        failed = dict.fromkeys(CASES, 0)
+        reference: list[float] | None = None
+        with tempfile.TemporaryDirectory() as scratch:
+            for attempt in range(args.repeat):
+                for name, (plugins, restarts) in CASES.items():  # interleaved: the machine's load hits all alike
+                    root = Path(scratch) / f"{ranks}-{attempt}-{len(times[name])}-{name[:3].strip('()')}"
+                    root.mkdir(parents=True)
+                    result = run_case(root, ranks, plugins, restarts)
+                    if result is None:
+                        failed[name] += 1
+                        continue
+                    seconds, losses = result
+                    reference = reference or losses
+                    if losses != reference:
+                        raise SystemExit(f"{name} on {ranks} ranks: losses differ from the baseline's")
+                    times[name].append(seconds)
+        base = statistics.median(times["baseline"])
+        for name, measured in times.items():
+            median = statistics.median(measured) if measured else float("nan")
+            cost = "—" if name == "baseline" else f"+{median - base:.1f} s"
+            lost = "—" if name == "baseline" else str(FAULT_STEP - FAULT_STEP // SAVE_EVERY * SAVE_EVERY)
+            note = f" ({failed[name]} of {args.repeat} jobs failed)" if failed[name] else ""
+            lines.append(f"| {ranks} | {name}{note} | {median:.1f} | {cost} | {lost} |")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
