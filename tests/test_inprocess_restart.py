@@ -4,6 +4,7 @@ newest checkpoint — and the run's losses are an uninterrupted run's."""
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,27 @@ def test_a_rank_that_raises_costs_an_in_process_restart_on_two_gloo_ranks(tmp_pa
     assert losses(tmp_path / "restarted") == losses(tmp_path / "whole")
     assert "in-process restart 1/2 after rank 1 raised at step 8: plugin 'fault-injection' in pre_step" in job.stderr
     assert "in-process restart 1: resumed at step 4, " in job.stderr
+
+
+def fired_at(plugin: Any, steps: list[int]) -> list[int]:
+    """The steps at which ``plugin`` (a sleep of 0 s) fired, its pre_step called as the loop calls it."""
+    run = types.SimpleNamespace(dist=types.SimpleNamespace(rank=0))
+    fired = []
+    for step in steps:
+        before = plugin._fired
+        plugin.pre_step(run=run, step=step)
+        fired += [step] if plugin._fired > before else []
+    return fired
+
+
+def test_a_fault_fires_once_per_process_at_its_step_and_only_in_its_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    from coretrain_fault_injection import FaultInjection
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    # step 3 run again (after an in-process restart, from a checkpoint at 2) does not fire again
+    assert fired_at(FaultInjection(action="sleep", step=3, sleep_seconds=0.0), [1, 2, 3, 4, 3, 4]) == [3]
+    assert fired_at(FaultInjection(action="sleep", step=3, times=2, sleep_seconds=0.0), [3, 3, 3]) == [3, 3]
+    in_second = FaultInjection(action="sleep", step=3, attempt=1, sleep_seconds=0.0)
+    assert fired_at(in_second, [3]) == []  # the job's first attempt
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert fired_at(in_second, [3]) == [3]
