@@ -43,6 +43,24 @@ def test_a_fault_at_every_run_of_a_step_ends_the_run_once_the_restarts_are_used(
         run_steps(tmp_path, 6, config={"checkpoint": {"save_interval": 2}}, tables={**fault, **RESTART})
 
 
+def test_a_mistake_to_fix_is_not_restarted(tmp_path: Path) -> None:
+    """A UserError (a mistake in the config or the data) would be made again: it ends the run at once."""
+    from coretrain import UserError, hookimpl
+
+    class Mistaken:
+        calls = 0
+
+        @hookimpl
+        def pre_step(self, step: int) -> None:
+            if step == 3:
+                Mistaken.calls += 1
+                raise UserError("data.options.path: no such file")
+
+    with pytest.raises(UserError, match="no such file"):
+        run_steps(tmp_path, 6, plugins={"mistaken": Mistaken()}, tables=RESTART)
+    assert Mistaken.calls == 1
+
+
 def config(tmp_path: Path, name: str, **plugins: Any) -> str:
     sections = tiny_config(
         tmp_path / name,

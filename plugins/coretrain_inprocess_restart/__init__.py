@@ -4,7 +4,8 @@
     max_restarts = 3                 # then the failure ends the job, as without the plugin
     restart_timeout_seconds = 60     # how long the ranks wait for each other to re-form
 
-When a rank raises — a failing step, a plugin's error, a collective whose peer left — every rank
+When a rank raises — a failing step, a plugin's error, a collective whose peer left; not a
+:class:`coretrain.UserError`, a mistake a restart would make again — every rank
 leaves the run (a peer of the failing rank fails at its next collective: gloo and NCCL report the
 broken connection), the process group is left and formed again through the launcher's
 rendezvous store (torchrun's, on ``MASTER_ADDR:MASTER_PORT``, under a key prefix of its own for
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from attrs import define, field
 
-from coretrain import Outcome, Run, hookimpl, non_negative, positive
+from coretrain import Outcome, Run, UserError, hookimpl, non_negative, positive
 from coretrain_inprocess_restart.groups import abort_nccl, cut, tcp_connections
 
 log = logging.getLogger("coretrain")
@@ -99,6 +100,8 @@ class InProcessRestart:
 
     @hookimpl
     def restart_in_process(self, run: Run | None, error: BaseException) -> bool | None:
+        if isinstance(error, UserError):  # a mistake to fix: a restart would make it again
+            return None
         if self._restarts >= self.max_restarts:
             log.error(
                 "inprocess-restart: %d restart(s) made, the most allowed: this failure ends the job", self._restarts
