@@ -50,9 +50,11 @@ def kind(*types: type) -> Check:
     return satisfies(lambda value: type(value) in types, " or ".join(t.__name__ for t in types))
 
 
-def optional(inner: Check) -> Check:
+def optional(inner: Check, empty: Any = None) -> Check:
+    """``inner``, or None or ``empty`` (what a part with nothing in it is saved as: ``{}``)."""
+
     def check(value: Any, where: str) -> None:
-        if value is not None:
+        if value is not None and not (type(value) is type(empty) and value == empty):
             inner(value, where)
 
     return check
@@ -94,24 +96,14 @@ def number(minimum: float, strictly: bool = False) -> Check:
     return satisfies(test, f"a finite number {'>' if strictly else '>='} {minimum}")
 
 
-def items(*checks: Check) -> Check:
-    """A list or tuple of exactly these items."""
+def items(*checks: Check, each: Check | None = None) -> Check:
+    """A list or tuple of exactly these items, or of any number of ``each``."""
 
     def check(value: Any, where: str) -> None:
-        if type(value) not in (list, tuple) or len(value) != len(checks):
-            raise Mismatch(where, f"a list of {len(checks)}", value)
-        for i, (item, inner) in enumerate(zip(value, checks)):
-            inner(item, f"{where}[{i}]")
-
-    return check
-
-
-def list_of(inner: Check, length: int | None = None) -> Check:
-    def check(value: Any, where: str) -> None:
-        if type(value) not in (list, tuple) or (length is not None and len(value) != length):
-            raise Mismatch(where, f"a list{f' of {length}' if length is not None else ''}", value)
+        if type(value) not in (list, tuple) or (each is None and len(value) != len(checks)):
+            raise Mismatch(where, "a list" if each else f"a list of {len(checks)}", value)
         for i, item in enumerate(value):
-            inner(item, f"{where}[{i}]")
+            (each or checks[i])(item, f"{where}[{i}]")
 
     return check
 
@@ -153,14 +145,6 @@ def table(
     return check
 
 
-def empty_or(inner: Check) -> Check:
-    def check(value: Any, where: str) -> None:
-        if value != {}:
-            inner(value, where)
-
-    return check
-
-
 def anything(value: Any, where: str) -> None:
     """Any value (plugin state: the plugin checks its own)."""
 
@@ -190,11 +174,11 @@ SERIES = table(
 
 RNG = table(
     {
-        "python": items(integer(), list_of(integer(), 625), optional(kind(float))),
+        "python": items(integer(), items(*[integer()] * 625), optional(kind(float))),
         "torch": tensor(torch.uint8, numel=lambda: torch.get_rng_state().numel()),
         "numpy": items(kind(str), tensor(torch.int64, numel=lambda: 624), integer(), integer(), kind(float)),
     },
-    {"cuda": list_of(tensor(torch.uint8))},
+    {"cuda": items(each=tensor(torch.uint8))},
 )
 
 RANK_FILE = table(
@@ -210,8 +194,8 @@ RANK_FILE = table(
             strict=False,
         ),
         "plugins": mapping(anything),
-        "interval_log": empty_or(SERIES),
-        "interval_log_mean": empty_or(SERIES),
+        "interval_log": optional(SERIES, empty={}),
+        "interval_log_mean": optional(SERIES, empty={}),
         "data": optional(mapping(anything)),
     },
 )
@@ -226,7 +210,7 @@ MANIFEST = table(
         "world_size": integer(1),
         "optimizer": kind(str),
         "seq_length": optional(integer(1)),
-        "evaluated": list_of(kind(str)),
+        "evaluated": items(each=kind(str)),
         "config": mapping(anything),
         "best": table({"metric": kind(str), "value": kind(float, int), "mode": one_of("min", "max")}),
     },
@@ -238,7 +222,7 @@ MODEL_FILE = mapping(tensor())
 OPTIMIZER_FILE = table(
     {
         "state": mapping(mapping(anything), keys=integer()),
-        "param_groups": list_of(table({"params": list_of(integer())}, strict=False)),
+        "param_groups": items(each=table({"params": items(each=integer())}, strict=False)),
     }
 )
 
