@@ -76,11 +76,11 @@ def main() -> None:
         syncer = Checkpointer(run)
         for i in range(args.rounds + 1):
             run.state.step = 2 * i + 1
-            _, blocked = syncer.save({})
+            _, blocked = syncer.save({}, [])
             sync_s.append(blocked)
             run.state.step = 2 * i + 2
             start = time.perf_counter()
-            _, blocked = saver.save({})
+            _, blocked = saver.save({}, [])
             saver.wait()
             async_block_s.append(blocked)
             async_total_s.append(time.perf_counter() - start)

@@ -12,12 +12,16 @@ raising at step 10 (``fault-injection``):
 - (b) in-process restart — ``[plugins.inprocess-restart]``: the ranks re-form their process group
   and rebuild and resume in the same processes;
 - (c) a dead process (SIGKILL at step 10) — today the same as (a): torchrun's agent restarts
-  every worker of the job, not the one that died.
+  every worker of the job, not the one that died;
+
+each also with ``[plugins.local-checkpoint]`` (a checkpoint in host memory after every step),
+which the restart resumes from instead of the durable one at step 8.
 
 A case's cost is its wall time less the baseline's (median of ``--repeat``), the time from the
-fault to the run being where it was plus the re-done steps; the steps lost are those since the
-last checkpoint (2: steps 9 and 10 are trained again). Every case checks that its losses are
-the baseline's; a job that fails is counted and named, not timed. Prints a markdown table (README's).
+fault to the run being where it was plus the re-done steps; the steps lost are the fault's step
+less the step the restart resumed from (read from the job's log: 2 from the checkpoint at 8 —
+steps 9 and 10 are trained again — 1 from a local one at 9). Every case checks that its losses
+are the baseline's; a job that fails is counted and named, not timed. Prints a markdown table (README's).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -36,23 +41,25 @@ from typing import Any
 from coretrain.testing import tiny_config, write_config
 
 FAULT_STEP, SAVE_EVERY, STEPS = 10, 4, 16
+LOCAL: dict[str, Any] = {"local-checkpoint": {}}  # a checkpoint in host memory (/dev/shm) after every step
+RAISE = {"action": "raise", "step": FAULT_STEP, "ranks": [1]}
+KILL = {"action": "sigkill", "step": FAULT_STEP, "ranks": [1], "attempt": 0}
 CASES = {
     "baseline": ({}, 0),
-    "(a) full restart": ({"fault-injection": {"action": "raise", "step": FAULT_STEP, "ranks": [1], "attempt": 0}}, 1),
-    "(b) in-process restart": (
-        {"fault-injection": {"action": "raise", "step": FAULT_STEP, "ranks": [1]}, "inprocess-restart": {}},
-        0,
-    ),
-    "(c) dead process (SIGKILL)": (
-        {"fault-injection": {"action": "sigkill", "step": FAULT_STEP, "ranks": [1], "attempt": 0}},
-        1,
-    ),
+    "(a) full restart": ({"fault-injection": {**RAISE, "attempt": 0}}, 1),
+    "(a) full restart, local checkpoints": ({"fault-injection": {**RAISE, "attempt": 0}, **LOCAL}, 1),
+    "(b) in-process restart": ({"fault-injection": RAISE, "inprocess-restart": {}}, 0),
+    "(b) in-process restart, local checkpoints": ({"fault-injection": RAISE, "inprocess-restart": {}, **LOCAL}, 0),
+    "(c) dead process (SIGKILL)": ({"fault-injection": KILL}, 1),
+    "(c) dead process (SIGKILL), local checkpoints": ({"fault-injection": KILL, **LOCAL}, 1),
 }
 
 
-def run_case(root: Path, ranks: int, plugins: dict[str, Any], restarts: int) -> tuple[float, list[float]] | None:
-    """Wall seconds of one torchrun job and the losses it logged; None when the job failed (its
-    output's tail printed)."""
+def run_case(
+    root: Path, ranks: int, plugins: dict[str, Any], restarts: int
+) -> tuple[float, list[float], int | None] | None:
+    """Wall seconds of one torchrun job, the losses it logged and the step it resumed from after
+    the fault; None when the job failed (its output's tail printed)."""
     sections = tiny_config(
         root / "out",
         train={"train_iters": STEPS, "log_interval": 1, "eval_iters": 0},
@@ -72,7 +79,9 @@ def run_case(root: Path, ranks: int, plugins: dict[str, Any], restarts: int) -> 
         print(f"{root}: the job failed, exit {done.returncode}: {errors[-3:]}", file=sys.stderr)
         return None
     rows = [json.loads(line) for line in (root / "out" / "metrics.jsonl").read_text().splitlines()]
-    return seconds, [row["loss"] for row in rows if "loss" in row]
+    said = (root / "out" / "run.log").read_text() if (root / "out" / "run.log").exists() else done.stderr
+    resumed = re.findall(r"resumed from \S+ \(step (\d+)", said)
+    return seconds, [row["loss"] for row in rows if "loss" in row], int(resumed[-1]) if resumed else None
 
 
 def main() -> None:
@@ -83,6 +92,7 @@ def main() -> None:
     lines = ["| ranks | case | job seconds | cost of the fault | steps lost |", "| --- | --- | --- | --- | --- |"]
     for ranks in args.ranks:
         times: dict[str, list[float]] = {name: [] for name in CASES}
+        resumed_at: dict[str, int | None] = dict.fromkeys(CASES)
         failed = dict.fromkeys(CASES, 0)
         reference: list[float] | None = None
         with tempfile.TemporaryDirectory() as scratch:
@@ -94,7 +104,7 @@ def main() -> None:
                     if result is None:
                         failed[name] += 1
                         continue
-                    seconds, losses = result
+                    seconds, losses, resumed_at[name] = result
                     reference = reference or losses
                     if losses != reference:
                         raise SystemExit(f"{name} on {ranks} ranks: losses differ from the baseline's")
@@ -103,7 +113,8 @@ def main() -> None:
         for name, measured in times.items():
             median = statistics.median(measured) if measured else float("nan")
             cost = "—" if name == "baseline" else f"+{median - base:.1f} s"
-            lost = "—" if name == "baseline" else str(FAULT_STEP - FAULT_STEP // SAVE_EVERY * SAVE_EVERY)
+            step = resumed_at[name]
+            lost = "—" if name == "baseline" else "?" if step is None else str(FAULT_STEP - step)
             note = f" ({failed[name]} of {args.repeat} jobs failed)" if failed[name] else ""
             lines.append(f"| {ranks} | {name}{note} | {median:.1f} | {cost} | {lost} |")
     print("\n".join(lines))

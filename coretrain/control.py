@@ -20,6 +20,14 @@ class Control:
     stop_reason: str | None = None
     exit_code: int = 0
     checkpoint_requested: bool = False
+    non_persistent: bool = False
+    """Whether every request for the pending checkpoint let it go to ``non_persistent_dir``."""
+    non_persistent_dir: str | None = None
+    """A plugin's fast tier of checkpoints (host memory, a node's disk), set by it in
+    ``configure_run``: a checkpoint requested with ``persistent=False`` goes there when nothing
+    else saves at that step, only the newest is kept, and a resume takes the newest committed
+    step of it and ``checkpoints/`` (Megatron's non-persistent checkpoints). Unset: such requests
+    save to ``checkpoints/``."""
     skip_reason: str | None = None
 
     def request_stop(self, reason: str, *, checkpoint: bool = True, exit_code: int = 0) -> None:
@@ -27,10 +35,13 @@ class Control:
         ``checkpoint=False``); the process exits with ``exit_code`` (the largest one requested wins)."""
         self.stop_reason = reason
         self.exit_code = max(self.exit_code, exit_code)
-        self.checkpoint_requested = self.checkpoint_requested or checkpoint
+        if checkpoint:
+            self.request_checkpoint()
 
-    def request_checkpoint(self) -> None:
-        """Save a checkpoint at the next step boundary (see the class)."""
+    def request_checkpoint(self, persistent: bool = True) -> None:
+        """Save a checkpoint at the next step boundary (see the class); ``persistent=False``: into
+        ``non_persistent_dir`` unless a persistent one is due or asked for at that step."""
+        self.non_persistent = not persistent and (self.non_persistent or not self.checkpoint_requested)
         self.checkpoint_requested = True
 
     def skip_update(self, reason: str) -> None:

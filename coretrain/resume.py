@@ -17,7 +17,7 @@ import torch
 from coretrain import safeload
 from coretrain.build import seed_everything
 from coretrain.checkpoint import schema
-from coretrain.checkpoint.layout import followed_best, parse_step_dir, read_manifest, step_dir, step_dirs
+from coretrain.checkpoint.layout import followed_best, parse_step_dir, read_manifest, step_dirs
 from coretrain.checkpoint.load import load_sharded, load_whole, load_whole_optimizer, read_weights
 from coretrain.checkpoint.state import frozen_names, set_rng_state
 from coretrain.checkpoint.writer import checkpoint_root
@@ -41,14 +41,13 @@ def resume_candidates(run: Run) -> tuple[list[Path], bool]:
         if not path.is_dir() or parsed is None or not parsed[1]:
             raise UserError(f"checkpoint.resume: '{choice}' is not a checkpoint directory (step_NNNNNNNN)")
         return [path], True
-    root = checkpoint_root(run)
-    found = step_dirs(root)
-    steps = [step for step, committed, _ in found if committed]
-    newest = steps[-1] if steps else -1
-    for step, committed, partial in found:
+    roots = [checkpoint_root(run)] + [Path(d) for d in [run.control.non_persistent_dir] if d]
+    found = [(step, -tier, path) for tier, root in enumerate(roots) for step, done, path in step_dirs(root) if done]
+    newest = max((step for step, *_ in found), default=-1)
+    for step, committed, partial in step_dirs(roots[0]):
         if not committed and step > newest:
             log.warning("ignoring incomplete checkpoint %s (its save never committed)", partial)
-    return [step_dir(root, step) for step in reversed(steps)], False
+    return [path for *_, path in sorted(found, reverse=True)], False  # newest first; checkpoints/ on a tie
 
 
 def model_mismatches(

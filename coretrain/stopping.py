@@ -117,16 +117,18 @@ class StopAgreement:
             cadence = self.run.cadence
             deciding = step == self.run.train_iters or cadence.saves(step) or cadence.evaluates(step)
             self.mark(step, "agreement")  # waiting for the other ranks from here
-            agreed, signum, exit_code, wants_checkpoint = self.agreement.exchange(
-                stop, signum, control.exit_code, int(control.checkpoint_requested), now=deciding
+            wants = int(control.checkpoint_requested) * (1 if control.non_persistent else 2)  # a persistent one wins
+            agreed, signum, control.exit_code, wants = self.agreement.exchange(
+                stop, signum, control.exit_code, wants, now=deciding
             )
             stop = Stop(agreed)
-            control.exit_code, control.checkpoint_requested = exit_code, bool(wants_checkpoint)
+            control.checkpoint_requested, control.non_persistent = wants > 0, wants == 1
         if stop is Stop.NONE and self.run.cadence.exits(step):
             stop = Stop.EXIT_INTERVAL
         if stop is Stop.SIGNAL:
             self.signum = signum
             control.request_stop(f"received {signal.Signals(signum).name}")
         elif stop is Stop.PLUGIN and control.stop_reason is None:  # the agreed request says whether to save
-            control.request_stop("another rank requested a stop", checkpoint=control.checkpoint_requested)
+            persistent = control.checkpoint_requested and not control.non_persistent
+            control.request_stop("another rank requested a stop", checkpoint=persistent)
         return stop.outcome

@@ -30,13 +30,17 @@ class Saves:
         self.writer = Checkpointer(run)
         self.on_saved = on_saved
         self.last_step = -1
-        """The step of the newest checkpoint this run wrote or resumed from."""
+        """The step of the newest checkpoint this run wrote (not a non-persistent one) or resumed from."""
+        self.into: str | None = None
+        """The non-persistent directory the due save goes to; None: ``checkpoints/``."""
 
     def due(self, step: int, reason: Outcome | None) -> bool:
-        requested = self.run.control.checkpoint_requested
+        requested, non_persistent = self.run.control.checkpoint_requested, self.run.control.non_persistent
         if reason == "stopped":
-            return requested
-        return bool(reason or requested or self.run.cadence.saves(step))
+            return requested and not non_persistent
+        scheduled = bool(reason or (requested and not non_persistent) or self.run.cadence.saves(step))
+        self.into = None if scheduled else self.run.control.non_persistent_dir
+        return scheduled or requested
 
     def needed(self) -> bool:
         """Whether the state at this step is not saved yet (and saving is on)."""
@@ -44,9 +48,12 @@ class Saves:
 
     def save(self, state: dict[str, Any], evaluated: list[str]) -> None:
         run = self.run
-        _, blocked = self.writer.save(state, evaluated=evaluated)
-        self.last_step = run.state.step
+        _, blocked = self.writer.save(state, evaluated=evaluated, into=self.into)
         run.control.checkpoint_requested = False
+        if self.into is not None:
+            log.info("checkpoint step %d saved in %s in %.3f s (non-persistent)", run.state.step, self.into, blocked)
+            return
+        self.last_step = run.state.step
         if self.writer.in_flight:
             log.info("checkpoint step %d: training blocked %.3f s; writing in the background", run.state.step, blocked)
         else:

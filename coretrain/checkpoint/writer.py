@@ -123,26 +123,29 @@ class Checkpointer:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def save(self, extra_state: dict[str, Any], evaluated: list[str] | None = None) -> tuple[Path, float]:
-        """Start (async) or do (sync) the save of the current step; returns (dir, seconds blocked)."""
+    def save(self, extra_state: dict[str, Any], evaluated: list[str], into: str | None = None) -> tuple[Path, float]:
+        """Start (async) or do (sync) the save of the current step; returns (dir, seconds blocked).
+        ``into``: a non-persistent directory instead of ``checkpoints/``, written at once, only the
+        newest kept (``Control.non_persistent_dir``)."""
         self.wait()
         run = self.run
         started = time.perf_counter()
-        root, step, distributed = checkpoint_root(run), run.state.step, run.dist.world_size > 1
+        root, step, distributed = Path(into or checkpoint_root(run)), run.state.step, run.dist.world_size > 1
+        asynchronous, keep_last = self.asynchronous and not into, 1 if into else run.config.checkpoint.keep_last
         files = collect(run, extra_state, evaluated)
         tmp = begin(root, step, run.dist.is_main, distributed)
         rank_file = f"rank_{run.dist.rank:05d}.pt"
         try:  # async: the small per-rank file now, the rest in the background
-            write_files(tmp, {rank_file: files.pop(rank_file)} if self.asynchronous else files)
+            write_files(tmp, {rank_file: files.pop(rank_file)} if asynchronous else files)
         except safeload.dcp_errors() as exc:
             raise write_failure(root, step, tmp, exc) from exc
         if distributed:  # every rank's own file is written before anyone may commit
             torch.distributed.barrier()
-        if self.asynchronous:
+        if asynchronous:
             self._start_background(root, step, tmp, files)
         elif run.dist.is_main:
-            commit(root, step, tmp, run.config.checkpoint.keep_last)
-        if distributed and not self.asynchronous:
+            commit(root, step, tmp, keep_last)
+        if distributed and not asynchronous:
             torch.distributed.barrier()
         return step_dir(root, step), time.perf_counter() - started
 

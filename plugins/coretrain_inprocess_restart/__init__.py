@@ -10,7 +10,8 @@ leaves the run (a peer of the failing rank fails at its next collective: gloo an
 broken connection), the process group is left and formed again through the launcher's
 rendezvous store (torchrun's, on ``MASTER_ADDR:MASTER_PORT``, under a key prefix of its own for
 each restart), and the core builds the run again in the same process — no new process, no
-re-import — and resumes it from the newest checkpoint. The ranks that raised leave their cause in
+re-import — and resumes it from the newest checkpoint (with ``[plugins.local-checkpoint]``, one
+in host memory from the step before the failure). The ranks that raised leave their cause in
 the store, so every rank's log line names it: ``in-process restart 1/3 after rank 1 raised at
 step 8: RuntimeError: ...``, then ``resumed at step 5 in 0.4 s``; ``inprocess_restarts`` joins
 the logged metrics. Losses after a restart are an uninterrupted run's (the resume is exact).
