@@ -97,8 +97,8 @@ def main() -> None:
         reference: list[float] | None = None
         with tempfile.TemporaryDirectory() as scratch:
             for attempt in range(args.repeat):
-                for name, (plugins, restarts) in CASES.items():  # interleaved: the machine's load hits all alike
-                    root = Path(scratch) / f"{ranks}-{attempt}-{len(times[name])}-{name[:3].strip('()')}"
+                for index, (name, (plugins, restarts)) in enumerate(CASES.items()):  # interleaved: load hits all alike
+                    root = Path(scratch) / f"{ranks}-{attempt}-{index}"
                     root.mkdir(parents=True)
                     result = run_case(root, ranks, plugins, restarts)
                     if result is None:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from attrs import define, field
 
 from coretrain import Outcome, Run, UserError, hookimpl, non_negative, positive
-from coretrain_inprocess_restart.groups import abort_nccl, cut, tcp_connections
+from coretrain_inprocess_restart.groups import abort_nccl, cut, never_destroyed, tcp_connections
 
 log = logging.getLogger("coretrain")
 
@@ -94,6 +94,7 @@ class InProcessRestart:
             self._leave_group()
 
     def _leave_group(self) -> None:
+        never_destroyed()
         if self._backend == "nccl":
             abort_nccl()
         cut(self._connections or self._gloo_connections())  # failed before training: what there is now
