@@ -4,14 +4,14 @@
 
 One job per case (``coretrain run --nproc-per-node N``: torchrun's agent, as users start it), on
 the tiny workload (gloo, one torch thread per rank), 16 steps, a checkpoint every 4, and rank 1
-raising at step 10 (``fault-injection``):
+raising at step 11 (``fault-injection``):
 
 - baseline — no fault;
 - (a) full restart — ``--max-restarts 1``: every worker exits and is started again,
   re-imports torch, rebuilds and resumes from the checkpoint at step 8;
 - (b) in-process restart — ``[plugins.inprocess-restart]``: the ranks re-form their process group
   and rebuild and resume in the same processes;
-- (c) a dead process (SIGKILL at step 10) — today the same as (a): torchrun's agent restarts
+- (c) a dead process (SIGKILL at step 11) — today the same as (a): torchrun's agent restarts
   every worker of the job, not the one that died;
 
 each also with ``[plugins.local-checkpoint]`` (a checkpoint in host memory after every step),
@@ -19,8 +19,10 @@ which the restart resumes from instead of the durable one at step 8.
 
 A case's cost is its wall time less the baseline's (median of ``--repeat``), the time from the
 fault to the run being where it was plus the re-done steps; the steps lost are the fault's step
-less the step the restart resumed from (read from the job's log: 2 from the checkpoint at 8 —
-steps 9 and 10 are trained again — 1 from a local one at 9). Every case checks that its losses
+less the step the restart resumed from (read from the job's log: 3 from the checkpoint at 8 —
+steps 9 to 11 are trained again — 1 from a local one at 10; on several ranks a local checkpoint
+is of the step after its request, which is agreed one step late, and the step after a durable
+save has none: a fault two steps after that save — at 10 here — resumes from it, 2 steps lost). Every case checks that its losses
 are the baseline's; a job that fails is counted and named, not timed. Prints a markdown table (README's).
 """
 
@@ -40,7 +42,7 @@ from typing import Any
 
 from coretrain.testing import tiny_config, write_config
 
-FAULT_STEP, SAVE_EVERY, STEPS = 10, 4, 16
+FAULT_STEP, SAVE_EVERY, STEPS = 11, 4, 16
 LOCAL: dict[str, Any] = {"local-checkpoint": {}}  # a checkpoint in host memory (/dev/shm) after every step
 RAISE = {"action": "raise", "step": FAULT_STEP, "ranks": [1]}
 KILL = {"action": "sigkill", "step": FAULT_STEP, "ranks": [1], "attempt": 0}

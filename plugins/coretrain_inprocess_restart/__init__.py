@@ -86,9 +86,11 @@ class InProcessRestart:
                 self._store = dist.distributed_c10d._get_default_store()
         self._timeout = run.config.distributed.init_timeout_seconds
 
-    @hookimpl(trylast=True)
+    @hookimpl(tryfirst=True)
     def on_train_end(self, outcome: Outcome) -> None:
-        """A failing run leaves its process group now, before anything waits on a peer."""
+        """A failing run leaves its process group now, before another plugin's end waits on a
+        peer (a collective there would wait for a rank still blocked in the step: on 4 ranks it
+        did, until the watchdog ended the job)."""
         if outcome == "error" and self._restarts < self.max_restarts:
             self._since = time.monotonic()  # the run failed now: a restart's seconds count from here
             self._leave_group()
