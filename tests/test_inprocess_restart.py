@@ -95,6 +95,28 @@ def test_a_rank_that_raises_costs_an_in_process_restart_on_two_gloo_ranks(tmp_pa
     assert "in-process restart 1: resumed at step 4, " in job.stderr
 
 
+@pytest.mark.slow
+def test_a_rank_its_peers_failure_cannot_reach_ends_its_process_and_the_launcher_restarts_the_job(
+    tmp_path: Path, site: Path
+) -> None:
+    """Rank 1 raises at step 6 while rank 0 is stalled there (in a hook that never returns, as a
+    gloo receive its peers' cut connections do not end): rank 1 begins the restart, rank 0 ends
+    its process ``stuck_seconds`` later, naming why, and ``--max-restarts 1`` runs the job again,
+    which completes with the losses of an uninterrupted run — not the watchdog's 300 s later."""
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)}
+    plugins = {
+        "fault-injection": {"action": "raise", "step": 6, "ranks": [1], "attempt": 0},
+        "stall": {"rank": 0, "at_step": 6},
+        "inprocess-restart": {"stuck_seconds": 2.0},
+    }
+    whole, stalled = config(tmp_path, "whole"), config(tmp_path, "stalled", **plugins)
+    assert run_train(whole, "--nproc-per-node", "2", cwd=tmp_path, env=env).returncode == 0
+    job = run_train(stalled, "--nproc-per-node", "2", "--max-restarts", "1", cwd=tmp_path, env=env)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "rank 0: the other ranks began an in-process restart 2 s ago, but this rank is still at step 6" in job.stderr
+    assert losses(tmp_path / "stalled") == losses(tmp_path / "whole")
+
+
 def fired_at(plugin: Any, steps: list[int]) -> list[int]:
     """The steps at which ``plugin`` (a sleep of 0 s) fired, its pre_step called as the loop calls it."""
     run = types.SimpleNamespace(dist=types.SimpleNamespace(rank=0))

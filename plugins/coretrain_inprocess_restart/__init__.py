@@ -3,6 +3,8 @@
     [plugins.inprocess-restart]
     max_restarts = 3                 # then the failure ends the job, as without the plugin
     restart_timeout_seconds = 60     # how long the ranks wait for each other to re-form
+    stuck_seconds = 10               # a rank still in the failed run this long after the others
+                                     # began the restart ends its process: the launcher restarts the job
 
 When a rank raises — a failing step, a plugin's error, a collective whose peer left; not a
 :class:`coretrain.UserError`, a mistake a restart would make again — every rank
@@ -34,6 +36,7 @@ from attrs import define, field
 
 from coretrain import Outcome, Run, UserError, hookimpl, non_negative, positive
 from coretrain_inprocess_restart.groups import abort_nccl, cut, never_destroyed, tcp_connections
+from coretrain_inprocess_restart.stuck import StuckGuard
 
 log = logging.getLogger("coretrain")
 
@@ -43,6 +46,11 @@ rank of a job restarts alike, so their counts agree), also across runs in one pr
 
 PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 """Words of the errors a rank sees when a peer, not itself, failed (gloo's and NCCL's)."""
+
+
+def restart_prefix(generation: int) -> str:
+    """The store keys of one restart of this attempt of the job."""
+    return f"coretrain/inprocess-restart/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{generation}"
 
 
 def described(run: Run | None, error: BaseException) -> str:
@@ -67,6 +75,10 @@ class InProcessRestart:
     """Restarts this process may make; the next failure ends the job."""
     restart_timeout_seconds: float = field(default=60.0, validator=positive)
     """How long the ranks wait for each other to form the next process group."""
+    stuck_seconds: float = field(default=10.0, validator=positive)
+    """How long a rank may stay in the failed run after the others began the restart (blocked
+    where their failure does not reach it); then it ends its process so the launcher restarts the job."""
+    _guard: StuckGuard | None = field(default=None, init=False)
     _restarts: int = field(default=0, init=False)
     _backend: str | None = field(default=None, init=False)
     _timeout: float = field(default=600.0, init=False)
@@ -91,6 +103,8 @@ class InProcessRestart:
         """A failing run leaves its process group now, before another plugin's end waits on a
         peer (a collective there would wait for a rank still blocked in the step: on 4 ranks it
         did, until the watchdog ended the job)."""
+        if self._guard is not None:
+            self._guard.step = None
         if outcome == "error" and self._restarts < self.max_restarts:
             self._since = time.monotonic()  # the run failed now: a restart's seconds count from here
             self._leave_group()
@@ -104,6 +118,8 @@ class InProcessRestart:
 
     @hookimpl
     def restart_in_process(self, run: Run | None, error: BaseException) -> bool | None:
+        if self._guard is not None:
+            self._guard.step = None  # this rank follows its peers (or ends the job)
         if isinstance(error, UserError):  # a mistake to fix: a restart would make it again
             return None
         if self._restarts >= self.max_restarts:
@@ -132,7 +148,8 @@ class InProcessRestart:
         store.set_timeout(datetime.timedelta(seconds=self.restart_timeout_seconds))
         global _generation
         _generation += 1
-        prefix = f"coretrain/inprocess-restart/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}"
+        prefix = restart_prefix(_generation)
+        store.set(f"{prefix}/begun", "1")  # a rank still in the failed run sees it (StuckGuard)
         if not any(words in failure for words in PEER_FAILURE):  # this rank failed, not a peer of one
             store.set(f"{prefix}/cause/{rank}", failure)
         backend = self._backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -154,6 +171,17 @@ class InProcessRestart:
         used them) and before logging backends open connections of their own."""
         self._connections = self._gloo_connections()
         self._said_resumed(run.state.step)  # no checkpoint to resume from: from the start
+        if self._guard is None and self._store is not None:
+            self._guard = StuckGuard(
+                self._store, lambda: f"{restart_prefix(_generation + 1)}/begun", self.stuck_seconds
+            )
+        if self._guard is not None:
+            self._guard.step = run.state.step
+
+    @hookimpl
+    def pre_step(self, step: int) -> None:
+        if self._guard is not None:
+            self._guard.step = step
 
     def _gloo_connections(self) -> dict[int, int]:
         if self._backend != "gloo" or "MASTER_PORT" not in os.environ:
