@@ -22,8 +22,9 @@ fault to the run being where it was plus the re-done steps; the steps lost are t
 less the step the restart resumed from (read from the job's log: 3 from the checkpoint at 8 —
 steps 9 to 11 are trained again — 1 from a local one at 10; on several ranks a local checkpoint
 is of the step after its request, which is agreed one step late, and the step after a durable
-save has none: a fault two steps after that save — at 10 here — resumes from it, 2 steps lost). Every case checks that its losses
-are the baseline's; a job that fails is counted and named, not timed. Prints a markdown table (README's).
+save has none: a fault two steps after that save — at 10 here — resumes from it, 2 steps lost).
+Every case checks that its losses are the baseline's; a job that fails is counted and named, not
+timed. Prints a markdown table (README's).
 """
 
 from __future__ import annotations
