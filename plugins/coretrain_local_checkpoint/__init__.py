@@ -23,7 +23,6 @@ host memory per save (the model and optimizer's size, twice while a save commits
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import shutil
 import tempfile
@@ -32,8 +31,6 @@ from pathlib import Path
 from attrs import define, field
 
 from coretrain import Every, Outcome, Run, StepOutputs, UserError, hookimpl, max_over_ranks, positive
-
-log = logging.getLogger("coretrain")
 
 
 def default_dir() -> str:
