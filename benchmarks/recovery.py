@@ -11,8 +11,9 @@ raising at step 11 (``fault-injection``):
   re-imports torch, rebuilds and resumes from the checkpoint at step 8;
 - (b) in-process restart — ``[plugins.inprocess-restart]``: the ranks re-form their process group
   and rebuild and resume in the same processes;
-- (c) a dead process (SIGKILL at step 11) — today the same as (a): torchrun's agent restarts
-  every worker of the job, not the one that died;
+- (c) a dead process (SIGKILL at step 11): under torchrun's agent the same as (a), every worker
+  of the job is started again; with ``--replace-failed-ranks`` (coretrain's launcher) a new
+  process takes the dead one's place alone while the others wait for it in-process;
 
 each also with ``[plugins.local-checkpoint]`` (a checkpoint in host memory after every step),
 which the restart resumes from instead of the durable one at step 8.
@@ -47,19 +48,23 @@ FAULT_STEP, SAVE_EVERY, STEPS = 11, 4, 16
 LOCAL: dict[str, Any] = {"local-checkpoint": {}}  # a checkpoint in host memory (/dev/shm) after every step
 RAISE = {"action": "raise", "step": FAULT_STEP, "ranks": [1]}
 KILL = {"action": "sigkill", "step": FAULT_STEP, "ranks": [1], "attempt": 0}
-CASES = {
-    "baseline": ({}, 0),
-    "(a) full restart": ({"fault-injection": {**RAISE, "attempt": 0}}, 1),
-    "(a) full restart, local checkpoints": ({"fault-injection": {**RAISE, "attempt": 0}, **LOCAL}, 1),
-    "(b) in-process restart": ({"fault-injection": RAISE, "inprocess-restart": {}}, 0),
-    "(b) in-process restart, local checkpoints": ({"fault-injection": RAISE, "inprocess-restart": {}, **LOCAL}, 0),
-    "(c) dead process (SIGKILL)": ({"fault-injection": KILL}, 1),
-    "(c) dead process (SIGKILL), local checkpoints": ({"fault-injection": KILL, **LOCAL}, 1),
+RESTART, REPLACE = ["--max-restarts", "1"], ["--max-restarts", "1", "--replace-failed-ranks"]
+REPLACED: dict[str, Any] = {"fault-injection": KILL, "inprocess-restart": {}}
+CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
+    "baseline": ({}, []),
+    "(a) full restart": ({"fault-injection": {**RAISE, "attempt": 0}}, RESTART),
+    "(a) full restart, local checkpoints": ({"fault-injection": {**RAISE, "attempt": 0}, **LOCAL}, RESTART),
+    "(b) in-process restart": ({"fault-injection": RAISE, "inprocess-restart": {}}, []),
+    "(b) in-process restart, local checkpoints": ({"fault-injection": RAISE, "inprocess-restart": {}, **LOCAL}, []),
+    "(c) dead process (SIGKILL), job restarted": ({"fault-injection": KILL}, RESTART),
+    "(c) dead process (SIGKILL), job restarted, local checkpoints": ({"fault-injection": KILL, **LOCAL}, RESTART),
+    "(c) dead process (SIGKILL), replaced alone": (REPLACED, REPLACE),
+    "(c) dead process (SIGKILL), replaced alone, local checkpoints": ({**REPLACED, **LOCAL}, REPLACE),
 }
 
 
 def run_case(
-    root: Path, ranks: int, plugins: dict[str, Any], restarts: int
+    root: Path, ranks: int, plugins: dict[str, Any], launch: list[str]
 ) -> tuple[float, list[float], int | None] | None:
     """Wall seconds of one torchrun job, the losses it logged and the step it resumed from after
     the fault; None when the job failed (its output's tail printed)."""
@@ -72,7 +77,7 @@ def run_case(
     )
     config = write_config(root / "config.toml", sections)
     command = [sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", str(ranks)]
-    command += ["--max-restarts", str(restarts)]  # coretrain's launcher: torchrun's agent, as users start it
+    command += launch  # coretrain's launcher: torchrun's agent, as users start it, or its own
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
@@ -100,10 +105,10 @@ def main() -> None:
         reference: list[float] | None = None
         with tempfile.TemporaryDirectory() as scratch:
             for attempt in range(args.repeat):
-                for index, (name, (plugins, restarts)) in enumerate(CASES.items()):  # interleaved: load hits all alike
+                for index, (name, (plugins, launch)) in enumerate(CASES.items()):  # interleaved: load hits all alike
                     root = Path(scratch) / f"{ranks}-{attempt}-{index}"
                     root.mkdir(parents=True)
-                    result = run_case(root, ranks, plugins, restarts)
+                    result = run_case(root, ranks, plugins, launch)
                     if result is None:
                         failed[name] += 1
                         continue

@@ -1,7 +1,7 @@
 """Randomized fault soak: many jobs, each with one fault drawn by seed, every one must complete
 with the losses of a run without faults.
 
-    python benchmarks/soak.py [--faults 50] [--ranks 2] [--seed 0]
+    python benchmarks/soak.py [--faults 50] [--ranks 2] [--seed 0] [--replace-failed-ranks]
 
 Each job is ``benchmarks/recovery.py``'s (the tiny workload on gloo ranks, 16 steps, a durable
 checkpoint every 4) with ``[plugins.inprocess-restart]``, ``[plugins.local-checkpoint]`` (every
@@ -10,9 +10,11 @@ step), the watchdog at a 5 s step timeout and ``--max-restarts 2``; its fault, d
 restarts the job), ``hang`` (the watchdog ends the rank, the launcher restarts the job), ``sigstop``
 (the peer names the frozen rank from its heartbeat and ends, the launcher restarts the job) — a
 step in 2..15 and a rank. A fault that kills a process fires in the job's first attempt only
-(``attempt = 0``). Prints one line per job and a summary table: jobs per kind, completed, equal
-to the reference, and the median seconds over the reference's. Exits 1 if any job failed or
-trained other losses.
+(``attempt = 0``). With ``--replace-failed-ranks`` the jobs run under coretrain's own launcher:
+a killed rank is replaced alone while the others wait in-process; a rank the watchdog ends (a
+hang, or a peer that froze) restarts the job. Prints one line per job and a summary table: jobs
+per kind, completed, equal to the reference, and the median seconds over the reference's. Exits 1
+if any job failed or trained other losses.
 """
 
 from __future__ import annotations
@@ -48,11 +50,13 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=50)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replace-failed-ranks", action="store_true")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    launch = ["--max-restarts", "2", *(["--replace-failed-ranks"] if args.replace_failed_ranks else [])]
     done: dict[str, list[tuple[bool, bool, float]]] = {kind: [] for kind in KINDS}
     with tempfile.TemporaryDirectory() as scratch:
-        reference = run_case(Path(scratch) / "reference", args.ranks, {}, 0)
+        reference = run_case(Path(scratch) / "reference", args.ranks, {}, [])
         if reference is None:
             raise SystemExit("the reference job failed")
         base, losses = reference[0], reference[1]
@@ -60,7 +64,7 @@ def main() -> None:
             drawn = fault(rng, args.ranks)
             root = Path(scratch) / f"job-{i}"
             root.mkdir()
-            result = run_case(root, args.ranks, {**SOAK, "fault-injection": drawn}, 2)
+            result = run_case(root, args.ranks, {**SOAK, "fault-injection": drawn}, launch)
             equal = result is not None and result[1] == losses
             seconds = result[0] - base if result is not None else float("nan")
             done[drawn["action"]].append((result is not None, equal, seconds))

@@ -199,6 +199,8 @@ def _start(config: Config, plugins: Plugins) -> Run:
     if config.run.threads:
         torch.set_num_threads(config.run.threads)
     device = resolve_device(config.run.device)
+    if plugins.implemented("join_process_group"):
+        plugins.calls.hook.join_process_group(config=config)
     info = init_distributed(device.type, config.distributed)
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank)

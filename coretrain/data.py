@@ -98,6 +98,4 @@ class BatchReader:
             batches = [self.get_batch(indices)]
         else:
             batches = [self.get_batch(indices[i : i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]
-        if self.device is not None:
-            batches = [to_device(b, self.device) for b in batches]
-        return batches
+        return batches if self.device is None else [to_device(b, self.device) for b in batches]

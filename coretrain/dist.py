@@ -54,8 +54,7 @@ def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
     if world_size == 1:
         return DistInfo()
     if not dist.is_initialized():
-        backend = config.backend
-        chosen = backend if backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+        chosen = config.backend if config.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
         global _timeout
         _timeout = datetime.timedelta(seconds=config.init_timeout_seconds)
         dist.init_process_group(chosen, timeout=_timeout)
@@ -120,8 +119,7 @@ def _cpu_group() -> object:
     group, already gloo); decided once — it is asked every step."""
     global _control_group
     if _control_group is _UNDECIDED:
-        gloo = dist.get_backend() == "gloo"
-        _control_group = None if gloo else dist.new_group(backend="gloo", timeout=_timeout)
+        _control_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=_timeout)
     return _control_group
 
 
@@ -179,10 +177,8 @@ def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
 
 def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """In-place mean over ranks (SUM then divide: gloo has no AVG)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor /= dist.get_world_size()
-    return tensor
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return sum_over_ranks(tensor).div_(world) if world > 1 else tensor
 
 
 def shutdown(graceful: bool = False) -> None:

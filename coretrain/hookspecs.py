@@ -2,6 +2,8 @@
 
 One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
 
+    join_process_group(config)              each          before the core forms the process group
+                                                           (a replacement joins its survivors')
     configure_run(run)                      each          the run exists, nothing built: log files
     provide_datasets(run, context)          firstresult   train/valid/test datasets
     configure_datasets(run)                 each          wrap run.datasets' splits (hf-datasets)
@@ -87,6 +89,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from coretrain.config import Config
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs
 
 
@@ -111,6 +114,19 @@ class HookSpecs(Protocol):
     plugin; the core calls those through :class:`coretrain.hookcalls.HookCalls`."""
 
     # --------------------------------------------------------------------------- providers
+
+    @hookspec
+    def join_process_group(self, config: Config) -> None:
+        """A run is being built and the core is about to form the process group (torchrun's
+        ``env://`` rendezvous), unless one is formed by then (hook API 1.12): form it another way.
+
+        Args: ``config`` — the run's config.
+        May change: the process group (``torch.distributed.init_process_group``): a process that
+        replaces one that died joins the group its surviving peers re-form (``inprocess-restart``).
+        Returns: nothing.
+        Ranks: every rank, at every build (also after an in-process restart, the group formed
+        then); before anything else of the run exists. Not every step.
+        """
 
     @hookspec
     def configure_run(self, run: Run) -> None:

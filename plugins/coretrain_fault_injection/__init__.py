@@ -24,6 +24,11 @@ from coretrain import Run, hookimpl, non_negative, positive
 log = logging.getLogger("coretrain")
 
 
+def _attempt() -> int:
+    """Which attempt this process is: the job's restarts, and this rank's replacements."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get("CORETRAIN_REPLACEMENT", "0"))
+
+
 @define(kw_only=True)
 class FaultInjection:
     """Hang, raise, SIGKILL, SIGTERM or sleep on chosen ranks at a chosen or random step."""
@@ -47,7 +52,8 @@ class FaultInjection:
     ``probability`` or ``every_step``."""
     attempt: int | None = field(default=None, validator=non_negative)
     """Only in this attempt of the job (torchrun's ``TORCHELASTIC_RESTART_COUNT``: 0 is the first,
-    1 the job restarted once); unset: in every attempt."""
+    1 the job restarted once; a process that replaced one that died adds how many times its rank
+    was replaced, ``--replace-failed-ranks``); unset: in every attempt."""
     _fired: int = field(default=0, init=False, repr=False)
     _rng: random.Random | None = field(default=None, init=False, repr=False)
     _veto_at: int | None = field(default=None, init=False, repr=False)
@@ -60,7 +66,7 @@ class FaultInjection:
     def _due(self, rank: int, step: int) -> bool:
         if self.ranks and rank not in self.ranks:
             return False
-        if self.attempt is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != self.attempt:
+        if self.attempt is not None and _attempt() != self.attempt:
             return False
         once = self.step is not None and not self.every_step and not self.probability
         limit = self.times if self.times is not None else 1 if once else None

@@ -18,8 +18,12 @@ the store, so every rank's log line names it: ``in-process restart 1/3 after ran
 step 8: RuntimeError: ...``, then ``resumed at step 5 in 0.4 s``; ``inprocess_restarts`` joins
 the logged metrics. Losses after a restart are an uninterrupted run's (the resume is exact).
 
-A process that dies (SIGKILL, the OOM killer) cannot restart itself: its launcher restarts the
-job (``torchrun --max-restarts``), as without this plugin.
+A process that dies (SIGKILL, the OOM killer) cannot restart itself. Under torchrun its
+launcher restarts the job (``--max-restarts``); under ``coretrain run --nproc-per-node N
+--replace-failed-ranks --max-restarts K`` the launcher starts a new process in its place
+alone, and that process joins the group the surviving ranks re-form (they wait for it in-process,
+up to ``restart_timeout_seconds``): ``in-process restart 1/3 after rank 1 died (SIGKILL); a new
+process took its place``.
 """
 
 from __future__ import annotations
@@ -48,9 +52,18 @@ PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken
 """Words of the errors a rank sees when a peer, not itself, failed (gloo's and NCCL's)."""
 
 
+REPLACED_ENV = "CORETRAIN_REPLACED"
+"""Set by coretrain's launcher (``--replace-failed-ranks``) for a process that replaces one that
+died: when (Unix time) and how its predecessor ended ("1764000000.0 SIGKILL")."""
+
+
+def _attempt_keys() -> str:
+    return f"coretrain/inprocess-restart/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def restart_prefix(generation: int) -> str:
     """The store keys of one restart of this attempt of the job."""
-    return f"coretrain/inprocess-restart/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{generation}"
+    return f"{_attempt_keys()}/{generation}"
 
 
 def described(run: Run | None, error: BaseException) -> str:
@@ -84,19 +97,47 @@ class InProcessRestart:
     _timeout: float = field(default=600.0, init=False)
     _since: float | None = field(default=None, init=False)
     _store: Any = field(default=None, init=False)
+    _first_store: Any = field(default=None, init=False)
     _connections: dict[int, int] = field(factory=dict, init=False)
     """gloo's connections to the peers (fd -> socket inode), to shut down when leaving."""
 
     @hookimpl
     def configure_run(self, run: Run) -> None:
         """How the run's process group was formed, to form the next one alike; its store, kept:
-        the launcher's (torchrun's agent's), or the one rank 0 serves (coretrain's launcher),
-        which would go with the group otherwise."""
+        the launcher's (torchrun's agent's, coretrain's), or the one rank 0 serves (under
+        torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), which would go with the group otherwise."""
         if dist.is_available() and dist.is_initialized():
             self._backend = dist.get_backend()
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                self._store = dist.distributed_c10d._get_default_store()
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self._store is None:
+                self._first_store = dist.distributed_c10d._get_default_store()  # (rank 0's may serve it)
+                self._store = self._launcher_store()  # its keys as a replacement's, not under the group's name
         self._timeout = run.config.distributed.init_timeout_seconds
+
+    @hookimpl
+    def join_process_group(self) -> None:
+        """A process that replaces one that died joins the group its surviving peers re-form
+        (the restart after the one they were in), not a first group of its own."""
+        replaced = os.environ.get(REPLACED_ENV)
+        if replaced is None or self._store is not None or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return
+        at, _, how = replaced.partition(" ")
+        self._since = time.monotonic() - max(0.0, time.time() - float(at))  # from the death, as the survivors'
+        self._store = self._launcher_store()
+        latest = f"{_attempt_keys()}/latest"
+        global _generation
+        if self._store.check([latest]):  # the restart the survivors are in: the next one is ours too
+            _generation, self._restarts = (int(n) for n in self._store.get(latest).decode().split())
+        self._restarts += 1
+        cause = self._form_group(f"died ({how}); a new process took its place", own=True)
+        say = log.warning if os.environ.get("RANK", "0") == "0" else log.debug
+        say("in-process restart %d/%d after %s", self._restarts, self.max_restarts, cause)
+
+    def _launcher_store(self) -> Any:
+        """The launcher's store, with the keys a first group's ``env://`` store has (torch's prefix)."""
+        wait = datetime.timedelta(seconds=self.restart_timeout_seconds)
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(address, port, int(os.environ["WORLD_SIZE"]), False, timeout=wait)  # type: ignore[attr-defined]
+        return dist.PrefixStore("default_pg", store)  # type: ignore[attr-defined]
 
     @hookimpl(tryfirst=True)
     def on_train_end(self, outcome: Outcome) -> None:
@@ -137,26 +178,26 @@ class InProcessRestart:
         say("in-process restart %d/%d after %s", self._restarts, self.max_restarts, cause)
         return True
 
-    def _form_group(self, failure: str) -> str:
-        """The next process group, through the launcher's store; which ranks raised what."""
+    def _form_group(self, failure: str, own: bool = False) -> str:
+        """The next process group, through the launcher's store; which ranks raised what
+        (``own``: ``failure`` is this rank's own, whatever its words)."""
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = self._store
         if store is None:  # the group never formed (the first build failed): the launcher's store
-            wait = datetime.timedelta(seconds=self.restart_timeout_seconds)
-            address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            store = dist.TCPStore(address, port, world, False, timeout=wait)  # type: ignore[attr-defined]
+            store = self._store = self._launcher_store()
         store.set_timeout(datetime.timedelta(seconds=self.restart_timeout_seconds))
         global _generation
         _generation += 1
         prefix = restart_prefix(_generation)
         store.set(f"{prefix}/begun", "1")  # a rank still in the failed run sees it (StuckGuard)
-        if not any(words in failure for words in PEER_FAILURE):  # this rank failed, not a peer of one
+        if own or not any(words in failure for words in PEER_FAILURE):  # this rank failed, not a peer of one
             store.set(f"{prefix}/cause/{rank}", failure)
         backend = self._backend or ("nccl" if torch.cuda.is_available() else "gloo")
         timeout = datetime.timedelta(seconds=self._timeout)
         group_store = dist.PrefixStore(f"{prefix}/group", store)  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=group_store, rank=rank, world_size=world, timeout=timeout)
         dist.barrier()  # every rank has joined, so every cause is written
+        store.set(f"{_attempt_keys()}/latest", f"{_generation} {self._restarts}")  # for a replacement
         keys = [f"{prefix}/cause/{r}" for r in range(world)]
         causes = [f"rank {r} {store.get(k).decode()}" for r, k in enumerate(keys) if store.check([k])]
         return "; ".join(causes) or f"a peer's failure (this rank {failure})"

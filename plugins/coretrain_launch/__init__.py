@@ -13,9 +13,12 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coretrain import UserError
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -80,6 +83,13 @@ def add(commands: Any) -> None:
         help="restart the ranks up to K times after a failure; each restart resumes from the "
         "newest complete checkpoint",
     )
+    launch.add_argument(
+        "--replace-failed-ranks",
+        action="store_true",
+        help="one machine, with [plugins.inprocess-restart]: when a rank's process dies (SIGKILL, the "
+        "OOM killer), start a new one in its place alone while the other ranks wait for it in-process "
+        "(torchrun restarts every rank); each counts against --max-restarts",
+    )
     run.set_defaults(handler=launching(run.get_default("handler")))
 
 
@@ -107,6 +117,11 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     low, _, high = (args.nnodes or "1").partition(":")
     if high in ("", low):  # a fixed number of ranks: the layout and batch sizes must fit it
         settings.check_world(int(low) * (args.nproc_per_node or 1))
+    if args.replace_failed_ranks:
+        from coretrain_launch.replacing import check_replacing, launch_replacing
+
+        check_replacing(args, settings.plugins)
+        return launch_replacing(args, [sys.executable, *argv[argv.index("-m") :]], child_failed)
     cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch loads: this process only
     if args.rdzv_endpoint:
@@ -130,24 +145,7 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     except SignalException as exc:
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        written = {rank: f for rank, f in exc.failures.items() if "timestamp" in f.error_file_data}  # by a rank
-        verdicts = sorted((f.timestamp, rank, f) for rank, f in written.items())
-        if verdicts:  # a rank wrote down why (the watchdog names the rank that froze): say that
-            _, rank, failure = verdicts[0]
-            print(f"error: {failure.message}", file=sys.stderr)
-            return failure.exitcode if failure.exitcode > 0 else 1
-        rank, failure = exc.get_first_failure()
-        if failure.exitcode == USAGE_EXIT_CODE:  # a mistake the rank has said in one line already
-            return USAGE_EXIT_CODE
-        if failure.exitcode in _STOP_CODES:
-            print(
-                f"coretrain: rank {rank} stopped on {_STOP_CODES[failure.exitcode]} after saving a checkpoint "
-                f"(exit {failure.exitcode}); the job resumes from it",
-                file=sys.stderr,
-            )
-            return failure.exitcode
-        print(f"error: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+        return child_failed(exc)
     except (RendezvousError, DistError) as exc:
         cause: BaseException = exc
         while cause.__cause__ is not None:  # torch's outer message says "see inner exception"
@@ -160,6 +158,28 @@ def launch_torchrun(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def child_failed(exc: ChildFailedError) -> int:
+    """The job's exit code and one line for the ranks that failed (torch's ``ChildFailedError``)."""
+    written = {rank: f for rank, f in exc.failures.items() if "timestamp" in f.error_file_data}  # by a rank
+    verdicts = sorted((f.timestamp, rank, f) for rank, f in written.items())
+    if verdicts:  # a rank wrote down why (the watchdog names the rank that froze): say that
+        _, rank, failure = verdicts[0]
+        print(f"error: {failure.message}", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    rank, failure = exc.get_first_failure()
+    if failure.exitcode == USAGE_EXIT_CODE:  # a mistake the rank has said in one line already
+        return USAGE_EXIT_CODE
+    if failure.exitcode in _STOP_CODES:
+        print(
+            f"coretrain: rank {rank} stopped on {_STOP_CODES[failure.exitcode]} after saving a checkpoint "
+            f"(exit {failure.exitcode}); the job resumes from it",
+            file=sys.stderr,
+        )
+        return failure.exitcode
+    print(f"error: rank {rank} failed with exit code {failure.exitcode}", file=sys.stderr)
+    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
 
 
 _STOP_CODES = {128 + number: name for number, name in ((15, "SIGTERM"), (2, "SIGINT"), (10, "SIGUSR1"))}

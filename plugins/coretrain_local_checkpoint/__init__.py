@@ -59,6 +59,7 @@ class LocalCheckpoint:
             raise UserError("plugins.local-checkpoint: checkpoint.save is false, so nothing is saved; turn it on")
         directory = self.directory(run)
         first = self._builds == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        first = first and "CORETRAIN_REPLACEMENT" not in os.environ  # (a process in place of one that died)
         self._builds += 1
         if run.dist.is_main:
             if first:  # a new job: what an earlier one left is not this job's state

@@ -1,0 +1,224 @@
+"""``--replace-failed-ranks``: one machine's ranks, a process that dies replaced on its own.
+
+torchrun's agent starts and stops its workers as one group: when one dies (SIGKILL, the OOM
+killer) it stops the others and starts them all again, so every rank re-imports torch, builds
+the model and the data and loads the checkpoint again. Its process context cannot start one
+worker anew, so this launcher is coretrain's own (a few hundred lines, one machine): it serves
+the job's store itself (as torchrun's agent does, so the store outlives any rank, rank 0 too),
+starts the ranks with torchrun's environment, and when one dies starts a new process for that
+rank alone. The other ranks, with ``[plugins.inprocess-restart]``, see the broken connection,
+leave the run and wait in-process for the new process to join the group they re-form.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from coretrain import UserError
+
+STOP_GRACE_SECONDS = 15.0
+"""How long the ranks have to end after SIGTERM when the job ends on a failure; then SIGKILL."""
+
+HANG_EXIT_CODE = 124
+"""The watchdog's exit: a rank made no progress — itself, or a peer it names as frozen."""
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""Signals the launcher passes on to every rank (each saves a checkpoint and stops, as agreed)."""
+
+
+def check_replacing(args: Any, plugins: dict[str, dict[str, Any]]) -> None:
+    """``--replace-failed-ranks`` needs one machine, replacements to make, and ranks that wait."""
+    if (args.nnodes or "1") != "1" or args.rdzv_endpoint:
+        raise UserError("--replace-failed-ranks: one machine only; leave out --nnodes and --rdzv-endpoint")
+    if args.max_restarts < 1:
+        raise UserError("--replace-failed-ranks: add --max-restarts K, how many processes may be replaced in all")
+    table = plugins.get("inprocess-restart")
+    if table is None or table.get("enabled", True) is False:
+        raise UserError(
+            "--replace-failed-ranks: the other ranks wait for a new process only with in-process restarts; "
+            "add [plugins.inprocess-restart] to the config"
+        )
+
+
+def ended(code: int) -> str:
+    """How a process ended, in a few words: ``SIGKILL``, ``exit code 1``."""
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+class Ranks:
+    """The job's processes, one per rank: one that dies replaced alone, all started again after a
+    hang; up to ``max_replacements`` times in all."""
+
+    def __init__(self, command: list[str], nproc: int, max_replacements: int, run_id: str) -> None:
+        self.command, self.nproc, self.max_replacements = command, nproc, max_replacements
+        self.errors = Path(tempfile.mkdtemp(prefix="coretrain-launch-"))
+        self.env = dict(os.environ) | {
+            "MASTER_ADDR": "127.0.0.1",
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": str(nproc),
+            "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": str(max_replacements),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank a client of this process's store
+        }
+        self.env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several ranks
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.replaced: dict[int, int] = {}
+        self.job_restarts = 0
+        self.stopping: int | None = None
+        self.store = self._serve()
+
+    def _serve(self) -> Any:
+        """A store for this attempt of the job (a new one for each, as torchrun's agent makes: a
+        group formed again on the old one's keys would meet the dead attempt's)."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=30), wait_for_workers=False
+        )
+        self.env["MASTER_PORT"] = str(store.port)
+        return store
+
+    @property
+    def spent(self) -> int:
+        """Replacements and job restarts made: each counts against ``--max-restarts``."""
+        return sum(self.replaced.values()) + self.job_restarts
+
+    def start(self, rank: int, predecessor: str | None = None) -> None:
+        env = self.env | {"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+        env["TORCHELASTIC_ERROR_FILE"] = str(self.error_file(rank))
+        if predecessor is not None:
+            self.replaced[rank] = self.replaced.get(rank, 0) + 1
+            env |= {"CORETRAIN_REPLACEMENT": str(self.replaced[rank]), "CORETRAIN_REPLACED": predecessor}
+        self.error_file(rank).unlink(missing_ok=True)
+        self.processes[rank] = subprocess.Popen(self.command, env=env)
+
+    def error_file(self, rank: int) -> Path:
+        return self.errors / f"rank{rank}.json"
+
+    def forward(self, signum: int, _frame: FrameType | None = None) -> None:
+        """Pass a signal on (the ranks save a checkpoint and stop); a second one kills them."""
+        again, self.stopping = self.stopping is not None, signum
+        self.signal_all(signal.SIGKILL if again else signum)
+
+    def signal_all(self, signum: int) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    def watch(self, failed: Callable[[Any], int]) -> int:
+        """Wait for the ranks; replace one that dies while the others train. The job's exit code
+        (``failed`` makes it from torch's ``ChildFailedError``, as torchrun's is read)."""
+        done: set[int] = set()
+        failures: list[tuple[int, int]] = []
+        while len(done) + len(failures) < self.nproc:
+            time.sleep(0.1)
+            for rank, process in self.processes.items():
+                code = process.poll()
+                if code is None or rank in done or any(rank == r for r, _ in failures):
+                    continue
+                if code == 0:
+                    done.add(rank)
+                elif self._replaceable(code, ending=bool(done or failures)) and code == HANG_EXIT_CODE:
+                    self._restart_all(rank)
+                    break
+                elif self._replaceable(code, ending=bool(done or failures)):
+                    self._replace(rank, code)
+                else:
+                    failures.append((rank, code))
+                    self._end_the_others(failures)
+        if self.stopping is not None and all(code == 128 + self.stopping for _, code in failures):
+            return 128 + self.stopping
+        return failed(self.child_failed(failures)) if failures else 0
+
+    def child_failed(self, failures: list[tuple[int, int]]) -> Any:
+        """The ranks that failed, as torchrun reports them (with what each wrote in its error file)."""
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+        found = {}
+        for order, (rank, code) in enumerate(failures):
+            failure = ProcessFailure(rank, self.processes[rank].pid, code, str(self.error_file(rank)))
+            if "timestamp" not in failure.error_file_data:
+                failure.timestamp = order  # the first to fail is the first failure
+            found[rank] = failure
+        return ChildFailedError("coretrain", found)
+
+    def _replaceable(self, code: int, ending: bool) -> bool:
+        """Whether a rank that ended with ``code`` is started again: not when the job is ending
+        (a rank completed, or another failed for good) or stopping, nor after a mistake."""
+        stopped = code in (2, *(128 + int(s) for s in FORWARDED))  # a mistake, or a stop as agreed
+        return not (stopped or self.spent >= self.max_replacements or ending or self.stopping is not None)
+
+    def _replace(self, rank: int, code: int) -> None:
+        made = self.spent + 1
+        print(
+            f"coretrain: rank {rank} ended ({ended(code)}); starting a new process in its place "
+            f"({made}/{self.max_replacements}), the other ranks wait for it",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.start(rank, predecessor=f"{time.time():.3f} {ended(code)}")
+
+    def _restart_all(self, rank: int) -> None:
+        """Every rank started again, as torchrun does: the watchdog ended ``rank`` on a hang,
+        its own or a frozen peer's, which a new process alone would wait for in vain."""
+        self.job_restarts += 1
+        print(
+            f"coretrain: rank {rank} ended on a hang (exit {HANG_EXIT_CODE}); starting every rank again "
+            f"({self.spent}/{self.max_replacements})",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.signal_all(signal.SIGKILL)
+        for process in self.processes.values():
+            process.wait()
+        self.env["TORCHELASTIC_RESTART_COUNT"] = str(self.job_restarts)
+        self.store = self._serve()
+        for each in range(self.nproc):
+            self.start(each)
+
+    def _end_the_others(self, failures: list[tuple[int, int]]) -> None:
+        """A failure that ends the job: the others are told to stop (a stop as agreed saves a
+        checkpoint), then killed if they have not ended in ``STOP_GRACE_SECONDS``."""
+        if len(failures) > 1 or self.stopping is not None:
+            return
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.processes.values()):
+            time.sleep(0.1)
+        self.signal_all(signal.SIGKILL)
+
+
+def launch_replacing(args: Any, command: list[str], failed: Callable[[Any], int]) -> int:
+    """Run ``command`` as ``--nproc-per-node`` ranks on this machine; the job's exit code."""
+    ranks = Ranks(command, args.nproc_per_node or 1, args.max_restarts, args.rdzv_id)
+    previous = {signum: signal.signal(signum, ranks.forward) for signum in FORWARDED}
+    try:
+        for rank in range(ranks.nproc):
+            ranks.start(rank)
+        return ranks.watch(failed)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        ranks.signal_all(signal.SIGKILL)
+        shutil.rmtree(ranks.errors, ignore_errors=True)
