@@ -1,4 +1,4 @@
-"""What a fault costs: seconds and steps of work, for a full job restart and an in-process one.
+"""What a fault costs: seconds and steps of work, for a full job restart and in-process ones.
 
     python benchmarks/recovery.py [--ranks 2 4] [--repeat 2]
 
@@ -14,6 +14,11 @@ raising at step 11 (``fault-injection``):
 - (c) a dead process (SIGKILL at step 11): under torchrun's agent the same as (a), every worker
   of the job is started again; with ``--replace-failed-ranks`` (coretrain's launcher) a new
   process takes the dead one's place alone while the others wait for it in-process;
+- (d) a node leaving: the upper half of the ranks killed at step 11 (as one machine of two would
+  go); with ``--replace-failed-ranks --min-ranks N/2`` the lower half goes on in-process as a job
+  of half the size, the global batch kept by accumulation — on a batch every size from half up
+  fits (micro 4, global 48), against a baseline of its own on it (its losses equal the
+  baseline's within 1e-5: the gradients are summed in another order);
 
 each also with ``[plugins.local-checkpoint]`` (a checkpoint in host memory after every step),
 which the restart resumes from instead of the durable one at step 8.
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -63,14 +69,32 @@ CASES: dict[str, tuple[dict[str, Any], list[str]]] = {
 }
 
 
+SHRINKABLE = {"micro_batch_size": 4, "global_batch_size": 48}
+"""(d)'s batch: a global batch every size from half the ranks up fits (4 × 2, × 3, × 4 divide 48)."""
+
+
+def leaving(ranks: int) -> dict[str, tuple[dict[str, Any], list[str]]]:
+    """(d): the upper half of the ranks — a machine's, were each half one — killed at the fault's
+    step; ``--min-ranks`` lets the lower half go on in-process as a job of half the size. On a
+    batch of its own, which its baseline trains too."""
+    gone = {"action": "sigkill", "step": FAULT_STEP, "ranks": list(range(ranks // 2, ranks)), "attempt": 0}
+    plugins: dict[str, Any] = {"fault-injection": gone, "inprocess-restart": {}}
+    launch = ["--replace-failed-ranks", "--min-ranks", str(ranks // 2)]
+    return {
+        "(d) baseline": ({}, []),
+        "(d) half the ranks leave, the rest go on": (plugins, launch),
+        "(d) half the ranks leave, the rest go on, local checkpoints": ({**plugins, **LOCAL}, launch),
+    }
+
+
 def run_case(
-    root: Path, ranks: int, plugins: dict[str, Any], launch: list[str]
+    root: Path, ranks: int, plugins: dict[str, Any], launch: list[str], batch: dict[str, int] | None = None
 ) -> tuple[float, list[float], int | None] | None:
     """Wall seconds of one torchrun job, the losses it logged and the step it resumed from after
     the fault; None when the job failed (its output's tail printed)."""
     sections = tiny_config(
         root / "out",
-        train={"train_iters": STEPS, "log_interval": 1, "eval_iters": 0},
+        train={"train_iters": STEPS, "log_interval": 1, "eval_iters": 0, **(batch or {})},
         checkpoint={"save_interval": SAVE_EVERY},
         distributed={"backend": "gloo"},
         plugins=plugins,
@@ -92,6 +116,42 @@ def run_case(
     return seconds, [row["loss"] for row in rows if "loss" in row], int(resumed[-1]) if resumed else None
 
 
+def baseline_of(name: str) -> str:
+    """The case a case is compared with: (d) trains a batch of its own."""
+    return "(d) baseline" if name.startswith("(d)") else "baseline"
+
+
+Measured = tuple[dict[str, list[float]], dict[str, int | None], dict[str, int]]
+
+
+def measure(ranks: int, cases: dict[str, tuple[dict[str, Any], list[str]]], repeat: int) -> Measured:
+    """Each case's job seconds, the step it resumed from and how many of its jobs failed; every
+    job's losses checked against its baseline's."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    resumed_at: dict[str, int | None] = dict.fromkeys(cases)
+    failed = dict.fromkeys(cases, 0)
+    references: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for attempt in range(repeat):
+            for index, (name, (plugins, launch)) in enumerate(cases.items()):  # interleaved: load hits all alike
+                root = Path(scratch) / f"{ranks}-{attempt}-{index}"
+                root.mkdir(parents=True)
+                result = run_case(root, ranks, plugins, launch, SHRINKABLE if name.startswith("(d)") else None)
+                if result is None:
+                    failed[name] += 1
+                    continue
+                seconds, losses, resumed_at[name] = result
+                reference = references.setdefault(baseline_of(name), losses)
+                # (d) sums the gradients in another order (more accumulation on fewer ranks)
+                close = len(losses) == len(reference) and all(
+                    math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses, reference)
+                )
+                if losses != reference and not (name.startswith("(d)") and close):
+                    raise SystemExit(f"{name} on {ranks} ranks: losses differ from the baseline's")
+                times[name].append(seconds)
+    return times, resumed_at, failed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -99,30 +159,13 @@ def main() -> None:
     args = parser.parse_args()
     lines = ["| ranks | case | job seconds | cost of the fault | steps lost |", "| --- | --- | --- | --- | --- |"]
     for ranks in args.ranks:
-        times: dict[str, list[float]] = {name: [] for name in CASES}
-        resumed_at: dict[str, int | None] = dict.fromkeys(CASES)
-        failed = dict.fromkeys(CASES, 0)
-        reference: list[float] | None = None
-        with tempfile.TemporaryDirectory() as scratch:
-            for attempt in range(args.repeat):
-                for index, (name, (plugins, launch)) in enumerate(CASES.items()):  # interleaved: load hits all alike
-                    root = Path(scratch) / f"{ranks}-{attempt}-{index}"
-                    root.mkdir(parents=True)
-                    result = run_case(root, ranks, plugins, launch)
-                    if result is None:
-                        failed[name] += 1
-                        continue
-                    seconds, losses, resumed_at[name] = result
-                    reference = reference or losses
-                    if losses != reference:
-                        raise SystemExit(f"{name} on {ranks} ranks: losses differ from the baseline's")
-                    times[name].append(seconds)
-        base = statistics.median(times["baseline"])
+        times, resumed_at, failed = measure(ranks, {**CASES, **leaving(ranks)}, args.repeat)
         for name, measured in times.items():
             median = statistics.median(measured) if measured else float("nan")
-            cost = "—" if name == "baseline" else f"+{median - base:.1f} s"
+            base = baseline_of(name)
+            cost = "—" if name == base else f"{median - statistics.median(times[base]):+.1f} s"
             step = resumed_at[name]
-            lost = "—" if name == "baseline" else "?" if step is None else str(FAULT_STEP - step)
+            lost = "—" if name == base else "?" if step is None else str(FAULT_STEP - step)
             note = f" ({failed[name]} of {args.repeat} jobs failed)" if failed[name] else ""
             lines.append(f"| {ranks} | {name}{note} | {median:.1f} | {cost} | {lost} |")
     print("\n".join(lines))

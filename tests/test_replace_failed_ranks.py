@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import run_here, run_train
@@ -56,6 +57,42 @@ def test_a_rank_that_dies_again_once_the_replacements_are_spent_ends_the_job(tmp
 
 
 @pytest.mark.slow
+def test_with_min_ranks_the_others_go_on_without_a_dead_rank_as_a_smaller_job(tmp_path: Path) -> None:
+    """The issue's item 5 on one machine: rank 0 is killed at step 8 and no replacement is left;
+    with ``--min-ranks 1`` rank 1 goes on in-process as rank 0 of a job of one rank — the
+    data-parallel size 1, the global batch of 16 kept by 2 micro-batches — resumed from the local
+    checkpoint of step 7, and its losses are those of the same job stopped at step 7 and
+    restarted on one rank."""
+
+    def job(name: str, **plugins: Any) -> str:
+        train = {"train_iters": 12, "log_interval": 1, "global_batch_size": 16}
+        sections = tiny_config(
+            tmp_path / name,
+            train=train,
+            checkpoint={"save_interval": 4},
+            distributed={"backend": "gloo"},
+            plugins=plugins,
+        )
+        return str(write_config(tmp_path / f"{name}.toml", sections))
+
+    fault = {"action": "sigkill", "step": 8, "ranks": [0], "attempt": 0}
+    shm = {"local_dir": str(tmp_path / "shm")}
+    shrunk = job("shrunk", **{"fault-injection": fault, "inprocess-restart": {}, "local-checkpoint": shm})
+    done = run_train(shrunk, *REPLACING, "--min-ranks", "1", cwd=tmp_path, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 ended (SIGKILL) and no replacement is left; the other 1 rank(s) go on without it" in done.stderr
+    assert "; 1 of 2 ranks go on (the launcher runs no more)" in done.stderr
+    assert "global batch 16 (micro 8 × 2 accumulation × 1 data-parallel), 1 rank(s)" in done.stdout + done.stderr
+    assert "in-process restart 1: resumed at step 7, " in done.stderr
+
+    reference = job("reference")
+    stopped = run_train(reference, "--nproc-per-node", "2", "--set", "train.exit_interval=7", cwd=tmp_path, env=ENV)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert run_train(reference, cwd=tmp_path, env=ENV).returncode == 0  # restarted on one rank
+    assert losses(tmp_path / "shrunk") == losses(tmp_path / "reference")
+
+
+@pytest.mark.slow
 def test_a_frozen_rank_restarts_the_job_as_torchrun_would(tmp_path: Path) -> None:
     """Rank 1 is stopped (SIGSTOP) at step 6: rank 0's watchdog names it and ends (exit 124). A new
     rank 0 alone would wait for the frozen rank in vain, so the launcher kills it and starts every
@@ -96,21 +133,26 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint(tmp_path: Pa
     assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir() if p.name.startswith("step_")]
 
 
+RESTART = {"inprocess-restart": {}}
+
+
 @pytest.mark.parametrize(
-    ("extra", "plugins", "said"),
+    ("args", "plugins", "said"),
     [
-        (("--max-restarts", "1"), {}, "add [plugins.inprocess-restart] to the config"),
-        ((), {"inprocess-restart": {}}, "add --max-restarts K"),
+        ((*REPLACING, "--max-restarts", "1"), {}, "--replace-failed-ranks: the other ranks wait"),
+        (REPLACING, RESTART, "--replace-failed-ranks: add --max-restarts K"),
         (
-            ("--max-restarts", "1", "--nnodes", "2", "--rdzv-endpoint", "h:1"),
-            {"inprocess-restart": {}},
-            "one machine only",
+            (*REPLACING, "--max-restarts", "1", "--nnodes", "2", "--rdzv-endpoint", "h:1"),
+            RESTART,
+            "--replace-failed-ranks: one machine only",
         ),
+        ((*REPLACING, "--min-ranks", "3"), RESTART, "--min-ranks 3: expected 1..2 (--nproc-per-node)"),
+        (("--nproc-per-node", "2", "--min-ranks", "1"), RESTART, "--min-ranks: only with --replace-failed-ranks"),
     ],
 )
 def test_what_it_needs_is_one_error_before_any_rank_starts(
-    tmp_path: Path, extra: tuple[str, ...], plugins: dict[str, dict[str, int]], said: str
+    tmp_path: Path, args: tuple[str, ...], plugins: dict[str, dict[str, int]], said: str
 ) -> None:
-    job = run_here("run", two_rank_config(tmp_path, "job", **plugins), *REPLACING, *extra, cwd=tmp_path)
+    job = run_here("run", two_rank_config(tmp_path, "job", **plugins), *args, cwd=tmp_path)
     assert job.returncode == 2
-    assert "error: --replace-failed-ranks: " in job.stderr and said in job.stderr
+    assert f"error: {said}" in job.stderr, job.stderr

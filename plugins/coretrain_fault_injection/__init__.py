@@ -24,6 +24,10 @@ from coretrain import Run, hookimpl, non_negative, positive
 log = logging.getLogger("coretrain")
 
 
+def _env_int(name: str) -> int | None:
+    return int(os.environ[name]) if name in os.environ else None
+
+
 def _attempt() -> int:
     """Which attempt this process is: the job's restarts, and this rank's replacements."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get("CORETRAIN_REPLACEMENT", "0"))
@@ -41,7 +45,8 @@ class FaultInjection:
     """Or: the chance per step, drawn from a generator seeded with seed + rank."""
     seed: int = 0
     ranks: list[int] = field(factory=list)
-    """Ranks it happens on; empty = every rank."""
+    """Ranks it happens on, as the processes were started (a process numbered anew after others
+    left, ``--min-ranks``, keeps its first number here); empty = every rank."""
     sleep_seconds: float = 1.0
     """For action = "sleep"."""
     every_step: bool = False
@@ -55,6 +60,7 @@ class FaultInjection:
     1 the job restarted once; a process that replaced one that died adds how many times its rank
     was replaced, ``--replace-failed-ranks``); unset: in every attempt."""
     _fired: int = field(default=0, init=False, repr=False)
+    _first_rank: int | None = field(factory=lambda: _env_int("RANK"), init=False, repr=False)
     _rng: random.Random | None = field(default=None, init=False, repr=False)
     _veto_at: int | None = field(default=None, init=False, repr=False)
 
@@ -82,7 +88,7 @@ class FaultInjection:
 
     @hookimpl
     def pre_step(self, run: Run, step: int) -> None:
-        if not self._due(run.dist.rank, step):
+        if not self._due(self._first_rank if self._first_rank is not None else run.dist.rank, step):
             return
         self._fired += 1
         if self.action != "sleep" or not self.every_step or step == self.step:

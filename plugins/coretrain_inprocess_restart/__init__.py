@@ -40,6 +40,7 @@ from attrs import define, field
 
 from coretrain import Outcome, Run, UserError, hookimpl, non_negative, positive
 from coretrain_inprocess_restart.groups import abort_nccl, cut, never_destroyed, tcp_connections
+from coretrain_inprocess_restart.members import SLOT, await_members
 from coretrain_inprocess_restart.stuck import StuckGuard
 
 log = logging.getLogger("coretrain")
@@ -179,9 +180,10 @@ class InProcessRestart:
         return True
 
     def _form_group(self, failure: str, own: bool = False) -> str:
-        """The next process group, through the launcher's store; which ranks raised what
-        (``own``: ``failure`` is this rank's own, whatever its words)."""
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        """The next process group, through the launcher's store, of the ranks the launcher still
+        runs (numbered anew when it went on without one); which ranks raised what (``own``:
+        ``failure`` is this rank's own, whatever its words)."""
+        before = int(os.environ["WORLD_SIZE"])
         store = self._store
         if store is None:  # the group never formed (the first build failed): the launcher's store
             store = self._store = self._launcher_store()
@@ -191,16 +193,19 @@ class InProcessRestart:
         prefix = restart_prefix(_generation)
         store.set(f"{prefix}/begun", "1")  # a rank still in the failed run sees it (StuckGuard)
         if own or not any(words in failure for words in PEER_FAILURE):  # this rank failed, not a peer of one
-            store.set(f"{prefix}/cause/{rank}", failure)
+            store.set(f"{prefix}/cause/{SLOT}", failure)
+        slots = await_members(store, f"{prefix}/arrived", before, self.restart_timeout_seconds)
+        rank, world = slots.index(SLOT), len(slots)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # the rebuilt run's, as a launcher sets them
         backend = self._backend or ("nccl" if torch.cuda.is_available() else "gloo")
         timeout = datetime.timedelta(seconds=self._timeout)
         group_store = dist.PrefixStore(f"{prefix}/group", store)  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=group_store, rank=rank, world_size=world, timeout=timeout)
         dist.barrier()  # every rank has joined, so every cause is written
         store.set(f"{_attempt_keys()}/latest", f"{_generation} {self._restarts}")  # for a replacement
-        keys = [f"{prefix}/cause/{r}" for r in range(world)]
-        causes = [f"rank {r} {store.get(k).decode()}" for r, k in enumerate(keys) if store.check([k])]
-        return "; ".join(causes) or f"a peer's failure (this rank {failure})"
+        causes = [f"rank {s} {store.get(k).decode()}" for s in slots if store.check([k := f"{prefix}/cause/{s}"])]
+        shrunk = f"; {world} of {before} ranks go on (the launcher runs no more)" if world < before else ""
+        return ("; ".join(causes) or f"a peer's failure (this rank {failure})") + shrunk
 
     @hookimpl
     def on_resume(self, step: int) -> None:

@@ -90,6 +90,15 @@ def add(commands: Any) -> None:
         "OOM killer), start a new one in its place alone while the other ranks wait for it in-process "
         "(torchrun restarts every rank); each counts against --max-restarts",
     )
+    launch.add_argument(
+        "--min-ranks",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --replace-failed-ranks: once no replacement is left, a rank that dies is dropped and "
+        "the others go on in-process as a smaller job (the data-parallel size shrinks, the global batch "
+        "kept by accumulation) while at least M ranks remain; default: every rank is needed",
+    )
     run.set_defaults(handler=launching(run.get_default("handler")))
 
 
@@ -117,10 +126,14 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     low, _, high = (args.nnodes or "1").partition(":")
     if high in ("", low):  # a fixed number of ranks: the layout and batch sizes must fit it
         settings.check_world(int(low) * (args.nproc_per_node or 1))
+    if args.min_ranks is not None and not args.replace_failed_ranks:
+        raise UserError("--min-ranks: only with --replace-failed-ranks (coretrain's own launcher)")
     if args.replace_failed_ranks:
         from coretrain_launch.replacing import check_replacing, launch_replacing
 
         check_replacing(args, settings.plugins)
+        for ranks in range(args.min_ranks or args.nproc_per_node or 1, args.nproc_per_node or 1):
+            settings.check_world(ranks)  # each size the job may shrink to must fit too
         return launch_replacing(args, [sys.executable, *argv[argv.index("-m") :]], child_failed)
     cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch loads: this process only

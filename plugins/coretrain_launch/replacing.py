@@ -27,6 +27,10 @@ from typing import Any
 
 from coretrain import UserError
 
+MEMBERS_KEY = "default_pg/coretrain/launch/members"
+"""The ranks this launcher runs, as their first rank numbers joined by commas: ``inprocess-restart``
+re-forms the group of these (under torch's prefix for a first group's store keys)."""
+
 STOP_GRACE_SECONDS = 15.0
 """How long the ranks have to end after SIGTERM when the job ends on a failure; then SIGKILL."""
 
@@ -41,8 +45,13 @@ def check_replacing(args: Any, plugins: dict[str, dict[str, Any]]) -> None:
     """``--replace-failed-ranks`` needs one machine, replacements to make, and ranks that wait."""
     if (args.nnodes or "1") != "1" or args.rdzv_endpoint:
         raise UserError("--replace-failed-ranks: one machine only; leave out --nnodes and --rdzv-endpoint")
-    if args.max_restarts < 1:
-        raise UserError("--replace-failed-ranks: add --max-restarts K, how many processes may be replaced in all")
+    if args.min_ranks is not None and not 1 <= args.min_ranks <= (args.nproc_per_node or 1):
+        raise UserError(f"--min-ranks {args.min_ranks}: expected 1..{args.nproc_per_node or 1} (--nproc-per-node)")
+    if args.max_restarts < 1 and args.min_ranks is None:
+        raise UserError(
+            "--replace-failed-ranks: add --max-restarts K, how many processes may be replaced in all "
+            "(or --min-ranks M, to go on without them)"
+        )
     table = plugins.get("inprocess-restart")
     if table is None or table.get("enabled", True) is False:
         raise UserError(
@@ -65,8 +74,8 @@ class Ranks:
     """The job's processes, one per rank: one that dies replaced alone, all started again after a
     hang; up to ``max_replacements`` times in all."""
 
-    def __init__(self, command: list[str], nproc: int, max_replacements: int, run_id: str) -> None:
-        self.command, self.nproc, self.max_replacements = command, nproc, max_replacements
+    def __init__(self, command: list[str], nproc: int, max_replacements: int, run_id: str, min_ranks: int) -> None:
+        self.command, self.nproc, self.max_replacements, self.min_ranks = command, nproc, max_replacements, min_ranks
         self.errors = Path(tempfile.mkdtemp(prefix="coretrain-launch-"))
         self.env = dict(os.environ) | {
             "MASTER_ADDR": "127.0.0.1",
@@ -97,6 +106,7 @@ class Ranks:
             "127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=30), wait_for_workers=False
         )
         self.env["MASTER_PORT"] = str(store.port)
+        store.set(MEMBERS_KEY, ",".join(str(rank) for rank in range(self.nproc)))
         return store
 
     @property
@@ -131,7 +141,7 @@ class Ranks:
         (``failed`` makes it from torch's ``ChildFailedError``, as torchrun's is read)."""
         done: set[int] = set()
         failures: list[tuple[int, int]] = []
-        while len(done) + len(failures) < self.nproc:
+        while len(done) + len(failures) < len(self.processes):
             time.sleep(0.1)
             for rank, process in self.processes.items():
                 code = process.poll()
@@ -144,6 +154,9 @@ class Ranks:
                     break
                 elif self._replaceable(code, ending=bool(done or failures)):
                     self._replace(rank, code)
+                elif self._droppable(code, ending=bool(done or failures)):
+                    self._drop(rank, code)
+                    break
                 else:
                     failures.append((rank, code))
                     self._end_the_others(failures)
@@ -163,11 +176,29 @@ class Ranks:
             found[rank] = failure
         return ChildFailedError("coretrain", found)
 
+    def _final(self, code: int, ending: bool) -> bool:
+        """Nothing is started again after a mistake (exit 2) or a stop as agreed, nor while the
+        job ends (a rank completed, or another failed for good) or stops on a signal."""
+        return code in (2, *(128 + int(s) for s in FORWARDED)) or ending or self.stopping is not None
+
     def _replaceable(self, code: int, ending: bool) -> bool:
-        """Whether a rank that ended with ``code`` is started again: not when the job is ending
-        (a rank completed, or another failed for good) or stopping, nor after a mistake."""
-        stopped = code in (2, *(128 + int(s) for s in FORWARDED))  # a mistake, or a stop as agreed
-        return not (stopped or self.spent >= self.max_replacements or ending or self.stopping is not None)
+        return not self._final(code, ending) and self.spent < self.max_replacements
+
+    def _droppable(self, code: int, ending: bool) -> bool:
+        """Whether the job goes on without a rank that died: as many ranks left as ``--min-ranks``
+        asks, and not after a hang (the watchdog's rank may have named a frozen peer, still there)."""
+        enough = len(self.processes) - 1 >= self.min_ranks
+        return not self._final(code, ending) and code != HANG_EXIT_CODE and enough
+
+    def _drop(self, rank: int, code: int) -> None:
+        del self.processes[rank]
+        self.store.set(MEMBERS_KEY, ",".join(str(each) for each in sorted(self.processes)))
+        print(
+            f"coretrain: rank {rank} ended ({ended(code)}) and no replacement is left; the other "
+            f"{len(self.processes)} rank(s) go on without it (--min-ranks {self.min_ranks})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _replace(self, rank: int, code: int) -> None:
         made = self.spent + 1
@@ -193,6 +224,8 @@ class Ranks:
         for process in self.processes.values():
             process.wait()
         self.env["TORCHELASTIC_RESTART_COUNT"] = str(self.job_restarts)
+        self.nproc = len(self.processes)  # (fewer, if the job went on without some)
+        self.processes, self.env["WORLD_SIZE"] = {}, str(self.nproc)
         self.store = self._serve()
         for each in range(self.nproc):
             self.start(each)
@@ -211,7 +244,9 @@ class Ranks:
 
 def launch_replacing(args: Any, command: list[str], failed: Callable[[Any], int]) -> int:
     """Run ``command`` as ``--nproc-per-node`` ranks on this machine; the job's exit code."""
-    ranks = Ranks(command, args.nproc_per_node or 1, args.max_restarts, args.rdzv_id)
+    ranks = Ranks(
+        command, args.nproc_per_node or 1, args.max_restarts, args.rdzv_id, args.min_ranks or args.nproc_per_node or 1
+    )
     previous = {signum: signal.signal(signum, ranks.forward) for signum in FORWARDED}
     try:
         for rank in range(ranks.nproc):
