@@ -70,11 +70,11 @@ def main() -> None:
             done[drawn["action"]].append((result is not None, equal, seconds))
             what = f"{drawn['action']} at step {drawn['step']} on rank {drawn['ranks'][0]}"
             verdict = "ok" if equal else "FAILED" if result is None else "OTHER LOSSES"
-            print(f"job {i}: {what}: {verdict}, +{seconds:.1f} s", flush=True)
+            print(f"job {i}: {what}: {verdict}, {seconds:+.1f} s", flush=True)
     lines = ["| fault | jobs | completed | losses equal | median cost |", "| --- | --- | --- | --- | --- |"]
     for kind, jobs in done.items():
         costs = [s for ok, _, s in jobs if ok]
-        median = f"+{statistics.median(costs):.1f} s" if costs else "—"
+        median = f"{statistics.median(costs):+.1f} s" if costs else "—"
         completed, equal = sum(ok for ok, _, _ in jobs), sum(eq for _, eq, _ in jobs)
         lines.append(f"| {kind} | {len(jobs)} | {completed} | {equal} | {median} |")
     print("\n".join(lines))
