@@ -62,6 +62,11 @@ def _attempt_keys() -> str:
     return f"coretrain/inprocess-restart/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
+def _say(message: str, *args: object) -> None:
+    """The job's one line, rank 0's (the others' in their own logs)."""
+    (log.warning if os.environ.get("RANK", "0") == "0" else log.debug)(message, *args)
+
+
 def restart_prefix(generation: int) -> str:
     """The store keys of one restart of this attempt of the job."""
     return f"{_attempt_keys()}/{generation}"
@@ -129,9 +134,7 @@ class InProcessRestart:
         if self._store.check([latest]):  # the restart the survivors are in: the next one is ours too
             _generation, self._restarts = (int(n) for n in self._store.get(latest).decode().split())
         self._restarts += 1
-        cause = self._form_group(f"died ({how}); a new process took its place", own=True)
-        say = log.warning if os.environ.get("RANK", "0") == "0" else log.debug
-        say("in-process restart %d/%d after %s", self._restarts, self.max_restarts, cause)
+        self._said_restart(self._form_group(f"died ({how}); a new process took its place", own=True))
 
     def _launcher_store(self) -> Any:
         """The launcher's store, with the keys a first group's ``env://`` store has (torch's prefix)."""
@@ -175,8 +178,7 @@ class InProcessRestart:
         cause = f"this rank {described(run, error)}"
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             cause = self._form_group(described(run, error))
-        say = log.warning if os.environ.get("RANK", "0") == "0" else log.debug  # the job's one line: rank 0's
-        say("in-process restart %d/%d after %s", self._restarts, self.max_restarts, cause)
+        self._said_restart(cause)
         return True
 
     def _form_group(self, failure: str, own: bool = False) -> str:
@@ -234,11 +236,13 @@ class InProcessRestart:
             return {}
         return tcp_connections(except_port=int(os.environ["MASTER_PORT"]))
 
+    def _said_restart(self, cause: str) -> None:
+        _say("in-process restart %d/%d after %s", self._restarts, self.max_restarts, cause)
+
     def _said_resumed(self, step: int) -> None:
         if self._since is not None:
             seconds, self._since = time.monotonic() - self._since, None
-            say = log.warning if os.environ.get("RANK", "0") == "0" else log.debug
-            say("in-process restart %d: resumed at step %d, %.2f s after the failure", self._restarts, step, seconds)
+            _say("in-process restart %d: resumed at step %d, %.2f s after the failure", self._restarts, step, seconds)
 
     @hookimpl(tryfirst=True)
     def on_log(self, metrics: dict[str, float]) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from coretrain import UserError
+from coretrain_launch.codes import STOP_CODES, USAGE_EXIT_CODE
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -184,9 +185,9 @@ def child_failed(exc: ChildFailedError) -> int:
     rank, failure = exc.get_first_failure()
     if failure.exitcode == USAGE_EXIT_CODE:  # a mistake the rank has said in one line already
         return USAGE_EXIT_CODE
-    if failure.exitcode in _STOP_CODES:
+    if failure.exitcode in STOP_CODES:
         print(
-            f"coretrain: rank {rank} stopped on {_STOP_CODES[failure.exitcode]} after saving a checkpoint "
+            f"coretrain: rank {rank} stopped on {STOP_CODES[failure.exitcode]} after saving a checkpoint "
             f"(exit {failure.exitcode}); the job resumes from it",
             file=sys.stderr,
         )
@@ -195,21 +196,13 @@ def child_failed(exc: ChildFailedError) -> int:
     return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
 
 
-_STOP_CODES = {128 + number: name for number, name in ((15, "SIGTERM"), (2, "SIGINT"), (10, "SIGUSR1"))}
-"""A rank's exit code after an agreed stop on a signal, with its checkpoint saved (Linux numbers)."""
-
-
-USAGE_EXIT_CODE = 2
-"""A rank's exit code after a user mistake, which it has printed as one ``error:`` line."""
-
-
 class _AgreedStops(logging.Filter):
     """Drop torch elastic's lines that call an agreed, checkpointed stop a failure, or repeat a
     mistake a rank has said itself."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        if any(f"(exitcode: {code})" in text for code in (*_STOP_CODES, USAGE_EXIT_CODE)):
+        if any(f"(exitcode: {code})" in text for code in (*STOP_CODES, USAGE_EXIT_CODE)):
             return False
         return "has failed to shutdown the rendezvous" not in text
 

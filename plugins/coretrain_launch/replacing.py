@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 from coretrain import UserError
+from coretrain_launch.codes import HANG_EXIT_CODE, STOP_CODES, STOP_SIGNALS, USAGE_EXIT_CODE
 
 MEMBERS_KEY = "default_pg/coretrain/launch/members"
 """The ranks this launcher runs, as their first rank numbers joined by commas: ``inprocess-restart``
@@ -33,12 +34,6 @@ re-forms the group of these (under torch's prefix for a first group's store keys
 
 STOP_GRACE_SECONDS = 15.0
 """How long the ranks have to end after SIGTERM when the job ends on a failure; then SIGKILL."""
-
-HANG_EXIT_CODE = 124
-"""The watchdog's exit: a rank made no progress — itself, or a peer it names as frozen."""
-
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-"""Signals the launcher passes on to every rank (each saves a checkpoint and stops, as agreed)."""
 
 
 def check_replacing(args: Any, plugins: dict[str, dict[str, Any]]) -> None:
@@ -145,16 +140,18 @@ class Ranks:
             time.sleep(0.1)
             for rank, process in self.processes.items():
                 code = process.poll()
-                if code is None or rank in done or any(rank == r for r, _ in failures):
+                if code is None or rank in done or rank in dict(failures):
                     continue
+                ending = bool(done or failures)
                 if code == 0:
                     done.add(rank)
-                elif self._replaceable(code, ending=bool(done or failures)) and code == HANG_EXIT_CODE:
-                    self._restart_all(rank)
-                    break
-                elif self._replaceable(code, ending=bool(done or failures)):
-                    self._replace(rank, code)
-                elif self._droppable(code, ending=bool(done or failures)):
+                elif self._replaceable(code, ending):
+                    if code == HANG_EXIT_CODE:  # a new process alone would wait for a frozen peer
+                        self._restart_all(rank)
+                    else:
+                        self._replace(rank, code)
+                    break  # the processes changed
+                elif self._droppable(code, ending):
                     self._drop(rank, code)
                     break
                 else:
@@ -179,7 +176,7 @@ class Ranks:
     def _final(self, code: int, ending: bool) -> bool:
         """Nothing is started again after a mistake (exit 2) or a stop as agreed, nor while the
         job ends (a rank completed, or another failed for good) or stops on a signal."""
-        return code in (2, *(128 + int(s) for s in FORWARDED)) or ending or self.stopping is not None
+        return code in (USAGE_EXIT_CODE, *STOP_CODES) or ending or self.stopping is not None
 
     def _replaceable(self, code: int, ending: bool) -> bool:
         return not self._final(code, ending) and self.spent < self.max_replacements
@@ -247,7 +244,7 @@ def launch_replacing(args: Any, command: list[str], failed: Callable[[Any], int]
     ranks = Ranks(
         command, args.nproc_per_node or 1, args.max_restarts, args.rdzv_id, args.min_ranks or args.nproc_per_node or 1
     )
-    previous = {signum: signal.signal(signum, ranks.forward) for signum in FORWARDED}
+    previous = {signum: signal.signal(signum, ranks.forward) for signum in STOP_SIGNALS}
     try:
         for rank in range(ranks.nproc):
             ranks.start(rank)
