@@ -142,11 +142,21 @@ RESTART = {"inprocess-restart": {}}
         ((*REPLACING, "--max-restarts", "1"), {}, "--replace-failed-ranks: the other ranks wait"),
         (REPLACING, RESTART, "--replace-failed-ranks: add --max-restarts K"),
         (
-            (*REPLACING, "--max-restarts", "1", "--nnodes", "2", "--rdzv-endpoint", "h:1"),
+            (*REPLACING, "--max-restarts", "1", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--node-rank", "0"),
             RESTART,
-            "--replace-failed-ranks: one machine only",
+            "--replace-failed-ranks: machines are numbered as they come; leave out --node-rank",
         ),
-        ((*REPLACING, "--min-ranks", "3"), RESTART, "--min-ranks 3: expected 1..2 (--nproc-per-node)"),
+        (
+            (*REPLACING, "--max-restarts", "1", "--rdzv-endpoint", "h:1"),
+            RESTART,
+            "--replace-failed-ranks on one machine: leave out --rdzv-endpoint",
+        ),
+        ((*REPLACING, "--min-ranks", "3"), RESTART, "--min-ranks 3: expected 1..2 (machines × --nproc-per-node)"),
+        (
+            (*REPLACING, "--nnodes", "1:2", "--rdzv-endpoint", "h:1", "--min-ranks", "5"),
+            RESTART,
+            "--min-ranks 5: expected 1..4 (machines × --nproc-per-node)",
+        ),
         (("--nproc-per-node", "2", "--min-ranks", "1"), RESTART, "--min-ranks: only with --replace-failed-ranks"),
     ],
 )

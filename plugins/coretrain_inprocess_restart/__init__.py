@@ -24,6 +24,13 @@ launcher restarts the job (``--max-restarts``); under ``coretrain run --nproc-pe
 alone, and that process joins the group the surviving ranks re-form (they wait for it in-process,
 up to ``restart_timeout_seconds``): ``in-process restart 1/3 after rank 1 died (SIGKILL); a new
 process took its place``.
+
+Across machines (``coretrain run --nnodes MIN:MAX --rdzv-endpoint HOST:PORT
+--replace-failed-ranks``) a machine that joins is taken in the same way: the ranks see the
+launcher add its ranks, stop together at the next step with a checkpoint and form the next group
+with them (``in-process re-form: 2 rank(s) joined; 4 ranks go on (was 2)``); the new ranks
+load that checkpoint. A machine that leaves is a failure its peers see, and the launcher drops
+its ranks while they wait.
 """
 
 from __future__ import annotations
@@ -38,9 +45,17 @@ import torch
 import torch.distributed as dist
 from attrs import define, field
 
-from coretrain import Outcome, Run, UserError, hookimpl, non_negative, positive
+from coretrain import Outcome, Run, StepOutputs, UserError, hookimpl, max_over_ranks, non_negative, positive
 from coretrain_inprocess_restart.groups import abort_nccl, cut, never_destroyed, tcp_connections
-from coretrain_inprocess_restart.members import SLOT, await_members
+from coretrain_inprocess_restart.members import (
+    CHANGES_KEY,
+    JOINED_ENV,
+    READY_KEY,
+    SLOT,
+    admit_joining,
+    await_members,
+    changes,
+)
 from coretrain_inprocess_restart.stuck import StuckGuard
 
 log = logging.getLogger("coretrain")
@@ -56,6 +71,10 @@ PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken
 REPLACED_ENV = "CORETRAIN_REPLACED"
 """Set by coretrain's launcher (``--replace-failed-ranks``) for a process that replaces one that
 died: when (Unix time) and how its predecessor ended ("1764000000.0 SIGKILL")."""
+
+
+class MembershipChange(Exception):
+    """Raised together by every rank, after a stop as agreed, to take ranks that wait to join in."""
 
 
 def _attempt_keys() -> str:
@@ -106,17 +125,25 @@ class InProcessRestart:
     _first_store: Any = field(default=None, init=False)
     _connections: dict[int, int] = field(factory=dict, init=False)
     """gloo's connections to the peers (fd -> socket inode), to shut down when leaving."""
+    _what: str = field(default="in-process restart", init=False)
+    """The last restart, as the resumed line names it."""
+    _changes: int | None = field(default=None, init=False)
+    """The launcher's count of ranks added to join, as of this group (None: not across machines)."""
 
     @hookimpl
     def configure_run(self, run: Run) -> None:
         """How the run's process group was formed, to form the next one alike; its store, kept:
         the launcher's (torchrun's agent's, coretrain's), or the one rank 0 serves (under
         torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), which would go with the group otherwise."""
-        if dist.is_available() and dist.is_initialized():
-            self._backend = dist.get_backend()
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self._store is None:
+        grouped = dist.is_available() and dist.is_initialized()
+        self._backend = dist.get_backend() if grouped else self._backend
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # (also for one rank)
+        if self._store is None and (grouped and int(os.environ.get("WORLD_SIZE", "1")) > 1 or agent_store):
+            if grouped:
                 self._first_store = dist.distributed_c10d._get_default_store()  # (rank 0's may serve it)
-                self._store = self._launcher_store()  # its keys as a replacement's, not under the group's name
+            self._store = self._launcher_store()  # its keys as a replacement's, not under the group's name
+        if self._changes is None and self._store is not None and self._store.check([CHANGES_KEY]):
+            self._changes = changes(self._store)  # (the launcher across machines keeps the count)
         self._timeout = run.config.distributed.init_timeout_seconds
 
     @hookimpl
@@ -124,6 +151,8 @@ class InProcessRestart:
         """A process that replaces one that died joins the group its surviving peers re-form
         (the restart after the one they were in), not a first group of its own."""
         replaced = os.environ.get(REPLACED_ENV)
+        if self._store is None and JOINED_ENV in os.environ:
+            self._join_running_job()
         if replaced is None or self._store is not None or int(os.environ.get("WORLD_SIZE", "1")) == 1:
             return
         at, _, how = replaced.partition(" ")
@@ -135,6 +164,30 @@ class InProcessRestart:
             _generation, self._restarts = (int(n) for n in self._store.get(latest).decode().split())
         self._restarts += 1
         self._said_restart(self._form_group(f"died ({how}); a new process took its place", own=True))
+
+    def _join_running_job(self) -> None:
+        """A machine's rank that joins: wait for the ranks to stop and name it among the members of
+        their next group, then form it with them."""
+        self._since = time.monotonic() - max(0.0, time.time() - float(os.environ[JOINED_ENV]))
+        store = self._store = self._launcher_store()
+        store.add(READY_KEY, 1)  # the launcher now has the running ranks stop and take this one in
+        global _generation
+        deadline = time.monotonic() + self.restart_timeout_seconds
+        while time.monotonic() < deadline:
+            latest = f"{_attempt_keys()}/latest"
+            formed, restarts = (int(n) for n in store.get(latest).decode().split()) if store.check([latest]) else (0, 0)
+            chosen = f"{restart_prefix(formed + 1)}/members"
+            if store.check([chosen]) and SLOT in self._chosen(chosen)[0]:
+                _generation, self._restarts = formed, restarts
+                self._said_reformed(self._form_group("joined", planned=True))
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"the running ranks did not take this rank in within {self.restart_timeout_seconds:.0f} s")
+
+    def _chosen(self, key: str) -> tuple[list[int], int]:
+        """The members rank 0 chose for a group that takes ranks in, and the launcher's count of them."""
+        slots, _, count = self._store.get(key).decode().partition(";")
+        return [int(slot) for slot in slots.split(",")], int(count)
 
     def _launcher_store(self) -> Any:
         """The launcher's store, with the keys a first group's ``env://`` store has (torch's prefix)."""
@@ -153,6 +206,27 @@ class InProcessRestart:
         if outcome == "error" and self._restarts < self.max_restarts:
             self._since = time.monotonic()  # the run failed now: a restart's seconds count from here
             self._leave_group()
+        if outcome == "stopped" and self._changes is not None:
+            self._take_joining_in()
+
+    @hookimpl
+    def post_step(self, run: Run, step: int, outputs: StepOutputs) -> None:
+        """Ranks wait to join (the launcher counted them): stop together, with a checkpoint they load."""
+        if self._changes is not None and run.control.stop_reason is None and changes(self._store) > self._changes:
+            run.control.request_stop("ranks wait to join: stopping with a checkpoint to take them in")
+
+    def _take_joining_in(self) -> None:
+        """After the stop (agreed, the group still up), if any rank saw ranks waiting: rank 0 names
+        the next group's members, and every rank raises to form it in-process."""
+        (waiting,) = max_over_ranks(int(changes(self._store) > (self._changes or 0)))
+        if not waiting:
+            return
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            count = changes(self._store)
+            slots = admit_joining(self._store)
+            self._store.set(f"{restart_prefix(_generation + 1)}/members", f"{','.join(map(str, slots))};{count}")
+        self._since = time.monotonic()
+        raise MembershipChange("ranks wait to join")
 
     def _leave_group(self) -> None:
         never_destroyed()
@@ -167,6 +241,10 @@ class InProcessRestart:
             self._guard.step = None  # this rank follows its peers (or ends the job)
         if isinstance(error, UserError):  # a mistake to fix: a restart would make it again
             return None
+        if isinstance(getattr(error, "cause", None), MembershipChange):  # planned: not a failure
+            self._leave_group()
+            self._said_reformed(self._form_group("stopped to take ranks in", planned=True))
+            return True
         if self._restarts >= self.max_restarts:
             log.error(
                 "inprocess-restart: %d restart(s) made, the most allowed: this failure ends the job", self._restarts
@@ -181,10 +259,10 @@ class InProcessRestart:
         self._said_restart(cause)
         return True
 
-    def _form_group(self, failure: str, own: bool = False) -> str:
+    def _form_group(self, failure: str, own: bool = False, planned: bool = False) -> str:
         """The next process group, through the launcher's store, of the ranks the launcher still
-        runs (numbered anew when it went on without one); which ranks raised what (``own``:
-        ``failure`` is this rank's own, whatever its words)."""
+        runs (numbered anew when it went on without one, or took ranks in: ``planned``, as rank 0
+        chose them); which ranks raised what (``own``: ``failure`` is this rank's own)."""
         before = int(os.environ["WORLD_SIZE"])
         store = self._store
         if store is None:  # the group never formed (the first build failed): the launcher's store
@@ -194,9 +272,12 @@ class InProcessRestart:
         _generation += 1
         prefix = restart_prefix(_generation)
         store.set(f"{prefix}/begun", "1")  # a rank still in the failed run sees it (StuckGuard)
-        if own or not any(words in failure for words in PEER_FAILURE):  # this rank failed, not a peer of one
+        if not planned and (own or not any(words in failure for words in PEER_FAILURE)):  # not a peer's failure
             store.set(f"{prefix}/cause/{SLOT}", failure)
-        slots = await_members(store, f"{prefix}/arrived", before, self.restart_timeout_seconds)
+        chosen = None
+        if planned:
+            chosen, self._changes = self._chosen(f"{prefix}/members")
+        slots = await_members(store, f"{prefix}/arrived", before, self.restart_timeout_seconds, chosen)
         rank, world = slots.index(SLOT), len(slots)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # the rebuilt run's, as a launcher sets them
         backend = self._backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -206,6 +287,8 @@ class InProcessRestart:
         dist.barrier()  # every rank has joined, so every cause is written
         store.set(f"{_attempt_keys()}/latest", f"{_generation} {self._restarts}")  # for a replacement
         causes = [f"rank {s} {store.get(k).decode()}" for s in slots if store.check([k := f"{prefix}/cause/{s}"])]
+        if planned:
+            return f"{world - before} rank(s) joined; {world} ranks go on (was {before})"
         shrunk = f"; {world} of {before} ranks go on (the launcher runs no more)" if world < before else ""
         return ("; ".join(causes) or f"a peer's failure (this rank {failure})") + shrunk
 
@@ -237,12 +320,18 @@ class InProcessRestart:
         return tcp_connections(except_port=int(os.environ["MASTER_PORT"]))
 
     def _said_restart(self, cause: str) -> None:
+        self._what = f"in-process restart {self._restarts}"
         _say("in-process restart %d/%d after %s", self._restarts, self.max_restarts, cause)
+
+    def _said_reformed(self, change: str) -> None:
+        self._what = "in-process re-form"
+        _say("in-process re-form: %s", change)
 
     def _said_resumed(self, step: int) -> None:
         if self._since is not None:
             seconds, self._since = time.monotonic() - self._since, None
-            _say("in-process restart %d: resumed at step %d, %.2f s after the failure", self._restarts, step, seconds)
+            after = "stop" if self._what.endswith("re-form") else "failure"
+            _say("%s: resumed at step %d, %.2f s after the %s", self._what, step, seconds, after)
 
     @hookimpl(tryfirst=True)
     def on_log(self, metrics: dict[str, float]) -> None:

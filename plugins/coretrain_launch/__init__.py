@@ -87,9 +87,10 @@ def add(commands: Any) -> None:
     launch.add_argument(
         "--replace-failed-ranks",
         action="store_true",
-        help="one machine, with [plugins.inprocess-restart]: when a rank's process dies (SIGKILL, the "
-        "OOM killer), start a new one in its place alone while the other ranks wait for it in-process "
-        "(torchrun restarts every rank); each counts against --max-restarts",
+        help="with [plugins.inprocess-restart]: when a rank's process dies (SIGKILL, the OOM killer), "
+        "start a new one in its place alone while the other ranks wait for it in-process (torchrun "
+        "restarts every rank); each counts against --max-restarts. With --nnodes MIN:MAX and "
+        "--rdzv-endpoint, a machine that joins or leaves changes the job in-process too",
     )
     launch.add_argument(
         "--min-ranks",
@@ -133,9 +134,18 @@ def launch_torchrun(args: argparse.Namespace) -> int:
         from coretrain_launch.replacing import check_replacing, launch_replacing
 
         check_replacing(args, settings.plugins)
-        for ranks in range(args.min_ranks or args.nproc_per_node or 1, args.nproc_per_node or 1):
-            settings.check_world(ranks)  # each size the job may shrink to must fit too
-        return launch_replacing(args, [sys.executable, *argv[argv.index("-m") :]], child_failed)
+        nproc = args.nproc_per_node or 1
+        for ranks in range(min(args.min_ranks or nproc, int(low) * nproc), int(high or low) * nproc + 1):
+            settings.check_world(ranks)  # each size the job may shrink or grow to must fit too
+        command = [sys.executable, *argv[argv.index("-m") :]]
+        if args.rdzv_endpoint:
+            from coretrain_launch.machines import launch_machines
+
+            most = settings.distributed.resolved_strategy(int(high or low) * nproc)
+            if settings.distributed.strategy == "auto" and most is not None:  # the job may grow in-process
+                command += ["--set", f"distributed.strategy={most}"]
+            return launch_machines(args, command, child_failed)
+        return launch_replacing(args, command, child_failed)
     cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch loads: this process only
     if args.rdzv_endpoint:

@@ -12,6 +12,7 @@ leave the run and wait in-process for the new process to join the group they re-
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import shutil
@@ -29,8 +30,9 @@ from coretrain import UserError
 from coretrain_launch.codes import HANG_EXIT_CODE, STOP_CODES, STOP_SIGNALS, USAGE_EXIT_CODE
 
 MEMBERS_KEY = "default_pg/coretrain/launch/members"
-"""The ranks this launcher runs, as their first rank numbers joined by commas: ``inprocess-restart``
-re-forms the group of these (under torch's prefix for a first group's store keys)."""
+"""The ranks this launcher runs, as their first rank numbers joined by commas ("+3": waits to
+join): ``inprocess-restart`` re-forms the group of these (under torch's prefix for a first
+group's store keys)."""
 
 STOP_GRACE_SECONDS = 15.0
 """How long the ranks have to end after SIGTERM when the job ends on a failure; then SIGKILL."""
@@ -38,11 +40,16 @@ STOP_GRACE_SECONDS = 15.0
 
 def check_replacing(args: Any, plugins: dict[str, dict[str, Any]]) -> None:
     """``--replace-failed-ranks`` needs one machine, replacements to make, and ranks that wait."""
-    if (args.nnodes or "1") != "1" or args.rdzv_endpoint:
-        raise UserError("--replace-failed-ranks: one machine only; leave out --nnodes and --rdzv-endpoint")
-    if args.min_ranks is not None and not 1 <= args.min_ranks <= (args.nproc_per_node or 1):
-        raise UserError(f"--min-ranks {args.min_ranks}: expected 1..{args.nproc_per_node or 1} (--nproc-per-node)")
-    if args.max_restarts < 1 and args.min_ranks is None:
+    most = int((args.nnodes or "1").rpartition(":")[2]) * (args.nproc_per_node or 1)
+    if (args.nnodes or "1") != "1" and not args.rdzv_endpoint:
+        raise UserError("--replace-failed-ranks across machines: add --rdzv-endpoint HOST:PORT, where they meet")
+    if (args.nnodes or "1") == "1" and args.rdzv_endpoint:
+        raise UserError("--replace-failed-ranks on one machine: leave out --rdzv-endpoint (it serves its own)")
+    if args.node_rank is not None:
+        raise UserError("--replace-failed-ranks: machines are numbered as they come; leave out --node-rank")
+    if args.min_ranks is not None and not 1 <= args.min_ranks <= most:
+        raise UserError(f"--min-ranks {args.min_ranks}: expected 1..{most} (machines × --nproc-per-node)")
+    if args.max_restarts < 1 and args.min_ranks is None and ":" not in (args.nnodes or ""):
         raise UserError(
             "--replace-failed-ranks: add --max-restarts K, how many processes may be replaced in all "
             "(or --min-ranks M, to go on without them)"
@@ -65,12 +72,41 @@ def ended(code: int) -> str:
     return f"exit code {code}"
 
 
+def drop_member(store: Any, slot: int) -> None:
+    """Take ``slot`` off the members at once (another launcher may edit them meanwhile)."""
+    while True:
+        listed = store.get(MEMBERS_KEY).decode()
+        kept = ",".join(each for each in listed.split(",") if each.lstrip("+") != str(slot))
+        if store.compare_set(MEMBERS_KEY, listed, kept).decode() == kept:
+            return
+
+
+def members(store: Any) -> list[str]:
+    """The job's ranks (slots) now, not counting those waiting to join."""
+    return [each for each in store.get(MEMBERS_KEY).decode().split(",") if each and each[0] != "+"]
+
+
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # found before any fork
+
+
+def _killed_with_launcher() -> None:
+    """In a rank's process before it runs: SIGKILL when the launcher dies (prctl's
+    PR_SET_PDEATHSIG; the watchdog's SIGTERM, a stop every rank agrees to, is not asked then)."""
+    _prctl(1, int(signal.SIGKILL))
+
+
 class Ranks:
-    """The job's processes, one per rank: one that dies replaced alone, all started again after a
-    hang; up to ``max_replacements`` times in all."""
+    """The job's processes on this machine, one per rank: one that dies replaced alone, all
+    started again after a hang; up to ``max_replacements`` times in all."""
+
+    killed_with_launcher = False
+    """Whether a rank dies at once with the launcher (a machine that leaves an elastic job), or
+    stops as the watchdog has it (every rank checkpoints and stops)."""
 
     def __init__(self, command: list[str], nproc: int, max_replacements: int, run_id: str, min_ranks: int) -> None:
         self.command, self.nproc, self.max_replacements, self.min_ranks = command, nproc, max_replacements, min_ranks
+        self.first_slot = 0
+        """This machine's first rank (its ranks are ``first_slot`` .. ``+ nproc - 1``)."""
         self.errors = Path(tempfile.mkdtemp(prefix="coretrain-launch-"))
         self.env = dict(os.environ) | {
             "MASTER_ADDR": "127.0.0.1",
@@ -90,7 +126,7 @@ class Ranks:
         self.replaced: dict[int, int] = {}
         self.job_restarts = 0
         self.stopping: int | None = None
-        self.store = self._serve()
+        self.store: Any = None
 
     def _serve(self) -> Any:
         """A store for this attempt of the job (a new one for each, as torchrun's agent makes: a
@@ -109,14 +145,16 @@ class Ranks:
         """Replacements and job restarts made: each counts against ``--max-restarts``."""
         return sum(self.replaced.values()) + self.job_restarts
 
-    def start(self, rank: int, predecessor: str | None = None) -> None:
-        env = self.env | {"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+    def start(self, rank: int, predecessor: str | None = None, extra: dict[str, str] | None = None) -> None:
+        local = str(rank - self.first_slot)
+        env = self.env | {"RANK": str(rank), "LOCAL_RANK": local, "ROLE_RANK": str(rank)} | (extra or {})
         env["TORCHELASTIC_ERROR_FILE"] = str(self.error_file(rank))
         if predecessor is not None:
             self.replaced[rank] = self.replaced.get(rank, 0) + 1
             env |= {"CORETRAIN_REPLACEMENT": str(self.replaced[rank]), "CORETRAIN_REPLACED": predecessor}
         self.error_file(rank).unlink(missing_ok=True)
-        self.processes[rank] = subprocess.Popen(self.command, env=env)
+        before_exec = _killed_with_launcher if self.killed_with_launcher else None
+        self.processes[rank] = subprocess.Popen(self.command, env=env, preexec_fn=before_exec)
 
     def error_file(self, rank: int) -> Path:
         return self.errors / f"rank{rank}.json"
@@ -138,6 +176,8 @@ class Ranks:
         failures: list[tuple[int, int]] = []
         while len(done) + len(failures) < len(self.processes):
             time.sleep(0.1)
+            if self.tick():  # every rank started anew
+                done, failures = set(), []
             for rank, process in self.processes.items():
                 code = process.poll()
                 if code is None or rank in done or rank in dict(failures):
@@ -160,6 +200,10 @@ class Ranks:
         if self.stopping is not None and all(code == 128 + self.stopping for _, code in failures):
             return 128 + self.stopping
         return failed(self.child_failed(failures)) if failures else 0
+
+    def tick(self) -> bool:
+        """Between looks at the ranks: whether they were all started anew (across machines)."""
+        return False
 
     def child_failed(self, failures: list[tuple[int, int]]) -> Any:
         """The ranks that failed, as torchrun reports them (with what each wrote in its error file)."""
@@ -184,15 +228,15 @@ class Ranks:
     def _droppable(self, code: int, ending: bool) -> bool:
         """Whether the job goes on without a rank that died: as many ranks left as ``--min-ranks``
         asks, and not after a hang (the watchdog's rank may have named a frozen peer, still there)."""
-        enough = len(self.processes) - 1 >= self.min_ranks
+        enough = len(members(self.store)) - 1 >= self.min_ranks
         return not self._final(code, ending) and code != HANG_EXIT_CODE and enough
 
     def _drop(self, rank: int, code: int) -> None:
         del self.processes[rank]
-        self.store.set(MEMBERS_KEY, ",".join(str(each) for each in sorted(self.processes)))
+        drop_member(self.store, rank)
         print(
             f"coretrain: rank {rank} ended ({ended(code)}) and no replacement is left; the other "
-            f"{len(self.processes)} rank(s) go on without it (--min-ranks {self.min_ranks})",
+            f"{len(members(self.store))} rank(s) go on without it (--min-ranks {self.min_ranks})",
             file=sys.stderr,
             flush=True,
         )
@@ -244,6 +288,7 @@ def launch_replacing(args: Any, command: list[str], failed: Callable[[Any], int]
     ranks = Ranks(
         command, args.nproc_per_node or 1, args.max_restarts, args.rdzv_id, args.min_ranks or args.nproc_per_node or 1
     )
+    ranks.store = ranks._serve()
     previous = {signum: signal.signal(signum, ranks.forward) for signum in STOP_SIGNALS}
     try:
         for rank in range(ranks.nproc):

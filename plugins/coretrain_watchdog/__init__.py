@@ -49,14 +49,19 @@ that really hung (in a local phase) reports first and names itself."""
 def stop_with_the_launcher() -> None:
     """A rank torchrun started gets SIGTERM when its launcher dies (Linux): killed alone, the
     launcher would leave its ranks training, and the other machines' ranks waiting on them.
-    SIGTERM is the graceful stop: every rank agrees, checkpoints and exits."""
+    SIGTERM is the graceful stop: every rank agrees, checkpoints and exits. A launcher that set
+    its own signal keeps it (coretrain's across machines: SIGKILL, the other machines go on)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     import ctypes
     import signal
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    pr_set_pdeathsig, pr_get_pdeathsig = 1, 2
+    libc, chosen = ctypes.CDLL(None, use_errno=True), ctypes.c_int(0)
+    libc.prctl(pr_get_pdeathsig, ctypes.byref(chosen))
+    if chosen.value:
+        return
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
     if os.getppid() == 1:  # the launcher died before we asked
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -1,0 +1,294 @@
+"""``--replace-failed-ranks`` across machines (``--nnodes MIN:MAX --rdzv-endpoint HOST:PORT``):
+a machine that joins or leaves changes the job in-process.
+
+torchrun's agents start every rank again when a machine joins or leaves (a new rendezvous
+round). Here each machine's launcher is a :class:`Machine`, and the one on the endpoint's host
+also leads (:class:`Leader`): it serves the meeting store (which machines came, their
+heartbeats) and each attempt's store for the ranks, decides which machines are in, and writes
+their ranks where the ranks' ``inprocess-restart`` reads them. A machine that joins gets rank
+numbers after the others', listed as waiting ("+4"); the running ranks stop together with a
+checkpoint and form the next group with its ranks. A machine whose heartbeat stops (its
+launcher killed, the machine gone) has its ranks dropped; the others, which saw the broken
+connection, form the next group without them. A hang (exit 124) starts every rank on every
+machine again on a new store, as torchrun would. The machine hosting the endpoint must stay,
+as with torchrun's c10d rendezvous. Settings are torchrun's ``--rdzv-conf`` names.
+"""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import signal
+import sys
+import time
+from typing import Any
+
+from coretrain import UserError
+from coretrain_launch.replacing import MEMBERS_KEY, Ranks, drop_member, members
+
+CHANGES_KEY = "default_pg/coretrain/launch/changes"
+"""How many times machines were taken in (``inprocess-restart`` stops the ranks when it grows)."""
+
+READY_KEY = "default_pg/coretrain/launch/ready"
+"""Counts the ranks of joining machines that have started and wait to be taken in."""
+
+SETTINGS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "keep_alive_interval": 1.0, "keep_alive_max_attempt": 3}
+"""torchrun's rendezvous settings this launcher takes from ``--rdzv-conf``, with torchrun's defaults."""
+
+
+def settings_of(rdzv_conf: str | None) -> dict[str, float]:
+    """``--rdzv-conf key=value,...``, the settings above; another key is left to torchrun's path."""
+    found = dict(SETTINGS)
+    for pair in filter(None, (rdzv_conf or "").split(",")):
+        key, _, value = pair.partition("=")
+        if key.strip() in found:
+            try:
+                found[key.strip()] = float(value)
+            except ValueError:
+                raise UserError(f"--rdzv-conf {pair}: expected a number of seconds (or attempts)") from None
+    return found
+
+
+def _serve(host: str, port: int, seconds: float) -> Any:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=seconds)
+    return dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+
+
+class Meeting:
+    """The endpoint's store, served by the launcher on its host (the first to bind the port):
+    the machines that came, their heartbeats, the leader's plans."""
+
+    def __init__(self, endpoint: str, run_id: str, settings: dict[str, float]) -> None:
+        import torch.distributed as dist
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+        self.host, port = parse_rendezvous_endpoint(endpoint, 29400)
+        self.leads, seconds = False, settings["join_timeout"]
+        if _matches_machine_hostname(self.host):
+            try:
+                self.store, self.leads = _serve(self.host, port, seconds), True
+            except RuntimeError:  # taken: another launcher on this host serves it
+                pass
+        if not self.leads:
+            timeout = datetime.timedelta(seconds=seconds)
+            self.store = dist.TCPStore(self.host, port, None, False, timeout=timeout)  # type: ignore[attr-defined]
+        self.keys = dist.PrefixStore(f"coretrain/launch/{run_id}", self.store)  # type: ignore[attr-defined]
+        self.machine = int(self.keys.add("machines", 1)) - 1
+        self.every, self.beaten = settings["keep_alive_interval"], 0.0
+
+    def beat(self) -> None:
+        """This machine's heartbeat, every ``keep_alive_interval``."""
+        if time.monotonic() - self.beaten >= self.every:
+            self.keys.set(f"beat/{self.machine}", str(time.monotonic_ns()))
+            self.beaten = time.monotonic()
+
+    def read(self, key: str) -> str | None:
+        return self.keys.get(key).decode() if self.keys.check([key]) else None
+
+
+def _say(message: str) -> None:
+    print(f"coretrain: {message}", file=sys.stderr, flush=True)
+
+
+class Leader:
+    """The endpoint host's launcher: which machines are in the job, and the ranks' store."""
+
+    def __init__(self, meeting: Meeting, nproc: int, nnodes: tuple[int, int], settings: dict[str, float]) -> None:
+        self.meeting, self.nproc, (self.low, self.high), self.settings = meeting, nproc, nnodes, settings
+        self.first_slots: dict[int, int] = {}
+        """The machines in the job, in order, and the first rank of each."""
+        self.gone: set[int] = set()
+        self.heard: dict[int, tuple[str | None, float]] = {}
+        self.attempt, self.restarts_seen, self.next_slot = 0, 0, 0
+        self.stores: list[Any] = []
+        self.joining = 0
+        """Ranks taken in whose processes have not all started yet (the ranks go on training meanwhile)."""
+        self.began, self.enough_at = time.monotonic(), 0.0
+
+    def tick(self) -> None:
+        keys = self.meeting.keys
+        alive = [m for m in range(int(keys.add("machines", 0))) if m not in self.gone and self._alive(m)]
+        if self.attempt == 0:
+            self._first_plan(alive)
+            return
+        for machine in [m for m in self.first_slots if m not in alive and self.meeting.read(f"done/{m}") is None]:
+            self._left(machine)
+        for machine in [m for m in alive if m not in self.first_slots][: self.high - len(self.first_slots)]:
+            self._take_in(machine)
+        if self.joining and int(self.stores[-1].add(READY_KEY, 0)) >= self.joining:
+            self.stores[-1].add(READY_KEY, -self.joining)
+            self.stores[-1].add(CHANGES_KEY, 1)  # all started: the ranks stop and take them in now
+            self.joining = 0
+        if int(keys.add("restarts", 0)) > self.restarts_seen:
+            self.restarts_seen = int(keys.add("restarts", 0))
+            self._plan()
+
+    def _alive(self, machine: int) -> bool:
+        """Whether the machine's heartbeat changed within ``keep_alive_interval × keep_alive_max_attempt``
+        (as this machine's clock sees it: the machines' clocks need not agree)."""
+        beat, now = self.meeting.read(f"beat/{machine}"), time.monotonic()
+        last = self.heard.get(machine)
+        if last is None or last[0] != beat:
+            self.heard[machine] = (beat, now)
+            return True
+        return now - last[1] <= self.settings["keep_alive_interval"] * self.settings["keep_alive_max_attempt"]
+
+    def _first_plan(self, alive: list[int]) -> None:
+        """Start once MIN machines came and ``last_call_timeout`` passed (or MAX came)."""
+        now = time.monotonic()
+        if len(alive) >= self.low:
+            self.enough_at = self.enough_at or now
+            if len(alive) >= self.high or now - self.enough_at >= self.settings["last_call_timeout"]:
+                self.first_slots = dict.fromkeys(alive[: self.high], 0)
+                self._plan()
+        elif now - self.began > self.settings["join_timeout"]:
+            raise UserError(
+                f"--nnodes {self.low}:{self.high}: {len(alive)} machine(s) came within join_timeout "
+                f"{self.settings['join_timeout']:.0f} s; start the others, or raise it (--rdzv-conf join_timeout=...)"
+            )
+
+    def _plan(self) -> None:
+        """A new attempt: every machine in the job starts its ranks, numbered in machine order,
+        on a new store (a group formed again on the old one's keys would meet the dead attempt's)."""
+        self.attempt += 1
+        for order, machine in enumerate(self.first_slots):
+            self.first_slots[machine] = order * self.nproc
+        world = self.next_slot = len(self.first_slots) * self.nproc
+        store = _serve(self.meeting.host, 0, self.settings["join_timeout"])
+        store.set(MEMBERS_KEY, ",".join(str(rank) for rank in range(world)))
+        store.add(CHANGES_KEY, 0)
+        self.joining = 0
+        self.stores = [*self.stores[-1:], store]  # the previous one until its ranks are gone
+        machines = ",".join(f"{m}:{first}" for m, first in self.first_slots.items())
+        self.meeting.keys.set(f"plan/{self.attempt}", f"{store.port} {world} {machines}")
+        self.meeting.keys.set("attempt", str(self.attempt))
+
+    def _take_in(self, machine: int) -> None:
+        """A machine that came while the job runs: its ranks listed as waiting; the ranks stop
+        with a checkpoint and take them in."""
+        store, first = self.stores[-1], self.next_slot
+        self.first_slots[machine], self.next_slot = first, first + self.nproc
+        while True:
+            listed = store.get(MEMBERS_KEY).decode()
+            grown = ",".join([*filter(None, listed.split(",")), *(f"+{s}" for s in range(first, self.next_slot))])
+            if store.compare_set(MEMBERS_KEY, listed, grown).decode() == grown:
+                break
+        self.joining += self.nproc
+        self.meeting.keys.set(f"joined/{machine}", f"{self.attempt} {first} {len(members(store))}")
+        _say(
+            f"machine {machine} joined: once its {self.nproc} rank(s) have started, the ranks stop with a "
+            "checkpoint and take them in"
+        )
+
+    def _left(self, machine: int) -> None:
+        """A machine whose heartbeat stopped: the others go on without its ranks, if enough remain."""
+        first = self.first_slots.pop(machine)
+        self.gone.add(machine)
+        silent = self.settings["keep_alive_interval"] * self.settings["keep_alive_max_attempt"]
+        if len(self.first_slots) < self.low:
+            _say(
+                f"machine {machine} left (no heartbeat for {silent:.0f} s): fewer than {self.low} machines "
+                "remain (--nnodes); the ranks wait for its ranks until their restart times out"
+            )
+            return
+        for slot in range(first, first + self.nproc):
+            drop_member(self.stores[-1], slot)
+        _say(f"machine {machine} left (no heartbeat for {silent:.0f} s): the other ranks go on without its ranks")
+
+    def finish(self) -> None:
+        """Keep the stores up until every machine's ranks are done (or the machine is gone)."""
+        while any(self.meeting.read(f"done/{m}") is None and self._alive(m) for m in self.first_slots):
+            self.meeting.beat()
+            time.sleep(0.1)
+
+
+class Machine(Ranks):
+    """This machine's ranks in a job across machines: started as the leader's plans say."""
+
+    killed_with_launcher = True  # a machine that leaves: its ranks go, the others go on
+
+    def __init__(self, command: list[str], nproc: int, args: Any, meeting: Meeting, leader: Leader | None) -> None:
+        most = int(args.nnodes.rpartition(":")[2]) * nproc
+        super().__init__(command, nproc, args.max_restarts, args.rdzv_id, args.min_ranks or most)
+        self.meeting, self.leader, self.attempt = meeting, leader, 0
+        self.env["MASTER_ADDR"] = meeting.host
+
+    def tick(self) -> bool:
+        self.meeting.beat()
+        if self.leader is not None:
+            self.leader.tick()
+        attempt = int(self.meeting.read("attempt") or 0)
+        if attempt > self.attempt:
+            self._follow(attempt)
+            return True
+        joined = self.meeting.read(f"joined/{self.meeting.machine}")
+        if not self.processes and joined is not None and int(joined.split()[0]) == self.attempt:
+            _, first, world = (int(n) for n in joined.split())
+            self.first_slot, self.env["WORLD_SIZE"] = first, str(world)
+            for slot in range(first, first + self.nproc):
+                self.start(slot, extra={"CORETRAIN_JOINED": f"{time.time():.3f}"})
+            return True
+        return False
+
+    def wait_admitted(self) -> None:
+        while not self.processes:
+            self.tick()
+            time.sleep(0.1)
+
+    def _follow(self, attempt: int) -> None:
+        """The leader's plan for ``attempt``: this machine's ranks (all of them) started anew."""
+        import torch.distributed as dist
+
+        port, world, machines = (self.meeting.read(f"plan/{attempt}") or "").split()
+        firsts = {int(m): int(first) for m, _, first in (pair.partition(":") for pair in machines.split(","))}
+        self.signal_all(signal.SIGKILL)
+        for process in self.processes.values():
+            process.wait()
+        self.processes, self.attempt, self.job_restarts = {}, attempt, attempt - 1
+        self.env |= {"MASTER_PORT": port, "WORLD_SIZE": world, "TORCHELASTIC_RESTART_COUNT": str(attempt - 1)}
+        self.env |= {"GROUP_WORLD_SIZE": str(len(firsts)), "ROLE_WORLD_SIZE": world}
+        timeout = datetime.timedelta(seconds=60)
+        self.store = dist.TCPStore(self.meeting.host, int(port), None, False, timeout=timeout)  # type: ignore[attr-defined]
+        if self.meeting.machine in firsts:
+            self.first_slot = firsts[self.meeting.machine]
+            self.env["GROUP_RANK"] = str(list(firsts).index(self.meeting.machine))
+            for slot in range(self.first_slot, self.first_slot + self.nproc):
+                self.start(slot)
+
+    def _restart_all(self, rank: int) -> None:
+        """A hang: the leader starts every rank of every machine again (see :meth:`_follow`)."""
+        _say(
+            f"rank {rank} ended on a hang (exit 124); starting every rank of every machine again "
+            f"({self.spent + 1}/{self.max_replacements})"
+        )
+        self.meeting.keys.add("restarts", 1)
+        while not self.tick():
+            time.sleep(0.1)
+
+
+def launch_machines(args: Any, command: list[str], failed: Any) -> int:
+    """This machine's part of a job across machines; its ranks' exit code."""
+    from coretrain_launch.codes import STOP_SIGNALS
+
+    low, _, high = args.nnodes.partition(":")
+    settings = settings_of(args.rdzv_conf)
+    meeting = Meeting(args.rdzv_endpoint, args.rdzv_id, settings)
+    leader = (
+        Leader(meeting, args.nproc_per_node or 1, (int(low), int(high or low)), settings) if meeting.leads else None
+    )
+    ranks = Machine(command, args.nproc_per_node or 1, args, meeting, leader)
+    previous = {signum: signal.signal(signum, ranks.forward) for signum in STOP_SIGNALS}
+    try:
+        ranks.wait_admitted()
+        code = ranks.watch(failed)
+        meeting.keys.set(f"done/{meeting.machine}", str(code))
+        if leader is not None:
+            leader.finish()
+        return code
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        ranks.signal_all(signal.SIGKILL)
+        shutil.rmtree(ranks.errors, ignore_errors=True)

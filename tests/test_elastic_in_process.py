@@ -1,0 +1,103 @@
+"""``coretrain run --nnodes MIN:MAX --rdzv-endpoint H:P --replace-failed-ranks``: a machine that
+joins or leaves changes the job in-process — the running ranks stay the same processes — and the
+losses are those of a job restarted from the same checkpoint on the new size. Two launchers on
+this machine play two machines, as in test_launcher's elastic test."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import metrics_rows, run_train
+from test_launcher import children, free_port, wait_for
+
+from coretrain.testing import tiny_config, write_config
+
+SLOW_STEPS = {"action": "sleep", "step": 1, "every_step": True, "sleep_seconds": 0.1}
+
+
+def config(tmp_path: Path, name: str, **plugins: object) -> Path:
+    sections = tiny_config(
+        tmp_path / name,
+        train={"train_iters": 150, "log_interval": 1, "micro_batch_size": 4, "global_batch_size": 8},
+        checkpoint={"save_interval": 5},
+        distributed={"backend": "gloo"},
+        plugins=plugins,
+    )
+    return write_config(tmp_path / f"{name}.toml", sections)
+
+
+def losses_by_step(out: Path) -> dict[int, float]:
+    if not (out / "metrics.jsonl").exists():
+        return {}
+    return {int(row["step"]): row["loss"] for row in metrics_rows(out) if "loss" in row}
+
+
+def resumed_from(out: Path, step: int, into: str, *args: str) -> dict[int, float]:
+    """The losses of a job started from ``out``'s checkpoint of ``step`` with ``args``."""
+    target = out.parent / into
+    shutil.copytree(out / "checkpoints" / f"step_{step:08d}", target / "checkpoints" / f"step_{step:08d}")
+    toml = config(out.parent, into)
+    job = run_train(str(toml), *args, cwd=out.parent, env={"OMP_NUM_THREADS": "1"})
+    assert job.returncode == 0, job.stderr[-3000:]
+    return losses_by_step(target)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a launcher's death reaches its ranks on Linux")
+def test_a_machine_joins_and_leaves_and_the_first_machines_rank_trains_on_in_the_same_process(tmp_path: Path) -> None:
+    """Machine A starts alone (--nnodes 1:2); B comes: A's rank stops with a checkpoint and forms
+    a group of 2 with B's rank in-process. Then B's launcher is SIGKILLed: its rank dies with it,
+    A's leader drops B's rank when its heartbeat stops, and A's rank goes on alone, in-process.
+    A's rank is one process throughout; each stretch's losses equal a job restarted from the
+    same checkpoint on that size."""
+    toml = config(tmp_path, "job", **{"inprocess-restart": {}, "fault-injection": SLOW_STEPS})
+    out = tmp_path / "job"
+    port = free_port()
+    launch = ("--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    command = [sys.executable, "-m", "coretrain", "run", str(toml), *launch, "--replace-failed-ranks"]
+    command += ["--rdzv-conf", "last_call_timeout=1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def machine(name: str) -> subprocess.Popen[bytes]:
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def said() -> str:
+        return (tmp_path / "a.log").read_text()
+
+    a, b = machine("a"), None
+    try:
+        wait_for(lambda: max(losses_by_step(out), default=0) >= 10 and len(children(a.pid)) == 1, "A training")
+        (rank_of_a,) = children(a.pid)
+        b = machine("b")
+        wait_for(lambda: "in-process re-form: resumed at step" in said(), "B's rank to be taken in")
+        joined = int(re.findall(r"stopping at step (\d+): ranks wait to join", said())[0])
+        wait_for(lambda: max(losses_by_step(out)) >= joined + 10, "the job to train on 2 ranks")
+        b.send_signal(signal.SIGKILL)  # the launcher alone: its rank dies with it
+        wait_for(lambda: "in-process restart 1: resumed at step" in said(), "A's rank to go on alone")
+        assert children(a.pid) == [rank_of_a]  # the same process, through both changes
+        assert a.wait(timeout=240) == 0, said()[-3000:]
+    finally:
+        for launcher in (a, b):
+            if launcher is not None and launcher.poll() is None:
+                launcher.kill()
+    log = said()
+    assert "machine 1 joined" in log and "in-process re-form: 1 rank(s) joined; 2 ranks go on (was 1)" in log
+    assert "machine 1 left (no heartbeat for 3 s): the other ranks go on without its ranks" in log
+    assert "1 of 2 ranks go on (the launcher runs no more)" in log
+    left = int(re.findall(r"in-process restart 1: resumed at step (\d+)", log)[0])
+    assert joined < left < 150
+    assert "received SIGTERM" not in log
+    job = losses_by_step(out)
+    assert sorted(job) == list(range(1, 151))
+    on_two = resumed_from(out, joined, "two", "--nproc-per-node", "2", "--set", f"train.exit_interval={left}")
+    assert [job[step] for step in range(joined + 1, left + 1)] == [on_two[s] for s in range(joined + 1, left + 1)]
+    on_one = resumed_from(out, left, "one")
+    assert [job[step] for step in range(left + 1, 151)] == [on_one[s] for s in range(left + 1, 151)]
