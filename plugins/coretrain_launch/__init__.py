@@ -135,7 +135,10 @@ def launch_torchrun(args: argparse.Namespace) -> int:
 
         check_replacing(args, settings.plugins)
         nproc = args.nproc_per_node or 1
-        for ranks in range(min(args.min_ranks or nproc, int(low) * nproc), int(high or low) * nproc + 1):
+        sizes = {machines * nproc for machines in range(int(low), int(high or low) + 1)}  # machines come and go
+        if args.min_ranks is not None:  # ranks dropped one by one
+            sizes |= set(range(args.min_ranks, int(high or low) * nproc + 1))
+        for ranks in sorted(sizes):
             settings.check_world(ranks)  # each size the job may shrink or grow to must fit too
         command = [sys.executable, *argv[argv.index("-m") :]]
         if args.rdzv_endpoint:
