@@ -127,6 +127,7 @@ class InProcessRestart:
     """gloo's connections to the peers (fd -> socket inode), to shut down when leaving."""
     _what: str = field(default="in-process restart", init=False)
     """The last restart, as the resumed line names it."""
+    _asked: float = field(default=0.0, init=False)
     _changes: int | None = field(default=None, init=False)
     """The launcher's count of ranks added to join, as of this group (None: not across machines)."""
 
@@ -211,8 +212,12 @@ class InProcessRestart:
 
     @hookimpl
     def post_step(self, run: Run, step: int, outputs: StepOutputs) -> None:
-        """Ranks wait to join (the launcher counted them): stop together, with a checkpoint they load."""
-        if self._changes is not None and run.control.stop_reason is None and changes(self._store) > self._changes:
+        """Ranks wait to join (the launcher counted them): stop together, with a checkpoint they load.
+        The store is asked at most once a second, not at every step."""
+        if self._changes is None or run.control.stop_reason is not None or time.monotonic() < self._asked + 1:
+            return
+        self._asked = time.monotonic()
+        if changes(self._store) > self._changes:
             run.control.request_stop("ranks wait to join: stopping with a checkpoint to take them in")
 
     def _take_joining_in(self) -> None:

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from coretrain import UserError
-from coretrain_launch.replacing import MEMBERS_KEY, Ranks, drop_member, members
+from coretrain_launch.replacing import MEMBERS_KEY, Ranks, drop_member, edit_members, members, serve_store
 
 CHANGES_KEY = "default_pg/coretrain/launch/changes"
 """How many times machines were taken in (``inprocess-restart`` stops the ranks when it grows)."""
@@ -49,13 +49,6 @@ def settings_of(rdzv_conf: str | None) -> dict[str, float]:
     return found
 
 
-def _serve(host: str, port: int, seconds: float) -> Any:
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=seconds)
-    return dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
-
-
 class Meeting:
     """The endpoint's store, served by the launcher on its host (the first to bind the port):
     the machines that came, their heartbeats, the leader's plans."""
@@ -68,7 +61,7 @@ class Meeting:
         self.leads, seconds = False, settings["join_timeout"]
         if _matches_machine_hostname(self.host):
             try:
-                self.store, self.leads = _serve(self.host, port, seconds), True
+                self.store, self.leads = serve_store(self.host, port, seconds), True
             except RuntimeError:  # taken: another launcher on this host serves it
                 pass
         if not self.leads:
@@ -156,7 +149,7 @@ class Leader:
         for order, machine in enumerate(self.first_slots):
             self.first_slots[machine] = order * self.nproc
         world = self.next_slot = len(self.first_slots) * self.nproc
-        store = _serve(self.meeting.host, 0, self.settings["join_timeout"])
+        store = serve_store(self.meeting.host, 0, self.settings["join_timeout"])
         store.set(MEMBERS_KEY, ",".join(str(rank) for rank in range(world)))
         store.add(CHANGES_KEY, 0)
         self.joining = 0
@@ -170,11 +163,7 @@ class Leader:
         with a checkpoint and take them in."""
         store, first = self.stores[-1], self.next_slot
         self.first_slots[machine], self.next_slot = first, first + self.nproc
-        while True:
-            listed = store.get(MEMBERS_KEY).decode()
-            grown = ",".join([*filter(None, listed.split(",")), *(f"+{s}" for s in range(first, self.next_slot))])
-            if store.compare_set(MEMBERS_KEY, listed, grown).decode() == grown:
-                break
+        edit_members(store, lambda listed: [*listed, *(f"+{slot}" for slot in range(first, first + self.nproc))])
         self.joining += self.nproc
         self.meeting.keys.set(f"joined/{machine}", f"{self.attempt} {first} {len(members(store))}")
         _say(

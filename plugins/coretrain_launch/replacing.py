@@ -72,13 +72,27 @@ def ended(code: int) -> str:
     return f"exit code {code}"
 
 
-def drop_member(store: Any, slot: int) -> None:
-    """Take ``slot`` off the members at once (another launcher may edit them meanwhile)."""
+def edit_members(store: Any, edit: Callable[[list[str]], list[str]]) -> None:
+    """Change the member list at once (another launcher, or rank 0 taking ranks in, may edit it
+    meanwhile: compare-and-set until no one did)."""
     while True:
         listed = store.get(MEMBERS_KEY).decode()
-        kept = ",".join(each for each in listed.split(",") if each.lstrip("+") != str(slot))
-        if store.compare_set(MEMBERS_KEY, listed, kept).decode() == kept:
+        edited = ",".join(edit([each for each in listed.split(",") if each]))
+        if store.compare_set(MEMBERS_KEY, listed, edited).decode() == edited:
             return
+
+
+def drop_member(store: Any, slot: int) -> None:
+    """Take ``slot`` off the members (waiting to join or not)."""
+    edit_members(store, lambda listed: [each for each in listed if each.lstrip("+") != str(slot)])
+
+
+def serve_store(host: str, port: int, seconds: float) -> Any:
+    """A TCPStore served by this process (``port`` 0: a free one)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=seconds)
+    return dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
 
 
 def members(store: Any) -> list[str]:
@@ -131,11 +145,7 @@ class Ranks:
     def _serve(self) -> Any:
         """A store for this attempt of the job (a new one for each, as torchrun's agent makes: a
         group formed again on the old one's keys would meet the dead attempt's)."""
-        import torch.distributed as dist
-
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            "127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=30), wait_for_workers=False
-        )
+        store = serve_store("127.0.0.1", 0, 30 * 60)
         self.env["MASTER_PORT"] = str(store.port)
         store.set(MEMBERS_KEY, ",".join(str(rank) for rank in range(self.nproc)))
         return store
