@@ -1,6 +1,6 @@
 """What a fault costs: seconds and steps of work, for a full job restart and in-process ones.
 
-    python benchmarks/recovery.py [--ranks 2 4] [--repeat 2]
+    python benchmarks/recovery.py [--ranks 2 4] [--repeat 2] [--only-machines]
 
 One job per case (``coretrain run --nproc-per-node N``: torchrun's agent, as users start it), on
 the tiny workload (gloo, one torch thread per rank), 16 steps, a checkpoint every 4, and rank 1
@@ -19,6 +19,13 @@ raising at step 11 (``fault-injection``):
   of half the size, the global batch kept by accumulation — on a batch every size from half up
   fits (micro 4, global 48), against a baseline of its own on it (its losses equal the
   baseline's within 1e-5: the gradients are summed in another order);
+- (e) a machine leaving, with two launchers of half the ranks each (``--nnodes 1:2
+  --rdzv-endpoint``, as two machines start them): at step 11 (rank 0 pauses there 0.5 s, every
+  run alike) the second launcher and its ranks are SIGKILLed at once, as a machine that goes
+  down; under torchrun's agents the first starts its ranks again on the smaller size; under
+  coretrain's launchers (``--replace-failed-ranks``) the first's ranks go on in-process once its
+  leader misses the heartbeat (3 s, counted: rank 0 pauses only 0.5 s). Each against a
+  baseline of the same launchers, nothing killed, on (d)'s batch;
 
 each also with ``[plugins.local-checkpoint]`` (a checkpoint in host memory after every step),
 which the restart resumes from instead of the durable one at step 8.
@@ -40,6 +47,8 @@ import json
 import math
 import os
 import re
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -87,11 +96,100 @@ def leaving(ranks: int) -> dict[str, tuple[dict[str, Any], list[str]]]:
     }
 
 
+PAUSE = {"action": "sleep", "step": FAULT_STEP, "ranks": [0], "sleep_seconds": 0.5, "attempt": 0}
+"""(e): rank 0 waits at the fault's step, so the second machine goes down there, not a step or two
+later; shorter than the heartbeat's 3 s, so missing the heartbeat is counted in the cost."""
+
+
+def machine_leaving() -> dict[str, tuple[dict[str, Any], list[str]]]:
+    """(e): two launchers; the second killed at the fault's step (or not, for the baselines)."""
+    torchrun, own = ["--max-restarts", "1"], ["--replace-failed-ranks"]
+    paused: dict[str, Any] = {"fault-injection": PAUSE}
+    in_process: dict[str, Any] = {**paused, "inprocess-restart": {}}
+    restarted, went_on = (
+        "(e) a machine goes down, torchrun's agents restart the ranks",
+        "(e) a machine goes down, in-process",
+    )
+    return {
+        "(e) baseline, torchrun's agents": (paused, torchrun),
+        restarted: (paused, torchrun),
+        f"{restarted}, local checkpoints": ({**paused, **LOCAL}, torchrun),
+        "(e) baseline, coretrain's launchers": (in_process, own),
+        went_on: (in_process, own),
+        f"{went_on}, local checkpoints": ({**in_process, **LOCAL}, own),
+    }
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process under it (a launcher and its ranks)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        found.append(queue.pop())
+        queue += parents.get(found[-1], [])
+    return found
+
+
+def logged_steps(metrics: Path) -> set[int]:
+    """The steps a metrics file has a row for (a line being written is skipped)."""
+    found = set()
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        try:
+            found.add(int(json.loads(line)["step"]))
+        except (ValueError, KeyError):
+            continue
+    return found
+
+
+def two_machines(
+    root: Path, config: Path, ranks: int, launch: list[str], down: bool
+) -> subprocess.CompletedProcess[str]:
+    """(e): two launchers of ``ranks // 2`` ranks each; with ``down`` the second, ranks and all, is
+    SIGKILLed once step 10 is logged (rank 0 pauses at 11). The first's result."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "coretrain", "run", str(config), "--nnodes", "1:2", "--nproc-per-node"]
+    command += [str(ranks // 2), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=1", *launch]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(root / "first.log", "w") as said:  # a file, not a pipe nobody reads while it runs
+        first = subprocess.Popen(command, cwd=root, env=env, stdout=said, stderr=subprocess.STDOUT)
+    while first.poll() is None:  # the first hosts the meeting point (the endpoint's machine, which stays)
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    second = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = root / "out" / "metrics.jsonl"
+    while down and first.poll() is None:
+        if FAULT_STEP - 1 in logged_steps(metrics):
+            for pid in descendants(second.pid):
+                os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    first.wait(timeout=600)
+    second.wait(timeout=60)
+    return subprocess.CompletedProcess(command, first.returncode, "", (root / "first.log").read_text())
+
+
 def run_case(
-    root: Path, ranks: int, plugins: dict[str, Any], launch: list[str], batch: dict[str, int] | None = None
+    root: Path,
+    ranks: int,
+    plugins: dict[str, Any],
+    launch: list[str],
+    batch: dict[str, int] | None = None,
+    machines: bool | None = None,
 ) -> tuple[float, list[float], int | None] | None:
-    """Wall seconds of one torchrun job, the losses it logged and the step it resumed from after
-    the fault; None when the job failed (its output's tail printed)."""
+    """Wall seconds of one job, the losses it logged and the step it resumed from after the fault;
+    None when the job failed (its output's tail printed). ``machines``: two launchers, the second
+    going down (True) or not."""
     sections = tiny_config(
         root / "out",
         train={"train_iters": STEPS, "log_interval": 1, "eval_iters": 0, **(batch or {})},
@@ -104,7 +202,10 @@ def run_case(
     command += launch  # coretrain's launcher: torchrun's agent, as users start it, or its own
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    if machines is not None:
+        done = two_machines(root, config, ranks, launch, down=machines)
+    else:
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if line.startswith(("error:", "[E"))]
@@ -117,7 +218,9 @@ def run_case(
 
 
 def baseline_of(name: str) -> str:
-    """The case a case is compared with: (d) trains a batch of its own."""
+    """The case a case is compared with: (d) and (e) train a batch of their own, (e) on its launchers."""
+    if name.startswith("(e)"):
+        return "(e) baseline, " + ("torchrun's agents" if "torchrun" in name else "coretrain's launchers")
     return "(d) baseline" if name.startswith("(d)") else "baseline"
 
 
@@ -136,17 +239,19 @@ def measure(ranks: int, cases: dict[str, tuple[dict[str, Any], list[str]]], repe
             for index, (name, (plugins, launch)) in enumerate(cases.items()):  # interleaved: load hits all alike
                 root = Path(scratch) / f"{ranks}-{attempt}-{index}"
                 root.mkdir(parents=True)
-                result = run_case(root, ranks, plugins, launch, SHRINKABLE if name.startswith("(d)") else None)
+                machines = ("baseline" not in name) if name.startswith("(e)") else None
+                batch = SHRINKABLE if name.startswith(("(d)", "(e)")) else None
+                result = run_case(root, ranks, plugins, launch, batch, machines)
                 if result is None:
                     failed[name] += 1
                     continue
                 seconds, losses, resumed_at[name] = result
                 reference = references.setdefault(baseline_of(name), losses)
-                # (d) sums the gradients in another order (more accumulation on fewer ranks)
+                # (d), (e) sum the gradients in another order (more accumulation on fewer ranks)
                 close = len(losses) == len(reference) and all(
                     math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses, reference)
                 )
-                if losses != reference and not (name.startswith("(d)") and close):
+                if losses != reference and not (name.startswith(("(d)", "(e)")) and close):
                     raise SystemExit(f"{name} on {ranks} ranks: losses differ from the baseline's")
                 times[name].append(seconds)
     return times, resumed_at, failed
@@ -156,10 +261,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--only-machines", action="store_true", help="only (e), a machine going down")
     args = parser.parse_args()
     lines = ["| ranks | case | job seconds | cost of the fault | steps lost |", "| --- | --- | --- | --- | --- |"]
     for ranks in args.ranks:
-        times, resumed_at, failed = measure(ranks, {**CASES, **leaving(ranks)}, args.repeat)
+        cases = {**CASES, **leaving(ranks), **machine_leaving()} if not args.only_machines else machine_leaving()
+        times, resumed_at, failed = measure(ranks, cases, args.repeat)
         for name, measured in times.items():
             median = statistics.median(measured) if measured else float("nan")
             base = baseline_of(name)

@@ -9,8 +9,10 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -22,15 +24,44 @@ from coretrain.testing import tiny_config, write_config
 SLOW_STEPS = {"action": "sleep", "step": 1, "every_step": True, "sleep_seconds": 0.1}
 
 
-def config(tmp_path: Path, name: str, **plugins: object) -> Path:
+def config(tmp_path: Path, name: str, plugins: Mapping[str, object] | None = None, steps: int = 150) -> Path:
     sections = tiny_config(
         tmp_path / name,
-        train={"train_iters": 150, "log_interval": 1, "micro_batch_size": 4, "global_batch_size": 8},
+        train={"train_iters": steps, "log_interval": 1, "micro_batch_size": 4, "global_batch_size": 8},
         checkpoint={"save_interval": 5},
         distributed={"backend": "gloo"},
-        plugins=plugins,
+        plugins=plugins or {},
     )
     return write_config(tmp_path / f"{name}.toml", sections)
+
+
+class Machines:
+    """Launchers on this machine, each playing one machine of a job (one rank each): the same
+    command, with its output in NAME.log."""
+
+    def __init__(self, tmp_path: Path, toml: Path, nnodes: str, *more: str) -> None:
+        self.tmp_path, self.port, self.started = tmp_path, free_port(), list[subprocess.Popen[bytes]]()
+        self.command = [sys.executable, "-m", "coretrain", "run", str(toml), "--nnodes", nnodes, "--nproc-per-node"]
+        self.command += ["1", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--replace-failed-ranks", *more]
+
+    def start(self, name: str) -> subprocess.Popen[bytes]:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with open(self.tmp_path / f"{name}.log", "wb") as log:
+            self.started.append(subprocess.Popen(self.command, cwd=self.tmp_path, env=env, stdout=log, stderr=log))
+        return self.started[-1]
+
+    def said(self, name: str = "a") -> str:
+        return (self.tmp_path / f"{name}.log").read_text()
+
+    def kill(self) -> None:
+        for launcher in self.started:
+            if launcher.poll() is None:
+                launcher.kill()
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def losses_by_step(out: Path) -> dict[int, float]:
@@ -57,26 +88,15 @@ def test_a_machine_joins_and_leaves_and_the_first_machines_rank_trains_on_in_the
     A's leader drops B's rank when its heartbeat stops, and A's rank goes on alone, in-process.
     A's rank is one process throughout; each stretch's losses equal a job restarted from the
     same checkpoint on that size."""
-    toml = config(tmp_path, "job", **{"inprocess-restart": {}, "fault-injection": SLOW_STEPS})
+    toml = config(tmp_path, "job", {"inprocess-restart": {}, "fault-injection": SLOW_STEPS})
     out = tmp_path / "job"
-    port = free_port()
-    launch = ("--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
-    command = [sys.executable, "-m", "coretrain", "run", str(toml), *launch, "--replace-failed-ranks"]
-    command += ["--rdzv-conf", "last_call_timeout=1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-
-    def machine(name: str) -> subprocess.Popen[bytes]:
-        with open(tmp_path / f"{name}.log", "wb") as log:
-            return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def said() -> str:
-        return (tmp_path / "a.log").read_text()
-
-    a, b = machine("a"), None
+    machines = Machines(tmp_path, toml, "1:2", "--rdzv-conf", "last_call_timeout=1")
+    said = machines.said
+    a = machines.start("a")
     try:
         wait_for(lambda: max(losses_by_step(out), default=0) >= 10 and len(children(a.pid)) == 1, "A training")
         (rank_of_a,) = children(a.pid)
-        b = machine("b")
+        b = machines.start("b")
         wait_for(lambda: "in-process re-form: resumed at step" in said(), "B's rank to be taken in")
         joined = int(re.findall(r"stopping at step (\d+): ranks wait to join", said())[0])
         wait_for(lambda: max(losses_by_step(out)) >= joined + 10, "the job to train on 2 ranks")
@@ -85,9 +105,7 @@ def test_a_machine_joins_and_leaves_and_the_first_machines_rank_trains_on_in_the
         assert children(a.pid) == [rank_of_a]  # the same process, through both changes
         assert a.wait(timeout=240) == 0, said()[-3000:]
     finally:
-        for launcher in (a, b):
-            if launcher is not None and launcher.poll() is None:
-                launcher.kill()
+        machines.kill()
     log = said()
     assert "machine 1 joined" in log and "in-process re-form: 1 rank(s) joined; 2 ranks go on (was 1)" in log
     assert "machine 1 left (no heartbeat for 3 s): the other ranks go on without its ranks" in log
@@ -101,3 +119,39 @@ def test_a_machine_joins_and_leaves_and_the_first_machines_rank_trains_on_in_the
     assert [job[step] for step in range(joined + 1, left + 1)] == [on_two[s] for s in range(joined + 1, left + 1)]
     on_one = resumed_from(out, left, "one")
     assert [job[step] for step in range(left + 1, 151)] == [on_one[s] for s in range(left + 1, 151)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a launcher's death reaches its ranks on Linux")
+def test_a_machine_that_comes_takes_the_place_of_one_that_left_a_job_at_its_minimum(tmp_path: Path) -> None:
+    """--nnodes 2: A and B start; B's launcher is SIGKILLed, which leaves fewer than 2 machines;
+    A's rank waits in-process. C comes: its rank takes rank 1's place and joins A's restart, as
+    a replaced process does. A's rank is one process throughout, and the losses are those of an
+    uninterrupted run on 2 ranks."""
+    plugins = {"inprocess-restart": {}, "fault-injection": SLOW_STEPS}
+    toml, whole, out = config(tmp_path, "job", plugins, 40), config(tmp_path, "whole", steps=40), tmp_path / "job"
+    machines = Machines(tmp_path, toml, "2")
+    said = machines.said
+    a = machines.start("a")
+    try:
+        wait_for(lambda: listening(machines.port) or a.poll() is not None, "A to serve the meeting point")
+        assert a.poll() is None, said()  # (its machine is the one that stays)
+        b = machines.start("b")
+        wait_for(lambda: max(losses_by_step(out), default=0) >= 12, "A and B training")
+        (rank_of_a,) = children(a.pid)
+        b.send_signal(signal.SIGKILL)
+        wait_for(lambda: "the ranks wait for a machine to take its place" in said(), "A's leader to miss B")
+        c = machines.start("c")
+        wait_for(lambda: "resumed at step" in said(), "C's rank to take rank 1's place")
+        assert children(a.pid) == [rank_of_a]
+        assert a.wait(timeout=240) == 0, said()[-3000:]
+        assert c.wait(timeout=60) == 0, said("c")[-3000:]
+    finally:
+        machines.kill()
+    log = said()
+    assert "machine 1 left (no heartbeat for 3 s): fewer than 2 machines remain" in log
+    assert "machine 2 came: its ranks take the place of machine 1's" in log
+    assert "after rank 1 died (machine 1 left); a new process took its place" in log
+    reference = run_train(str(whole), "--nproc-per-node", "2", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert losses_by_step(out) == losses_by_step(tmp_path / "whole")

@@ -9,8 +9,10 @@ their ranks where the ranks' ``inprocess-restart`` reads them. A machine that jo
 numbers after the others', listed as waiting ("+4"); the running ranks stop together with a
 checkpoint and form the next group with its ranks. A machine whose heartbeat stops (its
 launcher killed, the machine gone) has its ranks dropped; the others, which saw the broken
-connection, form the next group without them. A hang (exit 124) starts every rank on every
-machine again on a new store, as torchrun would. The machine hosting the endpoint must stay,
+connection, form the next group without them — unless that leaves fewer than MIN machines: then
+they wait for a machine that comes to take its place (its ranks get the gone ones' numbers and
+join as replaced processes do). A hang (exit 124) starts every rank on every machine again on a
+new store, as torchrun would. The machine hosting the endpoint must stay,
 as with torchrun's c10d rendezvous. Settings are torchrun's ``--rdzv-conf`` names.
 """
 
@@ -98,6 +100,9 @@ class Leader:
         self.stores: list[Any] = []
         self.joining = 0
         """Ranks taken in whose processes have not all started yet (the ranks go on training meanwhile)."""
+        self.vacant: list[tuple[int, int]] = []
+        """Machines that left a job with fewer than MIN, and their first ranks: a machine that comes takes
+        their place (the ranks wait for it, up to their ``restart_timeout_seconds``)."""
         self.began, self.enough_at = time.monotonic(), 0.0
 
     def tick(self) -> None:
@@ -109,7 +114,10 @@ class Leader:
         for machine in [m for m in self.first_slots if m not in alive and self.meeting.read(f"done/{m}") is None]:
             self._left(machine)
         for machine in [m for m in alive if m not in self.first_slots][: self.high - len(self.first_slots)]:
-            self._take_in(machine)
+            if self.vacant:
+                self._take_place(machine, *self.vacant.pop(0))
+            else:
+                self._take_in(machine)
         if self.joining and int(self.stores[-1].add(READY_KEY, 0)) >= self.joining:
             self.stores[-1].add(READY_KEY, -self.joining)
             self.stores[-1].add(CHANGES_KEY, 1)  # all started: the ranks stop and take them in now
@@ -165,11 +173,19 @@ class Leader:
         self.first_slots[machine], self.next_slot = first, first + self.nproc
         edit_members(store, lambda listed: [*listed, *(f"+{slot}" for slot in range(first, first + self.nproc))])
         self.joining += self.nproc
-        self.meeting.keys.set(f"joined/{machine}", f"{self.attempt} {first} {len(members(store))}")
+        self.meeting.keys.set(f"start/{machine}", f"{self.attempt} {first} {len(members(store))} joined")
         _say(
             f"machine {machine} joined: once its {self.nproc} rank(s) have started, the ranks stop with a "
             "checkpoint and take them in"
         )
+
+    def _take_place(self, machine: int, gone: int, first: int) -> None:
+        """A machine that came while the ranks wait for a gone one's: its ranks take those rank
+        numbers and join the restart the others are in, as a dead rank's replacement does."""
+        self.first_slots[machine] = first
+        world = len(members(self.stores[-1]))
+        self.meeting.keys.set(f"start/{machine}", f"{self.attempt} {first} {world} replaces {gone}")
+        _say(f"machine {machine} came: its ranks take the place of machine {gone}'s")
 
     def _left(self, machine: int) -> None:
         """A machine whose heartbeat stopped: the others go on without its ranks, if enough remain."""
@@ -177,9 +193,10 @@ class Leader:
         self.gone.add(machine)
         silent = self.settings["keep_alive_interval"] * self.settings["keep_alive_max_attempt"]
         if len(self.first_slots) < self.low:
+            self.vacant.append((machine, first))
             _say(
                 f"machine {machine} left (no heartbeat for {silent:.0f} s): fewer than {self.low} machines "
-                "remain (--nnodes); the ranks wait for its ranks until their restart times out"
+                "remain (--nnodes); the ranks wait for a machine to take its place (restart_timeout_seconds)"
             )
             return
         for slot in range(first, first + self.nproc):
@@ -212,12 +229,13 @@ class Machine(Ranks):
         if attempt > self.attempt:
             self._follow(attempt)
             return True
-        joined = self.meeting.read(f"joined/{self.meeting.machine}")
-        if not self.processes and joined is not None and int(joined.split()[0]) == self.attempt:
-            _, first, world = (int(n) for n in joined.split())
+        plan = (self.meeting.read(f"start/{self.meeting.machine}") or "").split()
+        if not self.processes and plan and int(plan[0]) == self.attempt:
+            (first, world), now = (int(n) for n in plan[1:3]), f"{time.time():.3f}"
             self.first_slot, self.env["WORLD_SIZE"] = first, str(world)
+            replaced = {"CORETRAIN_REPLACED": f"{now} machine {plan[-1]} left"}  # (its ranks' places)
             for slot in range(first, first + self.nproc):
-                self.start(slot, extra={"CORETRAIN_JOINED": f"{time.time():.3f}"})
+                self.start(slot, extra={"CORETRAIN_JOINED": now} if plan[3] == "joined" else replaced)
             return True
         return False
 

@@ -49,7 +49,7 @@ def check_replacing(args: Any, plugins: dict[str, dict[str, Any]]) -> None:
         raise UserError("--replace-failed-ranks: machines are numbered as they come; leave out --node-rank")
     if args.min_ranks is not None and not 1 <= args.min_ranks <= most:
         raise UserError(f"--min-ranks {args.min_ranks}: expected 1..{most} (machines × --nproc-per-node)")
-    if args.max_restarts < 1 and args.min_ranks is None and ":" not in (args.nnodes or ""):
+    if args.max_restarts < 1 and args.min_ranks is None and not args.rdzv_endpoint:  # (machines: come and go)
         raise UserError(
             "--replace-failed-ranks: add --max-restarts K, how many processes may be replaced in all "
             "(or --min-ranks M, to go on without them)"
