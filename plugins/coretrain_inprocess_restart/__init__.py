@@ -46,15 +46,18 @@ import torch.distributed as dist
 from attrs import define, field
 
 from coretrain import Outcome, Run, StepOutputs, UserError, hookimpl, max_over_ranks, non_negative, positive
+from coretrain_inprocess_restart.causes import PEER_FAILURE, described
 from coretrain_inprocess_restart.groups import abort_nccl, cut, never_destroyed, tcp_connections
 from coretrain_inprocess_restart.members import (
     CHANGES_KEY,
     JOINED_ENV,
     READY_KEY,
     SLOT,
-    admit_joining,
     await_members,
+    await_taken_in,
     changes,
+    chosen,
+    name_members,
 )
 from coretrain_inprocess_restart.stuck import StuckGuard
 
@@ -63,10 +66,6 @@ log = logging.getLogger("coretrain")
 _generation = 0
 """Process groups this process formed after a failure: each on a store prefix of its own (every
 rank of a job restarts alike, so their counts agree), also across runs in one process."""
-
-PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
-"""Words of the errors a rank sees when a peer, not itself, failed (gloo's and NCCL's)."""
-
 
 REPLACED_ENV = "CORETRAIN_REPLACED"
 """Set by coretrain's launcher (``--replace-failed-ranks``) for a process that replaces one that
@@ -89,20 +88,6 @@ def _say(message: str, *args: object) -> None:
 def restart_prefix(generation: int) -> str:
     """The store keys of one restart of this attempt of the job."""
     return f"{_attempt_keys()}/{generation}"
-
-
-def described(run: Run | None, error: BaseException) -> str:
-    """This rank's failure in a few words: where, and what was raised (a plugin's error by the
-    plugin and hook, then its cause)."""
-    step = getattr(error, "step", None) or (run.state.step + 1 if run is not None else None)
-    where = f" at step {step}" if step is not None else " while the run was built"
-    cause = getattr(error, "cause", None) if hasattr(error, "plugin") else None
-    inner = cause if isinstance(cause, BaseException) else error
-    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
-    what = f"{type(inner).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-    if inner is not error:
-        what = f"plugin '{getattr(error, 'plugin', '?')}' in {getattr(error, 'hook', '?')}: {what}"
-    return f"raised{where}: {what}"
 
 
 @define(kw_only=True)
@@ -173,22 +158,9 @@ class InProcessRestart:
         store = self._store = self._launcher_store()
         store.add(READY_KEY, 1)  # the launcher now has the running ranks stop and take this one in
         global _generation
-        deadline = time.monotonic() + self.restart_timeout_seconds
-        while time.monotonic() < deadline:
-            latest = f"{_attempt_keys()}/latest"
-            formed, restarts = (int(n) for n in store.get(latest).decode().split()) if store.check([latest]) else (0, 0)
-            chosen = f"{restart_prefix(formed + 1)}/members"
-            if store.check([chosen]) and SLOT in self._chosen(chosen)[0]:
-                _generation, self._restarts = formed, restarts
-                self._said_reformed(self._form_group("joined", planned=True))
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"the running ranks did not take this rank in within {self.restart_timeout_seconds:.0f} s")
-
-    def _chosen(self, key: str) -> tuple[list[int], int]:
-        """The members rank 0 chose for a group that takes ranks in, and the launcher's count of them."""
-        slots, _, count = self._store.get(key).decode().partition(";")
-        return [int(slot) for slot in slots.split(",")], int(count)
+        latest = f"{_attempt_keys()}/latest"
+        _generation, self._restarts = await_taken_in(store, latest, restart_prefix, self.restart_timeout_seconds)
+        self._said_reformed(self._form_group("joined", planned=True))
 
     def _launcher_store(self) -> Any:
         """The launcher's store, with the keys a first group's ``env://`` store has (torch's prefix)."""
@@ -227,9 +199,7 @@ class InProcessRestart:
         if not waiting:
             return
         if not dist.is_initialized() or dist.get_rank() == 0:
-            count = changes(self._store)
-            slots = admit_joining(self._store)
-            self._store.set(f"{restart_prefix(_generation + 1)}/members", f"{','.join(map(str, slots))};{count}")
+            name_members(self._store, f"{restart_prefix(_generation + 1)}/members")
         self._since = time.monotonic()
         raise MembershipChange("ranks wait to join")
 
@@ -279,10 +249,10 @@ class InProcessRestart:
         store.set(f"{prefix}/begun", "1")  # a rank still in the failed run sees it (StuckGuard)
         if not planned and (own or not any(words in failure for words in PEER_FAILURE)):  # not a peer's failure
             store.set(f"{prefix}/cause/{SLOT}", failure)
-        chosen = None
+        named = None
         if planned:
-            chosen, self._changes = self._chosen(f"{prefix}/members")
-        slots = await_members(store, f"{prefix}/arrived", before, self.restart_timeout_seconds, chosen)
+            named, self._changes = chosen(store, f"{prefix}/members")
+        slots = await_members(store, f"{prefix}/arrived", before, self.restart_timeout_seconds, named)
         rank, world = slots.index(SLOT), len(slots)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # the rebuilt run's, as a launcher sets them
         backend = self._backend or ("nccl" if torch.cuda.is_available() else "gloo")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 MEMBERS_KEY = "coretrain/launch/members"
@@ -75,3 +76,31 @@ def await_members(
                 "(restart_timeout_seconds); the others are gone or stuck"
             )
         time.sleep(0.05)
+
+
+def chosen(store: Any, key: str) -> tuple[list[int], int]:
+    """The members rank 0 named at ``key`` for a group that takes ranks in, and the launcher's
+    count of changes they cover."""
+    slots, _, count = store.get(key).decode().partition(";")
+    return [int(slot) for slot in slots.split(",")], int(count)
+
+
+def name_members(store: Any, key: str) -> None:
+    """Rank 0, after the ranks stopped to take ranks in: the members of the next group, those
+    waiting included, written at ``key`` for every rank (the joining ones too)."""
+    count = changes(store)
+    store.set(key, f"{','.join(map(str, admit_joining(store)))};{count}")
+
+
+def await_taken_in(store: Any, latest_key: str, prefix: Callable[[int], str], seconds: float) -> tuple[int, int]:
+    """A joining rank: wait until the running ranks name it among the next group's members; the
+    generation and restart count of the group they leave (``latest_key``, "0 0" before any)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        latest = store.get(latest_key).decode() if store.check([latest_key]) else "0 0"
+        formed, restarts = (int(n) for n in latest.split())
+        named = f"{prefix(formed + 1)}/members"
+        if store.check([named]) and SLOT in chosen(store, named)[0]:
+            return formed, restarts
+        time.sleep(0.1)
+    raise TimeoutError(f"the running ranks did not take this rank in within {seconds:.0f} s")
