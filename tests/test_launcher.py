@@ -105,6 +105,7 @@ def test_a_rendezvous_port_held_by_another_program_is_one_error_also_on_one_mach
     torchrun waited its whole join timeout without a word. --rdzv-endpoint with one machine
     is used (its ranks meet there), so it is checked too."""
     config, _ = write_tiny_gpt(tmp_path)
+    config.write_text(config.read_text() + "\n[plugins.inprocess-restart]\n")
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(4)
@@ -121,8 +122,10 @@ def test_a_rendezvous_port_held_by_another_program_is_one_error_also_on_one_mach
         ):
             endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
             flags = ("--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-conf", "read_timeout=2")
-            result = cli("run", str(config), *flags, cwd=tmp_path)
-            assert result.returncode == 2 and result.stderr == f"error: --rdzv-endpoint {endpoint}: {message}\n"
+            own = ("--nnodes", "1:2", "--replace-failed-ranks")  # coretrain's launcher across machines
+            for launch in (flags, (*flags, *own)):
+                result = cli("run", str(config), *launch, cwd=tmp_path)
+                assert result.returncode == 2 and result.stderr == f"error: --rdzv-endpoint {endpoint}: {message}\n"
     finally:
         silent.close()
         holder.close()

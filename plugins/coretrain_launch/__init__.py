@@ -142,7 +142,10 @@ def launch_torchrun(args: argparse.Namespace) -> int:
             settings.check_world(ranks)  # each size the job may shrink or grow to must fit too
         command = [sys.executable, *argv[argv.index("-m") :]]
         if args.rdzv_endpoint:
+            from coretrain_launch.endpoint import check_endpoint
             from coretrain_launch.machines import launch_machines
+
+            check_endpoint(args.rdzv_endpoint, args.rdzv_conf)  # a port another program holds: one error
 
             most = settings.distributed.resolved_strategy(int(high or low) * nproc)
             if settings.distributed.strategy == "auto" and most is not None:  # the job may grow in-process
