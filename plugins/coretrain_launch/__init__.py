@@ -131,27 +131,7 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     if args.min_ranks is not None and not args.replace_failed_ranks:
         raise UserError("--min-ranks: only with --replace-failed-ranks (coretrain's own launcher)")
     if args.replace_failed_ranks:
-        from coretrain_launch.replacing import check_replacing, launch_replacing
-
-        check_replacing(args, settings.plugins)
-        nproc = args.nproc_per_node or 1
-        sizes = {machines * nproc for machines in range(int(low), int(high or low) + 1)}  # machines come and go
-        if args.min_ranks is not None:  # ranks dropped one by one
-            sizes |= set(range(args.min_ranks, int(high or low) * nproc + 1))
-        for ranks in sorted(sizes):
-            settings.check_world(ranks)  # each size the job may shrink or grow to must fit too
-        command = [sys.executable, *argv[argv.index("-m") :]]
-        if args.rdzv_endpoint:
-            from coretrain_launch.endpoint import check_endpoint
-            from coretrain_launch.machines import launch_machines
-
-            check_endpoint(args.rdzv_endpoint, args.rdzv_conf)  # a port another program holds: one error
-
-            most = settings.distributed.resolved_strategy(int(high or low) * nproc)
-            if settings.distributed.strategy == "auto" and most is not None:  # the job may grow in-process
-                command += ["--set", f"distributed.strategy={most}"]
-            return launch_machines(args, command, child_failed)
-        return launch_replacing(args, command, child_failed)
+        return launch_own(args, [sys.executable, *argv[argv.index("-m") :]], settings)
     cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch loads: this process only
     if args.rdzv_endpoint:
@@ -188,6 +168,25 @@ def launch_torchrun(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def launch_own(args: argparse.Namespace, command: list[str], settings: Any) -> int:
+    """coretrain's own launcher (``--replace-failed-ranks``), on one machine or across machines,
+    once every size the job may shrink or grow to is checked against its batch."""
+    from coretrain_launch.replacing import check_replacing, launch_replacing
+
+    check_replacing(args, settings.plugins)
+    nproc, (low, _, high) = args.nproc_per_node or 1, (args.nnodes or "1").partition(":")
+    sizes = {machines * nproc for machines in range(int(low), int(high or low) + 1)}  # machines come and go
+    if args.min_ranks is not None:  # ranks dropped one by one
+        sizes |= set(range(args.min_ranks, int(high or low) * nproc + 1))
+    for ranks in sorted(sizes):
+        settings.check_world(ranks)
+    if args.rdzv_endpoint:
+        from coretrain_launch.machines import launch_machines
+
+        return launch_machines(args, command, settings, child_failed)
+    return launch_replacing(args, command, child_failed)
 
 
 def child_failed(exc: ChildFailedError) -> int:

@@ -27,11 +27,7 @@ PROBE_SECONDS = 10.0
 def check_endpoint(endpoint: str, conf: str | None = None) -> None:
     """One error if ``endpoint`` (HOST:PORT) is held by something that is not a rendezvous store;
     a store has ``--rdzv-conf read_timeout`` seconds to answer (torchrun's own knob), else 10."""
-    seconds = PROBE_SECONDS
-    for item in (conf or "").split(","):
-        key, _, value = item.partition("=")
-        if key.strip() == "read_timeout" and value.strip().isdigit():
-            seconds = float(value)
+    seconds = rdzv_settings(conf, {"read_timeout": PROBE_SECONDS})["read_timeout"]
     host, _, port_text = endpoint.rpartition(":")
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise UserError(f"--rdzv-endpoint {endpoint}: expected HOST:PORT, e.g. node0.cluster:29500")
@@ -44,6 +40,20 @@ def check_endpoint(endpoint: str, conf: str | None = None) -> None:
             )
     elif _is_this_machine(host) and not _can_bind(host, port):
         raise UserError(f"--rdzv-endpoint {endpoint}: the port is held by another program; choose a free port")
+
+
+def rdzv_settings(conf: str | None, defaults: dict[str, float]) -> dict[str, float]:
+    """``--rdzv-conf key=value,...``: the numbers named in ``defaults``, else those defaults (other
+    keys are torchrun's business)."""
+    found = dict(defaults)
+    for pair in filter(None, (conf or "").split(",")):
+        key, _, value = pair.partition("=")
+        if key.strip() in found:
+            try:
+                found[key.strip()] = float(value)
+            except ValueError:
+                raise UserError(f"--rdzv-conf {pair.strip()}: expected a number") from None
+    return found
 
 
 def _listening(host: str, port: int) -> bool:

@@ -18,6 +18,7 @@ as with torchrun's c10d rendezvous. Settings are torchrun's ``--rdzv-conf`` name
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import shutil
 import signal
@@ -26,6 +27,7 @@ import time
 from typing import Any
 
 from coretrain import UserError
+from coretrain_launch.endpoint import rdzv_settings
 from coretrain_launch.replacing import MEMBERS_KEY, Ranks, drop_member, edit_members, members, serve_store
 
 CHANGES_KEY = "default_pg/coretrain/launch/changes"
@@ -36,19 +38,6 @@ READY_KEY = "default_pg/coretrain/launch/ready"
 
 SETTINGS = {"join_timeout": 600.0, "last_call_timeout": 30.0, "keep_alive_interval": 1.0, "keep_alive_max_attempt": 3}
 """torchrun's rendezvous settings this launcher takes from ``--rdzv-conf``, with torchrun's defaults."""
-
-
-def settings_of(rdzv_conf: str | None) -> dict[str, float]:
-    """``--rdzv-conf key=value,...``, the settings above; another key is left to torchrun's path."""
-    found = dict(SETTINGS)
-    for pair in filter(None, (rdzv_conf or "").split(",")):
-        key, _, value = pair.partition("=")
-        if key.strip() in found:
-            try:
-                found[key.strip()] = float(value)
-            except ValueError:
-                raise UserError(f"--rdzv-conf {pair}: expected a number of seconds (or attempts)") from None
-    return found
 
 
 class Meeting:
@@ -122,8 +111,9 @@ class Leader:
             self.stores[-1].add(READY_KEY, -self.joining)
             self.stores[-1].add(CHANGES_KEY, 1)  # all started: the ranks stop and take them in now
             self.joining = 0
-        if int(keys.add("restarts", 0)) > self.restarts_seen:
-            self.restarts_seen = int(keys.add("restarts", 0))
+        asked = int(keys.add("restarts", 0))
+        if asked > self.restarts_seen:
+            self.restarts_seen = asked
             self._plan()
 
     def _alive(self, machine: int) -> bool:
@@ -210,10 +200,20 @@ class Leader:
             time.sleep(0.1)
 
 
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # found before any fork
+
+
+def _killed_with_launcher() -> None:
+    """In a rank's process before it runs: SIGKILL when the launcher dies (prctl's
+    PR_SET_PDEATHSIG; the watchdog then leaves it, not asking for its SIGTERM, a stop every
+    rank agrees to)."""
+    _prctl(1, int(signal.SIGKILL))
+
+
 class Machine(Ranks):
     """This machine's ranks in a job across machines: started as the leader's plans say."""
 
-    killed_with_launcher = True  # a machine that leaves: its ranks go, the others go on
+    before_exec = staticmethod(_killed_with_launcher)  # a machine that leaves: its ranks go, the others go on
 
     def __init__(self, command: list[str], nproc: int, args: Any, meeting: Meeting, leader: Leader | None) -> None:
         most = int(args.nnodes.rpartition(":")[2]) * nproc
@@ -275,12 +275,17 @@ class Machine(Ranks):
             time.sleep(0.1)
 
 
-def launch_machines(args: Any, command: list[str], failed: Any) -> int:
+def launch_machines(args: Any, command: list[str], config: Any, failed: Any) -> int:
     """This machine's part of a job across machines; its ranks' exit code."""
     from coretrain_launch.codes import STOP_SIGNALS
+    from coretrain_launch.endpoint import check_endpoint
 
+    check_endpoint(args.rdzv_endpoint, args.rdzv_conf)  # a port another program holds: one error
     low, _, high = args.nnodes.partition(":")
-    settings = settings_of(args.rdzv_conf)
+    most = config.distributed.resolved_strategy(int(high or low) * (args.nproc_per_node or 1))
+    if config.distributed.strategy == "auto" and most is not None:  # resolved for the size the job may grow to
+        command = [*command, "--set", f"distributed.strategy={most}"]
+    settings = rdzv_settings(args.rdzv_conf, SETTINGS)
     meeting = Meeting(args.rdzv_endpoint, args.rdzv_id, settings)
     leader = (
         Leader(meeting, args.nproc_per_node or 1, (int(low), int(high or low)), settings) if meeting.leads else None

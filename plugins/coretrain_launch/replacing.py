@@ -12,7 +12,6 @@ leave the run and wait in-process for the new process to join the group they re-
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import shutil
@@ -100,22 +99,13 @@ def members(store: Any) -> list[str]:
     return [each for each in store.get(MEMBERS_KEY).decode().split(",") if each and each[0] != "+"]
 
 
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # found before any fork
-
-
-def _killed_with_launcher() -> None:
-    """In a rank's process before it runs: SIGKILL when the launcher dies (prctl's
-    PR_SET_PDEATHSIG; the watchdog's SIGTERM, a stop every rank agrees to, is not asked then)."""
-    _prctl(1, int(signal.SIGKILL))
-
-
 class Ranks:
     """The job's processes on this machine, one per rank: one that dies replaced alone, all
     started again after a hang; up to ``max_replacements`` times in all."""
 
-    killed_with_launcher = False
-    """Whether a rank dies at once with the launcher (a machine that leaves an elastic job), or
-    stops as the watchdog has it (every rank checkpoints and stops)."""
+    before_exec: Callable[[], None] | None = None
+    """Run in a rank's process before it starts (None: nothing; a rank then stops with its
+    launcher as the watchdog has it: every rank checkpoints and stops)."""
 
     def __init__(self, command: list[str], nproc: int, max_replacements: int, run_id: str, min_ranks: int) -> None:
         self.command, self.nproc, self.max_replacements, self.min_ranks = command, nproc, max_replacements, min_ranks
@@ -163,8 +153,7 @@ class Ranks:
             self.replaced[rank] = self.replaced.get(rank, 0) + 1
             env |= {"CORETRAIN_REPLACEMENT": str(self.replaced[rank]), "CORETRAIN_REPLACED": predecessor}
         self.error_file(rank).unlink(missing_ok=True)
-        before_exec = _killed_with_launcher if self.killed_with_launcher else None
-        self.processes[rank] = subprocess.Popen(self.command, env=env, preexec_fn=before_exec)
+        self.processes[rank] = subprocess.Popen(self.command, env=env, preexec_fn=self.before_exec)
 
     def error_file(self, rank: int) -> Path:
         return self.errors / f"rank{rank}.json"
