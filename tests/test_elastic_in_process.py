@@ -44,10 +44,10 @@ class Machines:
         self.command = [sys.executable, "-m", "coretrain", "run", str(toml), "--nnodes", nnodes, "--nproc-per-node"]
         self.command += ["1", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--replace-failed-ranks", *more]
 
-    def start(self, name: str) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+    def start(self, name: str, *more: str) -> subprocess.Popen[bytes]:
+        env, command = dict(os.environ, OMP_NUM_THREADS="1"), [*self.command, *more]
         with open(self.tmp_path / f"{name}.log", "wb") as log:
-            self.started.append(subprocess.Popen(self.command, cwd=self.tmp_path, env=env, stdout=log, stderr=log))
+            self.started.append(subprocess.Popen(command, cwd=self.tmp_path, env=env, stdout=log, stderr=log))
         return self.started[-1]
 
     def said(self, name: str = "a") -> str:
@@ -124,24 +124,30 @@ def test_a_machine_joins_and_leaves_and_the_first_machines_rank_trains_on_in_the
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a launcher's death reaches its ranks on Linux")
 def test_a_machine_that_comes_takes_the_place_of_one_that_left_a_job_at_its_minimum(tmp_path: Path) -> None:
-    """--nnodes 2: A and B start; B's launcher is SIGKILLed, which leaves fewer than 2 machines;
-    A's rank waits in-process. C comes: its rank takes rank 1's place and joins A's restart, as
-    a replaced process does. A's rank is one process throughout, and the losses are those of an
-    uninterrupted run on 2 ranks."""
-    plugins = {"inprocess-restart": {}, "fault-injection": SLOW_STEPS}
+    """--nnodes 2: A and B start, each with its own local_dir (as /dev/shm is a machine's own),
+    durable checkpoints only at the end; B's launcher is SIGKILLed, which leaves fewer than 2
+    machines; A's rank waits in-process. C comes with an empty local_dir: its rank takes rank 1's
+    place, gets the newest local checkpoint from A's copy (which holds B's rank's file too), and
+    joins A's restart as a replaced process does. A's rank is one process throughout, the job
+    resumes from the local checkpoint, and the losses are those of an uninterrupted run on 2 ranks."""
+    plugins = {"inprocess-restart": {}, "fault-injection": SLOW_STEPS, "local-checkpoint": {}}
     toml, whole, out = config(tmp_path, "job", plugins, 40), config(tmp_path, "whole", steps=40), tmp_path / "job"
-    machines = Machines(tmp_path, toml, "2")
+    machines = Machines(tmp_path, toml, "2", "--set", "checkpoint.save_interval=100")
     said = machines.said
-    a = machines.start("a")
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        return machines.start(name, "--set", f"plugins.local-checkpoint.local_dir={tmp_path / name / 'shm'}")
+
+    a = start("a")
     try:
         wait_for(lambda: listening(machines.port) or a.poll() is not None, "A to serve the meeting point")
         assert a.poll() is None, said()  # (its machine is the one that stays)
-        b = machines.start("b")
+        b = start("b")
         wait_for(lambda: max(losses_by_step(out), default=0) >= 12, "A and B training")
         (rank_of_a,) = children(a.pid)
         b.send_signal(signal.SIGKILL)
         wait_for(lambda: "the ranks wait for a machine to take its place" in said(), "A's leader to miss B")
-        c = machines.start("c")
+        c = start("c")
         wait_for(lambda: "resumed at step" in said(), "C's rank to take rank 1's place")
         assert children(a.pid) == [rank_of_a]
         assert a.wait(timeout=240) == 0, said()[-3000:]
@@ -152,6 +158,9 @@ def test_a_machine_that_comes_takes_the_place_of_one_that_left_a_job_at_its_mini
     assert "machine 1 left (no heartbeat for 3 s): fewer than 2 machines remain" in log
     assert "machine 2 came: its ranks take the place of machine 1's" in log
     assert "after rank 1 died (machine 1 left); a new process took its place" in log
+    (placed,) = re.findall(r"local checkpoints: step (\d+) on each of 2 machines \(([\d.]+) kB copied", log)
+    resumed = int(re.findall(r"in-process restart 1: resumed at step (\d+)", log)[0])
+    assert resumed == int(placed[0]) >= 11 and float(placed[1]) > 0  # the local tier, not the start
     reference = run_train(str(whole), "--nproc-per-node", "2", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert losses_by_step(out) == losses_by_step(tmp_path / "whole")

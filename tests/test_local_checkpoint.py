@@ -4,7 +4,10 @@ stay where and when they were; a new job never resumes from another job's local 
 
 from __future__ import annotations
 
-import types
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ import pytest
 from conftest import run_train
 from test_inprocess_restart import config as two_rank_config
 from test_inprocess_restart import losses
+from test_launcher import free_port
 
 from coretrain import UserError
 from coretrain.testing import run_steps, tiny_config, write_config
@@ -88,18 +92,75 @@ def test_a_persistent_save_due_at_the_same_step_wins(tmp_path: Path) -> None:
     assert steps_in(tmp_path / "run" / "out" / "checkpoints") == ["step_00000004"]
 
 
-def test_a_rank_that_does_not_see_the_directory_is_one_error(tmp_path: Path) -> None:
-    from coretrain_local_checkpoint import LocalCheckpoint
+MACHINE = """
+import os, sys
+from pathlib import Path
+import torch.distributed as dist
+from coretrain_local_checkpoint import sharing
+from coretrain_local_checkpoint.machines import find_copies
 
-    plugin = LocalCheckpoint(local_dir=str(tmp_path / "shm"))  # rank 0 made it on another machine
-    rank_1 = types.SimpleNamespace(
-        config=types.SimpleNamespace(checkpoint=types.SimpleNamespace(save=True)),
-        dist=types.SimpleNamespace(is_main=False),
-        output_dir=tmp_path / "out",
-        control=types.SimpleNamespace(non_persistent_dir=None),
-    )
-    with pytest.raises(UserError, match="is not shared by every rank"):
-        plugin.configure_run(run=rank_1)
+sharing.PIECE = 7  # files go in several pieces
+dist.init_process_group("gloo")
+rank, directory, act = dist.get_rank(), Path(sys.argv[1]), sys.argv[2]
+copies, job = find_copies(directory, rank, 2, new_job=False)
+getattr(sharing, act)(copies, directory)
+"""
+
+
+def saved_by_two_machines(tmp_path: Path, step: int, lost: str = "") -> tuple[Path, Path]:
+    """What the core leaves after a local save of ``step`` by two ranks on two machines, each with
+    its own local_dir: rank 0's machine the committed step, rank 1's its own file in step_N.tmp."""
+    first, second = tmp_path / "a" / "coretrain-x", tmp_path / "b" / "coretrain-x"
+    committed, written = first / f"step_{step:08d}", second / f"step_{step:08d}.tmp"
+    for name, data in {"manifest.json": b'{"step": %d}' % step, "model.pt": bytes(range(40)) * step}.items():
+        (committed / name).parent.mkdir(parents=True, exist_ok=True)
+        (committed / name).write_bytes(data)
+    (committed / "rank_00000.pt").write_bytes(b"zero" * step)
+    (committed / "sharded").mkdir()
+    (committed / "sharded" / ".metadata").write_bytes(b"")
+    if lost != "rank 1's file":
+        written.mkdir(parents=True, exist_ok=True)
+        (written / "rank_00001.pt").write_bytes(b"one" * step)
+    return first, second
+
+
+def as_machines(tmp_path: Path, act: str, *directories: Path) -> None:
+    """Two processes on gloo, each playing one machine that sees one of ``directories``."""
+    script = tmp_path / "machine.py"
+    script.write_text(MACHINE)
+    port, started = free_port(), []
+    for rank, directory in enumerate(directories):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        started.append(subprocess.Popen([sys.executable, str(script), str(directory), act], env=env))
+    assert [machine.wait(timeout=120) for machine in started] == [0, 0]
+
+
+def files_of(step_dir: Path) -> dict[str, bytes]:
+    return {p.relative_to(step_dir).as_posix(): p.read_bytes() for p in step_dir.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+def test_each_machine_gets_a_whole_copy_of_a_local_save_and_a_new_machine_gets_the_newest_copy(
+    tmp_path: Path,
+) -> None:
+    """local_dir on two machines is two directories: after a local save each holds the whole
+    checkpoint (its ranks' files and the other machine's), byte for byte; a machine that comes
+    with an empty local_dir gets it before a resume; every machine then offers the same steps."""
+    first, second = saved_by_two_machines(tmp_path, 5)
+    whole = {**files_of(first / "step_00000005"), **files_of(second / "step_00000005.tmp")}
+    as_machines(tmp_path, "replicate", first, second)
+    assert files_of(first / "copies" / "step_00000005") == whole
+    assert files_of(second / "copies" / "step_00000005") == whole
+    assert not (second / "step_00000005.tmp").exists()  # its file is in the whole copy
+
+    saved_by_two_machines(tmp_path, 6, lost="rank 1's file")  # then machine b goes down before the copy
+    shutil.rmtree(first / "step_00000005")  # (the core keeps the newest local save only)
+    third = tmp_path / "c" / "coretrain-x"
+    as_machines(tmp_path, "place_for_resume", first, third)
+    for directory in (first, third):
+        assert steps_in(directory) == ["step_00000005", "step_00000006"]  # the resume tries 6, then 5
+        assert files_of(directory / "step_00000005") == whole
+    assert "rank_00001.pt" not in files_of(third / "step_00000006")
 
 
 def test_with_saving_off_it_is_one_error(tmp_path: Path) -> None:

@@ -62,13 +62,14 @@ def fsync_dir(path: Path) -> None:
 
 
 def begin(root: Path, step: int, is_main: bool, distributed: bool) -> Path:
-    """Rank 0 makes a fresh step_N.tmp; every rank returns it once it exists."""
+    """Rank 0 clears step_N.tmp; then every rank makes it (a machine's own ``non_persistent_dir``
+    is not rank 0's) and returns it."""
     tmp = root / f"step_{step:08d}.tmp"  # the save, until its commit
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
     if distributed:
         torch.distributed.barrier()
+    tmp.mkdir(parents=True, exist_ok=True)
     return tmp
 
 

@@ -15,9 +15,13 @@ checkpoints at ``checkpoint.save_interval`` and at the end are durable as before
 gone when the run ends well, and a new job (a launcher's first attempt) clears what an earlier
 one left, so it never resumes from another job's state.
 
-Every rank must see the directory (one machine's ``/dev/shm`` does; on several machines name a
-shared path): a job whose ranks do not is one error at start. It costs a copy of the state in
-host memory per save (the model and optimizer's size, twice while a save commits).
+On several machines each machine's ``local_dir`` is its own (``/dev/shm`` is): after each
+local save every machine's copy gets the whole checkpoint — its own ranks' files linked, the
+rest sent by a machine that has them — and before a resume every machine gets the newest one
+any machine holds, so a machine that takes a dead one's place resumes from this tier as well
+(Megatron's replicated local checkpoints, with every machine a replica). It costs a copy of the
+state in host memory per machine (the model and optimizer's size, twice while a save commits)
+and, on several machines, sending what the other machines' ranks wrote after each local save.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from pathlib import Path
 from attrs import define, field
 
 from coretrain import Every, Outcome, Run, StepOutputs, UserError, hookimpl, max_over_ranks, positive
+from coretrain_local_checkpoint.machines import Copies, claim, find_copies, job_of
+from coretrain_local_checkpoint.sharing import place_for_resume, replicate
 
 
 def default_dir() -> str:
@@ -47,6 +53,8 @@ class LocalCheckpoint:
     local_dir: str = field(factory=default_dir)
     """Where they go (a folder per run inside): host memory (``/dev/shm``) or a fast local disk."""
     _builds: int = field(default=0, init=False, repr=False)
+    _copies: Copies = field(factory=lambda: Copies([0], 0), init=False, repr=False)
+    _saved: bool = field(default=False, init=False, repr=False)
 
     def directory(self, run: Run) -> Path:
         """This run's folder: one per output directory, so runs beside each other never share one."""
@@ -58,30 +66,34 @@ class LocalCheckpoint:
         if not run.config.checkpoint.save:
             raise UserError("plugins.local-checkpoint: checkpoint.save is false, so nothing is saved; turn it on")
         directory = self.directory(run)
-        first = self._builds == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        first = first and "CORETRAIN_REPLACEMENT" not in os.environ  # (a process in place of one that died)
+        new_job = self._builds == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        new_job = new_job and "CORETRAIN_REPLACEMENT" not in os.environ  # (a process in place of one that died)
         self._builds += 1
-        if run.dist.is_main:
-            if first:  # a new job: what an earlier one left is not this job's state
-                shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir(parents=True, exist_ok=True)
-        max_over_ranks(0)  # rank 0 has made it
-        (unseen,) = max_over_ranks(int(not directory.is_dir()))
-        if unseen:
-            raise UserError(
-                f"plugins.local-checkpoint: local_dir {self.local_dir!r} is not shared by every rank (a rank on "
-                "another machine does not see what rank 0 made there); name a directory every rank sees"
-            )
+        self._copies, job = find_copies(directory, run.dist.rank, run.dist.world_size, new_job)
+        if self._copies.mine is not None and job_of(directory) != job:  # an earlier job's, or none
+            claim(directory, job)
+        max_over_ranks(0)  # every copy is this job's
+        if self._copies.several and self._copies.mine is not None:
+            place_for_resume(self._copies, directory)
+        max_over_ranks(0)  # every machine holds the same local checkpoints
         run.control.non_persistent_dir = str(directory)
+
+    @hookimpl
+    def pre_step(self, run: Run, step: int) -> None:
+        """The local save of the step before, copied to every machine (when there are several)."""
+        if self._saved and self._copies.several and self._copies.mine is not None:
+            replicate(self._copies, self.directory(run))
+        self._saved = False
 
     @hookimpl
     def post_step(self, run: Run, step: int, outputs: StepOutputs) -> None:
         if Every(self.local_save_interval)(step):
             run.control.request_checkpoint(persistent=False)
+            self._saved = True
 
     @hookimpl
     def on_train_end(self, run: Run, outcome: Outcome) -> None:
         """A run that ended well needs no restart: its local checkpoints go (a failed one keeps
         them for the restart that may follow)."""
-        if outcome != "error" and run.dist.is_main:
+        if outcome != "error" and self._copies.mine is not None:
             shutil.rmtree(self.directory(run), ignore_errors=True)
