@@ -28,7 +28,9 @@ raising at step 11 (``fault-injection``):
   baseline of the same launchers, nothing killed, on (d)'s batch;
 
 each also with ``[plugins.local-checkpoint]`` (a checkpoint in host memory after every step),
-which the restart resumes from instead of the durable one at step 8.
+which the restart resumes from instead of the durable one at step 8; in (e) each launcher has a
+``local_dir`` of its own, as two machines' ``/dev/shm`` are, so every local save is copied to
+the other machine (its cost is in the case's time).
 
 A case's cost is its wall time less the baseline's (median of ``--repeat``), the time from the
 fault to the run being where it was plus the re-done steps; the steps lost are the fault's step
@@ -149,10 +151,11 @@ def logged_steps(metrics: Path) -> set[int]:
 
 
 def two_machines(
-    root: Path, config: Path, ranks: int, launch: list[str], down: bool
+    root: Path, config: Path, ranks: int, launch: list[str], down: bool, own_dirs: bool
 ) -> subprocess.CompletedProcess[str]:
     """(e): two launchers of ``ranks // 2`` ranks each; with ``down`` the second, ranks and all, is
-    SIGKILLed once step 10 is logged (rank 0 pauses at 11). The first's result."""
+    SIGKILLed once step 10 is logged (rank 0 pauses at 11); ``own_dirs``: each its own local_dir.
+    The first's result."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -160,12 +163,15 @@ def two_machines(
     command += [str(ranks // 2), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=1", *launch]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(root / "first.log", "w") as said:  # a file, not a pipe nobody reads while it runs
-        first = subprocess.Popen(command, cwd=root, env=env, stdout=said, stderr=subprocess.STDOUT)
+        own = ["--set", f"plugins.local-checkpoint.local_dir={root / 'first-shm'}"] if own_dirs else []
+        first = subprocess.Popen([*command, *own], cwd=root, env=env, stdout=said, stderr=subprocess.STDOUT)
     while first.poll() is None:  # the first hosts the meeting point (the endpoint's machine, which stays)
         with socket.socket() as probe:
             if probe.connect_ex(("127.0.0.1", port)) == 0:
                 break
         time.sleep(0.05)
+    if own_dirs:  # each machine's local_dir its own, as /dev/shm is: the local checkpoints are copied across
+        command += ["--set", f"plugins.local-checkpoint.local_dir={root / 'second-shm'}"]
     second = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = root / "out" / "metrics.jsonl"
     while down and first.poll() is None:
@@ -203,7 +209,7 @@ def run_case(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
     if machines is not None:
-        done = two_machines(root, config, ranks, launch, down=machines)
+        done = two_machines(root, config, ranks, launch, down=machines, own_dirs="local-checkpoint" in plugins)
     else:
         done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     seconds = time.perf_counter() - started
