@@ -87,16 +87,24 @@ def test_a_machine_joins_and_leaves_and_the_first_machines_rank_trains_on_in_the
     a group of 2 with B's rank in-process. Then B's launcher is SIGKILLed: its rank dies with it,
     A's leader drops B's rank when its heartbeat stops, and A's rank goes on alone, in-process.
     A's rank is one process throughout; each stretch's losses equal a job restarted from the
-    same checkpoint on that size."""
-    toml = config(tmp_path, "job", {"inprocess-restart": {}, "fault-injection": SLOW_STEPS})
-    out = tmp_path / "job"
-    machines = Machines(tmp_path, toml, "1:2", "--rdzv-conf", "last_call_timeout=1")
+    same checkpoint on that size. Each machine has a local_dir of its own, so the local tier's
+    copies between machines run through both changes (durable checkpoints at every step, where
+    a resume prefers them, so the references can start from them)."""
+    plugins = {"inprocess-restart": {}, "fault-injection": SLOW_STEPS, "local-checkpoint": {}}
+    toml, out = config(tmp_path, "job", plugins), tmp_path / "job"
+    machines = Machines(
+        tmp_path, toml, "1:2", "--rdzv-conf", "last_call_timeout=1", "--set", "checkpoint.save_interval=1"
+    )
     said = machines.said
-    a = machines.start("a")
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        return machines.start(name, "--set", f"plugins.local-checkpoint.local_dir={tmp_path / name / 'shm'}")
+
+    a = start("a")
     try:
         wait_for(lambda: max(losses_by_step(out), default=0) >= 10 and len(children(a.pid)) == 1, "A training")
         (rank_of_a,) = children(a.pid)
-        b = machines.start("b")
+        b = start("b")
         wait_for(lambda: "in-process re-form: resumed at step" in said(), "B's rank to be taken in")
         joined = int(re.findall(r"stopping at step (\d+): ranks wait to join", said())[0])
         wait_for(lambda: max(losses_by_step(out)) >= joined + 10, "the job to train on 2 ranks")

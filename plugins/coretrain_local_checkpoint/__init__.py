@@ -54,7 +54,6 @@ class LocalCheckpoint:
     """Where they go (a folder per run inside): host memory (``/dev/shm``) or a fast local disk."""
     _builds: int = field(default=0, init=False, repr=False)
     _copies: Copies = field(factory=lambda: Copies([0], 0), init=False, repr=False)
-    _saved: bool = field(default=False, init=False, repr=False)
 
     def directory(self, run: Run) -> Path:
         """This run's folder: one per output directory, so runs beside each other never share one."""
@@ -80,16 +79,16 @@ class LocalCheckpoint:
 
     @hookimpl
     def pre_step(self, run: Run, step: int) -> None:
-        """The local save of the step before, copied to every machine (when there are several)."""
-        if self._saved and self._copies.several and self._copies.mine is not None:
+        """The local save of the step before, copied to every machine (when there are several).
+        Decided by the step alone, so every machine's keeper decides alike — also a rank that
+        joined after the step before (state kept from an earlier build would not be)."""
+        if Every(self.local_save_interval)(step - 1) and self._copies.several and self._copies.mine is not None:
             replicate(self._copies, self.directory(run))
-        self._saved = False
 
     @hookimpl
     def post_step(self, run: Run, step: int, outputs: StepOutputs) -> None:
         if Every(self.local_save_interval)(step):
             run.control.request_checkpoint(persistent=False)
-            self._saved = True
 
     @hookimpl
     def on_train_end(self, run: Run, outcome: Outcome) -> None:
