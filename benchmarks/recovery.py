@@ -33,7 +33,11 @@ which the restart resumes from instead of the durable one at step 8; in (e) each
 the other machine (its cost is in the case's time).
 
 A case's cost is its wall time less the baseline's (median of ``--repeat``), the time from the
-fault to the run being where it was plus the re-done steps; the steps lost are the fault's step
+fault to the run being where it was plus the re-done steps; "step 10 to 11" is measured on the
+job's own clock instead: the seconds from step 10's row appearing in metrics.jsonl (the fault
+comes as step 11 begins) to step 11's (:class:`StepTimes`) — the fault's whole cost, re-done
+steps included, plus one step (the baseline's figure) — free of the second of noise between
+whole jobs on a loaded machine; the steps lost are the fault's step
 less the step the restart resumed from (read from the job's log: 3 from the checkpoint at 8 —
 steps 9 to 11 are trained again — 1 from a local one at 10; on several ranks a local checkpoint
 is of the step after its request, which is agreed one step late, and the step after a durable
@@ -55,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -185,6 +190,45 @@ def two_machines(
     return subprocess.CompletedProcess(command, first.returncode, "", (root / "first.log").read_text())
 
 
+class StepTimes:
+    """When each step's row first appears in the job's metrics.jsonl, watched every 10 ms from
+    beside the job (the metrics-file plugin flushes every row): the seconds from the fault to its
+    step done again, measured on the job's own clock instead of as a difference of whole jobs."""
+
+    def __init__(self, metrics: Path) -> None:
+        self.metrics, self.seen, self._read = metrics, dict[int, float](), 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.01):
+            self.look()
+
+    def look(self) -> None:
+        try:
+            with open(self.metrics, "rb") as rows:
+                if rows.seek(0, os.SEEK_END) < self._read:  # rewritten (a resume drops later rows)
+                    self._read = 0
+                rows.seek(self._read)
+                new = rows.read()
+        except FileNotFoundError:
+            return
+        whole = new[: new.rfind(b"\n") + 1]  # a row being written waits for the next look
+        self._read += len(whole)
+        now = time.monotonic()
+        for line in whole.splitlines():
+            self.seen.setdefault(int(json.loads(line)["step"]), now)
+
+    def fault_to_done(self) -> float | None:
+        """Seconds from the step before the fault's being logged to the fault's step being logged."""
+        self._stop.set()
+        self._thread.join()
+        self.look()
+        before, done = self.seen.get(FAULT_STEP - 1), self.seen.get(FAULT_STEP)
+        return None if before is None or done is None else done - before
+
+
 def run_case(
     root: Path,
     ranks: int,
@@ -192,8 +236,9 @@ def run_case(
     launch: list[str],
     batch: dict[str, int] | None = None,
     machines: bool | None = None,
-) -> tuple[float, list[float], int | None] | None:
-    """Wall seconds of one job, the losses it logged and the step it resumed from after the fault;
+) -> tuple[float, float, list[float], int | None] | None:
+    """Wall seconds of one job, the seconds from the fault to its step done again (:class:`StepTimes`),
+    the losses it logged and the step it resumed from after the fault;
     None when the job failed (its output's tail printed). ``machines``: two launchers, the second
     going down (True) or not."""
     sections = tiny_config(
@@ -207,12 +252,12 @@ def run_case(
     command = [sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", str(ranks)]
     command += launch  # coretrain's launcher: torchrun's agent, as users start it, or its own
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    started = time.perf_counter()
+    started, clock = time.perf_counter(), StepTimes(root / "out" / "metrics.jsonl")
     if machines is not None:
         done = two_machines(root, config, ranks, launch, down=machines, own_dirs="local-checkpoint" in plugins)
     else:
         done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    seconds = time.perf_counter() - started
+    seconds, fault_to_done = time.perf_counter() - started, clock.fault_to_done()
     if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if line.startswith(("error:", "[E"))]
         print(f"{root}: the job failed, exit {done.returncode}: {errors[-3:]}", file=sys.stderr)
@@ -220,7 +265,8 @@ def run_case(
     rows = [json.loads(line) for line in (root / "out" / "metrics.jsonl").read_text().splitlines()]
     said = (root / "out" / "run.log").read_text() if (root / "out" / "run.log").exists() else done.stderr
     resumed = re.findall(r"resumed from \S+ \(step (\d+)", said)
-    return seconds, [row["loss"] for row in rows if "loss" in row], int(resumed[-1]) if resumed else None
+    losses = [row["loss"] for row in rows if "loss" in row]
+    return seconds, fault_to_done or math.nan, losses, int(resumed[-1]) if resumed else None
 
 
 def baseline_of(name: str) -> str:
@@ -230,13 +276,14 @@ def baseline_of(name: str) -> str:
     return "(d) baseline" if name.startswith("(d)") else "baseline"
 
 
-Measured = tuple[dict[str, list[float]], dict[str, int | None], dict[str, int]]
+Measured = tuple[dict[str, list[float]], dict[str, list[float]], dict[str, int | None], dict[str, int]]
 
 
 def measure(ranks: int, cases: dict[str, tuple[dict[str, Any], list[str]]], repeat: int) -> Measured:
-    """Each case's job seconds, the step it resumed from and how many of its jobs failed; every
-    job's losses checked against its baseline's."""
+    """Each case's job seconds, seconds from the fault to its step done again, the step it resumed
+    from and how many of its jobs failed; every job's losses checked against its baseline's."""
     times: dict[str, list[float]] = {name: [] for name in cases}
+    recoveries: dict[str, list[float]] = {name: [] for name in cases}
     resumed_at: dict[str, int | None] = dict.fromkeys(cases)
     failed = dict.fromkeys(cases, 0)
     references: dict[str, list[float]] = {}
@@ -251,7 +298,7 @@ def measure(ranks: int, cases: dict[str, tuple[dict[str, Any], list[str]]], repe
                 if result is None:
                     failed[name] += 1
                     continue
-                seconds, losses, resumed_at[name] = result
+                seconds, recovery, losses, resumed_at[name] = result
                 reference = references.setdefault(baseline_of(name), losses)
                 # (d), (e) sum the gradients in another order (more accumulation on fewer ranks)
                 close = len(losses) == len(reference) and all(
@@ -260,7 +307,8 @@ def measure(ranks: int, cases: dict[str, tuple[dict[str, Any], list[str]]], repe
                 if losses != reference and not (name.startswith(("(d)", "(e)")) and close):
                     raise SystemExit(f"{name} on {ranks} ranks: losses differ from the baseline's")
                 times[name].append(seconds)
-    return times, resumed_at, failed
+                recoveries[name].append(recovery)
+    return times, recoveries, resumed_at, failed
 
 
 def main() -> None:
@@ -269,18 +317,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--only-machines", action="store_true", help="only (e), a machine going down")
     args = parser.parse_args()
-    lines = ["| ranks | case | job seconds | cost of the fault | steps lost |", "| --- | --- | --- | --- | --- |"]
+    lines = [f"| ranks | case | job seconds | cost of the fault | step {FAULT_STEP - 1} to {FAULT_STEP} | steps lost |"]
+    lines.append("| --- | --- | --- | --- | --- | --- |")
     for ranks in args.ranks:
         cases = {**CASES, **leaving(ranks), **machine_leaving()} if not args.only_machines else machine_leaving()
-        times, resumed_at, failed = measure(ranks, cases, args.repeat)
+        times, recoveries, resumed_at, failed = measure(ranks, cases, args.repeat)
         for name, measured in times.items():
-            median = statistics.median(measured) if measured else float("nan")
-            base = baseline_of(name)
+            median, base = statistics.median(measured) if measured else math.nan, baseline_of(name)
             cost = "—" if name == base else f"{median - statistics.median(times[base]):+.1f} s"
+            recovery = statistics.median(recoveries[name]) if recoveries[name] else math.nan
             step = resumed_at[name]
             lost = "—" if name == base else "?" if step is None else str(FAULT_STEP - step)
             note = f" ({failed[name]} of {args.repeat} jobs failed)" if failed[name] else ""
-            lines.append(f"| {ranks} | {name}{note} | {median:.1f} | {cost} | {lost} |")
+            lines.append(f"| {ranks} | {name}{note} | {median:.1f} | {cost} | {recovery:.2f} s | {lost} |")
     print("\n".join(lines))
 
 
