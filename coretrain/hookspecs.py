@@ -511,7 +511,9 @@ class HookSpecs(Protocol):
 
         Args: ``outcome`` — "completed", "exit_interval", "exit_duration", "stopped" (a plugin's
         request), "signal" or "error".
-        May change: plugin-owned state only; nothing the loop does after this.
+        May change: plugin-owned state only; nothing the loop does after this. Keep nothing
+        that holds the run (the run, its model, an object made with it) past this: after an
+        in-process restart the next run is built while this one must already be freed.
         Returns: nothing; a raise is reported after every other plugin's on_train_end ran.
         Ranks: every rank, exactly once, on every way a run ends — also when ``on_train_start``
         was not called (restore failed, or a signal arrived before the first step). Called plugin
