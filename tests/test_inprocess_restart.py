@@ -4,12 +4,13 @@ newest checkpoint — and the run's losses are an uninterrupted run's."""
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import in_one_job, metrics_rows, run_train
+from conftest import in_one_job, metrics_rows, run_cli, run_train
 
 from coretrain.testing import run_steps, tiny_config, write_config
 
@@ -35,6 +36,51 @@ def test_one_process_restarts_in_place_and_trains_the_losses_of_an_uninterrupted
     assert said[0].startswith("in-process restart 1/2 after this rank raised at step 7: plugin 'fault-injection'")
     assert said[1].startswith("in-process restart 1: resumed at step 4, ")
     assert [row.get("inprocess_restarts") for row in metrics_rows(restarted.output_dir)][4:12] == [1.0] * 8
+
+
+BUILDS = """
+import gc, json, weakref
+from coretrain.testing import tiny_model
+
+BUILT = []
+
+
+def make_model(log: str):
+    gc.collect()
+    alive = [model() is not None for model in BUILT]
+    with open(log, "a") as f:
+        f.write(json.dumps({"alive": alive, "frozen": gc.get_freeze_count()}) + "\\n")
+    BUILT.append(weakref.ref(model := tiny_model()))
+    return model
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_runs_model_is_freed_before_the_next_is_built_while_the_imports_are_frozen(tmp_path: Path) -> None:
+    """On a GPU the failed run's model and optimizer must go before the next run's are built, or
+    a restart needs twice the memory. A model provider records, at each build, whether the
+    models it built before can still be reached after a collection, with the on-by-default
+    plugins and many others on (a plugin that keeps the run past ``on_train_end`` keeps its
+    model: the progress view and the timers did). The plugin freezes what the imports made
+    (``gc.freeze``), so leaving the failed run costs milliseconds — and nothing of a run."""
+    (tmp_path / "builds.py").write_text(BUILDS)
+    plugins = {
+        **{"fault-injection": {"action": "raise", "step": 3}, "inprocess-restart": {}},
+        **{"local-checkpoint": {"local_dir": str(tmp_path / "shm")}, "stragglers": {}, "weight-hash": {}, "gc": {}},
+        **{"guards": {}, "keep-best": {"metric": "valid/loss"}, "early-stopping": {}, "model-stats": {}},
+        **{"deterministic": {}, "batch-rampup": {"rampup_batch_size": [8, 8, 16]}},
+    }
+    model = {"provider": "builds:make_model", "options": {"log": str(tmp_path / "builds.jsonl")}}
+    train = {"train_iters": 6, "eval_interval": 2, "global_batch_size": 16}
+    sections = tiny_config(tmp_path / "out", model=model, train=train, checkpoint={"save_interval": 2}, plugins=plugins)
+    job = run_cli(
+        "run", str(write_config(tmp_path / "c.toml", sections)), cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "in-process restart 1: resumed at step 2" in job.stderr
+    builds = [json.loads(line) for line in (tmp_path / "builds.jsonl").read_text().splitlines()]
+    assert [build["alive"] for build in builds] == [[], [False]]
+    assert builds[0]["frozen"] > 100_000  # torch's and torch._dynamo's objects
 
 
 def test_a_fault_at_every_run_of_a_step_ends_the_run_once_the_restarts_are_used(tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ from attrs import define, field
 from coretrain import Outcome, Run, StepOutputs, UserError, hookimpl, max_over_ranks, non_negative, positive
 from coretrain_inprocess_restart.causes import PEER_FAILURE, described
 from coretrain_inprocess_restart.groups import abort_nccl, cut, never_destroyed, tcp_connections
+from coretrain_inprocess_restart.heap import freeze_imports
 from coretrain_inprocess_restart.members import (
     CHANGES_KEY,
     JOINED_ENV,
@@ -135,7 +136,9 @@ class InProcessRestart:
     @hookimpl
     def join_process_group(self) -> None:
         """A process that replaces one that died joins the group its surviving peers re-form
-        (the restart after the one they were in), not a first group of its own."""
+        (the restart after the one they were in), not a first group of its own. First, what the
+        imports made is frozen, out of the collector's way (:mod:`heap`)."""
+        freeze_imports()
         replaced = os.environ.get(REPLACED_ENV)
         if self._store is None and JOINED_ENV in os.environ:
             self._join_running_job()

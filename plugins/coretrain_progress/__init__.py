@@ -212,6 +212,7 @@ class Progress:
 
     @hookimpl
     def on_train_end(self, run: Run, outcome: Outcome) -> None:
+        self._run = None  # (an in-process restart builds a new run: this one must be free to go)
         if not self._active:
             return
         elapsed = time.perf_counter() - self._started

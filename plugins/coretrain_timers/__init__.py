@@ -197,6 +197,11 @@ class Timers:
         if not run.cadence.logs(first):
             self._times.reset_at = first + 1  # the first step warms up (compiles): leave it out
 
+    @hookimpl
+    def on_train_end(self) -> None:
+        """The run is over: its timings (which hold it) go, so an in-process restart can free it."""
+        self._times = None
+
     @hookimpl(tryfirst=True)  # before the progress view and the backends, which show these
     def on_log(self, run: Run, metrics: dict[str, float]) -> None:
         assert self._times is not None
