@@ -166,9 +166,10 @@ def test_a_machine_that_comes_takes_the_place_of_one_that_left_a_job_at_its_mini
     assert "machine 1 left (no heartbeat for 3 s): fewer than 2 machines remain" in log
     assert "machine 2 came: its ranks take the place of machine 1's" in log
     assert "after rank 1 died (machine 1 left); a new process took its place" in log
-    (placed,) = re.findall(r"local checkpoints: step (\d+) on each of 2 machines \(([\d.]+) kB copied", log)
+    # B killed after a local save but before its copy: that step is offered too, and lacks B's rank's file
+    ((steps, copied),) = re.findall(r"local checkpoints: step ([\d and]+) on each of 2 machines \(([\d.]+) kB", log)
     resumed = int(re.findall(r"in-process restart 1: resumed at step (\d+)", log)[0])
-    assert resumed == int(placed[0]) >= 11 and float(placed[1]) > 0  # the local tier, not the start
+    assert resumed == int(steps.split()[0]) >= 11 and float(copied) > 0  # the local tier's whole copy
     reference = run_train(str(whole), "--nproc-per-node", "2", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert losses_by_step(out) == losses_by_step(tmp_path / "whole")
