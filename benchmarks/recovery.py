@@ -266,7 +266,10 @@ def run_case(
     said = (root / "out" / "run.log").read_text() if (root / "out" / "run.log").exists() else done.stderr
     resumed = re.findall(r"resumed from \S+ \(step (\d+)", said)
     losses = [row["loss"] for row in rows if "loss" in row]
-    return seconds, fault_to_done or math.nan, losses, int(resumed[-1]) if resumed else None
+    if machines and not resumed:  # the second machine came after the first's last step: nothing was measured
+        print(f"{root}: the second machine was not in the job when it went down", file=sys.stderr)
+        return None
+    return seconds, math.nan if fault_to_done is None else fault_to_done, losses, int(resumed[-1]) if resumed else None
 
 
 def baseline_of(name: str) -> str:

@@ -44,8 +44,8 @@ class Machines:
         self.command = [sys.executable, "-m", "coretrain", "run", str(toml), "--nnodes", nnodes, "--nproc-per-node"]
         self.command += ["1", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--replace-failed-ranks", *more]
 
-    def start(self, name: str, *more: str) -> subprocess.Popen[bytes]:
-        env, command = dict(os.environ, OMP_NUM_THREADS="1"), [*self.command, *more]
+    def start(self, name: str, *more: str, **env_vars: str) -> subprocess.Popen[bytes]:
+        env, command = dict(os.environ, OMP_NUM_THREADS="1", **env_vars), [*self.command, *more]
         with open(self.tmp_path / f"{name}.log", "wb") as log:
             self.started.append(subprocess.Popen(command, cwd=self.tmp_path, env=env, stdout=log, stderr=log))
         return self.started[-1]
@@ -173,3 +173,36 @@ def test_a_machine_that_comes_takes_the_place_of_one_that_left_a_job_at_its_mini
     reference = run_train(str(whole), "--nproc-per-node", "2", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert losses_by_step(out) == losses_by_step(tmp_path / "whole")
+
+
+SLOW_TO_JOIN = """
+import os, time
+
+if "CORETRAIN_JOINED" in os.environ:  # a joining machine's rank (its launcher sets it): slow to start
+    time.sleep(20)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a launcher's death reaches its ranks on Linux")
+def test_a_machine_that_comes_as_the_job_ends_is_sent_home_not_left_waiting(tmp_path: Path) -> None:
+    """B comes near the end of A's job, and its rank is slow to start (20 s, a sitecustomize):
+    the job ends before that rank is ready to be taken in. A's leader tells B the job is over: B
+    stops its rank and both launchers exit 0 — not after B's rank waits out
+    restart_timeout_seconds (300 s here) with A's leader waiting for it."""
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "slow" / "sitecustomize.py").write_text(SLOW_TO_JOIN)
+    plugins = {"inprocess-restart": {"restart_timeout_seconds": 300}, "fault-injection": SLOW_STEPS}
+    toml, out = config(tmp_path, "job", plugins, steps=40), tmp_path / "job"
+    machines = Machines(tmp_path, toml, "1:2", "--rdzv-conf", "last_call_timeout=1")
+    a = machines.start("a")
+    try:
+        wait_for(lambda: max(losses_by_step(out), default=0) >= 10, "A training")
+        b = machines.start("b", PYTHONPATH=str(tmp_path / "slow"))
+        assert b.wait(timeout=120) == 0, machines.said("b")[-3000:]
+        assert a.wait(timeout=60) == 0, machines.said()[-3000:]
+    finally:
+        machines.kill()
+    assert "the job ended before this machine's ranks were taken in" in machines.said("b")
+    assert "machine 1 joined" in machines.said() and "re-form" not in machines.said()
+    assert sorted(losses_by_step(out)) == list(range(1, 41))

@@ -194,7 +194,11 @@ class Leader:
         _say(f"machine {machine} left (no heartbeat for {silent:.0f} s): the other ranks go on without its ranks")
 
     def finish(self) -> None:
-        """Keep the stores up until every machine's ranks are done (or the machine is gone)."""
+        """This machine's ranks are done, so the job is: the machines whose ranks wait to be taken
+        in are told to stop them (``over``: they will never be); the stores stay up until every
+        machine's ranks are done (or the machine is gone)."""
+        waiting = {int(each[1:]) for each in self.stores[-1].get(MEMBERS_KEY).decode().split(",") if each[:1] == "+"}
+        self.meeting.keys.set("over", ",".join(str(m) for m, first in self.first_slots.items() if first in waiting))
         while any(self.meeting.read(f"done/{m}") is None and self._alive(m) for m in self.first_slots):
             self.meeting.beat()
             time.sleep(0.1)
@@ -225,6 +229,14 @@ class Machine(Ranks):
         self.meeting.beat()
         if self.leader is not None:
             self.leader.tick()
+        over = self.meeting.read("over")
+        if over is not None and (not self.processes or str(self.meeting.machine) in over.split(",")):
+            self.signal_all(signal.SIGKILL)  # ranks that wait to be taken in hold nothing of the job's
+            for process in self.processes.values():
+                process.wait()
+            self.processes = {}
+            _say("the job ended before this machine's ranks were taken in")
+            return True
         attempt = int(self.meeting.read("attempt") or 0)
         if attempt > self.attempt:
             self._follow(attempt)
@@ -240,7 +252,7 @@ class Machine(Ranks):
         return False
 
     def wait_admitted(self) -> None:
-        while not self.processes:
+        while not self.processes and self.meeting.read("over") is None:
             self.tick()
             time.sleep(0.1)
 
