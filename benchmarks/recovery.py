@@ -25,7 +25,10 @@ raising at step 11 (``fault-injection``):
   down; under torchrun's agents the first starts its ranks again on the smaller size; under
   coretrain's launchers (``--replace-failed-ranks``) the first's ranks go on in-process once its
   leader misses the heartbeat (3 s, counted: rank 0 pauses only 0.5 s). Each against a
-  baseline of the same launchers, nothing killed, on (d)'s batch;
+  baseline of the same launchers, nothing killed, on (d)'s batch. ``last_call_timeout`` is 1 s
+  for torchrun's agents (their round after a machine left waits that long for more) and 30 s for
+  coretrain's (only the first round waits, and starts once both machines came: the second is in
+  the job from the start; a job it is not in when it goes down counts as failed);
 
 each also with ``[plugins.local-checkpoint]`` (a checkpoint in host memory after every step),
 which the restart resumes from instead of the durable one at step 8; in (e) each launcher has a
@@ -165,7 +168,12 @@ def two_machines(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "coretrain", "run", str(config), "--nnodes", "1:2", "--nproc-per-node"]
-    command += [str(ranks // 2), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=1", *launch]
+    # coretrain's launchers: both machines in the first round (it starts once both came; the
+    # setting plays no part in going on without one); torchrun's: 1 s, as its next round after
+    # a machine left waits that long for more
+    last_call = 30 if "--replace-failed-ranks" in launch else 1
+    command += [str(ranks // 2), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    command += ["--rdzv-conf", f"last_call_timeout={last_call}", *launch]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(root / "first.log", "w") as said:  # a file, not a pipe nobody reads while it runs
         own = ["--set", f"plugins.local-checkpoint.local_dir={root / 'first-shm'}"] if own_dirs else []
