@@ -212,16 +212,15 @@ class Progress:
 
     @hookimpl
     def on_train_end(self, run: Run, outcome: Outcome) -> None:
-        self._run = None  # (an in-process restart builds a new run: this one must be free to go)
-        if not self._active:
-            return
-        elapsed = time.perf_counter() - self._started
-        loss = f", last logged loss {self._metrics['loss']:.4f}" if "loss" in self._metrics else ""
-        self._event(f"{outcome} at step {run.state.step} in {eta(elapsed)}{loss}")
+        if self._active:
+            elapsed = time.perf_counter() - self._started
+            loss = f", last logged loss {self._metrics['loss']:.4f}" if "loss" in self._metrics else ""
+            self._event(f"{outcome} at step {run.state.step} in {eta(elapsed)}{loss}")
         if self._live is not None:
-            self._live.stop()
+            self._live.stop()  # (its last frame shows the run: let go of it only after)
             self._live = None
             self._log_above(False)
+        self._run = None  # an in-process restart builds a new run: this one must be free to go
 
 
 def start_line(run: Run) -> str:
