@@ -147,19 +147,8 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def logged_steps(metrics: Path) -> set[int]:
-    """The steps a metrics file has a row for (a line being written is skipped)."""
-    found = set()
-    for line in metrics.read_text().splitlines() if metrics.exists() else []:
-        try:
-            found.add(int(json.loads(line)["step"]))
-        except (ValueError, KeyError):
-            continue
-    return found
-
-
 def two_machines(
-    root: Path, config: Path, ranks: int, launch: list[str], down: bool, own_dirs: bool
+    root: Path, config: Path, ranks: int, launch: list[str], down: bool, own_dirs: bool, clock: StepTimes
 ) -> subprocess.CompletedProcess[str]:
     """(e): two launchers of ``ranks // 2`` ranks each; with ``down`` the second, ranks and all, is
     SIGKILLed once step 10 is logged (rank 0 pauses at 11); ``own_dirs``: each its own local_dir.
@@ -186,9 +175,8 @@ def two_machines(
     if own_dirs:  # each machine's local_dir its own, as /dev/shm is: the local checkpoints are copied across
         command += ["--set", f"plugins.local-checkpoint.local_dir={root / 'second-shm'}"]
     second = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = root / "out" / "metrics.jsonl"
     while down and first.poll() is None:
-        if FAULT_STEP - 1 in logged_steps(metrics):
+        if FAULT_STEP - 1 in clock.seen:
             for pid in descendants(second.pid):
                 os.kill(pid, signal.SIGKILL)
             break
@@ -262,7 +250,7 @@ def run_case(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started, clock = time.perf_counter(), StepTimes(root / "out" / "metrics.jsonl")
     if machines is not None:
-        done = two_machines(root, config, ranks, launch, down=machines, own_dirs="local-checkpoint" in plugins)
+        done = two_machines(root, config, ranks, launch, machines, "local-checkpoint" in plugins, clock)
     else:
         done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     seconds, fault_to_done = time.perf_counter() - started, clock.fault_to_done()

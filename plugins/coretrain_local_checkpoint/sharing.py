@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from coretrain import step_dir, step_dirs
 from coretrain_local_checkpoint.machines import Copies
 
 log = logging.getLogger("coretrain")
@@ -25,19 +25,17 @@ log = logging.getLogger("coretrain")
 COPIES = "copies"
 """Where a machine keeps the newest local checkpoint it holds whole (the core's own step
 directories there hold only its ranks' files, except on rank 0's machine)."""
-STEP_DIR = re.compile(r"step_(\d{8})(\.tmp)?$")
 PIECE = 64 << 20
 
 
 def step_name(step: int) -> str:
-    return f"step_{step:08d}"
+    return step_dir(Path(), step).name
 
 
 def steps_in(directory: Path, committed: bool | None = None) -> list[int]:
     """The steps of the step directories in ``directory`` (``committed``: only those, or only
     the unfinished ``.tmp`` ones; None: both)."""
-    found = [STEP_DIR.match(p.name) for p in directory.iterdir()] if directory.is_dir() else []
-    return sorted({int(m[1]) for m in found if m and (committed is None or committed == (m[2] is None))})
+    return sorted({step for step, done, _ in step_dirs(directory) if committed is None or done == committed})
 
 
 def holdings(directory: Path, step: int) -> dict[str, Path]:
@@ -77,7 +75,7 @@ def share(copies: Copies, directory: Path, step: int, target: Path) -> int:
         if len(holders) < len(listings):
             size = listings[holders[0]][path]
             lacked += size * (len(listings) - len(holders))
-            _send(copies, holders[0], mine.get(path) if copies.mine == holders[0] else None, size, into)
+            _send(copies, holders[0], mine[path] if copies.mine == holders[0] else None, size, into)
     if target.exists():
         shutil.rmtree(target)
     os.replace(staging, target)
@@ -103,7 +101,8 @@ def _send(copies: Copies, holder: int, source: Path | None, size: int, into: Pat
                 if source is not None:
                     reading.readinto(piece.numpy().data)
                 torch.distributed.broadcast(piece, src=copies.keepers[holder], group=copies.group)
-                writing.write(piece.numpy().tobytes())
+                if receives:
+                    writing.write(piece.numpy().tobytes())
             if receives:
                 writing.flush()
                 os.fsync(writing.fileno())
@@ -135,9 +134,8 @@ def place_for_resume(copies: Copies, directory: Path) -> None:
     committed = max((step for _, done in seen for step in done), default=-1)
     targets = sorted({step for step in (whole, committed) if step >= 0 and step >= whole})
     lacked = sum(share(copies, directory, step, directory / f".{step_name(step)}.placed") for step in targets)
-    for entry in directory.iterdir():
-        if STEP_DIR.match(entry.name):
-            shutil.rmtree(entry)
+    for _, _, path in step_dirs(directory):
+        shutil.rmtree(path)
     for step in targets:
         os.replace(directory / f".{step_name(step)}.placed", directory / step_name(step))
     if targets and copies.mine == 0:
