@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -63,9 +64,23 @@ def run_cli(
     environment, or replaces it with ``inherit_env=False``; ``popen``: more subprocess.run
     arguments (preexec_fn)."""
     full_env = {**(os.environ if inherit_env else {}), "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(
-        [*command, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout, **popen
-    )
+    with subprocess.Popen(
+        [*command, *args],
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **popen,
+    ) as process:  # its own session: a timeout ends the ranks it started too, not only the launcher
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+            pytest.fail(f"`{' '.join(args)}` still running after {timeout} s; its stderr's end:\n{err[-6000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 def run_train(

@@ -126,7 +126,7 @@ def test_a_killed_rank_ends_the_job_and_a_restart_resumes(tmp_path: Path, site: 
     config = write(tmp_path, "run", train_iters=30)
     marker = tmp_path / "killed-once"
     config.write_text(config.read_text() + f'\n[plugins.kill-rank]\nrank = 1\nat_step = 15\nmarker = "{marker}"\n')
-    # a hang would outlive the collective timeout and raise TimeoutExpired here, not pass slowly
+    # a hang would outlive the collective timeout and fail here (run_cli's timeout), not pass slowly
     failed = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env=env, timeout=240)
     assert failed.returncode == 137 and "error: rank 1 failed with exit code -9" in failed.stderr
     marker.unlink()
