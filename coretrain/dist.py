@@ -58,15 +58,8 @@ def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
         global _timeout
         _timeout = datetime.timedelta(seconds=config.init_timeout_seconds)
         dist.init_process_group(chosen, timeout=_timeout)
-    return DistInfo(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        tp_size=config.tp_size,
-        cp_size=config.cp_size,
-        pp_size=config.pp_size,
-        dp_replicate=config.dp_replicate,
-    )
+    layout = {name: getattr(config, name) for name in ("tp_size", "cp_size", "pp_size", "dp_replicate")}
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), **layout)
 
 
 _mesh: Any = None
