@@ -63,7 +63,12 @@ def run_cli(
     user would run it, output captured (not a terminal); ``env`` adds to this process's
     environment, or replaces it with ``inherit_env=False``; ``popen``: more subprocess.run
     arguments (preexec_fn)."""
-    full_env = {**(os.environ if inherit_env else {}), "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {
+        **(os.environ if inherit_env else {}),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+        **(env or {}),
+    }
     with subprocess.Popen(
         [*command, *args],
         cwd=cwd,
@@ -76,10 +81,14 @@ def run_cli(
     ) as process:  # its own session: a timeout ends the ranks it started too, not only the launcher
         try:
             out, err = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        except subprocess.TimeoutExpired:  # each Python process prints its threads' stacks (faulthandler), then goes
+            os.killpg(process.pid, signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.communicate(timeout=10)
+            with contextlib.suppress(ProcessLookupError):  # (all gone already)
+                os.killpg(process.pid, signal.SIGKILL)
             out, err = process.communicate()
-            pytest.fail(f"`{' '.join(args)}` still running after {timeout} s; its stderr's end:\n{err[-6000:]}")
+            pytest.fail(f"`{' '.join(args)}` still running after {timeout} s; its stderr's end:\n{err[-12000:]}")
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
