@@ -63,21 +63,8 @@ def run_cli(
     user would run it, output captured (not a terminal); ``env`` adds to this process's
     environment, or replaces it with ``inherit_env=False``; ``popen``: more subprocess.run
     arguments (preexec_fn)."""
-    full_env = {
-        **(os.environ if inherit_env else {}),
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONFAULTHANDLER": "1",
-        **(env or {}),
-    }
-    with subprocess.Popen(
-        [*command, *args],
-        cwd=cwd,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        **popen,
+    with start_cli(
+        *args, cwd=cwd, env=env, command=command, inherit_env=inherit_env, start_new_session=True, **popen
     ) as process:  # its own session: a timeout ends the ranks it started too, not only the launcher
         try:
             out, err = process.communicate(timeout=timeout)
@@ -146,17 +133,19 @@ def start_cli(
     cwd: Path,
     env: dict[str, str] | None = None,
     command: tuple[str, ...] = (sys.executable, "-m", "coretrain"),
+    inherit_env: bool = True,
+    **popen: Any,
 ) -> subprocess.Popen:
     """``python -m coretrain ARGS`` (or ``command``) in the background (to signal, kill or race it);
-    stdout and stderr piped."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    stdout and stderr piped. A fatal signal makes each Python process print its threads' stacks."""
+    full_env = {
+        **(os.environ if inherit_env else {}),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+        **(env or {}),
+    }
     return subprocess.Popen(
-        [*command, *args],
-        cwd=cwd,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [*command, *args], cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
     )
 
 
