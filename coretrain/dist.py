@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import gc
 import os
@@ -59,8 +58,15 @@ def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
         global _timeout
         _timeout = datetime.timedelta(seconds=config.init_timeout_seconds)
         dist.init_process_group(chosen, timeout=_timeout)
-    layout = {name: getattr(config, name) for name in ("tp_size", "cp_size", "pp_size", "dp_replicate")}
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), **layout)
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        tp_size=config.tp_size,
+        cp_size=config.cp_size,
+        pp_size=config.pp_size,
+        dp_replicate=config.dp_replicate,
+    )
 
 
 _mesh: Any = None
@@ -103,9 +109,6 @@ def device_mesh(device_type: str, info: DistInfo) -> Any:
     return _mesh
 
 
-groups_left: list[str] = []
-"""Groups a failure left behind, never destroyed (see :func:`shutdown`): the CLI's process then
-ends without the interpreter's finalization (``coretrain.__main__``)."""
 _UNDECIDED = object()
 _control_group: object = _UNDECIDED
 _timeout = datetime.timedelta(minutes=10)
@@ -180,25 +183,12 @@ def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
 
 def shutdown(graceful: bool = False) -> None:
     """Leave the process group; ``graceful`` first waits for every rank, so no rank tears down
-    its connections while another is still in a collective (gloo aborts on that).
-
-    After a failure (not graceful) the groups are left but never destroyed: a collective may
-    still be in a group's worker thread (one a peer never joined, or one ending as the ranks
-    fail together), and destroying a gloo group joins its threads while holding the GIL, which
-    the thread needs to let go of the collective's tensors: the process hung there, or until
-    gloo's timeout. Each group keeps one reference that is never dropped; its threads end with
-    the process (or stay, idle, beside the next group an in-process restart forms) — a thread
-    that ends its collective during the interpreter's finalization cannot take the GIL and
-    aborts the process ("terminate called without an active exception", exit -6), so the CLI
-    does not finalize after a failure."""
+    its connections while another is still in a collective (gloo aborts on that)."""
     global _control_group, _mesh
     if graceful and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     _control_group, _mesh = _UNDECIDED, None
     if dist.is_available() and dist.is_initialized():
-        for group in [] if graceful else list(dist.distributed_c10d._world.pg_map):
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-            groups_left.append(repr(group))
         # free the run's cycles (DDP's reducer, FSDP's groups) while the interpreter is whole: a
         # gloo group they keep alive is otherwise destroyed during finalization, where its worker
         # threads cannot take the GIL and the process aborts ("terminate called without an

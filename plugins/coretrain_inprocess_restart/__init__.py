@@ -47,7 +47,8 @@ from attrs import define, field
 
 from coretrain import Outcome, Run, StepOutputs, UserError, hookimpl, max_over_ranks, non_negative, positive
 from coretrain_inprocess_restart.causes import PEER_FAILURE, described
-from coretrain_inprocess_restart.groups import abort_nccl, cut, tcp_connections
+from coretrain_inprocess_restart.groups import abort_nccl, cut, never_destroyed, tcp_connections
+from coretrain_inprocess_restart.heap import freeze_imports
 from coretrain_inprocess_restart.members import (
     CHANGES_KEY,
     JOINED_ENV,
@@ -135,7 +136,13 @@ class InProcessRestart:
     @hookimpl
     def join_process_group(self) -> None:
         """A process that replaces one that died joins the group its surviving peers re-form
-        (the restart after the one they were in), not a first group of its own."""
+        (the restart after the one they were in), not a first group of its own. Then what the
+        imports made is frozen, out of the collector's way (:mod:`heap`) — after joining, so a
+        process that joins or replaces one is ready for the others as soon as it can be."""
+        self._join_group()
+        freeze_imports()
+
+    def _join_group(self) -> None:
         replaced = os.environ.get(REPLACED_ENV)
         if self._store is None and JOINED_ENV in os.environ:
             self._join_running_job()
@@ -204,7 +211,7 @@ class InProcessRestart:
         raise MembershipChange("ranks wait to join")
 
     def _leave_group(self) -> None:
-        """(The core's shutdown that follows keeps the groups from being destroyed.)"""
+        never_destroyed()
         if self._backend == "nccl":
             abort_nccl()
         cut(self._connections or self._gloo_connections())  # failed before training: what there is now
