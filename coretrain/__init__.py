@@ -96,8 +96,7 @@ def __getattr__(name: str) -> Any:
 def _moved(name: str) -> Any:
     """A name that moved to a plugin distribution (which says so in the ``coretrain.moved``
     entry-point group): still found, with a deprecation warning naming its new place."""
-    point = _moved_points().get(name)
-    if point is None:
+    if (point := _moved_points().get(name)) is None:
         return None
     import warnings
 

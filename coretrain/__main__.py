@@ -8,6 +8,7 @@ could leave half-done. Once the command line is parsed, a command that does not 
 itself gets Ctrl-C as a KeyboardInterrupt again; ``run`` replaces it with its own watcher.
 """
 
+import atexit
 import os
 import signal
 import sys
@@ -23,10 +24,18 @@ signal.signal(signal.SIGINT, _stopped_while_loading)
 
 
 def console() -> int:
-    """The console script's entry point (``coretrain``)."""
+    """The console script's entry point (``coretrain``). A process whose failed run left process
+    groups behind (``coretrain.dist.groups_left``) ends here after what an exit runs first (the
+    ``atexit`` callbacks: logging's flush among them), without the interpreter's finalization,
+    where a group's thread that ends a collective cannot take the GIL and aborts the process."""
     from coretrain.cli import main
 
-    return main()
+    code = main()
+    if getattr(sys.modules.get("coretrain.dist"), "groups_left", None):
+        atexit._run_exitfuncs()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

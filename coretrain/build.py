@@ -34,9 +34,7 @@ from coretrain.usercode import call_with, check_options, import_callable
 def resolve_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise UserError("run.device: 'cuda' requested but torch sees no CUDA device; use 'auto' or 'cpu'")
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(choice)
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else choice)
 
 
 def seed_everything(seed: int) -> None:
@@ -188,10 +186,7 @@ def samples_to_train(run: Run) -> int | None:
 def check_providers_named(config: Config) -> None:
     for section in ("model", "data"):
         if not getattr(config, section).provider:
-            raise UserError(
-                f"{section}.provider: not set; name a provider plugin (see `coretrain plugins`) "
-                f"or an import path 'pkg.module:function'"
-            )
+            raise UserError(f"{section}.provider: not set; name a provider (`coretrain plugins`) or 'module:function'")
 
 
 def _start(config: Config, plugins: Plugins) -> Run:

@@ -49,11 +49,6 @@ class Refused(pickle.UnpicklingError):
     """The pickle asked for something DCP metadata never holds: a crafted file."""
 
 
-def _qualified(obj: Any) -> tuple[str, str]:
-    kind = type(obj)
-    return kind.__module__, kind.__qualname__
-
-
 _PurePythonUnpickler: Any = pickle._Unpickler  # its opcodes are methods in a table: they can be guarded
 
 
@@ -85,9 +80,9 @@ class MetadataUnpickler(_PurePythonUnpickler):  # type: ignore[misc]
         raise Refused("persistent ids are not allowed")
 
     def load_build(self) -> None:
-        target = self.stack[-2] if len(self.stack) >= 2 else None
-        if _qualified(target) not in _BUILDABLE:
-            raise Refused(f"BUILD on a {type(target).__qualname__} is not allowed")
+        kind = type(self.stack[-2] if len(self.stack) >= 2 else None)
+        if (kind.__module__, kind.__qualname__) not in _BUILDABLE:
+            raise Refused(f"BUILD on a {kind.__qualname__} is not allowed")
         super().load_build()
 
     def load_additems(self) -> None:

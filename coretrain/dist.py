@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import datetime
 import gc
 import os
@@ -58,15 +60,8 @@ def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
         global _timeout
         _timeout = datetime.timedelta(seconds=config.init_timeout_seconds)
         dist.init_process_group(chosen, timeout=_timeout)
-    return DistInfo(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        tp_size=config.tp_size,
-        cp_size=config.cp_size,
-        pp_size=config.pp_size,
-        dp_replicate=config.dp_replicate,
-    )
+    layout = {name: getattr(config, name) for name in ("tp_size", "cp_size", "pp_size", "dp_replicate")}
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), **layout)
 
 
 _mesh: Any = None
@@ -109,6 +104,11 @@ def device_mesh(device_type: str, info: DistInfo) -> Any:
     return _mesh
 
 
+_kept: list[object] = []
+atexit.register(_kept.clear)  # while the interpreter is whole: a group's threads can end then
+groups_left: list[str] = []
+"""Groups a failed run left, never destroyed (:func:`shutdown`): the CLI then ends its process
+without the interpreter's finalization (``coretrain.__main__``)."""
 _UNDECIDED = object()
 _control_group: object = _UNDECIDED
 _timeout = datetime.timedelta(minutes=10)
@@ -183,12 +183,26 @@ def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
 
 def shutdown(graceful: bool = False) -> None:
     """Leave the process group; ``graceful`` first waits for every rank, so no rank tears down
-    its connections while another is still in a collective (gloo aborts on that)."""
+    its connections while another is still in a collective (gloo aborts on that).
+
+    Every group gets a reference of its own here, so that its last one is never DDP's reducer's:
+    the reducer's destructor destroys a gloo group holding the GIL, and joins its worker thread,
+    which needs the GIL to let go of the tensors of a collective it is just ending — deadlock
+    (one job in four, with 2 ranks failing together under load). A finished run's groups are let
+    go at the next shutdown or at exit, their threads idle. A failed run's are never let go: a
+    collective may still be pending there (one a peer never joined: joining its thread would
+    wait for gloo's timeout), and a thread that ends one during the interpreter's finalization
+    cannot take the GIL and aborts the process (exit -6), so the CLI does not finalize then."""
     global _control_group, _mesh
     if graceful and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     _control_group, _mesh = _UNDECIDED, None
     if dist.is_available() and dist.is_initialized():
+        groups = list(dist.distributed_c10d._world.pg_map)
+        _kept[:] = groups if graceful else _kept
+        for group in [] if graceful else groups:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+            groups_left.append(repr(group))
         # free the run's cycles (DDP's reducer, FSDP's groups) while the interpreter is whole: a
         # gloo group they keep alive is otherwise destroyed during finalization, where its worker
         # threads cannot take the GIL and the process aborts ("terminate called without an

@@ -121,6 +121,28 @@ def test_sigterm_to_the_launcher_stops_all_ranks_at_one_step_with_one_checkpoint
     assert step >= 23 and f"stopping at step {step}: received SIGTERM" in stderr
 
 
+def test_a_rank_that_fails_with_a_collective_pending_ends_instead_of_hanging(tmp_path: Path, site: Path) -> None:
+    """Rank 0 starts an all-reduce rank 1 never joins and raises; rank 1 waits for rank 0's
+    process to end. Letting the failed run go destroyed the gloo group through DDP's reducer,
+    which joins the group's worker thread — blocked in the collective until rank 1 left — and
+    holds the GIL while it does, which the thread needs to let go of the tensor once rank 1 left:
+    rank 0 hung for good (one job in four with both ranks failing at one step under load), or,
+    when the group's last reference was Python's (the GIL let go), waited for rank 1. The core
+    now keeps every group it leaves after a failure and the CLI ends such a process without the
+    interpreter's finalization (where a thread that ends a collective aborts the process)."""
+    from coretrain.testing import tiny_config, write_config
+
+    plugins = {"pending-collective": {"rank": 0, "at_step": 3}}
+    sections = tiny_config(tmp_path / "out", distributed={"backend": "gloo"}, plugins=plugins)
+    config = write_config(tmp_path / "c.toml", sections)
+    env = {"PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}
+    job = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env=env, timeout=120)
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert "RuntimeError: pending-collective: raised on rank 0 at step 3" in job.stderr
+    assert "RuntimeError: pending-collective: rank 0 had ended" in job.stderr, job.stderr[-3000:]
+    assert job.stderr.rstrip().endswith("error: rank 0 failed with exit code 1"), job.stderr[-1500:]
+
+
 def test_a_killed_rank_ends_the_job_and_a_restart_resumes(tmp_path: Path, site: Path) -> None:
     env = {"PYTHONPATH": str(site)}
     config = write(tmp_path, "run", train_iters=30)
@@ -128,7 +150,7 @@ def test_a_killed_rank_ends_the_job_and_a_restart_resumes(tmp_path: Path, site: 
     config.write_text(config.read_text() + f'\n[plugins.kill-rank]\nrank = 1\nat_step = 15\nmarker = "{marker}"\n')
     # a hang would outlive the collective timeout and fail here (run_cli's timeout), not pass slowly
     failed = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env=env, timeout=240)
-    assert failed.returncode == 137 and "error: rank 1 failed with exit code -9" in failed.stderr
+    assert failed.returncode == 137 and "error: rank 1 failed with exit code -9" in failed.stderr, failed.stderr
     marker.unlink()
     restarted = run_cli("run", str(config), "--nproc-per-node", "2", "--max-restarts", "1", cwd=tmp_path, env=env)
     assert restarted.returncode == 0, restarted.stderr

@@ -262,3 +262,28 @@ def test_a_frozen_rank_is_named_by_the_others_and_in_the_jobs_last_line(tmp_path
     reporter = 1 - frozen
     assert lines[-1].startswith(f"error: rank {frozen} ") and "is not responding" in lines[-1], lines
     assert f"rank {reporter} waited" in lines[-1]
+
+
+def test_the_jobs_last_line_names_the_rank_a_signal_killed_not_the_lowest_that_lost_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torchrun finds failures in one look at the ranks, so they share that second as their
+    timestamp, and torch names the first found: rank 0, ended (exit 1) because rank 1 was
+    SIGKILLed and vanished from its collective. A rank the launcher itself SIGTERMed once the
+    job had failed is never the culprit."""
+    from coretrain_launch import child_failed
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def failed(*codes: tuple[int, int], first_seconds_earlier: int = 0) -> int:
+        failures = {r: ProcessFailure(r, 100 + r, code, str(tmp_path / f"none{r}.json")) for r, code in codes}
+        for failure in failures.values():
+            failure.timestamp = 1_700_000_000
+        failures[codes[0][0]].timestamp -= first_seconds_earlier
+        return child_failed(ChildFailedError("coretrain", failures))
+
+    assert failed((0, 1), (1, -9)) == 137
+    assert capsys.readouterr().err.strip() == "error: rank 1 failed with exit code -9"
+    assert failed((0, 1), (1, -9), first_seconds_earlier=1) == 1  # rank 0 failed a look earlier
+    assert capsys.readouterr().err.strip() == "error: rank 0 failed with exit code 1"
+    assert failed((1, 1), (0, -15)) == 1  # rank 0 was ended by the launcher after rank 1 failed
+    assert capsys.readouterr().err.strip() == "error: rank 1 failed with exit code 1"

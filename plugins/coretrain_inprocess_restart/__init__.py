@@ -47,7 +47,7 @@ from attrs import define, field
 
 from coretrain import Outcome, Run, StepOutputs, UserError, hookimpl, max_over_ranks, non_negative, positive
 from coretrain_inprocess_restart.causes import PEER_FAILURE, described
-from coretrain_inprocess_restart.groups import abort_nccl, cut, never_destroyed, tcp_connections
+from coretrain_inprocess_restart.groups import abort_nccl, cut, tcp_connections
 from coretrain_inprocess_restart.heap import freeze_imports
 from coretrain_inprocess_restart.members import (
     CHANGES_KEY,
@@ -211,7 +211,7 @@ class InProcessRestart:
         raise MembershipChange("ranks wait to join")
 
     def _leave_group(self) -> None:
-        never_destroyed()
+        """(The core's shutdown that follows keeps the groups from being destroyed.)"""
         if self._backend == "nccl":
             abort_nccl()
         cut(self._connections or self._gloo_connections())  # failed before training: what there is now

@@ -5,7 +5,6 @@ blocked peer sees at once as "Connection closed by peer" — the failure reaches
 
 from __future__ import annotations
 
-import ctypes
 import os
 import socket
 
@@ -70,16 +69,3 @@ def abort_nccl() -> None:
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None and dist.is_initialized():
         abort()
-
-
-def never_destroyed() -> None:
-    """Keep every process group there is now from ever being destroyed.
-
-    A gloo group left after a failure may still have a collective in its worker thread, waiting
-    on a connection that was cut (until the group's timeout: minutes), and destroying a group
-    joins its threads: the process would hang there — at the next ``gc.collect()``, or at exit
-    after a run that succeeded (seen in about one 2-rank restart in five). Each group gets one
-    reference that is never dropped, so its threads stay until the process exits."""
-    if dist.is_available() and dist.is_initialized():
-        for group in list(dist.distributed_c10d._world.pg_map):
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))

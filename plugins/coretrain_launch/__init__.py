@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -197,7 +198,11 @@ def child_failed(exc: ChildFailedError) -> int:
         _, rank, failure = verdicts[0]
         print(f"error: {failure.message}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
-    rank, failure = exc.get_first_failure()
+    # failures found in one look share a timestamp; torch names the first it found (a rank that
+    # failed because its peer vanished, if its number is lower), unless a signal killed one: that
+    # one (OOM, SIGKILL) is what the others failed from. SIGTERM is the launcher's own, at the end
+    killed = {rank for rank, f in exc.failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    rank, failure = min(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0] not in killed))
     if failure.exitcode == USAGE_EXIT_CODE:  # a mistake the rank has said in one line already
         return USAGE_EXIT_CODE
     if failure.exitcode in STOP_CODES:
