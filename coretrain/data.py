@@ -66,9 +66,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
+    return {k: to_device(v, device) for k, v in batch.items()} if isinstance(batch, dict) else batch
 
 
 class BatchReader:

@@ -84,9 +84,7 @@ def call_model(model: torch.nn.Module, batch: Any) -> Any:
     """``model(*batch)``, ``model(**batch)`` or ``model(batch)``, as the batch is shaped."""
     if isinstance(batch, (tuple, list)):
         return model(*batch)
-    if isinstance(batch, dict):
-        return model(**batch)
-    return model(batch)
+    return model(**batch) if isinstance(batch, dict) else model(batch)
 
 
 def call(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

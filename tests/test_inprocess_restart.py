@@ -61,8 +61,8 @@ def test_a_failed_runs_model_is_freed_before_the_next_is_built_while_the_imports
     a restart needs twice the memory. A model provider records, at each build, whether the
     models it built before can still be reached after a collection, with the on-by-default
     plugins and many others on (a plugin that keeps the run past ``on_train_end`` keeps its
-    model: the progress view and the timers did). The plugin freezes what the imports made
-    (``gc.freeze``), so leaving the failed run costs milliseconds — and nothing of a run."""
+    model: the progress view and the timers did). ``coretrain run`` freezes what the imports
+    made (``gc.freeze``), so leaving the failed run costs milliseconds — and nothing of a run."""
     (tmp_path / "builds.py").write_text(BUILDS)
     plugins = {
         **{"fault-injection": {"action": "raise", "step": 3}, "inprocess-restart": {}},

@@ -179,9 +179,7 @@ class Checkpointer:
 
     def done(self) -> int | None:
         """The step of an async save that has finished since the last call, if any (non-blocking)."""
-        if self._thread is None or self._thread.is_alive():
-            return None
-        return self.wait()
+        return None if self._thread is None or self._thread.is_alive() else self.wait()
 
     def wait(self) -> int | None:
         """Block until the save in flight is committed; returns its step."""

@@ -8,6 +8,7 @@ the plugin or the exception, with the traceback written to the output dir (exit 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -73,6 +74,7 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
         if isinstance(exc, Exception) and not isinstance(exc, (UserError, RunFailure, Interrupted)):
             written.append(_write_traceback(loaded.config.output_dir, exc, args.traceback))
 
+    freeze_the_heap()
     try:
         code, _ = run_session(loaded, plugins, signals, on_error=traceback_of)
     except Exception as exc:
@@ -82,6 +84,19 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
         print(f"  full traceback: {written[0]}", file=sys.stderr)
         return FAILURE_EXIT_CODE
     return code
+
+
+def freeze_the_heap() -> None:
+    """Once per process, before a run exists: what the imports made (torch's optimizers import
+    ``torch._dynamo`` in every run: it comes now) moves where collections skip it, so the
+    collections of a run's cycles at its end (``dist.shutdown``) walk what the run made, not
+    300,000 objects (0.1–0.3 s each, twice a run). The CLI owns its process; ``coretrain.train``'s
+    caller owns theirs: a frozen object of theirs in a cycle would never be collected. (No
+    collection first: the imports leave about 80 objects of garbage, not worth 0.16 s.)"""
+    if not gc.get_freeze_count():
+        import torch._dynamo  # noqa: F401
+
+        gc.freeze()
 
 
 def setup_console(level_name: str) -> None:

@@ -48,7 +48,6 @@ from attrs import define, field
 from coretrain import Outcome, Run, StepOutputs, UserError, hookimpl, max_over_ranks, non_negative, positive
 from coretrain_inprocess_restart.causes import PEER_FAILURE, described
 from coretrain_inprocess_restart.groups import abort_nccl, cut, tcp_connections
-from coretrain_inprocess_restart.heap import freeze_imports
 from coretrain_inprocess_restart.members import (
     CHANGES_KEY,
     JOINED_ENV,
@@ -136,13 +135,7 @@ class InProcessRestart:
     @hookimpl
     def join_process_group(self) -> None:
         """A process that replaces one that died joins the group its surviving peers re-form
-        (the restart after the one they were in), not a first group of its own. Then what the
-        imports made is frozen, out of the collector's way (:mod:`heap`) — after joining, so a
-        process that joins or replaces one is ready for the others as soon as it can be."""
-        self._join_group()
-        freeze_imports()
-
-    def _join_group(self) -> None:
+        (the restart after the one they were in), not a first group of its own."""
         replaced = os.environ.get(REPLACED_ENV)
         if self._store is None and JOINED_ENV in os.environ:
             self._join_running_job()
