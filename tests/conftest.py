@@ -9,8 +9,10 @@ import json
 import logging
 import math
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -126,6 +128,20 @@ def _imported_from(module: object, directories: list[str]) -> bool:
     if path.startswith(str(REPO) + os.sep):
         return False
     return any(path.startswith(directory + os.sep) for directory in directories)
+
+
+def free_port() -> int:
+    """A port nothing listens on, for a rendezvous endpoint: below Linux's ephemeral range
+    (32768-60999), from which the tests running beside this one take ports for their outgoing
+    connections (gloo's, the stores') — one took a port picked there before the launcher bound it."""
+    for port in random.SystemRandom().sample(range(20_000, 32_000), 100):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 32000")
 
 
 def start_cli(

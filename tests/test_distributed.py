@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import (
     config_file,
+    free_port,
     gpt_preset,
     in_one_job,
     metrics_rows,
@@ -398,11 +399,7 @@ def test_a_job_that_lost_a_rank_goes_on_with_a_smaller_global_batch_only_when_al
 def test_an_output_dir_the_nodes_do_not_share_is_one_clear_error(tmp_path: Path) -> None:
     """Two "nodes" on one machine, each in its own working directory: a relative output_dir is
     then two directories, as a node-local disk would be."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     nodes = []
     for node in (0, 1):
         cwd = tmp_path / f"node{node}"

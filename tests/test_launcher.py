@@ -14,13 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import metrics_rows, write_tiny_gpt
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from conftest import free_port, metrics_rows, write_tiny_gpt
 
 
 def children(pid: int) -> list[int]:
