@@ -59,13 +59,13 @@ def main() -> None:
         reference = run_case(Path(scratch) / "reference", args.ranks, {}, [])
         if reference is None:
             raise SystemExit("the reference job failed")
-        base, losses = reference[0], reference[1]
+        base, _, losses, _ = reference  # seconds, fault to done, losses, resumed step
         for i in range(args.faults):
             drawn = fault(rng, args.ranks)
             root = Path(scratch) / f"job-{i}"
             root.mkdir()
             result = run_case(root, args.ranks, {**SOAK, "fault-injection": drawn}, launch)
-            equal = result is not None and result[1] == losses
+            equal = result is not None and result[2] == losses
             seconds = result[0] - base if result is not None else float("nan")
             done[drawn["action"]].append((result is not None, equal, seconds))
             what = f"{drawn['action']} at step {drawn['step']} on rank {drawn['ranks'][0]}"
