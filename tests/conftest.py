@@ -256,6 +256,18 @@ BROKEN_PLUGIN = {
 
 
 @pytest.fixture(scope="session")
+def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The losses of the fault tests' job without a fault (``test_inprocess_restart.config``, no
+    plugin, 2 gloo ranks), run once per worker: the restarted jobs of five tests must equal it."""
+    from test_inprocess_restart import config, losses
+
+    root = tmp_path_factory.mktemp("uninterrupted")
+    job = run_train(config(root, "whole"), "--nproc-per-node", "2", cwd=root, env={"OMP_NUM_THREADS": "1"})
+    assert job.returncode == 0, job.stderr[-3000:]
+    return losses(root / "whole")
+
+
+@pytest.fixture(scope="session")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A target dir with real pip installs of third-party plugin packages, for PYTHONPATH.
 

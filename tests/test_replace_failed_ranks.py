@@ -24,7 +24,9 @@ REPLACING = ("--nproc-per-node", "2", "--replace-failed-ranks")
 
 
 @pytest.mark.slow
-def test_a_killed_rank_0_is_replaced_while_rank_1_waits_in_process(tmp_path: Path) -> None:
+def test_a_killed_rank_0_is_replaced_while_rank_1_waits_in_process(
+    tmp_path: Path, uninterrupted_losses: list[float]
+) -> None:
     """The issue's item 2, with the hardest rank to lose (it logs, it locks the output dir; the
     store is the launcher's, so it survives it): SIGKILL at step 8. With one replacement allowed,
     rank 1 cannot have been started again: it re-formed the group in-process with the new rank 0,
@@ -33,14 +35,13 @@ def test_a_killed_rank_0_is_replaced_while_rank_1_waits_in_process(tmp_path: Pat
     fault = {"action": "sigkill", "step": 8, "ranks": [0], "attempt": 0}
     shm = {"local_dir": str(tmp_path / "shm")}
     plugins = {"fault-injection": fault, "inprocess-restart": {}, "local-checkpoint": shm}
-    whole, killed = two_rank_config(tmp_path, "whole"), two_rank_config(tmp_path, "killed", **plugins)
-    assert run_train(whole, "--nproc-per-node", "2", cwd=tmp_path, env=ENV).returncode == 0
+    killed = two_rank_config(tmp_path, "killed", **plugins)
     job = run_train(killed, *REPLACING, "--max-restarts", "1", cwd=tmp_path, env=ENV)
     assert job.returncode == 0, job.stderr[-3000:]
     assert "rank 0 ended (SIGKILL); starting a new process in its place (1/1)" in job.stderr
     assert "in-process restart 1/3 after rank 0 died (SIGKILL); a new process took its place" in job.stderr
     assert "in-process restart 1: resumed at step 7, " in job.stderr
-    assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
+    assert losses(tmp_path / "killed") == uninterrupted_losses
 
 
 @pytest.mark.slow
@@ -93,19 +94,18 @@ def test_with_min_ranks_the_others_go_on_without_a_dead_rank_as_a_smaller_job(tm
 
 
 @pytest.mark.slow
-def test_a_frozen_rank_restarts_the_job_as_torchrun_would(tmp_path: Path) -> None:
+def test_a_frozen_rank_restarts_the_job_as_torchrun_would(tmp_path: Path, uninterrupted_losses: list[float]) -> None:
     """Rank 1 is stopped (SIGSTOP) at step 6: rank 0's watchdog names it and ends (exit 124). A new
     rank 0 alone would wait for the frozen rank in vain, so the launcher kills it and starts every
     rank again — on a store of its own — and the job completes with the uninterrupted losses."""
     frozen = {"action": "sigstop", "step": 6, "ranks": [1], "attempt": 0}
     plugins = {"fault-injection": frozen, "inprocess-restart": {}, "watchdog": {"step_timeout_seconds": 3.0}}
-    whole, stopped = two_rank_config(tmp_path, "whole"), two_rank_config(tmp_path, "stopped", **plugins)
-    assert run_train(whole, "--nproc-per-node", "2", cwd=tmp_path, env=ENV).returncode == 0
+    stopped = two_rank_config(tmp_path, "stopped", **plugins)
     job = run_train(stopped, *REPLACING, "--max-restarts", "1", cwd=tmp_path, env=ENV)
     assert job.returncode == 0, job.stderr[-3000:]
     assert "rank 0 ended on a hang (exit 124); starting every rank again (1/1)" in job.stderr
     assert "starting a new process in its place" not in job.stderr
-    assert losses(tmp_path / "stopped") == losses(tmp_path / "whole")
+    assert losses(tmp_path / "stopped") == uninterrupted_losses
 
 
 @pytest.mark.slow
