@@ -84,18 +84,19 @@ def test_progress_live_view_can_be_forced_and_shows_the_run(tmp_path: Path) -> N
 
 
 def test_checkpoint_list_and_export(tmp_path: Path) -> None:
+    """In this process (``run_here``): the commands' output is the point, not a process's start."""
     from safetensors.torch import load_file
 
     config, out = write_tiny_gpt(tmp_path, train_iters=6, eval_iters=0, extra="\n[checkpoint]\nsave_interval = 3\n")
-    assert run_cli("run", str(config), cwd=tmp_path).returncode == 0
+    assert run_here("run", str(config), cwd=tmp_path).returncode == 0
     (out / "checkpoints" / "step_00000009.tmp").mkdir()
-    listing = run_cli("checkpoint", "list", str(out), cwd=tmp_path)
+    listing = run_here("checkpoint", "list", str(out), cwd=tmp_path)
     assert listing.returncode == 0
     rows = [line.split() for line in listing.stdout.splitlines()[1:-1]]
     assert [(r[0], r[2]) for r in rows] == [("3", "complete"), ("6", "complete"), ("9", "incomplete")]
     assert listing.stdout.splitlines()[-1] == "3 checkpoint(s); 2 complete; latest: 6"
 
-    exported = run_cli(
+    exported = run_here(
         "checkpoint", "export", str(out), "--step", "3", "--to", str(tmp_path / "m.safetensors"), cwd=tmp_path
     )
     assert exported.returncode == 0, exported.stderr
@@ -105,7 +106,7 @@ def test_checkpoint_list_and_export(tmp_path: Path) -> None:
     assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # readable as the user's files are
     saved = torch.load(out / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
     assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in saved)
-    missing = run_cli("checkpoint", "export", str(out), "--step", "4", "--to", "x.safetensors", cwd=tmp_path)
+    missing = run_here("checkpoint", "export", str(out), "--step", "4", "--to", "x.safetensors", cwd=tmp_path)
     assert missing.returncode == 2 and "no complete checkpoint at that step; complete: [3, 6]" in missing.stderr
 
 
