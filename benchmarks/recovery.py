@@ -192,7 +192,7 @@ class StepTimes:
     step done again, measured on the job's own clock instead of as a difference of whole jobs."""
 
     def __init__(self, metrics: Path) -> None:
-        self.metrics, self.seen, self._read = metrics, dict[int, float](), 0
+        self.metrics, self.seen = metrics, dict[int, float]()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -202,19 +202,18 @@ class StepTimes:
             self.look()
 
     def look(self) -> None:
+        """Read the whole file (a few rows) each time: a resume rewrites it, in place or not, so an
+        offset kept from the last look may point into the middle of a row."""
         try:
-            with open(self.metrics, "rb") as rows:
-                if rows.seek(0, os.SEEK_END) < self._read:  # rewritten (a resume drops later rows)
-                    self._read = 0
-                rows.seek(self._read)
-                new = rows.read()
+            text = self.metrics.read_bytes()
         except FileNotFoundError:
             return
-        whole = new[: new.rfind(b"\n") + 1]  # a row being written waits for the next look
-        self._read += len(whole)
         now = time.monotonic()
-        for line in whole.splitlines():
-            self.seen.setdefault(int(json.loads(line)["step"]), now)
+        for line in text[: text.rfind(b"\n") + 1].splitlines():  # a row being written waits
+            try:
+                self.seen.setdefault(int(json.loads(line)["step"]), now)
+            except ValueError:  # caught as it was being rewritten
+                continue
 
     def fault_to_done(self) -> float | None:
         """Seconds from the step before the fault's being logged to the fault's step being logged."""
