@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -144,6 +145,32 @@ def test_a_rendezvous_port_held_by_another_program_is_one_error_also_on_one_mach
         "--rdzv-endpoint",
         "127.0.0.1:29400",
     ]
+
+
+def test_a_store_that_leaves_as_this_machine_comes_is_not_called_another_program() -> None:
+    """The job at the endpoint ends between the launcher's two looks at it (a connection, then a
+    store's request): the port is free now, not held by a silent program — no error, the
+    launcher goes on (seen in CI: a machine that came as a job ended was told to choose a free
+    port)."""
+    from coretrain_launch.endpoint import check_endpoint
+
+    port = free_port()
+    leaving = socket.socket()
+    leaving.bind(("127.0.0.1", port))
+    leaving.listen(1)
+
+    def leave() -> None:
+        connection, _ = leaving.accept()  # the first look: someone listens
+        connection.close()
+        leaving.close()  # then the job ends
+
+    thread = threading.Thread(target=leave)
+    thread.start()
+    try:
+        check_endpoint(f"127.0.0.1:{port}", "read_timeout=2")
+    finally:
+        thread.join(timeout=30)
+        leaving.close()
 
 
 def test_a_config_mistake_is_said_once_before_any_rank_starts(tmp_path: Path, cli: Any) -> None:

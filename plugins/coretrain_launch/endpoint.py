@@ -33,7 +33,9 @@ def check_endpoint(endpoint: str, conf: str | None = None) -> None:
         raise UserError(f"--rdzv-endpoint {endpoint}: expected HOST:PORT, e.g. node0.cluster:29500")
     port = int(port_text)
     if _listening(host, port):
-        if not _answers_as_a_store(host, port, seconds):
+        # a store that went away between the two looks (a job that ended as this machine came)
+        # leaves the port free, not held: the launcher goes on as for a port nobody listens on
+        if not _answers_as_a_store(host, port, seconds) and not _refused(host, port):
             raise UserError(
                 f"--rdzv-endpoint {endpoint}: another program listens there and does not answer as a "
                 f"rendezvous store (none within {seconds:.0f} s); choose a free port"
@@ -64,6 +66,17 @@ def _listening(host: str, port: int) -> bool:
         return False  # refused, unreachable or not resolvable yet: torchrun waits for it as it should
 
 
+def _refused(host: str, port: int) -> bool:
+    """Nothing listens there now (a silent program's full backlog times out instead)."""
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
 def _is_this_machine(host: str) -> bool:
     try:
         address = socket.gethostbyname(host)
@@ -86,20 +99,23 @@ def _answers_as_a_store(host: str, port: int, seconds: float) -> bool:
     silent server past its own timeout)."""
     import torch.distributed as dist
 
-    answered = threading.Event()
+    done, answered = threading.Event(), list[bool]()
 
     def probe() -> None:
         try:
             client = dist.TCPStore  # type: ignore[attr-defined]  # torch exports it untyped
             store = client(host, port, is_master=False, timeout=datetime.timedelta(seconds=seconds))
             store.check(["coretrain/endpoint-probe"])
-            answered.set()
+            answered.append(True)
         except Exception:  # noqa: S110 - not answering as a store is the answer
             pass
+        finally:
+            done.set()  # a refused or closed connection ends the wait at once
 
     with _quiet_stderr():  # torch's C++ client logs each failed try itself; the verdict is ours to say
         threading.Thread(target=probe, name="coretrain-rdzv-probe", daemon=True).start()
-        return answered.wait(seconds)
+        done.wait(seconds)
+        return bool(answered)
 
 
 @contextlib.contextmanager
