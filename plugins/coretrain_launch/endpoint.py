@@ -32,10 +32,10 @@ def check_endpoint(endpoint: str, conf: str | None = None) -> None:
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise UserError(f"--rdzv-endpoint {endpoint}: expected HOST:PORT, e.g. node0.cluster:29500")
     port = int(port_text)
-    if _listening(host, port):
+    if _connects(host, port):  # (refused or unreachable: torchrun waits for it, as it should)
         # a store that went away between the two looks (a job that ended as this machine came)
         # leaves the port free, not held: the launcher goes on as for a port nobody listens on
-        if not _answers_as_a_store(host, port, seconds) and not _refused(host, port):
+        if not _answers_as_a_store(host, port, seconds) and _connects(host, port) is not False:
             raise UserError(
                 f"--rdzv-endpoint {endpoint}: another program listens there and does not answer as a "
                 f"rendezvous store (none within {seconds:.0f} s); choose a free port"
@@ -58,23 +58,16 @@ def rdzv_settings(conf: str | None, defaults: dict[str, float]) -> dict[str, flo
     return found
 
 
-def _listening(host: str, port: int) -> bool:
+def _connects(host: str, port: int) -> bool | None:
+    """True: something listens there; False: the connection is refused (nothing listens); None:
+    unreachable, not resolvable yet, or a silent program's full backlog (timed out)."""
     try:
         with socket.create_connection((host, port), timeout=5):
             return True
-    except OSError:
-        return False  # refused, unreachable or not resolvable yet: torchrun waits for it as it should
-
-
-def _refused(host: str, port: int) -> bool:
-    """Nothing listens there now (a silent program's full backlog times out instead)."""
-    try:
-        with socket.create_connection((host, port), timeout=5):
-            return False
     except ConnectionRefusedError:
-        return True
-    except OSError:
         return False
+    except OSError:
+        return None
 
 
 def _is_this_machine(host: str) -> bool:
