@@ -882,3 +882,74 @@ def test_predict_encodes_prompts_with_the_runs_tokenizer(tokenizer_dir: Path, ll
         tokenizer("def f(x)")["input_ids"]
         == transformers.AutoTokenizer.from_pretrained(tokenizer_dir)("def f(x)")["input_ids"]
     )
+
+
+CRAFTED_CODE = """
+from pathlib import Path
+
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+Path({marker!r}).write_text("ran")  # what a crafted directory would do: anything, on import
+
+
+class CraftedConfig(LlamaConfig):
+    model_type = "crafted"
+
+
+class CraftedLM(LlamaForCausalLM):
+    config_class = CraftedConfig
+
+
+class CraftedTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+@pytest.fixture(scope="module")
+def exportable_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Path:
+    """A finished hf run, copied by each test that crafts it."""
+    root = tmp_path_factory.mktemp("exportable")
+    return run_steps(root, steps=2, config=text_run(llama_dir, eval_iters=0)).output_dir
+
+
+@pytest.mark.parametrize("planted_in", ["hf-config", "tokenizer"])
+def test_export_runs_no_code_a_crafted_run_directory_ships(
+    tmp_path: Path, exportable_run: Path, tokenizer_dir: Path, planted_in: str, cli: Any
+) -> None:
+    """A run directory someone else wrote (a shared disk, a download) names classes of its own
+    (``auto_map``) and says ``trust_remote_code = true`` in its manifest: export runs none of its
+    code unless the user passes ``--trust-remote-code``."""
+    import shutil
+
+    run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
+    shutil.copytree(exportable_run, run_dir)
+    code = CRAFTED_CODE.format(marker=str(marker))
+    manifest_path = next((run_dir / "checkpoints").glob("step_*")) / "checkpoint.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["config"]["tokenizer"] = {"path": None, "trust_remote_code": True}  # the directory's word
+    if planted_in == "hf-config":
+        (run_dir / "hf-config" / "crafted.py").write_text(code)
+        hf_config = json.loads((run_dir / "hf-config" / "config.json").read_text())
+        hf_config["model_type"] = "crafted"
+        hf_config["auto_map"] = {"AutoConfig": "crafted.CraftedConfig", "AutoModelForCausalLM": "crafted.CraftedLM"}
+        (run_dir / "hf-config" / "config.json").write_text(json.dumps(hf_config))
+    else:  # the manifest names a tokenizer directory that ships code
+        planted = tmp_path / "planted-tokenizer"
+        transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(planted)
+        (planted / "crafted.py").write_text(code)
+        settings = json.loads((planted / "tokenizer_config.json").read_text())
+        settings["auto_map"] = {"AutoTokenizer": [None, "crafted.CraftedTokenizer"]}
+        settings["tokenizer_class"] = "CraftedTokenizer"
+        (planted / "tokenizer_config.json").write_text(json.dumps(settings))
+        manifest["config"]["tokenizer"]["path"] = str(planted)
+    manifest_path.write_text(json.dumps(manifest))
+
+    refused = cli("checkpoint", "export", str(run_dir), "--format", "hf", "--to", str(tmp_path / "out"), cwd=tmp_path)
+    assert refused.returncode == 2 and not marker.exists(), refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert "ships code of its own to run; pass --trust-remote-code" in refused.stderr
+    trusted = cli(
+        "checkpoint", "export", str(run_dir), "--format", "hf", "--to", str(tmp_path / "trusted"),
+        "--trust-remote-code", cwd=tmp_path,
+    )  # fmt: skip
+    assert trusted.returncode == 0 and marker.read_text() == "ran", trusted.stderr  # the user's flag, and only it

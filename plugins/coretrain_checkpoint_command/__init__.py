@@ -38,6 +38,11 @@ def add(commands: Any) -> None:
         help="safetensors (default), or a format a plugin of the run writes: hf (a save_pretrained directory)",
     )
     export.add_argument("--merge-lora", action="store_true", help="with LoRA: merge the adapters into the base weights")
+    export.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the code a custom architecture or tokenizer ships (hf); never taken from the run directory",
+    )
     export.set_defaults(handler=cmd_checkpoint_export)
 
 
@@ -73,6 +78,6 @@ def cmd_checkpoint_export(args: argparse.Namespace) -> int:
 
     from coretrain_checkpoint_command.export import export
 
-    options = {"merge_lora": args.merge_lora}
+    options = {"merge_lora": args.merge_lora, "trust_remote_code": args.trust_remote_code}
     print(export(Path(args.run_dir), args.step, Path(args.to), args.export_format, options))
     return 0

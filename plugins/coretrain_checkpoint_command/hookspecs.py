@@ -35,7 +35,9 @@ class ExportSpecs(Protocol):
         them; ``config`` — the run's resolved config as plain data; ``run_dir`` — the run's output
         dir (files the plugin wrote there while training); ``checkpoint`` — the step directory the
         weights come from (hook API 1.4); ``to`` — the destination the user named;
-        ``options`` — the command's flags (``merge_lora``).
+        ``options`` — the command's flags (``merge_lora``, ``trust_remote_code``). Trust comes
+        from ``options`` alone: ``config`` and ``run_dir`` were read from a directory, and a
+        crafted one must run none of its code (``[tokenizer] trust_remote_code`` there is ignored).
         May change: nothing but ``to``.
         Returns: a one-line description of what was written, or None when this plugin does not
         write ``export_format`` (the first answer wins; none is an error naming the format).

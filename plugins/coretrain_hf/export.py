@@ -6,14 +6,22 @@ loaded into a freshly built transformers model (strictly: every key must fit) an
 its own ``save_pretrained``, so tied weights, sharding and the config come out as transformers
 expects. The tokenizer the run's data used is copied alongside. LoRA adapters are written as a
 PEFT adapter directory, or with ``--merge-lora`` merged into the base weights.
+
+Nothing read from the run directory decides whether code runs: its ``hf-config`` may name
+``auto_map`` classes and its manifest any tokenizer directory, so a custom architecture's or
+tokenizer's code runs only with the command's ``--trust-remote-code`` (the user's word), never
+with the ``[tokenizer] trust_remote_code`` the run's manifest records.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from coretrain_tokenizer import REMOTE_CODE
 
 from coretrain import UserError, require
 
@@ -44,17 +52,19 @@ def save_pretrained(
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
         raise UserError(f"--to: {to} exists and is not an empty directory; name a new one")
     saved = run_dir / CONFIG_DIR
-    trusted = bool(config.get("tokenizer", {}).get("trust_remote_code", False))  # a custom architecture's code
-    hf_config = (
-        transformers.AutoConfig.from_pretrained(saved, local_files_only=True, trust_remote_code=trusted)
-        if (saved / "config.json").is_file()
-        else provider.model_config(trust_remote_code=trusted)
-    )
+    trusted = bool(options.get("trust_remote_code"))  # the user's flag; never the run directory's word
+    with refusing_remote_code(saved if (saved / "config.json").is_file() else provider.path, "model", trusted):
+        hf_config = (
+            transformers.AutoConfig.from_pretrained(saved, local_files_only=True, trust_remote_code=trusted)
+            if (saved / "config.json").is_file()
+            else provider.model_config(trust_remote_code=trusted)
+        )
     weights = {name.removeprefix(PREFIX): tensor for name, tensor in state.items()}
     auto = getattr(transformers, TASKS[provider.task])
     lora = lora_settings(config)
     if lora is None:
-        model = auto.from_config(hf_config, dtype=DTYPES[provider.dtype], trust_remote_code=trusted)
+        with refusing_remote_code(saved, "model", trusted):
+            model = auto.from_config(hf_config, dtype=DTYPES[provider.dtype], trust_remote_code=trusted)
         load_strictly(model, weights)
         what = "model"
     else:
@@ -62,15 +72,17 @@ def save_pretrained(
 
         frozen_saved = config.get("checkpoint", {}).get("save_frozen", True)
         if frozen_saved:
-            base = auto.from_config(hf_config, dtype=DTYPES[provider.dtype], trust_remote_code=trusted)
+            with refusing_remote_code(saved, "model", trusted):
+                base = auto.from_config(hf_config, dtype=DTYPES[provider.dtype], trust_remote_code=trusted)
         elif provider.path is not None:  # the checkpoint holds the adapters; the base is where it came from
-            base = auto.from_pretrained(
-                provider.path,
-                config=hf_config,
-                local_files_only=True,
-                dtype=DTYPES[provider.dtype],
-                trust_remote_code=trusted,
-            )
+            with refusing_remote_code(provider.path, "model", trusted):
+                base = auto.from_pretrained(
+                    provider.path,
+                    config=hf_config,
+                    local_files_only=True,
+                    dtype=DTYPES[provider.dtype],
+                    trust_remote_code=trusted,
+                )
         else:
             raise UserError(
                 "the checkpoint holds only the adapters (checkpoint.save_frozen = false) and the base model was "
@@ -81,7 +93,7 @@ def save_pretrained(
             model.peft_config["default"].base_model_name_or_path = str(Path(provider.path).resolve())
     to.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(to)
-    copied = copy_tokenizer(config, to)
+    copied = copy_tokenizer(config, to, trusted)
     return f"wrote {to}: {type(model).__name__} {what}" + (f", tokenizer copied from {copied}" if copied else "")
 
 
@@ -107,20 +119,35 @@ def load_strictly(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> N
         )
 
 
-def copy_tokenizer(config: dict[str, Any], to: Path) -> str | None:
+def copy_tokenizer(config: dict[str, Any], to: Path, trusted: bool = False) -> str | None:
     """The tokenizer the run's data (or its model directory) used, saved next to the weights."""
     candidates = [
         config.get("tokenizer", {}).get("path"),
         config.get("data", {}).get("options", {}).get("tokenizer"),
         config.get("model", {}).get("options", {}).get("path"),
     ]
-    trusted = bool(config.get("tokenizer", {}).get("trust_remote_code", False))
     for candidate in candidates:
-        if candidate and (Path(candidate) / "tokenizer_config.json").is_file():
+        if isinstance(candidate, str) and candidate and (Path(candidate) / "tokenizer_config.json").is_file():
             transformers = require("transformers", needed_by="checkpoint export --format hf", extra="hf")
-            loaded = transformers.AutoTokenizer.from_pretrained(
-                candidate, local_files_only=True, trust_remote_code=trusted
-            )
+            with refusing_remote_code(candidate, "tokenizer", trusted):
+                loaded = transformers.AutoTokenizer.from_pretrained(
+                    candidate, local_files_only=True, trust_remote_code=trusted
+                )
             loaded.save_pretrained(to)
             return str(candidate)
     return None
+
+
+@contextmanager
+def refusing_remote_code(directory: Path | str | None, what: str, trusted: bool) -> Iterator[None]:
+    """transformers' refusal to run a directory's code (``auto_map``) as one line naming the flag
+    that allows it; ``directory`` is the one named in the message."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, UserError) as exc:
+        if trusted or REMOTE_CODE not in str(exc):
+            raise
+        raise UserError(
+            f"--format hf: the {what} in {directory} ships code of its own to run; pass --trust-remote-code "
+            "to run it (only for a run directory you trust: the directory, not its config, decides what runs)"
+        ) from None
