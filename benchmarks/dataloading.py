@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from coretrain.build import build_run
+from coretrain.build import build_run, close_run
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.loop import Trainer
@@ -112,7 +112,9 @@ def with_coretrain(steps: int, workers: int, output_dir: str) -> float:
     trainer = Trainer(build_run(cfg, load_plugins(cfg)))
     start = time.perf_counter()
     trainer.train()
-    return (time.perf_counter() - start) / steps
+    elapsed = time.perf_counter() - start
+    close_run(trainer.run, failing=False)
+    return elapsed / steps
 
 
 def main(argv: list[str] | None = None) -> None:

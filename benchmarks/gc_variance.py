@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from coretrain import hookimpl
-from coretrain.build import build_run
+from coretrain.build import build_run, close_run
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.loop import Trainer
@@ -104,6 +104,7 @@ def measure(steps: int, plugins: dict[str, Any], output_dir: str) -> list[float]
     trainer = Trainer(build_run(cfg, run_plugins))
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
+    close_run(trainer.run, failing=False)
     return timer.times[50:]  # after warm-up
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from coretrain.build import build_run
+from coretrain.build import build_run, close_run
 from coretrain.config import Config
 from coretrain.configload import structure
 from coretrain.loop import Trainer
@@ -119,7 +119,9 @@ def with_coretrain(steps: int, output_dir: str) -> float:
     trainer = Trainer(run)
     start = time.perf_counter()
     trainer.train()
-    return (time.perf_counter() - start) / steps
+    elapsed = time.perf_counter() - start
+    close_run(run, failing=False)
+    return elapsed / steps
 
 
 def wall(command: list[str], repeat: int = 5, env: dict[str, str] | None = None) -> float:

@@ -5,6 +5,7 @@ schedule, and the resolved config.toml."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from pathlib import Path
@@ -29,6 +30,8 @@ from coretrain.run import DatasetContext, Datasets, Run, Scheduler, Unscheduled
 from coretrain.rundir import OutputDirLock, check_shared
 from coretrain.signals import SignalWatcher
 from coretrain.usercode import call_with, check_options, import_callable
+
+log = logging.getLogger("coretrain")
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -122,23 +125,40 @@ def build_run(config: Config, plugins: Plugins, write_config: bool = True, signa
     check_providers_named(config)
     register_import_path_providers(config, plugins)
     run = _start(config, plugins)
-    if write_config and plugins.implemented("configure_run"):  # a run that trains, not a check of one
-        hook_calls(run).hook.configure_run(run=run)
-    # a first count, to size the datasets by; the loop plans the steps ahead once it knows where it resumes
-    run.train_iters = config.train.train_iters or (config.train.train_samples or 0) // run.global_batch_size
-    if run.dist.is_main and write_config:
+    if run.dist.is_main and write_config:  # before any plugin touches the directory (a second job is refused)
         run.output_lock = OutputDirLock(run.output_dir).acquire()
     try:
+        if write_config and plugins.implemented("configure_run"):  # a run that trains, not a check of one
+            hook_calls(run).hook.configure_run(run=run)
+        # a first count, to size the datasets by; the loop plans the steps ahead once it knows where it resumes
+        run.train_iters = config.train.train_iters or (config.train.train_samples or 0) // run.global_batch_size
         if write_config and run.dist.world_size > 1:
             check_shared(run.output_dir, run.dist.rank)
         for build_part in (_build_datasets, _build_model, _build_optimizer):
             check_signals()
             build_part(run)
-    except BaseException:  # the lock is the run's to hold; a run that failed to build lets go of it
-        if run.output_lock is not None:
-            run.output_lock.release()
+    except BaseException:  # a run that failed to build is closed here: its caller never holds it
+        close_run(run, failing=True, configured=write_config)
         raise
     return run
+
+
+def close_run(run: Run, failing: bool, configured: bool = True) -> None:
+    """The end of every run: ``close_run`` on every plugin (``configured``: configure_run was
+    called), even past one that raises, then the output dir let go. A plugin's error is raised
+    unless the run already fails for another reason; then it is logged, and that one goes on."""
+    errors: list[BaseException] = []
+    try:
+        if configured and run.plugins.implemented("close_run"):
+            errors = hook_calls(run).close_run(run)
+    finally:
+        if run.output_lock is not None:
+            run.output_lock.release()
+    first = errors.pop(0) if errors and not failing else None
+    for error in errors:  # the run already fails for another reason, or one error is raised: say these too
+        log.error("also: %s", error)
+    if first is not None:
+        raise first
 
 
 def record_config(run: Run) -> None:

@@ -3,8 +3,8 @@
 pluggy's ``manager.hook.NAME(**kwargs)`` returns ``Any``; the core calls ``calls.hook.NAME``
 instead, the same caller typed as :class:`coretrain.hookspecs.HookSpecs`, so mypy checks each
 call against the one written contract. Hooks that collect a result per plugin are combined
-here. Hooks whose results belong to one plugin (``on_checkpoint``, ``on_resume``) and the hook that
-must reach every plugin even past a failure (``on_train_end``) are called plugin by plugin,
+here. Hooks whose results belong to one plugin (``on_checkpoint``, ``on_resume``) and the hooks that
+must reach every plugin even past a failure (``on_train_end``, ``close_run``) are called plugin by plugin,
 each call through pluggy so that ``wrapper=True`` implementations wrap it too.
 """
 
@@ -85,10 +85,17 @@ class HookCalls:
 
     def on_train_end(self, run: Run, outcome: Outcome) -> list[BaseException]:
         """Call every plugin even if some raise; return what they raised, in call order."""
+        return self._each_even_past_errors("on_train_end", run=run, outcome=outcome)
+
+    def close_run(self, run: Run) -> list[BaseException]:
+        """Call every plugin even if some raise; return what they raised, in call order."""
+        return self._each_even_past_errors("close_run", run=run)
+
+    def _each_even_past_errors(self, name: str, **kwargs: object) -> list[BaseException]:
         errors: list[BaseException] = []
-        for _, call in self._one_by_one("on_train_end"):
+        for _, call in self._one_by_one(name):
             try:
-                call(run=run, outcome=outcome)
+                call(**kwargs)
             except Exception as exc:  # one plugin's failure must not leave another's files open
                 errors.append(exc)
         return errors

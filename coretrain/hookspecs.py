@@ -43,6 +43,9 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
     on_train_end(run, outcome)              always, on every plugin even if one raises; also after
                                             an error in restore (outcome "error") or a signal
                                             before the first step, without on_train_start
+    close_run(run)                          always, on every plugin even if one raises, once
+                                            per configure_run: also after a build that failed
+                                            (a refused resume, a provider's error): undo it
     restart_in_process(run, error)          firstresult   after a failure, the process group
                                             left: True = build, resume and train again here
 
@@ -93,7 +96,7 @@ if TYPE_CHECKING:
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs
 
 
-HOOK_API = (1, 12)
+HOOK_API = (1, 13)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -518,4 +521,21 @@ class HookSpecs(Protocol):
         Ranks: every rank, exactly once, on every way a run ends — also when ``on_train_start``
         was not called (restore failed, or a signal arrived before the first step). Called plugin
         by plugin, so one plugin's failure does not skip another's.
+        """
+
+    @hookspec
+    def close_run(self, run: Run) -> None:
+        """The run is let go, however far it got: undo what ``configure_run`` changed in the
+        process (hook API 1.13) — environment variables, torch's global modes, log handlers — so
+        that the next run in this process (a notebook's, a test's) starts as the first did.
+
+        Args: ``run`` — as ``configure_run`` saw it, plus whatever was built before the end (a
+        build that failed has no model or optimizer).
+        May change: process-wide settings this plugin changed; plugin-owned state.
+        Returns: nothing; a raise is reported after every other plugin's close_run ran.
+        Ranks: every rank, once for each ``configure_run``: after ``on_train_end``, and also when
+        the build failed once ``configure_run`` had been called (a provider's error, a refused
+        resume, Ctrl-C in start-up) — then without ``on_train_end``. Also for a plugin whose own
+        ``configure_run`` did not run because another's raised first: undo only what was done.
+        Called plugin by plugin, so one plugin's failure does not skip another's.
         """

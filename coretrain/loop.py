@@ -186,11 +186,7 @@ class Trainer:
             if outcome == "error" and self.saves.writer.in_flight:
                 with contextlib.suppress(Exception):  # the error in hand is the one to report
                     self.saves.writer.wait()
-            try:
-                self._end(outcome)
-            finally:
-                if run.output_lock is not None:
-                    run.output_lock.release()
+            self._end(outcome)
         if outcome == "signal" and self.stops.signum is not None:
             return 128 + self.stops.signum
         return run.control.exit_code if outcome == "stopped" else 0

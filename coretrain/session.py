@@ -1,7 +1,7 @@
 """One run's lifecycle, written once: plugins → build (the output dir locked) → resume → train →
-close. ``coretrain run``, ``coretrain.train()`` and ``coretrain.testing`` all go through it and
-differ only in what they do around it (the CLI's error lines, the API's result, a test's hook
-recorder)."""
+close (``close_run`` on every plugin, however far the run got). ``coretrain run``,
+``coretrain.train()`` and ``coretrain.testing`` all go through it and differ only in what they do
+around it (the CLI's error lines, the API's result, a test's hook recorder)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 from coretrain import dist
-from coretrain.build import build_run
+from coretrain.build import build_run, close_run
 from coretrain.config import world_size_from_env
 from coretrain.loop import Trainer
 from coretrain.pluginmanager import Plugins, load_plugins
@@ -45,8 +45,13 @@ def run_session(
     while True:
         run = None
         try:
-            run = build_run(loaded.config, plugins, signals=signals)
-            code = Trainer(run, signals).train()
+            run = build_run(loaded.config, plugins, signals=signals)  # closes itself when it fails
+            try:
+                code = Trainer(run, signals).train()
+            except BaseException:
+                close_run(run, failing=True)
+                raise
+            close_run(run, failing=False)
             break
         except BaseException as exc:
             if on_error is not None:

@@ -61,3 +61,35 @@ def test_an_nccl_algorithm_that_is_not_deterministic_is_one_error(
     with pytest.raises(UserError, match=r"plugins.deterministic: the environment sets NCCL_ALGO='NVLS'"):
         run_steps(tmp_path, steps=1, tables={"deterministic": {}})
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+class FailsToBuild:
+    """A model provider that refuses, as a user's may (a missing file, a bad option)."""
+
+    @hookimpl(tryfirst=True)
+    def provide_model(self) -> None:
+        raise UserError("model.options.path: no such directory (the provider says)")
+
+
+@pytest.mark.parametrize("failure", ["provider", "refused-resume"])
+def test_a_run_that_fails_in_set_up_leaves_the_process_as_it_found_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """What configure_run changed is put back by close_run however far the run got, so a
+    notebook's next run is not silently deterministic, nor its library lines sent to a file."""
+    import logging
+
+    for name in SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    handlers = list(logging.getLogger().handlers)
+    tables = {"deterministic": {}, "console-log": {}}
+    if failure == "provider":
+        with pytest.raises(UserError, match="the provider says"):
+            run_steps(tmp_path, steps=2, tables=tables, plugins={"fails": FailsToBuild()})
+    else:
+        run_steps(tmp_path, steps=2, tables=tables)
+        with pytest.raises(UserError, match="would change what it means"):  # resume-checks: another model
+            run_steps(tmp_path, steps=4, tables=tables, config={"model": {"options": {"dropout": 0.1}}})
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert not any(name in os.environ for name in SETTINGS)
+    assert logging.getLogger().handlers == handlers  # run.log's handler closed and gone

@@ -139,8 +139,9 @@ class ConsoleLog:
         self.divert(run.output_dir / name)
 
     @hookimpl(trylast=True)
-    def on_train_end(self, run: Run) -> None:
-        """One console line for the libraries' lines kept in the log file; the handler closed."""
+    def close_run(self, run: Run) -> None:
+        """One console line for the libraries' lines kept in the log file; the handler closed —
+        however far the run got (a failed build too: the next run in this process starts clean)."""
         self.restore(run.output_dir / "run.log" if run.dist.is_main else None)
 
     @hookimpl(wrapper=True)

@@ -13,7 +13,8 @@ CollnetDirect, CollnetChain, ^NVLS; kept when the launcher set it) and
 ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` (Transformer Engine). DataLoader workers are seeded from
 the run already (each loader's generator is fixed by run seed and rank), so runs with workers
 repeat too. It costs speed on a GPU; on a CPU the kernels are deterministic anyway. What was
-turned on or set is put back when the run ends (a notebook's next run starts as it was).
+turned on or set is put back when the run is let go, however far it got (``close_run``: also
+after a failed build), so a notebook's next run starts as it was.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ class Deterministic:
             log.info("deterministic: torch's deterministic algorithms on, NCCL_ALGO=%s", algo)
 
     @hookimpl
-    def on_train_end(self) -> None:
+    def close_run(self) -> None:
+        """Put back what configure_run set: also after a build that failed (a refused resume, a
+        provider's error), so a notebook's next run is not silently deterministic."""
         if self._before is not None:
             enabled, warn_only, deterministic, benchmark = self._before
             torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
