@@ -390,3 +390,13 @@ def train_llama(
             torchrun("run", str(path), cwd=tmp_path, nproc=ranks) if distributed else run_train(str(path), cwd=tmp_path)
         )
         assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture
+def faults(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The test-only plugins of ``tests/fixtures/coretrain-faults`` as a module, for in-process
+    runs (the ``site`` fixture pip-installs the same package for subprocesses)."""
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "fixtures" / "coretrain-faults"))
+    import coretrain_faults
+
+    return coretrain_faults

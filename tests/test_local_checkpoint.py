@@ -57,7 +57,7 @@ def failed_at_7(tmp_path: Path, name: str) -> Path:
     fault = {"fault-injection": {"action": "raise", "step": 7}}
     with pytest.raises(Exception, match="fault-injection: raised"):
         run_steps(tmp_path / name, 12, config=CONFIG, tables={**WRITTEN, **local(tmp_path), **fault})
-    (folder,) = (tmp_path / "shm").iterdir()
+    folder = planned_folder(tmp_path, name)
     assert steps_in(folder) == ["step_00000006"]
     assert steps_in(tmp_path / name / "out" / "checkpoints") == ["step_00000004"]
     return folder
@@ -208,3 +208,178 @@ def test_two_gloo_ranks_restart_in_process_from_the_local_checkpoint_and_agree_o
     ]
     assert steps_in(tmp_path / "alone" / "checkpoints") == []
     assert steps_in(tmp_path / "both" / "checkpoints") == steps_in(alone)  # the same step, persistent
+
+    # rank 1's local_dir is full (rank 0's is not): both skip every local save, agreed, and train on
+    full = {"under": str(tmp_path / "shm"), "ranks": [1]}
+    skipping = two_rank_config(tmp_path, "skipping", **{"local-checkpoint": shm, "full-disk": full})
+    job = run_train(skipping, "--nproc-per-node", "2", cwd=tmp_path, env=env)
+    assert job.returncode == 0, job.stderr[-3000:]
+    said = [line for line in job.stderr.splitlines() if "non-persistent checkpoint of step" in line]
+    assert len(said) == 2, job.stderr[-3000:]  # rank 0 says whose it was, rank 1 why
+    assert any(line.startswith("coretrain:") and "skipped: rank 1 could not write its part" in line for line in said)
+    assert any(line.startswith("coretrain[rank 1]:") and "No space left on device" in line for line in said)
+    assert losses(tmp_path / "skipping") == uninterrupted_losses
+    assert steps_in(tmp_path / "skipping" / "checkpoints") == ["step_00000004", "step_00000008", "step_00000012"]
+
+
+# --------------------------------------------------------------------------- a private folder of the run's own
+
+
+def planned_folder(tmp_path: Path, name: str) -> Path:
+    """Where run ``name``'s folder goes in ``tmp_path/shm`` (its output directory made first, as
+    the run's lock makes it: the name holds the directory's inode)."""
+    from coretrain_local_checkpoint.folder import folder_name
+
+    output_dir = tmp_path / name / "out"
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "shm").mkdir(exist_ok=True)
+    return tmp_path / "shm" / folder_name(output_dir)
+
+
+def test_a_symlink_planted_at_the_runs_folder_is_refused_and_its_target_left_untouched(
+    tmp_path: Path, cli: Any
+) -> None:
+    """/dev/shm is writable by everyone: a link planted where the run's folder goes would make
+    the run clear (and later resume from) wherever it points."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("years of work")
+    planned_folder(tmp_path, "run").symlink_to(victim)
+    config = write_config(
+        tmp_path / "run.toml",
+        tiny_config(tmp_path / "run" / "out", train={"train_iters": 4}, plugins=local(tmp_path)),
+    )
+    refused = cli("run", str(config), cwd=tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert "plugins.local-checkpoint.local_dir:" in line and "is a symbolic link" in line
+    assert (victim / "thesis.tex").read_text() == "years of work" and sorted(os.listdir(victim)) == ["thesis.tex"]
+
+
+@pytest.mark.parametrize("planted", ["another user's", "writable by others", "a file"])
+def test_a_folder_that_is_not_the_users_own_private_one_is_refused(
+    tmp_path: Path, planted: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import coretrain_local_checkpoint.folder as folder
+
+    target = planned_folder(tmp_path, "run")
+    if planted == "another user's":  # (the tests may run as root, who owns whatever it makes)
+        monkeypatch.setattr(folder.os, "geteuid", lambda: os.getuid() + 4242)
+        target = planned_folder(tmp_path, "run")
+        target.mkdir()
+        message = "belongs to another user"
+    elif planted == "writable by others":
+        target.mkdir()
+        target.chmod(0o777)
+        message = "can be written by other users"
+    else:
+        target.write_text("")
+        message = "is not a directory"
+    with pytest.raises(UserError, match=f"plugins.local-checkpoint.local_dir: .* {message}"):
+        run_steps(tmp_path / "run", 2, tables=local(tmp_path))
+
+
+def test_the_folder_is_private_and_keyed_by_the_output_directory_not_its_path(tmp_path: Path) -> None:
+    """0700 with files 0600 (a failed job's copy, the whole config in it, stays in host memory);
+    a directory now at an earlier one's path (another host's disk, seen through a shared
+    /dev/shm) gets another folder."""
+    from coretrain_local_checkpoint.folder import folder_name
+
+    folder = failed_at_7(tmp_path, "run")
+    assert folder.stat().st_mode & 0o777 == 0o700
+    inside = list(folder.rglob("*"))
+    assert inside and {p.stat().st_mode & 0o777 for p in inside} <= {0o700, 0o600}
+    assert {p.stat().st_mode & 0o777 for p in inside if p.is_file()} == {0o600}
+
+    same_path = tmp_path / "elsewhere" / "out"
+    same_path.mkdir(parents=True)
+    before = folder_name(same_path)
+    same_path.rename(tmp_path / "elsewhere" / "moved")
+    same_path.mkdir()
+    assert folder_name(same_path) != before
+
+
+def test_a_local_step_of_another_run_is_not_resumed_the_durable_one_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another run's step copied into this run's folder (a newer step, another seed): the restart
+    takes this run's durable step 4, not it, and trains this run's losses."""
+    other_config = {**CONFIG, "run": {"seed": 99}}
+    fault = {"fault-injection": {"action": "raise", "step": 8}}
+    with pytest.raises(Exception, match="fault-injection: raised"):
+        run_steps(tmp_path / "other", 12, config=other_config, tables={**WRITTEN, **local(tmp_path), **fault})
+    (foreign,) = [f for f in (tmp_path / "shm").iterdir() if steps_in(f) == ["step_00000007"]]
+    whole = run_steps(tmp_path / "whole", 12, config=CONFIG, tables=WRITTEN)
+    mine = failed_at_7(tmp_path, "run")
+    shutil.rmtree(mine / "step_00000006")
+    shutil.copytree(foreign / "step_00000007", mine / "step_00000007")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with caplog.at_level("INFO", logger="coretrain"):
+        again = run_steps(tmp_path / "run", 12, config=CONFIG, tables={**WRITTEN, **local(tmp_path)})
+    said = [r.getMessage() for r in caplog.records]
+    assert any("step_00000007 is another run's" in line and "removed" in line for line in said), said
+    assert resumed_from(caplog)[0].startswith(f"resumed from {tmp_path / 'run' / 'out' / 'checkpoints'}")
+    assert losses(again.output_dir) == losses(whole.output_dir)
+
+
+def test_a_local_save_that_cannot_be_written_is_skipped_and_training_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, faults: Any
+) -> None:
+    """/dev/shm full: every local save fails; the run says so once and completes with the
+    uninterrupted losses and its durable checkpoints, instead of failing at every restart."""
+    whole = run_steps(tmp_path / "whole", 12, config=CONFIG, tables=WRITTEN)
+    full = faults.FullDisk(under=str(tmp_path / "shm"))
+    with caplog.at_level("INFO", logger="coretrain"):
+        result = run_steps(
+            tmp_path / "run", 12, config=CONFIG, tables={**WRITTEN, **local(tmp_path)}, plugins={"full": full}
+        )
+    assert result.exit_code == 0 and losses(result.output_dir) == losses(whole.output_dir)
+    skipped = [r.getMessage() for r in caplog.records if "non-persistent checkpoint" in r.getMessage()]
+    assert len(skipped) == 1 and "No space left on device" in skipped[0], skipped
+    assert steps_in(result.output_dir / "checkpoints") == ["step_00000004", "step_00000008", "step_00000012"]
+
+
+@pytest.mark.parametrize(
+    ("local_dir", "message"),
+    [
+        ("relative/shm", "is a relative path; give an absolute one"),
+        ("/proc/coretrain-local", "cannot make /proc/coretrain-local"),
+        ("FILE", "is not a directory"),
+    ],
+)
+def test_a_local_dir_that_cannot_hold_the_folder_is_one_error_naming_the_key(
+    tmp_path: Path, local_dir: str, message: str
+) -> None:
+    if local_dir == "FILE":
+        local_dir = str(tmp_path / "a-file")
+        Path(local_dir).write_text("")
+    with pytest.raises(UserError, match=f"plugins.local-checkpoint.local_dir: .*{message}"):
+        run_steps(tmp_path / "run", 2, tables={"local-checkpoint": {"local_dir": local_dir}})
+
+
+def test_without_room_for_two_local_checkpoints_local_saves_are_off_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Checked at start: a /dev/shm smaller than two checkpoints would fill up at the first
+    save; the run says so and trains with its durable checkpoints only."""
+    import collections
+
+    import coretrain_local_checkpoint
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(coretrain_local_checkpoint.shutil, "disk_usage", lambda path: usage(10_000, 9_000, 1_000))
+    with caplog.at_level("INFO", logger="coretrain"):
+        result = run_steps(tmp_path / "run", 8, config=CONFIG, tables=local(tmp_path))
+    said = [r.getMessage() for r in caplog.records if "local checkpoints are off" in r.getMessage()]
+    assert len(said) == 1 and "has 1 kB free, a local checkpoint of this rank needs about" in said[0], said
+    assert not any("non-persistent" in r.getMessage() for r in caplog.records)  # none was even tried
+    assert result.exit_code == 0 and steps_in(result.output_dir / "checkpoints") == ["step_00000004", "step_00000008"]
+
+
+def test_checkpoint_list_names_the_local_folder_a_failed_job_left(tmp_path: Path, cli: Any) -> None:
+    folder = failed_at_7(tmp_path, "run")
+    listed = cli("checkpoint", "list", str(tmp_path / "run" / "out"), cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert f"local: {folder} holds step(s) 6 (" in listed.stdout
+    shutil.rmtree(folder)
+    assert "local:" not in cli("checkpoint", "list", str(tmp_path / "run" / "out"), cwd=tmp_path).stdout

@@ -145,18 +145,21 @@ def find_checkpoint(root: Path, which: int | str | None, option: str) -> Path:
 
 def write_failure(root: Path, step: int, tmp: Path, exc: BaseException) -> RunFailure:
     """A save that could not be written (full disk, quota, permissions): one line, the old ones kept."""
-    cause = safeload.first_failure(exc)  # DCP's CheckpointException wraps every rank's error
-    detail = (
-        f"{cause.strerror}: {cause.filename or tmp}"
-        if isinstance(cause, OSError) and cause.strerror
-        else f"{type(cause).__name__}: {cause}"
-    )
+    detail = failure_detail(exc, tmp)
     shutil.rmtree(tmp, ignore_errors=True)  # free what the failed save took
     kept = complete_steps(root)
     previous = (
         f"the newest complete checkpoint (step {kept[-1]}) is untouched" if kept else "no earlier checkpoint exists"
     )
     return RunFailure(f"checkpoint step {step}: cannot write ({detail}); {previous}")
+
+
+def failure_detail(exc: BaseException, tmp: Path) -> str:
+    """Why a save could not be written, in a phrase: ``No space left on device: FILE``."""
+    cause = safeload.first_failure(exc)  # DCP's CheckpointException wraps every rank's error
+    if isinstance(cause, OSError) and cause.strerror:
+        return f"{cause.strerror}: {cause.filename or tmp}"
+    return f"{type(cause).__name__}: {cause}"
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

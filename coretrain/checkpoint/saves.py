@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coretrain.checkpoint.layout import apply_retention, mark_evaluated, step_dir
-from coretrain.checkpoint.writer import Checkpointer, checkpoint_root
+from coretrain.checkpoint.writer import Checkpointer, SkippedSave, checkpoint_root
 from coretrain.hookspecs import Outcome
 from coretrain.run import Run
 
@@ -33,6 +33,8 @@ class Saves:
         """The step of the newest checkpoint this run wrote (not a non-persistent one) or resumed from."""
         self.into: str | None = None
         """The non-persistent directory the due save goes to; None: ``checkpoints/``."""
+        self.skip_causes: set[str] = set()
+        """Why non-persistent saves were skipped (each said once)."""
 
     def due(self, step: int, reason: Outcome | None) -> bool:
         requested, non_persistent = self.run.control.checkpoint_requested, self.run.control.non_persistent
@@ -48,7 +50,12 @@ class Saves:
 
     def save(self, state: dict[str, Any], evaluated: list[str]) -> None:
         run = self.run
-        _, blocked = self.writer.save(state, evaluated=evaluated, into=self.into)
+        try:
+            _, blocked = self.writer.save(state, evaluated=evaluated, into=self.into)
+        except SkippedSave as skipped:  # (agreed: every rank skips it)
+            run.control.checkpoint_requested = False
+            self._skipped(str(skipped), skipped.own)
+            return
         run.control.checkpoint_requested = False
         if self.into is not None:
             log.info("checkpoint step %d saved in %s in %.3f s (non-persistent)", run.state.step, self.into, blocked)
@@ -59,6 +66,19 @@ class Saves:
         else:
             log.info("checkpoint step %d saved in %.3f s", run.state.step, blocked)
             self.committed(run.state.step)
+
+    def _skipped(self, cause: str, own: bool) -> None:
+        """A non-persistent save that could not be written: said once per cause, by rank 0 and
+        by the rank that could not write."""
+        kind = cause.split(": ")[0]  # "No space left on device", "Permission denied", or the error's type
+        if (self.run.dist.is_main or own) and kind not in self.skip_causes:
+            log.warning(
+                "non-persistent checkpoint of step %d skipped: %s; training goes on (durable checkpoints still "
+                "protect the run; later skips for this cause are not reported)",
+                self.run.state.step,
+                cause,
+            )
+        self.skip_causes.add(kind)
 
     def poll(self) -> None:
         """A background save that finished since: its ``on_checkpoint_saved``."""

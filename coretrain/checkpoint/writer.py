@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -11,9 +12,19 @@ from typing import Any
 import torch
 
 from coretrain import safeload
-from coretrain.checkpoint.layout import begin, commit, step_dir, write_failure, write_json_atomically
+from coretrain.checkpoint.layout import begin, commit, failure_detail, step_dir, write_failure, write_json_atomically
 from coretrain.checkpoint.state import ShardedState, collect
+from coretrain.dist import max_over_ranks
 from coretrain.run import Run
+
+
+class SkippedSave(Exception):
+    """A non-persistent save that could not be written, on every rank (the run goes on);
+    ``own``: this rank's write failed (the message is its cause), not only another's."""
+
+    def __init__(self, message: str, own: bool) -> None:
+        super().__init__(message)
+        self.own = own
 
 
 def checkpoint_root(run: Run) -> Path:
@@ -126,21 +137,25 @@ class Checkpointer:
     def save(self, extra_state: dict[str, Any], evaluated: list[str], into: str | None = None) -> tuple[Path, float]:
         """Start (async) or do (sync) the save of the current step; returns (dir, seconds blocked).
         ``into``: a non-persistent directory instead of ``checkpoints/``, written at once, only the
-        newest kept (``Control.non_persistent_dir``)."""
+        newest kept (``Control.non_persistent_dir``); one that cannot be written is skipped
+        (:class:`SkippedSave`) on every rank, since durable saves still protect the run."""
         self.wait()
         run = self.run
         started = time.perf_counter()
         root, step, distributed = Path(into or checkpoint_root(run)), run.state.step, run.dist.world_size > 1
         asynchronous, keep_last = self.asynchronous and not into, 1 if into else run.config.checkpoint.keep_last
         files = collect(run, extra_state, evaluated)
-        tmp = begin(root, step, run.dist.is_main, distributed)
-        rank_file = f"rank_{run.dist.rank:05d}.pt"
-        try:  # async: the small per-rank file now, the rest in the background
-            write_files(tmp, {rank_file: files.pop(rank_file)} if asynchronous else files)
-        except safeload.dcp_errors() as exc:
-            raise write_failure(root, step, tmp, exc) from exc
-        if distributed:  # every rank's own file is written before anyone may commit
-            torch.distributed.barrier()
+        if into:
+            tmp = self._write_or_skip(root, step, files)
+        else:
+            tmp = begin(root, step, run.dist.is_main, distributed)
+            rank_file = f"rank_{run.dist.rank:05d}.pt"
+            try:  # async: the small per-rank file now, the rest in the background
+                write_files(tmp, {rank_file: files.pop(rank_file)} if asynchronous else files)
+            except safeload.dcp_errors() as exc:
+                raise write_failure(root, step, tmp, exc) from exc
+            if distributed:  # every rank's own file is written before anyone may commit
+                torch.distributed.barrier()
         if asynchronous:
             self._start_background(root, step, tmp, files)
         elif run.dist.is_main:
@@ -148,6 +163,26 @@ class Checkpointer:
         if distributed and not asynchronous:
             torch.distributed.barrier()
         return step_dir(root, step), time.perf_counter() - started
+
+    def _write_or_skip(self, root: Path, step: int, files: dict[str, Any]) -> Path:
+        """A non-persistent save's files, or — when any rank cannot write its part (a full or
+        read-only ``/dev/shm``) — none: the ranks agree, the partial step goes, and every rank
+        raises :class:`SkippedSave` with the first cause. The agreement is also the barrier
+        before the commit."""
+        run = self.run
+        tmp = root / f"step_{step:08d}.tmp"
+        failure: str | None = None
+        try:
+            begin(root, step, run.dist.is_main, run.dist.world_size > 1)
+            write_files(tmp, files)
+        except safeload.dcp_errors() as exc:
+            failure = failure_detail(exc, tmp)
+        failed_on = max_over_ranks(run.dist.rank + 1 if failure else 0)[0]  # the highest failing rank, + 1
+        if failure is not None or failed_on:
+            if run.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise SkippedSave(failure or f"rank {failed_on - 1} could not write its part", own=failure is not None)
+        return tmp
 
     def _start_background(self, root: Path, step: int, tmp: Path, files: dict[str, Any]) -> None:
         """Stage the rest to host memory (DCP stages a sharded model's itself) and write it in a thread."""

@@ -70,7 +70,27 @@ def cmd_checkpoint_list(args: argparse.Namespace) -> int:
         state = ("complete" if info.complete else "incomplete") + (" best" if info.step == best else "")
         print(f"{info.step:>10}  {info.size_bytes / 2**20:>8.1f}MB  {state:<15}  {info.path}")
     print(f"{len(found)} checkpoint(s); {sum(i.complete for i in found)} complete; latest: {newest}")
+    for line in elsewhere(Path(args.run_dir)):
+        print(line)
     return 0
+
+
+def elsewhere(run_dir: Any) -> list[str]:
+    """What the run's plugins (its config.toml's) keep outside checkpoints/ on this host."""
+    from typing import cast
+
+    import coretrain
+    from coretrain import UserError
+    from coretrain_checkpoint_command.hookspecs import CheckpointSpecs
+
+    if not (run_dir / "config.toml").is_file():
+        return []
+    try:
+        plugins = coretrain.load_plugins(run_dir / "config.toml", autoload=True)
+    except UserError:  # the run's plugins are not installed here, or its config no longer loads
+        return []
+    found = cast(CheckpointSpecs, plugins.calls.hook).describe_checkpoints(run_dir=run_dir)
+    return [line for lines in cast("list[list[str]]", found) for line in lines]
 
 
 def cmd_checkpoint_export(args: argparse.Namespace) -> int:

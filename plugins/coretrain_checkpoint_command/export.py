@@ -14,7 +14,7 @@ import attrs
 
 import coretrain
 from coretrain import UserError, find_checkpoint, read_manifest, read_weights, step_dirs
-from coretrain_checkpoint_command.hookspecs import ExportSpecs
+from coretrain_checkpoint_command.hookspecs import CheckpointSpecs
 
 
 @attrs.define(frozen=True)
@@ -41,7 +41,7 @@ def export(run_dir: Path, step: int | str | None, to: Path, export_format: str, 
     writes ``export_format``: ``safetensors`` (on by default), ``hf`` (the hf provider), yours."""
     source = pick_checkpoint(run_dir, step)
     config = read_manifest(source).get("config") or {}
-    written = cast(ExportSpecs, export_plugins(source, config).calls.hook).export_model(
+    written = cast(CheckpointSpecs, export_plugins(source, config).calls.hook).export_model(
         state=read_weights(source),
         config=config,
         run_dir=run_dir,

@@ -1,6 +1,7 @@
-"""The hook ``coretrain checkpoint export`` asks (its ``coretrain.hookspecs`` entry point): a
-format plugin writes a checkpoint's weights. A spec of coretrain-plugins since hook API 1.10
-(in the core 1.1–1.9)."""
+"""The hooks ``coretrain checkpoint`` asks (its ``coretrain.hookspecs`` entry point): a format
+plugin writes a checkpoint's weights (``export_model``, a spec of coretrain-plugins since hook API
+1.10, in the core 1.1–1.9); a plugin that keeps checkpoints elsewhere lists them
+(``describe_checkpoints``, since coretrain-plugins' hook API 1.13)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ if TYPE_CHECKING:
     import torch
 
 
-class ExportSpecs(Protocol):
-    """What ``coretrain checkpoint export`` asks of plugins."""
+class CheckpointSpecs(Protocol):
+    """What ``coretrain checkpoint list | export`` asks of plugins."""
 
     @hookspec(firstresult=True)
     def export_model(
@@ -43,3 +44,19 @@ class ExportSpecs(Protocol):
         write ``export_format`` (the first answer wins; none is an error naming the format).
         Ranks: one process, no run: the plugins of the run's saved config are loaded, not started.
         """
+
+    @hookspec
+    def describe_checkpoints(self, run_dir: Path) -> list[str] | None:
+        """Lines ``coretrain checkpoint list RUN_DIR`` prints below its table: checkpoints of the
+        run a plugin keeps outside ``checkpoints/`` on this host (``local-checkpoint``: the run's
+        folder in ``local_dir``, left by a job that failed or is running).
+
+        Args: ``run_dir`` — the run's output dir.
+        May change: nothing.
+        Returns: one line per place (collected from every plugin), or None.
+        Ranks: one process, no run: the plugins of the run's config.toml are loaded, not started.
+        """
+
+
+ExportSpecs = CheckpointSpecs
+"""Its name before it held ``describe_checkpoints``."""
