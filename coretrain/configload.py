@@ -29,6 +29,7 @@ from cattrs.errors import (
     IterableValidationError,
     IterableValidationNote,
 )
+from cattrs.gen import make_dict_unstructure_fn, override
 
 from coretrain.config import Config
 from coretrain.errors import UserError, did_you_mean
@@ -68,12 +69,38 @@ def _strict(kind: type, accept: tuple[type, ...]) -> Any:
     return hook
 
 
+SECRET = "secret"
+"""A plugin's config field whose attrs metadata says ``{"secret": True}`` is a credential (an
+API key): the plugin holds it, and nothing that records the config — config.toml, a checkpoint's
+manifest, ``config show``, a tracker's parameters — ever sees it (:func:`withhold_secrets`)."""
+
+
+def secret_fields(cls: Any) -> list[str]:
+    return [f.name for f in attrs.fields(cls) if f.metadata.get(SECRET)] if attrs.has(cls) else []
+
+
 def make_converter() -> cattrs.Converter:
-    """A cattrs converter that refuses unknown keys and never coerces "3" into 3 or 1 into "1"."""
+    """A cattrs converter that refuses unknown keys and never coerces "3" into 3 or 1 into "1";
+    a plugin's secret fields are left out when it is turned back into plain data."""
     converter = cattrs.Converter(forbid_extra_keys=True)
     for kind, accepted in ((int, (int,)), (float, (int, float)), (bool, (bool,)), (str, (str,))):
         converter.register_structure_hook(kind, _strict(kind, accepted))
+
+    def without_secrets(cls: Any) -> Any:
+        omitted: dict[str, Any] = {name: override(omit=True) for name in secret_fields(cls)}
+        return make_dict_unstructure_fn(cls, converter, **omitted)
+
+    converter.register_unstructure_hook_factory(lambda cls: bool(secret_fields(cls)), without_secrets)
     return converter
+
+
+def withhold_secrets(config: Any, key_path: tuple[str, ...], cls: Any) -> None:
+    """Take the secret fields of ``cls`` out of ``config``'s table at ``key_path`` (its plugin,
+    structured from it, holds them): whatever records the config from now on cannot write them."""
+    table = config.plugins.get(key_path[1]) if key_path[0] == "plugins" else getattr(config, key_path[0]).options
+    for name in secret_fields(cls):
+        if isinstance(table, dict):
+            table.pop(name, None)
 
 
 CONVERTER = make_converter()

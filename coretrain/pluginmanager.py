@@ -24,7 +24,7 @@ import pluggy
 
 from coretrain import hookspecs
 from coretrain.config import Config, world_size_from_env
-from coretrain.configload import CONVERTER, Location, structure
+from coretrain.configload import CONVERTER, Location, structure, withhold_secrets
 from coretrain.errors import PluginError, RunFailure, UserError, did_you_mean
 from coretrain.hookcalls import HookCalls
 from coretrain.markers import PROJECT
@@ -334,6 +334,7 @@ def load_plugins(
         entry = installed[name]
         cls = entry.load()
         instance: object = structure(table, cls, prefix=key_path, locations=locations)
+        withhold_secrets(config, key_path, cls)
         plugins.register(name, instance, entry)
     plugins.check_pending()
     return plugins

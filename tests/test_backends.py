@@ -317,3 +317,42 @@ def test_on_two_ranks_only_rank_0_logs_and_each_backend_holds_one_run(tmp_path: 
     _, mlflow_run = mlflow_run_of(out)
     assert mlflow_run.data.tags["world_size"] == "2" and mlflow_run.data.metrics["loss"] == expected["loss"][-1][1]
     assert len(list(out.glob("wandb/offline-run-*"))) == 1 and wandb_history(out)[0] == expected
+
+
+SECRET = "sk-not-for-files-7f3a9c"
+
+
+def every_byte_written(out: Path) -> bytes:
+    """Every file of a run's output dir, zip archives (comet's) unpacked."""
+    found = b""
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        found += path.read_bytes()
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as zipped:
+                found += b"".join(zipped.read(name) for name in zipped.namelist())
+    return found
+
+
+def test_a_credential_in_the_config_lands_in_no_file_log_or_printout(
+    tmp_path: Path, cli: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``plugins.comet.api_key`` (marked secret in the plugin's settings) reaches the plugin and
+    nothing else: not config.toml, the manifests, the trackers' parameters, the log or `config
+    show`; a resume neither needs it in the manifest nor reports it changed."""
+    config, out = write_tiny_gpt(
+        tmp_path,
+        train_iters=4,
+        log_interval=2,
+        eval_iters=0,
+        extra=f'\n[checkpoint]\nsave_interval = 2\n[plugins.mlflow]\n[plugins.comet]\noffline = true\napi_key = "{SECRET}"\n',
+    )
+    with caplog.at_level("DEBUG"):
+        first = cli("run", str(config), "--set", "train.exit_interval=2", cwd=tmp_path)
+        resumed = cli("run", str(config), cwd=tmp_path)
+        shown = cli("config", "show", str(config), cwd=tmp_path)
+    assert first.returncode == resumed.returncode == shown.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr and "api_key" not in resumed.stderr
+    assert (out / "checkpoints" / "step_00000004" / "checkpoint.json").is_file()
+    assert SECRET.encode() not in every_byte_written(out)
+    assert all(SECRET not in text for text in (first.stdout + first.stderr, resumed.stderr, shown.stdout, caplog.text))
+    assert "api_key" not in shown.stdout

@@ -55,8 +55,9 @@ class Comet(LoggingBackend):
     """Write an offline archive instead of talking to comet.com."""
     offline_directory: str | None = None
     """Where offline archives go; unset = <run.output_dir>/comet."""
-    api_key: str | None = None
-    """Unset = COMET_API_KEY or comet's config file (online only)."""
+    api_key: str | None = field(default=None, metadata={"secret": True})
+    """Unset = COMET_API_KEY or comet's config file (online only); a credential: never written
+    to config.toml, a checkpoint or the experiment's parameters (COMET_API_KEY is better still)."""
     project_name: str | None = None
     """Unset = COMET_PROJECT_NAME, else comet's default project."""
     workspace: str | None = None
