@@ -344,7 +344,8 @@ def test_a_credential_in_the_config_lands_in_no_file_log_or_printout(
         train_iters=4,
         log_interval=2,
         eval_iters=0,
-        extra=f'\n[checkpoint]\nsave_interval = 2\n[plugins.mlflow]\n[plugins.comet]\noffline = true\napi_key = "{SECRET}"\n',
+        extra="\n[checkpoint]\nsave_interval = 2\n[plugins.mlflow]\n"
+        f'[plugins.comet]\noffline = true\napi_key = "{SECRET}"\n',
     )
     with caplog.at_level("DEBUG"):
         first = cli("run", str(config), "--set", "train.exit_interval=2", cwd=tmp_path)
