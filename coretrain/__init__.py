@@ -30,6 +30,7 @@ _LAZY = {
         "coretrain.loader": "is_stream SplitBatches loader_settings",
         "coretrain.outputs": "forward model_outputs NUM_TOKENS",
         "coretrain.blocks": "blocks_of",
+        "coretrain.wholemodel": "WholeModel SHARED_PARAMETERS",
         "coretrain.backend": "LoggingBackend",
         "coretrain.errors": "UserError require",
         "coretrain.configload": "config_as_dict",
@@ -68,13 +69,15 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.pluginmanager import field_defaults
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
+    from coretrain.wholemodel import SHARED_PARAMETERS, WholeModel
 
 # written out (not built from _LAZY) so that type checkers see what is exported; a test holds the two equal
 __all__ = ["__version__", "train", "TrainResult", "load", "prepare", "load_plugins", "hookimpl", "hookspec"]
 __all__ += ["HOOK_API", "Outcome", "Run", "TrainState", "StepOutputs", "Datasets", "DatasetContext", "Scheduler"]
 __all__ += ["Control", "Every", "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "fetch"]
 __all__ += ["to_device", "SampleOrder", "is_stream", "SplitBatches", "loader_settings", "forward"]
-__all__ += ["model_outputs", "NUM_TOKENS", "blocks_of", "LoggingBackend", "UserError", "require", "config_as_dict"]
+__all__ += ["model_outputs", "NUM_TOKENS", "blocks_of", "WholeModel", "SHARED_PARAMETERS", "LoggingBackend"]
+__all__ += ["UserError", "require", "config_as_dict"]
 __all__ += ["is_sharded", "find_checkpoint", "step_dir", "step_dirs", "best_step", "read_manifest", "read_weights"]
 __all__ += ["FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code", "add_config_args"]
 __all__ += ["field_defaults", "config_changes"]

@@ -14,8 +14,8 @@ def blocks_of(model: torch.nn.Module, block_types: Sequence[str] = ()) -> list[t
     ``nn.ModuleList``s (a transformer's layer stack, as the ``gpt`` provider's; a list inside a
     layer, such as a mixture's experts, is part of its layer)."""
     names = set(block_types) or {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
-    if names:
-        return [m for m in model.modules() if type(m).__name__ in names]
+    if names:  # (FSDP2 makes a sharded block an instance of a subclass, FSDPBlock: its bases count)
+        return [m for m in model.modules() if any(cls.__name__ in names for cls in type(m).__mro__)]
     blocks: list[torch.nn.Module] = []
     for module in model.modules():  # outer modules first
         if isinstance(module, torch.nn.ModuleList) and not any(module in block.modules() for block in blocks):

@@ -1,7 +1,8 @@
 """Pipeline parallelism: a GPT cut into stages over gloo ranks (1F1B, GPipe, Interleaved1F1B and
 the zero-bubble ZBVZeroBubble and DualPipeV, blocks placed evenly or by hand; PP 4, PP 2 × DP 2,
 PP 2 × HSDP and PP 2 × TP 2 on 4 ranks; with recomputation and compiled) and a Llama cut by
-decoder layer train and evaluate the losses of one rank, stop and resume, and resume across
+decoder layer train and evaluate the losses of one rank (and log its parameter and per-block
+gradient norms), stop and resume, and resume across
 layouts and schedules (1 rank → PP 2 → 1 rank, PP 2 × TP 2 → PP 2, ZBV → DualPipeV)."""
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ TRAIN |= {"eval_iters": 1, "eval_interval": 15}
 def write(tmp_path: Path, name: str, distributed: dict[str, Any], **pipeline: Any) -> Path:
     preset = gpt_preset(tmp_path / name)
     preset["model"]["options"] |= {"n_layer": 4}
-    sections: dict[str, Any] = {"distributed": distributed}
+    sections: dict[str, Any] = {"distributed": distributed, "plugins": {"model-stats": {"layer_grad_norms": True}}}
     if pipeline:
-        sections["plugins"] = {"pipeline-parallel": pipeline}
+        sections["plugins"]["pipeline-parallel"] = pipeline
     return config_file(tmp_path / f"{name}.toml", preset, sections, **TRAIN)
 
 
@@ -33,18 +34,22 @@ def schedule(name: str) -> list[str]:
 
 
 def losses(out: Path) -> list[tuple[int, str, float]]:
+    """The figures one rank logs and every layout must: losses, norms (the whole model's
+    parameters and each block's gradients: model-stats), zero gradients."""
     return [
         (row["step"], key, row[key])
         for row in metrics_rows(out)
-        for key in ("loss", "grad_norm", "valid/loss")
-        if key in row
+        for key in sorted(row)
+        if key in ("loss", "grad_norm", "valid/loss", "params_norm", "zero_grads") or key.startswith("grad_norm/")
     ]
 
 
 @pytest.mark.slow  # torchrun with 2 and 4 gloo ranks
 def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Path) -> None:
     one_config = write(tmp_path, "one", {})
-    assert run_train(str(one_config), cwd=tmp_path).returncode == 0
+    one_run = run_train(str(one_config), cwd=tmp_path)
+    assert one_run.returncode == 0
+    (size,) = {line.split(": ")[-1].split(",")[0] for line in one_run.stdout.splitlines() if "M parameters" in line}
     veto = ["--set", 'plugins.fault-injection.action="skip"', "--set", "plugins.fault-injection.step=5"]
     skipped_once = write(tmp_path, "one_skipped", {})  # step 5's update vetoed
     assert (
@@ -107,6 +112,8 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
         },
     ]
     job = in_one_job(tmp_path, 2, jobs, "pp")
+    said = job.stdout + job.stderr
+    assert f"{size}, global batch 8" in said and "M parameters" in size  # the whole model's, not one stage's
     assert "pipeline-parallel: 2 stages of [2, 2] blocks, 1F1B schedule" in job.stderr
     assert "pipeline-parallel: 4 stages of [1, 1, 1, 1] blocks, Interleaved1F1B schedule" in job.stderr
     assert "pipeline-parallel: 4 stages of [1, 1, 1, 1] blocks, ZBVZeroBubble schedule" in job.stderr

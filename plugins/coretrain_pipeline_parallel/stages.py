@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _Action, _ComputationType
 
-from coretrain import Run, UserError
+from coretrain import SHARED_PARAMETERS, Run, UserError
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -153,6 +153,8 @@ class Pipeline:
         run.model = split["stage"](sorted(i for s in held for i in blocks[s]), first, last)
         if first and last:
             untie(run.model, split.get("tied", []))
+        if last and split.get("tied"):  # whole-model figures count a tied weight once, where it is first named
+            setattr(run.model, SHARED_PARAMETERS, [second for _, second in split["tied"]])
         if len(held) > 1:  # each stage a view over the run's model, sharing its modules
             run.model_parts = [split["stage"](blocks[s], s == 0, s == total - 1) for s in held]
         run.reports_loss = last

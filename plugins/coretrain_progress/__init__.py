@@ -24,7 +24,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import Outcome, Run, hookimpl, non_negative
+from coretrain import Outcome, Run, WholeModel, hookimpl, non_negative
 
 EVENT_LINES = 5
 """The live panel's event lines: a fixed height, so the panel never jumps."""
@@ -97,6 +97,7 @@ class Progress:
 
     @hookimpl
     def on_train_start(self, run: Run) -> None:
+        parameters = WholeModel(run).numel  # every rank: the whole model's, gathered from its parts
         self._active = run.dist.is_main and logging.getLogger("coretrain").isEnabledFor(logging.INFO)
         if not self._active:
             return
@@ -120,7 +121,7 @@ class Progress:
             self._log_above(True)
         else:
             self._events = deque(maxlen=self.events)
-        self._event(start_line(run))
+        self._event(start_line(run, parameters))
         if run.state.step:
             self._event(f"resumed at step {run.state.step}")
 
@@ -223,12 +224,12 @@ class Progress:
         self._run = None  # an in-process restart builds a new run: this one must be free to go
 
 
-def start_line(run: Run) -> str:
-    """What a run is about to do, in one line: size, batch (and how it is made), ranks, device,
-    precision and threads — what decides its speed, said before the first step."""
+def start_line(run: Run, params: int) -> str:
+    """What a run is about to do, in one line: size (``params``: the whole model's), batch (and
+    how it is made), ranks, device, precision and threads — what decides its speed, said before
+    the first step."""
     import torch
 
-    params = sum(p.numel() for p in run.model.parameters())
     micro, accumulation = run.config.train.micro_batch_size, run.micro_batches_per_step
     return (
         f"{run.config.run.name}: {params / 1e6:.2f}M parameters, global batch {run.global_batch_size} "
