@@ -353,14 +353,15 @@ def test_a_rampup_counted_in_samples_resumes_on_more_ranks_planning_only_the_ste
     """One rank × micro 2 ramps the batch 2, 2, 2, 2, 4, 4, 6, 6, then 8 (rampup [2, 2, 24]) over
     92 samples; stopped after the ramp, it resumes on 2 ranks, where a batch of 2 cannot be
     split (4 samples per pass) — but no step ahead needs one. It was refused (also with
-    train.decrease_batch_size_if_needed), because the plan started again at step 1."""
+    train.decrease_batch_size_if_needed), because the plan started again at step 1. Its
+    validations read the configured global batch, so they are the uninterrupted run's."""
 
     def config(name: str) -> Path:
         preset = gpt_preset(tmp_path / name)
         del preset["train"]["train_iters"]
         train = {"train_samples": 92, "micro_batch_size": 2, "global_batch_size": 8, "log_interval": 1}
         extra = {"plugins": {"batch-rampup": {"rampup_batch_size": [2, 2, 24]}}}
-        return config_file(tmp_path / f"{name}.toml", preset, extra, **train, eval_iters=0)
+        return config_file(tmp_path / f"{name}.toml", preset, extra, **train, eval_iters=1, eval_interval=4)
 
     whole = run_train(str(config("whole")), cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
@@ -368,12 +369,17 @@ def test_a_rampup_counted_in_samples_resumes_on_more_ranks_planning_only_the_ste
     assert first.returncode == 0, first.stderr
     resumed = torchrun("run", str(config("grown")), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    rows = {row["step"]: row for row in metrics_rows(tmp_path / "grown")}
-    reference = {row["step"]: row for row in metrics_rows(tmp_path / "whole")}
+    rows: dict[int, dict[str, float]] = {}
+    reference: dict[int, dict[str, float]] = {}
+    for merged, name in ((rows, "grown"), (reference, "whole")):  # a step's train and valid rows, merged
+        for row in metrics_rows(tmp_path / name):
+            merged.setdefault(row["step"], {}).update(row)
     assert sorted(rows) == sorted(reference) == list(range(1, 17))
     assert [rows[step]["global_batch_size"] for step in (4, 5, 8, 9, 16)] == [2, 4, 6, 8, 8]
     for step in range(9, 17):
         assert rows[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-6), step
+    for step in (12, 16):  # validated on the samples the uninterrupted run's validation read
+        assert rows[step]["valid/loss"] == pytest.approx(reference[step]["valid/loss"], rel=1e-6), step
 
 
 def test_a_job_that_lost_a_rank_goes_on_with_a_smaller_global_batch_only_when_allowed(tmp_path: Path) -> None:

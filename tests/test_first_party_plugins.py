@@ -165,3 +165,23 @@ def test_the_start_line_says_how_the_batch_is_made_the_precision_and_the_threads
         "global batch 8 (micro 2 × 4 accumulation × 1 data-parallel), 1 rank(s) on cpu, fp32, "
         f"{threads} thread(s)" in capsys.readouterr().out
     )
+
+
+def test_a_resumed_rampup_run_validates_on_the_uninterrupted_runs_samples(tmp_path: Path) -> None:
+    """Validation reads the configured global batch (Megatron's: it does not ramp), so which
+    samples it reads never depends on the batch of the step it runs at: stopped at 8 and resumed,
+    the run logs the uninterrupted valid/loss (and loss) at every evaluation."""
+    from coretrain.testing import stop_and_resume
+
+    settings = {
+        "train": {"micro_batch_size": 4, "global_batch_size": 16, "eval_interval": 4, "eval_iters": 2},
+        "checkpoint": {"save_interval": 4},
+    }
+    tables = {"batch-rampup": {"rampup_batch_size": [4, 4, 96]}}
+    whole = run_steps(tmp_path / "whole", steps=16, config=settings, tables=tables)
+    _, resumed = stop_and_resume(tmp_path / "resumed", stop_at=8, steps=16, config=settings, tables=tables)
+    expected = [(m["step"], m["valid/loss"]) for m in whole.evals if m["step"] in (4, 8, 12, 16)]
+    after = [(m["step"], m["valid/loss"]) for m in resumed.evals if m["step"] in (12, 16)]
+    assert len(expected) == 4 and after == expected[2:]  # the same floats
+    trained = {m["step"]: m["loss"] for m in whole.metrics}
+    assert all(trained[m["step"]] == m["loss"] for m in resumed.metrics) and resumed.metrics

@@ -54,7 +54,7 @@ def index_chunks(run: Run, length: int, block: int = 0) -> list[torch.Tensor]:
         most = -(-len(range(0, length, world)) // micro)  # the first rank's share is the longest
         return chunks + [UNCOUNTED] * (most - len(chunks))
     order = SampleOrder(length, run.config.run.seed + EVAL_SEED_OFFSET, shuffle=not run.datasets.in_order)
-    global_batch = run.global_batch_size
+    global_batch = eval_global_batch(run)
     per_rank = global_batch // world
     first = block * train.eval_iters
     return [
@@ -62,6 +62,15 @@ def index_chunks(run: Run, length: int, block: int = 0) -> list[torch.Tensor]:
         for i in range(first, first + train.eval_iters)
         for chunk in torch.split(order.indices(i * global_batch + rank * per_rank, per_rank), micro)
     ]
+
+
+def eval_global_batch(run: Run) -> int:
+    """The global batch an evaluation reads in: the configured one, as Megatron's (its validation
+    batch does not follow a batch-size rampup), so what an evaluation reads never depends on
+    the batch of the step it runs at — nor on where a resumed run's first evaluation falls."""
+    per_pass = run.samples_per_micro_batch
+    configured = run.config.train.global_batch_size or per_pass
+    return max(configured // per_pass, 1) * per_pass
 
 
 def block_of(run: Run, split: str) -> int:
@@ -79,7 +88,7 @@ def split_batches(run: Run, dataset: Any, block: int = 0) -> SplitBatches:
     train = run.config.train
     micro = train.eval_micro_batch_size or train.micro_batch_size
     if is_stream(dataset):
-        limit = None if train.eval_full else train.eval_iters * run.global_batch_size // run.dist.dp_size
+        limit = None if train.eval_full else train.eval_iters * eval_global_batch(run) // run.dist.dp_size
         return SplitBatches(run, dataset, micro_batch_size=micro, limit=limit)
     return SplitBatches(run, dataset, index_chunks(run, len(dataset), block))
 
