@@ -17,14 +17,24 @@ import signal
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
+from typing import NoReturn
 
 from coretrain.version import __version__
 
 COMMANDS_GROUP = "coretrain.commands"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a mistake in the command line said in one ``error:`` line (exit 2) that
+    names where to look, instead of the whole usage text first. Subcommands' parsers are of this
+    class too (``add_subparsers`` makes them so)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="coretrain", description="Train PyTorch models; every feature is a plugin.")
+    parser = OneLineParser(prog="coretrain", description="Train PyTorch models; every feature is a plugin.")
     parser.add_argument("--version", action="version", version=f"coretrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for point in sorted(entry_points(group=COMMANDS_GROUP), key=lambda p: (p.name != "run", p.name)):
@@ -47,8 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError:
         print("error: the current directory no longer exists (deleted?); cd to one that does", file=sys.stderr)
         return 2
-    if cwd not in sys.path and "" not in sys.path:  # as `python -m coretrain` does: ./mymodule:build
-        sys.path.insert(0, cwd)
+    if cwd not in sys.path and "" not in sys.path:  # ./mymodule:build, as `python -m coretrain` finds it,
+        sys.path.append(cwd)  # but last: a file in the directory never stands in for an installed package
     try:
         return int(args.handler(args) or 0)
     except (UserError, RunFailure, PluginError) as exc:  # the user's to fix (exit 2), or a failure (exit 1)

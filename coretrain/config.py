@@ -122,7 +122,7 @@ class TrainConfig:
     train_samples: int | None = field(default=None, validator=_positive)
     """Instead of train_iters: train on this many samples (Megatron's --train-samples), whole
     global batches; the steps follow from the global batch (and a rampup, if any)."""
-    train_epochs: float | None = field(default=None, validator=_positive)
+    train_epochs: float | None = field(default=None, validator=[_positive, in_range(high=1_000_000)])
     """Instead of train_iters: this many passes over the train split (1.5 allowed), converted to
     samples once the split is built (its length × this), then trained as train_samples."""
     exit_interval: int | None = field(default=None, validator=_positive)
@@ -181,9 +181,10 @@ class CheckpointConfig:
     """"auto" (newest complete checkpoint in the output dir), "never", or a checkpoint path (a
     run's output directory: its newest complete checkpoint)."""
     async_save: bool = False
-    storage_writers_per_rank: int = field(default=1, validator=_positive)
+    storage_writers_per_rank: int = field(default=1, validator=in_range(1, 64))
     """Threads, each writing a file of its own, with which every rank writes a sharded (DCP)
-    checkpoint: torch.distributed.checkpoint's ``thread_count`` (Megatron-Bridge's key)."""
+    checkpoint: torch.distributed.checkpoint's ``thread_count`` (Megatron-Bridge's key); at
+    most 64 (more files per save than a file system serves well)."""
     pretrained: str | None = None
     """Load model weights only from this checkpoint (fine-tuning: step 0, fresh optimizer); a
     run's output directory (or its ``checkpoints/``) means its newest complete checkpoint."""

@@ -117,3 +117,21 @@ def test_fim_mistakes_are_one_error(
     config["data"]["options"].update(change)
     with pytest.raises(UserError, match=message):
         run_steps(tmp_path / "run", 1, config=config)
+
+
+@pytest.mark.parametrize(
+    ("fim", "message"),
+    [
+        (
+            {"fim_middle_token": "<fim_prefix>"},
+            r"fim_middle_token: the same token as fim_prefix_token \('<fim_prefix>'\)",
+        ),
+        ({"fim_pad_token": "def"}, r"fim_pad_token: 'def' is an ordinary token of the tokenizer, not a special one"),
+        ({"fim_eod_token": "<fim_pad>"}, "fim_eod_token: the end-of-document token .* is also a FIM sentinel"),
+    ],
+)
+def test_sentinels_that_are_not_distinct_special_tokens_are_one_error(
+    fim_data: tuple[Path, Path], tmp_path: Path, fim: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(UserError, match=f"data.options.{message}"):
+        run_steps(tmp_path, steps=1, config=sections(fim_data, tmp_path, fim_rate=0.5, **fim))

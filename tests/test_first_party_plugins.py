@@ -185,3 +185,10 @@ def test_a_resumed_rampup_run_validates_on_the_uninterrupted_runs_samples(tmp_pa
     assert len(expected) == 4 and after == expected[2:]  # the same floats
     trained = {m["step"]: m["loss"] for m in whole.metrics}
     assert all(trained[m["step"]] == m["loss"] for m in resumed.metrics) and resumed.metrics
+
+
+def test_an_eta_beyond_what_a_timedelta_holds_is_said_not_raised() -> None:
+    from coretrain_progress import eta
+
+    assert eta(3725) == "1:02:05" and eta(-5) == "0:00:00"
+    assert eta(1e30) == eta(float("inf")) == eta(float("nan")) == "over 100 years"

@@ -317,3 +317,41 @@ def test_new_plugin_into_a_directory_that_has_files_makes_its_own_folder_there(t
     assert main(["new-plugin", "loss-spikes", "--dir", str(tmp_path / "fresh")]) == 0
     assert (tmp_path / "fresh" / "pyproject.toml").is_file()
     assert f"wrote {tmp_path / 'fresh'}" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- values out of bounds
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["EPOCHS", "1e12"], "train.train_epochs: must be <="),
+        (["--set", "checkpoint.storage_writers_per_rank=50000"], "checkpoint.storage_writers_per_rank: must be"),
+        (["--nproc-per-node", "-2"], "argument --nproc-per-node: expected a whole number >= 1, got '-2'"),
+        (["--nproc-per-node", "0"], "argument --nproc-per-node: expected a whole number >= 1, got '0'"),
+        (["--max-restarts", "-1"], "argument --max-restarts: expected a whole number >= 0, got '-1'"),
+        (["--replace-failed-ranks"], "--replace-failed-ranks: only when coretrain starts the ranks"),
+        (["--max-restarts", "2"], "--max-restarts: only when coretrain starts the ranks"),
+        (["--set", 'plugins.fault-injection.action="raise"'], "plugins.fault-injection.step: set step"),
+        (["--set", 'plugins.fault-injection={action="raise", step=-1}'], "plugins.fault-injection.step: must be > 0"),
+        (["--set", 'plugins.fault-injection={action="raise", step=1, ranks=[5]}'], "ranks: [5] are not ranks of"),
+        (["--set", 'plugins.fault-injection={action="raise", step=9}'], "step: 9 is past the run's last step (2)"),
+        (["--set", 'plugins.fault-injection={action="raise", probability=2.0}'], "probability: must be"),
+        (
+            ["--set", 'plugins.fault-injection={action="sleep", step=1, sleep_seconds=-1.0}'],
+            "sleep_seconds: must be >= 0",
+        ),
+    ],
+)
+def test_a_value_out_of_bounds_is_one_error_line(config: Path, capsys: Any, argv: list[str], words: str) -> None:
+    """The message (its one error line, and the config's problems listed below it) names the key or flag."""
+    if argv[0] == "EPOCHS":  # a run counted in epochs (no train_iters)
+        config = write_config(config, tiny_config(config.parent / "out", train={"train_epochs": float(argv[1])}))
+        argv = []
+    try:
+        code = main(["run", str(config), *argv])
+    except SystemExit as exit:  # argparse's own exit, as the console script ends on it
+        code = int(exit.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert words in err, err

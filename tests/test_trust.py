@@ -517,6 +517,21 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Pa
     assert [r["step"] for r in metrics_rows(out)] == [5, 10, 15, 20]
 
 
+def test_a_deeply_nested_manifest_is_a_damaged_checkpoint_passed_over(tmp_path: Path) -> None:
+    """100,000 nested lists in checkpoint.json (crafted, or garbage): JSON's recursion limit is
+    a damaged file like any other, not a RecursionError that ends the run."""
+    config, out = write_tiny_gpt(
+        tmp_path, train_iters=20, log_interval=5, eval_iters=0, extra="\n[checkpoint]\nsave_interval = 5\n"
+    )
+    assert run_here("run", str(config), "--set", "train.exit_interval=15", cwd=tmp_path).returncode == 0
+    (step_dir(out, 15) / "checkpoint.json").write_text("[" * 100_000 + "]" * 100_000)
+    result = run_here("run", str(config), cwd=tmp_path)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    warning = next(line for line in result.stderr.splitlines() if "falling back" in line)
+    assert "checkpoint.json: cannot read the manifest: RecursionError" in warning
+    assert "(step 10," in result.stderr
+
+
 # --------------------------------------------------------------------------- 9. Ctrl-C from the first second
 
 

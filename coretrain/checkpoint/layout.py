@@ -170,7 +170,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         return {"layout": "sharded" if sharded else "replicated", "evaluated": []}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # (a crafted, deeply nested one)
         raise CheckpointUnreadable(path, f"cannot read the manifest: {type(exc).__name__}: {exc}") from None
     validate(data, MANIFEST_SCHEMA, path)
     return dict(data)

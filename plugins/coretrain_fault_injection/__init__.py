@@ -19,7 +19,7 @@ from typing import Literal
 
 from attrs import define, field
 
-from coretrain import Run, hookimpl, non_negative, positive
+from coretrain import FieldValueError, Run, UserError, hookimpl, in_range, non_negative, positive
 
 log = logging.getLogger("coretrain")
 
@@ -39,15 +39,15 @@ class FaultInjection:
 
     action: Literal["hang", "raise", "sigkill", "sigterm", "sigstop", "sleep", "skip"]
     """What goes wrong (``sigstop``: the process freezes, as one stuck in the kernel does)."""
-    step: int | None = None
+    step: int | None = field(default=None, validator=positive)
     """The step it happens at (before the step runs)."""
-    probability: float = 0.0
+    probability: float = field(default=0.0, validator=in_range(0, 1))
     """Or: the chance per step, drawn from a generator seeded with seed + rank."""
     seed: int = 0
-    ranks: list[int] = field(factory=list)
+    ranks: list[int] = field(factory=list, validator=non_negative)
     """Ranks it happens on, as the processes were started (a process numbered anew after others
     left, ``--min-ranks``, keeps its first number here); empty = every rank."""
-    sleep_seconds: float = 1.0
+    sleep_seconds: float = field(default=1.0, validator=non_negative)
     """For action = "sleep"."""
     every_step: bool = False
     """For action = "sleep": sleep on every step from `step` on."""
@@ -61,8 +61,35 @@ class FaultInjection:
     was replaced, ``--replace-failed-ranks``); unset: in every attempt."""
     _fired: int = field(default=0, init=False, repr=False)
     _first_rank: int | None = field(factory=lambda: _env_int("RANK"), init=False, repr=False)
+    _first_world: int | None = field(factory=lambda: _env_int("WORLD_SIZE"), init=False, repr=False)
     _rng: random.Random | None = field(default=None, init=False, repr=False)
     _veto_at: int | None = field(default=None, init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.step is None and not self.probability:
+            raise FieldValueError(
+                "step", "set step (when it happens) or probability (a chance per step): with neither it never fires"
+            )
+
+    @hookimpl
+    def configure_run(self, run: Run) -> None:
+        """Ranks this job does not have would never fire (checked against the job as it started:
+        a rank dropped later, ``--min-ranks``, keeps its number here)."""
+        started = max(self._first_world or 1, run.dist.world_size)
+        missing = [rank for rank in self.ranks if rank >= started]
+        if missing:
+            raise UserError(
+                f"plugins.fault-injection.ranks: {missing} are not ranks of this job ({run.dist.world_size} rank(s): "
+                f"0..{run.dist.world_size - 1}), so it would never fire"
+            )
+
+    @hookimpl
+    def on_train_start(self, run: Run) -> None:
+        if self.step is not None and self.step > run.train_iters:
+            raise UserError(
+                f"plugins.fault-injection.step: {self.step} is past the run's last step ({run.train_iters}), "
+                "so it would never fire"
+            )
 
     @property
     def coretrain_vetoes_updates(self) -> bool:

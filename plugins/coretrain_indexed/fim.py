@@ -112,22 +112,42 @@ def sentinel_ids(tokenizer: Any, names: dict[str, str | None], eod: str | None) 
     """The sentinel tokens' ids in ``tokenizer`` (each must be one token of it: an added special
     token), the end-of-document id (``eod``'s, else the tokenizer's EOS)."""
     vocabulary = tokenizer.get_vocab()
+    special = {*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()}
     ids: dict[str, int | None] = {}
     for key, token in names.items():
+        option = "fim_split_sample" if key == "split" else f"fim_{key}_token"
         if token is None:
             ids[key] = None
         elif token not in vocabulary:
             raise UserError(
-                f"data.options.fim_{key}_token: {token!r} is not a token of the tokenizer; add it as a "
+                f"data.options.{option}: {token!r} is not a token of the tokenizer; add it as a "
                 "special token (tokenizer.add_special_tokens) or name the one it has"
+            )
+        elif key != "split" and token not in special:
+            raise UserError(
+                f"data.options.{option}: {token!r} is an ordinary token of the tokenizer, not a special one: "
+                "the data's own text would read as the sentinel; add a special token for it "
+                "(tokenizer.add_special_tokens) or name one the tokenizer has"
             )
         else:
             ids[key] = int(vocabulary[token])
+    sentinels = {key: ids[key] for key in ("prefix", "middle", "suffix", "pad")}
+    if len(set(sentinels.values())) < len(sentinels):
+        same = [f"fim_{key}_token" for key, value in sentinels.items() if list(sentinels.values()).count(value) > 1]
+        raise UserError(
+            f"data.options.{same[1]}: the same token as {same[0]} ({names[same[0][4:-6]]!r}); "
+            "each FIM sentinel must be a token of its own"
+        )
     if eod is not None and eod not in vocabulary:
         raise UserError(f"data.options.fim_eod_token: {eod!r} is not a token of the tokenizer")
     eod_id = vocabulary[eod] if eod is not None else tokenizer.eos_token_id
     if eod_id is None:
         raise UserError("data.options.fim_eod_token: the tokenizer has no EOS token; name the end-of-document token")
+    if int(eod_id) in sentinels.values():
+        raise UserError(
+            f"data.options.fim_eod_token: the end-of-document token (id {eod_id}) is also a FIM sentinel; "
+            "name another end-of-document token, or other sentinels"
+        )
     return FIMTokens(
         prefix=_required(ids["prefix"]),
         middle=_required(ids["middle"]),

@@ -35,7 +35,7 @@ def add(commands: Any) -> None:
     )
     launch.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=whole_number(1),
         default=None,
         metavar="N",
         help="start N ranks on this machine (same as `torchrun --standalone --nproc-per-node N "
@@ -59,7 +59,7 @@ def add(commands: Any) -> None:
     )
     launch.add_argument(
         "--node-rank",
-        type=int,
+        type=whole_number(0),
         default=None,
         metavar="R",
         help="this machine's place, 0..N-1, with a fixed --nnodes N (ranks R*nproc ..); "
@@ -79,7 +79,7 @@ def add(commands: Any) -> None:
     )
     launch.add_argument(
         "--max-restarts",
-        type=int,
+        type=whole_number(0),
         default=0,
         metavar="K",
         help="restart the ranks up to K times after a failure; each restart resumes from the "
@@ -95,7 +95,7 @@ def add(commands: Any) -> None:
     )
     launch.add_argument(
         "--min-ranks",
-        type=int,
+        type=whole_number(1),
         default=None,
         metavar="M",
         help="with --replace-failed-ranks: once no replacement is left, a rank that dies is dropped and "
@@ -105,10 +105,36 @@ def add(commands: Any) -> None:
     run.set_defaults(handler=launching(run.get_default("handler")))
 
 
+def whole_number(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``least`` (a rank count, a restart count)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+        return value
+
+    return parse
+
+
+LAUNCHER_ONLY = ("replace_failed_ranks", "max_restarts", "min_ranks", "rdzv_endpoint", "node_rank")
+"""Flags that mean something only when this command launches the ranks."""
+
+
 def launching(run_here: Handler) -> Handler:
     def handler(args: argparse.Namespace) -> int:
         if (args.nproc_per_node or args.nnodes) and "LOCAL_RANK" not in os.environ:
             return launch_torchrun(args)
+        given = [name for name in LAUNCHER_ONLY if getattr(args, name) not in (None, False, 0)]
+        if given and "LOCAL_RANK" not in os.environ:
+            flag = "--" + given[0].replace("_", "-")
+            raise UserError(
+                f"{flag}: only when coretrain starts the ranks; add --nproc-per-node N (this machine's ranks) "
+                "or --nnodes (several machines)"
+            )
         return run_here(args)
 
     return handler

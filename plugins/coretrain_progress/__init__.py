@@ -30,7 +30,14 @@ EVENT_LINES = 5
 """The live panel's event lines: a fixed height, so the panel never jumps."""
 
 
+CENTURY = 100 * 365 * 24 * 3600
+
+
 def eta(seconds: float) -> str:
+    """A duration as H:MM:SS (days before it when longer); past a century (or not a number),
+    said so: a run planned that long would overflow what a timedelta holds."""
+    if not seconds < CENTURY:
+        return "over 100 years"
     return str(timedelta(seconds=int(max(seconds, 0))))
 
 
