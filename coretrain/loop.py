@@ -104,6 +104,8 @@ class Trainer:
         self.run = run
         self.hooks = ResolvedHooks(run)
         self.log = IntervalLog(run.device)
+        self.in_progress: int | None = None
+        """The step being run (from its pre_step to its end), for a failure to name."""
         self.feed: TrainBatches | None = None
         self._data_state: dict[str, Any] | None = None
         """A stream's position from the checkpoint resumed from, for the feed made in _steps."""
@@ -174,8 +176,8 @@ class Trainer:
                 record_config(run)
                 outcome = self.stops.before_first_step() or self._train_and_finish()
         except PluginError as exc:
-            if exc.step is None:
-                exc.step = run.state.step
+            if exc.step is None:  # a hook without a step argument: the step it failed in
+                exc.step = self.in_progress if self.in_progress is not None else run.state.step
             raise
         except Exception as exc:
             if (failure := explained(run, exc)) is None:
@@ -251,7 +253,7 @@ class Trainer:
         run, hooks, state, mark = self.run, self.hooks, self.run.state, self.mark
         loop = self._loop_settings()
         while state.step < loop.train_iters:
-            step = state.step + 1
+            step = self.in_progress = state.step + 1
             n_micro, consumed = loop.plan.at(step)
             run.micro_batches_per_step = n_micro
             global_batch = loop.per_micro_batch * n_micro
@@ -278,6 +280,7 @@ class Trainer:
                 )
                 hooks.post_step(run=run, step=step, outputs=done)
             reason = self._after_step(step)
+            self.in_progress = None
             if reason is not None:
                 return reason
         self.stops.finish()

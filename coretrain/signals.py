@@ -10,20 +10,26 @@ signal during start-up is never lost (Python's default SIGINT handler raises
 KeyboardInterrupt wherever the main thread is, and a finalizer or callback that swallows it
 lets the run go on); start-up checks :meth:`SignalWatcher.check` between its phases.
 
-A repeated SIGTERM or SIGUSR1 changes nothing: schedulers signal every process and torchrun
-forwards the signal again, so each worker may see it twice and must still checkpoint. Only
-SIGINT while a signal is pending — a person pressing Ctrl-C again — aborts at once.
+A repeated SIGTERM or SIGUSR1 soon after the first changes nothing: schedulers signal every
+process and torchrun forwards the signal again, so each worker may see it twice and must still
+checkpoint. SIGINT while a signal is pending — a person pressing Ctrl-C again — aborts at once,
+and so does any watched signal that comes :data:`REPEAT_AFTER_SECONDS` or more after a first
+one the loop has not acted on: a hung process (a hook that never returns) ends on a scheduler's
+or a person's second SIGTERM instead of waiting for SIGKILL.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any, Literal
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+REPEAT_AFTER_SECONDS = 5.0
+"""A signal this long after a first one still pending is a second request, not a forwarded copy."""
 
 
 class Interrupted(Exception):
@@ -40,6 +46,7 @@ class SignalWatcher:
     def __init__(self, names: Sequence[str] = DEFAULT_SIGNALS, impatient: Literal["kill", "raise"] = "kill") -> None:
         self.signums = [getattr(signal, name) for name in names]
         self.received: int | None = None
+        self._received_at = 0.0
         self._previous: dict[int, Any] = {}
         self.impatient = impatient
         """A second Ctrl-C: "kill" the process as the default handler would (the CLI), or
@@ -47,12 +54,12 @@ class SignalWatcher:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
-            self.received = signum
-        elif signum == signal.SIGINT:  # impatient Ctrl-C: leave now, as the default would
-            self.uninstall()
-            if self.impatient == "raise":
+            self.received, self._received_at = signum, time.monotonic()
+        elif signum == signal.SIGINT or time.monotonic() - self._received_at >= REPEAT_AFTER_SECONDS:
+            self.uninstall()  # impatient Ctrl-C, or a second request the loop never got to: leave now
+            if self.impatient == "raise" and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            signal.signal(signum, signal.SIG_DFL)
+            signal.signal(signum, signal.SIG_DFL)  # as the default would: the process ends by this signal
             os.kill(os.getpid(), signum)
 
     def install(self) -> SignalWatcher:

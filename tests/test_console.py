@@ -138,3 +138,20 @@ def test_library_noise_goes_to_run_log_and_the_users_own_warning_stays_on_the_co
     assert "noisylib: this API is deprecated" in logged and "noisylib: falling back to the slow path" in logged
     assert "noisylib: printed by its own handler" in logged
     assert "mine: check the learning rate" in logged
+
+
+@pytest.mark.slow  # a real process: its file descriptor 2 is what C++ code writes to
+def test_torchs_cpp_lines_go_to_run_log_and_python_s_own_stay_on_the_console(tmp_path: Path, site: Path) -> None:
+    """A store client that cannot connect makes torch's C++ code write warnings and a stack of
+    ``frame #`` lines straight to file descriptor 2: they land in run.log; the run's own lines
+    (and its error lines, were there any) still reach the console."""
+    from conftest import run_cli
+
+    plugins = {"store-noise": {"at_step": 2}}
+    config = write_config(tmp_path / "c.toml", tiny_config(tmp_path / "out", train={"train_iters": 4}, plugins=plugins))
+    result = run_cli("run", str(config), cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    assert result.returncode == 0, result.stderr
+    assert "frame #" not in result.stderr and "[c10d]" not in result.stderr, result.stderr[-3000:]
+    assert "completed at step 4" in result.stdout + result.stderr
+    logged = (tmp_path / "out" / "run.log").read_text()
+    assert "[c10d] The client socket has timed out" in logged and "frame #0" in logged

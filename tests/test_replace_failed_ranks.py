@@ -104,6 +104,7 @@ def test_a_frozen_rank_restarts_the_job_as_torchrun_would(tmp_path: Path, uninte
     job = run_train(stopped, *REPLACING, "--max-restarts", "1", cwd=tmp_path, env=ENV)
     assert job.returncode == 0, job.stderr[-3000:]
     assert "rank 0 ended on a hang (exit 124); starting every rank again (1/1)" in job.stderr
+    assert "last at step 6, pre_step)" in job.stderr, job.stderr[-3000:]  # heard in the step it froze in
     assert "starting a new process in its place" not in job.stderr
     assert losses(tmp_path / "stopped") == uninterrupted_losses
 

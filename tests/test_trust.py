@@ -748,3 +748,26 @@ def test_a_hung_plugin_in_a_single_process_run_is_named_and_the_run_ends(tmp_pat
     assert re.match(r"error: rank 0: no progress for \d+ s at step 3, last in pre_step", line), line
     assert "(plugin 'fault-injection', in its pre_step)" in line and "coretrain_fault_injection" in line, line
     assert (out / "hang.rank0.log").is_file()
+
+
+def test_a_hung_single_process_ends_on_a_second_sigterm(tmp_path: Path) -> None:
+    """A scheduler's grace period: SIGTERM, then SIGTERM again. The first waits for a step
+    boundary the hung process never reaches; a second one seconds later ends it, by that signal."""
+    from coretrain.signals import REPEAT_AFTER_SECONDS
+
+    hang = '\n[plugins.fault-injection]\naction = "hang"\nstep = 3\n\n[plugins.watchdog]\nenabled = false\n'
+    config, out = write_tiny_gpt(tmp_path, train_iters=40, log_interval=1, eval_iters=0, extra=hang)
+    process = start_cli("run", str(config), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or len(metrics_rows(out)) < 2:
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-2000:]
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(REPEAT_AFTER_SECONDS + 0.5)
+        assert process.poll() is None  # the first one waits for the step that never ends
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        process.kill()
+        process.communicate()

@@ -44,7 +44,20 @@ def _import_comet(offline: bool) -> Any:
     os.environ.setdefault("COMET_DISABLE_AUTO_LOGGING", "1")  # no "import comet_ml before torch" patching
     if offline:  # offline means no network: not even comet-ml's own crash reports to its Sentry
         os.environ.setdefault("COMET_ERROR_TRACKING_ENABLE", "false")
-    return require("comet_ml", needed_by="plugins.comet", extra="comet")
+    comet_ml = require("comet_ml", needed_by="plugins.comet", extra="comet")
+    _through_python_logging("comet_ml")
+    return comet_ml
+
+
+def _through_python_logging(name: str) -> None:
+    """A library that prints through a terminal handler of its own (comet_ml's "COMET INFO:"
+    lines): its records go through Python logging's root instead, where the run's handlers
+    decide (``console-log`` keeps a library's lines below ERROR in run.log, off the console)."""
+    logger = logging.getLogger(name)
+    for handler in list(logger.handlers):
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            logger.removeHandler(handler)
+    logger.propagate = True
 
 
 @define(kw_only=True)

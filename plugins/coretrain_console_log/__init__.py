@@ -7,7 +7,9 @@ loggers and the Python warnings they raise — go to the log file only (``run.lo
 ``run.rankN.log`` on other ranks), and the console says once at the end how many there were
 and where. Lines from coretrain and its plugins (the ``coretrain`` logger) and warnings raised
 by the user's own code (outside site-packages and the standard library) stay on the console.
-Python warnings reach each handler once per distinct text. The console handler is the one
+Python warnings reach each handler once per distinct text. What C and C++ code writes itself
+(torch's store clients, gloo, NCCL: file descriptor 2) goes to the log file too
+(:mod:`coretrain_console_log.native`). The console handler is the one
 ``coretrain run`` sets up (named ``coretrain-console``); a notebook's own handlers are left
 as they are, and only the log file is added.
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 from attrs import define, field
 
 from coretrain import Run, hookimpl
+from coretrain_console_log.native import NativeStderr
 
 CONSOLE = "coretrain-console"
 """The name of the console handler ``coretrain run`` installs."""
@@ -131,17 +134,25 @@ class ConsoleLog:
     _file: logging.Handler | None = field(default=None, init=False, repr=False)
     _console: logging.Handler | None = field(default=None, init=False, repr=False)
     _stand_in: logging.Handler | None = field(default=None, init=False, repr=False)
+    _native: NativeStderr = field(factory=NativeStderr, init=False, repr=False)
+    """C and C++ code's own lines (file descriptor 2) to the log file."""
     """The console handler put in for Python's last resort (no handler set up), while diverting."""
 
     @hookimpl
     def configure_run(self, run: Run) -> None:
         name = "run.log" if run.dist.rank == 0 else f"run.rank{run.dist.rank}.log"
         self.divert(run.output_dir / name)
+        self._native.divert(run.output_dir / name)
+
+    @hookimpl(trylast=True)  # after every other plugin's: the libraries they imported have made their handlers
+    def on_train_start(self) -> None:
+        self._divert_own_handlers()
 
     @hookimpl(trylast=True)
     def close_run(self, run: Run) -> None:
         """One console line for the libraries' lines kept in the log file; the handler closed —
         however far the run got (a failed build too: the next run in this process starts clean)."""
+        self._native.restore()
         self.restore(run.output_dir / "run.log" if run.dist.is_main else None)
 
     @hookimpl(wrapper=True)
@@ -177,14 +188,22 @@ class ConsoleLog:
         self._file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
         self._file.addFilter(OnceEach())
         root.addHandler(self._file)  # a root handler: Python's last resort no longer prints
-        if self._noise is not None:  # libraries that print through handlers of their own (torch)
-            for handler in own_terminal_handlers():
-                diverted = LibraryNoise(self._noise.held, divert=self._file)
-                handler.addFilter(diverted)
-                self._diverted.append((handler, diverted))
+        self._divert_own_handlers()
         warnings.simplefilter("once")
         logging.captureWarnings(False)  # captureWarnings(True) is a no-op while an earlier capture is on,
         logging.captureWarnings(True)  # though warnings.showwarning may have been reset since (a second run)
+
+    def _divert_own_handlers(self) -> None:
+        """Libraries that print through handlers of their own (torch's; comet_ml's, made when it
+        is first imported, after the run began): their lines to the log file too."""
+        if self._noise is None or self._file is None:
+            return
+        done = {id(handler) for handler, _ in self._diverted}
+        for handler in own_terminal_handlers():
+            if id(handler) not in done:
+                diverted = LibraryNoise(self._noise.held, divert=self._file)
+                handler.addFilter(diverted)
+                self._diverted.append((handler, diverted))
 
     def restore(self, told: Path | None) -> None:
         """Say how many lines went to ``told`` (None: say nothing), and put the handlers back."""

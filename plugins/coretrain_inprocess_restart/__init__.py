@@ -248,7 +248,7 @@ class InProcessRestart:
         prefix = restart_prefix(_generation)
         store.set(f"{prefix}/begun", "1")  # a rank still in the failed run sees it (StuckGuard)
         if not planned and (own or not any(words in failure for words in PEER_FAILURE)):  # not a peer's failure
-            store.set(f"{prefix}/cause/{SLOT}", failure)
+            store.set(f"{prefix}/cause/{SLOT}", f"{time.time()!r} {failure}")  # when: the first raiser is named first
         named = None
         if planned:
             named, self._changes = chosen(store, f"{prefix}/members")
@@ -261,7 +261,9 @@ class InProcessRestart:
         dist.init_process_group(backend, store=group_store, rank=rank, world_size=world, timeout=timeout)
         dist.barrier()  # every rank has joined, so every cause is written
         store.set(f"{_attempt_keys()}/latest", f"{_generation} {self._restarts}")  # for a replacement
-        causes = [f"rank {s} {store.get(k).decode()}" for s in slots if store.check([k := f"{prefix}/cause/{s}"])]
+        written = [(store.get(k).decode(), s) for s in slots if store.check([k := f"{prefix}/cause/{s}"])]
+        timed = sorted((float(text.split(" ", 1)[0]), s, text.split(" ", 1)[1]) for text, s in written)
+        causes = [f"rank {s} {failure}" for _, s, failure in timed]  # the first to raise, then any bystander's
         if planned:
             return f"{world - before} rank(s) joined; {world} ranks go on (was {before})"
         shrunk = f"; {world} of {before} ranks go on (the launcher runs no more)" if world < before else ""

@@ -144,8 +144,11 @@ class HangWatch:
 
     def beat(self, step: int, phase: str) -> None:
         """The loop is at ``phase`` of ``step`` now: two attribute writes, no clock read (the
-        watching thread notes when the mark last changed)."""
+        watching thread notes when the mark last changed); at a new step, the heartbeat is told."""
+        new_step = step != self.step
         self.step, self.phase = step, phase
+        if new_step and self.heartbeat is not None:
+            self.heartbeat.new_step()
 
     @property
     def warmed_up(self) -> bool:

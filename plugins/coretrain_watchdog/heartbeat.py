@@ -3,7 +3,8 @@
 A rank stopped with SIGSTOP, or stuck in a call that holds the interpreter, runs no thread at
 all: its own watchdog cannot speak, and its peers, waiting for it in a collective, would name
 themselves. So every rank's :class:`Heartbeat` thread writes a counter (with the loop's step and
-phase) under its rank into the store the process group met through, every ``period`` seconds;
+phase) under its rank into the store the process group met through, every ``period`` seconds
+and as each step begins (so a rank that froze is named with the step it froze in);
 a rank that has waited long in a collective reads the others' (:meth:`Heartbeat.watch_peers`)
 and names the ones whose counter stood still. The store lives in a process of the job (rank 0's
 under coretrain's launcher, the launcher's under plain torchrun): when it stops answering, that
@@ -23,6 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
+
+HANDOFF_SECONDS = 0.2
+"""The longest a new step waits for its pulse to reach the store (a slow or gone store does not
+hold training up longer)."""
 
 
 @frozen
@@ -50,6 +55,10 @@ class Heartbeat:
         self._peers: dict[int, tuple[str, float]] = {}
         self._watched_since = 0.0
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Set when the loop begins a step: its pulse is written at once, not up to a period late."""
+        self._sent = threading.Event()
+        """Set once a pulse has gone to the store (what :meth:`new_step` waits for)."""
         self._store: Any = None
         self._thread = threading.Thread(target=self._run, name="coretrain-heartbeat", daemon=True)
 
@@ -67,6 +76,16 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
+
+    def new_step(self) -> None:
+        """The loop began a step: the pulse is written before the step runs (waiting at most
+        ``HANDOFF_SECONDS`` for the store), so a rank that freezes in it is last heard in it. A
+        round trip to the store per step: nothing beside a real step's seconds."""
+        if self._thread.is_alive():
+            self._sent.clear()
+            self._wake.set()
+            self._sent.wait(HANDOFF_SECONDS)
 
     def watch_peers(self) -> None:
         """From now on, read the other ranks' heartbeats too (this rank waits for someone)."""
@@ -105,16 +124,18 @@ class Heartbeat:
         beats = 0
         while not self._stop.is_set():
             beats += 1
+            self._wake.clear()  # before reading the mark: a step begun after this wakes the next round
             step, phase = self.mark()
             try:
                 self._store.set(f"{self.prefix}{self.rank}", f"{beats} step {step}, {phase}")
+                self._sent.set()
                 if self.peers_wanted:
                     self._read_peers()
             except Exception:  # the store's host is gone or going: the watchdog reads the silence
                 pass
             else:
                 self.answered = time.monotonic()
-            self._stop.wait(self.period)
+            self._wake.wait(self.period)
 
     def _read_peers(self) -> None:
         now = time.monotonic()
