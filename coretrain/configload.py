@@ -9,6 +9,7 @@ Every mistake becomes one :class:`~coretrain.errors.UserError` that names the fi
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import stat
@@ -33,7 +34,7 @@ from cattrs.gen import make_dict_unstructure_fn, override
 
 from coretrain.config import Config
 from coretrain.errors import UserError, did_you_mean
-from coretrain.movedkeys import move_keys
+from coretrain.movedkeys import drop_lone_secondaries, move_keys
 from coretrain.validators import FieldValueError
 
 T = TypeVar("T")
@@ -290,6 +291,7 @@ def _load_chain(
     seen: tuple[Path, ...],
     locations: dict[tuple[str, ...], Location],
     composed: dict[Path, dict[str, Any]] | None = None,
+    secondaries: set[tuple[str, ...]] | None = None,
 ) -> dict[str, Any]:
     """``path`` with its ``extends`` bases merged under it; ``composed`` keeps each file's result,
     so a base several files extend (a diamond) is read once, not once per path to it."""
@@ -305,6 +307,8 @@ def _load_chain(
     if path.resolve() in composed:
         return composed[path.resolve()]
     data = read_toml(path)
+    own = _key_lines(path)
+    move_keys(data, own, secondaries)  # this file's old keys as new ones: its values win over its bases' however spelt
     extends = data.pop("extends", [])
     bases = [extends] if isinstance(extends, str) else extends
     if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
@@ -314,8 +318,8 @@ def _load_chain(
         base_path = path.parent / base
         if not base_path.exists():
             raise UserError(f"{path}: extends: {base!r} not found (looked for {base_path})")
-        merged = merge_layer(merged, _load_chain(base_path, (*seen, path.resolve()), locations, composed))
-    locations.update(_key_lines(path))
+        merged = merge_layer(merged, _load_chain(base_path, (*seen, path.resolve()), locations, composed, secondaries))
+    locations.update(own)
     composed[path.resolve()] = merge_layer(merged, data)
     return composed[path.resolve()]
 
@@ -380,30 +384,40 @@ def load_config(path: str | Path, overrides: Overrides = ()) -> LoadedConfig:
     """Read, compose and structure a config file. Raises UserError on any mistake."""
     path = Path(path)
     locations: dict[tuple[str, ...], Location] = {}
-    raw = _load_chain(path, (), locations)
-    return _with_overrides(raw, overrides, locations, path, str(path))
+    secondaries: set[tuple[str, ...]] = set()
+    raw = _load_chain(path, (), locations, secondaries=secondaries)
+    return _with_overrides(raw, overrides, locations, path, str(path), secondaries)
 
 
 def load_config_data(data: Mapping[str, Any], overrides: Overrides = ()) -> LoadedConfig:
     """A config given as TOML-shaped data (the Python API): ``extends`` names files relative to
     the current directory; the rest is merged over them as a file's own keys are."""
     locations: dict[tuple[str, ...], Location] = {}
-    layer = dict(data)
+    secondaries: set[tuple[str, ...]] = set()
+    layer = copy.deepcopy(dict(data))
+    move_keys(layer, {}, secondaries)
     extends = layer.pop("extends", [])
     bases = [extends] if isinstance(extends, (str, Path)) else extends
     raw: dict[str, Any] = {}
     for base in bases:
         if not Path(base).exists():
             raise UserError(f"extends: {str(base)!r} not found (relative to {Path.cwd()})")
-        raw = merge_layer(raw, _load_chain(Path(base), (), locations))
+        raw = merge_layer(raw, _load_chain(Path(base), (), locations, secondaries=secondaries))
     locations = {key: where for key, where in locations.items() if _lookup(layer, key) is _MISSING}  # the dict's own
-    return _with_overrides(merge_layer(raw, layer), overrides, locations, Path("config.toml"), "the config")
+    merged = merge_layer(raw, layer)
+    return _with_overrides(merged, overrides, locations, Path("config.toml"), "the config", secondaries)
 
 
 def _with_overrides(
-    raw: dict[str, Any], overrides: Overrides, locations: dict[tuple[str, ...], Location], path: Path, source: str
+    raw: dict[str, Any],
+    overrides: Overrides,
+    locations: dict[tuple[str, ...], Location],
+    path: Path,
+    source: str,
+    secondaries: set[tuple[str, ...]],
 ) -> LoadedConfig:
-    """Apply the overrides (a provider switch drops the old provider's options), then structure."""
+    """Apply the overrides (a provider switch drops the old provider's options; an old key is
+    applied at its new place, after the files), then structure."""
     if isinstance(overrides, Mapping):
         changes = [(_split_key(key), value, f"overrides[{key!r}]") for key, value in overrides.items()]
     else:
@@ -411,9 +425,16 @@ def _with_overrides(
     for key_path, value, where in changes:
         if len(key_path) == 2 and key_path[1] == "provider" and key_path[0] in PROVIDER_TABLES:
             raw = merge_layer(raw, {key_path[0]: {"provider": value}})
-        apply_override(raw, key_path, value)
-        locations[key_path] = where
-    move_keys(raw, locations)
+        layer: dict[str, Any] = {}
+        apply_override(layer, key_path, value)
+        own = {key_path: where}
+        move_keys(layer, own, secondaries)
+        if own == {key_path: where}:  # not a moved key: set as given (a table replaces the old one)
+            apply_override(raw, key_path, value)
+        else:
+            raw = deep_merge(raw, layer)
+        locations.update(own)
+    drop_lone_secondaries(raw, secondaries)
     config = structure(raw, Config, locations=locations, source=source)
     return LoadedConfig(config=config, locations=locations, path=path)
 

@@ -111,11 +111,14 @@ def inputs_and_target(batch: Any) -> tuple[Any, Any]:
     return batch, None
 
 
-def model_outputs(run: Run, batch: Any) -> tuple[Any, Any]:
+def model_outputs(run: Run, batch: Any, hold_target: bool | None = None) -> tuple[Any, Any]:
     """(the model's outputs, the batch's target or None) as a prediction sees them: with
     ``model.loss`` set the target is held back from the model, as in training; without, the
-    model gets the whole batch (and its outputs may hold the loss). Under the run's precision."""
-    inputs, target = inputs_and_target(batch) if run.loss_fn is not None else (batch, None)
+    model gets the whole batch (and its outputs may hold the loss) — unless ``hold_target``
+    (a language model that returns its logits when called without targets). Under the run's
+    precision."""
+    held = run.loss_fn is not None if hold_target is None else hold_target
+    inputs, target = inputs_and_target(batch) if held else (batch, None)
     with autocast(run):
         return call_model(run.model, inputs), target
 

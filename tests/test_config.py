@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import tomli
+import tomli_w
 from conftest import tiny_gpt_config
 
 import coretrain
@@ -267,3 +268,52 @@ def test_megatron_bridge_and_lightning_precision_names_are_read_as_ours(name: st
 def test_a_precision_name_we_do_not_take_is_one_error_listing_those_we_do() -> None:
     with pytest.raises(coretrain.UserError, match=r"run\.precision: expected one of 'fp32', 'bf16', .*'16-mixed', got"):
         coretrain.load({"model": {"provider": "m"}, "run": {"precision": "bf16_with_fp8_delayed_scaling_mixed"}})
+
+
+BASE_VALUES = {  # a value of each moved key other than OLD_VALUES'
+    "checkpoint.keep_best": "train/loss",
+    "checkpoint.keep_best_mode": "min",
+    "run.peak_tflops": 989.0,
+    "distributed.step_timeout_seconds": 30.0,
+    "scheduler": {"decay_style": "cosine"},
+    "checkpoint.allow_changes": ["data.options"],
+}
+
+
+def toml_at(dotted: str, value: Any) -> dict[str, Any]:
+    """{"a": {"b": value}} for "a.b"."""
+    *tables, name = dotted.split(".")
+    data: dict[str, Any] = {name: value}
+    for table in reversed(tables):
+        data = {table: data}
+    return data
+
+
+@pytest.mark.parametrize("old", sorted(movedkeys.MOVED))
+@pytest.mark.parametrize("spelling", ["child old, base new", "child new, base old", "--set old, file new"])
+def test_the_child_wins_over_its_base_whatever_name_either_uses(
+    old: str, spelling: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config that extends another (or a --set) and sets a moved key under its old name still
+    overrides the base's value under the new name, and the other way round."""
+    from coretrain.configload import deep_merge
+
+    monkeypatch.setattr(movedkeys, "_warned", set())
+    new, _ = movedkeys.MOVED[old]
+    turned_on = toml_at("plugins.keep-best.metric", "valid/loss") if old == "checkpoint.keep_best_mode" else {}
+    base_key, child_key = (new, old) if spelling != "child new, base old" else (old, new)
+    base = deep_merge({"model": {"provider": "m"}, **turned_on}, toml_at(base_key, BASE_VALUES[old]))
+    write(tmp_path / "base.toml", tomli_w.dumps(base))
+    if spelling == "--set old, file new":
+        loaded = coretrain.load(tmp_path / "base.toml", {old: OLD_VALUES[old]})
+    else:
+        child = {"extends": "base.toml", **toml_at(child_key, OLD_VALUES[old])}
+        loaded = coretrain.load(write(tmp_path / "child.toml", tomli_w.dumps(child)))
+    data = coretrain.config_as_dict(loaded.config)
+    for part in new.split("."):
+        data = data[part]
+    expected = OLD_VALUES[old]
+    if isinstance(expected, dict):  # a moved table merges with the base's: the child's keys win
+        assert {key: data[key] for key in expected} == expected
+    else:
+        assert data == expected

@@ -192,3 +192,19 @@ def test_an_eta_beyond_what_a_timedelta_holds_is_said_not_raised() -> None:
 
     assert eta(3725) == "1:02:05" and eta(-5) == "0:00:00"
     assert eta(1e30) == eta(float("inf")) == eta(float("nan")) == "over 100 years"
+
+
+def test_throughput_and_flops_count_only_the_steps_that_ran(tmp_path: Path, faults: Any) -> None:
+    """Steps skipped before they ran (their batch drawn, nothing computed) add no samples to the
+    interval's rate, so neither to tokens/s, TFLOP/s nor MFU: rate × seconds per step × steps =
+    the samples of the steps that ran."""
+    skips = [faults.SkipStep(rank=0, at_step=step) for step in (5, 6, 7)]
+    config = {"train": {"log_interval": 4}}
+    result = run_steps(
+        tmp_path, steps=8, config=config, tables={"timers": {}}, plugins={f"skip{i}": s for i, s in enumerate(skips)}
+    )
+    by_step = {m["step"]: m for m in result.metrics}
+    for step, ran in ((4, 4), (8, 1)):
+        rate, per_step = by_step[step]["samples_per_second"], by_step[step]["iteration_time"]
+        assert rate * per_step * 4 == pytest.approx(ran * 8, rel=1e-6), step  # 8 samples a step
+    assert by_step[8]["skipped_steps"] == 3

@@ -105,6 +105,13 @@ def test_a_language_models_predictions_are_token_ids_and_the_console_says_only_w
     assert result.stdout.strip().splitlines() == [f"predict: {len(predicted)} records -> {tmp_path / 'p.jsonl'}"]
     assert result.stderr == ""
 
+    # the quickstart's way, without model.loss: the model returns its loss given the targets, and
+    # its logits without them; predict calls it so, and writes the same token ids
+    plain = config_file(tmp_path / "plain.toml", gpt_preset(tmp_path / "out"), train_iters=2, eval_iters=0)
+    again = cli("predict", str(plain), "--split", "valid", "--out", str(tmp_path / "plain.jsonl"), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert records(tmp_path / "plain.jsonl") == predicted
+
 
 @pytest.mark.slow  # 2 gloo ranks under torchrun
 def test_two_ranks_write_the_same_file_as_one(tmp_path: Path) -> None:

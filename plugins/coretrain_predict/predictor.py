@@ -96,9 +96,12 @@ class Predictor:
         size = len(target) if target is not None else batch_size(batch)
         if not run.reports_loss:  # a part of the model without outputs: placeholders, not written
             return [{} for _ in range(size)]
+        held_back = own is None and run.loss_fn is None and not has_per_sample(output, size)
+        if held_back:  # it returned its loss: called without the target, a model (an LM) gives its outputs
+            output, target = model_outputs(run, batch, hold_target=True)
         values = per_sample(output, size)
-        if run.config.model.loss == "cross_entropy" and "output" in values:  # class ids (per position for an LM)
-            values = {"prediction": values["output"].argmax(-1), **values}
+        if "output" in values and (run.config.model.loss == "cross_entropy" or (held_back and scores(values, target))):
+            values = {"prediction": values["output"].argmax(-1), **values}  # class ids (per position for an LM)
         values = {
             name: value.argmax(-1) if value[0].numel() > MAX_VALUES else value
             for name, value in values.items()
@@ -174,6 +177,20 @@ def per_sample(output: Any, size: int) -> dict[str, torch.Tensor]:
             "the model returns its outputs, or implement the predict_step hook"
         )
     return values
+
+
+def has_per_sample(output: Any, size: int) -> bool:
+    try:
+        return bool(per_sample(output, size))
+    except UserError:
+        return False
+
+
+def scores(values: dict[str, torch.Tensor], target: Any) -> bool:
+    """Whether the outputs are class scores for an integer target: one more dimension than it,
+    the same before it (a classifier's logits, or an LM's per position)."""
+    output = values["output"]
+    return isinstance(target, torch.Tensor) and not target.is_floating_point() and output.shape[:-1] == target.shape
 
 
 def plain(value: torch.Tensor) -> Any:

@@ -68,15 +68,16 @@ class PhaseTimes:
         self.steps = 0
         self._events.clear()
         self.started, self.from_step = perf_counter(), self.run.state.step
-        self.from_samples = self.run.state.consumed_samples
+        self.computed = 0
+        """Samples of the interval's steps that ran (a step skipped before it ran draws its batch
+        and computes nothing: its samples count toward no rate, FLOPs or MFU)."""
 
     def rates(self) -> dict[str, float]:
         """Seconds per step and samples (tokens) per second since :meth:`reset`, its evaluations
         left out (call before :meth:`collect`, which starts the next interval)."""
         elapsed = perf_counter() - self.started - self.seconds["eval"]
         steps = self.run.state.step - self.from_step
-        samples = self.run.state.consumed_samples - self.from_samples
-        per_second = samples / elapsed if steps and elapsed > 0 else 0.0
+        per_second = self.computed / elapsed if steps and elapsed > 0 else 0.0
         rates = {"iteration_time": elapsed / steps if steps else 0.0, "samples_per_second": per_second}
         if self.run.datasets.seq_length:
             rates["tokens_per_second"] = per_second * self.run.datasets.seq_length
@@ -97,6 +98,7 @@ class PhaseTimes:
         elif phase == "forward_backward":
             self.seconds["data"] += now - self._since
             self._since = now
+            self.computed += self.run.global_batch_size
             if self.cuda:
                 self._pending = _new_events()
                 self._pending[0].record()
