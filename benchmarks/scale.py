@@ -43,12 +43,17 @@ LAYOUTS = {  # name: the [distributed] table
 }
 
 
-def fits(layout: str, ranks: int, layers: int) -> bool:
-    """HSDP replicates over 2, TP, CP and PP split over 2: they need an even number of ranks; EP
-    two; ZBV's four stages a depth they divide."""
+def unfit(layout: str, ranks: int, layers: int) -> str | None:
+    """Why ``layout`` cannot run on ``ranks`` ranks with ``layers`` blocks (None: it can). HSDP
+    replicates over 2, TP, CP and PP split over 2: they need an even number of ranks; EP two;
+    ZBV's four stages a depth they divide."""
     if layout == "zbv" and layers % 4:
-        return False
-    return layout in ("ddp", "fsdp") or (ranks >= 2 if layout == "ep" else ranks % 2 == 0)
+        return f"its 4 stages (2 per rank, in a V) need a number of layers divisible by 4, not {layers}"
+    if layout in ("ddp", "fsdp"):
+        return None
+    if layout == "ep":
+        return None if ranks >= 2 else "experts are split over at least 2 ranks"
+    return None if ranks % 2 == 0 else f"it splits over 2 ranks, and {ranks} is odd"
 
 
 def config(out: Path, layers: int, layout: str, ranks: int) -> str:
@@ -126,7 +131,10 @@ def main() -> None:
     )
     for layout in args.layouts:
         for layers in args.layers:
-            for ranks in (r for r in args.ranks if fits(layout, r, layers)):
+            for ranks in args.ranks:
+                if (why := unfit(layout, ranks, layers)) is not None:
+                    print(f"{layout:<8} {layers:>6} {ranks:>5}  skipped: {why}", flush=True)
+                    continue
                 m = measure(ranks, layers, layout)
                 ops = ", ".join(f"{name} {count}" for name, count in m["collectives"].items()) or "none"  # type: ignore[attr-defined]
                 print(

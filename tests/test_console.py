@@ -77,14 +77,20 @@ def test_in_the_python_api_library_noise_goes_to_run_log_too(
     monkeypatch.setattr(logging.getLogger(), "handlers", [])  # a fresh process's logging (pytest's handler aside)
     err = io.StringIO()
     with contextlib.redirect_stderr(err), warnings.catch_warnings():
+        no_evaluation = {"evaluation": {"enabled": False}}  # with an eval_interval: the run warns (once)
+        train = {"train_iters": 2, "eval_interval": 1}
         result = coretrain.train(
-            tiny_config(tmp_path / "out", model={"provider": "mine:model"}, train={"train_iters": 2})
+            tiny_config(tmp_path / "out", model={"provider": "mine:model"}, train=train, plugins=no_evaluation)
         )
         logging.captureWarnings(False)
     assert result.exit_code == 0
     assert "noisylib" not in err.getvalue().replace("(noisylib)", ""), err.getvalue()
     assert f"3 line(s) from libraries (noisylib) are in {tmp_path / 'out' / 'run.log'}" in err.getvalue()
     assert_in_run_log(tmp_path / "out" / "run.log")
+    said = [line for line in err.getvalue().splitlines() if "but no plugin evaluates" in line]
+    assert len(said) == 1, (
+        err.getvalue()
+    )  # the run's own lines once (the stand-in for Python's last resort printed them again)
 
 
 def test_an_export_keeps_library_noise_in_the_runs_log(

@@ -392,12 +392,16 @@ def test_text_data_resumes_exactly(tmp_path: Path, tokenizer_dir: Path, text_fil
         ({"data_path": [0.5, "a.txt", "b.txt"]}, "expected [path, ...] or [weight, path"),
         ({"tokenizer": "/no/tokenizer"}, "is not a directory (a saved tokenizer)"),
         ({"split": [1, 0]}, "split: needs three shares"),
+        ({"cache_dir": "FILE"}, "data.options.cache_dir: FILE (or a folder on its path) is a file; name a directory"),
     ],
 )
 def test_bad_text_options_are_one_clear_error(
     tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path], options: dict[str, Any], message: str
 ) -> None:
     sections = tokenized_run(tokenizer_dir, [text_files["code"]], tmp_path / "cache")
+    if options.get("cache_dir") == "FILE":  # a file where the cache should be
+        (tmp_path / "a-file").write_text("")
+        options, message = {"cache_dir": str(tmp_path / "a-file")}, message.replace("FILE", str(tmp_path / "a-file"))
     sections["data"]["options"].update(options)
     with pytest.raises(UserError) as caught:
         run_steps(tmp_path, steps=2, config=sections)

@@ -104,6 +104,18 @@ def own_terminal_handlers() -> list[logging.Handler]:
     ]
 
 
+def shown_nowhere_else(record: logging.LogRecord) -> bool:
+    """Whether no logger between the record's and the root has a handler: Python's last resort
+    prints only such records, and so does the stand-in for it (``coretrain.train``'s own handler
+    on the ``coretrain`` logger has shown the run's lines already: they were printed twice)."""
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None and logger is not logging.root:
+        if logger.handlers:
+            return False
+        logger = logger.parent if logger.propagate else None
+    return True
+
+
 class OnceEach(logging.Filter):
     """Pass each distinct warning (category and text, wherever it was raised) once.
 
@@ -180,6 +192,8 @@ class ConsoleLog:
             self._noise = LibraryNoise()
             self._console.addFilter(OnceEach())
             self._console.addFilter(self._noise)
+        if self._stand_in is not None:  # (after the libraries' lines are counted and kept in the log file)
+            self._stand_in.addFilter(shown_nowhere_else)
         try:
             log_file.parent.mkdir(parents=True, exist_ok=True)
             self._file = logging.FileHandler(log_file)

@@ -67,7 +67,7 @@ class LoRA:
         trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in run.model.parameters())
         log.info("lora: %d of %d parameters train (%.2f%%)", trainable, total, 100 * trainable / total)
-        if run.config.checkpoint.save_frozen and run.dist.is_main:
+        if run.config.checkpoint.save and run.config.checkpoint.save_frozen and run.dist.is_main:
             log.info("lora: checkpoints hold the frozen base weights too; set checkpoint.save_frozen = false")
 
 

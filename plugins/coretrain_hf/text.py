@@ -167,7 +167,16 @@ def cache_key(path: Path, tokenizer_dir: Path, options: HFText) -> str:
 
 def cached_tokens(path: Path, tokenizer: Any, tokenizer_dir: Path, options: HFText, cache: Path) -> torch.Tensor:
     """The file's token stream, memory-mapped; built once (under a lock) if not cached yet."""
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(
+            f"data.options.cache_dir: {cache} (or a folder on its path) is a file; name a directory"
+        ) from None
+    except OSError as exc:
+        raise UserError(
+            f"data.options.cache_dir: cannot make {cache}: {exc.strerror}; name a directory you can write"
+        ) from None
     key = cache_key(path, tokenizer_dir, options)
     data, meta = cache / f"{key}.bin", cache / f"{key}.json"
     info = entry_info(data, meta)
