@@ -152,6 +152,9 @@ def test_config_show_marks_non_defaults_and_includes_plugin_defaults(tmp_path: P
     assert "n_layer = 1  # default: 4" in lines  # provider options with their defaults
     assert "dropout = 0.0" in lines
     assert "[plugins.progress]" in lines  # autoloaded plugins show too
+    (iters,) = [line for line in lines if line.startswith("train_iters = ")]
+    assert iters.endswith("# default: (unset)")  # as declared, not 1000 (what a run counted by nothing else takes)
+    assert lines[0].endswith("resolved (--set applied); '# default: ...' marks values you changed")
     by_samples = tiny_gpt_config(tmp_path / "out").replace("train_iters = ", "train_samples = ")
     lines = cli("config", "show", str(write(tmp_path / "s.toml", by_samples)), cwd=tmp_path).stdout.splitlines()
     assert "# train_iters = (unset)" in lines  # unset: no "default: 1000" (that is a run counted by nothing else)

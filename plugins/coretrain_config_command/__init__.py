@@ -40,7 +40,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     loaded = coretrain.load(args.config, args.overrides)
     plugins = coretrain.load_plugins(loaded)
     resolved = coretrain.config_as_dict(loaded.config)
-    defaults = coretrain.config_as_dict(coretrain.load({}).config)
+    defaults = declared_defaults(loaded.config, resolved)
     for name in plugins.names():
         instance = plugins.get(name)
         table, default = coretrain.config_as_dict(instance), coretrain.field_defaults(type(instance))
@@ -50,7 +50,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         else:
             resolved["plugins"][name], defaults["plugins"][name] = table, default
     print(
-        f"# {args.config} resolved ({'extends, ' if 'extends' in loaded.path.read_text() else ''}--set applied); "
+        f"# {args.config} resolved{applied(loaded.path.read_text(), args.overrides)}; "
         "'# default: ...' marks values you changed"
     )
     print(annotated_toml(resolved, defaults), end="")
@@ -58,6 +58,24 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         print()
         print(describe_param_groups(coretrain.prepare(args.config, args.overrides)))
     return 0
+
+
+def applied(text: str, overrides: list[str]) -> str:
+    """What the resolved config took besides the file: " (extends, --set applied)", or ""."""
+    parts = [name for name, used in (("extends", "extends" in text), ("--set", bool(overrides))) if used]
+    return f" ({', '.join(parts)} applied)" if parts else ""
+
+
+def declared_defaults(config: Any, resolved: dict[str, Any]) -> dict[str, Any]:
+    """Each section's defaults as its fields declare them — not as a config with nothing set
+    resolves them (there train_iters, unset by default, became 1000: a stale "default: 1000")."""
+    defaults: dict[str, Any] = {}
+    for section, values in resolved.items():
+        part = getattr(config, section, None)
+        if isinstance(values, dict) and part is not None and hasattr(type(part), "__attrs_attrs__"):
+            defaults[section] = coretrain.field_defaults(type(part))
+    defaults.setdefault("plugins", {})
+    return defaults
 
 
 def describe_param_groups(run: coretrain.Run) -> str:
