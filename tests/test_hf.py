@@ -913,16 +913,13 @@ class CraftedTokenizer(PreTrainedTokenizerFast):
 def exportable_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Path:
     """A finished hf run, copied by each test that crafts it."""
     root = tmp_path_factory.mktemp("exportable")
-    return run_steps(root, steps=2, config=text_run(llama_dir, eval_iters=0)).output_dir
+    settings = text_run(llama_dir, eval_iters=0, log_interval=1)
+    return run_steps(root, steps=2, config=settings, tables={"metrics-file": {}}).output_dir
 
 
-@pytest.mark.parametrize("planted_in", ["hf-config", "tokenizer"])
-def test_export_runs_no_code_a_crafted_run_directory_ships(
-    tmp_path: Path, exportable_run: Path, tokenizer_dir: Path, planted_in: str, cli: Any
-) -> None:
-    """A run directory someone else wrote (a shared disk, a download) names classes of its own
-    (``auto_map``) and says ``trust_remote_code = true`` in its manifest: export runs none of its
-    code unless the user passes ``--trust-remote-code``."""
+def crafted_run(tmp_path: Path, exportable_run: Path, tokenizer_dir: Path, planted_in: str) -> tuple[Path, Path]:
+    """A copy of a finished run whose hf-config (or a tokenizer directory its manifest names)
+    ships code that writes the returned marker file when imported; its manifest says trust it."""
     import shutil
 
     run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
@@ -947,7 +944,17 @@ def test_export_runs_no_code_a_crafted_run_directory_ships(
         (planted / "tokenizer_config.json").write_text(json.dumps(settings))
         manifest["config"]["tokenizer"]["path"] = str(planted)
     manifest_path.write_text(json.dumps(manifest))
+    return run_dir, marker
 
+
+@pytest.mark.parametrize("planted_in", ["hf-config", "tokenizer"])
+def test_export_runs_no_code_a_crafted_run_directory_ships(
+    tmp_path: Path, exportable_run: Path, tokenizer_dir: Path, planted_in: str, cli: Any
+) -> None:
+    """A run directory someone else wrote (a shared disk, a download) names classes of its own
+    (``auto_map``) and says ``trust_remote_code = true`` in its manifest: export runs none of its
+    code unless the user passes ``--trust-remote-code``."""
+    run_dir, marker = crafted_run(tmp_path, exportable_run, tokenizer_dir, planted_in)
     refused = cli("checkpoint", "export", str(run_dir), "--format", "hf", "--to", str(tmp_path / "out"), cwd=tmp_path)
     assert refused.returncode == 2 and not marker.exists(), refused.stderr
     assert "Traceback" not in refused.stderr
@@ -957,3 +964,30 @@ def test_export_runs_no_code_a_crafted_run_directory_ships(
         "--trust-remote-code", cwd=tmp_path,
     )  # fmt: skip
     assert trusted.returncode == 0 and marker.read_text() == "ran", trusted.stderr  # the user's flag, and only it
+
+
+@pytest.mark.parametrize("planted_in", ["hf-config", "tokenizer"])
+def test_no_other_command_runs_code_a_crafted_run_directory_ships(
+    tmp_path: Path, exportable_run: Path, tokenizer_dir: Path, llama_dir: Path, planted_in: str, cli: Any
+) -> None:
+    """Every command that reads a run directory's manifest or files — checkpoint list, report,
+    predict from its checkpoint, a run that starts from it (checkpoint.pretrained) and one that
+    resumes in it — with the user's own config: none imports what the directory names."""
+    run_dir, marker = crafted_run(tmp_path, exportable_run, tokenizer_dir, planted_in)
+    step = next((run_dir / "checkpoints").glob("step_*"))
+    mine = write_config(tmp_path / "mine.toml", tiny_config(run_dir, **text_run(llama_dir, eval_iters=0)))
+    fresh = tiny_config(tmp_path / "fresh", **text_run(llama_dir, eval_iters=0), checkpoint={"pretrained": str(step)})
+    commands = [
+        ("checkpoint", "list", str(run_dir)),
+        ("report", str(run_dir), "--out", str(tmp_path / "report")),
+        ("predict", str(mine), "--checkpoint", str(step), "--split", "train", "--out", str(tmp_path / "p.jsonl")),
+        ("run", str(write_config(tmp_path / "fresh.toml", fresh)), "--set", "train.train_iters=1"),
+        ("run", str(mine), "--set", "train.train_iters=3"),  # resumes in the crafted directory
+    ]
+    refused_resume = planted_in == "tokenizer"  # (the manifest names a tokenizer this config does not: refused)
+    for command in commands:
+        result = cli(*command, cwd=tmp_path)
+        assert "Traceback" not in result.stderr, (command, result.stderr[-2000:])
+        assert not marker.exists(), command
+        expected = 2 if refused_resume and command is commands[-1] else 0
+        assert result.returncode == expected, (command, result.stderr[-2000:])

@@ -45,12 +45,15 @@ class CausalLM(torch.nn.Module):
 
     def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         if args:  # coretrain's (input_ids, targets): already shifted, every position a target
-            input_ids, targets = args
+            input_ids, targets = args[0], (args[1] if len(args) > 1 else None)
             extra = {}
             if self.positions is not None:  # context parallelism: this rank's chunks, at their positions
-                input_ids, targets = input_ids[:, self.positions], targets[:, self.positions]
+                input_ids = input_ids[:, self.positions]
+                targets = targets[:, self.positions] if targets is not None else None
                 extra["position_ids"] = self.positions.expand(len(input_ids), -1)
             output = self.hf(input_ids=input_ids, use_cache=False, **extra)
+            if targets is None:  # (input_ids) alone: the logits, as the gpt provider's model (a prediction)
+                return output.logits  # type: ignore[no-any-return]
             return with_experts(token_loss(output.logits, targets), output, self.hf.config, self.training)
         if self.positions is not None:
             raise UserError(

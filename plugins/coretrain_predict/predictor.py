@@ -98,7 +98,10 @@ class Predictor:
             return [{} for _ in range(size)]
         held_back = own is None and run.loss_fn is None and not has_per_sample(output, size)
         if held_back:  # it returned its loss: called without the target, a model (an LM) gives its outputs
-            output, target = model_outputs(run, batch, hold_target=True)
+            try:
+                output, target = model_outputs(run, batch, hold_target=True)
+            except (TypeError, ValueError):  # it cannot be called so: per_sample says what to do instead
+                held_back = False
         values = per_sample(output, size)
         if "output" in values and (run.config.model.loss == "cross_entropy" or (held_back and scores(values, target))):
             values = {"prediction": values["output"].argmax(-1), **values}  # class ids (per position for an LM)
