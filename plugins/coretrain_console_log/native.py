@@ -23,53 +23,70 @@ def writes_to_fd_2(stream: Any) -> bool:
         return False
 
 
+_terminals: dict[tuple[int, int], IO[str]] = {}
+"""A writer of the terminal per file the process's descriptor 2 was on at a run's start, kept for
+the process's life: a handler a library made during a run with it keeps working after."""
+
+
+def terminal_writer() -> IO[str]:
+    """A text stream onto a copy of what descriptor 2 is now (made once per such file)."""
+    found = os.fstat(2)
+    key = (found.st_dev, found.st_ino)
+    if key not in _terminals:
+        _terminals[key] = io.TextIOWrapper(
+            io.FileIO(os.dup(2), "w", closefd=True), line_buffering=True, errors="backslashreplace"
+        )
+    return _terminals[key]
+
+
 class NativeStderr:
     """Descriptor 2 to a log file, and back; Python's stderr to the terminal meanwhile."""
 
     def __init__(self) -> None:
-        self._terminal: int | None = None
+        self._saved: int | None = None
         self._python_stderr: IO[str] | None = None
 
     def divert(self, log_file: Path) -> None:
-        if self._terminal is not None:
+        if self._saved is not None:
             return
         try:
             native = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError:  # the run's own checks name an unusable directory
             return
         sys.stderr.flush()
-        self._terminal = os.dup(2)
+        terminal = terminal_writer()
+        self._saved = os.dup(2)
         os.dup2(native, 2)
         os.close(native)
         if writes_to_fd_2(sys.stderr):  # Python's own lines go on to the terminal
-            self._python_stderr = sys.stderr
-            sys.stderr = io.TextIOWrapper(
-                io.FileIO(self._terminal, "w", closefd=False), line_buffering=True, errors="backslashreplace"
-            )
-            self._repoint(self._python_stderr, sys.stderr)
+            self._python_stderr, sys.stderr = sys.stderr, terminal
+            _repoint(self._python_stderr, terminal)
             if faulthandler.is_enabled():  # a fatal signal's stacks: on the terminal, as before
-                faulthandler.enable(file=sys.stderr, all_threads=True)
+                faulthandler.enable(file=terminal, all_threads=True)
 
     def restore(self) -> None:
-        if self._terminal is None:
+        if self._saved is None:
             return
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._saved = None
         if self._python_stderr is not None:
-            sys.stderr.flush()
-            terminal_stream, sys.stderr = sys.stderr, self._python_stderr
-            self._repoint(terminal_stream, sys.stderr)
+            terminal, sys.stderr = sys.stderr, self._python_stderr
+            _repoint(terminal, sys.stderr)
             if faulthandler.is_enabled():
                 faulthandler.enable(file=sys.stderr, all_threads=True)
-            terminal_stream.close()  # (the descriptor stays: closefd=False)
             self._python_stderr = None
-        os.dup2(self._terminal, 2)
-        os.close(self._terminal)
-        self._terminal = None
 
-    def _repoint(self, old: Any, new: Any) -> None:
-        """Handlers made with the old ``sys.stderr`` (the console's, torch's own) write to the new."""
-        for handler in _stream_handlers():
-            if handler.stream is old:
+
+def _repoint(old: Any, new: Any) -> None:
+    """Handlers made with the old ``sys.stderr`` (the console's, torch's own) write to the new."""
+    for handler in _stream_handlers():
+        if handler.stream is old:
+            try:
                 handler.setStream(new)
+            except ValueError:  # (a stream closed by its owner: left as it is)
+                continue
 
 
 def _stream_handlers() -> list[logging.StreamHandler[Any]]:

@@ -123,25 +123,27 @@ class Progress:
             self._events = deque(maxlen=max(1, min(self.events, rows - 8)))  # the panel always fits
             self._bar = Bar(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), expand=True)
             self._task = self._bar.add_task("train", total=self._total, completed=run.state.step)
+            terminal = (sys.__stderr__, sys.__stdout__, sys.stderr)  # (sys.stderr: console-log's copy of the terminal)
             self._live = Live(self, refresh_per_second=4, transient=False, redirect_stdout=True, redirect_stderr=True)
             self._live.start()
-            self._log_above(True)
+            self._log_above(True, terminal)
         else:
             self._events = deque(maxlen=self.events)
         self._event(start_line(run, parameters))
         if run.state.step:
             self._event(f"resumed at step {run.state.step}")
 
-    def _log_above(self, on: bool) -> None:
-        """While the panel is up, log handlers writing to the terminal write through rich's proxy,
-        which prints above the live region instead of over it."""
+    def _log_above(self, on: bool, terminal: tuple[Any, ...] = ()) -> None:
+        """While the panel is up, log handlers writing to the terminal (``terminal``: its streams
+        as the panel started) write through rich's proxy, which prints above the live region
+        instead of over it."""
         handlers = [
             h
             for h in logging.getLogger().handlers + logging.getLogger("coretrain").handlers
             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
         ]
         for handler in handlers:
-            if on and handler.stream in (sys.__stderr__, sys.__stdout__):
+            if on and handler.stream in terminal:
                 self._streams[handler] = handler.setStream(sys.stderr)
             elif not on and handler in self._streams:
                 handler.setStream(self._streams.pop(handler))
