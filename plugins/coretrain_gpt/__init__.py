@@ -21,6 +21,7 @@ every block's MLP::
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from attrs import define, field
@@ -173,20 +174,31 @@ class GPTProvider:
     @hookimpl
     def pipeline_split(self, run: Run, model: Any) -> dict[str, Any] | None:
         """Stages by block: embeddings on the first, final norm, head and loss on the last; the
-        head's weight is the embedding's (tied), so the two stages holding them sum its gradient."""
-        from coretrain import UserError
+        head's weight is the embedding's (tied), so the two stages holding them sum its gradient.
+        A mixture of experts' routers add their losses in their stage (Megatron's
+        MoEAuxLossAutoScaler), and each stage's share of the logged values is summed over them."""
         from coretrain_gpt.model import GPT, GPTStage, token_loss
 
         if not isinstance(model, GPT):
             return None
-        if model.cfg.moe is not None:
-            raise UserError(
-                f"distributed.pp_size ({run.dist.pp_size}): a mixture of experts (model.options.n_experts) is not "
-                "split into pipeline stages yet; use data or expert parallelism"
-            )
-        return {
+        split: dict[str, Any] = {
             "layers": model.cfg.n_layer,
             "stage": lambda layers, first, last: GPTStage(model, layers, first, last),
             "loss": token_loss,
             "tied": [("wte.weight", "lm_head.weight")],
         }
+        if model.cfg.moe is not None:  # each stage's routers' losses and loads, summed over the stages
+            split["values"] = functools.partial(pipeline_values, n_layer=model.cfg.n_layer)
+            split["adds_to_loss"], split["loss_value"] = ["moe_aux_loss", "moe_z_loss"], "lm_loss"
+        return split
+
+
+def pipeline_values(stage: Any, micro_batches: int, n_layer: int) -> dict[str, Any]:
+    """This rank's stages' share of a mixture of experts' logged values (``pipeline_split``'s
+    ``values``): its layers' routers' losses and loads over the step's micro-batches."""
+    from coretrain_gpt.model import GPTStage
+    from coretrain_gpt.moe import stage_values
+
+    parts = [part for part in stage.modules() if isinstance(part, GPTStage)]
+    layers = {index: layer for part in parts for index, layer in part.moe_layers().items()}
+    return stage_values(layers, n_layer, next(stage.parameters()).device, micro_batches)

@@ -184,6 +184,10 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
+        for block in self.blocks.values():
+            if isinstance(block.mlp, MoE):
+                block.mlp.history = []  # the step's stats, summed over the stages for logging
+                block.mlp.losses_in_backward = True  # its routers' losses join what is optimized in its stage
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
@@ -191,6 +195,10 @@ class GPTStage(nn.Module):
         for block in self.blocks.values():
             x = block(x)
         return self.lm_head(self.ln_f(x)) if self.last else x
+
+    def moe_layers(self) -> dict[int, MoE]:
+        """The stage's mixture-of-experts layers by their block's index in the whole model."""
+        return {int(i): block.mlp for i, block in self.blocks.items() if isinstance(block.mlp, MoE)}
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -124,6 +125,13 @@ class MoE(nn.Module):
         (``dispatch(experts, tokens, kept, weights)`` → the weighted sum of its experts' outputs)."""
         self.stats: dict[str, torch.Tensor] = {}
         """The last forward's ``aux_loss``, ``z_loss``, ``load_min`` and ``load_max``."""
+        self.losses_in_backward = False
+        """Set by a pipeline stage: the routers' losses join what backward optimizes through
+        this layer's output (:func:`with_router_losses`), not through the model's returned loss
+        (computed on another stage)."""
+        self.history: list[dict[str, torch.Tensor]] | None = None
+        """Set to a list by a pipeline stage: each forward's stats, detached, kept for the
+        step's logged values (a stage runs several micro-batches before anything is logged)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -146,6 +154,10 @@ class MoE(nn.Module):
             "load_min": load.min().detach(),
             "load_max": load.max().detach(),
         }
+        if self.history is not None:
+            self.history.append({name: value.detach() for name, value in self.stats.items()})
+        if self.losses_in_backward and self.training:
+            out = with_router_losses(out, self.stats["aux_loss"] + self.stats["z_loss"])
         return out.view_as(x)
 
 
@@ -174,3 +186,49 @@ def moe_outputs(loss: torch.Tensor, layers: list[MoE], training: bool) -> dict[s
     for i, s in enumerate(stats):
         values.update({f"moe/layer{i}/{name}": value.detach() for name, value in s.items()})
     return values
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Megatron-Core's ``MoEAuxLossAutoScaler``: the activations pass unchanged, and in backward
+    the routers' losses get a gradient of one — so a pipeline stage adds them to what is
+    optimized although the loss it could add them to is computed on the last stage (the schedule
+    scales each micro-batch's gradients as it scales that loss's)."""
+
+    @staticmethod
+    def forward(ctx: Any, activations: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return activations
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
+def stage_values(
+    layers: dict[int, MoE], n_layer: int, device: torch.device, micro_batches: int
+) -> dict[str, torch.Tensor]:
+    """A stage's part of the step's logged values, as :func:`moe_outputs` names them: each of
+    its layers' stats averaged over the step's ``micro_batches`` (its last forwards: a stage's
+    first forward, on uninitialized tensors of the right shape, only tells the pipeline its
+    shapes), and their sums (zeros for the layers other stages hold, so that summing over the
+    stages gives the model's). Empties the layers' histories."""
+    names = ("aux_loss", "z_loss", "load_min", "load_max")
+    zero = torch.zeros((), device=device)
+    values: dict[str, torch.Tensor] = {"moe_aux_loss": zero, "moe_z_loss": zero}
+    for i in range(n_layer):
+        kept = layers[i].history if i in layers else None
+        history = kept[-micro_batches:] if kept else []
+        means = {name: torch.stack([h[name] for h in history]).mean() for name in names} if history else {}
+        values.update({f"moe/layer{i}/{name}": means.get(name, zero) for name in names})
+        values["moe_aux_loss"] = values["moe_aux_loss"] + means.get("aux_loss", zero)
+        values["moe_z_loss"] = values["moe_z_loss"] + means.get("z_loss", zero)
+        if kept is not None:
+            kept.clear()
+    return values
+
+
+def with_router_losses(activations: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """``activations`` unchanged, ``loss`` joined to what backward optimizes (:class:`AuxLossScaler`)."""
+    out: torch.Tensor = AuxLossScaler.apply(activations, loss)  # type: ignore[no-untyped-call]
+    return out

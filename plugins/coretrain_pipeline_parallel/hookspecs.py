@@ -32,7 +32,12 @@ class PipelineSpecs(Protocol):
         it takes the batch's inputs on the first stage, the previous stage's output on the
         others; ``loss(output, target)`` — the last stage's loss; ``tied`` — pairs of parameter
         names (first stage's, last stage's) that are one weight in the whole model (a tied
-        output head), whose gradients the two stages sum. Raise :class:`coretrain.UserError`
-        for a model that cannot be split.
+        output head), whose gradients the two stages sum; optionally ``values(model)`` — this
+        rank's stages' share of the model's named values since the last call (a dict of scalar
+        tensors, the same names on every stage: the pipeline sums them over the stages and logs
+        them), ``adds_to_loss`` — the names among them that the stages added to what they
+        optimize (a mixture of experts' routers' losses: added to the logged training loss), and
+        ``loss_value`` — the name under which the last stage's loss is logged too. Raise
+        :class:`coretrain.UserError` for a model that cannot be split.
         Ranks: every rank, once, during ``configure_model``.
         """

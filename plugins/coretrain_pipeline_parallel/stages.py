@@ -107,6 +107,8 @@ class Pipeline:
         self.run, self.held, self.total = run, held, total
         self.first, self.last = 0 in held, total - 1 in held
         self.loss, self.schedule_name, self.microbatches = split["loss"], settings.pp_schedule, settings.pp_microbatches
+        self.values, self.adds_to_loss = split.get("values"), list(split.get("adds_to_loss", []))
+        self.loss_value: str | None = split.get("loss_value")
         self.group = run.device_mesh()["pp"].get_group()
         ranks = self.group.size()
         self.tied = [pair for pair in split.get("tied", []) if self.first or self.last]
@@ -219,10 +221,31 @@ class Pipeline:
                 "distributed.pp_size: a pipeline takes (inputs, target) batches, as the gpt provider's data has"
             )
         joined = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-        loss = self._run(joined, self.microbatches or len(batches), training=True)
+        count = self.microbatches or len(batches)
+        loss = self._run(joined, count, training=True)
         for pair in self.tied:
             self._sum_tied(pair)
-        return loss, {}
+        return self._with_values(loss, count, training=True)
+
+    def _with_values(
+        self, loss: torch.Tensor, micro_batches: int, training: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The stages' shares of the model's named values (``pipeline_split``'s ``values``: a
+        mixture of experts' routers' losses and loads) summed over the stages, one all-reduce;
+        the last stage's loss under ``loss_value``, and, in training, with ``adds_to_loss`` added
+        (what the stages optimized besides it)."""
+        if self.values is None:
+            return loss, {}
+        partial = self.values(self.run.model, micro_batches)
+        names = sorted(partial)
+        summed = torch.stack([partial[name].float().reshape(()) for name in names])
+        dist.all_reduce(summed, group=self.group)
+        values = dict(zip(names, summed.unbind()))
+        if self.loss_value is not None:
+            values[self.loss_value] = loss.detach()
+        if training:
+            loss = loss + sum((values[name] for name in self.adds_to_loss), torch.zeros_like(loss))
+        return loss, values
 
     def _sum_tied(self, pair: tuple[str, str]) -> None:
         """Sum a tied weight's gradient over the first and last stage: between their ranks, or
@@ -253,6 +276,8 @@ class Pipeline:
         inputs, target = batch
         schedule = self._schedule(1, training=False)  # its loss is computed too: it needs the target
         output = schedule.eval(*((inputs,) if self.first else ()), target=target if self.last else None)
+        if self.values is not None:
+            self.values(self.run.model, 1)  # (the stages' values of a prediction are not logged)
         return (output if self.last else None), target
 
     def evaluate(self, run: Run, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -261,4 +286,4 @@ class Pipeline:
         ranks = self.group.size()
         last_rank = 0 if self.schedule_name in V_SHAPED else (self.total - 1) % ranks  # holds the last stage
         dist.broadcast(loss, src=dist.get_global_rank(self.group, last_rank), group=self.group)
-        return loss, {}
+        return self._with_values(loss, 1, training=False)

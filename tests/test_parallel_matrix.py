@@ -1,0 +1,80 @@
+"""Every parallelism with every other: layouts that combine pipeline, data (DDP, FSDP, HSDP),
+tensor, context and expert parallelism train the one-rank numbers — the loss, the gradient
+norm, the validation loss and a mixture of experts' routers' losses and loads, each within a
+relative 1e-5 (the reduction orders differ between layouts, nothing else may).
+
+One torchrun job per number of ranks runs a layout family's commands one after another
+(``fixtures/commands_in_one_job.py``), as separate jobs would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows
+
+pytestmark = pytest.mark.slow  # torchrun jobs of 2 and 4 gloo ranks
+
+MOE = {"n_layer": 4, "n_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
+TRAIN = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 6, "log_interval": 1}
+TRAIN |= {"eval_iters": 1, "eval_interval": 3}
+
+
+def figures(output_dir: Path) -> dict[tuple[int, str], float]:
+    """What every layout must log as one rank does: by (step, name)."""
+    kept = ("loss", "grad_norm", "lm_loss", "moe_", "moe/", "valid/loss")
+    return {
+        (row["step"], name): value
+        for row in metrics_rows(output_dir)
+        for name, value in row.items()
+        if isinstance(value, float) and any(part in name for part in kept)
+    }
+
+
+def assert_like_one_rank(reference: dict[tuple[int, str], float], got: dict[tuple[int, str], float], name: str) -> None:
+    assert sorted(got) == sorted(reference), (name, sorted(set(reference) ^ set(got))[:5])
+    worst = max(abs(got[key] - value) / max(abs(value), 1e-12) for key, value in reference.items())
+    assert worst <= 1e-5, (name, worst)
+
+
+def run(config: Path, output_dir: Path, *sets: str) -> list[str]:
+    values = (*sets, f"run.output_dir={json.dumps(str(output_dir))}")
+    return ["run", str(config), *(arg for value in values for arg in ("--set", value))]
+
+
+def layout(**distributed: Any) -> tuple[str, ...]:
+    return tuple(f"distributed.{key}={json.dumps(value)}" for key, value in distributed.items())
+
+
+def pipeline(schedule: str, microbatches: int | None = None) -> tuple[str, ...]:
+    sets = (f"plugins.pipeline-parallel.pp_schedule={json.dumps(schedule)}",)
+    return sets + ((f"plugins.pipeline-parallel.pp_microbatches={microbatches}",) if microbatches else ())
+
+
+def test_a_mixture_of_experts_cut_into_pipeline_stages_trains_like_one_rank(tmp_path: Path) -> None:
+    """MoE × PP in every schedule, MoE × PP × FSDP and MoE × PP × EP: each stage adds its
+    routers' losses to what it optimizes (Megatron's MoEAuxLossAutoScaler) and the stages' losses
+    and loads are summed for the log."""
+    preset = gpt_preset(tmp_path / "unused")
+    preset["model"]["options"] |= MOE
+    config = config_file(tmp_path / "moe.toml", preset, {"distributed": {"backend": "gloo"}}, **TRAIN)
+    out = {name: tmp_path / name for name in ("one", "1F1B", "GPipe", "Interleaved1F1B", "ZBV", "DualPipeV")}
+    out |= {name: tmp_path / name for name in ("pp-fsdp", "pp-ep")}
+    in_one_job(tmp_path, 1, [run(config, out["one"])], "one")
+    two = [run(config, out["1F1B"], *layout(pp_size=2))]
+    two += [run(config, out["GPipe"], *layout(pp_size=2), *pipeline("GPipe"))]
+    two += [run(config, out["Interleaved1F1B"], *layout(pp_size=2), *pipeline("Interleaved1F1B"))]
+    two += [run(config, out["ZBV"], *layout(pp_size=2), *pipeline("ZBVZeroBubble"))]
+    two += [run(config, out["DualPipeV"], *layout(pp_size=2), *pipeline("DualPipeV", 4))]
+    in_one_job(tmp_path, 2, two, "two")
+    four = [run(config, out["pp-fsdp"], *layout(pp_size=2, strategy="fsdp"))]
+    four += [run(config, out["pp-ep"], *layout(pp_size=2, ep_size=2, strategy="fsdp"))]
+    job = in_one_job(tmp_path, 4, four, "four")
+    assert "expert-parallel: 4 experts in each of 2 layers, 2 on each of 2 ranks" in job.stderr
+    reference = figures(out["one"])
+    assert any(name == "moe_aux_loss" or name == "train/moe_aux_loss" for _, name in reference)
+    for name, directory in out.items():
+        assert_like_one_rank(reference, figures(directory), name)
