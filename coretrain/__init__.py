@@ -31,6 +31,7 @@ _LAZY = {
         "coretrain.outputs": "forward model_outputs NUM_TOKENS",
         "coretrain.blocks": "blocks_of",
         "coretrain.wholemodel": "WholeModel SHARED_PARAMETERS",
+        "coretrain.gradnorm": "gradient_norm clip_to",
         "coretrain.backend": "LoggingBackend",
         "coretrain.errors": "UserError require",
         "coretrain.configload": "config_as_dict",
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.data import SampleOrder, fetch, to_device
     from coretrain.dist import DistInfo, max_over_ranks, mean_over_ranks, sum_over_ranks
     from coretrain.errors import UserError, require
+    from coretrain.gradnorm import clip_to, gradient_norm
     from coretrain.hookspecs import HOOK_API, Outcome
     from coretrain.loader import SplitBatches, is_stream, loader_settings
     from coretrain.markers import hookimpl, hookspec
@@ -77,7 +79,7 @@ __all__ += ["HOOK_API", "Outcome", "Run", "TrainState", "StepOutputs", "Datasets
 __all__ += ["Control", "Every", "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "fetch"]
 __all__ += ["to_device", "SampleOrder", "is_stream", "SplitBatches", "loader_settings", "forward"]
 __all__ += ["model_outputs", "NUM_TOKENS", "blocks_of", "WholeModel", "SHARED_PARAMETERS", "LoggingBackend"]
-__all__ += ["UserError", "require", "config_as_dict"]
+__all__ += ["UserError", "require", "config_as_dict", "gradient_norm", "clip_to"]
 __all__ += ["is_sharded", "find_checkpoint", "step_dir", "step_dirs", "best_step", "read_manifest", "read_weights"]
 __all__ += ["FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code", "add_config_args"]
 __all__ += ["field_defaults", "config_changes"]

@@ -217,8 +217,10 @@ class DistributedConfig:
     """Context-parallel degree: the ranks that split each sequence of a batch (the
     ``context-parallel`` plugin); data parallel = ranks / tp_size / cp_size."""
     ep_size: int = field(default=1, validator=_positive)
-    """Expert-parallel degree: a mixture of experts' experts spread over this many data-parallel
-    ranks, tokens sent to them by all-to-all (the ``expert-parallel`` plugin, on FSDP)."""
+    """Expert-parallel degree: a mixture of experts' experts spread over this many ranks — a
+    divisor of one replica's data-parallel ranks × cp_size, taking whole context groups —, tokens
+    sent to them by all-to-all, each spread copy sharded by FSDP over the rest (the
+    ``expert-parallel`` plugin, on FSDP)."""
     dp_replicate: int = field(default=1, validator=_positive)
     """HSDP: data-parallel replicas, each sharding the model over dp_shard ranks (FSDP2 on a 2-D
     mesh: gradients all-reduced across replicas, reduce-scattered within one). 1 = plain FSDP."""
@@ -229,6 +231,23 @@ class DistributedConfig:
     init_timeout_seconds: float = field(default=600.0, validator=_positive)
     """Start-up and the first step (compilation, loading, a slow filesystem), evaluation and
     checkpoints: a rank that makes no progress for this long is named and the job ends."""
+
+    def _check_experts(self, shards: int) -> None:
+        """Experts spread over data-parallel ranks of one replica and, with context parallelism,
+        over whole context groups (torchtitan's ep = dp_shard_in_ep × cp)."""
+        ep, cp = self.ep_size, self.cp_size
+        if ep == 1:
+            return
+        if (shards * cp) % ep:
+            raise UserError(
+                f"distributed.ep_size ({ep}) must divide the ranks of one data-parallel replica times cp_size "
+                f"({shards} × {cp} = {shards * cp}): the experts are spread over them"
+            )
+        if ep % cp:
+            raise UserError(
+                f"distributed.ep_size ({ep}) must be a multiple of distributed.cp_size ({cp}): an expert group "
+                "takes whole context groups (the ranks that split one sequence)"
+            )
 
     def resolved_strategy(self, world_size: int) -> str | None:
         """The data-parallel plugin to enable, if any (DDP cannot hold tensor-parallel weights)."""
@@ -261,6 +280,7 @@ class DistributedConfig:
                 f"data-parallel ranks: {world_size} ranks / tp_size {tp} / cp_size {self.cp_size} / pp_size "
                 f"{self.pp_size} = {data_parallel}"
             )
+        self._check_experts(data_parallel // replicas)
         for key, size, what in (("dp_replicate", replicas, "HSDP"), ("pp_size", self.pp_size, "pipelined")):
             if size > 1 and self.resolved_strategy(world_size) != "fsdp":
                 raise UserError(

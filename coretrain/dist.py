@@ -32,6 +32,9 @@ class DistInfo:
     pp_size: int = 1
     """Pipeline parallel: the outermost split, each part of the ranks holding one stage of the model."""
     dp_replicate: int = 1
+    ep_size: int = 1
+    """Expert parallel: the data-parallel (and context) ranks a mixture of experts' experts are
+    spread over, innermost of them (torchtitan's dp_shard_in_ep × cp)."""
 
     @property
     def is_main(self) -> bool:
@@ -60,7 +63,7 @@ def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
         global _timeout
         _timeout = datetime.timedelta(seconds=config.init_timeout_seconds)
         dist.init_process_group(chosen, timeout=_timeout)
-    layout = {name: getattr(config, name) for name in ("tp_size", "cp_size", "pp_size", "dp_replicate")}
+    layout = {name: getattr(config, name) for name in ("tp_size", "cp_size", "pp_size", "dp_replicate", "ep_size")}
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), **layout)
 
 
@@ -69,11 +72,36 @@ _mesh: Any = None
 
 def mesh_dims(info: DistInfo) -> dict[str, int]:
     """The mesh's dims, outermost first: "pp" with pipeline parallelism, ("dp",) or with HSDP
-    ("dp_replicate", "dp_shard"), then "cp" with context parallelism, "tp" with tensor parallelism."""
-    hsdp = {"dp_replicate": info.dp_replicate, "dp_shard": info.dp_size // info.dp_replicate}
-    dims = {"pp": info.pp_size, **(hsdp if info.dp_replicate > 1 else {"dp": info.dp_size})}
+    ("dp_replicate", "dp_shard"), then "cp" with context parallelism, "tp" with tensor parallelism.
+    With expert parallelism the sharded data-parallel ranks are two dims, ("dp_mod_ep",
+    "dp_in_ep"): the experts are spread over "dp_in_ep" × "cp" (torchtitan's split)."""
+    shards = info.dp_size // info.dp_replicate
+    dims = {"pp": info.pp_size, "dp_replicate": info.dp_replicate}
+    if info.ep_size > 1:
+        inside = info.ep_size // info.cp_size  # the data-parallel ranks of one expert group
+        dims |= {"dp_mod_ep": shards // inside, "dp_in_ep": inside}
+    else:
+        dims[("dp_shard" if info.dp_replicate > 1 else "dp")] = shards
+    if info.dp_replicate == 1:
+        del dims["dp_replicate"]
     dims |= {"cp": info.cp_size, "tp": info.tp_size}
     return {name: size for name, size in dims.items() if size > 1 or name.startswith("dp")}
+
+
+def flattened_dims(dims: dict[str, int]) -> dict[str, tuple[str, ...]]:
+    """Names for groups of dims: "dp" every data-parallel rank, "dp_cp" (and with HSDP
+    "dp_shard_cp") the data and context ranks, "dp_tp" all ranks with TP; with expert parallelism
+    also "dp_shard" a replica's data-parallel ranks, "ep" the ranks one expert group spreads over
+    and "edp" the ranks holding copies of the same experts (each of these from the dims there
+    are: one dim alone, too)."""
+    data = tuple(name for name in dims if name.startswith("dp"))
+    shard = ("dp_mod_ep", "dp_in_ep") if "dp_in_ep" in dims else ("dp_shard",)
+    flat = {"dp": data, "dp_cp": (*data, "cp"), "dp_shard_cp": (*shard, "cp"), "dp_tp": (*data, "tp")}
+    flat = {name: parts for name, parts in flat.items() if len(parts) > 1 and all(part in dims for part in parts)}
+    if "dp_in_ep" in dims:
+        wanted = {"dp_shard": shard, "ep": ("dp_in_ep", "cp"), "edp": ("dp_replicate", "dp_mod_ep")}
+        flat |= {name: tuple(part for part in parts if part in dims) for name, parts in wanted.items()}
+    return flat
 
 
 def device_mesh(device_type: str, info: DistInfo) -> Any:
@@ -93,14 +121,11 @@ def device_mesh(device_type: str, info: DistInfo) -> Any:
             dist.init_process_group("gloo" if device_type == "cpu" else "nccl", rank=0, world_size=1, store=store)
         dims = mesh_dims(info)
         _mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
-        data = tuple(name for name in dims if name.startswith("dp"))
         # "dp_cp": the ranks that average gradients, every batch and every chunk of it (with HSDP
         # a replica's "dp_shard_cp"); "dp_tp": one group over both (torchtitan's too), so that a
         # norm partial on both, as gradient clipping has, is reduced once, not once per dim
-        flat = {"dp": data, "dp_cp": (*data, "cp"), "dp_shard_cp": ("dp_shard", "cp"), "dp_tp": (*data, "tp")}
-        for name, parts in flat.items():
-            if len(parts) > 1 and all(part in dims for part in parts):
-                _mesh[parts]._flatten(name)
+        for name, parts in flattened_dims(dims).items():
+            _mesh[parts]._flatten(name)
     return _mesh
 
 

@@ -42,12 +42,22 @@ def test_experts_spread_over_two_ranks_train_like_one_rank_and_resume_across_lay
     grow = write(tmp_path, "one_then_ep", ep=False)
     assert run_train(str(grow), "--set", "train.exit_interval=6", cwd=tmp_path).returncode == 0
     split = write(tmp_path, "ep_then_one", ep=True)
-    jobs = [
+    jobs: list[Any] = [
         ["run", str(write(tmp_path, "ep", ep=True))],
         ["run", str(split), "--set", "train.exit_interval=6"],
         ["run", str(grow), "--set", "distributed.ep_size=2"],
     ]
+    dense, odd = write(tmp_path, "dense", ep=True), write(tmp_path, "odd", ep=True)
+    jobs += [{"args": ["run", str(dense), "--set", "model.options.n_experts=0"], "expect": 2}]
+    jobs += [
+        {
+            "args": ["run", str(odd), "--set", "model.options.n_experts=3", "--set", "model.options.moe_top_k=1"],
+            "expect": 2,
+        }
+    ]
     job = in_one_job(tmp_path, 2, jobs, "ep")
+    assert "distributed.ep_size (2): the model has no experts to spread" in job.stderr
+    assert "distributed.ep_size (2) must divide model.options.n_experts (3)" in job.stderr
     # each rank holds 2 of the 4 experts (fc: 128 × 32 each); a forward over all 4 would fail
     assert "2 on each of 2 ranks (this rank's experts.fc.weight: (2, 128, 32))" in job.stderr
     alone = run_train(str(split), "--set", "distributed.ep_size=1", cwd=tmp_path)
@@ -56,18 +66,26 @@ def test_experts_spread_over_two_ranks_train_like_one_rank_and_resume_across_lay
         assert_same(losses(tmp_path / "one"), losses(tmp_path / name))
 
 
-@pytest.mark.parametrize(
-    ("options", "distributed", "expected"),
-    [
-        (MOE, {"ep_size": 2}, r"distributed.ep_size \(2\) must be the data-parallel ranks \(1\)"),
-        ({"n_layer": 1}, {"ep_size": 2}, r"distributed.ep_size \(2\): the model has no experts to spread"),
-    ],
-)
-def test_a_layout_expert_parallelism_cannot_take_is_one_error(
-    tmp_path: Path, options: dict[str, Any], distributed: dict[str, Any], expected: str
-) -> None:
+def test_a_layout_expert_parallelism_cannot_take_is_one_error_before_any_rank_starts(tmp_path: Path) -> None:
+    """Checked from the config and the world size alone (as the launcher checks a job)."""
+    from coretrain.config import DistributedConfig
+
+    cases = [
+        ({"ep_size": 3}, 4, r"ep_size \(3\) must divide the ranks of one data-parallel replica times cp_size \(4 × 1"),
+        ({"ep_size": 2, "cp_size": 4}, 8, r"ep_size \(2\) must be a multiple of distributed.cp_size \(4\)"),
+        ({"ep_size": 4, "dp_replicate": 2}, 4, r"ep_size \(4\) must divide the ranks of one data-parallel replica"),
+    ]
+    for layout, world, expected in cases:
+        with pytest.raises(UserError, match=expected):
+            DistributedConfig(**layout).check_layout(world)
+    for layout, world in (
+        ({"ep_size": 2}, 4),
+        ({"ep_size": 4, "cp_size": 2}, 4),
+        ({"ep_size": 2, "dp_replicate": 2}, 4),
+    ):
+        DistributedConfig(**layout).check_layout(world)  # expert groups inside a replica, whole context groups
     preset = gpt_preset(tmp_path)
-    preset["model"]["options"] |= options
-    config = {name: preset[name] for name in ("model", "data", "optimizer")} | {"distributed": distributed}
-    with pytest.raises(UserError, match=expected):
+    preset["model"]["options"] |= MOE
+    config = {name: preset[name] for name in ("model", "data", "optimizer")} | {"distributed": {"ep_size": 2}}
+    with pytest.raises(UserError, match=r"distributed.ep_size \(2\) must divide the ranks of one data-parallel"):
         run_steps(tmp_path, steps=1, config=config)

@@ -54,27 +54,56 @@ def pipeline(schedule: str, microbatches: int | None = None) -> tuple[str, ...]:
     return sets + ((f"plugins.pipeline-parallel.pp_microbatches={microbatches}",) if microbatches else ())
 
 
-def test_a_mixture_of_experts_cut_into_pipeline_stages_trains_like_one_rank(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[tuple[int, str], float]]:
+    """A mixture-of-experts GPT's config (4 blocks of 4 experts, top 2, load-balancing and z
+    losses) and what one rank logs for it."""
+    root = tmp_path_factory.mktemp("moe")
+    preset = gpt_preset(root / "unused")
+    preset["model"]["options"] |= MOE
+    config = config_file(root / "moe.toml", preset, {"distributed": {"backend": "gloo"}}, **TRAIN)
+    in_one_job(root, 1, [run(config, root / "one")], "one")
+    reference = figures(root / "one")
+    assert any(name == "train/moe_aux_loss" for _, name in reference) and any("valid/loss" == n for _, n in reference)
+    return config, reference
+
+
+def test_a_mixture_of_experts_cut_into_pipeline_stages_trains_like_one_rank(
+    tmp_path: Path, moe: tuple[Path, dict[tuple[int, str], float]]
+) -> None:
     """MoE × PP in every schedule, MoE × PP × FSDP and MoE × PP × EP: each stage adds its
     routers' losses to what it optimizes (Megatron's MoEAuxLossAutoScaler) and the stages' losses
     and loads are summed for the log."""
-    preset = gpt_preset(tmp_path / "unused")
-    preset["model"]["options"] |= MOE
-    config = config_file(tmp_path / "moe.toml", preset, {"distributed": {"backend": "gloo"}}, **TRAIN)
-    out = {name: tmp_path / name for name in ("one", "1F1B", "GPipe", "Interleaved1F1B", "ZBV", "DualPipeV")}
+    config, reference = moe
+    out = {name: tmp_path / name for name in ("1F1B", "GPipe", "Interleaved1F1B", "ZBV", "DualPipeV")}
     out |= {name: tmp_path / name for name in ("pp-fsdp", "pp-ep")}
-    in_one_job(tmp_path, 1, [run(config, out["one"])], "one")
     two = [run(config, out["1F1B"], *layout(pp_size=2))]
     two += [run(config, out["GPipe"], *layout(pp_size=2), *pipeline("GPipe"))]
     two += [run(config, out["Interleaved1F1B"], *layout(pp_size=2), *pipeline("Interleaved1F1B"))]
     two += [run(config, out["ZBV"], *layout(pp_size=2), *pipeline("ZBVZeroBubble"))]
     two += [run(config, out["DualPipeV"], *layout(pp_size=2), *pipeline("DualPipeV", 4))]
     in_one_job(tmp_path, 2, two, "two")
-    four = [run(config, out["pp-fsdp"], *layout(pp_size=2, strategy="fsdp"))]
-    four += [run(config, out["pp-ep"], *layout(pp_size=2, ep_size=2, strategy="fsdp"))]
-    job = in_one_job(tmp_path, 4, four, "four")
+    in_one_job(tmp_path, 4, [run(config, out["pp-fsdp"], *layout(pp_size=2, strategy="fsdp"))], "four")
+    # (a job of their own: in one process, a run on a mesh with the expert split after one without
+    # it, or the other way round, gets FSDP parameters on a mesh of the other run's groups, torch 2.13)
+    four_ep = [run(config, out["pp-ep"], *layout(pp_size=2, ep_size=2, strategy="fsdp"))]
+    job = in_one_job(tmp_path, 4, four_ep, "four-ep")
     assert "expert-parallel: 4 experts in each of 2 layers, 2 on each of 2 ranks" in job.stderr
-    reference = figures(out["one"])
-    assert any(name == "moe_aux_loss" or name == "train/moe_aux_loss" for _, name in reference)
+    for name, directory in out.items():
+        assert_like_one_rank(reference, figures(directory), name)
+
+
+def test_experts_spread_over_part_of_the_data_parallel_ranks_train_like_one_rank(
+    tmp_path: Path, moe: tuple[Path, dict[tuple[int, str], float]]
+) -> None:
+    """EP 2 on 4 data-parallel ranks (two groups, each copy of the experts sharded by FSDP over
+    the two ranks holding it), on HSDP 2 × 2, and EP 4 on 4: the one-rank numbers."""
+    config, reference = moe
+    out = {name: tmp_path / name for name in ("ep2-dp4", "ep2-hsdp", "ep4-dp4")}
+    jobs = [run(config, out["ep2-dp4"], *layout(ep_size=2, strategy="fsdp"))]
+    jobs += [run(config, out["ep2-hsdp"], *layout(ep_size=2, dp_replicate=2, strategy="fsdp"))]
+    jobs += [run(config, out["ep4-dp4"], *layout(ep_size=4, strategy="fsdp"))]
+    job = in_one_job(tmp_path, 4, jobs, "four-ep")
+    assert "2 on each of 2 ranks (this rank's experts.fc.weight: (1, 128, 32))" in job.stderr  # sharded over 2
     for name, directory in out.items():
         assert_like_one_rank(reference, figures(directory), name)

@@ -1,21 +1,24 @@
-"""``expert-parallel``: a mixture of experts' experts spread over the data-parallel ranks, each
-token sent to its experts' rank and back by all-to-all (``distributed.ep_size``).
+"""``expert-parallel``: a mixture of experts' experts spread over groups of ranks, each token
+sent to its experts' rank and back by all-to-all (``distributed.ep_size``).
 
     [distributed]
     strategy = "fsdp"     # "auto" picks it with ep_size > 1
-    ep_size = 2           # the data-parallel ranks; each holds n_experts / ep_size experts
+    ep_size = 2           # a divisor of one replica's data-parallel ranks × cp_size
 
-The gpt provider keeps its experts' weights stacked, expert first: each rank keeps its slice of
-that dimension as a DTensor sharded over the data-parallel mesh — the mesh FSDP2 shards the
-other parameters over, and FSDP leaves these alone — so clipping, the optimizer and DCP
-checkpoints see one kind of parameter, and a checkpoint holds the whole stacked tensors under
-their names: it resumes with another ``ep_size`` or on one rank.
+The ranks form expert groups of ``ep_size`` (torchtitan's ``dp_shard_in_ep × cp``: neighbouring
+data-parallel ranks, and whole context groups); each rank of a group holds n_experts / ep_size
+experts, and the groups hold copies of the same experts, which FSDP2 shards over the ranks
+holding them (``dp_shard_mod_ep``, with HSDP its replicas too). The gpt provider keeps its
+experts' weights stacked, expert first: each rank keeps its slice of that dimension as a
+DTensor sharded over the expert group, so clipping, the optimizer and DCP checkpoints see one
+kind of parameter, and a checkpoint holds the whole stacked tensors under their names: it
+resumes with another ``ep_size`` or on one rank.
 
 A step on each rank routes its own tokens; the tokens bound for another rank's experts travel
 there in one all-to-all per MoE layer (their counts in one before it: a host sync per layer, as
 Megatron's dispatcher has), are computed there, and come back in one more, summed in the same
-order as on one rank. Every rank's tokens reach an expert, so its gradient holds every rank's
-loss: it is divided by the ranks, the data-parallel mean FSDP gives the other parameters.
+order as on one rank. Every rank of its group sends tokens to an expert, so its gradient holds
+their losses: averaged over every data-parallel and context rank, as FSDP averages the others'.
 """
 
 from __future__ import annotations
@@ -51,15 +54,39 @@ class AllToAll:
         their_experts = expert_idx.new_empty(sum(received))
         dist.all_to_all_single(their_experts, expert_idx, received, sent, group=self.group)
         outgoing = tokens[token_idx]
-        arrived = exchange(outgoing, received, sent, self.group)
+        # the experts' weight gradients, summed over the group's tokens, become their mean over the
+        # group's ranks (the groups' copies are then averaged by FSDP); the tokens' own come back whole
+        arrived = scaled_gradient(exchange(outgoing, received, sent, self.group), self.ranks)
         mine = their_experts - self.rank * self.per_rank
         computed = torch.zeros_like(arrived)
         for e in range(self.per_rank):  # every local expert runs, on no tokens too (each gets a gradient)
             rows = (mine == e).nonzero().squeeze(1)
             computed = computed.index_add(0, rows, experts(arrived[rows], e))
-        back = exchange(computed, sent, received, self.group)
+        back = exchange(scaled_gradient(computed, 1 / self.ranks), sent, received, self.group)
         scaled = back * weights[token_idx, expert_idx, None].to(tokens.dtype)
         return torch.zeros_like(tokens).index_add(0, token_idx, scaled)
+
+
+def scaled_gradient(tensor: Any, factor: float) -> Any:
+    """``tensor`` as it is; in backward its gradient times ``factor``."""
+    return scale_function().apply(tensor, factor)
+
+
+@functools.cache
+def scale_function() -> Any:
+    import torch
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, tensor: Any, factor: float) -> Any:
+            ctx.factor = factor
+            return tensor.view_as(tensor)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            return grad * ctx.factor, None
+
+    return Scale
 
 
 def exchange(rows: Any, receive: list[int], send: list[int], group: Any) -> Any:
@@ -93,14 +120,15 @@ def exchange_function() -> Any:
 
 @define
 class ExpertParallel:
-    """Spread a mixture of experts' experts over the data-parallel ranks (all-to-all dispatch)."""
+    """Spread a mixture of experts' experts over expert groups of ranks (all-to-all dispatch),
+    each group's spread copy sharded by FSDP over the ranks holding the same experts."""
 
     @hookimpl(tryfirst=True)  # before FSDP shards the rest
     def configure_model(self, run: Run) -> None:
         import torch
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        ep, dp = run.config.distributed.ep_size, run.dist.dp_size
+        ep = run.config.distributed.ep_size
         layers: list[Any] = [m for m in run.model.modules() if hasattr(m, "dispatch") and hasattr(m, "experts")]
         if not layers:
             raise UserError(
@@ -108,24 +136,40 @@ class ExpertParallel:
                 "model.options.n_experts makes a mixture of experts)"
             )
         n_experts: int = layers[0].cfg.n_experts
-        if ep != dp or n_experts % ep or run.config.distributed.resolved_strategy(run.dist.world_size) != "fsdp":
+        if n_experts % ep:
+            raise UserError(f"distributed.ep_size ({ep}) must divide model.options.n_experts ({n_experts})")
+        if run.config.distributed.resolved_strategy(run.dist.world_size) != "fsdp":
             raise UserError(
-                f"distributed.ep_size ({ep}) must be the data-parallel ranks ({dp}) and divide "
-                f'model.options.n_experts ({n_experts}), with distributed.strategy = "fsdp"'
+                f'distributed.ep_size ({ep}): expert parallelism runs on FSDP: set distributed.strategy = "fsdp"'
             )
-        mesh = run.device_mesh()["dp"]
+        mesh = run.device_mesh()
+        spread_over, copies = mesh["ep"], mesh["edp"]
         for layer in layers:
             for name, param in list(layer.experts.named_parameters()):
                 module_name, _, attribute = name.rpartition(".")
                 module = layer.experts.get_submodule(module_name)
-                spread: Any = torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)]))
-                spread.register_hook(lambda grad: grad / dp)  # every rank's loss reached it: their mean
+                spread: Any = torch.nn.Parameter(distribute_tensor(param.detach(), spread_over, [Shard(0)]))
                 setattr(module, attribute, spread)
-            layer.dispatch = AllToAll(mesh.get_group(), dp, mesh.get_local_rank(), n_experts // dp)
+            shard_copies(layer.experts, copies)
+            layer.dispatch = AllToAll(spread_over.get_group(), ep, spread_over.get_local_rank(), n_experts // ep)
         if run.dist.is_main:
-            here = tuple(layers[0].experts.fc.weight.to_local().shape)
+            here = tuple(local_shape(layers[0].experts.fc.weight))
             log.info(
                 "expert-parallel: %d experts in each of %d layers, %d on each of %d ranks (this rank's "
-                "experts.fc.weight: %s), tokens sent to them by all-to-all",
-                *(n_experts, len(layers), n_experts // dp, dp, here),
+                "experts.fc.weight: %s), tokens sent to them by all-to-all; each group's copy sharded over %d",
+                *(n_experts, len(layers), n_experts // ep, ep, here, copies.size()),
             )
+
+
+def shard_copies(experts: Any, copies: Any) -> None:
+    """FSDP2 over the ranks holding the same experts (torchtitan's dp_shard_mod_ep), before the
+    blocks are sharded (a module sharded first keeps its own parameters); it averages the copies'
+    gradients over those ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(experts, mesh=copies)
+
+
+def local_shape(tensor: Any) -> Any:
+    """The shape of this rank's part of a DTensor."""
+    return tensor.to_local().shape if hasattr(tensor, "to_local") else tensor.shape

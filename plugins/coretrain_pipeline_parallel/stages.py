@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _Action, _ComputationType
 
-from coretrain import SHARED_PARAMETERS, Run, UserError
+from coretrain import SHARED_PARAMETERS, Run, UserError, clip_to, gradient_norm
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -263,12 +263,10 @@ class Pipeline:
     def clip(self, parameters: list[Any], max_norm: float) -> torch.Tensor:
         """Clip to the norm over every stage (a tied weight counted once, on the first stage)."""
         skip = {id(self.run.model.get_parameter(b)) for _, b in self.tied} if self.last else set()
-        grads = [p.grad for p in parameters if p.grad is not None and id(p) not in skip]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.run.device)
-        squared = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float() ** 2
+        squared = gradient_norm(p for p in parameters if id(p) not in skip).to(self.run.device) ** 2
         dist.all_reduce(squared, group=self.group)
         total = squared.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        clip_to(parameters, max_norm, total)
         return total
 
     def outputs(self, batch: Any) -> tuple[Any, Any]:
