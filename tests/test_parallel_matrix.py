@@ -19,6 +19,7 @@ from conftest import config_file, gpt_preset, in_one_job, metrics_rows
 pytestmark = pytest.mark.slow  # torchrun jobs of 2 and 4 gloo ranks
 
 MOE = {"n_layer": 4, "n_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
+MOE |= {"moe_capacity_factor": 1.0}  # experts that drop assignments: the choice must be the whole sequences' too
 TRAIN = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 6, "log_interval": 1}
 TRAIN |= {"eval_iters": 1, "eval_interval": 3}
 
@@ -89,6 +90,22 @@ def test_a_mixture_of_experts_cut_into_pipeline_stages_trains_like_one_rank(
     four_ep = [run(config, out["pp-ep"], *layout(pp_size=2, ep_size=2, strategy="fsdp"))]
     job = in_one_job(tmp_path, 4, four_ep, "four-ep")
     assert "expert-parallel: 4 experts in each of 2 layers, 2 on each of 2 ranks" in job.stderr
+    for name, directory in out.items():
+        assert_like_one_rank(reference, figures(directory), name)
+
+
+def test_a_mixture_of_experts_on_sequences_split_over_ranks_trains_like_one_rank(
+    tmp_path: Path, moe: tuple[Path, dict[tuple[int, str], float]]
+) -> None:
+    """MoE × CP 2 (with its load-balancing loss and capacity: the routing statistics of the whole
+    sequences, reduced over the context ranks as Megatron-Core's router does), and EP over the
+    context ranks: EP 2 and EP 4 on CP 2 × DP 2."""
+    config, reference = moe
+    out = {name: tmp_path / name for name in ("cp2", "cp2-ep2", "cp2-ep4")}
+    in_one_job(tmp_path, 2, [run(config, out["cp2"], *layout(cp_size=2))], "two")
+    four = [run(config, out["cp2-ep2"], *layout(cp_size=2, ep_size=2, strategy="fsdp"))]
+    four += [run(config, out["cp2-ep4"], *layout(cp_size=2, ep_size=4, strategy="fsdp"))]
+    in_one_job(tmp_path, 4, four, "four-ep")
     for name, directory in out.items():
         assert_like_one_rank(reference, figures(directory), name)
 

@@ -120,6 +120,19 @@ class GPTProvider:
         )
 
     @hookimpl
+    def configure_model(self, run: Run) -> None:
+        """Sequences split over context-parallel ranks: each mixture-of-experts layer routes its
+        share, with the routing statistics of the whole sequences."""
+        if run.dist.cp_size == 1 or not self.n_experts:
+            return
+        from coretrain_gpt.moe import MoE, SequenceSplit
+
+        split = SequenceSplit(run.device_mesh()["cp"].get_group(), getattr(run.unwrapped_model, "positions", None))
+        for layer in run.unwrapped_model.modules():
+            if isinstance(layer, MoE):
+                layer.sequence_split = split
+
+    @hookimpl
     def tensor_parallel_plan(self, run: Run, model: Any) -> dict[str, Any] | None:
         """torchtitan's plan, for this model: attention heads and the MLP's hidden units split
         over the group (column-wise in, row-wise out), the vocabulary split in the embedding

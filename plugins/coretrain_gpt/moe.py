@@ -129,6 +129,12 @@ class MoE(nn.Module):
         """Set by a pipeline stage: the routers' losses join what backward optimizes through
         this layer's output (:func:`with_router_losses`), not through the model's returned loss
         (computed on another stage)."""
+        self.batch = 1
+        """The sequences of the last forward's input (its tokens are batch × positions)."""
+        self.sequence_split: SequenceSplit | None = None
+        """Set when each sequence is split over ranks (context parallelism): the routing
+        statistics — token counts, the capacity's choice, the load-balancing loss, the load —
+        are the whole sequences', as one rank computes them."""
         self.history: list[dict[str, torch.Tensor]] | None = None
         """Set to a list by a pipeline stage: each forward's stats, detached, kept for the
         step's logged values (a stage runs several micro-batches before anything is logged)."""
@@ -136,21 +142,22 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         tokens = x.reshape(-1, x.size(-1))
+        self.batch = len(x) if x.dim() > 2 else 1
         logits = F.linear(tokens.float(), self.router.weight.float())  # the router in fp32, as Megatron's
         top_logits, chosen = logits.topk(cfg.top_k, dim=-1)
         routed = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
         weights = torch.zeros_like(logits).scatter(1, chosen, torch.softmax(top_logits, dim=-1))
-        kept = (
-            routed if cfg.capacity_factor is None else drop_over_capacity(weights, routed, capacity(len(tokens), cfg))
-        )
+        split = self.sequence_split
+        kept = routed if cfg.capacity_factor is None else self._within_capacity(weights, routed)
         dispatch = self.dispatch or combine
         out = dispatch(self.experts, tokens, kept, weights)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        load = kept.sum(dim=0).float() / (len(tokens) * cfg.top_k)
+        counted = kept.sum(dim=0).float()
+        load = (split.summed(counted) if split else counted) / (self._tokens(len(tokens)) * cfg.top_k)
         self.stats = {
-            "aux_loss": load_balancing_loss(torch.softmax(logits, dim=-1), routed, cfg.top_k, cfg.aux_loss_coeff),
-            "z_loss": z_loss(logits, cfg.z_loss_coeff),
+            "aux_loss": self._aux_loss(torch.softmax(logits, dim=-1), routed),
+            "z_loss": z_loss(logits, cfg.z_loss_coeff),  # a mean over tokens: each rank's share holds as many
             "load_min": load.min().detach(),
             "load_max": load.max().detach(),
         }
@@ -159,6 +166,33 @@ class MoE(nn.Module):
         if self.losses_in_backward and self.training:
             out = with_router_losses(out, self.stats["aux_loss"] + self.stats["z_loss"])
         return out.view_as(x)
+
+    def _tokens(self, here: int) -> int:
+        """Tokens of the whole sequences (every rank of a split holds an equal share)."""
+        return here * (self.sequence_split.ranks if self.sequence_split else 1)
+
+    def _within_capacity(self, weights: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The assignments each expert keeps, chosen over the whole sequences' tokens."""
+        split, cfg = self.sequence_split, self.cfg
+        limit = capacity(self._tokens(len(weights)), cfg)
+        if split is None:
+            return drop_over_capacity(weights, routed, limit)
+        batch = self.batch  # (the order decides equal weights: the whole sequences', as one rank has them)
+        all_weights = split.in_sequence_order(split.gathered(weights), batch)
+        all_routed = split.in_sequence_order(split.gathered(routed), batch)
+        return split.this_ranks(drop_over_capacity(all_weights, all_routed, limit), batch)
+
+    def _aux_loss(self, probs: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The load-balancing loss of the whole sequences: its counts summed over the ranks of a
+        split, this rank's probabilities, scaled so that the ranks' mean (what their gradients
+        and logged values average to) is the whole loss (Megatron-Core's reduction over TP × CP)."""
+        split, cfg = self.sequence_split, self.cfg
+        per_expert = routed.sum(dim=0).to(probs.dtype)
+        if split is None:
+            return load_balancing_loss(probs, routed, cfg.top_k, cfg.aux_loss_coeff)
+        tokens, experts = self._tokens(len(probs)), probs.size(1)
+        share = (probs.sum(dim=0) * split.summed(per_expert)).sum() * (experts * cfg.aux_loss_coeff)
+        return share / (cfg.top_k * tokens * tokens) * split.ranks
 
 
 def combine(experts: Experts, tokens: torch.Tensor, kept: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -186,6 +220,52 @@ def moe_outputs(loss: torch.Tensor, layers: list[MoE], training: bool) -> dict[s
     for i, s in enumerate(stats):
         values.update({f"moe/layer{i}/{name}": value.detach() for name, value in s.items()})
     return values
+
+
+class SequenceSplit:
+    """The ranks that split each sequence of a batch, each holding an equal share of its tokens
+    (``positions``: this rank's positions in the sequence, when known)."""
+
+    def __init__(self, group: Any, positions: torch.Tensor | None = None) -> None:
+        import torch.distributed as dist
+
+        self.group, self.ranks, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.order: torch.Tensor | None = None
+        """Where each position of the whole sequence is among every rank's, rank after rank."""
+        if positions is not None:
+            self.order = torch.argsort(self.gathered(positions.reshape(-1)))
+
+    def in_sequence_order(self, rows: torch.Tensor, batch: int) -> torch.Tensor:
+        """Gathered rows (rank after rank, each its batch × positions) in one rank's order:
+        sequence after sequence, position after position."""
+        if self.order is None:
+            return rows
+        per_rank = rows.view(self.ranks, batch, -1, *rows.shape[1:]).transpose(0, 1)
+        return per_rank.reshape(batch, -1, *rows.shape[1:])[:, self.order.to(rows.device)].reshape(rows.shape)
+
+    def this_ranks(self, rows: torch.Tensor, batch: int) -> torch.Tensor:
+        """This rank's rows of rows in one rank's order (the inverse of :meth:`in_sequence_order`)."""
+        if self.order is None:
+            share = len(rows) // self.ranks
+            return rows[self.rank * share : (self.rank + 1) * share]
+        mine = self.order.argsort().view(self.ranks, -1)[self.rank].to(rows.device)
+        return rows.view(batch, -1, *rows.shape[1:])[:, mine].reshape(-1, *rows.shape[1:])
+
+    def summed(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Over the ranks (a copy; not differentiated: counts)."""
+        import torch.distributed as dist
+
+        total = tensor.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
+
+    def gathered(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows, in rank order (not differentiated: a choice)."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(tensor) for _ in range(self.ranks)]
+        dist.all_gather(parts, tensor.detach().contiguous(), group=self.group)
+        return torch.cat(parts)
 
 
 class AuxLossScaler(torch.autograd.Function):
