@@ -98,11 +98,14 @@ def test_a_mixture_of_experts_on_sequences_split_over_ranks_trains_like_one_rank
     tmp_path: Path, moe: tuple[Path, dict[tuple[int, str], float]]
 ) -> None:
     """MoE × CP 2 (with its load-balancing loss and capacity: the routing statistics of the whole
-    sequences, reduced over the context ranks as Megatron-Core's router does), and EP over the
-    context ranks: EP 2 and EP 4 on CP 2 × DP 2."""
+    sequences, reduced over the context ranks as Megatron-Core's router does), CP 2 × PP 2 (in
+    1F1B and interleaved), and EP over the context ranks: EP 2 and EP 4 on CP 2 × DP 2."""
     config, reference = moe
-    out = {name: tmp_path / name for name in ("cp2", "cp2-ep2", "cp2-ep4")}
+    out = {name: tmp_path / name for name in ("cp2", "cp2-pp2", "cp2-pp2-interleaved", "cp2-ep2", "cp2-ep4")}
     in_one_job(tmp_path, 2, [run(config, out["cp2"], *layout(cp_size=2))], "two")
+    four = [run(config, out["cp2-pp2"], *layout(cp_size=2, pp_size=2))]
+    four += [run(config, out["cp2-pp2-interleaved"], *layout(cp_size=2, pp_size=2), *pipeline("Interleaved1F1B"))]
+    in_one_job(tmp_path, 4, four, "four")
     four = [run(config, out["cp2-ep2"], *layout(cp_size=2, ep_size=2, strategy="fsdp"))]
     four += [run(config, out["cp2-ep4"], *layout(cp_size=2, ep_size=4, strategy="fsdp"))]
     in_one_job(tmp_path, 4, four, "four-ep")

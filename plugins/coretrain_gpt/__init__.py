@@ -190,14 +190,15 @@ class GPTProvider:
         head's weight is the embedding's (tied), so the two stages holding them sum its gradient.
         A mixture of experts' routers add their losses in their stage (Megatron's
         MoEAuxLossAutoScaler), and each stage's share of the logged values is summed over them."""
-        from coretrain_gpt.model import GPT, GPTStage, token_loss
+        from coretrain_gpt.model import GPT, GPTStage, SplitPositions
 
         if not isinstance(model, GPT):
             return None
+        positions = SplitPositions()  # (context parallelism's, shared by the stages and the loss)
         split: dict[str, Any] = {
             "layers": model.cfg.n_layer,
-            "stage": lambda layers, first, last: GPTStage(model, layers, first, last),
-            "loss": token_loss,
+            "stage": lambda layers, first, last: GPTStage(model, layers, first, last, positions),
+            "loss": positions.loss,
             "tied": [("wte.weight", "lm_head.weight")],
         }
         if model.cfg.moe is not None:  # each stage's routers' losses and loads, summed over the stages

@@ -176,9 +176,12 @@ class GPTStage(nn.Module):
 
     _no_split_modules = ("Block",)  # what FSDP shards and activation checkpointing wraps
 
-    def __init__(self, model: GPT, layers: range, first: bool, last: bool) -> None:
+    def __init__(self, model: GPT, layers: range, first: bool, last: bool, split: SplitPositions | None = None) -> None:
         super().__init__()
         self.cfg, self.first, self.last = model.cfg, first, last
+        self.split = split or SplitPositions()
+        if model.positions is not None:  # context parallelism configured the whole model first
+            self.split.positions = model.positions
         if first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
@@ -189,9 +192,20 @@ class GPTStage(nn.Module):
                 block.mlp.history = []  # the step's stats, summed over the stages for logging
                 block.mlp.losses_in_backward = True  # its routers' losses join what is optimized in its stage
 
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Set by context parallelism (as :attr:`GPT.positions`): the positions of every sequence
+        this rank computes; the first stage takes them from the token ids, the loss from the targets."""
+        return self.split.positions
+
+    @positions.setter
+    def positions(self, value: torch.Tensor | None) -> None:
+        self.split.positions = value
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = self.drop(self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device)))
+            pos = self.positions if self.positions is not None else torch.arange(x.size(1), device=x.device)
+            x = self.drop(self.wte(x if self.positions is None else x[:, pos]) + self.wpe(pos))
         for block in self.blocks.values():
             x = block(x)
         return self.lm_head(self.ln_f(x)) if self.last else x
@@ -199,6 +213,17 @@ class GPTStage(nn.Module):
     def moe_layers(self) -> dict[int, MoE]:
         """The stage's mixture-of-experts layers by their block's index in the whole model."""
         return {int(i): block.mlp for i, block in self.blocks.items() if isinstance(block.mlp, MoE)}
+
+
+class SplitPositions:
+    """The positions a rank computes when sequences are split over ranks, shared by a model's
+    pipeline stages and the last stage's loss (which picks the same positions of the targets)."""
+
+    def __init__(self) -> None:
+        self.positions: torch.Tensor | None = None
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss(logits, targets if self.positions is None else targets[:, self.positions])
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
