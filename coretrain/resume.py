@@ -105,13 +105,14 @@ def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
     steps."""
     info = read_manifest(path)
     saved_world = int(info.get("world_size") or run.dist.world_size)
+    saved_stages = int(((info.get("config") or {}).get("distributed") or {}).get("pp_size") or 1)
     rank = run.dist.rank
     own = rank if rank < saved_world else 0
     rank_state = _rank_state(path, own, info.get("step"))
-    if saved_world != run.dist.world_size:
-        if rank >= saved_world:
-            rank_state["rng"] = None
-        # the pending interval as every saved rank had it, averaged when it was saved
+    if saved_world != run.dist.world_size and rank >= saved_world:
+        rank_state["rng"] = None
+    if saved_world != run.dist.world_size or saved_stages != run.dist.pp_size:  # another rank had this one's place
+        # the pending interval as every saved rank that reported a loss had it, averaged when it was saved
         rank_state["interval_log"] = rank_state.get("interval_log_mean", rank_state.get("interval_log"))
     declared = run.plugins.get  # a plugin's coretrain_state: what its saved state must look like
     schema.check_plugin_states(

@@ -13,9 +13,10 @@ from coretrain.checkpoint.state import is_sharded
 from coretrain.run import Run
 
 SHARED_PARAMETERS = "coretrain_shared_parameters"
-"""A model's attribute naming parameters that are this rank's copy of a weight another part
-also holds (a weight tied across pipeline stages: the last stage's copy of the embedding):
-counted once, where the weight's first name is (Megatron's ``param.shared``)."""
+"""A model's attribute mapping the names of parameters that are this rank's copy of a weight
+another part also holds (a weight tied across pipeline stages: the last stage's copy of the
+embedding) to that weight's own name: counted once, under its own name (Megatron's
+``param.shared``); a checkpoint of a layout without the copy gives it the weight's state."""
 
 
 class WholeModel:

@@ -1,6 +1,8 @@
 """Every layout resumes every other's checkpoint: {one rank, DDP 2, FSDP 2, HSDP 2×2, TP 2,
-TP 2 × FSDP 2} → each other, by resume and as ``checkpoint.pretrained``, and without the
-optimizer state.
+TP 2 × FSDP 2, PP 2, PP 2 × FSDP 2} → each other (64 pairs), by resume and as
+``checkpoint.pretrained``, and without the optimizer state. A pipeline's last stage holds a
+copy of the tied head: it takes the embedding's optimizer state from a checkpoint of a layout
+without the copy.
 
 A checkpoint is replicated (one rank, DDP: whole tensors) or sharded (the others: DCP); a
 model holds plain tensors or DTensors. Each source trains 3 steps of the tiny GPT at a global
@@ -29,10 +31,13 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {  # name: (ranks, --set value
     "tp": (2, ("distributed.tp_size=2",)),
     "hsdp": (4, ('distributed.strategy="fsdp"', "distributed.dp_replicate=2")),
     "tp-fsdp": (4, ("distributed.tp_size=2",)),
+    "pp": (2, ("distributed.pp_size=2",)),
+    "pp-fsdp": (4, ("distributed.pp_size=2",)),
 }
 SOURCE_STEP = 3
 STEPS = 6
 PRETRAINED = {"one": "hsdp-best", "ddp": "hsdp-best", "fsdp": "ddp", "tp": "ddp", "hsdp": "ddp", "tp-fsdp": "ddp"}
+PRETRAINED |= {"pp": "fsdp", "pp-fsdp": "ddp"}
 """Whose weights each layout loads as checkpoint.pretrained: the other kind of checkpoint."""
 WITHOUT_OPTIMIZER = ("one", "fsdp", "hsdp")
 
@@ -92,11 +97,12 @@ def test_every_layout_resumes_and_loads_every_other_layouts_checkpoint(tmp_path:
     step_dir["hsdp-best"] = source["hsdp"] / "checkpoints" / "best"
 
     in_one_job(tmp_path, 1, [command(config, "one", reference), stop_at_source_step("one")], "one-sources")
-    in_one_job(tmp_path, 2, [stop_at_source_step(name) for name in ("ddp", "fsdp", "tp")], "two-sources")
+    in_one_job(tmp_path, 2, [stop_at_source_step(name) for name in ("ddp", "fsdp", "tp", "pp")], "two-sources")
     four = [[*stop_at_source_step("hsdp"), *(arg for value in keep_best for arg in ("--set", value))]]
-    four += [stop_at_source_step("tp-fsdp"), *targets("hsdp"), *targets("tp-fsdp")]
+    four += [stop_at_source_step("tp-fsdp"), stop_at_source_step("pp-fsdp")]
+    four += [*targets("hsdp"), *targets("tp-fsdp"), *targets("pp-fsdp")]
     in_one_job(tmp_path, 4, four, "four")
-    two = [*targets("ddp"), *targets("fsdp"), *targets("tp"), predict_best("fsdp")]
+    two = [*targets("ddp"), *targets("fsdp"), *targets("tp"), *targets("pp"), predict_best("fsdp")]
     in_one_job(tmp_path, 2, two, "two-targets")
     in_one_job(tmp_path, 1, [*targets("one"), predict_best("one")], "one-targets")
 

@@ -49,6 +49,7 @@ def load_sharded(
     state: dict[str, Any] = {"model": dsd.get_model_state_dict(model, options=options)}
     if optimizer is not None:
         state["optimizer"] = dsd.get_optimizer_state_dict(model, optimizer, options=options)
+    borrowed = _borrow_tied_state(state.get("optimizer"), model, saved)
     try:
         with warnings.catch_warnings():  # one process loading alone is what no_dist says; DCP warns of it
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -63,7 +64,30 @@ def load_sharded(
     _check_finite(state["model"], directory, single_process)
     dsd.set_model_state_dict(model, state["model"], options=options)
     if optimizer is not None:
+        for own, saved_as in borrowed.items():
+            state["optimizer"][own] = state["optimizer"].pop(saved_as)
         dsd.set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+
+
+def _borrow_tied_state(optimizer: dict[str, Any] | None, model: torch.nn.Module, saved: Any) -> dict[str, str]:
+    """A weight this rank holds a copy of (``coretrain.SHARED_PARAMETERS``: a pipeline's last
+    stage's tied head) has no optimizer state of its own in a checkpoint of a layout that held it
+    once: its entries are read from the weight's own (renamed in ``optimizer`` for the load);
+    returns own key -> the key read."""
+    from coretrain.wholemodel import SHARED_PARAMETERS
+
+    copies = getattr(getattr(model, "module", model), SHARED_PARAMETERS, None) or {}
+    borrowed: dict[str, str] = {}
+    for key in list(optimizer or {}):
+        kind, _, rest = key.partition(".")
+        copy = next((name for name in copies if rest.startswith(name + ".")), None)
+        if copy is None or f"optimizer.{key}" in saved:
+            continue
+        source_key = f"{kind}.{copies[copy]}{rest[len(copy) :]}"
+        if f"optimizer.{source_key}" in saved and optimizer is not None and source_key not in optimizer:
+            optimizer[source_key] = optimizer.pop(key)
+            borrowed[key] = source_key
+    return borrowed
 
 
 def _check_finite(weights: dict[str, Any], directory: Path, single_process: bool) -> None:

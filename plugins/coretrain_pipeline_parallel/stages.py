@@ -156,7 +156,7 @@ class Pipeline:
         if first and last:
             untie(run.model, split.get("tied", []))
         if last and split.get("tied"):  # whole-model figures count a tied weight once, where it is first named
-            setattr(run.model, SHARED_PARAMETERS, [second for _, second in split["tied"]])
+            setattr(run.model, SHARED_PARAMETERS, {second: first for first, second in split["tied"]})
         if len(held) > 1:  # each stage a view over the run's model, sharing its modules
             run.model_parts = [split["stage"](blocks[s], s == 0, s == total - 1) for s in held]
         run.reports_loss = last
