@@ -127,3 +127,40 @@ def test_experts_spread_over_part_of_the_data_parallel_ranks_train_like_one_rank
     assert "2 on each of 2 ranks (this rank's experts.fc.weight: (1, 128, 32))" in job.stderr  # sharded over 2
     for name, directory in out.items():
         assert_like_one_rank(reference, figures(directory), name)
+
+
+def predictions(path: Path) -> list[Any]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_layout_evaluates_every_sample_and_predicts_whole_records(tmp_path: Path) -> None:
+    """A full evaluation pass in micro-batches of 3 (its last one partial; 3 divides no batch
+    here) trains and validates the one-rank numbers on PP 2, CP 2 and TP 2, and `coretrain
+    predict` writes the file one rank writes: every record, every position (a pipeline keeps no
+    first batch's shapes; context ranks gather their positions)."""
+    preset = gpt_preset(tmp_path / "unused")
+    preset["model"]["options"]["n_layer"] = 2
+    train = {**TRAIN, "eval_full": True, "eval_micro_batch_size": 3}
+    config = config_file(tmp_path / "dense.toml", preset, {"distributed": {"backend": "gloo"}}, **train)
+    layouts = {"one": (), "pp2": layout(pp_size=2), "cp2": layout(cp_size=2), "tp2": layout(tp_size=2)}
+    out = {name: tmp_path / name for name in layouts}
+
+    def predict(name: str) -> list[str]:
+        sets = (*layouts[name], f"run.output_dir={json.dumps(str(out[name]))}", 'model.loss="cross_entropy"')
+        args = ["predict", str(config), "--split", "valid", "--out", str(tmp_path / f"{name}.jsonl")]
+        return [*args, *(arg for value in sets for arg in ("--set", value))]
+
+    in_one_job(tmp_path, 1, [run(config, out["one"]), predict("one")], "one")
+    two = [
+        command for name in ("pp2", "cp2", "tp2") for command in (run(config, out[name], *layouts[name]), predict(name))
+    ]
+    in_one_job(tmp_path, 2, two, "two")
+    reference, expected = figures(out["one"]), predictions(tmp_path / "one.jsonl")
+    assert any(name == "valid/loss" for _, name in reference) and len(expected) > 100
+    for name in ("pp2", "cp2", "tp2"):
+        assert_like_one_rank(reference, figures(out[name]), name)
+        written = predictions(tmp_path / f"{name}.jsonl")
+        assert [r["index"] for r in written] == [r["index"] for r in expected], name
+        assert all(len(r["prediction"]) == len(r["target"]) == 32 for r in written), name
+        tokens = [(a, b) for x, y in zip(expected, written) for a, b in zip(x["prediction"], y["prediction"])]
+        assert sum(a == b for a, b in tokens) >= 0.999 * len(tokens), name  # argmaxes: a near-tie may flip

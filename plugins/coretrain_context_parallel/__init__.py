@@ -88,6 +88,28 @@ def gather_function() -> Any:
     return Gather
 
 
+class WholeSequence:
+    """Every rank's outputs of its positions (batch × positions × ...), gathered over the ranks
+    of the split and put in sequence order: what a prediction writes, as one rank has it."""
+
+    def __init__(self, group: Any, ranks: int, positions: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.group, self.ranks = group, ranks
+        everyone = [torch.empty_like(positions) for _ in range(ranks)]
+        dist.all_gather(everyone, positions.contiguous(), group=group)
+        self.order = torch.argsort(torch.cat(everyone))
+
+    def __call__(self, local: Any) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(local) for _ in range(self.ranks)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)[:, self.order.to(local.device)]
+
+
 ATTENTION_NAME = "coretrain-context-parallel"
 
 
@@ -131,6 +153,8 @@ class ContextParallel:
         rank = mesh.get_local_rank()
         attention = GatheredAttention(mesh.get_group(), cp, rank, seq, run.device)
         model.positions = attention.queries
+        if hasattr(model, "whole_sequence"):  # its outputs without targets (a prediction): every position
+            model.whole_sequence = WholeSequence(mesh.get_group(), cp, attention.queries)
         for module in attentions:
             module.exchange = attention
         if hf is not None:

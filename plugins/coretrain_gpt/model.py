@@ -118,6 +118,9 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # weight tying
         self.positions: torch.Tensor | None = None
         """Set by context parallelism: the positions of every sequence this rank computes."""
+        self.whole_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Set by context parallelism: the outputs of every rank's positions, in sequence order
+        (logits without targets — a prediction — are the whole sequence's)."""
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
             if name.endswith("proj.weight"):
@@ -147,7 +150,7 @@ class GPT(nn.Module):
             x = block(x)
         logits: torch.Tensor = self.lm_head(self.ln_f(x))
         if targets is None:
-            return logits
+            return logits if self.whole_sequence is None else self.whole_sequence(logits)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long())
         experts = [block.mlp for block in self.blocks if isinstance(block.mlp, MoE)]
         return moe_outputs(loss, experts, self.training) if experts else loss

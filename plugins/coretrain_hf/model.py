@@ -22,6 +22,7 @@ assignments an expert took), named as the ``gpt`` provider's experts are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,8 @@ class CausalLM(torch.nn.Module):
         self.positions: torch.Tensor | None = None
         """Set by context parallelism: the positions of every sequence this rank computes (its
         attention, registered with transformers, sees every rank's keys and values)."""
+        self.whole_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Set by context parallelism: the logits of every rank's positions, in sequence order."""
 
     def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         if args:  # coretrain's (input_ids, targets): already shifted, every position a target
@@ -53,7 +56,8 @@ class CausalLM(torch.nn.Module):
                 extra["position_ids"] = self.positions.expand(len(input_ids), -1)
             output = self.hf(input_ids=input_ids, use_cache=False, **extra)
             if targets is None:  # (input_ids) alone: the logits, as the gpt provider's model (a prediction)
-                return output.logits  # type: ignore[no-any-return]
+                logits: torch.Tensor = output.logits
+                return logits if self.whole_sequence is None else self.whole_sequence(logits)
             return with_experts(token_loss(output.logits, targets), output, self.hf.config, self.training)
         if self.positions is not None:
             raise UserError(

@@ -114,7 +114,7 @@ class Pipeline:
         self.tied = [pair for pair in split.get("tied", []) if self.first or self.last]
         crossing = split.get("tied") and settings.pp_schedule not in V_SHAPED  # in a V, one rank holds both
         self.tie_group = tie_group(run, ranks) if crossing else None
-        self._schedules: dict[tuple[int, bool], Any] = {}
+        self._schedules: dict[tuple[int, bool, tuple[int, ...]], Any] = {}
 
     @classmethod
     def of(cls, run: Run, settings: PipelineParallel) -> Pipeline:
@@ -167,9 +167,12 @@ class Pipeline:
     def _parts(self) -> list[torch.nn.Module]:
         return self.run.model_parts or [self.run.model]
 
-    def _schedule(self, count: int, training: bool) -> Any:
-        """The schedule for ``count`` micro-batches (forwards alone, breadth first, for an evaluation)."""
-        if (count, training) not in self._schedules:
+    def _schedule(self, count: int, training: bool, shape: tuple[int, ...] = ()) -> Any:
+        """The schedule for ``count`` micro-batches of a batch of ``shape`` (forwards alone,
+        breadth first, for an evaluation). One per shape: a stage keeps the shapes its first
+        micro-batch had (an evaluation's last, partial batch has others)."""
+        key = (count, training, shape)
+        if key not in self._schedules:
             run, single, v_shaped = self.run, len(self.held) == 1, self.schedule_name in V_SHAPED
             if v_shaped:  # the weight half of a backward finds the weights in the graph only unsharded
                 self._check_uncompiled()
@@ -181,8 +184,8 @@ class Pipeline:
             ]
             name = SCHEDULES[self.schedule_name] if training else "ScheduleGPipe" if single else "ScheduleLoopedBFS"
             kind = VShapedForwards if v_shaped and not training else getattr(schedules, name)
-            self._schedules[count, training] = kind(stages[0] if single else stages, count, loss_fn=self.loss)
-        return self._schedules[count, training]
+            self._schedules[key] = kind(stages[0] if single else stages, count, loss_fn=self.loss)
+        return self._schedules[key]
 
     def _check_uncompiled(self) -> None:
         """A split backward runs a compiled backward twice, which torch does not allow (its own
@@ -203,7 +206,7 @@ class Pipeline:
                 f"plugins.pipeline-parallel.pp_microbatches ({count}) must divide this rank's batch of {len(inputs)}"
             )
         losses: list[torch.Tensor] = []
-        schedule = self._schedule(count, training)
+        schedule = self._schedule(count, training, tuple(inputs.shape))
         run_it = schedule.step if training else schedule.eval
         run_it(
             *((inputs,) if self.first else ()),
@@ -272,7 +275,7 @@ class Pipeline:
     def outputs(self, batch: Any) -> tuple[Any, Any]:
         """One prediction batch through the stages: the last stage's outputs (None on the others)."""
         inputs, target = batch
-        schedule = self._schedule(1, training=False)  # its loss is computed too: it needs the target
+        schedule = self._schedule(1, False, tuple(inputs.shape))  # its loss is computed too: it needs the target
         output = schedule.eval(*((inputs,) if self.first else ()), target=target if self.last else None)
         if self.values is not None:
             self.values(self.run.model, 1)  # (the stages' values of a prediction are not logged)
