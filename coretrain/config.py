@@ -238,6 +238,11 @@ class DistributedConfig:
         ep, cp = self.ep_size, self.cp_size
         if ep == 1:
             return
+        if self.strategy not in ("auto", "fsdp"):
+            raise UserError(
+                f'distributed.ep_size ({ep}): expert parallelism runs on FSDP2, not strategy = "{self.strategy}"; '
+                'set distributed.strategy = "fsdp" (or "auto")'
+            )
         if (shards * cp) % ep:
             raise UserError(
                 f"distributed.ep_size ({ep}) must divide the ranks of one data-parallel replica times cp_size "

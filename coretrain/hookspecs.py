@@ -2,6 +2,7 @@
 
 One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
 
+    check_layout(config, world_size)        each          the layout fits the ranks (also in the launcher)
     join_process_group(config)              each          before the core forms the process group
                                                            (a replacement joins its survivors')
     configure_run(run)                      each          the run exists, nothing built: log files
@@ -117,6 +118,19 @@ class HookSpecs(Protocol):
     plugin; the core calls those through :class:`coretrain.hookcalls.HookCalls`."""
 
     # --------------------------------------------------------------------------- providers
+
+    @hookspec
+    def check_layout(self, config: Config, world_size: int) -> None:
+        """Refuse a layout this plugin cannot run, from the config and the number of ranks alone
+        (hook API 1.13): a pipeline split the model's blocks cannot take, more tensor-parallel
+        ranks than heads. ``coretrain run --nproc-per-node`` asks it once for the job, before
+        any rank starts (one error line, not one per rank); every run asks it again.
+
+        Args: ``config`` — the run's config; ``world_size`` — the ranks the job will have.
+        May change: nothing; raise :class:`coretrain.UserError` naming the keys to change.
+        Returns: nothing.
+        Ranks: the launcher (no process group), and every rank before the run is built.
+        """
 
     @hookspec
     def join_process_group(self, config: Config) -> None:

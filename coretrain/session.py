@@ -15,6 +15,7 @@ from coretrain.loop import Trainer
 from coretrain.pluginmanager import Plugins, load_plugins
 
 if TYPE_CHECKING:
+    from coretrain.config import Config
     from coretrain.configload import LoadedConfig
     from coretrain.run import Run
     from coretrain.signals import SignalWatcher
@@ -29,8 +30,16 @@ def session_plugins(
     for name, instance in (extra or {}).items():
         plugins.register(name, instance)
     plugins.check_pending()
-    loaded.config.check_world(world_size_from_env())
+    check_world(loaded.config, plugins, world_size_from_env())
     return plugins
+
+
+def check_world(config: Config, plugins: Plugins, world_size: int) -> None:
+    """The layout and the batch sizes fit ``world_size`` ranks: the core's keys, then each
+    plugin's (``check_layout``) — what a launcher asks once for a job."""
+    config.check_world(world_size)
+    if plugins.implemented("check_layout"):
+        plugins.calls.hook.check_layout(config=config, world_size=world_size)
 
 
 def run_session(

@@ -332,6 +332,13 @@ def test_new_plugin_into_a_directory_that_has_files_makes_its_own_folder_there(t
         (["--max-restarts", "-1"], "argument --max-restarts: expected a whole number >= 0, got '-1'"),
         (["--replace-failed-ranks"], "--replace-failed-ranks: only when coretrain starts the ranks"),
         (["--max-restarts", "2"], "--max-restarts: only when coretrain starts the ranks"),
+        # layout errors of a job: said once by the launcher, before any rank starts
+        (["--nproc-per-node", "2", "--set", "distributed.pp_size=2"], "the 1F1B schedule needs at least as many"),
+        (
+            ["--nproc-per-node", "2", "--set", "distributed.ep_size=2", "--set", 'distributed.strategy="ddp"'],
+            'expert parallelism runs on FSDP2, not strategy = "ddp"',
+        ),
+        (["--nproc-per-node", "4", "--set", "distributed.ep_size=3"], "ep_size (3) must divide the ranks of one"),
         (["--set", 'plugins.fault-injection.action="raise"'], "plugins.fault-injection.step: set step"),
         (["--set", 'plugins.fault-injection={action="raise", step=-1}'], "plugins.fault-injection.step: must be > 0"),
         (["--set", 'plugins.fault-injection={action="raise", step=1, ranks=[5]}'], "ranks: [5] are not ranks of"),

@@ -164,3 +164,24 @@ def test_every_layout_evaluates_every_sample_and_predicts_whole_records(tmp_path
         assert all(len(r["prediction"]) == len(r["target"]) == 32 for r in written), name
         tokens = [(a, b) for x, y in zip(expected, written) for a, b in zip(x["prediction"], y["prediction"])]
         assert sum(a == b for a, b in tokens) >= 0.999 * len(tokens), name  # argmaxes: a near-tie may flip
+
+
+def test_a_rampups_small_first_batches_run_on_a_pipeline(tmp_path: Path) -> None:
+    """A batch-size rampup from 2 samples (one micro-batch, fewer than the stages): 1F1B runs
+    those steps as GPipe (the same numbers) and trains the one-rank losses; a V-shaped schedule,
+    which cannot, is one error naming rampup_batch_size before the first step."""
+    preset = gpt_preset(tmp_path / "unused")
+    preset["model"]["options"]["n_layer"] = 2
+    extra = {"distributed": {"backend": "gloo"}, "plugins": {"batch-rampup": {"rampup_batch_size": [2, 2, 16]}}}
+    config = config_file(tmp_path / "rampup.toml", preset, extra, **{**TRAIN, "train_iters": 8})
+    in_one_job(tmp_path, 1, [run(config, tmp_path / "one")], "one")
+    dual = [*run(config, tmp_path / "dual", *layout(pp_size=2), *pipeline("DualPipeV"))]
+    job = in_one_job(
+        tmp_path, 2, [run(config, tmp_path / "pp2", *layout(pp_size=2)), {"args": dual, "expect": 2}], "two"
+    )
+    assert "pipeline-parallel: steps of 1 micro-batch(es) run as GPipe" in job.stderr
+    assert "plugins.batch-rampup.rampup_batch_size: the first steps have 1 micro-batch(es)" in job.stderr
+    reference = figures(tmp_path / "one")
+    batches = {row["global_batch_size"] for row in metrics_rows(tmp_path / "one") if "global_batch_size" in row}
+    assert {2.0, 8.0} <= batches  # it ramped
+    assert_like_one_rank(reference, figures(tmp_path / "pp2"), "pp2")

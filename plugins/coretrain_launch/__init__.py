@@ -151,14 +151,14 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     argv = torchrun_arguments(args)  # a mistake in the flags is reported before torch loads
     import coretrain
 
-    settings = coretrain.load(args.config, args.overrides).config  # a mistake: said once, before any rank starts
+    loaded = coretrain.load(args.config, args.overrides)  # a mistake: said once, before any rank starts
     low, _, high = (args.nnodes or "1").partition(":")
     if high in ("", low):  # a fixed number of ranks: the layout and batch sizes must fit it
-        settings.check_world(int(low) * (args.nproc_per_node or 1))
+        check_job(loaded, [int(low) * (args.nproc_per_node or 1)])
     if args.min_ranks is not None and not args.replace_failed_ranks:
         raise UserError("--min-ranks: only with --replace-failed-ranks (coretrain's own launcher)")
     if args.replace_failed_ranks:
-        return launch_own(args, [sys.executable, *argv[argv.index("-m") :]], settings)
+        return launch_own(args, [sys.executable, *argv[argv.index("-m") :]], loaded)
     cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch loads: this process only
     if args.rdzv_endpoint:
@@ -197,18 +197,30 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     return 0
 
 
-def launch_own(args: argparse.Namespace, command: list[str], settings: Any) -> int:
+def check_job(loaded: Any, sizes: list[int]) -> None:
+    """Each number of ranks the job may have fits the config's layout and batch sizes — the
+    core's keys and each enabled plugin's (``check_layout``): one error for the job."""
+    import coretrain
+
+    plugins = coretrain.load_plugins(loaded)
+    for ranks in sorted(sizes):
+        loaded.config.check_world(ranks)
+        if plugins.implemented("check_layout"):
+            plugins.calls.hook.check_layout(config=loaded.config, world_size=ranks)
+
+
+def launch_own(args: argparse.Namespace, command: list[str], loaded: Any) -> int:
     """coretrain's own launcher (``--replace-failed-ranks``), on one machine or across machines,
     once every size the job may shrink or grow to is checked against its batch."""
     from coretrain_launch.replacing import check_replacing, launch_replacing
 
+    settings = loaded.config
     check_replacing(args, settings.plugins)
     nproc, (low, _, high) = args.nproc_per_node or 1, (args.nnodes or "1").partition(":")
     sizes = {machines * nproc for machines in range(int(low), int(high or low) + 1)}  # machines come and go
     if args.min_ranks is not None:  # ranks dropped one by one
         sizes |= set(range(args.min_ranks, int(high or low) * nproc + 1))
-    for ranks in sorted(sizes):
-        settings.check_world(ranks)
+    check_job(loaded, sorted(sizes))
     if args.rdzv_endpoint:
         from coretrain_launch.machines import launch_machines
 

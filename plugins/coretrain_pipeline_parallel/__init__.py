@@ -70,6 +70,17 @@ class PipelineParallel:
 
     _parts: Any = field(default=None, init=False, repr=False)
 
+    @hookimpl
+    def check_layout(self, config: Any, world_size: int) -> None:
+        """The schedule takes a step's micro-batches on these ranks (said once for a job)."""
+        from coretrain_pipeline_parallel.stages import check_micro_batches
+
+        layout, train = config.distributed, config.train
+        per_pass = train.micro_batch_size * max(world_size // (layout.pp_size * layout.tp_size * layout.cp_size), 1)
+        count = self.pp_microbatches or (train.global_batch_size or per_pass) // per_pass
+        if layout.pp_size > 1:
+            check_micro_batches(self.pp_schedule, layout.pp_size, count)
+
     @hookimpl(tryfirst=True)  # on the model as built: tensor parallelism and FSDP wrap the stage
     def configure_model(self, run: Run) -> None:
         from coretrain_pipeline_parallel.stages import Pipeline

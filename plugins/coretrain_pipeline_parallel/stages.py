@@ -57,6 +57,41 @@ def local_stages(schedule: str, ranks: int, rank: int, virtual: int) -> list[int
     return [rank + k * ranks for k in range(virtual if schedule == "Interleaved1F1B" else 1)]
 
 
+def check_micro_batches(schedule: str, ranks: int, count: int) -> None:
+    """A step of ``count`` micro-batches fits ``schedule`` on ``ranks`` stages' ranks."""
+    if schedule == "1F1B" and count < ranks:
+        raise UserError(
+            f"distributed.pp_size ({ranks}): the 1F1B schedule needs at least as many micro-batches per step as "
+            f"stages, and a step has {count} (global_batch_size / micro_batch_size / data parallel, or "
+            '[plugins.pipeline-parallel] pp_microbatches): raise global_batch_size, or use pp_schedule = "GPipe"'
+        )
+    if schedule == "Interleaved1F1B" and count % max(1, count // ranks):
+        raise UserError(
+            f"plugins.pipeline-parallel: the Interleaved1F1B schedule takes the step's {count} micro-batches in "
+            f"rounds of pp_size ({ranks}): make them a multiple of {ranks}, or fewer than {2 * ranks}"
+        )
+    if schedule == "DualPipeV" and count < 2 * ranks:
+        raise UserError(
+            f"distributed.pp_size ({ranks}): the DualPipeV schedule needs at least as many micro-batches per step "
+            f"as stages ({2 * ranks}: two per rank), and a step has {count}: raise global_batch_size or "
+            'pp_microbatches, or use pp_schedule = "ZBVZeroBubble"'
+        )
+
+
+def fewest_for(schedule: str, ranks: int) -> int:
+    """The fewest micro-batches a step must have for ``schedule`` (fewer run as GPipe)."""
+    return {"GPipe": 1, "DualPipeV": 2 * ranks}.get(schedule, ranks)
+
+
+def first_micro_batches(run: Run, count: int) -> int:
+    """The micro-batches of a fresh run's first step: fewer than ``count`` with a batch-size
+    rampup (the ``num_micro_batches`` hook), else ``count``."""
+    if not run.plugins.implemented("num_micro_batches"):
+        return count
+    first = run.plugins.calls.hook.num_micro_batches(run=run, step=1, consumed_samples=0)
+    return min(count, int(first)) if first else count
+
+
 def untie(model: torch.nn.Module, tied: list[tuple[str, str]]) -> None:
     """Give each tied pair's second name a weight of its own: one rank holds both stages, each an
     FSDP2 root of its own, and a parameter sharded by two roots is not. Their gradients are
@@ -130,22 +165,13 @@ class Pipeline:
                 f"its {type(run.model).__name__} into pipeline stages (the gpt provider's model is cut by block)"
             )
         count = settings.pp_microbatches or run.micro_batches_per_step
-        if schedule == "1F1B" and count < ranks:
+        check_micro_batches(schedule, ranks, count)
+        fewest = first_micro_batches(run, count)
+        if schedule in V_SHAPED and fewest < fewest_for(schedule, ranks) and not settings.pp_microbatches:
             raise UserError(
-                f"distributed.pp_size ({ranks}): the 1F1B schedule needs at least as many micro-batches per step as "
-                f"stages, and a step has {count} (global_batch_size / micro_batch_size / data parallel, or "
-                '[plugins.pipeline-parallel] pp_microbatches): raise global_batch_size, or use pp_schedule = "GPipe"'
-            )
-        if schedule == "Interleaved1F1B" and count % max(1, count // ranks):
-            raise UserError(
-                f"plugins.pipeline-parallel: the Interleaved1F1B schedule takes the step's {count} micro-batches in "
-                f"rounds of pp_size ({ranks}): make them a multiple of {ranks}, or fewer than {2 * ranks}"
-            )
-        if schedule == "DualPipeV" and count < 2 * ranks:
-            raise UserError(
-                f"distributed.pp_size ({ranks}): the DualPipeV schedule needs at least as many micro-batches per step "
-                f"as stages ({2 * ranks}: two per rank), and a step has {count}: raise global_batch_size or "
-                'pp_microbatches, or use pp_schedule = "ZBVZeroBubble"'
+                f"plugins.batch-rampup.rampup_batch_size: the first steps have {fewest} micro-batch(es), fewer than "
+                f"the {schedule} schedule runs ({fewest_for(schedule, ranks)}); start the ramp at a larger batch, set "
+                '[plugins.pipeline-parallel] pp_microbatches, or use pp_schedule = "1F1B" (small steps run as GPipe)'
             )
         held = local_stages(schedule, ranks, rank, settings.pp_virtual_stages)
         total = ranks * len(held)
@@ -183,6 +209,10 @@ class Pipeline:
                 for part, s in zip(self._parts(), self.held)
             ]
             name = SCHEDULES[self.schedule_name] if training else "ScheduleGPipe" if single else "ScheduleLoopedBFS"
+            if training and not v_shaped and count < fewest_for(self.schedule_name, self.group.size()):
+                name = "ScheduleGPipe" if single else "ScheduleLoopedBFS"  # a rampup's small steps: the same numbers
+                if run.dist.is_main:
+                    log.info("pipeline-parallel: steps of %d micro-batch(es) run as %s", count, name[8:])
             kind = VShapedForwards if v_shaped and not training else getattr(schedules, name)
             self._schedules[key] = kind(stages[0] if single else stages, count, loss_fn=self.loss)
         return self._schedules[key]
