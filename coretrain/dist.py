@@ -206,6 +206,23 @@ def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return sum_over_ranks(tensor).div_(world) if world > 1 else tensor
 
 
+def _forget_sharding_plans() -> None:
+    """Empty DTensor's caches of sharding plans (its C++ one and Python's). A DeviceMesh equals
+    another of the same ranks and dim names whatever its process groups, so a later run in this
+    process (in-process restart, a notebook, a test's job) was handed plans on the groups just
+    destroyed: "Could not resolve the process group", or a sum over too few ranks, silently
+    (torch 2.13; Megatron-LM clears the same cache at teardown)."""
+    from torch.distributed.tensor import DTensor
+
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    cached: Any = getattr(propagator, "propagate_op_sharding", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
 def shutdown(graceful: bool = False) -> None:
     """Leave the process group; ``graceful`` first waits for every rank, so no rank tears down
     its connections while another is still in a collective (gloo aborts on that).
@@ -235,3 +252,4 @@ def shutdown(graceful: bool = False) -> None:
         gc.collect()
         dist.destroy_process_group()
         gc.collect()
+        _forget_sharding_plans()

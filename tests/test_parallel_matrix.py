@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow  # torchrun jobs of 2 and 4 gloo ranks
 
 MOE = {"n_layer": 4, "n_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 MOE |= {"moe_capacity_factor": 1.0}  # experts that drop assignments: the choice must be the whole sequences' too
+MOE |= {"moe_shared_experts": 1, "bias": True}  # (a bias of a split layer is added once, after the sum)
 TRAIN = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 6, "log_interval": 1}
 TRAIN |= {"eval_iters": 1, "eval_interval": 3}
 
@@ -84,11 +85,9 @@ def test_a_mixture_of_experts_cut_into_pipeline_stages_trains_like_one_rank(
     two += [run(config, out["ZBV"], *layout(pp_size=2), *pipeline("ZBVZeroBubble"))]
     two += [run(config, out["DualPipeV"], *layout(pp_size=2), *pipeline("DualPipeV", 4))]
     in_one_job(tmp_path, 2, two, "two")
-    in_one_job(tmp_path, 4, [run(config, out["pp-fsdp"], *layout(pp_size=2, strategy="fsdp"))], "four")
-    # (a job of their own: in one process, a run on a mesh with the expert split after one without
-    # it, or the other way round, gets FSDP parameters on a mesh of the other run's groups, torch 2.13)
-    four_ep = [run(config, out["pp-ep"], *layout(pp_size=2, ep_size=2, strategy="fsdp"))]
-    job = in_one_job(tmp_path, 4, four_ep, "four-ep")
+    four = [run(config, out["pp-fsdp"], *layout(pp_size=2, strategy="fsdp"))]
+    four += [run(config, out["pp-ep"], *layout(pp_size=2, ep_size=2, strategy="fsdp"))]
+    job = in_one_job(tmp_path, 4, four, "four")
     assert "expert-parallel: 4 experts in each of 2 layers, 2 on each of 2 ranks" in job.stderr
     for name, directory in out.items():
         assert_like_one_rank(reference, figures(directory), name)
@@ -105,10 +104,9 @@ def test_a_mixture_of_experts_on_sequences_split_over_ranks_trains_like_one_rank
     in_one_job(tmp_path, 2, [run(config, out["cp2"], *layout(cp_size=2))], "two")
     four = [run(config, out["cp2-pp2"], *layout(cp_size=2, pp_size=2))]
     four += [run(config, out["cp2-pp2-interleaved"], *layout(cp_size=2, pp_size=2), *pipeline("Interleaved1F1B"))]
-    in_one_job(tmp_path, 4, four, "four")
-    four = [run(config, out["cp2-ep2"], *layout(cp_size=2, ep_size=2, strategy="fsdp"))]
+    four += [run(config, out["cp2-ep2"], *layout(cp_size=2, ep_size=2, strategy="fsdp"))]
     four += [run(config, out["cp2-ep4"], *layout(cp_size=2, ep_size=4, strategy="fsdp"))]
-    in_one_job(tmp_path, 4, four, "four-ep")
+    in_one_job(tmp_path, 4, four, "four")
     for name, directory in out.items():
         assert_like_one_rank(reference, figures(directory), name)
 
@@ -123,8 +121,28 @@ def test_experts_spread_over_part_of_the_data_parallel_ranks_train_like_one_rank
     jobs = [run(config, out["ep2-dp4"], *layout(ep_size=2, strategy="fsdp"))]
     jobs += [run(config, out["ep2-hsdp"], *layout(ep_size=2, dp_replicate=2, strategy="fsdp"))]
     jobs += [run(config, out["ep4-dp4"], *layout(ep_size=4, strategy="fsdp"))]
-    job = in_one_job(tmp_path, 4, jobs, "four-ep")
+    job = in_one_job(tmp_path, 4, jobs, "four")
     assert "2 on each of 2 ranks (this rank's experts.fc.weight: (1, 128, 32))" in job.stderr  # sharded over 2
+    for name, directory in out.items():
+        assert_like_one_rank(reference, figures(directory), name)
+
+
+def test_a_mixture_of_experts_with_tensor_parallelism_trains_like_one_rank(
+    tmp_path: Path, moe: tuple[Path, dict[tuple[int, str], float]]
+) -> None:
+    """MoE × TP: attention split by heads, each expert's hidden units split over the
+    tensor-parallel ranks (Megatron's expert tensor parallelism), alone, with FSDP, with pipeline
+    and context parallelism, and with the experts spread over the data-parallel ranks (EP 2 ×
+    TP 2: each rank holds half the experts' halves)."""
+    config, reference = moe
+    out = {name: tmp_path / name for name in ("tp2", "tp2-fsdp2", "tp2-pp2", "tp2-cp2", "tp2-ep2")}
+    in_one_job(tmp_path, 2, [run(config, out["tp2"], *layout(tp_size=2))], "two")
+    four = [run(config, out["tp2-fsdp2"], *layout(tp_size=2, strategy="fsdp"))]
+    four += [run(config, out["tp2-pp2"], *layout(tp_size=2, pp_size=2))]
+    four += [run(config, out["tp2-cp2"], *layout(tp_size=2, cp_size=2))]
+    four += [run(config, out["tp2-ep2"], *layout(tp_size=2, ep_size=2))]
+    job = in_one_job(tmp_path, 4, four, "four")
+    assert "this rank's experts.fc.weight: (2, 64, 32)" in job.stderr  # 2 of 4 experts, 64 of 128 hidden units
     for name, directory in out.items():
         assert_like_one_rank(reference, figures(directory), name)
 

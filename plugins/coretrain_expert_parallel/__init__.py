@@ -58,10 +58,7 @@ class AllToAll:
         # group's ranks (the groups' copies are then averaged by FSDP); the tokens' own come back whole
         arrived = scaled_gradient(exchange(outgoing, received, sent, self.group), self.ranks)
         mine = their_experts - self.rank * self.per_rank
-        computed = torch.zeros_like(arrived)
-        for e in range(self.per_rank):  # every local expert runs, on no tokens too (each gets a gradient)
-            rows = (mine == e).nonzero().squeeze(1)
-            computed = computed.index_add(0, rows, experts(arrived[rows], e))
+        computed = experts(arrived, mine)  # every local expert runs, on no tokens too (each gets a gradient)
         back = exchange(scaled_gradient(computed, 1 / self.ranks), sent, received, self.group)
         scaled = back * weights[token_idx, expert_idx, None].to(tokens.dtype)
         return torch.zeros_like(tokens).index_add(0, token_idx, scaled)
@@ -126,7 +123,7 @@ class ExpertParallel:
     @hookimpl(tryfirst=True)  # before FSDP shards the rest
     def configure_model(self, run: Run) -> None:
         import torch
-        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
         ep = run.config.distributed.ep_size
         layers: list[Any] = [m for m in run.model.modules() if hasattr(m, "dispatch") and hasattr(m, "experts")]
@@ -144,12 +141,19 @@ class ExpertParallel:
             )
         mesh = run.device_mesh()
         spread_over, copies = mesh["ep"], mesh["edp"]
+        tp = run.dist.tp_size
         for layer in layers:
+            tensor_split = tensor_split_of(layer.experts, tp)
             for name, param in list(layer.experts.named_parameters()):
                 module_name, _, attribute = name.rpartition(".")
                 module = layer.experts.get_submodule(module_name)
-                spread: Any = torch.nn.Parameter(distribute_tensor(param.detach(), spread_over, [Shard(0)]))
-                setattr(module, attribute, spread)
+                if tp == 1:
+                    placed = distribute_tensor(param.detach(), spread_over, [Shard(0)])
+                else:  # each expert's share of hidden units on the tensor-parallel ranks, as they split it
+                    dim, spread_dims = tensor_split[name], ep_dims(mesh)
+                    placements = [Shard(0)] * len(spread_dims) + [Replicate() if dim is None else Shard(dim)]
+                    placed = distribute_tensor(param.detach(), mesh[(*spread_dims, "tp")], placements)
+                setattr(module, attribute, torch.nn.Parameter(placed))
             shard_copies(layer.experts, copies)
             layer.dispatch = AllToAll(spread_over.get_group(), ep, spread_over.get_local_rank(), n_experts // ep)
         if run.dist.is_main:
@@ -159,6 +163,24 @@ class ExpertParallel:
                 "experts.fc.weight: %s), tokens sent to them by all-to-all; each group's copy sharded over %d",
                 *(n_experts, len(layers), n_experts // ep, ep, here, copies.size()),
             )
+
+
+def ep_dims(mesh: Any) -> tuple[str, ...]:
+    """The mesh's dims the "ep" dim flattens (a slice of several dims takes these, not it)."""
+    return tuple(name for name in ("dp_in_ep", "cp") if name in (mesh.mesh_dim_names or ()))
+
+
+def tensor_split_of(experts: Any, tp: int) -> dict[str, int | None]:
+    """How the experts' model splits each of their parameters over tensor-parallel ranks
+    (``TENSOR_SPLIT``: name -> the dimension, or None for whole), when there are some."""
+    split: dict[str, int | None] | None = getattr(experts, "TENSOR_SPLIT", None)
+    if tp > 1 and split is None:
+        raise UserError(
+            f"distributed.tp_size ({tp}) with distributed.ep_size: the model's experts "
+            f"({type(experts).__name__}) do not say how tensor parallelism splits them (a TENSOR_SPLIT "
+            "attribute: parameter name -> dimension); set tp_size = 1"
+        )
+    return split or {}
 
 
 def shard_copies(experts: Any, copies: Any) -> None:

@@ -120,6 +120,29 @@ class GPTProvider:
         )
 
     @hookimpl
+    def check_layout(self, config: Any) -> None:
+        """What this model's options make impossible on the layout (said once for a job, before
+        its ranks start): more tensor-parallel ranks than heads divide, experts that cannot be
+        spread over the expert-parallel ranks."""
+        from coretrain import UserError
+
+        layout = config.distributed
+        if layout.tp_size > 1 and self.n_head % layout.tp_size:
+            raise UserError(
+                f"distributed.tp_size ({layout.tp_size}) must divide model.options.n_head ({self.n_head}): "
+                "each rank takes an equal share of the heads"
+            )
+        if layout.ep_size > 1 and not self.n_experts:
+            raise UserError(
+                f"distributed.ep_size ({layout.ep_size}): the model has no experts to spread "
+                "(set model.options.n_experts)"
+            )
+        if layout.ep_size > 1 and self.n_experts % layout.ep_size:
+            raise UserError(
+                f"distributed.ep_size ({layout.ep_size}) must divide model.options.n_experts ({self.n_experts})"
+            )
+
+    @hookimpl
     def configure_model(self, run: Run) -> None:
         """Sequences split over context-parallel ranks: each mixture-of-experts layer routes its
         share, with the routing statistics of the whole sequences."""
@@ -134,55 +157,22 @@ class GPTProvider:
 
     @hookimpl
     def tensor_parallel_plan(self, run: Run, model: Any) -> dict[str, Any] | None:
-        """torchtitan's plan, for this model: attention heads and the MLP's hidden units split
-        over the group (column-wise in, row-wise out), the vocabulary split in the embedding
-        and the tied output head, and the norms and residual stream sequence-parallel (each
-        rank holds 1/tp of the positions between the attention and MLP blocks)."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            PrepareModuleOutput,
-            RowwiseParallel,
-            SequenceParallel,
-        )
-
+        """torchtitan's plan, for this model (:mod:`coretrain_gpt.tensor_plan`), its experts
+        split as Megatron's expert tensor parallelism splits them."""
         from coretrain import UserError
         from coretrain_gpt.model import GPT, GPTStage
+        from coretrain_gpt.tensor_plan import tensor_parallel_plan
 
         if not isinstance(model, (GPT, GPTStage)):
             return None
         tp, cfg = run.dist.tp_size, model.cfg
-        if cfg.moe is not None:
-            raise UserError(
-                f"distributed.tp_size ({tp}): this plan does not split a mixture of experts (model.options.n_experts "
-                f"= {cfg.moe.n_experts}) yet; train it with data parallelism (DDP or FSDP), or set n_experts = 0"
-            )
         seq_length = run.datasets.seq_length or cfg.block_size
         for what, size in (("model.options.n_head", cfg.n_head), ("the sequence length", seq_length)):
             if size % tp:
                 raise UserError(
                     f"distributed.tp_size ({tp}) must divide {what} ({size}): each rank takes an equal share"
                 )
-        gather_positions = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan = {
-            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "drop": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
-            "blocks.*.ln_1": SequenceParallel(),
-            "blocks.*.attn": gather_positions,
-            "blocks.*.attn.q": ColwiseParallel(),
-            "blocks.*.attn.k": ColwiseParallel(),
-            "blocks.*.attn.v": ColwiseParallel(),
-            "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-            "blocks.*.ln_2": SequenceParallel(),
-            "blocks.*.mlp": gather_positions,
-            "blocks.*.mlp.fc": ColwiseParallel(),
-            "blocks.*.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
-            "ln_f": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        }
-        present = {name for name, _ in model.named_modules()}  # a pipeline stage holds some of them
-        return {key: style for key, style in plan.items() if "*" in key or key in present}
+        return tensor_parallel_plan(model, cfg.moe is not None, run.dist.ep_size > 1)
 
     @hookimpl
     def pipeline_split(self, run: Run, model: Any) -> dict[str, Any] | None:

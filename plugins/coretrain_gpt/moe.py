@@ -27,6 +27,7 @@ layer's losses and its expert load (the smallest and largest share of assignment
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -83,11 +84,11 @@ class StackedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, out_features, in_features).normal_(0.0, 0.02))
         self.bias = nn.Parameter(torch.zeros(experts, out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert: int, bias: bool = True) -> torch.Tensor:
         """Expert ``expert`` of the ones this rank holds (all of them, unless expert parallelism
         spread them: then ``weight`` is a DTensor and this rank's slice is used)."""
-        bias = None if self.bias is None else local(self.bias)[expert]
-        return F.linear(x, local(self.weight)[expert], bias)
+        added = None if self.bias is None or not bias else local(self.bias)[expert]
+        return F.linear(x, local(self.weight)[expert], added)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -99,16 +100,82 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 class Experts(nn.Module):
     """The routed experts: each the GPT's MLP (GELU, 4× wide), their weights stacked."""
 
+    TENSOR_SPLIT = {"fc.weight": 1, "fc.bias": 1, "proj.weight": 2, "proj.bias": None}
+    """The dimension of each parameter that expert tensor parallelism splits (None: whole on
+    every rank): each rank holds a share of every expert's hidden units, as Megatron's."""
+
     def __init__(self, experts: int, n_embd: int, bias: bool, dropout: float) -> None:
         super().__init__()
         self.fc = StackedLinear(experts, n_embd, 4 * n_embd, bias)
         self.proj = StackedLinear(experts, 4 * n_embd, n_embd, bias)
         self.dropout = nn.Dropout(dropout)
+        self.tensor_split: TensorSplit | None = None
+        """Set by tensor parallelism: the ranks holding a share of each expert's hidden units,
+        which see the same tokens and sum their partial outputs."""
 
-    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """Expert ``expert`` on the tokens ``x`` (tokens × width)."""
-        out: torch.Tensor = self.dropout(self.proj(F.gelu(self.fc(x, expert)), expert))
+    def forward(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Each row (a token, width wide) through its expert (``expert``: the index of one this
+        rank holds, per row). An expert no row chose still runs, on none: every parameter gets a
+        gradient, as DDP and FSDP expect."""
+        split = self.tensor_split
+        rows = split.entering(rows) if split else rows
+        out = rows.new_zeros(len(rows), self.proj.weight.size(1))
+        for e in range(local(self.fc.weight).size(0)):
+            which = (expert == e).nonzero().squeeze(1)
+            hidden = F.gelu(self.fc(rows[which], e))
+            out = out.index_add(0, which, self.proj(hidden, e, bias=split is None))
+        if split is not None:
+            out = split.summed(out)
+            if self.proj.bias is not None:  # once, after the ranks' shares are summed
+                out = out + local(self.proj.bias)[expert]
+        dropped: torch.Tensor = self.dropout(out)
+        return dropped
+
+
+class TensorSplit:
+    """The ranks that each hold a share of every expert's hidden units (the tensor-parallel
+    group). They compute the same rows: their shares of the outputs are summed in forward, their
+    shares of the inputs' gradients in backward (Megatron's ``copy_to`` / ``reduce_from``
+    tensor-parallel region)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def entering(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` as they are; in backward, their gradient summed over the group."""
+        out: torch.Tensor = _reduce_function().apply(rows, self.group, False)
         return out
+
+    def summed(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` summed over the group; in backward, the gradient as it is."""
+        out: torch.Tensor = _reduce_function().apply(rows, self.group, True)
+        return out
+
+
+@functools.cache
+def _reduce_function() -> Any:
+    """An all-reduce in forward (``forward_sum``) or in backward, defined once."""
+    import torch.distributed as dist
+
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, rows: torch.Tensor, group: Any, forward_sum: bool) -> torch.Tensor:
+            ctx.group, ctx.forward_sum = group, forward_sum
+            if not forward_sum:
+                return rows.view_as(rows)
+            total = rows.clone()
+            dist.all_reduce(total, group=group)
+            return total
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+            if ctx.forward_sum:
+                return grad, None, None
+            total = grad.clone()
+            dist.all_reduce(total, group=ctx.group)
+            return total, None, None
+
+    return Reduce
 
 
 class MoE(nn.Module):
@@ -143,7 +210,7 @@ class MoE(nn.Module):
         cfg = self.cfg
         tokens = x.reshape(-1, x.size(-1))
         self.batch = len(x) if x.dim() > 2 else 1
-        logits = F.linear(tokens.float(), self.router.weight.float())  # the router in fp32, as Megatron's
+        logits = F.linear(tokens.float(), local(self.router.weight).float())  # the router in fp32, as Megatron's
         top_logits, chosen = logits.topk(cfg.top_k, dim=-1)
         routed = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
         weights = torch.zeros_like(logits).scatter(1, chosen, torch.softmax(top_logits, dim=-1))
@@ -196,13 +263,19 @@ class MoE(nn.Module):
 
 
 def combine(experts: Experts, tokens: torch.Tensor, kept: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Each token's experts' outputs, weighted and summed, with every expert here. An expert no
-    token chose still runs, on none: every parameter gets a gradient, as DDP and FSDP expect."""
-    out = torch.zeros_like(tokens)
-    for e in range(kept.size(1)):
-        rows = kept[:, e].nonzero().squeeze(1)
-        out = out.index_add(0, rows, experts(tokens[rows], e) * weights[rows, e, None].to(tokens.dtype))
-    return out
+    """Each token's experts' outputs, weighted and summed (in the order of the experts, as
+    expert parallelism sums them), with every expert here."""
+    token_idx, expert_idx = assignments(kept)
+    computed = experts(tokens[token_idx], expert_idx)
+    scaled = computed * weights[token_idx, expert_idx, None].to(tokens.dtype)
+    return torch.zeros_like(tokens).index_add(0, token_idx, scaled)
+
+
+def assignments(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept (token, expert) pairs of a routing map, by expert, each expert's tokens in order."""
+    token_idx, expert_idx = kept.nonzero(as_tuple=True)  # by token, then expert
+    order = torch.argsort(expert_idx, stable=True)
+    return token_idx[order], expert_idx[order]
 
 
 def moe_outputs(loss: torch.Tensor, layers: list[MoE], training: bool) -> dict[str, torch.Tensor]:
