@@ -213,6 +213,30 @@ def gpt_preset(output_dir: Path) -> dict[str, Any]:
     }
 
 
+HF_MOE = {
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4},
+    "qwen2_moe": {"model_type": "qwen2_moe", "num_experts": 4, "shared_expert_intermediate_size": 32},
+    "qwen3_moe": {"model_type": "qwen3_moe", "num_experts": 4, "head_dim": 16},
+    "deepseek_v3": {
+        **{"model_type": "deepseek_v3", "n_routed_experts": 4, "n_group": 2, "topk_group": 1, "n_shared_experts": 1},
+        **{"first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8},
+        **{"qk_nope_head_dim": 8, "v_head_dim": 16},
+    },
+}
+"""Transformers' mixtures of experts, tiny (Mixtral-, Qwen2-MoE-, Qwen3-MoE- and DeepSeek-V3-shaped;
+DeepSeek-V3's first layer dense, its routing by groups, its load balanced without an auxiliary loss)."""
+
+
+def hf_moe_table(kind: str, layers: int) -> dict[str, Any]:
+    """A tiny ``kind`` mixture of experts' config table (4 experts, top 2; with transformers'
+    load-balancing loss where the architecture has one)."""
+    table = {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": layers}
+    table |= {"num_attention_heads": 2, "num_key_value_heads": 2, "num_experts_per_tok": 2, **HF_MOE[kind]}
+    if kind != "deepseek_v3":
+        table |= {"output_router_logits": True, "router_aux_loss_coef": 0.02}
+    return table
+
+
 def config_file(path: Path, preset: Mapping[str, Any], extra: str | Mapping[str, Any] = "", **train: Any) -> Path:
     """The tests' one config builder: ``preset`` (a complete config as a dict), ``train`` keys,
     then ``extra`` tables (TOML text or a dict) merged on top, written as TOML to ``path``."""

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CORPUS, STDLIB, metrics_rows
+from conftest import CORPUS, HF_MOE, STDLIB, hf_moe_table, metrics_rows
 from coretrain_checkpoint_command.export import export
 
 from coretrain import UserError, hookimpl
@@ -746,6 +746,68 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss_as_transformer
     last = result.metrics[-1]
     assert last["loss"] == pytest.approx(last["train/lm_loss"] + last["train/moe_aux_loss"], rel=1e-6)
     assert 0 <= last["train/moe/layer0/load_min"] <= 0.25 <= last["train/moe/layer0/load_max"] <= 1
+
+
+def tiny_moe(kind: str, layers: int) -> Any:
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**hf_moe_table(kind, layers), vocab_size=VOCAB)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+@pytest.mark.parametrize("kind", sorted(HF_MOE))
+def test_routable_experts_handed_their_routing_compute_what_transformers_does(kind: str) -> None:
+    """What expert parallelism does with a Hugging Face experts module, on one rank: its forward
+    hands the routing to ``dispatch``, which runs each (token, expert) pair through
+    ``expert_rows`` and sums the weighted rows — the module's own output."""
+    from coretrain_hf.experts import make_routable, stacked_experts
+
+    hf = tiny_moe(kind, layers=2)
+    experts = stacked_experts(hf)
+    assert experts and all(e.gate_up_proj.dim() == 3 for e in experts)
+    module = experts[0]
+    hidden = torch.randn(10, hf.config.hidden_size)
+    index = torch.stack([torch.randperm(module.num_experts)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2)
+    expected = module(hidden, index, weights)
+
+    def locally(experts: Any, tokens: torch.Tensor, kept: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        token_idx, expert_idx = kept.nonzero(as_tuple=True)
+        rows = experts.expert_rows(tokens[token_idx], expert_idx) * weights[token_idx, expert_idx, None]
+        return torch.zeros_like(tokens).index_add(0, token_idx, rows)
+
+    make_routable(module)
+    assert module.n_experts == module.num_experts and module(hidden, index, weights).equal(expected)  # unchanged
+    module.dispatch = locally
+    torch.testing.assert_close(module(hidden, index, weights), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_stages_of_a_mixture_of_experts_compute_its_load_balancing_loss_over_every_layer(kind: str) -> None:
+    """Transformers' load-balancing loss is one formula over every layer's routers, not a sum of
+    per-layer losses: stages cut at each layer hand their routing sums on, and the last stage's
+    loss — and every router's gradient through it — is the whole model's."""
+    from coretrain_hf.stages import pipeline_split
+
+    hf = tiny_moe(kind, layers=3)
+    hf.config._attn_implementation = "sdpa"
+    model = CausalLM(hf)
+    ids, targets = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    whole = model(ids, targets)
+    whole["loss"].backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if "gate" in name}
+    model.zero_grad()
+    split = pipeline_split(model)
+    stages = [split["stage"](range(i, i + 1), i == 0, i == 2) for i in range(3)]
+    hidden, sums = stages[0](ids)
+    hidden, sums = stages[1](hidden, sums)
+    loss = split["loss"](stages[2](hidden, sums), targets)
+    torch.testing.assert_close(loss, whole["loss"])
+    loss.backward()
+    for name, grad in expected.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, msg=name)
+    values = split["values"](stages[0], 1)
+    assert values["moe_aux_loss"] == pytest.approx(whole["moe_aux_loss"].item(), rel=1e-6)
+    assert values["moe/layer2/load_max"] == pytest.approx(whole["moe/layer2/load_max"].item())
 
 
 # --------------------------------------------------------------------------- [tokenizer]: the run's one tokenizer

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, in_one_job, metrics_rows
+from conftest import HF_MOE, config_file, gpt_preset, hf_moe_table, in_one_job, metrics_rows
 
 pytestmark = pytest.mark.slow  # torchrun jobs of 2 and 4 gloo ranks
 
@@ -145,6 +145,36 @@ def test_a_mixture_of_experts_with_tensor_parallelism_trains_like_one_rank(
     assert "this rank's experts.fc.weight: (2, 64, 32)" in job.stderr  # 2 of 4 experts, 64 of 128 hidden units
     for name, directory in out.items():
         assert_like_one_rank(reference, figures(directory), name)
+
+
+def test_hugging_face_mixtures_of_experts_train_like_one_rank_on_expert_and_pipeline_ranks(tmp_path: Path) -> None:
+    """Mixtral-, Qwen2-MoE-, Qwen3-MoE- and DeepSeek-V3-shaped models built from a config: EP 2 on
+    4 data-parallel ranks (FSDP over the rest), PP 2, and for Mixtral interleaved stages and
+    PP 2 × EP 2 — the one-rank loss, grad norm, transformers' load-balancing loss (one formula
+    over every layer, finished on the last stage) and the experts' loads."""
+    out: dict[str, Path] = {}
+    one, two, four = [], [], []
+    for kind in sorted(HF_MOE):
+        preset = gpt_preset(tmp_path / "unused")
+        preset["model"] = {"provider": "hf", "options": {"config": hf_moe_table(kind, layers=4)}}
+        config = config_file(tmp_path / f"{kind}.toml", preset, {"distributed": {"backend": "gloo"}}, **TRAIN)
+        out |= {name: tmp_path / name for name in (f"{kind}-one", f"{kind}-ep2-dp4", f"{kind}-pp2")}
+        one += [run(config, out[f"{kind}-one"])]
+        two += [run(config, out[f"{kind}-pp2"], *layout(pp_size=2))]
+        four += [run(config, out[f"{kind}-ep2-dp4"], *layout(ep_size=2))]
+        if kind == "mixtral":
+            out |= {name: tmp_path / name for name in ("mixtral-interleaved", "mixtral-pp2-ep2")}
+            two += [run(config, out["mixtral-interleaved"], *layout(pp_size=2), *pipeline("Interleaved1F1B"))]
+            four += [run(config, out["mixtral-pp2-ep2"], *layout(pp_size=2, ep_size=2))]
+    in_one_job(tmp_path, 1, one, "one")
+    in_one_job(tmp_path, 2, two, "two")
+    job = in_one_job(tmp_path, 4, four, "four")
+    assert "2 on each of 2 ranks (this rank's experts.gate_up_proj: (1, 64, 32))" in job.stderr  # sharded over 2
+    for kind in sorted(HF_MOE):
+        reference = figures(out[f"{kind}-one"])
+        assert (kind == "deepseek_v3") != any(name == "train/moe_aux_loss" for _, name in reference)
+        for name in [name for name in out if name.startswith(kind) and name != f"{kind}-one"]:
+            assert_like_one_rank(reference, figures(out[name]), name)
 
 
 def predictions(path: Path) -> list[Any]:

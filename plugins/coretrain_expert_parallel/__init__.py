@@ -5,14 +5,20 @@ sent to its experts' rank and back by all-to-all (``distributed.ep_size``).
     strategy = "fsdp"     # "auto" picks it with ep_size > 1
     ep_size = 2           # a divisor of one replica's data-parallel ranks × cp_size
 
+The experts are a model's modules with ``dispatch`` (None: compute here), ``n_experts`` and
+``expert_rows(rows, expert)`` (each row through the expert of that index among the ones this
+rank holds), their parameters stacked expert first: the gpt provider's, and the hf provider's
+adapters of transformers' stacked experts (Mixtral, Qwen-MoE, DeepSeek-V3). With tensor
+parallelism too, an optional ``TENSOR_SPLIT`` (parameter name -> dimension) says how each is
+split over the tensor-parallel ranks.
+
 The ranks form expert groups of ``ep_size`` (torchtitan's ``dp_shard_in_ep × cp``: neighbouring
 data-parallel ranks, and whole context groups); each rank of a group holds n_experts / ep_size
 experts, and the groups hold copies of the same experts, which FSDP2 shards over the ranks
-holding them (``dp_shard_mod_ep``, with HSDP its replicas too). The gpt provider keeps its
-experts' weights stacked, expert first: each rank keeps its slice of that dimension as a
-DTensor sharded over the expert group, so clipping, the optimizer and DCP checkpoints see one
-kind of parameter, and a checkpoint holds the whole stacked tensors under their names: it
-resumes with another ``ep_size`` or on one rank.
+holding them (``dp_shard_mod_ep``, with HSDP its replicas too). Each rank keeps its slice of
+the experts' dimension as a DTensor sharded over the expert group, so clipping, the optimizer
+and DCP checkpoints see one kind of parameter, and a checkpoint holds the whole stacked tensors
+under their names: it resumes with another ``ep_size`` or on one rank.
 
 A step on each rank routes its own tokens; the tokens bound for another rank's experts travel
 there in one all-to-all per MoE layer (their counts in one before it: a host sync per layer, as
@@ -58,7 +64,7 @@ class AllToAll:
         # group's ranks (the groups' copies are then averaged by FSDP); the tokens' own come back whole
         arrived = scaled_gradient(exchange(outgoing, received, sent, self.group), self.ranks)
         mine = their_experts - self.rank * self.per_rank
-        computed = experts(arrived, mine)  # every local expert runs, on no tokens too (each gets a gradient)
+        computed = experts.expert_rows(arrived, mine)  # (every local expert gets a gradient, of no tokens too)
         back = exchange(scaled_gradient(computed, 1 / self.ranks), sent, received, self.group)
         scaled = back * weights[token_idx, expert_idx, None].to(tokens.dtype)
         return torch.zeros_like(tokens).index_add(0, token_idx, scaled)
@@ -126,13 +132,14 @@ class ExpertParallel:
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
         ep = run.config.distributed.ep_size
-        layers: list[Any] = [m for m in run.model.modules() if hasattr(m, "dispatch") and hasattr(m, "experts")]
+        layers: list[Any] = [m for m in run.model.modules() if hasattr(m, "dispatch") and hasattr(m, "expert_rows")]
         if not layers:
             raise UserError(
                 f"distributed.ep_size ({ep}): the model has no experts to spread (the gpt provider's "
-                "model.options.n_experts makes a mixture of experts)"
+                "model.options.n_experts makes a mixture of experts; the hf provider's are transformers' "
+                "stacked experts: Mixtral, Qwen-MoE, DeepSeek-V3, ... with transformers >= 5)"
             )
-        n_experts: int = layers[0].cfg.n_experts
+        n_experts: int = layers[0].n_experts
         if n_experts % ep:
             raise UserError(f"distributed.ep_size ({ep}) must divide model.options.n_experts ({n_experts})")
         if run.config.distributed.resolved_strategy(run.dist.world_size) != "fsdp":
@@ -143,10 +150,10 @@ class ExpertParallel:
         spread_over, copies = mesh["ep"], mesh["edp"]
         tp = run.dist.tp_size
         for layer in layers:
-            tensor_split = tensor_split_of(layer.experts, tp)
-            for name, param in list(layer.experts.named_parameters()):
+            tensor_split = tensor_split_of(layer, tp)
+            for name, param in list(layer.named_parameters()):
                 module_name, _, attribute = name.rpartition(".")
-                module = layer.experts.get_submodule(module_name)
+                module = layer.get_submodule(module_name)
                 if tp == 1:
                     placed = distribute_tensor(param.detach(), spread_over, [Shard(0)])
                 else:  # each expert's share of hidden units on the tensor-parallel ranks, as they split it
@@ -154,14 +161,14 @@ class ExpertParallel:
                     placements = [Shard(0)] * len(spread_dims) + [Replicate() if dim is None else Shard(dim)]
                     placed = distribute_tensor(param.detach(), mesh[(*spread_dims, "tp")], placements)
                 setattr(module, attribute, torch.nn.Parameter(placed))
-            shard_copies(layer.experts, copies)
+            shard_copies(layer, copies)
             layer.dispatch = AllToAll(spread_over.get_group(), ep, spread_over.get_local_rank(), n_experts // ep)
         if run.dist.is_main:
-            here = tuple(local_shape(layers[0].experts.fc.weight))
+            name, first = next(iter(layers[0].named_parameters()))
             log.info(
                 "expert-parallel: %d experts in each of %d layers, %d on each of %d ranks (this rank's "
-                "experts.fc.weight: %s), tokens sent to them by all-to-all; each group's copy sharded over %d",
-                *(n_experts, len(layers), n_experts // ep, ep, here, copies.size()),
+                "experts.%s: %s), tokens sent to them by all-to-all; each group's copy sharded over %d",
+                *(n_experts, len(layers), n_experts // ep, ep, name, tuple(local_shape(first)), copies.size()),
             )
 
 

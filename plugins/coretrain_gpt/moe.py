@@ -109,9 +109,19 @@ class Experts(nn.Module):
         self.fc = StackedLinear(experts, n_embd, 4 * n_embd, bias)
         self.proj = StackedLinear(experts, 4 * n_embd, n_embd, bias)
         self.dropout = nn.Dropout(dropout)
+        self.n_experts = experts
         self.tensor_split: TensorSplit | None = None
         """Set by tensor parallelism: the ranks holding a share of each expert's hidden units,
         which see the same tokens and sum their partial outputs."""
+        self.dispatch: Callable[[Experts, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        """Set by expert parallelism: sends each token to its experts' rank and back
+        (``dispatch(experts, tokens, kept, weights)`` → the weighted sum of its experts' outputs,
+        computed there by :meth:`expert_rows`)."""
+
+    def expert_rows(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """What expert parallelism calls on the rows that arrived: :meth:`forward`."""
+        out: torch.Tensor = self(rows, expert)
+        return out
 
     def forward(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """Each row (a token, width wide) through its expert (``expert``: the index of one this
@@ -187,9 +197,6 @@ class MoE(nn.Module):
         self.router = nn.Linear(n_embd, cfg.n_experts, bias=False)
         self.experts = Experts(cfg.n_experts, n_embd, bias, dropout)
         self.shared = shared
-        self.dispatch: Callable[[Experts, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        """Set by expert parallelism: sends each token to its experts' rank and back
-        (``dispatch(experts, tokens, kept, weights)`` → the weighted sum of its experts' outputs)."""
         self.stats: dict[str, torch.Tensor] = {}
         """The last forward's ``aux_loss``, ``z_loss``, ``load_min`` and ``load_max``."""
         self.losses_in_backward = False
@@ -216,7 +223,7 @@ class MoE(nn.Module):
         weights = torch.zeros_like(logits).scatter(1, chosen, torch.softmax(top_logits, dim=-1))
         split = self.sequence_split
         kept = routed if cfg.capacity_factor is None else self._within_capacity(weights, routed)
-        dispatch = self.dispatch or combine
+        dispatch = self.experts.dispatch or combine
         out = dispatch(self.experts, tokens, kept, weights)
         if self.shared is not None:
             out = out + self.shared(tokens)

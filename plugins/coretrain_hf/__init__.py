@@ -81,6 +81,11 @@ class HFModel:
         except (OSError, ValueError, KeyError) as exc:
             raise UserError(f"model.options: transformers cannot build the model: {exc}") from None
         check_vocab(hf.config, run.datasets.vocab_size)
+        if run.config.distributed.ep_size > 1:  # its experts spread over ranks by expert-parallel
+            from coretrain_hf.experts import make_routable, stacked_experts
+
+            for experts in stacked_experts(hf):
+                make_routable(experts)
         if self.task == "causal-lm":
             return CausalLM(hf, run.datasets.seq_length)
         return SequenceClassifier(hf)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from coretrain import UserError
+from coretrain_hf.routers import Routers
 
 
 class HFStage(torch.nn.Module):
@@ -17,8 +18,9 @@ class HFStage(torch.nn.Module):
     first stage, hidden states on the others; returns logits on the last. Attention is causal
     through SDPA (no mask is built: the sequences are whole windows)."""
 
-    def __init__(self, model: Any, layers: range, first: bool, last: bool) -> None:
+    def __init__(self, model: Any, layers: range, first: bool, last: bool, routers: Routers | None = None) -> None:
         super().__init__()
+        self.routers = routers  # (a mixture of experts' load-balancing loss)
         hf = model.hf
         base = getattr(hf, hf.base_model_prefix)
         self.first, self.last = first, last
@@ -34,8 +36,11 @@ class HFStage(torch.nn.Module):
         if last:
             shell.norm, self.hf.lm_head = base.norm, hf.lm_head
         self._no_split_modules = (type(base.layers[0]).__name__,)  # what FSDP shards, checkpointing wraps
+        self.routed = routers.watch(list(shell.layers.values())) if routers is not None else []
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sums: torch.Tensor | None = None) -> Any:
+        """Logits on the last stage; hidden states on the others, with a mixture of experts'
+        routing sums so far (:mod:`coretrain_hf.routers`) when the model balances its load."""
         base = getattr(self.hf, self.base)
         if self.first:
             x = base.embed_tokens(x)
@@ -44,8 +49,13 @@ class HFStage(torch.nn.Module):
         for layer in base.layers.values():
             out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
             x = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns a tuple
+        if self.routers is not None:
+            start = torch.zeros(2, self.routers.experts, device=x.device) if sums is None else sums
+            sums = self.routers.added(start, self.routed)
         if not self.last:
-            return x
+            return x if sums is None else (x, sums)
+        if self.routers is not None and sums is not None:
+            self.routers.finish(sums, x.size(0) * x.size(1), self.training)
         head: Any = self.hf.lm_head
         logits: torch.Tensor = head(base.norm(x))
         return logits
@@ -68,9 +78,13 @@ def pipeline_split(model: Any) -> dict[str, Any]:
         )
     prefix = f"hf.{hf.base_model_prefix}."
     tied = [(prefix + "embed_tokens.weight", "hf.lm_head.weight")] if hf.config.tie_word_embeddings else []
-    return {
+    routers = Routers(hf) if Routers.balanced(hf) else None
+    split = {
         "layers": len(base.layers),
-        "stage": lambda layers, first, last: HFStage(model, layers, first, last),
-        "loss": token_loss,
+        "stage": lambda layers, first, last: HFStage(model, layers, first, last, routers),
+        "loss": token_loss if routers is None else routers.loss,
         "tied": tied,
     }
+    if routers is not None:  # its logged values: the stages' shares, summed over them
+        split["values"] = lambda stage, micro_batches: routers.values(micro_batches, next(stage.parameters()).device)
+    return split

@@ -193,6 +193,12 @@ class Pipeline:
     def _parts(self) -> list[torch.nn.Module]:
         return self.run.model_parts or [self.run.model]
 
+    def _follow_mode(self) -> None:
+        """Put this rank's stages in the run's model's mode: views over it are not its
+        submodules, so its ``train()`` and ``eval()`` do not reach their own flags."""
+        for part in self.run.model_parts:
+            part.train(self.run.model.training)
+
     def _schedule(self, count: int, training: bool, shape: tuple[int, ...] = ()) -> Any:
         """The schedule for ``count`` micro-batches of a batch of ``shape`` (forwards alone,
         breadth first, for an evaluation). One per shape: a stage keeps the shapes its first
@@ -236,6 +242,7 @@ class Pipeline:
                 f"plugins.pipeline-parallel.pp_microbatches ({count}) must divide this rank's batch of {len(inputs)}"
             )
         losses: list[torch.Tensor] = []
+        self._follow_mode()
         schedule = self._schedule(count, training, tuple(inputs.shape))
         run_it = schedule.step if training else schedule.eval
         run_it(
@@ -305,6 +312,7 @@ class Pipeline:
     def outputs(self, batch: Any) -> tuple[Any, Any]:
         """One prediction batch through the stages: the last stage's outputs (None on the others)."""
         inputs, target = batch
+        self._follow_mode()
         schedule = self._schedule(1, False, tuple(inputs.shape))  # its loss is computed too: it needs the target
         output = schedule.eval(*((inputs,) if self.first else ()), target=target if self.last else None)
         if self.values is not None:
