@@ -147,6 +147,71 @@ def test_a_mixture_of_experts_with_tensor_parallelism_trains_like_one_rank(
         assert_like_one_rank(reference, figures(directory), name)
 
 
+RESUMES = {  # target: its sources (stopped at step 3)
+    "ep2": ("ep4", "tp2-ep2"),
+    "pp2": ("pp2-ep2",),
+    "zbv": ("ep2",),
+    "dualpipev": ("one",),
+    "interleaved": ("tp2-ep2",),
+    "ep4": ("ep2",),
+    "pp2-ep2": ("pp2", "one"),
+    "tp2-ep2": ("ep2",),
+    "cp2-ep2": ("pp2",),
+    "one": ("pp2-ep2", "tp2-ep2"),
+}
+MOE_LAYOUTS = {  # name: (ranks, --set values)
+    "one": (1, ()),
+    "ep2": (2, layout(ep_size=2)),
+    "pp2": (2, layout(pp_size=2)),
+    "zbv": (2, (*layout(pp_size=2), *pipeline("ZBVZeroBubble"))),
+    "dualpipev": (2, (*layout(pp_size=2), *pipeline("DualPipeV", 4))),
+    "interleaved": (2, (*layout(pp_size=2), *pipeline("Interleaved1F1B"))),
+    "ep4": (4, layout(ep_size=4)),
+    "pp2-ep2": (4, layout(pp_size=2, ep_size=2)),
+    "tp2-ep2": (4, layout(tp_size=2, ep_size=2)),
+    "cp2-ep2": (4, layout(cp_size=2, ep_size=2)),
+}
+
+
+def test_a_mixture_of_experts_resumes_across_expert_pipeline_and_tensor_layouts(
+    tmp_path: Path, moe: tuple[Path, dict[tuple[int, str], float]]
+) -> None:
+    """14 pairs: EP 2 → EP 4 and back, PP 2 → PP 2 × EP 2 and back, EP 2 → ZBV stages, one rank →
+    DualPipeV (a V: the first rank holds the tied head's copy too), TP 2 × EP 2 → interleaved
+    stages, EP 2 and one rank, one rank → PP 2 × EP 2, PP 2 → CP 2 × EP 2: each source stops at
+    step 3, each target resumes it and logs the uninterrupted one-rank figures of steps 4–6."""
+    config, reference = moe
+    sources = {name for names in RESUMES.values() for name in names}
+    stopped = {name: tmp_path / "from" / name for name in sources}
+
+    def source(name: str) -> list[str]:
+        return run(config, stopped[name], *MOE_LAYOUTS[name][1], "train.exit_interval=3")
+
+    def targets(name: str) -> list[list[str]]:
+        return [
+            run(
+                config,
+                tmp_path / name / f"from-{origin}",
+                *MOE_LAYOUTS[name][1],
+                f"checkpoint.resume={json.dumps(str(stopped[origin] / 'checkpoints' / 'step_00000003'))}",
+            )
+            for origin in RESUMES[name]
+        ]
+
+    by_ranks = {ranks: [name for name, (n, _) in MOE_LAYOUTS.items() if n == ranks] for ranks in (1, 2, 4)}
+    in_one_job(tmp_path, 1, [source(name) for name in by_ranks[1] if name in sources], "one-sources")
+    in_one_job(tmp_path, 2, [source(name) for name in by_ranks[2] if name in sources], "two-sources")
+    four = [source(name) for name in by_ranks[4] if name in sources]
+    in_one_job(tmp_path, 4, four + [t for name in by_ranks[4] for t in targets(name)], "four")
+    in_one_job(tmp_path, 2, [t for name in by_ranks[2] for t in targets(name)], "two-targets")
+    in_one_job(tmp_path, 1, [t for name in by_ranks[1] for t in targets(name)], "one-targets")
+    after = {key: value for key, value in reference.items() if key[0] > 3}
+    for name, origins in RESUMES.items():
+        for origin in origins:
+            got = {key: value for key, value in figures(tmp_path / name / f"from-{origin}").items() if key[0] > 3}
+            assert_like_one_rank(after, got, f"{origin} -> {name}")
+
+
 def test_hugging_face_mixtures_of_experts_train_like_one_rank_on_expert_and_pipeline_ranks(tmp_path: Path) -> None:
     """Mixtral-, Qwen2-MoE-, Qwen3-MoE- and DeepSeek-V3-shaped models built from a config: EP 2 on
     4 data-parallel ranks (FSDP over the rest), PP 2, and for Mixtral interleaved stages and

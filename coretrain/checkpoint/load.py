@@ -64,30 +64,50 @@ def load_sharded(
     _check_finite(state["model"], directory, single_process)
     dsd.set_model_state_dict(model, state["model"], options=options)
     if optimizer is not None:
-        for own, saved_as in borrowed.items():
-            state["optimizer"][own] = state["optimizer"].pop(saved_as)
+        _give_borrowed(state["optimizer"], borrowed)
         dsd.set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
 
 
-def _borrow_tied_state(optimizer: dict[str, Any] | None, model: torch.nn.Module, saved: Any) -> dict[str, str]:
+def _borrow_tied_state(optimizer: dict[str, Any] | None, model: torch.nn.Module, saved: Any) -> dict[str, Any]:
     """A weight this rank holds a copy of (``coretrain.SHARED_PARAMETERS``: a pipeline's last
     stage's tied head) has no optimizer state of its own in a checkpoint of a layout that held it
-    once: its entries are read from the weight's own (renamed in ``optimizer`` for the load);
-    returns own key -> the key read."""
+    once: its entries are read from the weight's own — renamed in ``optimizer`` for the load, or,
+    where this rank holds the weight too (a V-shaped pipeline's first rank), read once and copied
+    after (:func:`_give_borrowed`). Returns own key -> the key read, or (that key, the tensor to
+    copy it into)."""
     from coretrain.wholemodel import SHARED_PARAMETERS
 
     copies = getattr(getattr(model, "module", model), SHARED_PARAMETERS, None) or {}
-    borrowed: dict[str, str] = {}
+    borrowed: dict[str, Any] = {}
     for key in list(optimizer or {}):
         kind, _, rest = key.partition(".")
         copy = next((name for name in copies if rest.startswith(name + ".")), None)
-        if copy is None or f"optimizer.{key}" in saved:
+        if optimizer is None or copy is None or f"optimizer.{key}" in saved:
             continue
         source_key = f"{kind}.{copies[copy]}{rest[len(copy) :]}"
-        if f"optimizer.{source_key}" in saved and optimizer is not None and source_key not in optimizer:
-            optimizer[source_key] = optimizer.pop(key)
+        if f"optimizer.{source_key}" not in saved:
+            continue
+        own = optimizer.pop(key)
+        if source_key in optimizer:
+            borrowed[key] = (source_key, own)
+        else:
+            optimizer[source_key] = own
             borrowed[key] = source_key
     return borrowed
+
+
+def _give_borrowed(optimizer: dict[str, Any], borrowed: dict[str, Any]) -> None:
+    """Each borrowed entry under its own key again (see :func:`_borrow_tied_state`)."""
+    for own, read in borrowed.items():
+        if isinstance(read, str):
+            optimizer[own] = optimizer.pop(read)
+            continue
+        source_key, placeholder = read
+        value = optimizer[source_key]
+        if isinstance(placeholder, torch.Tensor) and isinstance(value, torch.Tensor):
+            optimizer[own] = placeholder.copy_(value)
+        else:
+            optimizer[own] = value
 
 
 def _check_finite(weights: dict[str, Any], directory: Path, single_process: bool) -> None:
@@ -144,7 +164,15 @@ def load_whole_optimizer(
     tied = {key: first[tensor.data_ptr()] for key, tensor in weights.items() if tensor.numel()}
     try:
         state = {names[index]: moments for index, moments in saved["state"].items()}
-        state |= {key: state[tied[key]] for group in groups for key in group["params"] if tied.get(key) in state}
+        state |= {  # a copy each: a rank holding both (a V-shaped pipeline's first) updates them apart
+            key: {
+                name: value.clone() if isinstance(value, torch.Tensor) else value
+                for name, value in state[alias].items()
+            }
+            for group in groups
+            for key in group["params"]
+            if (alias := tied.get(key)) in state and alias != key
+        }
         named: Any = {"state": {key: state[key] for group in groups for key in group["params"] if key in state}}
         known = set(names) | {key for key, alias in tied.items() if alias in names}
         if unknown := [key for group in groups for key in group["params"] if key not in known]:
