@@ -56,6 +56,26 @@ def pipeline(schedule: str, microbatches: int | None = None) -> tuple[str, ...]:
     return sets + ((f"plugins.pipeline-parallel.pp_microbatches={microbatches}",) if microbatches else ())
 
 
+def predictions(path: Path) -> list[Any]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def predict(config: Path, output_dir: Path, to: Path, *sets: str) -> list[str]:
+    """``coretrain predict`` of the validation split with the run's last checkpoint, into ``to``."""
+    values = (*sets, f"run.output_dir={json.dumps(str(output_dir))}", 'model.loss="cross_entropy"')
+    args = ["predict", str(config), "--split", "valid", "--out", str(to)]
+    return [*args, *(arg for value in values for arg in ("--set", value))]
+
+
+def assert_same_predictions(expected_file: Path, written_file: Path, name: str) -> None:
+    """The records one rank writes: each index once, in order, every position predicted."""
+    expected, written = predictions(expected_file), predictions(written_file)
+    assert len(expected) > 100 and [r["index"] for r in written] == [r["index"] for r in expected], name
+    assert all(len(r["prediction"]) == len(r["target"]) == 32 for r in written), name
+    tokens = [(a, b) for x, y in zip(expected, written) for a, b in zip(x["prediction"], y["prediction"])]
+    assert sum(a == b for a, b in tokens) >= 0.999 * len(tokens), name  # argmaxes: a near-tie may flip
+
+
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[tuple[int, str], float]]:
     """A mixture-of-experts GPT's config (4 blocks of 4 experts, top 2, load-balancing and z
@@ -121,10 +141,16 @@ def test_experts_spread_over_part_of_the_data_parallel_ranks_train_like_one_rank
     jobs = [run(config, out["ep2-dp4"], *layout(ep_size=2, strategy="fsdp"))]
     jobs += [run(config, out["ep2-hsdp"], *layout(ep_size=2, dp_replicate=2, strategy="fsdp"))]
     jobs += [run(config, out["ep4-dp4"], *layout(ep_size=4, strategy="fsdp"))]
+    # (one sample a batch: with a capacity, what an expert drops depends on the batch's other tokens)
+    jobs += [[*predict(config, out["ep4-dp4"], tmp_path / "ep4-dp4.jsonl", *layout(ep_size=4)), "--batch-size", "1"]]
     job = in_one_job(tmp_path, 4, jobs, "four")
     assert "2 on each of 2 ranks (this rank's experts.fc.weight: (1, 128, 32))" in job.stderr  # sharded over 2
     for name, directory in out.items():
         assert_like_one_rank(reference, figures(directory), name)
+    in_one_job(
+        tmp_path, 1, [[*predict(config, config.parent / "one", tmp_path / "one.jsonl"), "--batch-size", "1"]], "one"
+    )
+    assert_same_predictions(tmp_path / "one.jsonl", tmp_path / "ep4-dp4.jsonl", "ep4-dp4")
 
 
 def test_a_mixture_of_experts_with_tensor_parallelism_trains_like_one_rank(
@@ -242,10 +268,6 @@ def test_hugging_face_mixtures_of_experts_train_like_one_rank_on_expert_and_pipe
             assert_like_one_rank(reference, figures(out[name]), name)
 
 
-def predictions(path: Path) -> list[Any]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_every_layout_evaluates_every_sample_and_predicts_whole_records(tmp_path: Path) -> None:
     """A full evaluation pass in micro-batches of 3 (its last one partial; 3 divides no batch
     here) trains and validates the one-rank numbers on PP 2, CP 2 and TP 2, and `coretrain
@@ -258,25 +280,21 @@ def test_every_layout_evaluates_every_sample_and_predicts_whole_records(tmp_path
     layouts = {"one": (), "pp2": layout(pp_size=2), "cp2": layout(cp_size=2), "tp2": layout(tp_size=2)}
     out = {name: tmp_path / name for name in layouts}
 
-    def predict(name: str) -> list[str]:
-        sets = (*layouts[name], f"run.output_dir={json.dumps(str(out[name]))}", 'model.loss="cross_entropy"')
-        args = ["predict", str(config), "--split", "valid", "--out", str(tmp_path / f"{name}.jsonl")]
-        return [*args, *(arg for value in sets for arg in ("--set", value))]
+    def predicted(name: str) -> list[str]:
+        return predict(config, out[name], tmp_path / f"{name}.jsonl", *layouts[name])
 
-    in_one_job(tmp_path, 1, [run(config, out["one"]), predict("one")], "one")
+    in_one_job(tmp_path, 1, [run(config, out["one"]), predicted("one")], "one")
     two = [
-        command for name in ("pp2", "cp2", "tp2") for command in (run(config, out[name], *layouts[name]), predict(name))
+        command
+        for name in ("pp2", "cp2", "tp2")
+        for command in (run(config, out[name], *layouts[name]), predicted(name))
     ]
     in_one_job(tmp_path, 2, two, "two")
-    reference, expected = figures(out["one"]), predictions(tmp_path / "one.jsonl")
-    assert any(name == "valid/loss" for _, name in reference) and len(expected) > 100
+    reference = figures(out["one"])
+    assert any(name == "valid/loss" for _, name in reference)
     for name in ("pp2", "cp2", "tp2"):
         assert_like_one_rank(reference, figures(out[name]), name)
-        written = predictions(tmp_path / f"{name}.jsonl")
-        assert [r["index"] for r in written] == [r["index"] for r in expected], name
-        assert all(len(r["prediction"]) == len(r["target"]) == 32 for r in written), name
-        tokens = [(a, b) for x, y in zip(expected, written) for a, b in zip(x["prediction"], y["prediction"])]
-        assert sum(a == b for a, b in tokens) >= 0.999 * len(tokens), name  # argmaxes: a near-tie may flip
+        assert_same_predictions(tmp_path / "one.jsonl", tmp_path / f"{name}.jsonl", name)
 
 
 def test_a_rampups_small_first_batches_run_on_a_pipeline(tmp_path: Path) -> None:

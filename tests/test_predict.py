@@ -140,3 +140,15 @@ def test_two_ranks_write_the_same_file_as_one(tmp_path: Path) -> None:
     assert [r["index"] for r in two] == list(range(201))
     assert [r["prediction"] for r in one] == [r["prediction"] for r in two]
     assert all(a["output"] == pytest.approx(b["output"], abs=1e-5) for a, b in zip(one, two))
+
+
+@pytest.mark.parametrize(("count", "world", "size"), [(634, 4, 3), (10, 4, 2), (7, 3, 8), (3, 4, 1), (0, 2, 2)])
+def test_every_rank_predicts_in_as_many_batches_each_sample_once(count: int, world: int, size: int) -> None:
+    """Each sample is one rank's, once; every rank runs the same number of batches (a forward over
+    experts spread over the ranks is a collective: a rank with a batch fewer runs a filler)."""
+    from coretrain_predict.predictor import this_ranks_chunks
+
+    shares = [this_ranks_chunks(count, rank, world, size) for rank in range(world)]
+    assert sorted(i for chunks, _ in shares for chunk in chunks for i in chunk) == list(range(count))
+    assert len({len(chunks) + len(fillers) for chunks, fillers in shares}) == 1
+    assert all(len(chunk) <= size for chunks, _ in shares for chunk in chunks)

@@ -40,19 +40,21 @@ class Predictor:
         samples = self._samples(run)
         rank, world = run.dist.dp_rank, run.dist.dp_size
         size = self.batch_size or run.config.train.eval_micro_batch_size or run.config.train.micro_batch_size
-        mine = list(range(rank, len(samples), world))
-        chunks = [mine[start : start + size] for start in range(0, len(mine), size)]
+        chunks, fillers = this_ranks_chunks(len(samples), rank, world, size)
         records: list[dict[str, Any]] = []
         hooks = cast(PredictSpecs, run.plugins.calls.hook)
         model = run.model
         model.eval()
         with torch.no_grad():
-            for chunk, batch in zip(chunks, self._batches(run, samples, chunks)):
+            for number, (chunk, batch) in enumerate(
+                zip(chunks + fillers, self._batches(run, samples, chunks + fillers))
+            ):
                 answer = hooks.predict_step(run=run, batch=batch, options=self.options)
                 if answer is None or len(answer) != len(chunk):
                     got = "no answer" if answer is None else f"{len(answer)} records"
                     raise UserError(f"predict: predict_step gave {got} for a batch of {len(chunk)} samples")
-                records += [{"index": index, **record} for index, record in zip(chunk, answer)]
+                if number < len(chunks):
+                    records += [{"index": index, **record} for index, record in zip(chunk, answer)]
         gathered = gather(run, records)
         if run.dist.is_main:
             gathered.sort(key=lambda record: record["index"])
@@ -132,6 +134,17 @@ class Predictor:
         else:
             return None
         return f"{len(records)} records -> {path}"
+
+
+def this_ranks_chunks(count: int, rank: int, world: int, size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """This rank's share of ``count`` samples (every ``world``-th) in batches of ``size``, and the
+    filler batches it runs after them so that every rank runs as many as the first (which has
+    the most): a forward that is a collective over the data-parallel ranks (expert parallelism's
+    all-to-alls) needs them all. A filler's records are dropped."""
+    mine = list(range(rank, count, world))
+    chunks = [mine[start : start + size] for start in range(0, len(mine), size)]
+    most = -(-len(range(0, count, world)) // size)
+    return chunks, [[0]] * (most - len(chunks)) if count else []
 
 
 def read_prompts(path: Path) -> list[str]:
