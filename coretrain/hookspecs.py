@@ -120,13 +120,15 @@ class HookSpecs(Protocol):
     # --------------------------------------------------------------------------- providers
 
     @hookspec
-    def check_layout(self, config: Config, world_size: int) -> None:
+    def check_layout(self, config: Config, world_size: int, hooks: Any) -> None:
         """Refuse a layout this plugin cannot run, from the config and the number of ranks alone
         (hook API 1.13): a pipeline split the model's blocks cannot take, more tensor-parallel
         ranks than heads. ``coretrain run --nproc-per-node`` asks it once for the job, before
         any rank starts (one error line, not one per rank); every run asks it again.
 
-        Args: ``config`` — the run's config; ``world_size`` — the ranks the job will have.
+        Args: ``config`` — the run's config; ``world_size`` — the ranks the job will have;
+        ``hooks`` — every plugin's hooks (``hooks.NAME(...)``), to ask another what it knows
+        from the config (the pipeline asks the model provider how many blocks it cuts).
         May change: nothing; raise :class:`coretrain.UserError` naming the keys to change.
         Returns: nothing.
         Ranks: the launcher (no process group), and every rank before the run is built.

@@ -39,7 +39,7 @@ def check_world(config: Config, plugins: Plugins, world_size: int) -> None:
     plugin's (``check_layout``) — what a launcher asks once for a job."""
     config.check_world(world_size)
     if plugins.implemented("check_layout"):
-        plugins.calls.hook.check_layout(config=config, world_size=world_size)
+        plugins.calls.hook.check_layout(config=config, world_size=world_size, hooks=plugins.calls.hook)
 
 
 def run_session(

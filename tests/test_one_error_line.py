@@ -339,6 +339,15 @@ def test_new_plugin_into_a_directory_that_has_files_makes_its_own_folder_there(t
             'expert parallelism runs on FSDP2, not strategy = "ddp"',
         ),
         (["--nproc-per-node", "4", "--set", "distributed.ep_size=3"], "ep_size (3) must divide the ranks of one"),
+        (
+            ["--nproc-per-node", "2", "--set", 'model.provider="gpt"', "--set", "model.options.n_layer=3"]
+            + ["--set", "distributed.pp_size=2", "--set", "train.global_batch_size=32"],
+            "distributed.pp_size (2) must divide the model's 3 blocks",
+        ),
+        (
+            ["--nproc-per-node", "2", "--set", "distributed.cp_size=2", "--set", "data.options.seq_length=30"],
+            "distributed.cp_size (2) must cut the sequence length (30) into 2 × cp_size equal chunks",
+        ),
         (["--set", 'plugins.fault-injection.action="raise"'], "plugins.fault-injection.step: set step"),
         (["--set", 'plugins.fault-injection={action="raise", step=-1}'], "plugins.fault-injection.step: must be > 0"),
         (["--set", 'plugins.fault-injection={action="raise", step=1, ranks=[5]}'], "ranks: [5] are not ranks of"),

@@ -306,7 +306,7 @@ def test_a_rampups_small_first_batches_run_on_a_pipeline(tmp_path: Path) -> None
     extra = {"distributed": {"backend": "gloo"}, "plugins": {"batch-rampup": {"rampup_batch_size": [2, 2, 16]}}}
     config = config_file(tmp_path / "rampup.toml", preset, extra, **{**TRAIN, "train_iters": 8})
     in_one_job(tmp_path, 1, [run(config, tmp_path / "one")], "one")
-    dual = [*run(config, tmp_path / "dual", *layout(pp_size=2), *pipeline("DualPipeV"))]
+    dual = [*run(config, tmp_path / "dual", *layout(pp_size=2), *pipeline("DualPipeV"), "model.options.n_layer=4")]
     job = in_one_job(
         tmp_path, 2, [run(config, tmp_path / "pp2", *layout(pp_size=2)), {"args": dual, "expect": 2}], "two"
     )

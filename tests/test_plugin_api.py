@@ -120,7 +120,13 @@ def test_wrappers_wrap_every_hook(tmp_path: Path) -> None:
     # after training; with tensor parallelism only; asked plugin by plugin and none here listens;
     # by `coretrain predict` only; for a stream split only; when the run fails
     not_in_this_run = {"export_model", "tensor_parallel_plan", "phase_listener", "predict_step", "write_predictions"}
-    not_in_this_run |= {"read_stream", "explain_failure", "pipeline_split", "predict_outputs"}  # ...; pipelines only
+    not_in_this_run |= {
+        "read_stream",
+        "explain_failure",
+        "pipeline_split",
+        "pipeline_blocks",
+        "predict_outputs",
+    }  # pipelines
     not_in_this_run |= {"restart_in_process"}  # a failure, restarted in-process
     not_in_this_run |= {"close_run"}  # asked plugin by plugin, and none of this run's implements it
     not_in_this_run |= {"describe_checkpoints"}  # by `coretrain checkpoint list` only

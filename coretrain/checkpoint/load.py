@@ -158,29 +158,31 @@ def load_whole_optimizer(
     from torch.distributed.checkpoint import state_dict as dsd
 
     groups: Any = dsd.get_optimizer_state_dict(model, optimizer)["param_groups"]
+    try:
+        named = {"state": _state_by_name(saved, groups, weights), "param_groups": groups}
+        dsd.set_optimizer_state_dict(model, optimizer, named, options=dsd.StateDictOptions(full_state_dict=True))
+    except (ValueError, KeyError, IndexError, RuntimeError) as exc:
+        raise _not_fitting(path, exc) from None
+
+
+def _state_by_name(saved: dict[str, Any], groups: Any, weights: dict[str, Any]) -> dict[str, Any]:
+    """The saved optimizer's state under the names of the run's ``groups``' parameters (a weight
+    the saved ``weights`` tie to another taking a copy of that one's)."""
     names = [name for group in saved["param_groups"] for name in group.get("param_names", [])]
     names = names or [name for group in groups for name in group["params"]]  # in torch's numbering
     first = {tensor.data_ptr(): key for key, tensor in reversed(weights.items())}  # tied names share a tensor
     tied = {key: first[tensor.data_ptr()] for key, tensor in weights.items() if tensor.numel()}
-    try:
-        state = {names[index]: moments for index, moments in saved["state"].items()}
-        state |= {  # a copy each: a rank holding both (a V-shaped pipeline's first) updates them apart
-            key: {
-                name: value.clone() if isinstance(value, torch.Tensor) else value
-                for name, value in state[alias].items()
-            }
-            for group in groups
-            for key in group["params"]
-            if (alias := tied.get(key)) in state and alias != key
-        }
-        named: Any = {"state": {key: state[key] for group in groups for key in group["params"] if key in state}}
-        known = set(names) | {key for key, alias in tied.items() if alias in names}
-        if unknown := [key for group in groups for key in group["params"] if key not in known]:
-            raise KeyError(f"the file has no parameter named {', '.join(unknown[:3])}")
-        named["param_groups"] = groups
-        dsd.set_optimizer_state_dict(model, optimizer, named, options=dsd.StateDictOptions(full_state_dict=True))
-    except (ValueError, KeyError, IndexError, RuntimeError) as exc:
-        raise _not_fitting(path, exc) from None
+    state = {names[index]: moments for index, moments in saved["state"].items()}
+    state |= {  # a copy each: a rank holding both (a V-shaped pipeline's first) updates them apart
+        key: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in state[alias].items()}
+        for group in groups
+        for key in group["params"]
+        if (alias := tied.get(key)) in state and alias != key
+    }
+    known = set(names) | {key for key, alias in tied.items() if alias in names}
+    if unknown := [key for group in groups for key in group["params"] if key not in known]:
+        raise KeyError(f"the file has no parameter named {', '.join(unknown[:3])}")
+    return {key: state[key] for group in groups for key in group["params"] if key in state}
 
 
 def _not_fitting(path: Path, exc: BaseException) -> UserError:

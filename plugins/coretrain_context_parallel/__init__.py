@@ -129,9 +129,29 @@ def use_in_transformers(hf: Any, attention: GatheredAttention) -> None:
         hf.config._attn_implementation = ATTENTION_NAME
 
 
+def check_chunks(cp: int, tp: int, seq: int | None) -> int:
+    """``seq``, checked: each sequence cuts into 2 × cp equal chunks, and a rank's positions over
+    tensor parallelism."""
+    if not seq or seq % (2 * cp):
+        raise UserError(
+            f"distributed.cp_size ({cp}) must cut the sequence length ({seq}) into 2 × cp_size equal chunks"
+        )
+    if (seq // cp) % tp:  # tensor parallelism splits a rank's positions again
+        raise UserError(f"distributed.tp_size ({tp}) must divide each rank's {seq // cp} positions")
+    return seq
+
+
 @define
 class ContextParallel:
     """Split each sequence over the context-parallel ranks; attention over all of it."""
+
+    @hookimpl
+    def check_layout(self, config: Any) -> None:
+        """The sequence length, when the data provider's options give it (``seq_length``, as
+        coretrain's text providers name it), cuts into the chunks (said once for a job)."""
+        seq = config.data.options.get("seq_length")
+        if isinstance(seq, int) and config.distributed.cp_size > 1:
+            check_chunks(config.distributed.cp_size, config.distributed.tp_size, seq)
 
     @hookimpl(tryfirst=True)  # on the model as built, before data parallelism wraps it
     def configure_model(self, run: Run) -> None:
@@ -143,12 +163,7 @@ class ContextParallel:
             raise UserError(
                 f"distributed.cp_size ({cp}): this model cannot split its sequences (the gpt and hf providers' can)"
             )
-        if not seq or seq % (2 * cp):
-            raise UserError(
-                f"distributed.cp_size ({cp}) must cut the sequence length ({seq}) into 2 × cp_size equal chunks"
-            )
-        if (seq // cp) % run.dist.tp_size:  # tensor parallelism splits a rank's positions again
-            raise UserError(f"distributed.tp_size ({run.dist.tp_size}) must divide each rank's {seq // cp} positions")
+        seq = check_chunks(cp, run.dist.tp_size, seq)
         mesh = run.device_mesh()["cp"]
         rank = mesh.get_local_rank()
         attention = GatheredAttention(mesh.get_group(), cp, rank, seq, run.device)

@@ -120,6 +120,11 @@ class GPTProvider:
         )
 
     @hookimpl
+    def pipeline_blocks(self) -> int:
+        """Its blocks, for a pipeline's split (checked before any rank starts)."""
+        return self.n_layer
+
+    @hookimpl
     def check_layout(self, config: Any) -> None:
         """What this model's options make impossible on the layout (said once for a job, before
         its ranks start): more tensor-parallel ranks than heads divide, experts that cannot be

@@ -17,6 +17,7 @@ downloaded: ``path`` is read with ``local_files_only``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -120,6 +121,18 @@ class HFModel:
             if REMOTE_CODE in str(exc) and not trust_remote_code and self.path is not None:
                 raise UserError(remote_code_refused("model.options.path", Path(self.path), "model")) from None
             raise UserError(f"model.options.config: {exc}") from None
+
+    @hookimpl
+    def pipeline_blocks(self) -> int | None:
+        """The decoder layers a pipeline cuts (``num_hidden_layers``, of the config table or the
+        model directory's config.json), for the split's check before any rank starts."""
+        layers = self.config.get("num_hidden_layers")
+        if layers is None and self.path is not None:
+            try:
+                layers = json.loads((Path(self.path) / "config.json").read_text()).get("num_hidden_layers")
+            except (OSError, ValueError, AttributeError):
+                return None  # the build says what is wrong with it
+        return layers if isinstance(layers, int) else None
 
     @hookimpl
     def tensor_parallel_plan(self, run: Run, model: torch.nn.Module) -> dict[str, Any] | None:

@@ -206,7 +206,7 @@ def check_job(loaded: Any, sizes: list[int]) -> None:
     for ranks in sorted(sizes):
         loaded.config.check_world(ranks)
         if plugins.implemented("check_layout"):
-            plugins.calls.hook.check_layout(config=loaded.config, world_size=ranks)
+            plugins.calls.hook.check_layout(config=loaded.config, world_size=ranks, hooks=plugins.calls.hook)
 
 
 def launch_own(args: argparse.Namespace, command: list[str], loaded: Any) -> int:

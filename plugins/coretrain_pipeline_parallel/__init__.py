@@ -71,15 +71,21 @@ class PipelineParallel:
     _parts: Any = field(default=None, init=False, repr=False)
 
     @hookimpl
-    def check_layout(self, config: Any, world_size: int) -> None:
-        """The schedule takes a step's micro-batches on these ranks (said once for a job)."""
-        from coretrain_pipeline_parallel.stages import check_micro_batches
+    def check_layout(self, config: Any, world_size: int, hooks: Any) -> None:
+        """The schedule takes a step's micro-batches on these ranks, and the model's blocks (when
+        its provider knows them from the config) go into the stages (said once for a job)."""
+        from coretrain_pipeline_parallel.stages import check_micro_batches, local_stages, stage_sizes
 
         layout, train = config.distributed, config.train
+        if layout.pp_size == 1:
+            return
         per_pass = train.micro_batch_size * max(world_size // (layout.pp_size * layout.tp_size * layout.cp_size), 1)
         count = self.pp_microbatches or (train.global_batch_size or per_pass) // per_pass
-        if layout.pp_size > 1:
-            check_micro_batches(self.pp_schedule, layout.pp_size, count)
+        check_micro_batches(self.pp_schedule, layout.pp_size, count)
+        blocks = hooks.pipeline_blocks(config=config) if hasattr(hooks, "pipeline_blocks") else None
+        if blocks is not None:
+            per_rank = len(local_stages(self.pp_schedule, layout.pp_size, 0, self.pp_virtual_stages))
+            stage_sizes(blocks, layout.pp_size * per_rank, self.pp_split, per_rank)
 
     @hookimpl(tryfirst=True)  # on the model as built: tensor parallelism and FSDP wrap the stage
     def configure_model(self, run: Run) -> None:

@@ -10,7 +10,7 @@ from coretrain import hookspec
 if TYPE_CHECKING:
     import torch
 
-    from coretrain import Run
+    from coretrain import Config, Run
 
 
 class PipelineSpecs(Protocol):
@@ -40,4 +40,16 @@ class PipelineSpecs(Protocol):
         ``loss_value`` — the name under which the last stage's loss is logged too. Raise
         :class:`coretrain.UserError` for a model that cannot be split.
         Ranks: every rank, once, during ``configure_model``.
+        """
+
+    @hookspec(firstresult=True)
+    def pipeline_blocks(self, config: Config) -> int | None:
+        """How many blocks the model ``config`` describes cuts into (``pipeline_split``'s
+        ``layers``), known from the config alone (hook API 1.13): a launcher then checks the
+        split once for the job, before any rank starts.
+
+        Args: ``config`` — the run's config (the provider's own options among it).
+        May change: nothing.
+        Returns: the number of blocks, or None when only the built model tells.
+        Ranks: the launcher, and every rank before its run is built.
         """
