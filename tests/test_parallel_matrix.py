@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from conftest import HF_MOE, config_file, gpt_preset, hf_moe_table, in_one_job, metrics_rows
 
-pytestmark = pytest.mark.slow  # torchrun jobs of 2 and 4 gloo ranks
+pytestmark = pytest.mark.slow  # torchrun jobs of 2, 4 and 8 gloo ranks
 
 MOE = {"n_layer": 4, "n_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 MOE |= {"moe_capacity_factor": 1.0}  # experts that drop assignments: the choice must be the whole sequences' too
@@ -171,6 +171,23 @@ def test_a_mixture_of_experts_with_tensor_parallelism_trains_like_one_rank(
     assert "this rank's experts.fc.weight: (2, 64, 32)" in job.stderr  # 2 of 4 experts, 64 of 128 hidden units
     for name, directory in out.items():
         assert_like_one_rank(reference, figures(directory), name)
+
+
+def test_eight_ranks_combine_four_kinds_of_parallelism_like_one_rank(
+    tmp_path: Path, moe: tuple[Path, dict[tuple[int, str], float]]
+) -> None:
+    """On 8 ranks: PP 2 × TP 2 × EP 2 (over DP 2), PP 2 × CP 2 × TP 2, HSDP 2 × 2 × TP 2 with EP 2,
+    and PP 2 × CP 2 × EP 2 (the experts over the context ranks): the one-rank numbers."""
+    config, reference = moe
+    layouts = {
+        "pp2-tp2-ep2": layout(pp_size=2, tp_size=2, ep_size=2),
+        "pp2-cp2-tp2": layout(pp_size=2, cp_size=2, tp_size=2),
+        "hsdp-tp2-ep2": layout(dp_replicate=2, tp_size=2, ep_size=2),
+        "pp2-cp2-ep2": layout(pp_size=2, cp_size=2, ep_size=2),
+    }
+    in_one_job(tmp_path, 8, [run(config, tmp_path / name, *sets) for name, sets in layouts.items()], "eight")
+    for name in layouts:
+        assert_like_one_rank(reference, figures(tmp_path / name), name)
 
 
 RESUMES = {  # target: its sources (stopped at step 3)
