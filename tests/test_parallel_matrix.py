@@ -159,14 +159,15 @@ def test_a_mixture_of_experts_with_tensor_parallelism_trains_like_one_rank(
     """MoE × TP: attention split by heads, each expert's hidden units split over the
     tensor-parallel ranks (Megatron's expert tensor parallelism), alone, with FSDP, with pipeline
     and context parallelism, and with the experts spread over the data-parallel ranks (EP 2 ×
-    TP 2: each rank holds half the experts' halves)."""
+    TP 2: each rank holds half the experts' halves; over the context ranks, CP 2 × TP 2 × EP 2)."""
     config, reference = moe
-    out = {name: tmp_path / name for name in ("tp2", "tp2-fsdp2", "tp2-pp2", "tp2-cp2", "tp2-ep2")}
+    out = {name: tmp_path / name for name in ("tp2", "tp2-fsdp2", "tp2-pp2", "tp2-cp2", "tp2-ep2", "cp2-tp2-ep2")}
     in_one_job(tmp_path, 2, [run(config, out["tp2"], *layout(tp_size=2))], "two")
     four = [run(config, out["tp2-fsdp2"], *layout(tp_size=2, strategy="fsdp"))]
     four += [run(config, out["tp2-pp2"], *layout(tp_size=2, pp_size=2))]
     four += [run(config, out["tp2-cp2"], *layout(tp_size=2, cp_size=2))]
     four += [run(config, out["tp2-ep2"], *layout(tp_size=2, ep_size=2))]
+    four += [run(config, out["cp2-tp2-ep2"], *layout(cp_size=2, tp_size=2, ep_size=2))]
     job = in_one_job(tmp_path, 4, four, "four")
     assert "this rank's experts.fc.weight: (2, 64, 32)" in job.stderr  # 2 of 4 experts, 64 of 128 hidden units
     for name, directory in out.items():

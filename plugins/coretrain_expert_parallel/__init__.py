@@ -157,9 +157,9 @@ class ExpertParallel:
                 if tp == 1:
                     placed = distribute_tensor(param.detach(), spread_over, [Shard(0)])
                 else:  # each expert's share of hidden units on the tensor-parallel ranks, as they split it
-                    dim, spread_dims = tensor_split[name], ep_dims(mesh)
-                    placements = [Shard(0)] * len(spread_dims) + [Replicate() if dim is None else Shard(dim)]
-                    placed = distribute_tensor(param.detach(), mesh[(*spread_dims, "tp")], placements)
+                    dim = tensor_split[name]
+                    placements = [Shard(0), Replicate() if dim is None else Shard(dim)]
+                    placed = distribute_tensor(param.detach(), mesh[("ep", "tp")], placements)
                 setattr(module, attribute, torch.nn.Parameter(placed))
             shard_copies(layer, copies)
             layer.dispatch = AllToAll(spread_over.get_group(), ep, spread_over.get_local_rank(), n_experts // ep)
@@ -170,11 +170,6 @@ class ExpertParallel:
                 "experts.%s: %s), tokens sent to them by all-to-all; each group's copy sharded over %d",
                 *(n_experts, len(layers), n_experts // ep, ep, name, tuple(local_shape(first)), copies.size()),
             )
-
-
-def ep_dims(mesh: Any) -> tuple[str, ...]:
-    """The mesh's dims the "ep" dim flattens (a slice of several dims takes these, not it)."""
-    return tuple(name for name in ("dp_in_ep", "cp") if name in (mesh.mesh_dim_names or ()))
 
 
 def tensor_split_of(experts: Any, tp: int) -> dict[str, int | None]:
