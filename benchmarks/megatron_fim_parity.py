@@ -138,7 +138,7 @@ def main() -> None:
         )  # fmt: skip
         (theirs, _, _) = builder(megatron_fim.GPTFIMDataset, [SAMPLES, 0, 0], lambda: True, config).build()
         context = DatasetContext(train_samples=SAMPLES, valid_samples=0, test_samples=0, seed=seed)
-        base = build_splits(str(prefix), "100,0,0", {}, seq, context, str(args.work / "ours")).train
+        base = build_splits(str(prefix), ("100,0,0", "megatron-core"), {}, seq, context, str(args.work / "ours")).train
         tokens = sentinel_ids(hf, {**SENTINELS, "split": setting.get("split")}, "</s>")
         special = frozenset(hf.all_special_tokens)
         fim = FIM(

@@ -69,14 +69,32 @@ def test_windows_run_across_document_boundaries_of_a_shuffled_order(tmp_path: Pa
     assert torch.equal(x[0], train[3][0]) and torch.equal(y[1], train[0][1])
 
 
-def test_split_by_documents_as_megatron_rounds_it(tmp_path: Path) -> None:
-    write_from_spec(tmp_path / "corpus", tagged_documents(100))
-    built = datasets(tmp_path, data_path=str(tmp_path / "corpus"), split="969,30,1")
-    # Megatron: bounds 0, round(96.9) = 97, 97 + round(3.0) = 100, 100 + round(0.1) = 100
-    assert sorted(set(built.train.order.tolist())) == list(range(97))
-    assert sorted(set(built.valid.order.tolist())) == [97, 98, 99]
-    assert built.test is None
-    assert built.vocab_size == 101
+# Megatron-Core's own ranges (BlendedMegatronDatasetBuilder: parse_and_normalize_split,
+# convert_split_vector_to_split_matrix, round(bound * n)), printed by megatron-core itself, at
+# corpus sizes where Megatron-LM's legacy rounding gives other ranges; then its train documents.
+MEGATRON_CORE_RANGES = [
+    ("969,30,1", 49, [(0, 47), (47, 49), (49, 49)], 48),
+    ("969,30,1", 520, [(0, 504), (504, 519), (519, 520)], 503),
+    ("969,30,1", 1500, [(0, 1454), (1454, 1498), (1498, 1500)], 1453),
+    ("80,15,5", 49, [(0, 39), (39, 47), (47, 49)], 40),
+    ("98,1,1", 30, [(0, 29), (29, 30), (30, 30)], 30),
+    ("969,30,1", 100, [(0, 97), (97, 100), (100, 100)], 97),  # the rules agree
+]
+
+
+@pytest.mark.parametrize(("split", "documents", "expected", "legacy_train"), MEGATRON_CORE_RANGES)
+def test_split_by_documents_as_megatron_core_rounds_it_or_as_the_legacy_rule(
+    tmp_path: Path, split: str, documents: int, expected: list[tuple[int, int]], legacy_train: int
+) -> None:
+    write_from_spec(tmp_path / "corpus", tagged_documents(documents))
+    built = datasets(tmp_path, data_path=str(tmp_path / "corpus"), split=split)
+    for dataset, (low, high) in zip((built.train, built.valid, built.test), expected, strict=True):
+        if low == high:
+            assert dataset is None
+        else:
+            assert sorted(set(dataset.order.tolist())) == list(range(low, high))
+    legacy = datasets(tmp_path, data_path=str(tmp_path / "corpus"), split=split, split_rule="megatron-lm-legacy")
+    assert sorted(set(legacy.train.order.tolist())) == list(range(legacy_train))
 
 
 def test_a_blend_follows_its_weights_at_every_prefix_of_the_data(tmp_path: Path) -> None:

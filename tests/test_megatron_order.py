@@ -9,7 +9,7 @@ by function (``gpt_dataset.py``: ``_get_num_epochs``, ``_build_document_index``,
 ``_query_document_sample_shuffle_indices``; ``helpers.cpp``: ``build_sample_idx``,
 ``build_blending_indices``; ``blended_megatron_dataset_builder.py``: the split bounds and the
 per-prefix sizes), independent of the provider's code. (Against Megatron-Core itself, which CI
-does not install: ``benchmarks/megatron_order_parity.py``, 7,448 of 7,448 samples equal.)"""
+does not install: ``benchmarks/megatron_order_parity.py``, 33,145 of 33,145 samples equal.)"""
 
 from __future__ import annotations
 
@@ -24,16 +24,17 @@ from conftest import config_file, gpt_preset, in_one_job, run_train
 from test_indexed import write_from_spec
 
 SEQ, SEED, STEPS, GLOBAL, EVERY = 16, 1234, 20, 8, 8
-WEIGHTS = (0.6, 0.4)
+WEIGHTS = (0.7, 0.3)  # (0.6/0.4 hides an off-by-one in the blend index; 0.7/0.3 shows it)
 
 
 def split_bounds(split: str, documents: int) -> list[int]:
-    weights = [float(s) for s in split.split(",")]
-    weights = [w / sum(weights) for w in weights]
-    bounds = [0]
-    for weight in weights:
-        bounds.append(bounds[-1] + int(round(weight * float(documents))))
-    return [bounds[0]] + [b - (bounds[-1] - documents) for b in bounds[1:]]
+    """parse_and_normalize_split, convert_split_vector_to_split_matrix's running sums, and the
+    builder's ``int(round(bound * float(num_elements)))``."""
+    weights = np.array([float(s) for s in split.split(",")], dtype=np.float64)
+    bounds = [0.0]
+    for share in (weights / np.sum(weights)).tolist():
+        bounds.append(bounds[-1] + share)
+    return [int(round(bound * float(documents))) for bound in bounds]
 
 
 def document_index(documents: np.ndarray, epochs: int, state: np.random.RandomState, separate: bool) -> np.ndarray:
@@ -179,13 +180,14 @@ def in_consumed_order(blocks: list[list[list[int]]], per_rank: int) -> list[list
 def test_the_loop_feeds_megatrons_blended_samples_in_order_on_any_ranks_and_across_a_resume(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     corpora = [
-        [np.arange(base + 64 * d, base + 64 * d + int(rng.integers(3, 41)), dtype=np.int64) for d in range(30)]
-        for base in (1, 3000)
+        [np.arange(base + 64 * d, base + 64 * d + int(rng.integers(3, 41)), dtype=np.int64) for d in range(count)]
+        for base, count in ((1, 49), (4000, 30))
     ]
     for name, tokens in zip(("web", "code"), corpora, strict=True):
         write_from_spec(tmp_path / name, [t.tolist() for t in tokens])
     (tmp_path / "recorded.py").write_text(RECORDER)
-    split = "90,8,2"
+    split = "80,15,5"  # 49 and 30 documents: Megatron-LM's legacy rounding gives 40 train and 28 valid
+    assert (split_bounds(split, 49)[1], split_bounds(split, 30)[2]) == (39, 29)
     expected, epochs = megatron_blend(corpora, split, STEPS * GLOBAL, part=0)
     assert min(epochs) >= 2, epochs  # every prefix is read over more than one epoch
     evaluations = STEPS // EVERY + 1  # at 8 and 16, and after training at 20

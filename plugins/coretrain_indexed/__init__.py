@@ -6,6 +6,7 @@
     [data.options]
     data_path = [0.7, "data/web_text_document", 0.3, "data/code_text_document"]   # or one prefix
     split = "969,30,1"                  # documents of each prefix: train, valid, test
+    split_rule = "megatron-core"        # rounded as Megatron-Core (or "megatron-lm-legacy")
     seq_length = 1024
     # or train_data_path / valid_data_path / test_data_path, each a prefix or a blend
 
@@ -23,7 +24,7 @@ the first prefix) and reused.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 from attrs import define, field
@@ -60,6 +61,10 @@ class Indexed:
     """A prefix, or a blend [weight, prefix, ...]; its documents are split by ``split``."""
     split: str = field(default="969,30,1", validator=_split)
     """Train, valid, test shares of each prefix's documents (with data_path)."""
+    split_rule: Literal["megatron-core", "megatron-lm-legacy"] = "megatron-core"
+    """How the shares are rounded to documents: as Megatron-Core's dataset builder (each running
+    bound rounded), or as Megatron-LM's legacy ``get_train_valid_test_split_`` (each share rounded,
+    the excess taken off): they differ for about a quarter of corpus sizes."""
     train_data_path: Any = field(default=None, validator=_blend_or_unset)
     """Instead of data_path: the training prefix or blend (all of its documents)."""
     valid_data_path: Any = field(default=None, validator=_blend_or_unset)
@@ -103,7 +108,8 @@ class Indexed:
             )
         paths = {name: getattr(self, f"{name}_data_path") for name in ("train", "valid", "test")}
         fim = self.fill_in_the_middle(run) if self.fim_rate > 0 else None
-        splits = build_splits(self.data_path, self.split, paths, self.seq_length, context, self.cache_dir, fim)
+        split = (self.split, self.split_rule)
+        splits = build_splits(self.data_path, split, paths, self.seq_length, context, self.cache_dir, fim)
         vocab_size, key = self.vocab_size, "data.options.vocab_size"
         if vocab_size is None and run.config.tokenizer.path is not None:
             tokenizer, _ = run_tokenizer(run, None, key, NEEDED_BY)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -22,17 +23,31 @@ from coretrain_indexed.format import IndexedTokens
 log = logging.getLogger("coretrain")
 
 
-def split_ranges(split: str, documents: int) -> list[tuple[int, int]]:
-    """Megatron's document ranges for train, valid and test from weights like ``"969,30,1"``."""
+SPLIT_RULES = ("megatron-core", "megatron-lm-legacy")
+
+
+def split_ranges(split: str, documents: int, rule: str = "megatron-core") -> list[tuple[int, int]]:
+    """The train, valid and test document ranges for weights like ``"969,30,1"``.
+
+    ``megatron-core``: as Megatron-Core's ``BlendedMegatronDatasetBuilder`` (the normalized
+    weights' running sums are the bounds, each rounded: ``round(bound * n)``). ``megatron-lm-legacy``:
+    as Megatron-LM's old ``get_train_valid_test_split_`` (each share rounded, the excess taken off
+    every bound). The two differ for about a quarter of corpus sizes ("969,30,1": 4,860 of 1-20,000
+    documents, first at 49: 47 or 48 train documents)."""
     weights = [float(part) for part in split.split(",")]
     weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    bounds = [0]
-    for weight in weights:
-        bounds.append(bounds[-1] + int(round(weight / total * documents)))
-    excess = bounds[-1] - documents
-    bounds = [bounds[0]] + [bound - excess for bound in bounds[1:]]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+    if rule == "megatron-lm-legacy":
+        total = sum(weights)
+        bounds = [0]
+        for weight in weights:
+            bounds.append(bounds[-1] + int(round(weight / total * float(documents))))
+        excess = bounds[-1] - documents
+        bounds = [bounds[0]] + [bound - excess for bound in bounds[1:]]
+    else:
+        shares = np.array(weights, dtype=np.float64)
+        edges = itertools.accumulate((shares / np.sum(shares)).tolist(), initial=0.0)  # Python floats, in order
+        bounds = [int(round(edge * float(documents))) for edge in edges]
+    return list(itertools.pairwise(bounds))
 
 
 class Windows:

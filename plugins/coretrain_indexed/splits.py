@@ -53,7 +53,7 @@ class Splits:
 
 def build_splits(
     data_path: Any,
-    split: str,
+    split: tuple[str, str],
     paths: dict[str, Any],
     seq_length: int,
     context: DatasetContext,
@@ -61,12 +61,14 @@ def build_splits(
     fim: FIM | None = None,
 ) -> Splits:
     """Each split's (blended) dataset sized by the context's sample counts; None where it has no
-    documents. ``data_path`` split by ``split``, else ``paths`` (split name -> prefix or blend)."""
+    documents. ``data_path`` split by ``split`` (the weights and the rounding rule), else ``paths``
+    (split name -> prefix or blend)."""
     wanted = {"train": context.train_samples, "valid": context.valid_samples, "test": context.test_samples}
     if data_path is not None:
         blend = parse_blend(data_path, "data_path")
         sources = {prefix: IndexedTokens(prefix) for _, prefix in blend}
-        ranges = {prefix: split_ranges(split, len(source)) for prefix, source in sources.items()}
+        weights, rule = split
+        ranges = {prefix: split_ranges(weights, len(source), rule) for prefix, source in sources.items()}
         parts = {name: [(w, sources[p], np.arange(*ranges[p][i])) for w, p in blend] for i, name in enumerate(SPLITS)}
     else:
         parts = {}
