@@ -135,3 +135,55 @@ def test_sentinels_that_are_not_distinct_special_tokens_are_one_error(
 ) -> None:
     with pytest.raises(UserError, match=f"data.options.{message}"):
         run_steps(tmp_path, steps=1, config=sections(fim_data, tmp_path, fim_rate=0.5, **fim))
+
+
+@pytest.mark.parametrize("include", [True, False])
+def test_a_tokenizer_that_adds_a_bos_keeps_it_as_megatron_does_unless_told_not_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], include: bool
+) -> None:
+    """Megatron's HuggingFaceTokenizer by default encodes with the tokenizer's own special tokens
+    (``tokenizer(text)``) and decodes keeping them: with a tokenizer that starts every text with
+    <s>, ``data prepare`` starts each document with it and FIM encodes each of prefix, middle and
+    suffix with one. ``include_special_tokens = false`` (Megatron's
+    ``--tokenizer-hf-no-include-special-tokens``), read by ``data prepare --config`` and by the
+    run from the one file: no <s> anywhere."""
+    import tomli_w
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from coretrain.cli import main
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", *SENTINELS])
+    )
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        additional_special_tokens=SENTINELS,
+    )  # fmt: skip
+    fast.save_pretrained(tmp_path / "tokenizer")
+    source = tmp_path / "code.jsonl"
+    source.write_text("".join(json.dumps({"text": "\n".join(CORPUS[i : i + 3])}) + "\n" for i in range(0, 90, 3)))
+    config = sections((tmp_path / "tokenizer", tmp_path / "code_text_document"), tmp_path, fim_rate=1.0)
+    config["data"]["options"] |= {"fim_spm_rate": 0.0, "include_special_tokens": include}
+    (tmp_path / "run.toml").write_text(tomli_w.dumps(config))
+    args = [str(source), "--config", str(tmp_path / "run.toml"), "--output-prefix", str(tmp_path / "code")]
+    assert main(["data", "prepare", *args, "--append-eod"]) == 0, capsys.readouterr().err
+    flag = ["--tokenizer-hf-no-include-special-tokens"] if not include else []
+    by_flag = [str(source), "--tokenizer", str(tmp_path / "tokenizer"), "--output-prefix", str(tmp_path / "flag")]
+    assert main(["data", "prepare", *by_flag, "--append-eod", *flag]) == 0  # the same without --config
+    bins = [(tmp_path / f"{name}_text_document.bin").read_bytes() for name in ("code", "flag")]
+    assert bins[0] == bins[1]
+    windows = run_steps(tmp_path / "out", 1, config=config).run.datasets.train
+    fim, bos = windows.fim, fast.bos_token_id
+    pre, mid, suf, _ = fast.convert_tokens_to_ids(SENTINELS)
+    documents = np.split(windows.base.source.tokens, np.cumsum(windows.base.source.document_lengths)[:-1])
+    assert all((d[0] == bos) == include for d in documents) and len(documents) == 30
+    piece = documents[0][:-1]  # a document without its EOD
+    psm = fim.permute(piece, 1.0, np.random.RandomState(3))
+    starts = [1, int(np.flatnonzero(psm == suf)[0]) + 1, int(np.flatnonzero(psm == mid)[0]) + 1]
+    assert [start < len(psm) and psm[start] == bos for start in starts] == [include] * 3  # each part's first token
+    assert list(psm).count(bos) == (3 if include else 0)  # the document's own <s> is not part of the text
+    assert (bos in psm) == include and psm[0] == pre

@@ -33,6 +33,12 @@ def add(commands: Any) -> None:
     prepare.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY", help="fields to tokenize")
     prepare.add_argument("--append-eod", action="store_true", help="end every document with the tokenizer's EOS")
     prepare.add_argument(
+        "--tokenizer-hf-no-include-special-tokens",
+        action="store_true",
+        help="Megatron's flag: encode without the special tokens the tokenizer adds (a BOS); with --config, "
+        "data.options.include_special_tokens = false of the indexed provider says it too",
+    )
+    prepare.add_argument(
         "--workers", type=int, default=1, metavar="N", help="tokenizing processes (default 1: this one)"
     )
     prepare.add_argument(
@@ -57,13 +63,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from coretrain_data_prepare.prepare import Request, prepare
 
     tokenizer, trusted, key = args.tokenizer, False, "--tokenizer"
+    include_special_tokens = not args.tokenizer_hf_no_include_special_tokens
     if args.config is not None:
         import coretrain
 
-        settings = coretrain.load(args.config).config.tokenizer
+        config = coretrain.load(args.config).config
+        settings = config.tokenizer
         if settings.path is None:
             raise coretrain.UserError(f'--config {args.config}: no [tokenizer] path; set path = "DIR" there')
         tokenizer, trusted, key = settings.path, settings.trust_remote_code, "tokenizer.path"
+        if config.data.provider == "indexed":  # the documents as the run's fill-in-the-middle encodes its parts
+            include_special_tokens &= config.data.options.get("include_special_tokens", True) is not False
     request = Request(
         inputs=args.inputs,
         tokenizer=tokenizer,
@@ -72,6 +82,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         output_prefix=args.output_prefix,
         json_keys=args.json_keys,
         append_eod=args.append_eod,
+        include_special_tokens=include_special_tokens,
         workers=args.workers,
         input_format=args.input_format,
         sample_by=args.sample_by,

@@ -43,6 +43,9 @@ class Request:
     output_prefix: str
     json_keys: list[str]
     append_eod: bool = False
+    include_special_tokens: bool = True
+    """Each document with the special tokens the tokenizer adds (a BOS), as Megatron's
+    HuggingFaceTokenizer encodes it by default; off: its tokens alone."""
     workers: int = 1
     input_format: str = "auto"
     sample_by: str = "line"
@@ -79,8 +82,9 @@ _worker: dict[str, Any] = {}
 """The tokenizer and EOS of this worker process (set once by :func:`_start_worker`)."""
 
 
-def _start_worker(tokenizer_path: str, eod: int | None, trust_remote_code: bool = False) -> None:
+def _start_worker(tokenizer_path: str, eod: int | None, trust_remote_code: bool = False, special: bool = True) -> None:
     _worker["tokenizer"], _worker["eod"] = load_tokenizer(tokenizer_path, trust_remote_code), eod
+    _worker["special"] = special
 
 
 def _encode(chunk: list[Document]) -> tuple[dict[str, list[list[int]]], int]:
@@ -88,7 +92,7 @@ def _encode(chunk: list[Document]) -> tuple[dict[str, list[list[int]]], int]:
     tokenizer, eod = _worker["tokenizer"], _worker["eod"]
     encoded: dict[str, list[list[int]]] = {}
     for key in chunk[0][0]:
-        ids = tokenizer([fields[key] for fields, _ in chunk])["input_ids"]
+        ids = tokenizer([fields[key] for fields, _ in chunk], add_special_tokens=_worker["special"])["input_ids"]
         encoded[key] = [list(doc) + [eod] for doc in ids] if eod is not None else [list(doc) for doc in ids]
     return encoded, sum(size for _, size in chunk)
 
@@ -217,13 +221,15 @@ def prepare(request: Request) -> dict[str, Path]:
 def _encoded(work: Iterator[list[Document]], request: Request, eod: int | None) -> Iterator[Any]:
     """The chunks tokenized in order: here, or by ``workers`` processes (each with its own tokenizer)."""
     if request.workers == 1:
-        _start_worker(request.tokenizer, eod, request.trust_remote_code)
+        _start_worker(request.tokenizer, eod, request.trust_remote_code, request.include_special_tokens)
         yield from map(_encode, work)
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the processes are the parallelism
     context = multiprocessing.get_context("spawn")  # no fork of a process holding tokenizer threads
     with context.Pool(
-        request.workers, initializer=_start_worker, initargs=(request.tokenizer, eod, request.trust_remote_code)
+        request.workers,
+        initializer=_start_worker,
+        initargs=(request.tokenizer, eod, request.trust_remote_code, request.include_special_tokens),
     ) as pool:
         yield from pool.imap(_encode, work)
 

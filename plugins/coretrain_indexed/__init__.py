@@ -94,6 +94,11 @@ class Indexed:
     """The sentinel tokens (each one token of the tokenizer: its added special tokens)."""
     fim_eod_token: str | None = None
     """The end-of-document token pieces are cut at; unset = the tokenizer's EOS."""
+    include_special_tokens: bool = True
+    """As Megatron's HuggingFaceTokenizer (its default; ``--tokenizer-hf-no-include-special-tokens``
+    is false here): fill-in-the-middle encodes each part of a piece with the special tokens the
+    tokenizer adds (a BOS), as Megatron-LM does. ``coretrain data prepare --config`` reads it too
+    (each document with the tokenizer's BOS, or without), so data and FIM agree."""
 
     def __attrs_post_init__(self) -> None:
         if self.fim_split_sample is not None and self.fim_fragment_rate is None:
@@ -137,5 +142,7 @@ class Indexed:
         tokens = sentinel_ids(tokenizer, names, self.fim_eod_token)
         special = frozenset(tokenizer.all_special_tokens)
         return FIM(
-            self.fim_rate, self.fim_spm_rate, tokenizer, tokens, self.fim_fragment_rate, self.fim_no_prefix, special
+            *(self.fim_rate, self.fim_spm_rate, tokenizer, tokens, self.fim_fragment_rate, self.fim_no_prefix),
+            special=special,
+            include_special_tokens=self.include_special_tokens,
         )

@@ -48,7 +48,13 @@ class FIM:
     fragment_rate: float | None = None
     no_prefix: str | None = None
     special: frozenset[str] = frozenset()
-    """The tokenizer's special tokens, left out of a piece's text (Megatron's ``ids_to_text``)."""
+    """The tokenizer's special tokens, left out of a piece's text (Megatron's ``ids_to_text(...,
+    remove_special_tokens=True)``)."""
+    include_special_tokens: bool = True
+    """Megatron's HuggingFaceTokenizer's (its default; ``--tokenizer-hf-no-include-special-tokens``
+    turns it off): each part of a rearranged piece is encoded as ``tokenizer(text)`` encodes it,
+    with the special tokens the tokenizer adds (a BOS before each part, with a tokenizer that
+    starts every text with one). Off: the text's tokens alone."""
 
     def sample(self, sample: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
         """The sample with each document piece rearranged (or not), as long as it was."""
@@ -96,15 +102,20 @@ class FIM:
         return np.concatenate([[t.prefix], prefix, [t.suffix], suffix, [t.middle], middle]).astype(np.int64)
 
     def decode(self, piece: np.ndarray) -> str:
-        """The piece's text as Megatron's HuggingFaceTokenizer gives it: its tokens but the special
-        ones, joined by the tokenizer (not ``decode``, which also cleans up spaces)."""
+        """The piece's text as Megatron's HuggingFaceTokenizer gives it (``ids_to_text`` with
+        ``remove_special_tokens=True``, as its FIM asks since Megatron-LM 74ef64e, 2026-02): its
+        tokens but the special ones, joined by the tokenizer (not ``decode``, which also cleans up
+        spaces)."""
         tokens = self.tokenizer.convert_ids_to_tokens(piece.tolist())
         return str(
             self.tokenizer.convert_tokens_to_string([t for t in tokens if t is not None and t not in self.special])
         )
 
     def encode(self, text: str) -> np.ndarray:
-        """Megatron's ``text_to_ids``: the text's tokens, then their ids (no special tokens added)."""
+        """Megatron's ``text_to_ids``: ``tokenizer(text)``'s ids with ``include_special_tokens``,
+        else the text's tokens, then their ids."""
+        if self.include_special_tokens:
+            return np.array(self.tokenizer(text)["input_ids"], dtype=np.int64)
         return np.array(self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text)), dtype=np.int64)
 
 
