@@ -21,25 +21,42 @@ transformers = pytest.importorskip("transformers")
 SENTINELS = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]
 
 
-@pytest.fixture(scope="module")
-def fim_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A BPE with EOS and the FIM sentinels as special tokens, and code prepared with it (EOD after each)."""
-    from coretrain_data_prepare.prepare import Request, prepare
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def save_bpe(directory: Path, bos: bool = False) -> Any:
+    """A BPE with EOS and the FIM sentinels as special tokens, saved as a user's is; with ``bos``
+    one that starts every text with <s> (as Llama's does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    root = tmp_path_factory.mktemp("fim")
-    special = ["<unk>", "<s>", "</s>", *SENTINELS]
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    special = ["<unk>", "<s>", "</s>", *SENTINELS]
     tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=special))
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
         additional_special_tokens=SENTINELS,
     )  # fmt: skip
-    fast.save_pretrained(root / "tokenizer")
-    source = root / "code.jsonl"
-    source.write_text("".join(json.dumps({"text": "\n".join(CORPUS[i : i + 3])}) + "\n" for i in range(0, 240, 3)))
+    fast.save_pretrained(directory)
+    return fast
+
+
+def write_code(path: Path, documents: int) -> Path:
+    """Documents of three lines of code each, as jsonl."""
+    path.write_text(
+        "".join(json.dumps({"text": "\n".join(CORPUS[i : i + 3])}) + "\n" for i in range(0, 3 * documents, 3))
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def fim_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A BPE with the FIM sentinels, and code prepared with it (EOD after each)."""
+    from coretrain_data_prepare.prepare import Request, prepare
+
+    root = tmp_path_factory.mktemp("fim")
+    save_bpe(root / "tokenizer")
+    source = write_code(root / "code.jsonl", 80)
     prepare(Request(inputs=[str(source)], tokenizer=str(root / "tokenizer"), output_prefix=str(root / "code"),
                     json_keys=["text"], append_eod=True))  # fmt: skip
     return root / "tokenizer", root / "code_text_document"
@@ -148,24 +165,11 @@ def test_a_tokenizer_that_adds_a_bos_keeps_it_as_megatron_does_unless_told_not_t
     ``--tokenizer-hf-no-include-special-tokens``), read by ``data prepare --config`` and by the
     run from the one file: no <s> anywhere."""
     import tomli_w
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     from coretrain.cli import main
 
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(
-        CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", *SENTINELS])
-    )
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        additional_special_tokens=SENTINELS,
-    )  # fmt: skip
-    fast.save_pretrained(tmp_path / "tokenizer")
-    source = tmp_path / "code.jsonl"
-    source.write_text("".join(json.dumps({"text": "\n".join(CORPUS[i : i + 3])}) + "\n" for i in range(0, 90, 3)))
+    fast = save_bpe(tmp_path / "tokenizer", bos=True)
+    source = write_code(tmp_path / "code.jsonl", 30)
     config = sections((tmp_path / "tokenizer", tmp_path / "code_text_document"), tmp_path, fim_rate=1.0)
     config["data"]["options"] |= {"fim_spm_rate": 0.0, "include_special_tokens": include}
     (tmp_path / "run.toml").write_text(tomli_w.dumps(config))
