@@ -30,8 +30,14 @@ def test_lr_find_sweeps_beside_the_run_and_leaves_its_checkpoints_alone(tmp_path
     assert found.returncode == 0, found.stderr
     swept = rows(tmp_path / "out" / "lr_find" / "lr_find.jsonl")
     assert len(swept) == 30 and swept[0]["lr"] == 1e-5 and math.isclose(swept[-1]["lr"], 0.1)
-    ratios = {round(b["lr"] / a["lr"], 9) for a, b in zip(swept, swept[1:])}
-    assert len(ratios) == 1  # exponential: one ratio between neighbours
+    ratio = 1e4 ** (1 / 30)  # exponential, on Lightning's schedule: step 2 at min_lr · ratio ** 2
+    assert [round(b["lr"] / a["lr"], 9) for a, b in zip(swept, swept[1:])] == [round(ratio**2, 9)] + [
+        round(ratio, 9)
+    ] * 28
+    average = 0.0  # Lightning's _LRCallback: its bias correction counts global_step + 1, already past the step
+    for step, row in enumerate(swept, start=1):
+        average = 0.98 * average + (1 - 0.98) * row["loss"]
+        assert row["smoothed"] == average / (1 - 0.98 ** (step + 1))
     assert (tmp_path / "out" / "lr_find" / "lr_find.png").is_file()
     assert not (tmp_path / "out" / "lr_find" / "checkpoints").exists()
     assert {p: p.stat().st_mtime_ns for p in before} == before  # nothing of the run changed
@@ -87,7 +93,7 @@ def test_the_optimizer_steps_at_the_tests_rate_in_each_groups_proportion(tmp_pat
         plugins={"optimizer-overrides": {"rules": [{"pattern": "*.bias", "lr_mult": 0.1}]}},
     )
     coretrain.train(config, plugins={"lr-find": finder, "seen": seen})
-    expected = [1e-4 * 10 ** (i / 2) for i in range(5)]
+    expected = [1e-4] + [1e-4 * 100 ** (k / 5) for k in range(2, 6)]  # Lightning's sweep: no 100 ** (1/5)
     assert [rates[1.0] for rates in seen.rates] == pytest.approx(expected)
     assert [rates[0.1] for rates in seen.rates] == pytest.approx([0.1 * lr for lr in expected])
 

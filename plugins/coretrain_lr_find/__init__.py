@@ -21,7 +21,7 @@ def add(commands: Any) -> None:
         "lr-find", help="sweep the learning rate over a short run, plot loss against it, suggest a value"
     )
     coretrain.add_config_args(finder, "TOML config file (the run to tune)")
-    finder.add_argument("--min-lr", type=float, default=1e-7, help="the first step's lr (default 1e-7)")
+    finder.add_argument("--min-lr", type=float, default=1e-8, help="the first step's lr (default 1e-8, Lightning's)")
     finder.add_argument("--max-lr", type=float, default=1.0, help="the last step's lr (default 1)")
     finder.add_argument("--steps", type=int, default=100, help="steps of the sweep (default 100)")
     finder.add_argument(

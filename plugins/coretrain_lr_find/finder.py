@@ -1,8 +1,12 @@
 """The learning-rate range test (Smith 2015; Lightning's ``Tuner.lr_find``, fastai's ``lr_find``).
 
-Each step trains at a learning rate that grows exponentially from ``min_lr`` to ``max_lr``;
-the loss is smoothed (exponential moving average with bias correction, beta 0.98, as Lightning
-does) and the test stops early once it exceeds ``diverge`` times its lowest value. Three
+Each step trains at a learning rate that grows exponentially from ``min_lr`` to ``max_lr``, on
+Lightning's schedule (:meth:`LRFinder.lr_at`);
+the loss is smoothed as Lightning smooths it (an exponential moving average, beta 0.98, its bias
+corrected by ``1 - beta ** (n + 1)`` after the n-th step: Lightning divides by its
+``global_step + 1``, which its loop has already advanced past the step, an off-by-one kept here
+so that the curves are Lightning's) and the test stops once the smoothed loss exceeds
+``diverge`` times its lowest value, from the second step on (Lightning's ``early_stop_threshold``). Three
 suggestions, each a rule of its own: ``steepest``, where the smoothed loss falls fastest
 against log(lr) (the slope on the log axis the curve is plotted on); ``lightning``, where it
 falls fastest against lr itself (Lightning 2.6's ``suggestion()``: ``torch.gradient`` over lr,
@@ -40,8 +44,12 @@ class LRFinder:
     _average: float = field(default=0.0, init=False)
 
     def lr_at(self, step: int) -> float:
-        """Step 1 at min_lr, step ``steps`` at max_lr, exponentially between."""
-        return float(self.min_lr * (self.max_lr / self.min_lr) ** ((step - 1) / max(self.steps - 1, 1)))
+        """Lightning's sweep: step 1 at min_lr, step k > 1 at ``min_lr · (max_lr / min_lr) ** (k /
+        steps)``, so step ``steps`` at max_lr. (Lightning's ``_ExponentialLR`` is stepped twice
+        before the second batch, so its optimizer never trains at the ratio's first power; kept,
+        so that the curve is Lightning's.)"""
+        exponent = step / self.steps if step > 1 else 0.0
+        return float(self.min_lr * (self.max_lr / self.min_lr) ** exponent)
 
     @hookimpl
     def on_train_start(self, run: Run) -> None:
@@ -68,9 +76,9 @@ class LRFinder:
         loss = float(outputs.loss)  # host sync every step: a tuner's price, not a training run's
         self.losses.append(loss)
         self._average = SMOOTHING * self._average + (1 - SMOOTHING) * loss  # from 0, then bias-corrected
-        self.smoothed.append(self._average / (1 - SMOOTHING ** len(self.losses)))
+        self.smoothed.append(self._average / (1 - SMOOTHING ** (len(self.losses) + 1)))  # Lightning's off-by-one
         lowest = min(self.smoothed)
-        if not math.isfinite(loss) or (step > SKIP_START and self.smoothed[-1] > self.diverge * lowest):
+        if not math.isfinite(loss) or (len(self.losses) > 1 and self.smoothed[-1] > self.diverge * lowest):
             run.control.request_stop(f"lr-find: the loss diverged at lr {self.lrs[-1]:.3g}", checkpoint=False)
         elif step >= self.steps:
             run.control.request_stop("lr-find: the range is covered", checkpoint=False)
