@@ -216,6 +216,56 @@ def test_fp8_emulated_training_tracks_full_precision(tmp_path: Path) -> None:
         assert fp8 == pytest.approx(full, rel=0.02)  # stated tolerance: 2% per logged step
 
 
+def test_megatron_bridge_recipe_names_run_their_torchao_recipes(tmp_path: Path) -> None:
+    """``bf16_with_fp8_current_scaling_mixed`` is torchao's tensorwise recipe (the same losses, bit
+    for bit), ``bf16_with_mxfp8_mixed`` torchao's MXFP8 training, emulated on the CPU: it rounds
+    (other losses than bf16 alone) and tracks them."""
+    from conftest import tiny_gpt_config
+
+    losses = {}
+    recipes = {"bf16": None, "tensorwise": "tensorwise", "current": "bf16_with_fp8_current_scaling_mixed"}
+    for name, recipe in (recipes | {"mxfp8": "bf16_with_mxfp8_mixed"}).items():
+        path = tmp_path / f"{name}.toml"
+        tail = f'\n[plugins.fp8]\nrecipe = "{recipe}"\n' if recipe else ""
+        text = tiny_gpt_config(tmp_path / name, train_iters=20, log_interval=5, eval_iters=0)
+        path.write_text(text.replace("threads = 1", 'threads = 1\nprecision = "bf16_mixed"', 1) + tail)
+        result = run_here("run", str(path), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        losses[name] = [row["loss"] for row in metrics_rows(tmp_path / name)]
+        if recipe:
+            assert f"fp8: {recipe} recipe on 6 Linear layers" in result.stderr
+    assert losses["current"] == losses["tensorwise"] != losses["bf16"]
+    assert losses["mxfp8"] != losses["bf16"] and losses["mxfp8"] != losses["tensorwise"]
+    for full, mx in zip(losses["bf16"], losses["mxfp8"]):
+        assert mx == pytest.approx(full, rel=0.03)  # stated tolerance: 3% per logged step
+
+
+@pytest.mark.parametrize(
+    ("recipe", "precision", "said"),
+    [
+        ("bf16_with_fp8_delayed_scaling_mixed", "bf16_mixed", "no torchao equivalent (torchao dropped delayed scaling"),
+        ("fp16_with_fp8_subchannel_scaling_mixed", "fp16_mixed", "nearest: 'fp16_with_fp8_current_scaling_mixed'"),
+        ("bf16_with_fp8_current_scaling_mixed", "fp32", 'set run.precision = "bf16_mixed" (it is "fp32")'),
+        ("bf16_with_fp4_mixed", "bf16_mixed", "expected a torchao recipe"),
+    ],
+)
+def test_a_megatron_bridge_recipe_without_an_equivalent_is_one_error(
+    tmp_path: Path, recipe: str, precision: str, said: str
+) -> None:
+    from conftest import tiny_gpt_config
+
+    path = tmp_path / "c.toml"
+    text = tiny_gpt_config(tmp_path / "out", train_iters=2, eval_iters=0)
+    path.write_text(
+        text.replace("threads = 1", f'threads = 1\nprecision = "{precision}"', 1)
+        + f'\n[plugins.fp8]\nrecipe = "{recipe}"\n'
+    )
+    result = run_here("run", str(path), cwd=tmp_path)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and said in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 class LogRecorder:
     def __init__(self) -> None:
         self.logs: dict[int, dict[str, float]] = {}
