@@ -80,6 +80,33 @@ def test_by_default_biases_and_norms_get_no_weight_decay_as_in_megatron_bridge(t
     assert everything.keys() == by_name.keys() and all(v == pytest.approx(0.1) for v in everything.values())
 
 
+def test_decoupled_lr_gives_the_embedding_and_the_output_layer_their_own_schedule(tmp_path: Path) -> None:
+    """Megatron's decoupled_lr / decoupled_min_lr: the gpt model's token embedding (tied to its
+    output layer) peaks at decoupled_lr and ends at decoupled_min_lr; the rest follows
+    optimizer.lr to scheduler.min_lr. A model that names neither layer is one error."""
+    gpt = {"provider": "gpt", "options": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16}}
+    data = {"provider": "text-bytes", "options": {"seq_length": 16}}
+    schedule = {"decay_style": "linear", "min_lr": 1e-4, "warmup_iters": 2}
+    tables = {"optimizer-overrides": {"decoupled_lr": 0.05, "decoupled_min_lr": 0.005}}
+    seen: list[dict[str, float]] = []
+
+    class Rates:
+        @hookimpl
+        def before_update(self, run: Any) -> None:
+            names = {id(p): n for n, p in run.model.named_parameters()}
+            seen.append({names[id(p)]: g["lr"] for g in run.optimizer.param_groups for p in g["params"]})
+
+    settings = {"model": gpt, "data": data, "scheduler": schedule, "optimizer": {"lr": 1e-3}}
+    run_steps(tmp_path / "on", 6, config=settings, tables=tables, autoload=True, plugins={"rates": Rates()})
+    assert seen[1]["wte.weight"] == pytest.approx(0.05) and seen[1]["blocks.0.mlp.fc.weight"] == pytest.approx(1e-3)
+    assert seen[-1]["wte.weight"] == pytest.approx(0.005) and seen[-1]["blocks.0.mlp.fc.weight"] == pytest.approx(1e-4)
+    assert "lm_head.weight" not in seen[0]  # tied: one parameter, under its first name
+    with pytest.raises(UserError, match="names no input embedding or output layer"):
+        run_steps(tmp_path / "plain", 2, tables={"optimizer-overrides": {"decoupled_lr": 0.05}})
+    with pytest.raises(UserError, match="set decoupled_lr too"):
+        run_steps(tmp_path / "min", 2, tables={"optimizer-overrides": {"decoupled_min_lr": 0.05}})
+
+
 def test_optimizer_overrides_pattern_that_matches_nothing_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="pattern 'encoder.*' matches no parameter"):
         run_steps(tmp_path, tables={"optimizer-overrides": {"rules": [{"pattern": "encoder.*"}]}})

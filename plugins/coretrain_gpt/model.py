@@ -126,6 +126,13 @@ class GPT(nn.Module):
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding (Hugging Face's name: optimizer-overrides' decoupled_lr finds it)."""
+        return self.wte
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -194,6 +201,13 @@ class GPTStage(nn.Module):
             if isinstance(block.mlp, MoE):
                 block.mlp.history = []  # the step's stats, summed over the stages for logging
                 block.mlp.losses_in_backward = True  # its routers' losses join what is optimized in its stage
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        """The token embedding on the first stage, as :meth:`GPT.get_input_embeddings`."""
+        return self.wte if self.first else None
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self.lm_head if self.last else None
 
     @property
     def positions(self) -> torch.Tensor | None:
