@@ -158,7 +158,9 @@ class TrainConfig:
 class OptimizerConfig:
     """A torch.optim optimizer by name."""
 
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    name: Literal["adamw", "adam", "sgd", "adafactor"] = "adamw"
+    """torch.optim's AdamW, Adam, SGD or Adafactor (Shazeer & Stern: factored second moments, no
+    first; ``betas`` and ``eps`` are Adam's, Adafactor keeps torch's own decay and epsilons)."""
     lr: float = field(default=3e-4, validator=_non_negative)
     weight_decay: float = field(default=0.01, validator=_non_negative)
     betas: tuple[float, float] = field(default=(0.9, 0.999), validator=fraction)

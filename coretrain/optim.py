@@ -9,7 +9,7 @@ import torch
 
 from coretrain.config import OptimizerConfig
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+OPTIMIZERS = {name.lower(): getattr(torch.optim, name) for name in ("AdamW", "Adam", "SGD", "Adafactor")}
 
 
 def build_optimizer(
@@ -27,8 +27,13 @@ def build_optimizer(
         # saved with the state, as the checkpoint names the weights (without DDP's "module."): it
         # loads by name into any part of the model
         group["param_names"].append(name.removeprefix("module." if hasattr(model, "module") else ""))
-    options: dict[str, Any] = {"momentum": cfg.momentum} if cfg.name == "sgd" else {"betas": cfg.betas, "eps": cfg.eps}
     optimizer: torch.optim.Optimizer = OPTIMIZERS[cfg.name](
-        list(groups.values()), lr=cfg.lr, weight_decay=cfg.weight_decay, **options
+        list(groups.values()), lr=cfg.lr, weight_decay=cfg.weight_decay, **_options(cfg)
     )
     return optimizer
+
+
+def _options(cfg: OptimizerConfig) -> dict[str, Any]:
+    """The optimizer's own settings: SGD's momentum, Adam's betas and eps; Adafactor keeps torch's."""
+    own: dict[str, dict[str, Any]] = {"sgd": {"momentum": cfg.momentum}, "adafactor": {}}
+    return own.get(cfg.name, {"betas": cfg.betas, "eps": cfg.eps})

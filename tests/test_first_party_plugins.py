@@ -107,6 +107,23 @@ def test_decoupled_lr_gives_the_embedding_and_the_output_layer_their_own_schedul
         run_steps(tmp_path / "min", 2, tables={"optimizer-overrides": {"decoupled_min_lr": 0.05}})
 
 
+def test_adafactor_trains_and_resumes_by_name(tmp_path: Path) -> None:
+    """optimizer.name = "adafactor" is torch's Adafactor (factored second moments: a row and a
+    column vector for each matrix, no first moment); it trains, and a resumed run continues as
+    the uninterrupted one."""
+    settings = {"optimizer": {"name": "adafactor", "lr": 1e-2}, "train": {"log_interval": 1}}
+    whole = run_steps(tmp_path / "whole", 8, config=settings)
+    optimizer = whole.run.optimizer
+    assert isinstance(optimizer, torch.optim.Adafactor)
+    matrix = next(p for p in whole.run.model.parameters() if p.ndim == 2)
+    assert {"row_var", "col_var"} <= set(optimizer.state[matrix]) and "exp_avg" not in optimizer.state[matrix]
+    losses = [row["loss"] for row in whole.metrics]
+    assert losses[-1] < losses[0]
+    run_steps(tmp_path / "split", 8, config={**settings, "train": {"log_interval": 1, "exit_interval": 4}})
+    resumed = run_steps(tmp_path / "split", 8, config=settings)
+    assert [row["loss"] for row in resumed.metrics][-4:] == losses[-4:]
+
+
 def test_optimizer_overrides_pattern_that_matches_nothing_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="pattern 'encoder.*' matches no parameter"):
         run_steps(tmp_path, tables={"optimizer-overrides": {"rules": [{"pattern": "encoder.*"}]}})

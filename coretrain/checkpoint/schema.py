@@ -229,7 +229,8 @@ OPTIMIZER_FILE = table(
 
 def check_optimizer_fits(saved: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
     """The parameter groups match (else the user changed them: an error that says what to do), and
-    each saved moment has its parameter's shape (torch's load_state_dict checks only counts)."""
+    each saved moment has its parameter's shape or is a factor of it (torch's load_state_dict
+    checks only counts)."""
     counts = [len(group["params"]) for group in saved["param_groups"]]
     if counts != [len(group["params"]) for group in optimizer.param_groups]:
         raise UserError(
@@ -242,12 +243,17 @@ def check_optimizer_fits(saved: dict[str, Any], optimizer: torch.optim.Optimizer
         if index >= len(params):
             raise CheckpointUnreadable(path, f"not a valid checkpoint file: state[{index}]: no such parameter")
         for name, value in moments.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and not _factor_of(value.shape, params[index].shape):
                 raise CheckpointUnreadable(
                     path,
                     f"not a valid checkpoint file: state[{index}].{name} has shape {list(value.shape)}, "
                     f"its parameter {list(params[index].shape)}",
                 )
+
+
+def _factor_of(shape: torch.Size, parameter: torch.Size) -> bool:
+    """The parameter's shape, or 1 where a factored moment sums it (Adafactor's row and column variances)."""
+    return len(shape) == len(parameter) and all(size in (1, full) for size, full in zip(shape, parameter, strict=True))
 
 
 MOST_SAMPLES_PER_STEP = 2**32
