@@ -106,10 +106,11 @@ def figures(out: Path) -> dict[tuple[int, str], float]:
     }
 
 
-def worst(reference: dict[tuple[int, str], float], got: dict[tuple[int, str], float]) -> str:
+def worst(reference: dict[tuple[int, str], float], got: dict[tuple[int, str], float]) -> float | str:
+    """The worst relative difference, or what is not there to compare."""
     if sorted(got) != sorted(reference):
         return f"other figures: {sorted(set(reference) ^ set(got))[:3]}"
-    return f"{max(abs(got[k] - v) / max(abs(v), 1e-12) for k, v in reference.items()):.1e}"
+    return max(abs(got[k] - v) / max(abs(v), 1e-12) for k, v in reference.items())
 
 
 def main() -> None:
@@ -117,6 +118,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--only", nargs="*", help="these layouts' names only")
     parser.add_argument("--keep", type=Path, help="write the runs here (default: a temporary directory)")
+    parser.add_argument("--bound", type=float, default=1e-5, help="exit 1 unless every layout is within it")
     args = parser.parse_args()
     chosen = {n: s for n, s in layouts(args.ranks).items() if not args.only or n in args.only}
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,15 +145,18 @@ def main() -> None:
         codes_file = plan.with_name(plan.name + ".codes")
         codes = json.loads(codes_file.read_text()) if codes_file.is_file() else []
         print(f"{len(chosen)} layouts of {args.ranks} ranks against one rank (worst relative difference):")
+        within = 0
         for index, name in enumerate(chosen):
-            out = root / name
             code = codes[index] if index < len(codes) else "not reached"
-            result = worst(reference, figures(out)) if code == 0 else f"exit code {code}"
-            print(f"  {name:<24} {result}")
+            result = worst(reference, figures(root / name)) if code == 0 else f"exit code {code}"
+            within += isinstance(result, float) and result <= args.bound
+            print(f"  {name:<24} {f'{result:.1e}' if isinstance(result, float) else result}")
+        print(f"{within} of {len(chosen)} within {args.bound:g}")
         if errors:
             print("errors said:", *sorted(set(errors)), sep="\n  ")
         if len(codes) < len(chosen):
             print(f"the job ended (exit code {done.returncode}) before the last layouts:", done.stderr[-3000:])
+    sys.exit(0 if within == len(chosen) else 1)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ One torchrun job per number of ranks runs a layout family's commands one after a
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -334,3 +335,17 @@ def test_a_rampups_small_first_batches_run_on_a_pipeline(tmp_path: Path) -> None
     batches = {row["global_batch_size"] for row in metrics_rows(tmp_path / "one") if "global_batch_size" in row}
     assert {2.0, 8.0} <= batches  # it ramped
     assert_like_one_rank(reference, figures(tmp_path / "pp2"), "pp2")
+
+
+def test_every_layout_of_four_ranks_trains_like_one_rank(tmp_path: Path) -> None:
+    """All 27 layouts of 4 ranks, not a selection: ``benchmarks/layout_matrix.py`` enumerates
+    pp × dp_replicate × dp_shard × cp × tp and every ep_size each can take (DDP beside FSDP), runs
+    them in one torchrun job and compares each with one rank (at 8 ranks it takes 34 minutes on
+    2 cores: run by hand, docs/scaling.md has its figures)."""
+    from conftest import run_cli
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "layout_matrix.py"
+    done = run_cli(
+        "--ranks", "4", "--keep", str(tmp_path), command=(sys.executable, str(script)), cwd=tmp_path, timeout=1500
+    )
+    assert done.returncode == 0 and "27 of 27 within 1e-05" in done.stdout, done.stdout + done.stderr[-2000:]
