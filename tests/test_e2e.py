@@ -33,6 +33,11 @@ def test_gpt_on_stdlib_text_learns_and_leaves_config_metrics_and_checkpoints(tmp
     # not a terminal: plain, one line per log interval
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(progress) == 6 and progress[-1].startswith("step 60/60 | loss ")
+    # and in run.log, as Megatron's log has its training lines; the console shows them once
+    logged = [
+        line.split(": ", 1)[1] for line in (out / "run.log").read_text().splitlines() if "coretrain.progress" in line
+    ]
+    assert logged == progress and not any(line.startswith("step ") for line in result.stderr.splitlines())
 
 
 def test_metrics_file_keeps_full_precision_floats(tmp_path: Path) -> None:

@@ -33,6 +33,15 @@ EVENT_LINES = 5
 CENTURY = 100 * 365 * 24 * 3600
 
 
+def to_log_files(text: str) -> None:
+    """A line for the run's log files (``run.log``: a file handler on the root logger) and not
+    the console, which shows it its own way (the live panel, or the printed line)."""
+    record = logging.LogRecord("coretrain.progress", logging.INFO, __file__, 0, text, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def eta(seconds: float) -> str:
     """A duration as H:MM:SS (days before it when longer); past a century (or not a number),
     said so: a run planned that long would overflow what a timedelta holds."""
@@ -189,8 +198,6 @@ class Progress:
         if not self._active:
             return
         self._metrics = metrics
-        if self._live is not None:
-            return
         remaining = (self._total - step) * metrics.get("iteration_time", 0.0)
         rate = (
             f"{metrics['tokens_per_second']:,.0f} tok/s"
@@ -199,11 +206,13 @@ class Progress:
         )
         lr = f"lr {metrics['lr']:.3e} | " if "lr" in metrics else ""  # no schedule plugin: no lr
         load = f" | {load}" if (load := experts(metrics)) else ""
-        print(
+        line = (
             f"step {step:>{len(str(self._total))}}/{self._total} | loss {metrics.get('loss', math.nan):.4f} | "
-            f"{lr}{rate} | {data_share(metrics)}{load} | ETA {eta(remaining)}",
-            flush=True,
+            f"{lr}{rate} | {data_share(metrics)}{load} | ETA {eta(remaining)}"
         )
+        to_log_files(line)  # as Megatron's log has its training lines, whatever the console shows
+        if self._live is None:
+            print(line, flush=True)
 
     @hookimpl
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
