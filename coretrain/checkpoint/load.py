@@ -173,16 +173,21 @@ def _state_by_name(saved: dict[str, Any], groups: Any, weights: dict[str, Any]) 
     first = {tensor.data_ptr(): key for key, tensor in reversed(weights.items())}  # tied names share a tensor
     tied = {key: first[tensor.data_ptr()] for key, tensor in weights.items() if tensor.numel()}
     state = {names[index]: moments for index, moments in saved["state"].items()}
-    state |= {  # a copy each: a rank holding both (a V-shaped pipeline's first) updates them apart
-        key: {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in state[alias].items()}
-        for group in groups
-        for key in group["params"]
-        if (alias := tied.get(key)) in state and alias != key
-    }
+    wanted = [key for group in groups for key in group["params"]]
+    for key in wanted:
+        alias = tied.get(key)
+        # a copy of its own: a rank holding both (a V-shaped pipeline's first) updates them apart
+        if alias in state and alias != key:
+            state[key] = _copied(state[alias])
     known = set(names) | {key for key, alias in tied.items() if alias in names}
-    if unknown := [key for group in groups for key in group["params"] if key not in known]:
+    if unknown := [key for key in wanted if key not in known]:
         raise KeyError(f"the file has no parameter named {', '.join(unknown[:3])}")
-    return {key: state[key] for group in groups for key in group["params"] if key in state}
+    return {key: state[key] for key in wanted if key in state}
+
+
+def _copied(moments: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's optimizer state with tensors of its own."""
+    return {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in moments.items()}
 
 
 def _not_fitting(path: Path, exc: BaseException) -> UserError:
