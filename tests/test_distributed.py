@@ -140,7 +140,10 @@ def test_a_rank_that_fails_with_a_collective_pending_ends_instead_of_hanging(tmp
     job = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env=env, timeout=120)
     assert job.returncode == 1, job.stderr[-3000:]
     assert "RuntimeError: pending-collective: raised on rank 0 at step 3" in job.stderr
-    assert "RuntimeError: pending-collective: rank 0 had ended" in job.stderr, job.stderr[-3000:]
+    # rank 0's own exit ends the job: had it hung, rank 1 would have given up waiting and the
+    # launcher would name rank 1. Rank 1's "had ended" line is not asserted: the launcher may
+    # stop rank 1 before its next look at rank 0's process (a race by design, lost under load).
+    assert "was still running" not in job.stderr, job.stderr[-3000:]
     assert job.stderr.rstrip().endswith("error: rank 0 failed with exit code 1"), job.stderr[-1500:]
 
 
