@@ -29,6 +29,7 @@ class Control:
     step of it and ``checkpoints/`` (Megatron's non-persistent checkpoints). Unset: such requests
     save to ``checkpoints/``."""
     skip_reason: str | None = None
+    rerun: bool = False
 
     def request_stop(self, reason: str, *, checkpoint: bool = True, exit_code: int = 0) -> None:
         """End training at the next step boundary (see the class; with a checkpoint unless
@@ -44,6 +45,9 @@ class Control:
         self.non_persistent = not persistent and (self.non_persistent or not self.checkpoint_requested)
         self.checkpoint_requested = True
 
-    def skip_update(self, reason: str) -> None:
-        """Veto this step's optimizer update (only meaningful in ``before_update``)."""
-        self.skip_reason = reason
+    def skip_update(self, reason: str, *, rerun: bool = False) -> None:
+        """Veto this step's optimizer update (only meaningful in ``before_update``). With
+        ``rerun``, run the step's forward and backward again on the same batches instead, its
+        gradients dropped, then ``before_update`` again (the plugin restores whatever random
+        state the step should see again); with several ranks, any rank's rerun is every rank's."""
+        self.skip_reason, self.rerun = reason, rerun

@@ -97,7 +97,7 @@ if TYPE_CHECKING:
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs
 
 
-HOOK_API = (1, 13)
+HOOK_API = (1, 14)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -368,7 +368,9 @@ class HookSpecs(Protocol):
         Args: ``loss`` — the step's mean loss over micro-batches, a device tensor (reading it
         syncs).
         May change: gradients (``p.grad``, in place); ``run.control.skip_update(reason)`` vetoes
-        this update — on every rank when any rank vetoes. The ranks agree with one blocking
+        this update — on every rank when any rank vetoes; ``skip_update(reason, rerun=True)``
+        (1.14) runs the step's forward and backward again on the same batches, the gradients
+        dropped, and calls this hook again with the new loss (Megatron's rerun). The ranks agree with one blocking
         collective per step, paid only while an enabled plugin declares the class attribute
         ``coretrain_vetoes_updates = True``; an undeclared veto on several ranks stops the run
         (exit 1) naming the attribute, since the ranks could not have agreed on it.

@@ -269,7 +269,9 @@ class Trainer:
                 mark(step, "forward_backward")
                 loss, values = loop.numerics.forward_backward(batches)
                 mark(step, "update")
-                skipped, grad_norm = loop.numerics.update(step, loss, global_batch)
+                while (update := loop.numerics.update(step, loss, global_batch)) is None:  # skip_update(rerun=True)
+                    loss, values = loop.numerics.forward_backward(batches)
+                skipped, grad_norm = update
             mark(step, "post_step")
 
             state.step, state.consumed_samples = step, state.consumed_samples + global_batch

@@ -81,15 +81,19 @@ class StepNumerics:
     def skips_batch(self, step: int) -> bool:
         """``pre_step`` vetoed the step (``run.control.skip_update``): its batch was drawn, so
         the data order holds, but neither forward nor backward runs (Megatron's dummy step)."""
-        return self._vetoed(step, self.agree_batch_skip)
+        return self._vetoed(step, self.agree_batch_skip)[0]
 
-    def update(self, step: int, loss: torch.Tensor, global_batch: int) -> tuple[bool, torch.Tensor | None]:
-        """before_update (the veto point), then clip and step unless any rank vetoed: (skipped, grad norm)."""
+    def update(self, step: int, loss: torch.Tensor, global_batch: int) -> tuple[bool, torch.Tensor | None] | None:
+        """before_update (the veto point), then clip and step unless any rank vetoed: (skipped,
+        grad norm); None when a rank asked to run the step again (``skip_update(rerun=True)``)."""
         run = self.run
         if self.before_update:
             self.before_update(run=run, step=step, loss=loss.detach())
         grad_norm = None
-        skipped = self._vetoed(step, self.agree_skip)
+        skipped, rerun = self._vetoed(step, self.agree_skip)
+        if rerun:
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         if not skipped and run.grad_scaler is not None:
             skipped, grad_norm = self._scaled_update(run.grad_scaler, global_batch)
         elif not skipped:
@@ -111,18 +115,18 @@ class StepNumerics:
         clip_to(self.params, self.clip, norm)
         return norm
 
-    def _vetoed(self, step: int, agree: bool) -> bool:
-        """Whether a plugin vetoed the step on any rank (counted as a skipped update)."""
+    def _vetoed(self, step: int, agree: bool) -> tuple[bool, bool]:
+        """Whether a plugin vetoed the step on any rank (counted as a skipped update), and
+        whether one asked to run it again instead (``skip_update(rerun=True)``)."""
         control = self.run.control
-        vetoed = control.skip_reason is not None
+        vetoed, rerun = control.skip_reason is not None, control.rerun
         if agree:  # one rank's veto is every rank's: replicas must take the same updates
-            vetoed = bool(max_over_ranks(int(vetoed))[0])
+            vetoed, rerun = map(bool, max_over_ranks(int(vetoed), int(rerun)))
         elif vetoed and self.world > 1:
             raise RunFailure(undeclared_veto(self.run, step, control.skip_reason))
-        if vetoed:
-            self.run.state.skipped_updates += 1
-            control.skip_reason = None
-        return vetoed
+        control.skip_reason, control.rerun = None, False
+        self.run.state.skipped_updates += vetoed and not rerun
+        return vetoed and not rerun, rerun
 
     def _scaled_update(self, scaler: torch.amp.GradScaler, global_batch: int) -> tuple[bool, torch.Tensor | None]:
         """fp16: unscale, clip, step unless gradients overflowed; (skipped, grad norm).

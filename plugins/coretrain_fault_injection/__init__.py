@@ -4,8 +4,10 @@ At a chosen step (or at random with a seeded probability per step), on chosen ra
 the step starts: ``hang`` (sleep until killed), ``raise`` (an exception, as a bug would),
 ``sigkill`` / ``sigterm`` / ``sigstop`` (the signal to this process), ``sleep`` (a slow rank; with
 ``every_step`` from that step on), or ``skip`` (veto that step's update, as a guard that saw a
-bad loss on this rank alone would: the ranks agree, and every one skips it). Used by the
-straggler, signal, restart and agreement tests.
+bad loss on this rank alone would: the ranks agree, and every one skips it), or ``nan`` (the
+step's loss comes out NaN on those ranks: its first forward only, a transient fault, or with
+``persistent`` every forward of the step, its reruns too). Used by the straggler, signal,
+restart, rerun and agreement tests.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import random
 import signal
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from attrs import define, field
 
@@ -37,7 +39,7 @@ def _attempt() -> int:
 class FaultInjection:
     """Hang, raise, SIGKILL, SIGTERM or sleep on chosen ranks at a chosen or random step."""
 
-    action: Literal["hang", "raise", "sigkill", "sigterm", "sigstop", "sleep", "skip"]
+    action: Literal["hang", "raise", "sigkill", "sigterm", "sigstop", "sleep", "skip", "nan"]
     """What goes wrong (``sigstop``: the process freezes, as one stuck in the kernel does)."""
     step: int | None = field(default=None, validator=positive)
     """The step it happens at (before the step runs)."""
@@ -50,6 +52,8 @@ class FaultInjection:
     sleep_seconds: float = field(default=1.0, validator=non_negative)
     """For action = "sleep"."""
     every_step: bool = False
+    persistent: bool = False
+    """For action = "nan": every forward of the step is NaN, its reruns' too (unset: the first)."""
     """For action = "sleep": sleep on every step from `step` on."""
     times: int | None = field(default=None, validator=positive)
     """At most this many times in this process; unset: once for a fault at ``step`` (the same
@@ -64,6 +68,7 @@ class FaultInjection:
     _first_world: int | None = field(factory=lambda: _env_int("WORLD_SIZE"), init=False, repr=False)
     _rng: random.Random | None = field(default=None, init=False, repr=False)
     _veto_at: int | None = field(default=None, init=False, repr=False)
+    _poison: Any = field(default=None, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.step is None and not self.probability:
@@ -122,6 +127,8 @@ class FaultInjection:
             log.warning("fault-injection: %s on rank %d at step %d", self.action, run.dist.rank, step)
         if self.action == "skip":
             self._veto_at = step
+        elif self.action == "nan":
+            self._poison = run.model.register_forward_hook(self._nan_output)
         elif self.action == "sleep":
             time.sleep(self.sleep_seconds)
         elif self.action == "hang":
@@ -132,6 +139,21 @@ class FaultInjection:
         else:
             signals = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
             os.kill(os.getpid(), signals[self.action])
+
+    def _nan_output(self, module: Any, inputs: Any, output: Any) -> Any:
+        """The model's loss (a tensor, or a mapping's ``loss``) times NaN: NaN, gradients too."""
+        if not self.persistent:
+            self._poison.remove()
+        if isinstance(output, dict) or hasattr(output, "keys"):
+            output["loss"] = output["loss"] * float("nan")
+            return output
+        return output * float("nan")
+
+    @hookimpl
+    def post_step(self) -> None:
+        if self._poison is not None:
+            self._poison.remove()
+            self._poison = None
 
     @hookimpl
     def before_update(self, run: Run, step: int) -> None:
