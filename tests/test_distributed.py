@@ -432,3 +432,21 @@ def test_a_hung_rank_is_named_with_its_step_and_phase_and_the_job_ends(tmp_path:
     assert result.returncode != 0
     assert "error: rank 1: no progress for 3 s at step 6, last in pre_step" in result.stderr
     assert "hang.rank1.log" in {p.name for p in (tmp_path / "run").iterdir()}
+
+
+@pytest.mark.slow  # torchrun with 2 gloo ranks
+def test_timers_line_the_ranks_up_at_level_2_and_report_each_ranks_times(tmp_path: Path) -> None:
+    """timing_log_level 2 puts a barrier at every phase mark (a rank that waited at one would
+    hang the job if the ranks marked phases differently); "all" logs every rank's phase times,
+    the slowest under the plain name, and "minmax" the fastest."""
+    config = write(tmp_path, "run", train_iters=6, log_interval=3, eval_interval=3)
+    timers = '\n[plugins.timers]\ntiming_log_level = 2\ntiming_log_option = "all"\n'
+    config.write_text(config.read_text() + timers)
+    job = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert job.returncode == 0, job.stderr[-3000:]
+    rows = [row for row in metrics_rows(tmp_path / "run") if "loss" in row]
+    assert [row["step"] for row in rows] == [3, 6]
+    for row in rows:
+        for phase in ("data", "forward_backward", "optimizer"):
+            mine = [row[f"time/{phase}/rank{rank}"] for rank in (0, 1)]
+            assert min(mine) > 0 and row[f"time/{phase}"] == max(mine)

@@ -177,6 +177,30 @@ def test_only_plugins_that_declare_a_veto_make_the_ranks_agree_on_updates(tmp_pa
     assert result.run.plugins.vetoing() == ["guards"]
 
 
+def test_timers_take_megatrons_switches_for_levels_ranks_units_and_memory(tmp_path: Path) -> None:
+    config = {"train": {"log_interval": 3, "eval_interval": 3}}
+
+    def last(name: str, **timers: Any) -> dict[str, float]:
+        return [
+            m for m in run_steps(tmp_path / name, 3, tables={"timers": timers}, config=config).metrics if "loss" in m
+        ][-1]
+
+    step_only = last("level0", timing_log_level=0)
+    assert "time/data" not in step_only and "time/forward_backward" not in step_only and step_only["time/step"] > 0
+    # the interval's wall time holds its steps, 2 and 3 (the first warms up), and any evaluation
+    assert 2 * step_only["time/step"] <= step_only["time/total"]
+    assert step_only["batches_per_second"] * step_only["iteration_time"] == pytest.approx(1)
+    minmax = last("minmax", timing_log_option="minmax")
+    assert minmax["time/data_min"] == minmax["time/data"] > 0  # one rank: its fastest is its slowest
+    every = last("all", timing_log_option="all", time_unit="ms")
+    assert every["time/optimizer/rank0"] == every["time/optimizer"] > 0
+    assert every["time/step"] == pytest.approx(every["iteration_time"] * 1e3)  # the time/* values in ms
+    picked = last("memory", memory_keys={"rss_bytes.peak": "mem/peak_gb"})
+    assert picked["mem/peak_gb"] > 0.01 and not any(name.startswith("memory/") for name in picked)
+    with pytest.raises(UserError, match=r"memory_keys: \['reserved_bytes.all.peak'\] are not memory statistics on cpu"):
+        run_steps(tmp_path / "bad", 3, tables={"timers": {"memory_keys": {"reserved_bytes.all.peak": "reserved"}}})
+
+
 def test_timers_report_where_the_time_went_from_the_phase_marks(tmp_path: Path) -> None:
     config = {"train": {"log_interval": 3, "eval_interval": 3}, "checkpoint": {"save_interval": 3}}
     result = run_steps(tmp_path / "on", steps=6, tables={"timers": {}}, config=config)

@@ -13,9 +13,18 @@ The first step (compilation, warm caches) is left out unless it is a log step. A
 slowest rank waits ``input_bound_share`` of a step for data is told so, once, with the
 setting that helps.
 
+Megatron's switches: ``timing_log_level`` 0 logs the step time alone (no phase clocks), 1 the
+phases (the default here), 2 the phases with every rank lined up at each phase boundary (a
+device sync and a CPU barrier per mark, so a phase's time is that phase's on every rank, not a
+wait for a slower one; costs a few collectives per step); ``timing_log_option`` "max" (the
+slowest rank), "minmax" (also ``time/PHASE_min``) or "all" (also ``time/PHASE/rankN``);
+``time_unit`` "s" or "ms" for the ``time/*`` values; ``memory_keys`` picks and names the memory
+statistics (torch.cuda.memory_stats keys; on CPU ``rss_bytes.current``/``rss_bytes.peak``).
+
 The rates, over the interval's training time (its evaluations left out, the first step too
 unless it is a log step): ``iteration_time`` (= ``time/step``), ``samples_per_second``,
-``tokens_per_second`` (when the datasets declare a ``seq_length``); from them and
+``batches_per_second`` (optimizer steps), ``tokens_per_second`` (when the datasets declare a
+``seq_length``), ``time/total`` (the interval's wall time, evaluations and saves included); from them and
 ``run.flops_per_sample``: ``samples_per_second_per_device``, ``tokens_per_second_per_device``,
 ``consumed_tokens``, ``tflops_per_device``, ``mfu`` (against ``peak_tflops`` or the GPU's entry
 in a table of dense bf16 peaks), ``elapsed_seconds`` and ``remaining_seconds``.
@@ -27,14 +36,14 @@ import logging
 import time
 from collections.abc import Callable, Generator
 from time import perf_counter
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from attrs import define, field
 
 from coretrain import Run, fraction, hookimpl, max_over_ranks, positive
 from coretrain_timers.flops import flops_per_sample
-from coretrain_timers.memory import memory
+from coretrain_timers.memory import memory, selected_memory
 
 log = logging.getLogger("coretrain")
 
@@ -48,9 +57,11 @@ INTERVAL_PHASES = ("eval", "checkpoint")
 class PhaseTimes:
     """Seconds per phase since the last log, from the loop's marks (one clock read per mark)."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Run, line_up: bool = False) -> None:
         self.run = run
         self.cuda = run.device.type == "cuda"
+        self.line_up = line_up and run.dist.world_size > 1
+        """timing_log_level 2: every rank waits for the others at each mark (a CPU barrier)."""
         self.seconds = dict.fromkeys(STEP_PHASES + INTERVAL_PHASES, 0.0)
         self.steps = 0
         self.reset_at = -1
@@ -79,6 +90,8 @@ class PhaseTimes:
         steps = self.run.state.step - self.from_step
         per_second = self.computed / elapsed if steps and elapsed > 0 else 0.0
         rates = {"iteration_time": elapsed / steps if steps else 0.0, "samples_per_second": per_second}
+        rates["batches_per_second"] = steps / elapsed if steps and elapsed > 0 else 0.0
+        rates["time/total"] = perf_counter() - self.started
         if self.run.datasets.seq_length:
             rates["tokens_per_second"] = per_second * self.run.datasets.seq_length
         if rates["iteration_time"] > 0:
@@ -87,6 +100,10 @@ class PhaseTimes:
 
     def mark(self, step: int, phase: str) -> None:
         """The phase listener: one comparison chain, no further call (it runs at every mark)."""
+        if self.line_up:
+            if self.cuda:
+                torch.cuda.synchronize(self.run.device)
+            max_over_ranks(0)  # a barrier: the phase starts on every rank at once
         now = perf_counter()
         if self._open is not None:  # an evaluation or a checkpoint ends at the next mark
             self.seconds[self._open] += now - self._open_since
@@ -177,6 +194,14 @@ class Timers:
     """Warn once when the slowest rank waits this share of a step for data (0 = never)."""
     peak_tflops: float | None = field(default=None, validator=positive)
     """Peak TFLOP/s of one device, for MFU; unset = a table of known GPUs (was run.peak_tflops)."""
+    timing_log_level: Literal[0, 1, 2] = 1
+    """Megatron's: 0 the step time only, 1 each phase's time, 2 each phase's with the ranks lined up."""
+    timing_log_option: Literal["max", "minmax", "all"] = "max"
+    """Megatron's: the slowest rank's phase times, also the fastest's (``_min``), or every rank's."""
+    time_unit: Literal["s", "ms"] = "s"
+    """The unit of the ``time/*`` values."""
+    memory_keys: dict[str, str] | None = None
+    """Memory statistic -> metric name (Megatron-Bridge's); unset: the default set in GB."""
     _times: PhaseTimes | None = field(default=None, init=False, repr=False)
     _said: bool = field(default=False, init=False, repr=False)
 
@@ -188,12 +213,14 @@ class Timers:
 
     @hookimpl
     def phase_listener(self, run: Run) -> Callable[[int, str], None]:
-        self._times = PhaseTimes(run)
+        self._times = PhaseTimes(run, line_up=self.timing_log_level == 2)
         return self._times.mark
 
     @hookimpl
     def on_train_start(self, run: Run) -> None:
         assert self._times is not None  # phase_listener is asked first
+        if self.memory_keys is not None:
+            selected_memory(run.device, self.memory_keys)  # a key this device has not: one error now
         self._times.reset()  # restored from a checkpoint: the interval counts from here
         first = run.state.step + 1
         if not run.cadence.logs(first):
@@ -212,12 +239,33 @@ class Timers:
         elapsed = time.monotonic() - run.started_at
         peak = peak_tflops(run, self.peak_tflops)
         metrics.update(throughput(run, rates["samples_per_second"], rates["iteration_time"], elapsed, peak))
-        metrics.update(memory(run.device))
+        metrics.update(
+            memory(run.device) if self.memory_keys is None else selected_memory(run.device, self.memory_keys)
+        )
         mine = self._times.collect()
-        slowest = max_over_ranks(*(round(seconds * 1e6) for seconds in mine.values()))  # CPU, no device sync
-        metrics.update({name: micros / 1e6 for name, micros in zip(mine, slowest)})
-        metrics["time/data_max"] = metrics["time/data"]
-        self._say_if_input_bound(run, metrics)
+        if self.timing_log_level:
+            metrics.update(self._over_ranks(run, mine))
+            metrics["time/data_max"] = metrics["time/data"]
+            self._say_if_input_bound(run, metrics)
+        if self.time_unit == "ms":
+            metrics.update({name: value * 1e3 for name, value in metrics.items() if name.startswith("time/")})
+
+    def _over_ranks(self, run: Run, mine: dict[str, float]) -> dict[str, float]:
+        """The phase times as ``timing_log_option`` asks: one CPU all-reduce of microseconds (no
+        device sync), two values per phase for "minmax" (the minimum as a negated maximum)."""
+        micros = [round(seconds * 1e6) for seconds in mine.values()]
+        if self.timing_log_option == "all":
+            world, rank = run.dist.world_size, run.dist.rank
+            every = max_over_ranks(*(value if r == rank else 0 for r in range(world) for value in micros))
+            per_rank = {
+                f"{name}/rank{r}": every[r * len(mine) + i] / 1e6 for r in range(world) for i, name in enumerate(mine)
+            }
+            return {name: max(per_rank[f"{name}/rank{r}"] for r in range(world)) for name in mine} | per_rank
+        if self.timing_log_option == "minmax":
+            both = max_over_ranks(*micros, *(-value for value in micros))
+            slowest = {name: value / 1e6 for name, value in zip(mine, both)}
+            return slowest | {f"{name}_min": -value / 1e6 for name, value in zip(mine, both[len(mine) :])}
+        return {name: value / 1e6 for name, value in zip(mine, max_over_ranks(*micros))}  # CPU, no device sync
 
     def _say_if_input_bound(self, run: Run, metrics: dict[str, float]) -> None:
         step_time, data = metrics.get("time/step", 0.0), metrics["time/data"]

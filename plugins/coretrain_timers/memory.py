@@ -1,5 +1,6 @@
 """Memory metrics for each log: CUDA allocator statistics (Megatron's report_memory set) in GB,
-or on CPU the process RSS and its peak. Reading allocator statistics does not synchronize."""
+or on CPU the process RSS and its peak; or the statistics a config picks and names
+(``memory_keys``). Reading allocator statistics does not synchronize."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import resource
 import sys
 
 import torch
+
+from coretrain import UserError
 
 GB = 1024**3
 CUDA_MEMORY_KEYS = {  # torch.cuda.memory_stats key -> metric name
@@ -37,3 +40,22 @@ def memory(device: torch.device) -> dict[str, float]:
     except OSError:
         rss = peak
     return {"memory/rss_gb": rss / GB, "memory/max_rss_gb": max(peak, rss) / GB}  # rss read a moment later
+
+
+def _statistics(device: torch.device) -> dict[str, float]:
+    """What ``memory_keys`` may pick from: torch.cuda.memory_stats, or on CPU the RSS's two."""
+    if device.type == "cuda":
+        return {key: float(value) for key, value in torch.cuda.memory_stats(device).items()}
+    cpu = memory(device)
+    return {"rss_bytes.current": cpu["memory/rss_gb"] * GB, "rss_bytes.peak": cpu["memory/max_rss_gb"] * GB}
+
+
+def selected_memory(device: torch.device, keys: dict[str, str]) -> dict[str, float]:
+    """``memory_keys``: each statistic under its configured name, bytes in GB (counts as counted)."""
+    stats = _statistics(device)
+    if missing := sorted(set(keys) - set(stats)):
+        known = ", ".join(sorted(stats)[:12])
+        raise UserError(
+            f"plugins.timers.memory_keys: {missing} are not memory statistics on {device.type}; some are: {known}"
+        )
+    return {name: stats[key] / GB if "bytes" in key else stats[key] for key, name in keys.items()}
