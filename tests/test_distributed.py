@@ -450,3 +450,27 @@ def test_timers_line_the_ranks_up_at_level_2_and_report_each_ranks_times(tmp_pat
         for phase in ("data", "forward_backward", "optimizer"):
             mine = [row[f"time/{phase}/rank{rank}"] for rank in (0, 1)]
             assert min(mine) > 0 and row[f"time/{phase}"] == max(mine)
+
+
+@pytest.mark.slow  # torchrun with 2 gloo ranks, four jobs
+def test_megatrons_ddp_knobs_by_their_names(tmp_path: Path) -> None:
+    """bf16 gradients (master-weights) all-reduced in fp32 by the plugin's comm hook; one bucket
+    for every gradient (overlap_grad_reduce = false) or Megatron-sized buckets train the same
+    numbers as torch's buckets; average_in_collective on gloo is one error before training."""
+    env = {"OMP_NUM_THREADS": "1"}
+
+    def job(name: str, table: str, *options: str) -> subprocess.CompletedProcess[str]:
+        config = write(tmp_path, name, train_iters=6, log_interval=2, eval_interval=6)
+        config.write_text(config.read_text() + '\n[distributed]\nstrategy = "ddp"\n' + table)
+        return run_cli("run", str(config), "--nproc-per-node", "2", *options, cwd=tmp_path, env=env)
+
+    bf16 = "[plugins.master-weights]\n"
+    assert job("plain", "").returncode == 0
+    upcast = job("fp32", bf16 + "[plugins.ddp]\ngrad_reduce_in_fp32 = true\n", "--set", "run.precision=bf16")
+    assert upcast.returncode == 0, upcast.stderr[-3000:]
+    assert "ddp: bfloat16 gradients all-reduced in float32 (grad_reduce_in_fp32)" in upcast.stderr
+    assert job("one", "[plugins.ddp]\noverlap_grad_reduce = false\n").returncode == 0
+    assert job("sized", "[plugins.ddp]\nbucket_size = 1000\n").returncode == 0
+    assert logged(tmp_path / "one") == logged(tmp_path / "sized") == logged(tmp_path / "plain")
+    average = job("average", "[plugins.ddp]\naverage_in_collective = true\n")
+    assert average.returncode == 2 and "plugins.ddp.average_in_collective: gloo has no averaging" in average.stderr

@@ -52,3 +52,19 @@ def test_cpu_offload_trains_and_its_checkpoint_resumes_exactly(tmp_path: Path) -
     whole, resumed = ([row["loss"] for row in metrics_rows(tmp_path / name)] for name in ("whole", "resumed"))
     assert resumed == whole[4:]  # steps 5-8 from the offloaded parameters and optimizer state it saved
     assert whole[-1] < whole[0]
+
+
+def test_grad_reduce_in_fp32_is_reduce_dtype_float32_and_reduces_otherwise_than_bf16(tmp_path: Path) -> None:
+    """Megatron's knob by its name: the same numbers as ``reduce_dtype = "float32"``, not those of
+    gradients reduce-scattered in bf16 (the sum of two ranks' bf16 gradients rounded to bf16:
+    seen in the gradient norm, which is taken of the fp32 sharded gradients; the losses are bf16)."""
+
+    def norms(name: str, fsdp: dict[str, Any]) -> list[float]:
+        return [
+            row["grad_norm"]
+            for row in run(tmp_path, name, {"param_dtype": "bfloat16", **fsdp}, "--nproc-per-node", "2")
+        ]
+
+    named = norms("named", {"grad_reduce_in_fp32": True})
+    assert named == norms("fp32", {"reduce_dtype": "float32"})
+    assert named != norms("bf16", {})

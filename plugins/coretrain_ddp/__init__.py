@@ -4,15 +4,25 @@ Enabled by ``distributed.strategy = "ddp"`` (the default when torchrun starts mo
 rank) or a ``[plugins.ddp]`` table. Wraps the model last (``trylast``), after numerics
 and compilation plugins have changed it. Gradients are averaged over ranks during backward;
 the loop skips the all-reduce on all but the last micro-batch (``no_sync``).
+
+Megatron's DistributedDataParallelConfig knobs, by its names, where torch's DDP has them:
+``bucket_size`` (gradient elements per bucket, 4 bytes each: ``bucket_cap_mb``),
+``overlap_grad_reduce`` (false: one bucket for every gradient, reduced once backward ends —
+Megatron's default; here true, torch's), ``grad_reduce_in_fp32`` (low-precision gradients,
+``master-weights``' bf16, all-reduced in fp32 by a comm hook, then cast back) and
+``average_in_collective`` (average with the collective's AVG instead of dividing first; NCCL
+has it, gloo does not: one error).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from attrs import define
+import torch
+from attrs import define, field
 
-from coretrain import Run, hookimpl
+from coretrain import Run, UserError, hookimpl, positive
 
 log = logging.getLogger("coretrain")
 
@@ -29,12 +39,24 @@ class DDP:
     """Let gradients alias the communication buckets (saves one copy of the gradients)."""
     static_graph: bool = False
     """Promise the autograd graph is the same every step (enables more overlap)."""
+    bucket_size: int | None = field(default=None, validator=positive)
+    """Megatron's: gradient elements per bucket (sets bucket_cap_mb at 4 bytes per element)."""
+    overlap_grad_reduce: bool = True
+    """Megatron's: reduce buckets while backward runs; false: one bucket, reduced at its end."""
+    grad_reduce_in_fp32: bool = False
+    """Megatron's: all-reduce bf16/fp16 gradients in fp32 (fp32 gradients already are)."""
+    average_in_collective: bool = False
+    """Megatron's: average in the all-reduce (ReduceOp.AVG, NCCL) instead of dividing before it."""
+    _said: bool = field(default=False, init=False, repr=False)
+
+    def _bucket_cap_mb(self, run: Run) -> float:
+        if not self.overlap_grad_reduce:  # one bucket holds every gradient: reduced when backward ends
+            return 2 * sum(p.numel() * p.element_size() for p in run.model.parameters()) / 2**20 + 1
+        return self.bucket_size * 4 / 2**20 if self.bucket_size else self.bucket_cap_mb
 
     @hookimpl(trylast=True)
     def configure_model(self, run: Run) -> None:
         if run.dist.tp_size > 1:
-            from coretrain import UserError
-
             raise UserError(
                 "plugins.ddp: DDP cannot average gradients of tensor-parallel (DTensor) weights; "
                 f'with distributed.tp_size = {run.dist.tp_size} use distributed.strategy = "fsdp" (or "auto")'
@@ -47,13 +69,45 @@ class DDP:
         if is_sharded(run.model):
             log.info("ddp: the model is already sharded (fsdp); not wrapping it again")
             return
+        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
+        if self.average_in_collective and dist.get_backend() == "gloo":
+            raise UserError(
+                "plugins.ddp.average_in_collective: gloo has no averaging all-reduce (ReduceOp.AVG); "
+                "drop it on gloo (the gradients are divided before the sum instead), or use nccl"
+            )
         run.model = DistributedDataParallel(
             run.model,
             device_ids=[run.device.index] if run.device.type == "cuda" else None,
-            bucket_cap_mb=self.bucket_cap_mb,
+            bucket_cap_mb=self._bucket_cap_mb(run),
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
         )
+        if self.grad_reduce_in_fp32 or self.average_in_collective:
+            # a lambda: DDP checks a hook's annotations, which this module's are strings of
+            run.model.register_comm_hook(None, lambda state, bucket: self._all_reduce(state, bucket))
+
+    def _all_reduce(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """DDP's all-reduce of one bucket, in fp32 with ``grad_reduce_in_fp32``, averaged by
+        the collective with ``average_in_collective``; the result in the bucket's own dtype."""
+        import torch.distributed as dist
+
+        buffer = bucket.buffer()
+        upcast = self.grad_reduce_in_fp32 and buffer.dtype in (torch.bfloat16, torch.float16)
+        reduced = buffer.float() if upcast else buffer
+        if upcast and not self._said:
+            self._said = True
+            log.info("ddp: %s gradients all-reduced in float32 (grad_reduce_in_fp32)", str(buffer.dtype).split(".")[1])
+        if self.average_in_collective:
+            work = dist.all_reduce(reduced, op=dist.ReduceOp.AVG, async_op=True)
+        else:
+            reduced.div_(dist.get_world_size())
+            work = dist.all_reduce(reduced, async_op=True)
+
+        def into_bucket(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            return buffer.copy_(done.value()[0]) if upcast else done.value()[0]
+
+        future: torch.futures.Future[torch.Tensor] = work.get_future().then(into_bucket)
+        return future

@@ -41,9 +41,23 @@ class FSDP:
     """Dtype gradients are reduce-scattered in; unset = param_dtype's."""
     output_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Dtype of the sharded modules' floating-point outputs; unset = as computed."""
+    grad_reduce_in_fp32: bool = False
+    """Megatron's name for ``reduce_dtype = "float32"`` (gradients reduce-scattered in fp32)."""
     block_types: list[str] = field(factory=list)
     """Class names of the modules to shard individually; empty = the model's _no_split_modules
     (Hugging Face), else the children of every ModuleList."""
+
+    def _reduce_dtype(self) -> str | None:
+        if not self.grad_reduce_in_fp32:
+            return self.reduce_dtype
+        if self.reduce_dtype not in (None, "float32"):
+            from coretrain import UserError
+
+            raise UserError(
+                f"plugins.fsdp: grad_reduce_in_fp32 = true and reduce_dtype = {self.reduce_dtype!r} disagree; "
+                'grad_reduce_in_fp32 is Megatron\'s name for reduce_dtype = "float32": keep one'
+            )
+        return "float32"
 
     @hookimpl(trylast=True)
     def configure_model(self, run: Run) -> None:
@@ -72,7 +86,7 @@ class FSDP:
             "offload_policy": CPUOffloadPolicy(pin_memory=cuda) if self.cpu_offload else OffloadPolicy(),
             "mp_policy": MixedPrecisionPolicy(
                 param_dtype=torch_dtype(self.param_dtype),
-                reduce_dtype=torch_dtype(self.reduce_dtype),
+                reduce_dtype=torch_dtype(self._reduce_dtype()),
                 output_dtype=torch_dtype(self.output_dtype),
             ),
         }
