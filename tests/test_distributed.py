@@ -474,3 +474,38 @@ def test_megatrons_ddp_knobs_by_their_names(tmp_path: Path) -> None:
     assert logged(tmp_path / "one") == logged(tmp_path / "sized") == logged(tmp_path / "plain")
     average = job("average", "[plugins.ddp]\naverage_in_collective = true\n")
     assert average.returncode == 2 and "plugins.ddp.average_in_collective: gloo has no averaging" in average.stderr
+
+
+@pytest.mark.slow  # torchrun with 2 gloo ranks, four jobs
+def test_the_distributed_optimizer_shards_the_state_trains_ddps_numbers_and_resumes_anywhere(tmp_path: Path) -> None:
+    """use_distributed_optimizer (ZeRO-1, torch's ZeroRedundancyOptimizer): each rank holds about
+    half of Adam's state, the losses are DDP's bitwise, the checkpoint holds the whole state
+    (gathered to rank 0) and resumes on 2 ranks with it and on 1 rank without."""
+    env = {"OMP_NUM_THREADS": "1"}
+
+    def losses(out: Path) -> list[tuple[int, float]]:
+        return [(row["step"], row["loss"]) for row in metrics_rows(out) if "loss" in row]
+
+    def job(name: str, zero: bool, *options: str, ranks: str = "2") -> subprocess.CompletedProcess[str]:
+        config = write(tmp_path, name, train_iters=8, log_interval=1, eval_interval=8)
+        table = f"\n[distributed]\nstrategy = 'ddp'\n[plugins.ddp]\nuse_distributed_optimizer = {str(zero).lower()}\n"
+        config.write_text(config.read_text().replace("save_interval = 10", "save_interval = 4") + table)
+        done = run_cli("run", str(config), "--nproc-per-node", ranks, *options, cwd=tmp_path, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    job("ddp", False)
+    job("zero", True)
+    assert logged(tmp_path / "zero") == logged(tmp_path / "ddp")
+    whole = torch.load(tmp_path / "zero" / "checkpoints" / "step_00000008" / "optimizer.pt", weights_only=True)
+    state_bytes = sum(v.numel() * v.element_size() for s in whole["state"].values() for v in s.values())
+    held = [row["optimizer_state_bytes_max"] for row in metrics_rows(tmp_path / "zero") if "loss" in row]
+    assert state_bytes / 2 <= held[-1] < 0.75 * state_bytes
+    job("halves", True, "--set", "train.exit_interval=4")
+    job("halves", True)  # resumed at step 4 on 2 ranks
+    assert losses(tmp_path / "halves") == losses(tmp_path / "ddp")
+    start = tmp_path / "halves" / "checkpoints" / "step_00000004"
+    job("one", False, "--set", f"checkpoint.resume={json.dumps(str(start))}", ranks="1")
+    resumed, reference = losses(tmp_path / "one"), dict(losses(tmp_path / "ddp"))
+    assert [step for step, _ in resumed] == [5, 6, 7, 8]
+    assert [loss for _, loss in resumed] == pytest.approx([reference[step] for step, _ in resumed], rel=1e-5)

@@ -357,6 +357,19 @@ def test_new_plugin_into_a_directory_that_has_files_makes_its_own_folder_there(t
             ["--set", 'plugins.fault-injection={action="sleep", step=1, sleep_seconds=-1.0}'],
             "sleep_seconds: must be >= 0",
         ),
+        # Megatron's DDP knobs where the strategy has no such setting
+        (
+            ["--set", "plugins.fsdp.bucket_size=40000000"],
+            'the unit is block_types; it cannot be 40000000 here (strategy = "ddp"',
+        ),
+        (["--set", "plugins.fsdp.overlap_grad_reduce=false"], "FSDP2 always reduce-scatters a block's gradients while"),
+        (["--set", "plugins.fsdp.use_distributed_optimizer=false"], "FSDP2 always shards the optimizer state"),
+        (
+            ["--set", "plugins.ddp.overlap_param_gather=true"],
+            "ZeroRedundancyOptimizer broadcasts the updated parameters",
+        ),
+        (["--set", 'plugins.rerun.mode="validate"'], "plugins.rerun.mode"),
+        (["--set", "plugins.timers.timing_log_level=3"], "plugins.timers.timing_log_level"),
     ],
 )
 def test_a_value_out_of_bounds_is_one_error_line(config: Path, capsys: Any, argv: list[str], words: str) -> None:

@@ -116,3 +116,18 @@ def test_a_nan_on_one_rank_is_rerun_on_both_and_the_verdict_is_agreed(tmp_path: 
     # rank 0 saw no NaN, yet stops: the ranks agreed on rank 1's verdict (one step late, as stops are)
     assert "coretrain: stopping at step 6: rerun: the loss at step 5 (samples 32..39) is bad again" in persistent.stderr
     assert (tmp_path / "persistent" / "checkpoints" / "step_00000006").is_dir()
+
+
+def test_guards_name_the_parameter_whose_gradient_is_not_finite(tmp_path: Path) -> None:
+    """Megatron's check_for_nan_in_grad, in guards: the loss is finite, one gradient is not."""
+    plugins = {
+        "guards": {"check_for_nan_in_grad": True, "action": "stop"},
+        "fault-injection": {"action": "nan", "step": 4, "parameter": "net.3.weight"},
+    }
+    job = run_here("run", str(write(tmp_path, "run", plugins)), cwd=tmp_path)
+    assert job.returncode == 3, job.stderr
+    assert "guards: step 4: the gradient of net.3.weight is not finite (rank 0); stopping" in job.stderr
+    unchecked = {"guards": {"action": "stop"}, "fault-injection": plugins["fault-injection"]}
+    late = run_here("run", str(write(tmp_path, "unchecked", unchecked)), cwd=tmp_path)
+    # unchecked, step 4's NaN gradient went into the weights: the loss is NaN one step later
+    assert late.returncode == 3 and "stopping at step 5: guards: loss is nan" in late.stderr

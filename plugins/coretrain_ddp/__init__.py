@@ -12,19 +12,36 @@ Megatron's default; here true, torch's), ``grad_reduce_in_fp32`` (low-precision 
 ``master-weights``' bf16, all-reduced in fp32 by a comm hook, then cast back) and
 ``average_in_collective`` (average with the collective's AVG instead of dividing first; NCCL
 has it, gloo does not: one error).
+
+``use_distributed_optimizer`` is Megatron's distributed optimizer as ZeRO-1, with torch's
+``ZeroRedundancyOptimizer``: each rank keeps the optimizer state of its share of the
+parameters and updates only those, then broadcasts them, so the parameters stay replicated
+(DDP's all-reduce unchanged) and the state costs 1/N per rank. Its checkpoints are the
+replicated kind: the state is gathered to rank 0 when saving (``on_checkpoint``, every rank)
+and resumes anywhere, on any number of ranks, with or without it.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
 import torch
 from attrs import define, field
 
-from coretrain import Run, UserError, hookimpl, positive
+from coretrain import FieldValueError, Run, UserError, hookimpl, max_over_ranks, positive
 
 log = logging.getLogger("coretrain")
+
+
+def _no_overlapped_gather(plugin: Any, attribute: Any, value: bool) -> None:
+    if value:
+        raise FieldValueError(
+            attribute.name,
+            "torch's ZeroRedundancyOptimizer broadcasts the updated parameters after the step, not overlapped "
+            'with the next forward; distributed.strategy = "fsdp" gathers parameters overlapped with compute',
+        )
 
 
 @define(kw_only=True)
@@ -47,6 +64,10 @@ class DDP:
     """Megatron's: all-reduce bf16/fp16 gradients in fp32 (fp32 gradients already are)."""
     average_in_collective: bool = False
     """Megatron's: average in the all-reduce (ReduceOp.AVG, NCCL) instead of dividing before it."""
+    use_distributed_optimizer: bool = False
+    """Megatron's: ZeRO-1 — the optimizer state sharded over the ranks, parameters replicated."""
+    overlap_param_gather: bool = field(default=False, validator=_no_overlapped_gather)
+    """Megatron's; not here: ZeRO-1 broadcasts the updated parameters after the step."""
     _said: bool = field(default=False, init=False, repr=False)
 
     def _bucket_cap_mb(self, run: Run) -> float:
@@ -88,6 +109,47 @@ class DDP:
         if self.grad_reduce_in_fp32 or self.average_in_collective:
             # a lambda: DDP checks a hook's annotations, which this module's are strings of
             run.model.register_comm_hook(None, lambda state, bucket: self._all_reduce(state, bucket))
+
+    @hookimpl(trylast=True)  # after master-weights, which it refuses to wrap
+    def configure_optimizer(self, run: Run) -> None:
+        if not self.use_distributed_optimizer or run.dist.world_size == 1:
+            return
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        plain = run.optimizer
+        kind = type(plain)
+        if not kind.__module__.startswith("torch.optim"):
+            raise UserError(
+                f"plugins.ddp.use_distributed_optimizer: the optimizer is {kind.__name__} (a plugin's wrapper), "
+                "which torch's ZeroRedundancyOptimizer cannot shard; drop one of them (for bf16 weights with "
+                'sharded state, use distributed.strategy = "fsdp" with [plugins.fsdp] param_dtype = "bfloat16")'
+            )
+        # the groups as they are, but for torch's param_names, which ZeRO's partitions do not keep
+        groups = [{key: value for key, value in group.items() if key != "param_names"} for group in plain.param_groups]
+        accepted = inspect.signature(kind).parameters  # defaults may hold what the class sets itself
+        defaults = {key: value for key, value in plain.defaults.items() if key in accepted}
+        run.optimizer = ZeroRedundancyOptimizer(groups, optimizer_class=kind, **defaults)
+        if run.dist.is_main:
+            log.info(
+                "ddp: distributed optimizer (ZeRO-1): each of %d ranks holds its share of the state",
+                run.dist.world_size,
+            )
+
+    @hookimpl
+    def on_checkpoint(self, run: Run) -> None:
+        """Every rank, before rank 0 reads the optimizer state: gather the shards to it."""
+        consolidate = getattr(run.optimizer, "consolidate_state_dict", None)
+        if consolidate is not None:
+            consolidate(to=0)
+
+    @hookimpl
+    def on_log(self, run: Run, metrics: dict[str, float]) -> None:
+        if self.use_distributed_optimizer:  # the state this rank holds, the largest over ranks
+            local = getattr(run.optimizer, "optim", run.optimizer)  # ZeRO's: this rank's partition
+            held = sum(
+                v.numel() * v.element_size() for s in local.state.values() for v in s.values() if torch.is_tensor(v)
+            )
+            metrics["optimizer_state_bytes_max"] = float(max_over_ranks(held)[0])
 
     def _all_reduce(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         """DDP's all-reduce of one bucket, in fp32 with ``grad_reduce_in_fp32``, averaged by

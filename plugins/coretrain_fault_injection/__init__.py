@@ -54,6 +54,9 @@ class FaultInjection:
     every_step: bool = False
     persistent: bool = False
     """For action = "nan": every forward of the step is NaN, its reruns' too (unset: the first)."""
+    parameter: str | None = None
+    """For action = "nan": the NaN goes into this parameter's gradient alone (a name from
+    ``named_parameters()`` of the model as configured), not into the loss."""
     """For action = "sleep": sleep on every step from `step` on."""
     times: int | None = field(default=None, validator=positive)
     """At most this many times in this process; unset: once for a fault at ``step`` (the same
@@ -127,6 +130,8 @@ class FaultInjection:
             log.warning("fault-injection: %s on rank %d at step %d", self.action, run.dist.rank, step)
         if self.action == "skip":
             self._veto_at = step
+        elif self.action == "nan" and self.parameter is not None:
+            self._poison = self._named_parameter(run).register_hook(lambda grad: grad * float("nan"))
         elif self.action == "nan":
             self._poison = run.model.register_forward_hook(self._nan_output)
         elif self.action == "sleep":
@@ -139,6 +144,13 @@ class FaultInjection:
         else:
             signals = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
             os.kill(os.getpid(), signals[self.action])
+
+    def _named_parameter(self, run: Run) -> Any:
+        parameters = dict(run.unwrapped_model.named_parameters())
+        if self.parameter not in parameters:
+            some = sorted(parameters)[:8]
+            raise UserError(f"plugins.fault-injection.parameter: the model has no {self.parameter!r}; it has {some}")
+        return parameters[self.parameter]
 
     def _nan_output(self, module: Any, inputs: Any, output: Any) -> Any:
         """The model's loss (a tensor, or a mapping's ``loss``) times NaN: NaN, gradients too."""

@@ -11,19 +11,37 @@ Enable with ``distributed.strategy = "fsdp"`` (options in ``[plugins.fsdp]``).
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from attrs import define, field
 
-from coretrain import Run, blocks_of, hookimpl
+from coretrain import FieldValueError, Run, blocks_of, hookimpl
 
 log = logging.getLogger("coretrain")
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
     return getattr(torch, name) if name else None
+
+
+MEGATRON_KNOBS = {
+    "bucket_size": (None, "FSDP2 reduce-scatters each sharded block's gradients at once: the unit is block_types"),
+    "use_distributed_optimizer": (True, "FSDP2 always shards the optimizer state (and parameters and gradients)"),
+    "overlap_grad_reduce": (True, "FSDP2 always reduce-scatters a block's gradients while backward goes on"),
+    "overlap_param_gather": (True, "FSDP2 always gathers the next block's parameters while this one computes"),
+}
+"""Megatron's DDP knobs that FSDP2 answers by design: the value it always has, and why."""
+
+
+def _fixed_by_fsdp(plugin: Any, attribute: Any, value: Any) -> None:
+    """A Megatron knob set against what FSDP2 always does: one error saying what it does."""
+    fixed, why = MEGATRON_KNOBS[attribute.name]
+    if value is not None and value != fixed:
+        hint = ' (strategy = "ddp" has it)' if attribute.name in ("bucket_size", "use_distributed_optimizer") else ""
+        raise FieldValueError(attribute.name, f"{why}; it cannot be {json.dumps(value)} here{hint}")
 
 
 @define(kw_only=True)
@@ -43,6 +61,11 @@ class FSDP:
     """Dtype of the sharded modules' floating-point outputs; unset = as computed."""
     grad_reduce_in_fp32: bool = False
     """Megatron's name for ``reduce_dtype = "float32"`` (gradients reduce-scattered in fp32)."""
+    bucket_size: int | None = field(default=None, validator=_fixed_by_fsdp)
+    use_distributed_optimizer: bool | None = field(default=None, validator=_fixed_by_fsdp)
+    overlap_grad_reduce: bool | None = field(default=None, validator=_fixed_by_fsdp)
+    overlap_param_gather: bool | None = field(default=None, validator=_fixed_by_fsdp)
+    """Megatron's DDP knobs, accepted where they say what FSDP2 does anyway (MEGATRON_KNOBS)."""
     block_types: list[str] = field(factory=list)
     """Class names of the modules to shard individually; empty = the model's _no_split_modules
     (Hugging Face), else the children of every ModuleList."""

@@ -5,6 +5,10 @@ Before each optimizer update (the loop's veto point) the step's mean loss is che
 - not finite (NaN/Inf), or
 - a spike: ``loss >= spike_factor × max(loss over the last `window` accepted steps)``.
 
+With ``check_for_nan_in_grad`` (Megatron's DDP knob, off by default: a device sync per
+step) the gradients are checked too, after their reduction (each rank its shards), and the
+first parameter whose gradient is not finite is named.
+
 ``action`` decides what happens: ``"skip"`` vetoes the update and counts it, ``"warn"`` logs and
 lets it through, ``"stop"`` vetoes it, saves a checkpoint and exits with ``exit_code``
 (default 3). ``iterations_to_skip`` draws those steps' batches and runs nothing: no forward,
@@ -34,6 +38,21 @@ from coretrain import Run, exit_code, hookimpl, mean_over_ranks, non_negative, p
 log = logging.getLogger("coretrain")
 
 
+def nonfinite_gradient(model: Any) -> str | None:
+    """The first parameter whose gradient (this rank's shard of it) holds a NaN or Inf: one
+    fused norm per parameter and one host sync; the name only when there is one."""
+    import torch
+
+    named: list[tuple[str, Any]] = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    if not named:
+        return None
+    grads = [getattr(grad, "_local_tensor", grad) for _, grad in named]  # a DTensor's shard
+    finite = torch.stack([norm.float() for norm in torch._foreach_norm(grads)]).isfinite()
+    if bool(finite.all()):
+        return None
+    return named[int((~finite).nonzero()[0])][0]
+
+
 @define(kw_only=True)
 class SavedState:
     """What the guards keep in a checkpoint; a resume checks a saved state against it."""
@@ -55,6 +74,8 @@ class Guards:
     """What to do about a bad loss."""
     check_nan: bool = True
     """Check the loss for NaN/Inf."""
+    check_for_nan_in_grad: bool = False
+    """Megatron's: check the reduced gradients for NaN/Inf and name the parameter (a sync per step)."""
     spike_factor: float = field(default=10.0, validator=non_negative)
     """A loss this many times the window's max is a spike; 0 disables the spike check."""
     window: int = field(default=100, validator=positive)
@@ -79,7 +100,10 @@ class Guards:
             loss = mean_over_ranks(loss.detach().clone())
         value = float(loss)  # the one sync per step this guard needs
         problem = None
-        if self.check_nan and not math.isfinite(value):
+        if self.check_for_nan_in_grad and (bad := nonfinite_gradient(run.model)) is not None:
+            problem = f"the gradient of {bad} is not finite (rank {run.dist.rank})"
+            self.nan_steps += 1
+        elif self.check_nan and not math.isfinite(value):
             self.nan_steps += 1
             problem = f"loss is {value}"
         elif self.spike_factor and self._recent and value >= self.spike_factor * max(self._recent):
