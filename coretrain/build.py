@@ -293,5 +293,5 @@ def _build_optimizer(run: Run) -> None:
     if hook_calls(run).implemented("configure_optimizer"):
         hook_calls(run).hook.configure_optimizer(run=run)
     run.scheduler = scheduler_of(run)
-    if config.run.precision == "fp16":
+    if config.run.precision == "fp16" and run.grad_scaler is None:  # a plugin's own (configure_optimizer)
         run.grad_scaler = torch.amp.GradScaler(run.device.type)

@@ -263,7 +263,9 @@ class HookSpecs(Protocol):
 
         Args: ``run`` — ``run.optimizer`` is built on the configured model's parameters, with the
         param-group overrides; the schedule is not built yet (it is built on what this leaves).
-        May change: ``run.optimizer`` (its ``state_dict`` is what checkpoints hold).
+        May change: ``run.optimizer`` (its ``state_dict`` is what checkpoints hold); with
+        ``run.precision = "fp16"``, ``run.grad_scaler`` (1.14: a ``torch.amp.GradScaler`` of the
+        plugin's, e.g. Megatron's with hysteresis; unset: torch's).
         Returns: nothing.
         Ranks: every rank, once, before training (and before a resume loads the optimizer state).
         """

@@ -137,10 +137,11 @@ class StepNumerics:
         run = self.run
         scaler.unscale_(run.optimizer)
         grad_norm = self._clip() if self.clip > 0 else None
-        scale = scaler.get_scale()
+        # the overflow unscale_ found, which makes step() skip (a scaler with hysteresis may keep its scale)
+        overflowed = any(found.item() for found in scaler._found_inf_per_device(run.optimizer).values())
         scaler.step(run.optimizer)
         scaler.update()
-        if scaler.get_scale() < scale:  # the scaler backs off exactly when it skipped the step
+        if overflowed:
             run.state.skipped_updates += 1
             return True, None  # an overflowed norm would poison the interval's mean
         run.scheduler.step(global_batch)
