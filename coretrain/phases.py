@@ -25,14 +25,6 @@ def combined(listeners: Sequence[Listener]) -> Listener:
         return _ignore
     if len(listeners) == 1:
         return listeners[0]
-    if len(listeners) == 2:  # the usual pair (phase times and the watchdog): no loop per mark
-        first, second = listeners
-
-        def both(step: int, phase: str) -> None:
-            first(step, phase)
-            second(step, phase)
-
-        return both
     chosen = tuple(listeners)
 
     def each(step: int, phase: str) -> None:

@@ -107,6 +107,9 @@ class DatasetContext:
     valid_samples: int
     test_samples: int
     seed: int
+    tokenizer: Any = None
+    """The run's tokenizer (``[tokenizer]``), a transformers tokenizer whatever its type, loaded
+    once by coretrain-plugins' ``tokenizer`` plugin; None when the config names none."""
 
 
 @define(kw_only=True)

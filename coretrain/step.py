@@ -91,17 +91,14 @@ class StepNumerics:
             self.before_update(run=run, step=step, loss=loss.detach())
         grad_norm = None
         skipped, rerun = self._vetoed(step, self.agree_skip)
-        if rerun:
-            self.optimizer.zero_grad(set_to_none=True)
-            return None
-        if not skipped and run.grad_scaler is not None:
+        if not (skipped or rerun) and run.grad_scaler is not None:
             skipped, grad_norm = self._scaled_update(run.grad_scaler, global_batch)
-        elif not skipped:
+        elif not (skipped or rerun):
             grad_norm = self._clip() if self.clip > 0 else None
             self.optimizer.step()
             self.scheduler.step(global_batch)
         self.optimizer.zero_grad(set_to_none=True)
-        return skipped, grad_norm
+        return None if rerun else (skipped, grad_norm)
 
     def _clip(self) -> torch.Tensor:
         """Clip to ``train.clip_grad``: the global norm before clipping (a plugin's, over pipeline stages)."""

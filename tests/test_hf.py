@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -930,6 +931,10 @@ def test_a_new_models_vocabulary_is_padded_as_megatron_pads_it(tmp_path: Path) -
     assert [padded_vocab(50257, 128, 1), padded_vocab(50257, None, 8)] == [50304, 50257]  # GPT-2's, Megatron's
 
 
+NO_PLUGINS = types.SimpleNamespace(get=lambda name: None)
+"""A run's plugins where none is enabled (the ``tokenizer`` plugin's Megatron types among them)."""
+
+
 def test_predict_encodes_prompts_with_the_runs_tokenizer(tokenizer_dir: Path, llama_dir: Path) -> None:
     """A model directory without a tokenizer and a data provider without one: [tokenizer] path
     is the tokenizer the prompts are encoded with (before it, `predict --data` had none)."""
@@ -941,9 +946,9 @@ def test_predict_encodes_prompts_with_the_runs_tokenizer(tokenizer_dir: Path, ll
 
     config = Config()
     with pytest.raises(UserError, match="no tokenizer for the prompts: no \\[tokenizer\\] path"):
-        prompt_tokenizer(types.SimpleNamespace(config=config), str(llama_dir))
+        prompt_tokenizer(types.SimpleNamespace(config=config, plugins=NO_PLUGINS), str(llama_dir))
     config.tokenizer.path = str(tokenizer_dir)
-    tokenizer = prompt_tokenizer(types.SimpleNamespace(config=config), str(llama_dir))
+    tokenizer = prompt_tokenizer(types.SimpleNamespace(config=config, plugins=NO_PLUGINS), str(llama_dir))
     assert (
         tokenizer("def f(x)")["input_ids"]
         == transformers.AutoTokenizer.from_pretrained(tokenizer_dir)("def f(x)")["input_ids"]

@@ -63,15 +63,27 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from coretrain_data_prepare.prepare import Request, prepare
 
     tokenizer, trusted, key = args.tokenizer, False, "--tokenizer"
+    megatron = None
     include_special_tokens = not args.tokenizer_hf_no_include_special_tokens
     if args.config is not None:
+        from coretrain_tokenizer import megatron_type
+        from coretrain_tokenizer.megatron import Settings
+
         import coretrain
 
-        config = coretrain.load(args.config).config
-        settings = config.tokenizer
-        if settings.path is None:
+        loaded = coretrain.load(args.config)
+        config, settings = loaded.config, loaded.config.tokenizer
+        types = coretrain.load_plugins(loaded).get("tokenizer")  # Megatron's types: the plugin's table
+        if (kind := megatron_type(types)) is not None:
+            megatron = {name: getattr(types, name) for name in Settings.PLUGIN_KEYS} | {"path": settings.path}
+            tokenizer, key = (
+                settings.path or getattr(types, "vocab_file", None) or kind,
+                "plugins.tokenizer.tokenizer_type",
+            )
+        elif settings.path is None:
             raise coretrain.UserError(f'--config {args.config}: no [tokenizer] path; set path = "DIR" there')
-        tokenizer, trusted, key = settings.path, settings.trust_remote_code, "tokenizer.path"
+        else:
+            tokenizer, trusted, key = settings.path, settings.trust_remote_code, "tokenizer.path"
         if config.data.provider == "indexed":  # the documents as the run's fill-in-the-middle encodes its parts
             include_special_tokens &= config.data.options.get("include_special_tokens", True) is not False
     request = Request(
@@ -79,6 +91,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         tokenizer=tokenizer,
         trust_remote_code=trusted,
         tokenizer_key=key,
+        megatron=megatron,
         output_prefix=args.output_prefix,
         json_keys=args.json_keys,
         append_eod=args.append_eod,

@@ -54,10 +54,19 @@ class Request:
     """Run code a custom tokenizer ships (``--config``'s ``[tokenizer] trust_remote_code``)."""
     tokenizer_key: str = "--tokenizer"
     """Where the tokenizer was named, for messages (``tokenizer.path`` with ``--config``)."""
+    megatron: dict[str, Any] | None = None
+    """``--config``'s ``[tokenizer]`` when it names one of Megatron's types (``tokenizer_type``)."""
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "--tokenizer") -> Any:
-    """A local Hugging Face tokenizer (a directory ``save_pretrained`` wrote); never the hub."""
+def load_tokenizer(
+    path: str, trust_remote_code: bool = False, key: str = "--tokenizer", megatron: dict[str, Any] | None = None
+) -> Any:
+    """A local Hugging Face tokenizer (a directory ``save_pretrained`` wrote; never the hub), or
+    one of Megatron's types as ``[tokenizer]`` describes it (``megatron``)."""
+    if megatron is not None:
+        from coretrain_tokenizer.megatron import Settings, build
+
+        return build(Settings(**megatron), "coretrain data prepare")
     if not Path(path).is_dir():
         raise UserError(f"{key} {path}: not a directory; give a local tokenizer saved with save_pretrained")
     try:
@@ -82,8 +91,14 @@ _worker: dict[str, Any] = {}
 """The tokenizer and EOS of this worker process (set once by :func:`_start_worker`)."""
 
 
-def _start_worker(tokenizer_path: str, eod: int | None, trust_remote_code: bool = False, special: bool = True) -> None:
-    _worker["tokenizer"], _worker["eod"] = load_tokenizer(tokenizer_path, trust_remote_code), eod
+def _start_worker(
+    tokenizer_path: str,
+    eod: int | None,
+    trust: bool = False,
+    special: bool = True,
+    megatron: dict[str, Any] | None = None,
+) -> None:
+    _worker["tokenizer"], _worker["eod"] = load_tokenizer(tokenizer_path, trust, megatron=megatron), eod
     _worker["special"] = special
 
 
@@ -191,7 +206,7 @@ def prepare(request: Request) -> dict[str, Path]:
         raise UserError(f"--workers {request.workers}: expected 1 or more")
     check_keys(request.json_keys)
     paths = check_inputs(request.inputs)
-    tokenizer = load_tokenizer(request.tokenizer, request.trust_remote_code, request.tokenizer_key)
+    tokenizer = load_tokenizer(request.tokenizer, request.trust_remote_code, request.tokenizer_key, request.megatron)
     eod = _eod(tokenizer, request)
     dtype = token_dtype(len(tokenizer))
     prefixes = {key: f"{request.output_prefix}_{key}_document" for key in request.json_keys}
@@ -221,7 +236,9 @@ def prepare(request: Request) -> dict[str, Path]:
 def _encoded(work: Iterator[list[Document]], request: Request, eod: int | None) -> Iterator[Any]:
     """The chunks tokenized in order: here, or by ``workers`` processes (each with its own tokenizer)."""
     if request.workers == 1:
-        _start_worker(request.tokenizer, eod, request.trust_remote_code, request.include_special_tokens)
+        _start_worker(
+            request.tokenizer, eod, request.trust_remote_code, request.include_special_tokens, request.megatron
+        )
         yield from map(_encode, work)
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the processes are the parallelism
@@ -229,7 +246,7 @@ def _encoded(work: Iterator[list[Document]], request: Request, eod: int | None) 
     with context.Pool(
         request.workers,
         initializer=_start_worker,
-        initargs=(request.tokenizer, eod, request.trust_remote_code, request.include_special_tokens),
+        initargs=(request.tokenizer, eod, request.trust_remote_code, request.include_special_tokens, request.megatron),
     ) as pool:
         yield from pool.imap(_encode, work)
 

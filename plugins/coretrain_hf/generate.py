@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from coretrain_tokenizer import load_tokenizer
+from coretrain_tokenizer import load_tokenizer, megatron_type, run_tokenizer
 
 from coretrain import Run, UserError
 from coretrain_hf.model import wrapped_model
@@ -18,8 +18,8 @@ def prompt_tokenizer(run: Run, model_path: str | None) -> Any:
     """The run's ``[tokenizer]``; else the model directory's own (a downloaded model carries
     one); else the data's."""
     trusted = run.config.tokenizer.trust_remote_code
-    if run.config.tokenizer.path is not None:
-        return load_tokenizer(run.config.tokenizer.path, "tokenizer.path", NEEDED_BY, trusted)
+    if run.config.tokenizer.path is not None or megatron_type(run.plugins.get("tokenizer")) is not None:
+        return run_tokenizer(run, None, "tokenizer.path", NEEDED_BY)[0]
     if model_path is not None and any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
         return load_tokenizer(model_path, "model.options.path", NEEDED_BY, trusted)
     data_tokenizer = dict(run.config.data.options).get("tokenizer")

@@ -4,8 +4,19 @@
     path = "models/tiny-llama"        # a local save_pretrained directory; nothing is downloaded
     trust_remote_code = false         # true: run the code a custom tokenizer (or model) ships
 
-A library of coretrain-plugins (no entry point, like ``coretrain_windows``): ``hf-text``,
-``hf-sft``, ``indexed``, ``predict`` and ``data prepare --config`` load their tokenizer here.
+Megatron's other tokenizer types (``[plugins.tokenizer] tokenizer_type``: GPT-2 vocab + merges,
+SentencePiece, TikTokenizer, Null) are built as transformers tokenizers
+(:mod:`coretrain_tokenizer.megatron`), so every provider below takes them as it takes a
+directory. Their settings are the ``tokenizer`` plugin's table, as only it reads them::
+
+    [tokenizer]
+    path = "tokenizers/llama2.model"     # Megatron's tokenizer_model
+    [plugins.tokenizer]
+    tokenizer_type = "Llama2Tokenizer"
+
+``hf-text``, ``hf-sft``, ``indexed``, ``predict`` and ``data prepare --config`` load their
+tokenizer here; the ``tokenizer`` plugin (on by default) loads the run's once and hands it to
+every data provider, a user's own too, as ``DatasetContext.tokenizer``.
 A provider's own ``tokenizer`` option, where it has one, still works; named beside
 ``[tokenizer]`` it must name the same directory (a run has one tokenizer). The model's
 vocabulary is padded as Megatron pads it by the model providers' ``make_vocab_size_divisible_by``
@@ -16,9 +27,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from coretrain import Run, UserError, require
+from attrs import define, field
+
+from coretrain import DatasetContext, Run, UserError, hookimpl, positive, require
 
 log = logging.getLogger("coretrain")
 
@@ -67,9 +80,68 @@ def remote_code_refused(key: str, directory: Path, what: str) -> str:
 
 
 def run_tokenizer(run: Run, own: str | None, own_key: str, needed_by: str) -> tuple[Any, Path]:
-    """The run's tokenizer (see :func:`tokenizer_directory`) and its directory."""
+    """The run's tokenizer (see :func:`tokenizer_directory`, or one of Megatron's types) and
+    its directory (or file)."""
+    kind = megatron_type(run.plugins.get("tokenizer"))
+    if kind is not None:
+        if own is not None:
+            raise UserError(
+                f"{own_key} ({own}) and plugins.tokenizer.tokenizer_type ({kind}) name two tokenizers; a run has "
+                "one: drop the other"
+            )
+        return megatron_tokenizer(run.config.tokenizer.path, run.plugins.get("tokenizer"), needed_by)
     path, key = tokenizer_directory(run.config, own, own_key)
     return load_tokenizer(path, key, needed_by, run.config.tokenizer.trust_remote_code), Path(path)
+
+
+def megatron_type(plugin: object | None) -> str | None:
+    """The ``tokenizer`` plugin's ``tokenizer_type`` when it is one of Megatron's own (not a
+    Hugging Face directory); None otherwise, or when the plugin is off."""
+    kind = getattr(plugin, "tokenizer_type", None)
+    return None if kind in (None, "HuggingFaceTokenizer") else str(kind)
+
+
+_built: dict[str, Any] = {}
+"""Tokenizers of Megatron's types built in this process, by their settings: built once however
+many plugins ask (the providers, the tokenizer plugin's context)."""
+
+
+def megatron_tokenizer(path: str | None, plugin: Any, needed_by: str) -> tuple[Any, Path]:
+    """The tokenizer of one of Megatron's types: ``[tokenizer] path`` (its model file) and the
+    ``tokenizer`` plugin's settings."""
+    from coretrain_tokenizer import megatron
+
+    settings = megatron.Settings(path=path, **{name: getattr(plugin, name) for name in megatron.Settings.PLUGIN_KEYS})
+    key = repr(settings)
+    if key not in _built:
+        _built[key] = megatron.build(settings, needed_by)
+    return _built[key], Path(path or plugin.vocab_file or ".")
+
+
+@define(kw_only=True)
+class Tokenizer:
+    """``tokenizer`` (on by default): Megatron's tokenizer types for ``[tokenizer]``, and the
+    run's tokenizer, loaded once, on every provider's ``DatasetContext``."""
+
+    tokenizer_type: str | None = None
+    """Megatron's: "HuggingFaceTokenizer" (as unset: a directory at ``[tokenizer] path``),
+    "GPT2BPETokenizer" (``vocab_file``, ``merge_file``), "SentencePieceTokenizer" /
+    "GPTSentencePieceTokenizer" / "Llama2Tokenizer" (a ``.model`` file at ``[tokenizer] path``,
+    Megatron's ``tokenizer_model``), "TikTokenizer" (Megatron's JSON vocabulary at the path),
+    "NullTokenizer" (``vocab_size``)."""
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = field(default=None, validator=positive)
+    """NullTokenizer's ids; TikTokenizer's vocabulary with its special tokens (unset: 2**17)."""
+    tiktoken_pattern: Literal["v1", "v2"] = "v2"
+    tiktoken_num_special_tokens: int = field(default=1000, validator=positive)
+
+    @hookimpl(wrapper=True)
+    def provide_datasets(self, run: Run, context: DatasetContext) -> Any:
+        named = run.config.tokenizer.path is not None or megatron_type(self) is not None
+        if named and context.tokenizer is None:
+            context.tokenizer, _ = run_tokenizer(run, None, "tokenizer.path", "the run's [tokenizer]")
+        return (yield)
 
 
 def padded_vocab(vocab_size: int, divisible_by: int | None, tp_size: int = 1) -> int:
