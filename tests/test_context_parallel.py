@@ -1,6 +1,6 @@
-"""Context parallelism: each sequence split over 2 gloo ranks (load-balanced chunks, keys and
-values gathered) trains the losses of one rank, with DDP and as CP 2 × FSDP 2 and CP 2 × HSDP on
-4 ranks, and resumes on DP 2."""
+"""Context parallelism: each sequence split over 2 gloo ranks (load-balanced chunks; keys and
+values gathered, traded for heads or passed around a ring) trains the losses of one rank, with
+DDP and as CP 2 × FSDP 2 and CP 2 × HSDP on 4 ranks, and resumes on DP 2."""
 
 from __future__ import annotations
 
@@ -88,3 +88,38 @@ def test_a_hugging_face_llama_split_over_two_ranks_trains_like_one_rank(tmp_path
     for name in ("cp", "cp_tp"):  # CP 2, and CP 2 × TP 2 with transformers' own plan on 4 ranks
         assert [s for s, _ in runs[name]] == [s for s, _ in runs["one"]]
         assert all(b == pytest.approx(a, rel=1e-5) for (_, a), (_, b) in zip(runs["one"], runs[name])), runs
+
+
+def grad_norms(out: Path) -> list[float]:
+    return [row["grad_norm"] for row in metrics_rows(out) if "grad_norm" in row]
+
+
+@pytest.mark.slow  # torchrun with 2 and 4 gloo ranks
+def test_every_cp_comm_type_trains_like_one_rank(tmp_path: Path) -> None:
+    """Megatron's cp_comm_type: all-to-all over heads (a2a) and the ring (p2p, its own backward)
+    give one rank's losses and gradient norms, the ring on 4 ranks too (blocks a causal mask
+    hides wholly); a2a with heads the ranks cannot divide, and p2p with attention dropout, are
+    one error each."""
+    assert run_train(str(write(tmp_path, "one", {})), cwd=tmp_path).returncode == 0
+
+    def comm(name: str, kind: str, distributed: dict[str, Any]) -> str:
+        path = write(tmp_path, name, distributed)
+        path.write_text(path.read_text() + f'\n[plugins.context-parallel]\ncp_comm_type = "{kind}"\n')
+        return str(path)
+
+    two = [["run", comm("a2a", "a2a", {"cp_size": 2})], ["run", comm("p2p", "p2p", {"cp_size": 2})]]
+    two.append(
+        {"args": ["run", comm("dropout", "p2p", {"cp_size": 2}), "--set", "model.options.dropout=0.1"], "expect": 2}
+    )
+    in_one_job(tmp_path, 2, two, "comm2")
+    four = [["run", comm("p2p4", "p2p", {"cp_size": 4})]]
+    four.append({"args": ["run", comm("a2a_tp", "a2a", {"cp_size": 2, "tp_size": 2})], "expect": 2})  # 1 head a rank
+    in_one_job(tmp_path, 4, four, "comm4")
+    errors = (tmp_path / "comm2.stderr").read_text() + (tmp_path / "comm4.stderr").read_text()
+    assert 'cp_comm_type = "p2p": attention dropout is not supported' in errors
+    assert 'cp_comm_type = "a2a" splits the 1 attention heads a rank holds over distributed.cp_size (2)' in errors
+    for name in ("a2a", "p2p", "p2p4"):
+        assert [loss for _, loss in losses(tmp_path / name)] == pytest.approx(
+            [loss for _, loss in losses(tmp_path / "one")], rel=1e-5
+        ), name
+        assert grad_norms(tmp_path / name) == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-5), name

@@ -7,85 +7,30 @@ sequences whose activations one rank cannot hold.
 The ranks of a context-parallel group read the same batch; each computes 2 of the sequence's
 2 × cp_size equal chunks, chunk r and chunk 2·cp_size − 1 − r, so that under the causal mask
 every rank has the same amount of attention to compute (a plain split would give the last rank
-all the long rows). Attention is over the whole sequence: every rank's keys and values are
-gathered (all-gather, differentiable), and each query sees the keys at or before its own
-position in the sequence. Positions are the chunks' own. Each rank's loss is the mean over its
+all the long rows). Attention is over the whole sequence, each query seeing the keys at or
+before its own position, by Megatron's ``cp_comm_type`` (:mod:`.exchanges`): every rank's keys
+and values gathered (``all_gather``, the default), positions traded for heads (``a2a``), or
+keys and values passed around a ring (``p2p``). Positions are the chunks' own. Each rank's loss is the mean over its
 tokens, all ranks hold as many, and gradients are averaged over every data-parallel and
 context-parallel rank, so the step's loss and gradients are those of the whole sequence.
 
 torch's ``context_parallel`` (ring attention on SDPA) does not run on CPU: its CPU flash
-attention has no sharding rule; the all-gather here runs on gloo and NCCL alike.
+attention has no sharding rule; these run on gloo and NCCL alike.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from attrs import define
 
 from coretrain import Run, UserError, hookimpl
+from coretrain_context_parallel.exchanges import EXCHANGES, GatheredAttention, balanced_positions
+
+__all__ = ["ContextParallel", "GatheredAttention", "balanced_positions"]
 
 log = logging.getLogger("coretrain")
-
-
-def balanced_positions(seq_length: int, ranks: int, rank: int) -> Any:
-    """The positions rank ``rank`` computes: chunks ``rank`` and ``2·ranks − 1 − rank`` of the
-    sequence cut into ``2·ranks`` equal chunks (load-balanced under a causal mask)."""
-    import torch
-
-    chunks = torch.arange(seq_length).chunk(2 * ranks)
-    return torch.cat([chunks[rank], chunks[2 * ranks - 1 - rank]])
-
-
-class GatheredAttention:
-    """This rank's queries over every rank's keys and values, causal by sequence position."""
-
-    def __init__(self, group: Any, ranks: int, rank: int, seq_length: int, device: Any) -> None:
-        import torch
-
-        self.group, self.ranks = group, ranks
-        self.queries = balanced_positions(seq_length, ranks, rank).to(device)
-        keys = torch.cat([balanced_positions(seq_length, ranks, r) for r in range(ranks)]).to(device)
-        self.mask = keys[None, :] <= self.queries[:, None]  # a query sees the keys at or before it
-
-    def __call__(self, q: Any, k: Any, v: Any, dropout_p: float, scale: float | None = None) -> Any:
-        import torch.nn.functional as F
-
-        keys, values = gathered(k, self.group, self.ranks), gathered(v, self.group, self.ranks)
-        if (groups := q.size(1) // keys.size(1)) > 1:  # grouped-query attention: a key head per group
-            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, dropout_p=dropout_p, scale=scale)
-
-
-def gathered(local: Any, group: Any, ranks: int) -> Any:
-    """Every rank's ``local`` (batch × heads × positions × dims) along the positions, in rank
-    order; in backward each rank gets the gradient of its own part summed over every rank's use."""
-    return gather_function().apply(local, group, ranks)
-
-
-@functools.cache
-def gather_function() -> Any:
-    """The differentiable all-gather, defined once (torch is imported when a run uses it)."""
-    import torch
-    import torch.distributed as dist
-
-    class Gather(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, part: Any, group: Any, ranks: int) -> Any:
-            ctx.group, ctx.ranks = group, ranks
-            parts = [torch.empty_like(part) for _ in range(ranks)]
-            dist.all_gather(parts, part.contiguous(), group=group)
-            return torch.cat(parts, dim=2)
-
-        @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:
-            total = grad.contiguous()
-            dist.all_reduce(total, group=ctx.group)  # every rank's queries' use of every part
-            return total.chunk(ctx.ranks, dim=2)[dist.get_rank(ctx.group)], None, None
-
-    return Gather
 
 
 class WholeSequence:
@@ -141,9 +86,14 @@ def check_chunks(cp: int, tp: int, seq: int | None) -> int:
     return seq
 
 
-@define
+@define(kw_only=True)
 class ContextParallel:
     """Split each sequence over the context-parallel ranks; attention over all of it."""
+
+    cp_comm_type: Literal["all_gather", "a2a", "p2p"] = "all_gather"
+    """Megatron's: how the ranks attend over the whole sequence (:mod:`.exchanges`): gather every
+    rank's keys and values, trade positions for heads (all-to-all: the heads must divide over
+    the ranks), or pass keys and values around a ring (p2p: without attention dropout)."""
 
     @hookimpl
     def check_layout(self, config: Any) -> None:
@@ -166,7 +116,7 @@ class ContextParallel:
         seq = check_chunks(cp, run.dist.tp_size, seq)
         mesh = run.device_mesh()["cp"]
         rank = mesh.get_local_rank()
-        attention = GatheredAttention(mesh.get_group(), cp, rank, seq, run.device)
+        attention = EXCHANGES[self.cp_comm_type](mesh.get_group(), cp, rank, seq, run.device)
         model.positions = attention.queries
         if hasattr(model, "whole_sequence"):  # its outputs without targets (a prediction): every position
             model.whole_sequence = WholeSequence(mesh.get_group(), cp, attention.queries)
@@ -176,6 +126,6 @@ class ContextParallel:
             use_in_transformers(hf, attention)
         if run.dist.is_main:
             log.info(
-                "context-parallel: each sequence of %d positions over %d ranks, %d positions each",
-                *(seq, cp, len(attention.queries)),
+                "context-parallel: each sequence of %d positions over %d ranks, %d positions each (%s)",
+                *(seq, cp, len(attention.queries), self.cp_comm_type),
             )
