@@ -63,11 +63,14 @@ class LoggingBackend:
             self._opened = True
 
     @hookimpl(trylast=True)
-    def on_log(self, step: int, metrics: dict[str, float]) -> None:
-        if self._opened:
+    def on_log(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+        if self._opened and not run.config.train.skip_train_metrics_log:
             self.write(step, metrics)
 
-    on_eval = on_log  # evaluation metrics are written the same way
+    @hookimpl(trylast=True)
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        if self._opened:
+            self.write(step, metrics)
 
     @hookimpl(trylast=True)
     def on_train_end(self, outcome: Outcome) -> None:

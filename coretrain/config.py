@@ -140,6 +140,9 @@ class TrainConfig:
     skip_train: bool = False
     """Only validate (after loading a checkpoint, if any)."""
     log_interval: int = field(default=100, validator=_positive)
+    skip_train_metrics_log: bool = False
+    """Megatron-Bridge's: the training metrics reach no logging backend and not the console
+    (evaluations still do); the interval's own checks, a NaN loss among them, still run."""
     exit_signal_handler: bool = True
     """On a signal in exit_signals: checkpoint at the next step boundary, then exit 128+signum."""
     exit_signals: list[str] = field(factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"], validator=_signal_names)

@@ -276,3 +276,31 @@ def test_throughput_and_flops_count_only_the_steps_that_ran(tmp_path: Path, faul
         rate, per_step = by_step[step]["samples_per_second"], by_step[step]["iteration_time"]
         assert rate * per_step * 4 == pytest.approx(ran * 8, rel=1e-6), step  # 8 samples a step
     assert by_step[8]["skipped_steps"] == 3
+
+
+def test_skip_train_metrics_log_keeps_training_metrics_from_every_backend_and_the_console(tmp_path: Path) -> None:
+    """Megatron-Bridge's switch: metrics.jsonl holds the evaluations alone, no progress line is
+    printed; the interval still runs (its NaN check included), as on_log still sees the metrics."""
+    from conftest import metrics_rows, run_here
+
+    from coretrain.testing import tiny_config, write_config
+
+    train = {"micro_batch_size": 8, "train_iters": 6, "log_interval": 2, "eval_interval": 3, "eval_iters": 1}
+    train["skip_train_metrics_log"] = True
+    config = write_config(tmp_path / "c.toml", tiny_config(tmp_path / "out", train=train))
+    job = run_here("run", str(config), cwd=tmp_path)
+    assert job.returncode == 0, job.stderr
+    rows = metrics_rows(tmp_path / "out")
+    assert [row["step"] for row in rows] == [3, 6] and all("valid/loss" in row and "loss" not in row for row in rows)
+    said = job.stdout + job.stderr
+    assert "step 2/6" not in said and "step 3: valid loss" in said
+    shown = run_here(
+        "run",
+        str(config),
+        "--set",
+        "train.skip_train_metrics_log=false",
+        "--set",
+        'checkpoint.resume="never"',
+        cwd=tmp_path,
+    )
+    assert "step 2/6 | loss" in shown.stdout + shown.stderr  # the same run without the switch shows them

@@ -194,8 +194,8 @@ class Progress:
         return Panel(Group(self._bar, timing, table, f"[dim]{chr(10).join(lines)}[/]"), title="coretrain", expand=True)
 
     @hookimpl
-    def on_log(self, step: int, metrics: dict[str, float]) -> None:
-        if not self._active:
+    def on_log(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+        if not self._active or run.config.train.skip_train_metrics_log:
             return
         self._metrics = metrics
         remaining = (self._total - step) * metrics.get("iteration_time", 0.0)
