@@ -469,8 +469,12 @@ def test_megatrons_ddp_knobs_by_their_names(tmp_path: Path) -> None:
     upcast = job("fp32", bf16 + "[plugins.ddp]\ngrad_reduce_in_fp32 = true\n", "--set", "run.precision=bf16")
     assert upcast.returncode == 0, upcast.stderr[-3000:]
     assert "ddp: bfloat16 gradients all-reduced in float32 (grad_reduce_in_fp32)" in upcast.stderr
-    assert job("one", "[plugins.ddp]\noverlap_grad_reduce = false\n").returncode == 0
-    assert job("sized", "[plugins.ddp]\nbucket_size = 1000\n").returncode == 0
+    # torch's record of the buckets DDP built: small ones as asked, or one for every gradient
+    small = job("small", "[plugins.ddp]\nbucket_cap_mb = 0.01\n")
+    one = job("one", "[plugins.ddp]\nbucket_cap_mb = 0.01\noverlap_grad_reduce = false\n")
+    sized = job("sized", "[plugins.ddp]\nbucket_size = 1000\n")
+    buckets = [int(j.stderr.split("gradients all-reduced in ")[1].split(" bucket")[0]) for j in (small, one, sized)]
+    assert buckets[0] > 1 and buckets[1] == 1 and buckets[2] > 1, buckets
     assert logged(tmp_path / "one") == logged(tmp_path / "sized") == logged(tmp_path / "plain")
     average = job("average", "[plugins.ddp]\naverage_in_collective = true\n")
     assert average.returncode == 2 and "plugins.ddp.average_in_collective: gloo has no averaging" in average.stderr

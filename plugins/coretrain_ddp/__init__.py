@@ -48,7 +48,7 @@ def _no_overlapped_gather(plugin: Any, attribute: Any, value: bool) -> None:
 class DDP:
     """DistributedDataParallel: replicate the model, average gradients over ranks."""
 
-    bucket_cap_mb: int = 25
+    bucket_cap_mb: float = 25.0
     """Gradient bucket size for overlapping all-reduce with backward."""
     find_unused_parameters: bool = False
     """Needed only when some parameters get no gradient in a step (costs a graph walk)."""
@@ -69,6 +69,7 @@ class DDP:
     overlap_param_gather: bool = field(default=False, validator=_no_overlapped_gather)
     """Megatron's; not here: ZeRO-1 broadcasts the updated parameters after the step."""
     _said: bool = field(default=False, init=False, repr=False)
+    _said_buckets: bool = field(default=False, init=False, repr=False)
 
     def _bucket_cap_mb(self, run: Run) -> float:
         if not self.overlap_grad_reduce:  # one bucket holds every gradient: reduced when backward ends
@@ -143,7 +144,13 @@ class DDP:
             consolidate(to=0)
 
     @hookimpl
-    def on_log(self, run: Run, metrics: dict[str, float]) -> None:
+    def on_log(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+        if not self._said_buckets and step > 2 and run.dist.is_main and hasattr(run.model, "_get_ddp_logging_data"):
+            self._said_buckets = True  # DDP rebuilds its buckets in the order gradients come, in step 2
+            logged: Any = run.model._get_ddp_logging_data  # torch's own record of the buckets it built
+            data = logged()
+            sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")).split(", ")
+            log.info("ddp: gradients all-reduced in %d bucket(s) of %s bytes", len(sizes), ", ".join(sizes))
         if self.use_distributed_optimizer:  # the state this rank holds, the largest over ranks
             local = getattr(run.optimizer, "optim", run.optimizer)  # ZeRO's: this rank's partition
             held = sum(
