@@ -41,9 +41,11 @@ class RunConfig:
     """Identity and placement of the run."""
 
     name: str = "coretrain"
+    """What the run is called: ``{name}`` in output_dir, trackers' run names."""
     seed: int = field(default=1234, validator=in_range(0, 2**32 - 1))
     """Seeds Python, numpy and torch (numpy accepts 0 .. 2**32-1)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """"auto": CUDA when torch sees a GPU (the local rank's), else the CPU."""
     precision: Literal["fp32", "bf16", "fp16", "bf16_mixed", "fp16_mixed", "bf16-mixed", "16-mixed"] = "fp32"
     """Autocast dtype for forward, fp32 weights; fp16 adds a checkpointed grad scaler (and one sync
     per step for its overflow check, as in Megatron). Megatron-Bridge's recipe names
@@ -66,7 +68,9 @@ class ModelConfig:
     """The model: a provider plugin's name or an import path ``pkg.mod:callable``, and its loss."""
 
     provider: str = ""
+    """A model provider plugin's name (``gpt``, ``hf``) or ``pkg.mod:callable`` returning an ``nn.Module``."""
     options: dict[str, Any] = field(factory=dict)
+    """The provider's own keys (the plugin's table: see its section of this reference)."""
     loss: str | None = None
     """For a model that returns outputs, not its loss: "cross_entropy", "mse", or an import path
     ``pkg.mod:fn`` called as fn(outputs, target). The batch's last item (or its "labels" key)
@@ -78,7 +82,9 @@ class DataConfig:
     """The datasets: a provider plugin's name or an import path, and how batches are loaded."""
 
     provider: str = ""
+    """A data provider plugin's name (``indexed``, ``hf-text``, ...) or ``pkg.mod:callable`` returning Datasets."""
     options: dict[str, Any] = field(factory=dict)
+    """The provider's own keys (the plugin's table: see its section of this reference)."""
     num_workers: int = field(default=0, validator=_non_negative)
     """DataLoader worker processes preparing batches off the training thread; 0 reads them in
     the training loop (the in-memory fast path)."""
@@ -112,6 +118,8 @@ class TrainConfig:
     """Batch sizes, duration and cadence (Megatron-Bridge TrainingConfig names)."""
 
     micro_batch_size: int = field(default=1, validator=_positive)
+    """Samples per forward on one data-parallel rank; a step takes global_batch_size / (this ×
+    data-parallel ranks) micro-batches."""
     global_batch_size: int | None = field(default=None, validator=_positive)
     """Samples per optimizer step over all data-parallel ranks; unset = micro × data-parallel size."""
     decrease_batch_size_if_needed: bool = False
@@ -128,6 +136,7 @@ class TrainConfig:
     exit_interval: int | None = field(default=None, validator=_positive)
     """Checkpoint and exit when the step is a multiple of this."""
     exit_duration_in_mins: float | None = field(default=None, validator=_positive)
+    """Stop (with a checkpoint) after this many minutes of the job, agreed over ranks (Megatron's)."""
     eval_interval: int | None = field(default=None, validator=_positive)
     """Validate every N steps; unset = validate only after training."""
     eval_iters: int = field(default=10, validator=_non_negative)
@@ -140,12 +149,14 @@ class TrainConfig:
     skip_train: bool = False
     """Only validate (after loading a checkpoint, if any)."""
     log_interval: int = field(default=100, validator=_positive)
+    """Steps per logged interval: its one host sync, then on_log (metrics.jsonl, progress, trackers)."""
     skip_train_metrics_log: bool = False
     """Megatron-Bridge's: the training metrics reach no logging backend and not the console
     (evaluations still do); the interval's own checks, a NaN loss among them, still run."""
     exit_signal_handler: bool = True
     """On a signal in exit_signals: checkpoint at the next step boundary, then exit 128+signum."""
     exit_signals: list[str] = field(factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"], validator=_signal_names)
+    """The signals exit_signal_handler watches (names as in the signal module)."""
     clip_grad: float = field(default=1.0, validator=_non_negative)
     """Max global gradient norm; 0 disables clipping."""
 
@@ -165,10 +176,13 @@ class OptimizerConfig:
     """torch.optim's AdamW, Adam, SGD or Adafactor (Shazeer & Stern: factored second moments, no
     first; ``betas`` and ``eps`` are Adam's, Adafactor keeps torch's own decay and epsilons)."""
     lr: float = field(default=3e-4, validator=_non_negative)
+    """Peak learning rate (the schedule's ``max_lr`` unless a param group overrides it)."""
     weight_decay: float = field(default=0.01, validator=_non_negative)
+    """Decoupled weight decay (AdamW's); 1-D parameters get none with optimizer-overrides' default."""
     betas: tuple[float, float] = field(default=(0.9, 0.999), validator=fraction)
     """Adam's moment decay rates, each in [0, 1)."""
     eps: float = field(default=1e-8, validator=_positive)
+    """Adam's epsilon."""
     momentum: float = field(default=0.0, validator=fraction)
     """SGD only."""
 
@@ -182,10 +196,13 @@ class CheckpointConfig:
     save: bool = True
     """Set false to never write checkpoints."""
     keep_last: int | None = field(default=None, validator=_positive)
+    """Keep only this many newest checkpoints (plugins may protect others, e.g. keep-best's); unset keeps all."""
     resume: str = "auto"
     """"auto" (newest complete checkpoint in the output dir), "never", or a checkpoint path (a
     run's output directory: its newest complete checkpoint)."""
     async_save: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint's async save for
+    sharded ones) while training goes on."""
     storage_writers_per_rank: int = field(default=1, validator=in_range(1, 64))
     """Threads, each writing a file of its own, with which every rank writes a sharded (DCP)
     checkpoint: torch.distributed.checkpoint's ``thread_count`` (Megatron-Bridge's key); at

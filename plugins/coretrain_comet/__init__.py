@@ -74,9 +74,11 @@ class Comet(LoggingBackend):
     project_name: str | None = None
     """Unset = COMET_PROJECT_NAME, else comet's default project."""
     workspace: str | None = None
+    """Comet workspace; unset: the API key's default."""
     experiment_name: str | None = None
     """Unset = run.name."""
     tags: list[str] = field(factory=list)
+    """Tags put on the experiment."""
     log_env_details: bool = True
     """Let comet-ml record host, CPU, GPU and package details."""
     log_checkpoints: bool = False

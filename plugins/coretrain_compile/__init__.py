@@ -29,6 +29,7 @@ class Compile:
     dynamic: bool | None = None
     """Dynamic shapes: unset lets torch decide."""
     backend: str = "inductor"
+    """torch.compile's backend."""
 
     @hookimpl
     def configure_model(self, run: Run) -> None:

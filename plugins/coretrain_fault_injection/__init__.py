@@ -46,12 +46,14 @@ class FaultInjection:
     probability: float = field(default=0.0, validator=in_range(0, 1))
     """Or: the chance per step, drawn from a generator seeded with seed + rank."""
     seed: int = 0
+    """For probability: the generator's seed (plus the rank)."""
     ranks: list[int] = field(factory=list, validator=non_negative)
     """Ranks it happens on, as the processes were started (a process numbered anew after others
     left, ``--min-ranks``, keeps its first number here); empty = every rank."""
     sleep_seconds: float = field(default=1.0, validator=non_negative)
     """For action = "sleep"."""
     every_step: bool = False
+    """For action = "sleep": sleep on every step from ``step`` on, not once."""
     persistent: bool = False
     """For action = "nan": every forward of the step is NaN, its reruns' too (unset: the first)."""
     parameter: str | None = None

@@ -62,8 +62,11 @@ class FSDP:
     grad_reduce_in_fp32: bool = False
     """Megatron's name for ``reduce_dtype = "float32"`` (gradients reduce-scattered in fp32)."""
     bucket_size: int | None = field(default=None, validator=_fixed_by_fsdp)
+    """Megatron's; FSDP2 has no buckets (a block is the unit): unset only."""
     use_distributed_optimizer: bool | None = field(default=None, validator=_fixed_by_fsdp)
+    """Megatron's; FSDP2 always shards the optimizer state: true or unset."""
     overlap_grad_reduce: bool | None = field(default=None, validator=_fixed_by_fsdp)
+    """Megatron's; FSDP2 always overlaps its reduce-scatters with backward: true or unset."""
     overlap_param_gather: bool | None = field(default=None, validator=_fixed_by_fsdp)
     """Megatron's DDP knobs, accepted where they say what FSDP2 does anyway (MEGATRON_KNOBS)."""
     block_types: list[str] = field(factory=list)

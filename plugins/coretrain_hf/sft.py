@@ -63,7 +63,9 @@ class HFSFT:
     packing: bool = False
     """Pack examples end to end into seq_length windows instead of padding each batch."""
     prompt_field: str = "prompt"
+    """The record's key holding the prompt (no loss on its tokens)."""
     response_field: str = "response"
+    """The record's key holding the response (the tokens the loss is on)."""
     messages_field: str = "messages"
     """A record with this field is a chat, rendered with the tokenizer's chat template."""
     split: list[float] = field(factory=lambda: [0.95, 0.05, 0.0], validator=non_negative)

@@ -68,7 +68,9 @@ class Indexed:
     train_data_path: Any = field(default=None, validator=_blend_or_unset)
     """Instead of data_path: the training prefix or blend (all of its documents)."""
     valid_data_path: Any = field(default=None, validator=_blend_or_unset)
+    """With train_data_path: the validation prefix or blend."""
     test_data_path: Any = field(default=None, validator=_blend_or_unset)
+    """With train_data_path: the test prefix or blend."""
     seq_length: int = field(default=1024, validator=positive)
     """Tokens per sample (each sample reads one more, for the shifted target)."""
     vocab_size: int | None = field(default=None, validator=positive)
@@ -88,8 +90,11 @@ class Indexed:
     fim_no_prefix: str | None = None
     """A piece whose text starts with this is left as it is."""
     fim_prefix_token: str = "<fim_prefix>"
+    """Fill-in-the-middle's prefix sentinel."""
     fim_middle_token: str = "<fim_middle>"
+    """Fill-in-the-middle's middle sentinel."""
     fim_suffix_token: str = "<fim_suffix>"
+    """Fill-in-the-middle's suffix sentinel."""
     fim_pad_token: str = "<fim_pad>"
     """The sentinel tokens (each one token of the tokenizer: its added special tokens)."""
     fim_eod_token: str | None = None

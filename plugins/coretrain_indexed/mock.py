@@ -31,7 +31,9 @@ class Mock:
     """Random tokens for benchmarks and smoke tests (Megatron's mock data): no files needed."""
 
     seq_length: int = field(default=1024, validator=positive)
+    """Tokens per sample."""
     vocab_size: int = field(default=50304, validator=positive)
+    """Token ids are drawn below this (and passed on to the model)."""
 
     @hookimpl
     def provide_datasets(self, run: Run, context: DatasetContext) -> Datasets:

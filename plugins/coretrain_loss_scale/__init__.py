@@ -85,7 +85,9 @@ class LossScale:
     """Megatron's fp16 loss scaler: hysteresis, a floor, or a static scale."""
 
     initial_loss_scale: float = field(default=2.0**32, validator=positive)
+    """The scale the run starts at (Megatron's default: 2**32)."""
     min_loss_scale: float = field(default=1.0, validator=[positive, _at_most_initial])
+    """The floor the scale never goes below."""
     loss_scale_window: int = field(default=1000, validator=positive)
     """Clean steps before the scale doubles."""
     hysteresis: int = field(default=2, validator=positive)

@@ -66,6 +66,7 @@ class MLflow(LoggingBackend):
     run_name: str | None = None
     """Unset = run.name."""
     tags: dict[str, str] = field(factory=dict)
+    """Tags set on the MLflow run."""
     _client: Any = field(default=None, init=False, repr=False)
     _run_id: str | None = field(default=None, init=False, repr=False)
 

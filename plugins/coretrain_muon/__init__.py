@@ -78,7 +78,9 @@ class Muon:
     """Muon (torch.optim.Muon) on the hidden weight matrices; optimizer.name's optimizer on the rest."""
 
     momentum: float = field(default=0.95, validator=positive)
+    """Muon's momentum."""
     nesterov: bool = True
+    """Nesterov momentum (Muon's default)."""
     ns_steps: int = field(default=5, validator=positive)
     """Newton–Schulz iterations per update."""
     adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"

@@ -34,8 +34,11 @@ class Profiler:
     ranks: list[int] = field(factory=lambda: [0])
     """Ranks to profile; empty = all."""
     record_shapes: bool = False
+    """torch.profiler's record_shapes: operator input shapes in the trace."""
     profile_memory: bool = False
+    """torch.profiler's profile_memory: tensor allocations in the trace."""
     with_stack: bool = False
+    """torch.profiler's with_stack: Python stacks in the trace (costly)."""
     memory_snapshot: bool = False
     """CUDA only: record the allocator history and dump a snapshot at the end of the window."""
     nvtx: bool = False

@@ -120,7 +120,9 @@ class Rerun:
     exit_on_transient: bool = False
     """After a transient fault, save and exit with 16 so the scheduler moves the job."""
     persistent_exit_code: int = field(default=FAILED_ON_RESULT_VALIDATION, validator=exit_code)
+    """The exit code of a persistent fault (Megatron's 17)."""
     transient_exit_code: int = field(default=RESUME_TO_DISAMBIGUATE, validator=exit_code)
+    """The exit code after a transient fault with exit_on_transient (Megatron's 16)."""
     _samples: int = field(default=0, init=False)
     _max_loss: float = field(default=0.0, init=False)
     _counts: dict[str, int] = field(factory=lambda: dict.fromkeys(("reruns", "transient", "persistent"), 0), init=False)

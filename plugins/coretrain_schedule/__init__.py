@@ -32,7 +32,9 @@ class Schedule:
     iterations means that many global batches."""
 
     warmup_iters: int = field(default=0, validator=non_negative)
+    """Steps of linear warmup from 0 to the peak rate."""
     warmup_samples: int | None = field(default=None, validator=non_negative)
+    """Warmup counted in samples instead."""
     warmup_fraction: float | None = field(default=None, validator=fraction)
     """Warmup as a share of the decay span (decay_iters / decay_samples / the whole run)."""
     decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "cosine"
@@ -40,17 +42,22 @@ class Schedule:
     decay_iters: int | None = field(default=None, validator=positive)
     """Steps from start to the end of decay; unset = the whole run (train_iters or train_samples)."""
     decay_samples: int | None = field(default=None, validator=positive)
+    """decay_iters counted in samples instead."""
     wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "exponential"
     """The shape of WSD's final decay (Megatron's default: exponential)."""
     wsd_decay_iters: int | None = field(default=None, validator=positive)
     """WSD: steps of the final decay, ending at decay_iters."""
     wsd_decay_samples: int | None = field(default=None, validator=positive)
+    """wsd_decay_iters counted in samples instead."""
     min_lr: float = field(default=0.0, validator=non_negative)
+    """Where the decay ends (and stays)."""
     start_weight_decay: float | None = field(default=None, validator=non_negative)
     """With end_weight_decay: weight decay goes from this to that over the run (param groups
     without weight decay keep none); unset = optimizer.weight_decay throughout."""
     end_weight_decay: float | None = field(default=None, validator=non_negative)
+    """The weight decay at the end of the run (see start_weight_decay)."""
     weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
+    """How weight decay goes from start_weight_decay to end_weight_decay."""
 
     def __attrs_post_init__(self) -> None:
         for name in ("warmup", "decay", "wsd_decay"):

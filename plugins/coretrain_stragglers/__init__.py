@@ -37,7 +37,9 @@ class Stragglers:
     report_interval: float = field(default=300.0, validator=non_negative)
     """Seconds between reports (checked at log intervals); 0 = every log interval."""
     relative_threshold: float = field(default=0.7, validator=in_range(0, 1))
+    """A rank slower than this share of the fastest rank's speed is a straggler."""
     individual_threshold: float = field(default=0.7, validator=in_range(0, 1))
+    """A rank slower than this share of its own best speed is a straggler."""
     report_count: int = field(default=5, validator=positive)
     """How many best and worst ranks to print."""
     stop_if_detected: bool = False

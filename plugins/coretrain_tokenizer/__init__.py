@@ -130,11 +130,15 @@ class Tokenizer:
     Megatron's ``tokenizer_model``), "TikTokenizer" (Megatron's JSON vocabulary at the path),
     "NullTokenizer" (``vocab_size``)."""
     vocab_file: str | None = None
+    """GPT2BPETokenizer: GPT-2's vocab.json."""
     merge_file: str | None = None
+    """GPT2BPETokenizer: GPT-2's merges.txt."""
     vocab_size: int | None = field(default=None, validator=positive)
     """NullTokenizer's ids; TikTokenizer's vocabulary with its special tokens (unset: 2**17)."""
     tiktoken_pattern: Literal["v1", "v2"] = "v2"
+    """TikTokenizer: Megatron's pre-tokenization pattern."""
     tiktoken_num_special_tokens: int = field(default=1000, validator=positive)
+    """TikTokenizer: the ids before the BPE's, for <unk>, <s>, </s>, ... and fillers."""
 
     @hookimpl(wrapper=True)
     def provide_datasets(self, run: Run, context: DatasetContext) -> Any:

@@ -40,10 +40,13 @@ class WandB(LoggingBackend):
     project: str | None = None
     """Unset = WANDB_PROJECT, else run.name."""
     entity: str | None = None
+    """W&B entity (team or user); unset: the login's default."""
     name: str | None = None
     """The run's display name; unset = run.name."""
     group: str | None = None
+    """W&B run group."""
     tags: list[str] = field(factory=list)
+    """Tags put on the W&B run."""
     dir: str | None = None
     """Where W&B keeps its files; unset = <run.output_dir> (it adds wandb/)."""
     _run: Any = field(default=None, init=False, repr=False)  # the wandb Run
