@@ -154,18 +154,19 @@ def config_page(missing: list[str]) -> str:
 
 
 def _where(name: str, plugin: type) -> str:
+    """Where a plugin's keys go: a model or data provider's in the provider's ``options``."""
     if hasattr(plugin, "provide_model"):
         return "[model.options]"
-    if hasattr(plugin, "provide_datasets") and not hasattr(plugin, "coretrain_wraps_providers"):
-        return "[data.options]" if _provides_data(plugin) else f"[plugins.{name}]"
+    if _provides_data(plugin):
+        return "[data.options]"
     return f"[plugins.{name}]"
 
 
 def _provides_data(plugin: type) -> bool:
     """A data provider, not a plugin that only wraps providers (as ``tokenizer`` does)."""
     implementation = getattr(plugin, "provide_datasets", None)
-    opts = getattr(implementation, "coretrain_impl", None) or getattr(implementation, "coretrain", None)
-    return not (isinstance(opts, dict) and opts.get("wrapper"))
+    options = getattr(implementation, "coretrain_impl", None)  # pluggy's marker for project "coretrain"
+    return implementation is not None and not (isinstance(options, dict) and options.get("wrapper"))
 
 
 def hooks_page(missing: list[str]) -> str:
