@@ -173,7 +173,7 @@ class HookSpecs(Protocol):
         map-style (``__len__`` + ``__getitem__``, or a ``get_batch(indices)`` fast path fetching a
         whole micro-batch at once), a Hugging Face ``datasets.Dataset`` (read by the batch by the
         built-in ``hf-datasets``), or a stream (an ``IterableDataset``); what it returns is checked
-        before step 1 (README, "Bring your own model and data").
+        before step 1 (docs/guides/your-model-and-data.md).
         Ranks: every rank, once, before training.
         """
 

@@ -1,6 +1,6 @@
 """What a model returns, turned into the loss the loop backpropagates and the values it logs.
 
-The contract (README, "Bring your own model and data"):
+The contract (docs/guides/your-model-and-data.md):
 
 - ``model(*batch)`` for tuple/list batches, ``model(**batch)`` for dicts, ``model(batch)`` else;
 - it returns the scalar loss; or a dict / object with ``loss`` and any other scalar

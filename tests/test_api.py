@@ -119,14 +119,14 @@ def test_a_notebook_without_ipywidgets_shows_the_step_lines_and_the_last_line(
 
 @pytest.mark.slow  # 20 quickstart steps
 def test_the_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "guides" / "python-api.md").read_text()
     block = re.search(r"<!-- tests/test_api.py runs this block -->\n```python\n(.*?)```", readme, re.S)
     assert block is not None
     # one torch thread, as every test process here (the example's 2 spin when the cores are busy)
     code = block.group(1).replace('"runs/notebook"', f'{str(tmp_path / "notebook")!r}, "run.threads": 1')
     monkeypatch.chdir(REPO)
     namespace: dict[str, Any] = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/guides/python-api.md", "exec"), namespace)
     result = namespace["result"]
     assert (result.outcome, result.step) == ("completed", 20)
     assert namespace["steps"] == [10, 20]

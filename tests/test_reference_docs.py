@@ -4,6 +4,8 @@ command without a doc, or a page that no longer says what the code does, fails h
 from __future__ import annotations
 
 import importlib.util
+import re
+from pathlib import Path
 from typing import Any
 
 from conftest import REPO
@@ -28,3 +30,28 @@ def test_every_key_hook_and_command_has_a_doc_and_the_reference_pages_are_curren
     assert "| `distributed.step_timeout_seconds` | `plugins.watchdog.step_timeout_seconds` |" in config  # deprecated
     assert "### `on_checkpoint_saved`" in hooks and "### `pipeline_split`" in hooks  # core's and a plugin's
     assert "## `coretrain run`" in commands and "`--nproc-per-node`" in commands
+
+
+def test_the_readme_is_a_front_page_and_every_link_of_the_docs_resolves() -> None:
+    """README: what it is, set-up, the two commands, the feature map; no dated measurement (those
+    are docs/benchmarks.md's). A relative link in README or docs/ names a file that exists, and an
+    anchor a heading it has."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    assert not re.search(r"20\d\d-\d\d-\d\d|later that day", readme)
+    assert "coretrain run examples/quickstart.toml" in readme and "\npytest\n" in readme
+    broken = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for path, anchor in re.findall(r"\]\(([^)#\s]*)(#[^)\s]*)?\)", page.read_text()):
+            if path.startswith(("http://", "https://")):
+                continue
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists() or (anchor and target.suffix == ".md" and anchor[1:] not in headings(target)):
+                broken.append(f"{page.relative_to(REPO)}: {path}{anchor}")
+    assert not broken
+
+
+def headings(page: Path) -> set[str]:
+    """The anchors Markdown gives a page's headings."""
+    titles = re.findall(r"(?m)^#{1,6} (.+)$", page.read_text())
+    return {re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-") for title in titles}

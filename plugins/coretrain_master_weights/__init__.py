@@ -1,7 +1,7 @@
 """``master-weights``: the model's weights and gradients in bf16, an fp32 master copy in the
 optimizer — Megatron's ``--bf16`` (its Float16OptimizerWithFloat16Params), for DDP and one rank.
 
-The choice for a model that is not sharded (README, "Models that don't fit"):
+The choice for a model that is not sharded (docs/guides/memory.md):
 
 - ``run.precision = "bf16"`` alone is autocast: weights, gradients and optimizer state stay
   fp32 (16 bytes per parameter with Adam), matmuls run in bf16.
