@@ -1,6 +1,6 @@
 """The reference pages, generated from the code so that they cannot drift from it.
 
-    python docs/generate_reference.py            # writes docs/reference/{config,hooks,commands}.md
+    python docs/generate_reference.py            # writes docs/reference/{config,hooks,commands}.md, docs/index.md
     python docs/generate_reference.py --check    # exits 1 when a page is stale or an item has no doc
 
 - ``config.md``: every key of the core's tables and of every installed plugin's table (a
@@ -8,7 +8,10 @@
   string under the field, as the code has it), deprecated keys with their replacement;
 - ``hooks.md``: every hook of the contract, its arguments and its documentation (when it runs,
   on which ranks, what it may change);
-- ``commands.md``: every command and flag, from the argparse parsers the CLI builds.
+- ``commands.md``: every command and flag, from the argparse parsers the CLI builds;
+- ``docs/index.md``, the site's front page: README.md, its links made relative to ``docs/``.
+
+The site: ``pip install -e ".[docs]"`` then ``mkdocs build --strict`` (``mkdocs.yml``).
 
 ``tests/test_reference_docs.py`` runs ``--check``: a key, hook or command without a doc fails it.
 """
@@ -233,9 +236,21 @@ def _parser_lines(parser: argparse.ArgumentParser, name: str, missing: list[str]
     return lines
 
 
+def index_page() -> str:
+    """The site's front page: README.md, its links made relative to ``docs/``."""
+    text = (HERE.parent / "README.md").read_text().replace("](docs/", "](")
+    return text.replace("[CHANGELOG.md](CHANGELOG.md)", "CHANGELOG.md (in the repository)")
+
+
 def pages() -> tuple[dict[str, str], list[str]]:
+    """Each page by its path under ``docs/``, and the items without a doc."""
     missing: list[str] = []
-    made = {"config.md": config_page(missing), "hooks.md": hooks_page(missing), "commands.md": commands_page(missing)}
+    made = {
+        "reference/config.md": config_page(missing),
+        "reference/hooks.md": hooks_page(missing),
+        "reference/commands.md": commands_page(missing),
+        "index.md": index_page(),
+    }
     return made, missing
 
 
@@ -251,12 +266,12 @@ def main() -> int:
         for item in missing:
             print(f"no doc: {item}", file=sys.stderr)
         for name in stale:
-            print(f"stale: docs/reference/{name} (run python docs/generate_reference.py)", file=sys.stderr)
+            print(f"stale: docs/{name} (run python docs/generate_reference.py)", file=sys.stderr)
         return 1 if missing or stale else 0
     PAGES.mkdir(exist_ok=True)
     for name, text in made.items():
-        (PAGES / name).write_text(text)
-    print(f"wrote {', '.join(made)} to {PAGES}; {len(missing)} item(s) without a doc")
+        (HERE / name).write_text(text)
+    print(f"wrote {', '.join(made)} under {HERE}; {len(missing)} item(s) without a doc")
     for item in missing:
         print(f"  no doc: {item}")
     return 0

@@ -23,9 +23,9 @@ def test_every_key_hook_and_command_has_a_doc_and_the_reference_pages_are_curren
     made, missing = generator().pages()
     assert not missing, f"no doc for {missing}"
     for name, text in made.items():
-        committed = (REPO / "docs" / "reference" / name).read_text()
-        assert committed == text, f"docs/reference/{name} is stale: run python docs/generate_reference.py"
-    config, hooks, commands = made["config.md"], made["hooks.md"], made["commands.md"]
+        committed = (REPO / "docs" / name).read_text()
+        assert committed == text, f"docs/{name} is stale: run python docs/generate_reference.py"
+    config, hooks, commands = made["reference/config.md"], made["reference/hooks.md"], made["reference/commands.md"]
     assert "| `plugins.pipeline-parallel.pp_schedule` | `'1F1B' \\| 'GPipe'" in config  # the allowed values
     assert "| `distributed.step_timeout_seconds` | `plugins.watchdog.step_timeout_seconds` |" in config  # deprecated
     assert "### `on_checkpoint_saved`" in hooks and "### `pipeline_split`" in hooks  # core's and a plugin's
