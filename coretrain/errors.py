@@ -36,7 +36,7 @@ def require(module: str, *, needed_by: str, extra: str, package: str | None = No
         return importlib.import_module(module)
     except ImportError:
         package = package or module.split(".")[0].replace("_", "-")
-        raise UserError(f"{needed_by} needs {package}: pip install 'coretrain[{extra}]'") from None
+        raise UserError(f"{needed_by} needs {package}: pip install 'coretrain-plugins[{extra}]'") from None
 
 
 class CheckpointUnreadable(UserError):

@@ -1,3 +1,3 @@
 """The package version: a leaf module, so modules of the core need not import the package root for it."""
 
-__version__ = "0.3.0"
+__version__ = "1.0.0"

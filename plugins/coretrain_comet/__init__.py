@@ -10,7 +10,7 @@ a preempted job's archive holds everything up to its last step.
 A :class:`~coretrain.backend.LoggingBackend`: after every other plugin, rank 0 only, closed on
 every way a run ends. The experiment key is saved in checkpoints, so a resumed run continues the
 same experiment. comet-ml's framework auto-logging is off: every value comes from the loop.
-Needs ``pip install 'coretrain[comet]'``.
+Needs ``pip install 'coretrain-plugins[comet]'``.
 """
 
 from __future__ import annotations

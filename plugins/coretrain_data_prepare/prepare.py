@@ -72,7 +72,7 @@ def load_tokenizer(
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise UserError(f"{key} needs transformers (pip install 'coretrain[hf]')") from None
+        raise UserError(f"{key} needs transformers (pip install 'coretrain-plugins[hf]')") from None
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:  # a broken config fails in many ways: JSON, a missing key, a wrong type

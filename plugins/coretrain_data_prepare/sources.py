@@ -93,7 +93,7 @@ def _parquet(path: Path, keys: list[str]) -> Iterator[Document]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError(f"{path}: reading parquet needs pyarrow (pip install 'coretrain[hf]')") from None
+        raise UserError(f"{path}: reading parquet needs pyarrow (pip install 'coretrain-plugins[hf]')") from None
     try:
         table = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several kinds for a file that is not parquet

@@ -7,7 +7,7 @@ server or another database. Open it with ``mlflow ui --backend-store-uri sqlite:
 A :class:`~coretrain.backend.LoggingBackend` (after every other plugin, rank 0 only). The
 MLflow run id is saved in checkpoints, so a resumed job logs into the same run; the run ends
 FINISHED, KILLED (signal) or FAILED (exception) on every way a run ends. Needs
-``pip install 'coretrain[mlflow]'`` (mlflow-skinny: the client and its SQL store without the
+``pip install 'coretrain-plugins[mlflow]'`` (mlflow-skinny: the client and its SQL store without the
 server's dependencies; ``pip install mlflow`` for the UI).
 """
 

@@ -26,7 +26,7 @@ name = "{dist}"
 version = "0.1.0"
 description = "A coretrain plugin: {name}."
 requires-python = ">=3.10"
-dependencies = ["coretrain>={major_minor},<{next_minor}"]
+dependencies = ["coretrain>={major_minor},<{next_major}"]
 
 [project.optional-dependencies]
 test = ["pytest>=8"]
@@ -181,7 +181,7 @@ def new_plugin(name: str, directory: Path | None = None) -> Path:
         "cls": cls,
         "version": __version__,
         "major_minor": f"{major}.{minor}",
-        "next_minor": f"{major}.{minor + 1}",
+        "next_major": f"{major + 1}",  # 1.x keeps the hook API's major: a plugin for 1.y runs on any later 1.x
         "hook_api": repr(HOOK_API),
         "hook_major": HOOK_API[0],
         "hook_minor": HOOK_API[1],

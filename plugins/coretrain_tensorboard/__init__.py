@@ -1,7 +1,7 @@
 """``tensorboard``: every logged and evaluated metric as a TensorBoard scalar (rank 0).
 
 A :class:`~coretrain.backend.LoggingBackend`: after every other plugin, rank 0 only, closed on
-every way a run ends. Needs the ``tensorboard`` package: ``pip install 'coretrain[tensorboard]'``.
+every way a run ends. Needs the ``tensorboard`` package: ``pip install 'coretrain-plugins[tensorboard]'``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ directory under ``<output_dir>/wandb`` to ``wandb sync`` later) or "disabled"; u
 A :class:`~coretrain.backend.LoggingBackend` (after every other plugin, rank 0 only). The W&B
 run id is saved in checkpoints, so a resumed job continues the same run; a signal marks the run
 as preempting; every way a run ends finishes it, with exit code 1 after an exception. Needs
-``pip install 'coretrain[wandb]'``.
+``pip install 'coretrain-plugins[wandb]'``.
 """
 
 from __future__ import annotations

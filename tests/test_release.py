@@ -1,0 +1,83 @@
+"""The release: both distributions build as wheels, install into a fresh environment with torch
+and nothing of this checkout, and train from a config in a directory of the user's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+
+
+def build_wheels(into: Path, work: Path) -> list[str]:
+    """``pip wheel`` of both distributions, from copies of what they package (setuptools builds in
+    the source tree), with this environment's setuptools; the wheels' names."""
+    core = work / "coretrain"
+    core.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, core / name)
+    ignore = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    shutil.copytree(REPO / "coretrain", core / "coretrain", ignore=ignore)
+    shutil.copytree(REPO / "plugins", work / "coretrain-plugins", ignore=ignore)
+    command = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(into)]
+    subprocess.run([*command, str(core), str(work / "coretrain-plugins")], check=True, timeout=600)
+    return sorted(path.name for path in into.glob("*.whl"))
+
+
+@pytest.mark.slow  # a fresh venv: torch (from pip's cache) and the two wheels' dependencies
+def test_the_two_wheels_install_without_the_trackers_and_train_outside_the_checkout(tmp_path: Path) -> None:
+    wheels, work = tmp_path / "wheels", tmp_path / "work"
+    wheels.mkdir()
+    work.mkdir()
+    built = build_wheels(wheels, work)
+    assert built == ["coretrain-1.0.0-py3-none-any.whl", "coretrain_plugins-1.0.0-py3-none-any.whl"], built
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    torch_pin = f"torch=={torch.__version__.split('+')[0]}"  # the build this suite runs on (pip's cache has it)
+    install = [str(python), "-m", "pip", "install", "--quiet", torch_pin, *map(str, wheels.glob("*.whl"))]
+    subprocess.run(install, check=True, timeout=1200)
+    # no tracker SDK, no Hugging Face library came with them: those are extras
+    missing = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import importlib.util as u; print([m for m in ('wandb', 'comet_ml', 'mlflow', "
+            "'tensorboard', 'transformers', 'torchao') if u.find_spec(m)])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert missing.stdout.strip() == "[]", missing.stdout
+    users = tmp_path / "users-project"  # nothing of the checkout on the path: the installed wheels alone
+    users.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    (users / "c.toml").write_text(
+        '[run]\noutput_dir = "out"\nthreads = 1\n[model]\nprovider = "gpt"\n'
+        "[model.options]\nn_layer = 1\nn_head = 2\nn_embd = 32\n"
+        f'[data]\nprovider = "text-bytes"\n[data.options]\nglobs = ["{stdlib}/a*.py"]\nseq_length = 32\n'
+        "max_bytes = 100000\n[train]\nmicro_batch_size = 8\ntrain_iters = 6\nlog_interval = 3\neval_iters = 1\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env |= {"OMP_NUM_THREADS": "1", "PATH": f"{venv / 'bin'}:{env.get('PATH', '')}"}
+    job = subprocess.run(
+        [str(venv / "bin" / "coretrain"), "run", "c.toml"],
+        cwd=users,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    rows = [json.loads(line) for line in (users / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == [3, 6]
+    version = subprocess.run([str(venv / "bin" / "coretrain"), "--version"], capture_output=True, text=True, env=env)
+    assert version.stdout.strip() == "coretrain 1.0.0"
