@@ -171,6 +171,7 @@ def test_autoload_and_enabled_false(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         "streams",
         "resume-checks",
         "out-of-memory",
+        "tokenizer",
     }
     assert _enabled(tmp_path, '[model]\nprovider = "gpt"\n') == {"gpt", *built_in}
     assert _enabled(tmp_path, "[plugins.progress]\nenabled = false\n") == built_in - {"progress"}
@@ -214,7 +215,7 @@ def test_a_missing_optional_dependency_names_the_extra_that_installs_it() -> Non
     from coretrain.errors import require
 
     assert require("json", needed_by="plugins.x", extra="x").dumps([]) == "[]"
-    with pytest.raises(UserError, match=r"^plugins\.x needs not-installed: pip install 'coretrain\[x\]'$"):
+    with pytest.raises(UserError, match=r"^plugins\.x needs not-installed: pip install 'coretrain-plugins\[x\]'$"):
         require("not_installed.sub", needed_by="plugins.x", extra="x")
 
 
