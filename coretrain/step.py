@@ -117,13 +117,17 @@ class StepNumerics:
         whether one asked to run it again instead (``skip_update(rerun=True)``)."""
         control = self.run.control
         vetoed, rerun = control.skip_reason is not None, control.rerun
-        if agree:  # one rank's veto is every rank's: replicas must take the same updates
-            vetoed, rerun = map(bool, max_over_ranks(int(vetoed), int(rerun)))
+        if agree:  # one rank's veto (or rerun) is every rank's: replicas must take the same updates
+            agreed = max_over_ranks(int(vetoed), int(rerun))
+            vetoed, rerun = bool(agreed[0]), bool(agreed[1])
         elif vetoed and self.world > 1:
             raise RunFailure(undeclared_veto(self.run, step, control.skip_reason))
-        control.skip_reason, control.rerun = None, False
-        self.run.state.skipped_updates += vetoed and not rerun
-        return vetoed and not rerun, rerun
+        control.skip_reason = None
+        control.rerun = False
+        skipped = vetoed and not rerun  # a rerun replaces the veto: the step runs again, it is not skipped
+        if skipped:
+            self.run.state.skipped_updates += 1
+        return skipped, rerun
 
     def _scaled_update(self, scaler: torch.amp.GradScaler, global_batch: int) -> tuple[bool, torch.Tensor | None]:
         """fp16: unscale, clip, step unless gradients overflowed; (skipped, grad norm).

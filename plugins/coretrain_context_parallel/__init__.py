@@ -58,7 +58,7 @@ class WholeSequence:
 ATTENTION_NAME = "coretrain-context-parallel"
 
 
-def use_in_transformers(hf: Any, attention: GatheredAttention) -> None:
+def use_in_transformers(hf: Any, attention: Any) -> None:
     """Make a transformers model attend through ``attention`` (transformers' own attention
     registry; the causal mask transformers builds for this rank's chunk alone is not used)."""
     from transformers import AttentionInterface

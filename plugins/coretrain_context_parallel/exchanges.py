@@ -40,14 +40,23 @@ def _full_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torc
     return (k, v) if groups == 1 else (k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
 
 
-class GatheredAttention:
+class SplitSequence:
+    """What every exchange knows: the context-parallel group, and the positions this rank holds
+    (the model reads them as ``model.positions``)."""
+
+    def __init__(self, group: Any, ranks: int, rank: int, seq_length: int, device: Any) -> None:
+        self.group, self.ranks, self.rank = group, ranks, rank
+        self.queries = balanced_positions(seq_length, ranks, rank).to(device)
+        self.everyones = torch.cat([balanced_positions(seq_length, ranks, r) for r in range(ranks)]).to(device)
+        """Every rank's positions, in rank order: how gathered or exchanged parts line up."""
+
+
+class GatheredAttention(SplitSequence):
     """``all_gather``: this rank's queries over every rank's keys and values."""
 
     def __init__(self, group: Any, ranks: int, rank: int, seq_length: int, device: Any) -> None:
-        self.group, self.ranks = group, ranks
-        self.queries = balanced_positions(seq_length, ranks, rank).to(device)
-        keys = torch.cat([balanced_positions(seq_length, ranks, r) for r in range(ranks)]).to(device)
-        self.mask = keys[None, :] <= self.queries[:, None]  # a query sees the keys at or before it
+        super().__init__(group, ranks, rank, seq_length, device)
+        self.mask = self.everyones[None, :] <= self.queries[:, None]  # a query sees the keys at or before it
 
     def __call__(self, q: Any, k: Any, v: Any, dropout_p: float, scale: float | None = None) -> Any:
         keys, values = _full_heads(q, gathered(k, self.group, self.ranks), gathered(v, self.group, self.ranks))
@@ -81,14 +90,13 @@ def gather_function() -> Any:
     return Gather
 
 
-class AllToAllAttention(GatheredAttention):
+class AllToAllAttention(SplitSequence):
     """``a2a``: positions traded for heads, attention over the whole sequence for ``heads / cp``
     of them, traded back (torch's differentiable all-to-all)."""
 
     def __init__(self, group: Any, ranks: int, rank: int, seq_length: int, device: Any) -> None:
         super().__init__(group, ranks, rank, seq_length, device)
-        order = torch.cat([balanced_positions(seq_length, ranks, r) for r in range(ranks)]).to(device)
-        self.mask = order[None, :] <= order[:, None]  # every position against every position
+        self.mask = self.everyones[None, :] <= self.everyones[:, None]  # every position against every position
 
     def _exchange(self, x: torch.Tensor, split: int, join: int) -> torch.Tensor:
         from torch.distributed.nn.functional import all_to_all
@@ -111,15 +119,14 @@ class AllToAllAttention(GatheredAttention):
         return self._exchange(out, split=2, join=1)  # every head, this rank's positions
 
 
-class RingAttention(GatheredAttention):
+class RingAttention(SplitSequence):
     """``p2p``: each rank's keys and values passed around the ring, merged by log-sum-exp."""
 
     def __init__(self, group: Any, ranks: int, rank: int, seq_length: int, device: Any) -> None:
         super().__init__(group, ranks, rank, seq_length, device)
-        self.rank = rank
-        positions = [balanced_positions(seq_length, ranks, r).to(device) for r in range(ranks)]
+        chunks = self.everyones.chunk(ranks)  # rank r's positions
         # the mask of the chunk this rank holds at each ring step: at step s, rank (rank - s)'s
-        self.masks = [positions[(rank - s) % ranks][None, :] <= self.queries[:, None] for s in range(ranks)]
+        self.masks = [chunks[(rank - s) % ranks][None, :] <= self.queries[:, None] for s in range(ranks)]
 
     def __call__(self, q: Any, k: Any, v: Any, dropout_p: float, scale: float | None = None) -> Any:
         if dropout_p:

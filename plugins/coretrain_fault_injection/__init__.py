@@ -158,7 +158,7 @@ class FaultInjection:
         """The model's loss (a tensor, or a mapping's ``loss``) times NaN: NaN, gradients too."""
         if not self.persistent:
             self._poison.remove()
-        if isinstance(output, dict) or hasattr(output, "keys"):
+        if hasattr(output, "keys"):  # a dict, or transformers' ModelOutput
             output["loss"] = output["loss"] * float("nan")
             return output
         return output * float("nan")

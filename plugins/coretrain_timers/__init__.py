@@ -154,6 +154,20 @@ def _new_events() -> tuple[Any, Any, Any]:
     return new(enable_timing=True), new(enable_timing=True), new(enable_timing=True)  # type: ignore[no-untyped-call]
 
 
+def _every_rank(run: Run, mine: dict[str, float], micros: list[int]) -> dict[str, float]:
+    """Every rank's phase times, the slowest under the plain name: one all-reduce (a maximum) of
+    a row per rank, each rank filling its own row and zeros elsewhere."""
+    world, rank, phases = run.dist.world_size, run.dist.rank, len(mine)
+    rows = [micros if r == rank else [0] * phases for r in range(world)]
+    flat = max_over_ranks(*(value for row in rows for value in row))
+    metrics: dict[str, float] = {}
+    for index, name in enumerate(mine):
+        seconds = [flat[r * phases + index] / 1e6 for r in range(world)]
+        metrics[name] = max(seconds)
+        metrics.update({f"{name}/rank{r}": value for r, value in enumerate(seconds)})
+    return metrics
+
+
 def peak_tflops(run: Run, configured: float | None) -> float | None:
     """``plugins.timers.peak_tflops`` if set, else the table's entry for this GPU, else unknown."""
     if configured:
@@ -255,12 +269,7 @@ class Timers:
         device sync), two values per phase for "minmax" (the minimum as a negated maximum)."""
         micros = [round(seconds * 1e6) for seconds in mine.values()]
         if self.timing_log_option == "all":
-            world, rank = run.dist.world_size, run.dist.rank
-            every = max_over_ranks(*(value if r == rank else 0 for r in range(world) for value in micros))
-            per_rank = {
-                f"{name}/rank{r}": every[r * len(mine) + i] / 1e6 for r in range(world) for i, name in enumerate(mine)
-            }
-            return {name: max(per_rank[f"{name}/rank{r}"] for r in range(world)) for name in mine} | per_rank
+            return _every_rank(run, mine, micros)
         if self.timing_log_option == "minmax":
             both = max_over_ranks(*micros, *(-value for value in micros))
             slowest = {name: value / 1e6 for name, value in zip(mine, both)}
