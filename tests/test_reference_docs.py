@@ -34,14 +34,14 @@ def test_every_key_hook_and_command_has_a_doc_and_the_reference_pages_are_curren
 
 def test_the_readme_is_a_front_page_and_every_link_of_the_docs_resolves() -> None:
     """README: what it is, set-up, the two commands, the feature map; no dated measurement (those
-    are docs/benchmarks.md's). A relative link in README or docs/ names a file that exists, and an
-    anchor a heading it has."""
+    are docs/benchmarks.md's). A relative link in README, CHANGELOG or docs/ names a file that
+    exists, and an anchor a heading it has."""
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 300
     assert not re.search(r"20\d\d-\d\d-\d\d|later that day", readme)
     assert "coretrain run examples/quickstart.toml" in readme and "\npytest\n" in readme
     broken = []
-    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+    for page in [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").rglob("*.md"))]:
         for path, anchor in re.findall(r"\]\(([^)#\s]*)(#[^)\s]*)?\)", page.read_text()):
             if path.startswith(("http://", "https://")):
                 continue
@@ -55,3 +55,23 @@ def headings(page: Path) -> set[str]:
     """The anchors Markdown gives a page's headings."""
     titles = re.findall(r"(?m)^#{1,6} (.+)$", page.read_text())
     return {re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-") for title in titles}
+
+
+def test_every_page_is_in_the_sites_navigation_and_every_shipped_plugin_in_the_plugins_guide() -> None:
+    """A guide that is not in mkdocs.yml's nav is a page nobody finds; a plugin coretrain-plugins
+    ships without a row in the built-in plugins' table is one nobody knows to turn on. Guides
+    carry no dated measurement: those are docs/benchmarks.md's, with command, machine and date."""
+    nav = set(re.findall(r":\s*(\S+\.md)\s*$", (REPO / "mkdocs.yml").read_text(), re.M))
+    pages = {str(page.relative_to(REPO / "docs")) for page in (REPO / "docs").rglob("*.md")}
+    assert pages - nav == set() and nav - pages == set()
+    shipped = re.search(r"(?ms)^\[project\.entry-points\.coretrain\]\n(.*?)(?:^\[|\Z)", plugins_pyproject())
+    assert shipped is not None
+    names = set(re.findall(r"(?m)^([a-z0-9-]+) = ", shipped.group(1)))
+    listed = set(re.findall(r"(?m)^\| `([a-z0-9-]+)` \|", (REPO / "docs" / "guides" / "plugins.md").read_text()))
+    assert len(names) > 40 and names - listed == set()
+    dated = [p.name for p in (REPO / "docs" / "guides").glob("*.md") if re.search(r"20\d\d-\d\d-\d\d", p.read_text())]
+    assert dated == []
+
+
+def plugins_pyproject() -> str:
+    return (REPO / "plugins" / "pyproject.toml").read_text()
