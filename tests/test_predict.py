@@ -71,10 +71,12 @@ def test_checkpoint_choice_split_and_parquet(tmp_path: Path, cli: Any) -> None:
         (("--out", "x.csv"), "no plugin writes .csv files; use .jsonl or .parquet"),
         (("--out", "."), "--out .: is a directory; give a file name"),
         (("--out", "c.toml/p.jsonl"), "--out c.toml/p.jsonl: a folder on its path is a file"),
+        (("--data", "prompts.jsonl"), "--data prompts.jsonl: the model provider 'workloads:cnn' does not generate"),
     ],
 )
 def test_bad_choices_are_one_clear_error(tmp_path: Path, cli: Any, args: tuple[str, ...], message: str) -> None:
     config = digits_config(tmp_path)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "def main("}\n')
     assert cli("run", str(config), cwd=tmp_path).returncode == 0
     argv = ["predict", str(config), "--out", str(tmp_path / "p.jsonl"), *args]
     if "--out" in args:

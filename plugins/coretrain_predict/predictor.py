@@ -50,6 +50,12 @@ class Predictor:
                 zip(chunks + fillers, self._batches(run, samples, chunks + fillers))
             ):
                 answer = hooks.predict_step(run=run, batch=batch, options=self.options)
+                if answer is None and self.data is not None:
+                    raise UserError(
+                        f"--data {self.data}: the model provider '{run.config.model.provider}' does not generate"
+                        " text from prompts; a provider that answers predict_step does (the hf provider,"
+                        " with transformers' generate), or predict a split with --split"
+                    )
                 if answer is None or len(answer) != len(chunk):
                     got = "no answer" if answer is None else f"{len(answer)} records"
                     raise UserError(f"predict: predict_step gave {got} for a batch of {len(chunk)} samples")
