@@ -31,6 +31,9 @@ def test_one_process_restarts_in_place_and_trains_the_losses_of_an_uninterrupted
     with caplog.at_level("WARNING", logger="coretrain"):
         restarted = run_steps(tmp_path / "restarted", 12, config=config, tables={**fault, **RESTART, **written})
     assert restarted.exit_code == 0 and restarted.run.state.step == 12
+    # resumed from the checkpoint of step 4, in the same process: steps 5..7 run again, 1..4 do not
+    assert restarted.hooks("pre_step") == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert restarted.hooks("on_train_start") == [0, 4]
     assert losses(restarted.output_dir) == losses(whole.output_dir)
     said = [r.getMessage() for r in caplog.records if "in-process restart" in r.getMessage()]
     assert said[0].startswith("in-process restart 1/2 after this rank raised at step 7: plugin 'fault-injection'")
