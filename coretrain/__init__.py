@@ -15,46 +15,41 @@ from coretrain.version import __version__
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: `coretrain` is the first
 # import of the console script, before its Ctrl-C handler exists, so it imports next to nothing
 
-# name -> the module that defines it (grouped by module, in the order of __all__)
-_LAZY = {
-    name: module
-    for module, names in {
-        "coretrain.api": "train TrainResult load prepare load_plugins",
-        "coretrain.markers": "hookimpl hookspec",
-        "coretrain.hookspecs": "HOOK_API Outcome",
-        "coretrain.run": "Run TrainState StepOutputs Datasets DatasetContext Scheduler",
-        "coretrain.control": "Control",
-        "coretrain.cadence": "Every",
-        "coretrain.dist": "DistInfo max_over_ranks mean_over_ranks sum_over_ranks",
-        "coretrain.data": "fetch to_device SampleOrder",
-        "coretrain.loader": "is_stream SplitBatches loader_settings",
-        "coretrain.outputs": "forward model_outputs NUM_TOKENS",
-        "coretrain.blocks": "blocks_of",
-        "coretrain.wholemodel": "WholeModel SHARED_PARAMETERS",
-        "coretrain.gradnorm": "gradient_norm clip_to",
-        "coretrain.backend": "LoggingBackend",
-        "coretrain.errors": "UserError require",
-        "coretrain.configload": "config_as_dict",
-        "coretrain.configchanges": "config_changes",
-        "coretrain.checkpoint.state": "is_sharded",
-        "coretrain.checkpoint.layout": "find_checkpoint step_dir step_dirs best_step read_manifest",
-        "coretrain.checkpoint.load": "read_weights",
-        "coretrain.validators": "FieldValueError positive non_negative fraction in_range exit_code",
-        "coretrain.commands.common": "add_config_args",
-        "coretrain.pluginmanager": "field_defaults",
-    }.items()
-    for name in names.split()
+_DEFINED_IN = {
+    "coretrain.api": ("train", "TrainResult", "load", "prepare", "load_plugins"),
+    "coretrain.markers": ("hookimpl", "hookspec"),
+    "coretrain.hookspecs": ("HOOK_API", "Outcome"),
+    "coretrain.run": ("Run", "TrainState", "StepOutputs", "Datasets", "DatasetContext", "Scheduler"),
+    "coretrain.control": ("Control",),
+    "coretrain.cadence": ("Every",),
+    "coretrain.dist": ("DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks"),
+    "coretrain.data": ("fetch", "to_device", "SampleOrder"),
+    "coretrain.loader": ("is_stream", "SplitBatches", "loader_settings"),
+    "coretrain.outputs": ("forward", "model_outputs", "NUM_TOKENS"),
+    "coretrain.gradnorm": ("gradient_norm", "clip_to"),
+    "coretrain.backend": ("LoggingBackend",),
+    "coretrain.errors": ("UserError", "require"),
+    "coretrain.configload": ("config_as_dict",),
+    "coretrain.configchanges": ("config_changes",),
+    "coretrain.checkpoint.state": ("is_sharded",),
+    "coretrain.checkpoint.layout": ("find_checkpoint", "step_dir", "step_dirs", "linked_step", "read_manifest"),
+    "coretrain.checkpoint.load": ("read_weights", "SHARED_PARAMETERS"),
+    "coretrain.validators": ("FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code"),
+    "coretrain.commands.common": ("add_config_args",),
+    "coretrain.pluginmanager": ("field_defaults",),
 }
+"""Each module of the public API and the names it defines."""
+_LAZY = {name: module for module, names in _DEFINED_IN.items() for name in names}
+"""Public name -> the module ``__getattr__`` imports it from, on first use."""
 
 if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports on first use
     from typing import Any
 
     from coretrain.api import TrainResult, load, load_plugins, prepare, train
     from coretrain.backend import LoggingBackend
-    from coretrain.blocks import blocks_of
     from coretrain.cadence import Every
-    from coretrain.checkpoint.layout import best_step, find_checkpoint, read_manifest, step_dir, step_dirs
-    from coretrain.checkpoint.load import read_weights
+    from coretrain.checkpoint.layout import find_checkpoint, linked_step, read_manifest, step_dir, step_dirs
+    from coretrain.checkpoint.load import SHARED_PARAMETERS, read_weights
     from coretrain.checkpoint.state import is_sharded
     from coretrain.commands.common import add_config_args
     from coretrain.configchanges import config_changes
@@ -71,18 +66,23 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.pluginmanager import field_defaults
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
-    from coretrain.wholemodel import SHARED_PARAMETERS, WholeModel
 
 # written out (not built from _LAZY) so that type checkers see what is exported; a test holds the two equal
-__all__ = ["__version__", "train", "TrainResult", "load", "prepare", "load_plugins", "hookimpl", "hookspec"]
-__all__ += ["HOOK_API", "Outcome", "Run", "TrainState", "StepOutputs", "Datasets", "DatasetContext", "Scheduler"]
-__all__ += ["Control", "Every", "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "fetch"]
-__all__ += ["to_device", "SampleOrder", "is_stream", "SplitBatches", "loader_settings", "forward"]
-__all__ += ["model_outputs", "NUM_TOKENS", "blocks_of", "WholeModel", "SHARED_PARAMETERS", "LoggingBackend"]
-__all__ += ["UserError", "require", "config_as_dict", "gradient_norm", "clip_to"]
-__all__ += ["is_sharded", "find_checkpoint", "step_dir", "step_dirs", "best_step", "read_manifest", "read_weights"]
-__all__ += ["FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code", "add_config_args"]
-__all__ += ["field_defaults", "config_changes"]
+# fmt: off
+__all__ = [
+    "__version__", "train", "TrainResult", "load", "prepare", "load_plugins",  # a run from Python
+    "hookimpl", "hookspec", "HOOK_API", "Outcome", "Control", "Every",  # the hook contract
+    "Run", "TrainState", "StepOutputs", "Datasets", "DatasetContext", "Scheduler",  # what hooks receive
+    "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "is_sharded",  # ranks
+    "fetch", "to_device", "SampleOrder", "is_stream", "SplitBatches", "loader_settings",  # data
+    "forward", "model_outputs", "NUM_TOKENS", "gradient_norm", "clip_to",  # models
+    "LoggingBackend", "UserError", "require", "config_as_dict", "config_changes",  # backends, errors, configs
+    "find_checkpoint", "step_dir", "step_dirs", "linked_step", "read_manifest", "read_weights",  # checkpoints
+    "SHARED_PARAMETERS",
+    "FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code",  # option fields
+    "add_config_args", "field_defaults",  # command plugins
+]
+# fmt: on
 
 
 MOVED_GROUP = "coretrain.moved"

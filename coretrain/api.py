@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from attrs import define, field
 
 from coretrain import pluginmanager
+from coretrain.checkpoint.layout import linked_step
 from coretrain.configload import LoadedConfig, Overrides, load_config, load_config_data
 from coretrain.hookspecs import Outcome
 from coretrain.markers import hookimpl
@@ -47,9 +48,9 @@ class TrainResult:
 
     @property
     def best_checkpoint(self) -> Path | None:
-        """``checkpoints/best`` (the keep-best plugin), if the run has one."""
-        path = self.output_dir / "checkpoints" / "best"
-        return path if path.exists() else None
+        """The ``checkpoints/best`` link, if a plugin made one (keep-best does), to a step of the run."""
+        link = self.output_dir / "checkpoints" / "best"
+        return link if linked_step(link) is not None else None
 
 
 class ResultRecorder:

@@ -20,16 +20,14 @@ class Control:
     stop_reason: str | None = None
     exit_code: int = 0
     checkpoint_requested: bool = False
-    non_persistent: bool = False
-    """Whether every request for the pending checkpoint let it go to ``non_persistent_dir``."""
-    non_persistent_dir: str | None = None
-    """A plugin's fast tier of checkpoints (host memory, a node's disk), set by it in
-    ``configure_run``: a checkpoint requested with ``persistent=False`` goes there when nothing
-    else saves at that step, only the newest is kept, and a resume takes the newest committed
-    step of it and ``checkpoints/`` (Megatron's non-persistent checkpoints). Unset: such requests
-    save to ``checkpoints/``."""
+    checkpoint_persistent: bool = False
+    """Whether a request for the pending checkpoint wants it in ``checkpoints/``; when none does,
+    it goes where a plugin's ``checkpoint_target`` says (a fast tier), if one answers."""
     skip_reason: str | None = None
     rerun: bool = False
+    non_persistent_dir: str | None = None
+    """Deprecated since hook API 1.15 (a plugin for 1.12 sets it in ``configure_run``): answer the
+    ``checkpoint_target`` hook instead. Honoured until 2.0, with a warning."""
 
     def request_stop(self, reason: str, *, checkpoint: bool = True, exit_code: int = 0) -> None:
         """End training at the next step boundary (see the class; with a checkpoint unless
@@ -40,9 +38,9 @@ class Control:
             self.request_checkpoint()
 
     def request_checkpoint(self, persistent: bool = True) -> None:
-        """Save a checkpoint at the next step boundary (see the class); ``persistent=False``: into
-        ``non_persistent_dir`` unless a persistent one is due or asked for at that step."""
-        self.non_persistent = not persistent and (self.non_persistent or not self.checkpoint_requested)
+        """Save a checkpoint at the next step boundary (see the class); ``persistent=False``: where
+        a plugin's ``checkpoint_target`` says, unless a persistent one is due or asked for then."""
+        self.checkpoint_persistent = persistent or self.checkpoint_persistent
         self.checkpoint_requested = True
 
     def skip_update(self, reason: str, *, rerun: bool = False) -> None:

@@ -19,6 +19,8 @@ from coretrain.errors import PluginError
 from coretrain.hookspecs import HookSpecs, Outcome
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from coretrain.run import Run
@@ -56,6 +58,12 @@ class HookCalls:
             for name, values in result.items():
                 merged.setdefault(name, {}).update(values)
         return merged
+
+    def protected_checkpoints(self, run: Run, root: Path) -> set[int]:
+        """Every plugin's steps that retention keeps under ``root``."""
+        if not self.implemented("protected_checkpoints"):
+            return set()
+        return {step for steps in self._manager.hook.protected_checkpoints(run=run, root=root) for step in steps}
 
     def phase_listeners(self, run: Run) -> list[Callable[[int, str], None]]:
         """Each plugin's listener; one that is not callable is that plugin's error."""

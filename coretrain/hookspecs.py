@@ -34,8 +34,10 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
         every log_interval:   on_log(run, step, metrics)   ONE host sync per interval
         every eval_interval:  evaluate(run, split, dataset)  firstresult   the metrics (evaluation)
                               on_eval(run, step, metrics)
-        checkpoint due?       on_checkpoint(run, step, path) -> this plugin's state
+        checkpoint due?       checkpoint_target(run)  firstresult  where a non-persistent one goes
+                              on_checkpoint(run, step, path) -> this plugin's state
                               on_checkpoint_saved(run, step, path)  once committed (async: later)
+                              protected_checkpoints(run, root)  collected  what retention keeps
         signal agreed?        on_signal(run, signum) -> checkpoint -> exit 128+signum
         exit condition?       train_iters | exit_interval | exit_duration_in_mins |
                               run.control.request_stop(reason)
@@ -97,7 +99,7 @@ if TYPE_CHECKING:
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs
 
 
-HOOK_API = (1, 14)
+HOOK_API = (1, 15)
 """The version of this contract, (major, minor). A minor release adds hooks or arguments; a
 major one changes or removes them. A plugin class may set ``coretrain_hook_api = (1, 0)`` (the
 version it was written for): a plugin written for another major, or for a newer minor, is
@@ -455,6 +457,32 @@ class HookSpecs(Protocol):
         missing or unknown keys, the class's validators; no NaN) and treats a state that does not
         fit as a damaged file, named with its key path — an automatic resume falls back past it.
         Ranks: every rank (each saves its own state). Called plugin by plugin.
+        """
+
+    @hookspec(firstresult=True)
+    def checkpoint_target(self, run: Run) -> str | None:
+        """Where this rank's checkpoints requested with ``run.control.request_checkpoint(
+        persistent=False)`` go (hook API 1.15; ``local-checkpoint``'s folder in host memory).
+
+        Returns: a directory (absolute) of this plugin's own, or None. A save goes there when
+        every request for it allowed it and nothing else (the cadence, the end, a stop) is due
+        at that step: written at once, only the newest kept, and skipped on every rank (with a
+        warning) when any rank cannot write it, since the durable checkpoints still protect the
+        run. A resume takes the newest complete step of it and ``checkpoints/``. None: such
+        requests save to ``checkpoints/``.
+        Ranks: every rank (each its own directory), at each save that may go there and at resume.
+        """
+
+    @hookspec
+    def protected_checkpoints(self, run: Run, root: Path) -> list[int] | None:
+        """Steps under ``root`` that retention (``checkpoint.keep_last``) must not delete (hook API
+        1.15; ``keep-best``'s best step).
+
+        Args: ``root`` — the directory of step directories being pruned (``checkpoints/``).
+        May change: nothing.
+        Returns: step numbers, or None. Collected: every plugin's steps are kept.
+        Ranks: rank 0, after each commit (an async save's on its writer thread) and after the
+        final save.
         """
 
     @hookspec

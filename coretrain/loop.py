@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from attrs import frozen
 
-from coretrain import resume, safeload
+import coretrain.checkpoint.resume as resume
+import coretrain.checkpoint.safeload as safeload
 from coretrain.build import planned_steps, record_config
 from coretrain.checkpoint.layout import step_dir
 from coretrain.checkpoint.saves import Saves

@@ -117,18 +117,18 @@ class StopAgreement:
             cadence = self.run.cadence
             deciding = step == self.run.train_iters or cadence.saves(step) or cadence.evaluates(step)
             self.mark(step, "agreement")  # waiting for the other ranks from here
-            wants = int(control.checkpoint_requested) * (1 if control.non_persistent else 2)  # a persistent one wins
+            wants = int(control.checkpoint_requested) * (2 if control.checkpoint_persistent else 1)  # persistent wins
             agreed, signum, control.exit_code, wants = self.agreement.exchange(
                 stop, signum, control.exit_code, wants, now=deciding
             )
             stop = Stop(agreed)
-            control.checkpoint_requested, control.non_persistent = wants > 0, wants == 1
+            control.checkpoint_requested, control.checkpoint_persistent = wants > 0, wants == 2
         if stop is Stop.NONE and self.run.cadence.exits(step):
             stop = Stop.EXIT_INTERVAL
         if stop is Stop.SIGNAL:
             self.signum = signum
             control.request_stop(f"received {signal.Signals(signum).name}")
         elif stop is Stop.PLUGIN and control.stop_reason is None:  # the agreed request says whether to save
-            persistent = control.checkpoint_requested and not control.non_persistent
+            persistent = control.checkpoint_requested and control.checkpoint_persistent
             control.request_stop("another rank requested a stop", checkpoint=persistent)
         return stop.outcome

@@ -27,15 +27,19 @@ Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 def in_range(low: float | None = None, high: float | None = None, *, high_inclusive: bool = True) -> Validator:
     """``low <= value`` and ``value <= high`` (or ``< high``); None (unset) always passes."""
 
+    bounds = []
+    if low is not None:
+        bounds.append(f">= {low}")
+    if high is not None:
+        bounds.append(f"<= {high}" if high_inclusive else f"< {high}")
+    expected = " and ".join(bounds)
+
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         for item in _each(value):
             too_low = low is not None and item < low
             too_high = high is not None and (item > high if high_inclusive else item >= high)
             if too_low or too_high:
-                parts = [f">= {low}"] * (low is not None) + [f"{'<=' if high_inclusive else '<'} {high}"] * (
-                    high is not None
-                )
-                raise FieldValueError(attribute.name, f"must be {' and '.join(parts)}, got {value!r}")
+                raise FieldValueError(attribute.name, f"must be {expected}, got {value!r}")
 
     return check
 

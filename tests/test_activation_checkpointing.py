@@ -32,7 +32,7 @@ class CountsBlockCalls:
 
     @hookimpl(trylast=True)
     def configure_model(self, run: Run) -> None:
-        from coretrain import blocks_of
+        from coretrain_blocks import blocks_of
 
         blocks = blocks_of(run.model)
         self.calls = [0] * len(blocks)

@@ -23,7 +23,7 @@ import torch
 from conftest import run_cli
 from test_trust import finished, make_sharded, one_error_line, step_dir
 
-from coretrain import dcpmetadata, safeload
+from coretrain.checkpoint import dcpmetadata, safeload
 from coretrain.errors import CheckpointUnreadable
 
 

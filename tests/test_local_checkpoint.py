@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from test_inprocess_restart import config as two_rank_config
 from test_inprocess_restart import losses
 from test_launcher import free_port
 
-from coretrain import UserError
+from coretrain import Run, UserError, hookimpl
 from coretrain.testing import run_steps, tiny_config, write_config
 
 CONFIG = {"train": {"log_interval": 1}, "checkpoint": {"save_interval": 4}}
@@ -383,3 +384,45 @@ def test_checkpoint_list_names_the_local_folder_a_failed_job_left(tmp_path: Path
     assert f"local: {folder} holds step(s) 6 (" in listed.stdout
     shutil.rmtree(folder)
     assert "local:" not in cli("checkpoint", "list", str(tmp_path / "run" / "out"), cwd=tmp_path).stdout
+
+
+class FastTier:
+    """A third party's tier of checkpoints, through the core's two seams: ``checkpoint_target``
+    says where the saves it asks for go, ``protected_checkpoints`` keeps step 2 from retention.
+    ``legacy``: the same tier as a plugin written for hook API 1.12 sets it up."""
+
+    def __init__(self, directory: Path, legacy: bool = False) -> None:
+        self.directory, self.legacy = directory, legacy
+
+    @hookimpl
+    def configure_run(self, run: Run) -> None:
+        if self.legacy:
+            run.control.non_persistent_dir = str(self.directory)
+
+    @hookimpl
+    def checkpoint_target(self) -> str | None:
+        return None if self.legacy else str(self.directory)
+
+    @hookimpl
+    def protected_checkpoints(self) -> list[int]:
+        return [2]
+
+    @hookimpl
+    def post_step(self, run: Run, step: int) -> None:
+        run.control.request_checkpoint(persistent=False)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["checkpoint_target", "non_persistent_dir (1.12)"])
+def test_a_plugins_own_tier_gets_the_saves_it_asks_for_and_the_resume_looks_there(tmp_path: Path, legacy: bool) -> None:
+    tier = FastTier(tmp_path / "tier", legacy)
+    config = {"train": {"log_interval": 1}, "checkpoint": {"save_interval": 2, "keep_last": 1}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_steps(tmp_path / "run", 7, plugins={"tier": tier}, config=config)
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert any("non_persistent_dir is deprecated" in message for message in deprecated) == legacy
+    assert steps_in(tier.directory) == ["step_00000007"]  # every odd step there, only the newest kept
+    durable = tmp_path / "run" / "out" / "checkpoints"
+    assert steps_in(durable) == ["step_00000002", "step_00000006"]  # keep_last 1, and step 2 protected
+    resumed = run_steps(tmp_path / "run", 8, plugins={"tier": FastTier(tier.directory, legacy)}, config=config)
+    assert resumed.hooks("post_step") == [8]  # resumed from step 7 (the tier), not 6

@@ -85,9 +85,8 @@ def test_an_expert_takes_at_most_its_capacity_keeping_its_most_probable_assignme
 
 
 def test_the_blocks_fsdp_shards_are_the_layers_with_their_experts_inside() -> None:
+    from coretrain_blocks import blocks_of
     from coretrain_gpt.model import GPT, Block
-
-    from coretrain import blocks_of
 
     cfg = MoEConfig(n_experts=4, top_k=2, capacity_factor=None, aux_loss_coeff=0.0, z_loss_coeff=0.0, shared_experts=0)
     model = GPT(GPTConfig(vocab_size=256, block_size=8, n_layer=3, n_head=2, n_embd=8, dropout=0, bias=False, moe=cfg))

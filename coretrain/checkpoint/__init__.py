@@ -12,17 +12,24 @@ Layout under ``<output_dir>/checkpoints/``::
                             the splits evaluated and logged at this step, the resolved config)
     step_00000200.tmp/      an interrupted save: never loaded
     latest                  text: the newest committed step (a hint; the directories decide)
-    best -> step_00000100   the keep-best plugin: the best evaluated step
-                            (its checkpointed state says the value); keep_last never deletes it
+    best -> step_00000100   a plugin's named link to a step beside it (keep-best's best);
+                            followed by resume, pretrained and find_checkpoint(root, "best")
 
-Saving is synchronous, or with ``checkpoint.async_save`` the training thread only copies the
-state to host memory and a background thread writes, fsyncs and commits (:class:`Checkpointer`).
-Resuming is :mod:`coretrain.resume`; listing and exporting, the `checkpoint` command of coretrain-plugins. Both read
-every file through :mod:`coretrain.safeload` (torch's ``weights_only`` unpickler, a restricted
-unpickler for DCP's ``.metadata``) and use the sharded reader only for a checkpoint whose
-manifest says it was written sharded: nothing in a checkpoint is ever run.
+Everything about checkpoints lives in this package, one job per module:
 
-Layout and commit: :mod:`.layout`; what is saved: :mod:`.state`; writing, synchronous or in
-the background: :mod:`.writer`; reading weights: :mod:`.load`; what each file must hold:
-:mod:`.schema`. Each name is imported from its module: this package only documents them.
+- :mod:`.layout` — the directory layout, the commit, retention, reading a manifest;
+- :mod:`.state` — what is saved (model, optimizer, RNG, the manifest's fields);
+- :mod:`.writer` — writing, synchronous or in the background (``checkpoint.async_save``);
+- :mod:`.saves` — when the loop saves (cadence, end, agreed requests);
+- :mod:`.resume` — resuming: choosing the checkpoint, reading it safely, applying it;
+- :mod:`.load` — reading weights and optimizer state, whole or sharded;
+- :mod:`.safeload` — every file read through torch's ``weights_only`` unpickler, and
+  :mod:`.dcpmetadata`, a restricted unpickler for DCP's ``.metadata``: nothing in a checkpoint
+  is ever run;
+- :mod:`.schema` — what each file must hold, checked before anything is applied.
+
+The sharded reader is used only for a checkpoint whose manifest says it was written sharded.
+Listing and exporting are the ``checkpoint`` command of coretrain-plugins, through the public
+names (``coretrain.find_checkpoint``, ``read_manifest``, ``read_weights``, ...). Each name is
+imported from its module: this package only documents them.
 """

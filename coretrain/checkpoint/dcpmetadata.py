@@ -24,23 +24,31 @@ from typing import IO, Any
 
 import torch
 
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 _ALLOWED = {
-    "torch.distributed.checkpoint.metadata": set(
-        "Metadata TensorStorageMetadata TensorProperties _MEM_FORMAT_ENCODING ChunkStorageMetadata "
-        "BytesStorageMetadata MetadataIndex StorageMeta".split()
-    ),
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    _DCP_METADATA: {
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+    },
+    _DCP_FILESYSTEM: {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
 }
-_BUILDABLE = {  # BUILD fills in instances of DCP's own dataclasses only (not the enum, not a class)
-    (module, name)
-    for module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    for name in _ALLOWED[module] - {"_MEM_FORMAT_ENCODING"}
-}
+"""The classes (and one function) DCP metadata is made of: all ``find_class`` may return, besides
+torch's dtypes."""
 
+_BUILDABLE = {(_DCP_METADATA, name) for name in _ALLOWED[_DCP_METADATA] - {"_MEM_FORMAT_ENCODING"}}
+_BUILDABLE |= {(_DCP_FILESYSTEM, name) for name in _ALLOWED[_DCP_FILESYSTEM]}
+"""What BUILD may fill in: instances of DCP's own dataclasses (not the enum, and never a class)."""
 
 _DICTS = (dict, collections.OrderedDict)
 
@@ -50,18 +58,6 @@ class Refused(pickle.UnpicklingError):
 
 
 _PurePythonUnpickler: Any = pickle._Unpickler  # its opcodes are methods in a table: they can be guarded
-
-
-def _guarded(dispatch: dict[int, Any], opcode: str, kinds: tuple[type, ...], target: Any) -> tuple[int, Any]:
-    """Pickle's ``opcode`` run only when what it would change (``target(unpickler)``) is one of ``kinds``."""
-    code, original = getattr(pickle, opcode)[0], dispatch[getattr(pickle, opcode)[0]]
-
-    def load(self: Any) -> None:
-        if type(target(self)) not in kinds:
-            raise Refused(f"{opcode} on a {type(target(self)).__qualname__} is not allowed")
-        original(self)
-
-    return code, load
 
 
 class MetadataUnpickler(_PurePythonUnpickler):  # type: ignore[misc]
@@ -80,28 +76,55 @@ class MetadataUnpickler(_PurePythonUnpickler):  # type: ignore[misc]
         raise Refused("persistent ids are not allowed")
 
     def load_build(self) -> None:
-        kind = type(self.stack[-2] if len(self.stack) >= 2 else None)
+        """BUILD sets the state of ``stack[-2]``: only on an instance of a DCP dataclass."""
+        kind = type(self._on_stack(2))
         if (kind.__module__, kind.__qualname__) not in _BUILDABLE:
             raise Refused(f"BUILD on a {kind.__qualname__} is not allowed")
         super().load_build()
 
+    def load_setitem(self) -> None:
+        """SETITEM: ``stack[-3][stack[-2]] = stack[-1]``, only on a plain dict."""
+        _only_on(self._on_stack(3), _DICTS, "SETITEM")
+        super().load_setitem()
+
+    def load_setitems(self) -> None:
+        """SETITEMS: the pairs above the mark into the object under it, only a plain dict."""
+        _only_on(self._below_mark(), _DICTS, "SETITEMS")
+        super().load_setitems()
+
+    def load_append(self) -> None:
+        """APPEND: ``stack[-2].append(stack[-1])``, only on a plain list."""
+        _only_on(self._on_stack(2), (list,), "APPEND")
+        super().load_append()
+
+    def load_appends(self) -> None:
+        """APPENDS: the items above the mark onto the object under it, only a plain list."""
+        _only_on(self._below_mark(), (list,), "APPENDS")
+        super().load_appends()
+
     def load_additems(self) -> None:
         raise Refused("sets are not allowed")
+
+    def _on_stack(self, depth: int) -> Any:
+        """The object ``depth`` places from the top of the stack (None when there is none)."""
+        return self.stack[-depth] if len(self.stack) >= depth else None
 
     def _below_mark(self) -> Any:
         """The object under the topmost mark (what SETITEMS / APPENDS would change)."""
         return self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None
 
     dispatch[pickle.BUILD[0]] = load_build
-    dispatch.update(  # each changes the object below its operands, or the one under the mark
-        [
-            _guarded(dispatch, "SETITEM", _DICTS, lambda self: self.stack[-3] if len(self.stack) >= 3 else None),
-            _guarded(dispatch, "SETITEMS", _DICTS, lambda self: self._below_mark()),
-            _guarded(dispatch, "APPEND", (list,), lambda self: self.stack[-2] if len(self.stack) >= 2 else None),
-            _guarded(dispatch, "APPENDS", (list,), lambda self: self._below_mark()),
-        ]
-    )
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.APPEND[0]] = load_append
+    dispatch[pickle.APPENDS[0]] = load_appends
     dispatch[pickle.ADDITEMS[0]] = load_additems
+
+
+def _only_on(target: Any, kinds: tuple[type, ...], opcode: str) -> None:
+    """A mutating opcode may change only an object of ``kinds`` (made by this load)."""
+    if type(target) not in kinds:
+        raise Refused(f"{opcode} on a {type(target).__qualname__} is not allowed")
 
 
 def load(stream: IO[bytes]) -> Any:

@@ -16,14 +16,12 @@ from typing import Any
 
 import torch
 
-from coretrain import safeload
+import coretrain.checkpoint.safeload as safeload
 from coretrain.checkpoint.schema import MANIFEST as MANIFEST_SCHEMA
 from coretrain.checkpoint.schema import validate
 from coretrain.errors import CheckpointUnreadable, RunFailure, UserError
 
 STEP_DIR = re.compile(r"^step_(\d{8})(\.tmp)?$")
-BEST = "best"
-"""``checkpoints/best``: a relative symlink to a committed step beside it (the keep-best plugin writes it)."""
 MANIFEST = "checkpoint.json"
 MANIFEST_FORMAT = 1
 
@@ -62,7 +60,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def begin(root: Path, step: int, is_main: bool, distributed: bool) -> Path:
-    """Rank 0 clears step_N.tmp; then every rank makes it (a machine's own ``non_persistent_dir``
+    """Rank 0 clears step_N.tmp; then every rank makes it (a machine's own ``checkpoint_target``
     is not rank 0's) and returns it."""
     tmp = root / f"step_{step:08d}.tmp"  # the save, until its commit
     if is_main:
@@ -73,7 +71,7 @@ def begin(root: Path, step: int, is_main: bool, distributed: bool) -> Path:
     return tmp
 
 
-def commit(root: Path, step: int, tmp: Path, keep_last: int | None) -> None:
+def commit(root: Path, step: int, tmp: Path, keep_last: int | None, protected: set[int]) -> None:
     """Rank 0, once every file is durable: fsync, rename (the commit), update latest, retention."""
     final = step_dir(root, step)
     fsync_dir(tmp)
@@ -83,40 +81,39 @@ def commit(root: Path, step: int, tmp: Path, keep_last: int | None) -> None:
     fsync_dir(root)
     (root / "latest.tmp").write_text(f"{step}\n")
     os.replace(root / "latest.tmp", root / "latest")
-    apply_retention(root, keep_last)
+    apply_retention(root, keep_last, protected)
 
 
-def apply_retention(root: Path, keep_last: int | None) -> None:
-    """Keep the newest ``keep_last`` complete checkpoints and the one ``best`` points at; the
-    newest complete one always stays."""
+def apply_retention(root: Path, keep_last: int | None, protected: set[int]) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints and the ``protected`` ones (plugins'
+    ``protected_checkpoints``); the newest complete one always stays."""
     if not keep_last:
         return
-    best = best_step(root)
     for step in complete_steps(root)[:-keep_last]:
-        if step != best:
+        if step not in protected:
             shutil.rmtree(step_dir(root, step), ignore_errors=True)
 
 
-def best_step(root: Path) -> int | None:
-    """The step ``root/best`` points at: only a link to a committed step directory beside it, as
-    coretrain makes it (a link that leads anywhere else is not this run's, and not followed)."""
-    link = root / BEST
+def linked_step(link: Path) -> int | None:
+    """The step a named link beside the step directories points at (a plugin's, such as
+    keep-best's ``best``): only a relative link to a committed step directory beside it (a link
+    that leads anywhere else is not this run's, and is not followed)."""
     if not link.is_symlink():
         return None
     parsed = parse_step_dir(os.readlink(link))  # the whole target: a name, no path
-    return parsed[0] if parsed is not None and parsed[1] and step_dir(root, parsed[0]).is_dir() else None
+    return parsed[0] if parsed is not None and parsed[1] and step_dir(link.parent, parsed[0]).is_dir() else None
 
 
-def followed_best(path: Path, option: str) -> Path:
-    """``path`` itself, the step directory a ``.../checkpoints/best`` link names (never where an
-    untrusted link leads), or the newest complete checkpoint of a run's output directory or of
+def followed_link(path: Path, option: str) -> Path:
+    """``path`` itself, the step directory a named link among the steps points at (never where
+    an untrusted link leads), or the newest complete checkpoint of a run's output directory or of
     its ``checkpoints/`` (what a user names after a run: the run, not one of its steps)."""
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if step_dirs(root):
         return find_checkpoint(root, None, option)
-    if path.name != BEST or not path.is_symlink():
+    if not path.is_symlink() or parse_step_dir(path.name) is not None:
         return path
-    step = best_step(path.parent)
+    step = linked_step(path)
     if step is None:
         raise UserError(
             f"{option}: {path} -> {os.readlink(path)} is not a link to a step directory beside it; "
@@ -126,17 +123,18 @@ def followed_best(path: Path, option: str) -> Path:
 
 
 def find_checkpoint(root: Path, which: int | str | None, option: str) -> Path:
-    """A complete checkpoint under ``root``: at step ``which``, the one ``best`` points at
-    ("best"), or the newest (None); a missing one is a UserError naming ``option``."""
+    """A complete checkpoint under ``root``: at step ``which``, the one a named link beside the
+    steps points at (a plugin's, such as ``best``), or the newest (None); a missing one is a
+    UserError naming ``option``."""
     complete = complete_steps(root) if root.is_dir() else []
     if not complete:
         raise UserError(f"{option}: {root} holds no complete checkpoint")
-    if which == "best":
-        which = best_step(root)
+    if isinstance(which, str) and not which.isdigit():
+        name, which = which, linked_step(root / which)
         if which is None:
             raise UserError(
-                f"{option} best: {root} has no best checkpoint (the keep-best plugin keeps one: "
-                '[plugins.keep-best] metric = "valid/loss")'
+                f"{option} {name}: {root} has no '{name}' link to a complete step beside its checkpoints "
+                "(a plugin writes such a link; is it on?)"
             )
     if which is not None and which not in complete:
         raise UserError(f"{option} {which}: no complete checkpoint at that step; complete: {complete}")

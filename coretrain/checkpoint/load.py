@@ -26,10 +26,16 @@ from typing import Any
 
 import torch
 
-from coretrain import safeload
+import coretrain.checkpoint.safeload as safeload
 from coretrain.checkpoint.layout import read_manifest
 from coretrain.checkpoint.state import dcp_options, is_sharded
 from coretrain.errors import CheckpointUnreadable, UserError
+
+SHARED_PARAMETERS = "coretrain_shared_parameters"
+"""A model's attribute mapping the names of parameters that are this rank's copy of a weight
+another part also holds (a weight tied across pipeline stages: the last stage's copy of the
+embedding) to that weight's own name: counted once, under its own name (Megatron's
+``param.shared``); a checkpoint of a layout without the copy gives it the weight's state."""
 
 
 def load_sharded(
@@ -75,8 +81,6 @@ def _borrow_tied_state(optimizer: dict[str, Any] | None, model: torch.nn.Module,
     where this rank holds the weight too (a V-shaped pipeline's first rank), read once and copied
     after (:func:`_give_borrowed`). Returns own key -> the key read, or (that key, the tensor to
     copy it into)."""
-    from coretrain.wholemodel import SHARED_PARAMETERS
-
     copies = getattr(getattr(model, "module", model), SHARED_PARAMETERS, None) or {}
     borrowed: dict[str, Any] = {}
     for key in list(optimizer or {}):
@@ -168,21 +172,39 @@ def load_whole_optimizer(
 def _state_by_name(saved: dict[str, Any], groups: Any, weights: dict[str, Any]) -> dict[str, Any]:
     """The saved optimizer's state under the names of the run's ``groups``' parameters (a weight
     the saved ``weights`` tie to another taking a copy of that one's)."""
-    names = [name for group in saved["param_groups"] for name in group.get("param_names", [])]
-    names = names or [name for group in groups for name in group["params"]]  # in torch's numbering
-    first = {tensor.data_ptr(): key for key, tensor in reversed(weights.items())}  # tied names share a tensor
-    tied = {key: first[tensor.data_ptr()] for key, tensor in weights.items() if tensor.numel()}
-    state = {names[index]: moments for index, moments in saved["state"].items()}
+    names = _saved_names(saved, groups)
+    saved_state = {names[index]: moments for index, moments in saved["state"].items()}
+    tied = _tied_names(weights)
     wanted = [key for group in groups for key in group["params"]]
-    for key in wanted:
-        alias = tied.get(key)
-        # a copy of its own: a rank holding both (a V-shaped pipeline's first) updates them apart
-        if alias in state and alias != key:
-            state[key] = _copied(state[alias])
-    known = set(names) | {key for key, alias in tied.items() if alias in names}
-    if unknown := [key for key in wanted if key not in known]:
+    if unknown := [key for key in wanted if key not in names and tied.get(key) not in names]:
         raise KeyError(f"the file has no parameter named {', '.join(unknown[:3])}")
-    return {key: state[key] for key in wanted if key in state}
+    state: dict[str, Any] = {}
+    for key in wanted:
+        alias = tied.get(key, key)
+        # a copy of its own: a rank holding both (a V-shaped pipeline's first) updates them apart
+        if alias != key and alias in saved_state:
+            state[key] = _copied(saved_state[alias])
+        elif key in saved_state:
+            state[key] = saved_state[key]
+    return state
+
+
+def _saved_names(saved: dict[str, Any], groups: Any) -> list[str]:
+    """The saved parameters' names in torch's numbering: the saved groups' ``param_names``
+    (recorded since 0.4), else the run's own groups' order."""
+    names = [name for group in saved["param_groups"] for name in group.get("param_names", [])]
+    return names or [name for group in groups for name in group["params"]]
+
+
+def _tied_names(weights: dict[str, Any]) -> dict[str, str]:
+    """Each weight's name -> the name of the first weight sharing its tensor (its own when none
+    before it does): an output head tied to the embedding maps to the embedding."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for key, tensor in weights.items():
+        if tensor.numel():
+            tied[key] = first.setdefault(tensor.data_ptr(), key)
+    return tied
 
 
 def _copied(moments: dict[str, Any]) -> dict[str, Any]:

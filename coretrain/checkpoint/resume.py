@@ -14,13 +14,13 @@ from typing import Any
 import attrs
 import torch
 
-from coretrain import safeload
+import coretrain.checkpoint.safeload as safeload
+import coretrain.checkpoint.schema as schema
 from coretrain.build import seed_everything
-from coretrain.checkpoint import schema
-from coretrain.checkpoint.layout import followed_best, parse_step_dir, read_manifest, step_dirs
+from coretrain.checkpoint.layout import followed_link, parse_step_dir, read_manifest, step_dirs
 from coretrain.checkpoint.load import load_sharded, load_whole, load_whole_optimizer, read_weights
 from coretrain.checkpoint.state import frozen_names, set_rng_state
-from coretrain.checkpoint.writer import checkpoint_root
+from coretrain.checkpoint.writer import checkpoint_root, checkpoint_target
 from coretrain.configchanges import config_changes
 from coretrain.configload import config_as_dict
 from coretrain.errors import CheckpointUnreadable, UserError
@@ -36,18 +36,28 @@ def resume_candidates(run: Run) -> tuple[list[Path], bool]:
     if choice == "never":
         return [], False
     if choice != "auto":
-        path = followed_best(Path(choice), "checkpoint.resume")
+        path = followed_link(Path(choice), "checkpoint.resume")
         parsed = parse_step_dir(path.name)
         if not path.is_dir() or parsed is None or not parsed[1]:
             raise UserError(f"checkpoint.resume: '{choice}' is not a checkpoint directory (step_NNNNNNNN)")
         return [path], True
-    roots = [checkpoint_root(run)] + [Path(d) for d in [run.control.non_persistent_dir] if d]
-    found = [(step, -tier, path) for tier, root in enumerate(roots) for step, done, path in step_dirs(root) if done]
-    newest = max((step for step, *_ in found), default=-1)
-    for step, committed, partial in step_dirs(roots[0]):
+    durable = checkpoint_root(run)
+    candidates = _complete(durable)
+    target = checkpoint_target(run)
+    if target is not None:
+        candidates += _complete(target)
+    # newest first; at the same step the durable checkpoint (the sort is stable)
+    candidates.sort(key=lambda step_and_path: step_and_path[0], reverse=True)
+    newest = candidates[0][0] if candidates else -1
+    for step, committed, partial in step_dirs(durable):
         if not committed and step > newest:
             log.warning("ignoring incomplete checkpoint %s (its save never committed)", partial)
-    return [path for *_, path in sorted(found, reverse=True)], False  # newest first; checkpoints/ on a tie
+    return [path for _, path in candidates], False
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    """The committed step directories under ``root``: (step, path)."""
+    return [(step, path) for step, committed, path in step_dirs(root) if committed]
 
 
 def model_mismatches(
@@ -263,7 +273,7 @@ def changed_keys_hint(saved: dict[str, Any] | None, config: Any, sections: tuple
 
 def load_pretrained(run: Run, path: str) -> None:
     """Model weights only (fine-tuning): step 0, fresh optimizer."""
-    directory = followed_best(Path(path), "checkpoint.pretrained")
+    directory = followed_link(Path(path), "checkpoint.pretrained")
     if not directory.exists():
         raise UserError(f"checkpoint.pretrained: '{path}' does not exist")
     frozen_saved = True

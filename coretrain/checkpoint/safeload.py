@@ -3,7 +3,7 @@
 Every file of a checkpoint goes through one of three readers here:
 
 - ``.pt`` files: ``torch.load(weights_only=True)``, torch's allowlist unpickler;
-- DCP's ``.metadata``: :mod:`coretrain.dcpmetadata`, an unpickler that names only the classes
+- DCP's ``.metadata``: :mod:`coretrain.checkpoint.dcpmetadata`, an unpickler that names only the classes
   DCP metadata is made of and changes nothing but the objects it makes (DCP's own reader calls
   plain ``pickle.load``, so a crafted ``.metadata`` would run code);
 - non-tensor items inside DCP shards (optimizer param groups): ``weights_only=True`` too
@@ -25,7 +25,7 @@ from typing import IO, Any, cast
 
 import torch
 
-from coretrain import dcpmetadata
+import coretrain.checkpoint.dcpmetadata as dcpmetadata
 from coretrain.errors import CheckpointUnreadable
 
 

@@ -5,17 +5,18 @@ A save is due every ``checkpoint.save_interval``, when a plugin asks (``run.cont
 before stopping — except that a plugin's stop says itself whether its state is worth saving.
 Once a save is committed (at once, or later when written in the background) plugins hear
 ``on_checkpoint_saved``. After the final validation the final checkpoint records what was
-evaluated after it, and retention runs once more (a ``best`` link may have moved since).
+evaluated after it, and retention runs once more (a plugin's protected step may have changed since).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from coretrain.checkpoint.layout import apply_retention, mark_evaluated, step_dir
-from coretrain.checkpoint.writer import Checkpointer, SkippedSave, checkpoint_root
+from coretrain.checkpoint.writer import Checkpointer, SkippedSave, checkpoint_root, checkpoint_target, protected
 from coretrain.hookspecs import Outcome
 from coretrain.run import Run
 
@@ -30,18 +31,20 @@ class Saves:
         self.writer = Checkpointer(run)
         self.on_saved = on_saved
         self.last_step = -1
-        """The step of the newest checkpoint this run wrote (not a non-persistent one) or resumed from."""
-        self.into: str | None = None
-        """The non-persistent directory the due save goes to; None: ``checkpoints/``."""
+        """The step of the newest checkpoint this run wrote into ``checkpoints/`` or resumed from."""
+        self.target = checkpoint_target(run)
+        """A plugin's directory for non-persistent saves (``checkpoint_target``); None: ``checkpoints/``."""
+        self.into: Path | None = None
+        """Where the due save goes: ``target`` when only non-persistent requests ask for it."""
         self.skip_causes: set[str] = set()
-        """Why non-persistent saves were skipped (each said once)."""
+        """Why saves into ``target`` were skipped (each said once)."""
 
     def due(self, step: int, reason: Outcome | None) -> bool:
-        requested, non_persistent = self.run.control.checkpoint_requested, self.run.control.non_persistent
+        requested, persistent = self.run.control.checkpoint_requested, self.run.control.checkpoint_persistent
         if reason == "stopped":
-            return requested and not non_persistent
-        scheduled = bool(reason or (requested and not non_persistent) or self.run.cadence.saves(step))
-        self.into = None if scheduled else self.run.control.non_persistent_dir
+            return requested and persistent
+        scheduled = bool(reason or (requested and persistent) or self.run.cadence.saves(step))
+        self.into = None if scheduled else self.target
         return scheduled or requested
 
     def needed(self) -> bool:
@@ -53,10 +56,10 @@ class Saves:
         try:
             _, blocked = self.writer.save(state, evaluated=evaluated, into=self.into)
         except SkippedSave as skipped:  # (agreed: every rank skips it)
-            run.control.checkpoint_requested = False
+            run.control.checkpoint_requested = run.control.checkpoint_persistent = False
             self._skipped(str(skipped), skipped.own)
             return
-        run.control.checkpoint_requested = False
+        run.control.checkpoint_requested = run.control.checkpoint_persistent = False
         if self.into is not None:
             log.info("checkpoint step %d saved in %s in %.3f s (non-persistent)", run.state.step, self.into, blocked)
             return
@@ -68,7 +71,7 @@ class Saves:
             self.committed(run.state.step)
 
     def _skipped(self, cause: str, own: bool) -> None:
-        """A non-persistent save that could not be written: said once per cause, by rank 0 and
+        """A save into ``target`` that could not be written: said once per cause, by rank 0 and
         by the rank that could not write."""
         kind = cause.split(": ")[0]  # "No space left on device", "Permission denied", or the error's type
         if (self.run.dist.is_main or own) and kind not in self.skip_causes:
@@ -97,4 +100,4 @@ class Saves:
         if run.dist.is_main and self.last_step == run.state.step and run.config.checkpoint.save:
             directory = step_dir(checkpoint_root(run), run.state.step)
             mark_evaluated(directory, evaluated)
-            apply_retention(directory.parent, run.config.checkpoint.keep_last)
+            apply_retention(directory.parent, run.config.checkpoint.keep_last, protected(run, directory.parent))

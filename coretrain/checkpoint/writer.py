@@ -6,20 +6,22 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from coretrain import safeload
+import coretrain.checkpoint.safeload as safeload
 from coretrain.checkpoint.layout import begin, commit, failure_detail, step_dir, write_failure, write_json_atomically
 from coretrain.checkpoint.state import ShardedState, collect
 from coretrain.dist import max_over_ranks
+from coretrain.pluginmanager import hook_calls
 from coretrain.run import Run
 
 
 class SkippedSave(Exception):
-    """A non-persistent save that could not be written, on every rank (the run goes on);
+    """A save into a plugin's ``checkpoint_target`` that could not be written, on every rank (the run goes on);
     ``own``: this rank's write failed (the message is its cause), not only another's."""
 
     def __init__(self, message: str, own: bool) -> None:
@@ -29,6 +31,24 @@ class SkippedSave(Exception):
 
 def checkpoint_root(run: Run) -> Path:
     return run.output_dir / "checkpoints"
+
+
+_LEGACY_TARGET = "run.control.non_persistent_dir is deprecated: answer the checkpoint_target hook instead"
+
+
+def checkpoint_target(run: Run) -> Path | None:
+    """A plugin's directory for this rank's non-persistent checkpoints (``checkpoint_target``)."""
+    calls = hook_calls(run)
+    target = calls.hook.checkpoint_target(run=run) if calls.implemented("checkpoint_target") else None
+    if run.control.non_persistent_dir:  # hook API 1.12's way
+        warnings.warn(_LEGACY_TARGET, DeprecationWarning, stacklevel=2)
+        target = target or run.control.non_persistent_dir
+    return Path(target) if target else None
+
+
+def protected(run: Run, root: Path) -> set[int]:
+    """The steps under ``root`` that plugins ask retention to keep (``protected_checkpoints``)."""
+    return hook_calls(run).protected_checkpoints(run=run, root=root)
 
 
 class _WriteErrors:
@@ -134,16 +154,16 @@ class Checkpointer:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def save(self, extra_state: dict[str, Any], evaluated: list[str], into: str | None = None) -> tuple[Path, float]:
+    def save(self, extra_state: dict[str, Any], evaluated: list[str], into: Path | None = None) -> tuple[Path, float]:
         """Start (async) or do (sync) the save of the current step; returns (dir, seconds blocked).
-        ``into``: a non-persistent directory instead of ``checkpoints/``, written at once, only the
-        newest kept (``Control.non_persistent_dir``); one that cannot be written is skipped
-        (:class:`SkippedSave`) on every rank, since durable saves still protect the run."""
+        ``into``: a plugin's ``checkpoint_target`` instead of ``checkpoints/``, written at once,
+        only the newest kept; one that cannot be written is skipped (:class:`SkippedSave`) on
+        every rank, since durable saves still protect the run."""
         self.wait()
         run = self.run
         started = time.perf_counter()
-        root, step, distributed = Path(into or checkpoint_root(run)), run.state.step, run.dist.world_size > 1
-        asynchronous, keep_last = self.asynchronous and not into, 1 if into else run.config.checkpoint.keep_last
+        root, step, distributed = into or checkpoint_root(run), run.state.step, run.dist.world_size > 1
+        asynchronous = self.asynchronous and not into
         files = collect(run, extra_state, evaluated)
         if into:
             tmp = self._write_or_skip(root, step, files)
@@ -159,13 +179,13 @@ class Checkpointer:
         if asynchronous:
             self._start_background(root, step, tmp, files)
         elif run.dist.is_main:
-            commit(root, step, tmp, keep_last)
+            commit(root, step, tmp, 1 if into else run.config.checkpoint.keep_last, protected(run, root))
         if distributed and not asynchronous:
             torch.distributed.barrier()
         return step_dir(root, step), time.perf_counter() - started
 
     def _write_or_skip(self, root: Path, step: int, files: dict[str, Any]) -> Path:
-        """A non-persistent save's files, or — when any rank cannot write its part (a full or
+        """The files of a save into a plugin's target, or — when any rank cannot write its part (a full or
         read-only ``/dev/shm``) — none: the ranks agree, the partial step goes, and every rank
         raises :class:`SkippedSave` with the first cause. The agreement is also the barrier
         before the commit."""
@@ -208,7 +228,7 @@ class Checkpointer:
             if future is not None:
                 future.result()
             if self.run.dist.is_main:
-                commit(root, step, tmp, self.run.config.checkpoint.keep_last)
+                commit(root, step, tmp, self.run.config.checkpoint.keep_last, protected(self.run, root))
         except BaseException as exc:  # handed to the training thread by wait()
             self._error = write_failure(root, step, tmp, exc) if isinstance(exc, safeload.dcp_errors()) else exc
 

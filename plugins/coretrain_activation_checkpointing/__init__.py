@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 from attrs import define, field
+from coretrain_blocks import blocks_of
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from coretrain import FieldValueError, Run, UserError, blocks_of, hookimpl, positive
+from coretrain import FieldValueError, Run, UserError, hookimpl, positive
 
 log = logging.getLogger("coretrain")
 

@@ -1,5 +1,7 @@
 """The repeated blocks of a model (a transformer's layers): what FSDP shards one by one and
-activation checkpointing recomputes, found one way for every plugin that needs them."""
+activation checkpointing recomputes, found one way for every plugin that needs them. A library
+of coretrain-plugins (the core never needs it); formerly ``coretrain.blocks_of``, which still
+finds it here, with a deprecation warning."""
 
 from __future__ import annotations
 

@@ -58,13 +58,13 @@ def step_or_best(text: str) -> int | str:
 def cmd_checkpoint_list(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coretrain import best_step
+    from coretrain import linked_step
     from coretrain_checkpoint_command.export import list_checkpoints
 
     found = list_checkpoints(Path(args.run_dir))
     latest = Path(args.run_dir) / "checkpoints" / "latest"
     newest = latest.read_text().strip() if latest.exists() else "-"
-    best = best_step(Path(args.run_dir) / "checkpoints")
+    best = linked_step(Path(args.run_dir) / "checkpoints" / "best")
     print(f"{'step':>10}  {'size':>10}  state            path")
     for info in found:
         state = ("complete" if info.complete else "incomplete") + (" best" if info.step == best else "")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import attrs
+from coretrain_keep_best.link import require_best
 
 import coretrain
 from coretrain import UserError, find_checkpoint, read_manifest, read_weights, step_dirs
@@ -73,4 +74,6 @@ def export_plugins(source: Path, config: dict[str, Any]) -> Any:
 def pick_checkpoint(run_dir: Path, step: int | str | None) -> Path:
     """A complete checkpoint: at ``step``, the one ``checkpoints/best`` points at, or the newest."""
     list_checkpoints(run_dir)  # a directory that is not a run's is named as such
+    if step == "best":
+        require_best(run_dir / "checkpoints", "--step")
     return find_checkpoint(run_dir / "checkpoints", step, "--step")

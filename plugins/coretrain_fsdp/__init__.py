@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 import torch
 from attrs import define, field
+from coretrain_blocks import blocks_of
 
-from coretrain import FieldValueError, Run, blocks_of, hookimpl
+from coretrain import FieldValueError, Run, hookimpl
 
 log = logging.getLogger("coretrain")
 

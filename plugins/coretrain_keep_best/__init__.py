@@ -5,7 +5,8 @@ Each evaluation that improves ``metric`` asks for a checkpoint at its own step (
 evaluated metrics are the same on every rank, and a request made at an evaluation step is
 honoured at that step), so the state that was evaluated is the one kept. Once that checkpoint
 is committed (``on_checkpoint_saved``), rank 0 points ``checkpoints/best`` — a relative link,
-replaced atomically — at it. The core's retention never deletes the step ``best`` points at,
+replaced atomically — at it. Retention never deletes the step ``best`` points at (this plugin's
+answer to ``protected_checkpoints``),
 and ``checkpoint.resume``, ``checkpoint.pretrained``, ``coretrain predict --checkpoint best``
 and ``checkpoint export --step best`` follow the link. The best so far is saved in every
 checkpoint, so a resumed run (which still resumes from the newest) knows it.
@@ -23,8 +24,8 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import Run, UserError, best_step, hookimpl, non_negative, read_manifest, step_dir
-from coretrain_keep_best.link import point_best, tidy_best
+from coretrain import Run, UserError, hookimpl, non_negative, read_manifest, step_dir
+from coretrain_keep_best.link import best_step, point_best, tidy_best
 
 log = logging.getLogger("coretrain")
 
@@ -98,6 +99,12 @@ class KeepBest:
     def _point(self, run: Run, step: int) -> None:
         if run.dist.is_main:
             point_best(run.output_dir / "checkpoints", step)
+
+    @hookimpl
+    def protected_checkpoints(self, root: Path) -> list[int]:
+        """Retention keeps the step ``best`` points at."""
+        step = best_step(root)
+        return [] if step is None else [step]
 
     @hookimpl
     def on_checkpoint(self) -> dict[str, Any]:

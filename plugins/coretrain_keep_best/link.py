@@ -1,5 +1,6 @@
-"""The ``checkpoints/best`` link: written only by keep-best, read by the core (resume,
-pretrained, export, retention) as a relative link to a committed step directory beside it."""
+"""The ``checkpoints/best`` link: written only by keep-best, followed by the core (resume,
+pretrained, export) as any named link to a committed step directory beside it; retention keeps
+its step because keep-best says so (``protected_checkpoints``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,27 @@ import os
 import shutil
 from pathlib import Path
 
-from coretrain import UserError, best_step, read_manifest, step_dir
+from coretrain import UserError, linked_step, read_manifest, step_dir
 
 log = logging.getLogger("coretrain")
 BEST = "best"
 MANIFEST = "checkpoint.json"
+
+
+def best_step(root: Path) -> int | None:
+    """The step ``root/best`` points at (only a link to a committed step directory beside it).
+    Formerly ``coretrain.best_step``, which still finds it here, with a deprecation warning."""
+    return linked_step(root / BEST)
+
+
+def require_best(root: Path, option: str) -> None:
+    """``OPTION best`` (export's ``--step``, predict's ``--checkpoint``) needs the link: without
+    it, one error saying which plugin makes it."""
+    if root.is_dir() and best_step(root) is None:
+        raise UserError(
+            f"{option} best: {root} has no best checkpoint (the keep-best plugin keeps one: "
+            '[plugins.keep-best] metric = "valid/loss")'
+        )
 
 
 def tidy_best(root: Path) -> None:

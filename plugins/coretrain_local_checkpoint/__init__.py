@@ -6,7 +6,8 @@ those steps, not everything since the last durable save (Megatron's non-persiste
     local_dir = "/dev/shm"           # default: /dev/shm (host memory) where there is one, else the temp dir
 
 Every ``local_save_interval`` steps it asks the core for a non-persistent checkpoint
-(``Control.request_checkpoint(persistent=False)``): the same files as a durable one (model,
+(``Control.request_checkpoint(persistent=False)``), which the core writes into this plugin's
+``checkpoint_target``: the same files as a durable one (model,
 optimizer, schedule, data position, random streams, plugins' states), written at once into the run's
 own folder in ``local_dir`` where only the newest is kept. A resume — after an in-process
 restart (``inprocess-restart``) or a job restarted by its launcher (``torchrun
@@ -116,7 +117,12 @@ class LocalCheckpoint:
         if self._copies.mine is not None:
             make_private(directory)
         max_over_ranks(0)  # every machine holds the same local checkpoints
-        run.control.non_persistent_dir = str(directory)
+
+    @hookimpl
+    def checkpoint_target(self, run: Run) -> str:
+        """The core saves what this plugin asks for with ``persistent=False`` here, and resumes
+        from the newest of this folder and ``checkpoints/``."""
+        return str(self.directory(run))
 
     @hookimpl
     def on_train_start(self, run: Run) -> None:

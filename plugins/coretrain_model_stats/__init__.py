@@ -6,7 +6,7 @@ parameters, so it runs on the last step of each log interval and nowhere else: t
 right before that step's update (the gradients the optimizer is about to use), the norm right
 after it (the weights the logged loss leads to). Both stay on the device in
 ``run.log_tensors`` until the loop's one host sync of the interval. They are the whole model's
-on every layout (:class:`coretrain.WholeModel`): with pipeline stages, FSDP2 or tensor-parallel
+on every layout (:class:`coretrain_wholemodel.WholeModel`): with pipeline stages, FSDP2 or tensor-parallel
 shards each rank sums its part, one all-reduce adds the parts with each element counted once
 (a weight tied across stages once), and every rank logs what one rank would.
 """
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 from attrs import define, field
+from coretrain_wholemodel import WholeModel
 
-from coretrain import Run, WholeModel, hookimpl
+from coretrain import Run, hookimpl
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

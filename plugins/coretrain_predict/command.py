@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from coretrain_keep_best.link import require_best
+
 import coretrain
 from coretrain import UserError, find_checkpoint
 from coretrain_predict.predictor import Predictor
@@ -22,6 +24,8 @@ def weights(output_dir: Path, choice: str | None) -> list[str]:
             raise UserError(f"--checkpoint {choice}: no such checkpoint directory or file")
     else:
         which = int(choice) if choice is not None and choice.isdigit() else choice
+        if which == "best":
+            require_best(output_dir / "checkpoints", "--checkpoint")
         path = find_checkpoint(output_dir / "checkpoints", which, "--checkpoint")
     return [f"checkpoint.pretrained={json.dumps(str(path.resolve()))}"]
 

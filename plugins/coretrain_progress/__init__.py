@@ -23,8 +23,9 @@ from datetime import timedelta
 from typing import Any
 
 from attrs import define, field
+from coretrain_wholemodel import WholeModel
 
-from coretrain import Outcome, Run, WholeModel, hookimpl, non_negative
+from coretrain import Outcome, Run, hookimpl, non_negative
 
 EVENT_LINES = 5
 """The live panel's event lines: a fixed height, so the panel never jumps."""

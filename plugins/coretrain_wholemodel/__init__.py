@@ -1,22 +1,17 @@
 """Figures of the whole model on any layout: each rank holds a part of it (a pipeline stage,
 FSDP or tensor-parallel shards, a replica), and a sum over the model's parameters is a sum
 over the ranks' parts in which each element counts once — what one rank holding the whole
-model would compute (a norm, a count of zeros, a parameter count)."""
+model would compute (a norm, a count of zeros, a parameter count). A library of coretrain-plugins
+(the ``progress`` and ``model-stats`` plugins use it); formerly ``coretrain.WholeModel``, which
+still finds it here, with a deprecation warning."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from coretrain_blocks import blocks_of
 
-from coretrain.blocks import blocks_of
-from coretrain.checkpoint.state import is_sharded
-from coretrain.run import Run
-
-SHARED_PARAMETERS = "coretrain_shared_parameters"
-"""A model's attribute mapping the names of parameters that are this rank's copy of a weight
-another part also holds (a weight tied across pipeline stages: the last stage's copy of the
-embedding) to that weight's own name: counted once, under its own name (Megatron's
-``param.shared``); a checkpoint of a layout without the copy gives it the weight's state."""
+from coretrain import SHARED_PARAMETERS, Run, is_sharded
 
 
 class WholeModel:
