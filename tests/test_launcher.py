@@ -308,3 +308,43 @@ def test_the_jobs_last_line_names_the_rank_a_signal_killed_not_the_lowest_that_l
     assert capsys.readouterr().err.strip() == "error: rank 0 failed with exit code 1"
     assert failed((1, 1), (0, -15)) == 1  # rank 0 was ended by the launcher after rank 1 failed
     assert capsys.readouterr().err.strip() == "error: rank 1 failed with exit code 1"
+
+
+STORE_LOST = """
+import datetime, os, subprocess, sys, time
+if sys.argv[1] == "launcher":
+    from coretrain_launch import quiet_torch_logging_here
+
+    quiet_torch_logging_here()
+import torch.distributed as dist
+
+port = int(sys.argv[2])
+host = f"import torch.distributed as d, datetime, time; s = d.TCPStore('127.0.0.1', {port}, 2, True); time.sleep(60)"
+server = subprocess.Popen([sys.executable, "-c", host])
+client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=30))
+server.kill()
+server.wait()
+try:
+    client.get("never-set")
+except dist.DistError:
+    print("lost the store; TORCH_CPP_LOG_LEVEL =", os.environ.get("TORCH_CPP_LOG_LEVEL"))
+"""
+
+
+@pytest.mark.slow  # subprocesses: a TCPStore host that dies
+def test_the_launchers_own_torch_cpp_warnings_are_off_and_its_ranks_keep_the_users_setting(tmp_path: Path) -> None:
+    """A store client whose host died prints a C++ warning with its stack ("frame #0: ...") as
+    torch loads it; coretrain's launcher turns torch's C++ logging off for itself before torch
+    loads (it once did so after, to no effect, and a machine leaving buried the launcher's one
+    line in a stack), and gives the variable back for the ranks it starts."""
+    script = tmp_path / "store_lost.py"
+    script.write_text(STORE_LOST)
+    env = {key: value for key, value in os.environ.items() if key != "TORCH_CPP_LOG_LEVEL"}
+    plain, launcher = (
+        subprocess.run([sys.executable, str(script), role, str(free_port())], capture_output=True, text=True, env=env)
+        for role in ("plain", "launcher")
+    )
+    assert "lost the store; TORCH_CPP_LOG_LEVEL = None" in plain.stdout, plain.stderr[-2000:]
+    assert "frame #" in plain.stderr  # what torch prints when it is not told otherwise
+    assert "lost the store; TORCH_CPP_LOG_LEVEL = None" in launcher.stdout, launcher.stderr[-2000:]
+    assert "frame #" not in launcher.stderr

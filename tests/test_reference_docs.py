@@ -52,9 +52,10 @@ def test_the_readme_is_a_front_page_and_every_link_of_the_docs_resolves() -> Non
 
 
 def headings(page: Path) -> set[str]:
-    """The anchors Markdown gives a page's headings."""
+    """The anchors Markdown gives a page's headings (Python-Markdown's toc slugify: word
+    characters, underscores among them, spaces and hyphens kept; runs of spaces become one hyphen)."""
     titles = re.findall(r"(?m)^#{1,6} (.+)$", page.read_text())
-    return {re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-") for title in titles}
+    return {re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", title.lower()).strip()) for title in titles}
 
 
 def test_every_page_is_in_the_sites_navigation_and_every_shipped_plugin_in_the_plugins_guide() -> None:

@@ -5,12 +5,10 @@ sent to its experts' rank and back by all-to-all (``distributed.ep_size``).
     strategy = "fsdp"     # "auto" picks it with ep_size > 1
     ep_size = 2           # a divisor of one replica's data-parallel ranks × cp_size
 
-The experts are a model's modules with ``dispatch`` (None: compute here), ``n_experts`` and
-``expert_rows(rows, expert)`` (each row through the expert of that index among the ones this
-rank holds), their parameters stacked expert first: the gpt provider's, and the hf provider's
-adapters of transformers' stacked experts (Mixtral, Qwen-MoE, DeepSeek-V3). With tensor
-parallelism too, an optional ``TENSOR_SPLIT`` (parameter name -> dimension) says how each is
-split over the tensor-parallel ranks.
+The experts are what the model's provider answers to this plugin's ``expert_layers`` hook
+(:mod:`coretrain_expert_parallel.hookspecs`: one module per layer with ``n_experts``,
+``expert_rows`` and ``dispatch``, parameters stacked expert first): the gpt provider's, and the
+hf provider's adapters of transformers' stacked experts (Mixtral, Qwen-MoE, DeepSeek-V3).
 
 The ranks form expert groups of ``ep_size`` (torchtitan's ``dp_shard_in_ep × cp``: neighbouring
 data-parallel ranks, and whole context groups); each rank of a group holds n_experts / ep_size
@@ -31,11 +29,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, cast
 
 from attrs import define
 
 from coretrain import Run, UserError, hookimpl
+from coretrain_expert_parallel.hookspecs import ExpertSpecs
 
 log = logging.getLogger("coretrain")
 
@@ -132,7 +131,7 @@ class ExpertParallel:
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
         ep = run.config.distributed.ep_size
-        layers: list[Any] = [m for m in run.model.modules() if hasattr(m, "dispatch") and hasattr(m, "expert_rows")]
+        layers = cast(ExpertSpecs, run.plugins.calls.hook).expert_layers(run=run, model=run.model)
         if not layers:
             raise UserError(
                 f"distributed.ep_size ({ep}): the model has no experts to spread (the gpt provider's "

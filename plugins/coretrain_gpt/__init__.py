@@ -180,6 +180,14 @@ class GPTProvider:
         return tensor_parallel_plan(model, cfg.moe is not None, run.dist.ep_size > 1)
 
     @hookimpl
+    def expert_layers(self, model: Any) -> list[Any] | None:
+        """The experts of each block's mixture (``n_experts``), for expert parallelism: in the
+        whole model or in the pipeline stages a rank holds."""
+        from coretrain_gpt.moe import Experts
+
+        return [module for module in model.modules() if isinstance(module, Experts)] or None
+
+    @hookimpl
     def pipeline_split(self, run: Run, model: Any) -> dict[str, Any] | None:
         """Stages by block: embeddings on the first, final norm, head and loss on the last; the
         head's weight is the embedding's (tied), so the two stages holding them sum its gradient.

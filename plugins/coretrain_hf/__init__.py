@@ -152,6 +152,14 @@ class HFModel:
         return {prefix + path: style for path, style in plan.items()}
 
     @hookimpl
+    def expert_layers(self, model: torch.nn.Module) -> list[Any] | None:
+        """Transformers' stacked experts this provider made routable (it does when the model is
+        built with ep_size > 1), in the whole model or in the pipeline stages a rank holds."""
+        from coretrain_hf.experts import stacked_experts
+
+        return [experts for experts in stacked_experts(model) if hasattr(experts, "dispatch")] or None
+
+    @hookimpl
     def pipeline_split(self, run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
         """Llama-shaped causal LMs by decoder layer (:mod:`coretrain_hf.stages`)."""
         from coretrain_hf.model import CausalLM

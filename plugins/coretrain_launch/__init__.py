@@ -149,6 +149,7 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     left) is one error line, not the C++ stack torch's store logs.
     """
     argv = torchrun_arguments(args)  # a mistake in the flags is reported before torch loads
+    quiet_torch_logging_here()
     import coretrain
 
     loaded = coretrain.load(args.config, args.overrides)  # a mistake: said once, before any rank starts
@@ -159,8 +160,6 @@ def launch_torchrun(args: argparse.Namespace) -> int:
         raise UserError("--min-ranks: only with --replace-failed-ranks (coretrain's own launcher)")
     if args.replace_failed_ranks:
         return launch_own(args, [sys.executable, *argv[argv.index("-m") :]], loaded)
-    cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read once, as torch loads: this process only
     if args.rdzv_endpoint:
         from coretrain_launch.endpoint import check_endpoint
 
@@ -171,7 +170,6 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun
 
-    _restore_env("TORCH_CPP_LOG_LEVEL", cpp_log_level)  # the ranks log as the user asked
     for handler in logging.getLogger("torch.distributed").handlers:  # torch's own, where elastic logs
         handler.addFilter(_AgreedStops())
     # Workers keep their own rendezvous store: with the agent's shared store, restarted gloo
@@ -263,6 +261,20 @@ class _AgreedStops(logging.Filter):
         if any(f"(exitcode: {code})" in text for code in (*STOP_CODES, USAGE_EXIT_CODE)):
             return False
         return "has failed to shutdown the rendezvous" not in text
+
+
+def quiet_torch_logging_here() -> None:
+    """torch's C++ warnings off in this launcher (a store client's "sendBytes failed" with its
+    C++ stack, when a machine leaves, would bury the one line the launcher says): read once, as
+    torch loads, so set before the first import of torch; the ranks it starts log as the user
+    asked (the variable is restored at once)."""
+    if "torch" in sys.modules:
+        return
+    cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    import torch  # noqa: F401
+
+    _restore_env("TORCH_CPP_LOG_LEVEL", cpp_log_level)
 
 
 def _restore_env(name: str, value: str | None) -> None:
