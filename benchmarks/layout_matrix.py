@@ -1,15 +1,16 @@
 """Every layout that fits on N ranks against one rank: pp × dp_replicate × dp_shard × cp × tp, and
 every expert-parallel size each can take, for a mixture-of-experts GPT.
 
-    python benchmarks/layout_matrix.py [--ranks 4] [--only pp2-cp2] [--keep DIR]
+    python benchmarks/layout_matrix.py [--ranks 4] [--steps 6] [--only pp2-cp2] [--keep DIR]
 
 The slow tier (tests/test_parallel_matrix.py) tests a representative set of layouts on 2, 4
 and 8 gloo ranks; this script tries all of them for one rank count, as a user would: each
 factorization of the ranks over the mesh's dimensions (powers of two; ``tp`` at most the 4
 heads, ``pp`` at most the 4 blocks), with each ``ep_size`` that divides its ``dp_shard × cp``
 and that ``cp_size`` divides. A 4-block GPT (width 32, 4 heads) of 4 experts, top 2, with the
-load-balancing and z losses, a capacity of 1.0, biases and a shared expert trains 6 steps on
-the byte-level standard library (global batch 8, micro-batches of 8 / N, an evaluation at steps 3 and 6),
+load-balancing and z losses, a capacity of 1.0, biases and a shared expert trains 6 steps
+(``--steps``) on the byte-level standard library (global batch 8, micro-batches of 8 / N, an
+evaluation halfway and at the end),
 first on one rank, then every layout in one torchrun job (gloo, one thread per rank). Reports,
 per layout, the worst relative difference from one rank over the loss, gradient norm, the
 language-model and routers' losses, the experts' loads and the validation loss (the slow
@@ -58,10 +59,10 @@ max_bytes = 100000
 [train]
 micro_batch_size = {micro}
 global_batch_size = 8
-train_iters = 6
+train_iters = {steps}
 log_interval = 1
 eval_iters = 1
-eval_interval = 3
+eval_interval = {eval_interval}
 [optimizer]
 lr = 3e-3
 [distributed]
@@ -119,13 +120,15 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="these layouts' names only")
     parser.add_argument("--keep", type=Path, help="write the runs here (default: a temporary directory)")
     parser.add_argument("--bound", type=float, default=1e-5, help="exit 1 unless every layout is within it")
+    parser.add_argument("--steps", type=int, default=6, help="steps of each run (an evaluation halfway and at the end)")
     args = parser.parse_args()
     chosen = {n: s for n, s in layouts(args.ranks).items() if not args.only or n in args.only}
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         config = root / "moe.toml"
-        config.write_text(CONFIG.format(stdlib=STDLIB, micro=max(1, 8 // args.ranks)))  # one pass on every rank
+        micro = max(1, 8 // args.ranks)  # one pass on every rank
+        config.write_text(CONFIG.format(stdlib=STDLIB, micro=micro, steps=args.steps, eval_interval=args.steps // 2))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         one = subprocess.run(
             [sys.executable, "-m", "coretrain", "run", str(config), "--set", f'run.output_dir="{root / "one"}"'],

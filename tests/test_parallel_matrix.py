@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow  # torchrun jobs of 2, 4 and 8 gloo ranks
 MOE = {"n_layer": 4, "n_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 MOE |= {"moe_capacity_factor": 1.0}  # experts that drop assignments: the choice must be the whole sequences' too
 MOE |= {"moe_shared_experts": 1, "bias": True}  # (a bias of a split layer is added once, after the sum)
-TRAIN = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 6, "log_interval": 1}
-TRAIN |= {"eval_iters": 1, "eval_interval": 3}
+TRAIN = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 4, "log_interval": 1}
+TRAIN |= {"eval_iters": 1, "eval_interval": 2}  # (a step on 4 ranks costs 0.75 s on 2 cores: 4 steps say it)
 
 
 def figures(output_dir: Path) -> dict[tuple[int, str], float]:
@@ -182,7 +182,7 @@ def test_eight_ranks_combine_four_kinds_of_parallelism_like_one_rank(
         assert_like_one_rank(reference, figures(tmp_path / name), name)
 
 
-RESUMES = {  # target: its sources (stopped at step 3)
+RESUMES = {  # target: its sources (stopped at step 2)
     "ep2": ("ep4", "tp2-ep2"),
     "pp2": ("pp2-ep2",),
     "zbv": ("ep2",),
@@ -214,13 +214,13 @@ def test_a_mixture_of_experts_resumes_across_expert_pipeline_and_tensor_layouts(
     """14 pairs: EP 2 → EP 4 and back, PP 2 → PP 2 × EP 2 and back, EP 2 → ZBV stages, one rank →
     DualPipeV (a V: the first rank holds the tied head's copy too), TP 2 × EP 2 → interleaved
     stages, EP 2 and one rank, one rank → PP 2 × EP 2, PP 2 → CP 2 × EP 2: each source stops at
-    step 3, each target resumes it and logs the uninterrupted one-rank figures of steps 4–6."""
+    step 2, each target resumes it and logs the uninterrupted one-rank figures of steps 3–4."""
     config, reference = moe
     sources = {name for names in RESUMES.values() for name in names}
     stopped = {name: tmp_path / "from" / name for name in sources}
 
     def source(name: str) -> list[str]:
-        return run(config, stopped[name], *MOE_LAYOUTS[name][1], "train.exit_interval=3")
+        return run(config, stopped[name], *MOE_LAYOUTS[name][1], "train.exit_interval=2")
 
     def targets(name: str) -> list[list[str]]:
         return [
@@ -228,7 +228,7 @@ def test_a_mixture_of_experts_resumes_across_expert_pipeline_and_tensor_layouts(
                 config,
                 tmp_path / name / f"from-{origin}",
                 *MOE_LAYOUTS[name][1],
-                f"checkpoint.resume={json.dumps(str(stopped[origin] / 'checkpoints' / 'step_00000003'))}",
+                f"checkpoint.resume={json.dumps(str(stopped[origin] / 'checkpoints' / 'step_00000002'))}",
             )
             for origin in RESUMES[name]
         ]
@@ -240,10 +240,10 @@ def test_a_mixture_of_experts_resumes_across_expert_pipeline_and_tensor_layouts(
     in_one_job(tmp_path, 4, four + [t for name in by_ranks[4] for t in targets(name)], "four")
     in_one_job(tmp_path, 2, [t for name in by_ranks[2] for t in targets(name)], "two-targets")
     in_one_job(tmp_path, 1, [t for name in by_ranks[1] for t in targets(name)], "one-targets")
-    after = {key: value for key, value in reference.items() if key[0] > 3}
+    after = {key: value for key, value in reference.items() if key[0] > 2}
     for name, origins in RESUMES.items():
         for origin in origins:
-            got = {key: value for key, value in figures(tmp_path / name / f"from-{origin}").items() if key[0] > 3}
+            got = {key: value for key, value in figures(tmp_path / name / f"from-{origin}").items() if key[0] > 2}
             assert_like_one_rank(after, got, f"{origin} -> {name}")
 
 
@@ -336,6 +336,9 @@ def test_every_layout_of_four_ranks_trains_like_one_rank(tmp_path: Path) -> None
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "layout_matrix.py"
     done = run_cli(
-        "--ranks", "4", "--keep", str(tmp_path), command=(sys.executable, str(script)), cwd=tmp_path, timeout=1500
+        *("--ranks", "4", "--steps", "4", "--keep", str(tmp_path)),
+        command=(sys.executable, str(script)),
+        cwd=tmp_path,
+        timeout=1500,
     )
     assert done.returncode == 0 and "27 of 27 within 1e-05" in done.stdout, done.stdout + done.stderr[-2000:]
