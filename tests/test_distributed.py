@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -452,64 +453,76 @@ def test_timers_line_the_ranks_up_at_level_2_and_report_each_ranks_times(tmp_pat
             assert min(mine) > 0 and row[f"time/{phase}"] == max(mine)
 
 
-@pytest.mark.slow  # torchrun with 2 gloo ranks, four jobs
+@pytest.mark.slow  # one torchrun job of 2 gloo ranks, six runs
 def test_megatrons_ddp_knobs_by_their_names(tmp_path: Path) -> None:
     """bf16 gradients (master-weights) all-reduced in fp32 by the plugin's comm hook; one bucket
     for every gradient (overlap_grad_reduce = false) or Megatron-sized buckets train the same
     numbers as torch's buckets; average_in_collective on gloo is one error before training."""
-    env = {"OMP_NUM_THREADS": "1"}
 
-    def job(name: str, table: str, *options: str) -> subprocess.CompletedProcess[str]:
-        config = write(tmp_path, name, train_iters=6, log_interval=2, eval_interval=6)
-        config.write_text(config.read_text() + '\n[distributed]\nstrategy = "ddp"\n' + table)
-        return run_cli("run", str(config), "--nproc-per-node", "2", *options, cwd=tmp_path, env=env)
+    def config(name: str, table: str) -> str:
+        path = write(tmp_path, name, train_iters=6, log_interval=2, eval_interval=6)
+        path.write_text(path.read_text() + '\n[distributed]\nstrategy = "ddp"\n' + table)
+        return str(path)
 
     bf16 = "[plugins.master-weights]\n"
-    assert job("plain", "").returncode == 0
-    upcast = job("fp32", bf16 + "[plugins.ddp]\ngrad_reduce_in_fp32 = true\n", "--set", "run.precision=bf16")
-    assert upcast.returncode == 0, upcast.stderr[-3000:]
-    assert "ddp: bfloat16 gradients all-reduced in float32 (grad_reduce_in_fp32)" in upcast.stderr
+    configs = {
+        "plain": config("plain", ""),
+        "fp32": config("fp32", bf16 + "[plugins.ddp]\ngrad_reduce_in_fp32 = true\n"),
+        "small": config("small", "[plugins.ddp]\nbucket_cap_mb = 0.01\n"),
+        "one": config("one", "[plugins.ddp]\nbucket_cap_mb = 0.01\noverlap_grad_reduce = false\n"),
+        "sized": config("sized", "[plugins.ddp]\nbucket_size = 1000\n"),
+        "average": config("average", "[plugins.ddp]\naverage_in_collective = true\n"),
+    }
+    commands: list[Any] = [["run", path] for name, path in configs.items() if name != "average"]
+    commands[1] += ["--set", "run.precision=bf16"]
+    commands.append({"args": ["run", configs["average"]], "expect": 2})
+    said = per_command(in_one_job(tmp_path, 2, commands, "knobs").stderr, list(configs.values()))
+    assert "ddp: bfloat16 gradients all-reduced in float32 (grad_reduce_in_fp32)" in said[configs["fp32"]]
     # torch's record of the buckets DDP built: small ones as asked, or one for every gradient
-    small = job("small", "[plugins.ddp]\nbucket_cap_mb = 0.01\n")
-    one = job("one", "[plugins.ddp]\nbucket_cap_mb = 0.01\noverlap_grad_reduce = false\n")
-    sized = job("sized", "[plugins.ddp]\nbucket_size = 1000\n")
-    buckets = [int(j.stderr.split("gradients all-reduced in ")[1].split(" bucket")[0]) for j in (small, one, sized)]
+    buckets = [
+        int(said[configs[name]].split("gradients all-reduced in ")[1].split(" bucket")[0])
+        for name in ("small", "one", "sized")
+    ]
     assert buckets[0] > 1 and buckets[1] == 1 and buckets[2] > 1, buckets
     assert logged(tmp_path / "one") == logged(tmp_path / "sized") == logged(tmp_path / "plain")
-    average = job("average", "[plugins.ddp]\naverage_in_collective = true\n")
-    assert average.returncode == 2 and "plugins.ddp.average_in_collective: gloo has no averaging" in average.stderr
+    assert "plugins.ddp.average_in_collective: gloo has no averaging" in said[configs["average"]]
 
 
-@pytest.mark.slow  # torchrun with 2 gloo ranks, four jobs
+def per_command(stderr: str, configs: list[str]) -> dict[str, str]:
+    """A job's stderr cut at each command's first line (``=== coretrain run CONFIG``), by config."""
+    starts = [stderr.index(f"=== coretrain run {path}") for path in configs]
+    return {path: stderr[start:end] for path, start, end in zip(configs, starts, [*starts[1:], len(stderr)])}
+
+
+@pytest.mark.slow  # one torchrun job of 2 gloo ranks, four runs
 def test_the_distributed_optimizer_shards_the_state_trains_ddps_numbers_and_resumes_anywhere(tmp_path: Path) -> None:
     """use_distributed_optimizer (ZeRO-1, torch's ZeroRedundancyOptimizer): each rank holds about
     half of Adam's state, the losses are DDP's bitwise, the checkpoint holds the whole state
     (gathered to rank 0) and resumes on 2 ranks with it and on 1 rank without."""
-    env = {"OMP_NUM_THREADS": "1"}
 
     def losses(out: Path) -> list[tuple[int, float]]:
         return [(row["step"], row["loss"]) for row in metrics_rows(out) if "loss" in row]
 
-    def job(name: str, zero: bool, *options: str, ranks: str = "2") -> subprocess.CompletedProcess[str]:
-        config = write(tmp_path, name, train_iters=8, log_interval=1, eval_interval=8)
+    def config(name: str, zero: bool) -> str:
+        path = write(tmp_path, name, train_iters=8, log_interval=1, eval_interval=8)
         table = f"\n[distributed]\nstrategy = 'ddp'\n[plugins.ddp]\nuse_distributed_optimizer = {str(zero).lower()}\n"
-        config.write_text(config.read_text().replace("save_interval = 10", "save_interval = 4") + table)
-        done = run_cli("run", str(config), "--nproc-per-node", ranks, *options, cwd=tmp_path, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done
+        path.write_text(path.read_text().replace("save_interval = 10", "save_interval = 4") + table)
+        return str(path)
 
-    job("ddp", False)
-    job("zero", True)
+    halves = config("halves", True)
+    two_ranks = [["run", config("ddp", False)], ["run", config("zero", True)]]
+    two_ranks += [["run", halves, "--set", "train.exit_interval=4"], ["run", halves]]  # resumed at step 4
+    in_one_job(tmp_path, 2, two_ranks, "two")
     assert logged(tmp_path / "zero") == logged(tmp_path / "ddp")
     whole = torch.load(tmp_path / "zero" / "checkpoints" / "step_00000008" / "optimizer.pt", weights_only=True)
     state_bytes = sum(v.numel() * v.element_size() for s in whole["state"].values() for v in s.values())
     held = [row["optimizer_state_bytes_max"] for row in metrics_rows(tmp_path / "zero") if "loss" in row]
     assert state_bytes / 2 <= held[-1] < 0.75 * state_bytes
-    job("halves", True, "--set", "train.exit_interval=4")
-    job("halves", True)  # resumed at step 4 on 2 ranks
     assert losses(tmp_path / "halves") == losses(tmp_path / "ddp")
     start = tmp_path / "halves" / "checkpoints" / "step_00000004"
-    job("one", False, "--set", f"checkpoint.resume={json.dumps(str(start))}", ranks="1")
+    in_one_job(
+        tmp_path, 1, [["run", config("one", False), "--set", f"checkpoint.resume={json.dumps(str(start))}"]], "one"
+    )
     resumed, reference = losses(tmp_path / "one"), dict(losses(tmp_path / "ddp"))
     assert [step for step, _ in resumed] == [5, 6, 7, 8]
     assert [loss for _, loss in resumed] == pytest.approx([reference[step] for step, _ in resumed], rel=1e-5)

@@ -59,12 +59,11 @@ def test_grad_reduce_in_fp32_is_reduce_dtype_float32_and_reduces_otherwise_than_
     gradients reduce-scattered in bf16 (the sum of two ranks' bf16 gradients rounded to bf16:
     seen in the gradient norm, which is taken of the fp32 sharded gradients; the losses are bf16)."""
 
-    def norms(name: str, fsdp: dict[str, Any]) -> list[float]:
-        return [
-            row["grad_norm"]
-            for row in run(tmp_path, name, {"param_dtype": "bfloat16", **fsdp}, "--nproc-per-node", "2")
-        ]
-
-    named = norms("named", {"grad_reduce_in_fp32": True})
-    assert named == norms("fp32", {"reduce_dtype": "float32"})
-    assert named != norms("bf16", {})
+    policies = {"named": {"grad_reduce_in_fp32": True}, "fp32": {"reduce_dtype": "float32"}, "bf16": {}}
+    runs = [
+        ["run", str(config(tmp_path, name, {"param_dtype": "bfloat16", **fsdp}))] for name, fsdp in policies.items()
+    ]
+    in_one_job(tmp_path, 2, runs, "policies", env={"OMP_NUM_THREADS": "1"})  # three jobs' runs in one torchrun job
+    named, fp32, bf16 = ([row["grad_norm"] for row in metrics_rows(tmp_path / name)] for name in policies)
+    assert named == fp32
+    assert named != bf16
