@@ -194,6 +194,13 @@ def in_one_job(
     return job
 
 
+def per_command(stderr: str, configs: list[str]) -> dict[str, str]:
+    """An ``in_one_job`` job's stderr cut at each command's first line (``=== coretrain run
+    CONFIG``), by config: what one run of the job said."""
+    starts = [stderr.index(f"=== coretrain run {path}") for path in configs]
+    return {path: stderr[start:end] for path, start, end in zip(configs, starts, [*starts[1:], len(stderr)])}
+
+
 def metrics_rows(out: Path) -> list[dict]:
     """What the metrics-file plugin wrote in a run's output dir, one dict per logged step."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

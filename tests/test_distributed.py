@@ -19,6 +19,7 @@ from conftest import (
     gpt_preset,
     in_one_job,
     metrics_rows,
+    per_command,
     run_cli,
     run_here,
     run_train,
@@ -486,12 +487,6 @@ def test_megatrons_ddp_knobs_by_their_names(tmp_path: Path) -> None:
     assert buckets[0] > 1 and buckets[1] == 1 and buckets[2] > 1, buckets
     assert logged(tmp_path / "one") == logged(tmp_path / "sized") == logged(tmp_path / "plain")
     assert "plugins.ddp.average_in_collective: gloo has no averaging" in said[configs["average"]]
-
-
-def per_command(stderr: str, configs: list[str]) -> dict[str, str]:
-    """A job's stderr cut at each command's first line (``=== coretrain run CONFIG``), by config."""
-    starts = [stderr.index(f"=== coretrain run {path}") for path in configs]
-    return {path: stderr[start:end] for path, start, end in zip(configs, starts, [*starts[1:], len(stderr)])}
 
 
 @pytest.mark.slow  # one torchrun job of 2 gloo ranks, four runs

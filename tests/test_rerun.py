@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import metrics_rows, run_cli, run_here
+from conftest import in_one_job, metrics_rows, per_command, run_here
 
 from coretrain.testing import tiny_config, write_config
 
@@ -98,23 +98,24 @@ def test_a_spike_is_judged_against_the_largest_early_loss_and_a_nan_not_at_all()
     assert relative_difference(1.0, 3.0) == 1.0
 
 
-@pytest.mark.slow  # torchrun with 2 gloo ranks, three jobs
+@pytest.mark.slow  # one torchrun job of 2 gloo ranks, three runs
 def test_a_nan_on_one_rank_is_rerun_on_both_and_the_verdict_is_agreed(tmp_path: Path) -> None:
-    env = {"OMP_NUM_THREADS": "1"}
-
-    def job(name: str, plugins: dict[str, Any]) -> Any:
-        config = write(tmp_path, name, plugins, ranks=2)
-        return run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env=env)
-
-    assert job("clean", {}).returncode == 0
-    transient = job("transient", {"rerun": {}, "fault-injection": nan_at(5, ranks=[1])})
-    assert transient.returncode == 0, transient.stderr[-3000:]
-    assert "rerun: rank 1, step 5 (samples 32..39): loss is nan; the rerun gave" in transient.stderr
+    configs = {
+        "clean": write(tmp_path, "clean", {}, ranks=2),
+        "transient": write(tmp_path, "transient", {"rerun": {}, "fault-injection": nan_at(5, ranks=[1])}, ranks=2),
+        "persistent": write(
+            tmp_path, "persistent", {"rerun": {}, "fault-injection": nan_at(5, persistent=True, ranks=[1])}, ranks=2
+        ),
+    }
+    runs: list[Any] = [["run", str(configs["clean"])], ["run", str(configs["transient"])]]
+    runs.append({"args": ["run", str(configs["persistent"])], "expect": 17})
+    job = in_one_job(tmp_path, 2, runs, "rerun", env={"OMP_NUM_THREADS": "1"})
+    said = per_command(job.stderr, [str(path) for path in configs.values()])
+    transient, persistent = said[str(configs["transient"])], said[str(configs["persistent"])]
+    assert "rerun: rank 1, step 5 (samples 32..39): loss is nan; the rerun gave" in transient
     assert losses(tmp_path / "transient") == losses(tmp_path / "clean")  # rank 0 reran too, on its own masks
-    persistent = job("persistent", {"rerun": {}, "fault-injection": nan_at(5, persistent=True, ranks=[1])})
-    assert persistent.returncode == 17, persistent.stderr[-3000:]
     # rank 0 saw no NaN, yet stops: the ranks agreed on rank 1's verdict (one step late, as stops are)
-    assert "coretrain: stopping at step 6: rerun: the loss at step 5 (samples 32..39) is bad again" in persistent.stderr
+    assert "coretrain: stopping at step 6: rerun: the loss at step 5 (samples 32..39) is bad again" in persistent
     assert (tmp_path / "persistent" / "checkpoints" / "step_00000006").is_dir()
 
 
