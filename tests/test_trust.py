@@ -138,9 +138,9 @@ def test_a_crafted_checkpoint_file_runs_nothing_and_is_named(
     config = work / "c.toml"
     config.write_text(config.read_text().replace(str(finished), str(work)))
     if path == "resume":
-        result = run_cli("run", str(config), "--set", "train.train_iters=6", cwd=work)
+        result = run_here("run", str(config), "--set", "train.train_iters=6", cwd=work)
     elif path == "pretrained":
-        result = run_cli(
+        result = run_here(
             "run",
             str(config),
             "--set",
@@ -150,7 +150,7 @@ def test_a_crafted_checkpoint_file_runs_nothing_and_is_named(
             cwd=work,
         )
     else:
-        result = run_cli("checkpoint", "export", str(out), "--to", str(tmp_path / "m.safetensors"), cwd=work)
+        result = run_here("checkpoint", "export", str(out), "--to", str(tmp_path / "m.safetensors"), cwd=work)
     assert not marker.exists(), "the payload ran"
     assert result.returncode == 2, result.stderr
     line = one_error_line(result.stderr)
