@@ -19,6 +19,7 @@ import ast
 import io
 import tokenize
 from pathlib import Path
+from typing import NamedTuple
 
 CORE = Path(__file__).resolve().parents[1] / "coretrain"
 NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
@@ -60,18 +61,28 @@ def statements(source: str) -> int:
     )
 
 
-def measure(root: Path = CORE) -> dict[str, tuple[int, int]]:
-    """Module path -> (code lines, physical lines)."""
-    return {
-        str(path.relative_to(root.parent)): (code_lines(path.read_text()), len(path.read_text().splitlines()))
-        for path in sorted(root.rglob("*.py"))
-    }
+class Size(NamedTuple):
+    """One module's size."""
+
+    code: int
+    statements: int
+    physical: int
 
 
-def statements_per_line(root: Path = CORE) -> float:
-    """The core's statements per code line."""
-    sources = [path.read_text() for path in sorted(root.rglob("*.py"))]
-    return sum(map(statements, sources)) / sum(map(code_lines, sources))
+def measure(root: Path = CORE) -> dict[str, Size]:
+    """Module path -> its size, each file read once."""
+    sizes = {}
+    for path in sorted(root.rglob("*.py")):
+        source = path.read_text()
+        sizes[str(path.relative_to(root.parent))] = Size(
+            code_lines(source), statements(source), len(source.splitlines())
+        )
+    return sizes
+
+
+def statements_per_line(sizes: dict[str, Size]) -> float:
+    """Statements per code line over every module of ``sizes``."""
+    return sum(size.statements for size in sizes.values()) / sum(size.code for size in sizes.values())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,15 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=10, help="modules to list (0: all)")
     args = parser.parse_args(argv)
     sizes = measure()
-    ranked = sorted(sizes.items(), key=lambda item: -item[1][0])
+    ranked = sorted(sizes.items(), key=lambda item: -item[1].code)
     print(f"{'code':>6} {'stmt/line':>9} {'lines':>6}")
-    for name, (code, physical) in ranked[: args.top or None]:
-        density = statements((CORE.parent / name).read_text()) / max(code, 1)
-        print(f"{code:>6} {density:>9.3f} {physical:>6}  {name}")
-    code_total = sum(code for code, _ in sizes.values())
-    physical_total = sum(physical for _, physical in sizes.values())
+    for name, size in ranked[: args.top or None]:
+        print(f"{size.code:>6} {size.statements / max(size.code, 1):>9.3f} {size.physical:>6}  {name}")
+    code_total = sum(size.code for size in sizes.values())
+    physical_total = sum(size.physical for size in sizes.values())
     print(
-        f"{code_total:>6} {statements_per_line():>9.3f} {physical_total:>6}  coretrain/ ({len(sizes)} modules): "
+        f"{code_total:>6} {statements_per_line(sizes):>9.3f} {physical_total:>6}  coretrain/ ({len(sizes)} modules): "
         "code lines, statements per code line, physical lines"
     )
 

@@ -481,8 +481,8 @@ class HookSpecs(Protocol):
         Args: ``root`` — the directory of step directories being pruned (``checkpoints/``).
         May change: nothing.
         Returns: step numbers, or None. Collected: every plugin's steps are kept.
-        Ranks: rank 0, after each commit (an async save's on its writer thread) and after the
-        final save.
+        Ranks: rank 0, on the training thread: as each save into ``checkpoints/`` begins (its commit,
+        later for an async save, keeps them) and after the final save.
         """
 
     @hookspec

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from attrs import frozen
 
-import coretrain.checkpoint.resume as resume
-import coretrain.checkpoint.safeload as safeload
 from coretrain.build import planned_steps, record_config
+from coretrain.checkpoint import resume, safeload
 from coretrain.checkpoint.layout import step_dir
 from coretrain.checkpoint.saves import Saves
 from coretrain.checkpoint.state import keeping_rng
@@ -128,7 +127,7 @@ class Trainer:
     def restore(self) -> None:
         """Resume from the newest checkpoint that loads (or load pretrained weights)."""
         run = self.run
-        candidates, explicit = resume.resume_candidates(run)
+        candidates, explicit = resume.resume_candidates(run, self.saves.target)
         if not candidates:
             if run.config.checkpoint.pretrained:
                 resume.load_pretrained(run, run.config.checkpoint.pretrained)

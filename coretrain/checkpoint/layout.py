@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-import coretrain.checkpoint.safeload as safeload
+from coretrain.checkpoint import safeload
 from coretrain.checkpoint.schema import MANIFEST as MANIFEST_SCHEMA
 from coretrain.checkpoint.schema import validate
 from coretrain.errors import CheckpointUnreadable, RunFailure, UserError
@@ -101,7 +101,9 @@ def linked_step(link: Path) -> int | None:
     if not link.is_symlink():
         return None
     parsed = parse_step_dir(os.readlink(link))  # the whole target: a name, no path
-    return parsed[0] if parsed is not None and parsed[1] and step_dir(link.parent, parsed[0]).is_dir() else None
+    if parsed is None or not parsed[1]:  # not a committed step's name
+        return None
+    return parsed[0] if step_dir(link.parent, parsed[0]).is_dir() else None
 
 
 def followed_link(path: Path, option: str) -> Path:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-import coretrain.checkpoint.safeload as safeload
+from coretrain.checkpoint import safeload
 from coretrain.checkpoint.layout import read_manifest
 from coretrain.checkpoint.state import dcp_options, is_sharded
 from coretrain.errors import CheckpointUnreadable, UserError

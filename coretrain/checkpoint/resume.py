@@ -8,19 +8,26 @@ What a resume may and may not change is decided in :func:`check_resumable` and :
 from __future__ import annotations
 
 import logging
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-import coretrain.checkpoint.safeload as safeload
-import coretrain.checkpoint.schema as schema
 from coretrain.build import seed_everything
-from coretrain.checkpoint.layout import followed_link, parse_step_dir, read_manifest, step_dirs
+from coretrain.checkpoint import safeload, schema
+from coretrain.checkpoint.layout import (
+    complete_steps,
+    followed_link,
+    parse_step_dir,
+    read_manifest,
+    step_dir,
+    step_dirs,
+)
 from coretrain.checkpoint.load import load_sharded, load_whole, load_whole_optimizer, read_weights
 from coretrain.checkpoint.state import frozen_names, set_rng_state
-from coretrain.checkpoint.writer import checkpoint_root, checkpoint_target
+from coretrain.checkpoint.writer import checkpoint_root
 from coretrain.configchanges import config_changes
 from coretrain.configload import config_as_dict
 from coretrain.errors import CheckpointUnreadable, UserError
@@ -30,8 +37,10 @@ from coretrain.run import Run, TrainState
 log = logging.getLogger("coretrain")
 
 
-def resume_candidates(run: Run) -> tuple[list[Path], bool]:
-    """The checkpoints ``checkpoint.resume`` allows, newest first, and whether it named one explicitly."""
+def resume_candidates(run: Run, target: Path | None) -> tuple[list[Path], bool]:
+    """The checkpoints ``checkpoint.resume`` allows, newest first, and whether it named one
+    explicitly; ``target``: a plugin's directory of checkpoints besides ``checkpoints/``
+    (``checkpoint_target``)."""
     choice = run.config.checkpoint.resume
     if choice == "never":
         return [], False
@@ -42,22 +51,14 @@ def resume_candidates(run: Run) -> tuple[list[Path], bool]:
             raise UserError(f"checkpoint.resume: '{choice}' is not a checkpoint directory (step_NNNNNNNN)")
         return [path], True
     durable = checkpoint_root(run)
-    candidates = _complete(durable)
-    target = checkpoint_target(run)
-    if target is not None:
-        candidates += _complete(target)
-    # newest first; at the same step the durable checkpoint (the sort is stable)
-    candidates.sort(key=lambda step_and_path: step_and_path[0], reverse=True)
+    roots = [durable] if target is None else [durable, target]
+    candidates = [(step, step_dir(root, step)) for root in roots for step in complete_steps(root)]
+    candidates.sort(key=itemgetter(0), reverse=True)  # newest first; at one step the durable one (a stable sort)
     newest = candidates[0][0] if candidates else -1
     for step, committed, partial in step_dirs(durable):
         if not committed and step > newest:
             log.warning("ignoring incomplete checkpoint %s (its save never committed)", partial)
     return [path for _, path in candidates], False
-
-
-def _complete(root: Path) -> list[tuple[int, Path]]:
-    """The committed step directories under ``root``: (step, path)."""
-    return [(step, path) for step, committed, path in step_dirs(root) if committed]
 
 
 def model_mismatches(

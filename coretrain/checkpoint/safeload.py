@@ -25,7 +25,7 @@ from typing import IO, Any, cast
 
 import torch
 
-import coretrain.checkpoint.dcpmetadata as dcpmetadata
+from coretrain.checkpoint import dcpmetadata
 from coretrain.errors import CheckpointUnreadable
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from coretrain.checkpoint.layout import apply_retention, mark_evaluated, step_dir
-from coretrain.checkpoint.writer import Checkpointer, SkippedSave, checkpoint_root, checkpoint_target, protected
+from coretrain.checkpoint.writer import Checkpointer, SkippedSave, checkpoint_root, checkpoint_target
 from coretrain.hookspecs import Outcome
+from coretrain.pluginmanager import hook_calls
 from coretrain.run import Run
 
 log = logging.getLogger("coretrain")
@@ -100,4 +101,5 @@ class Saves:
         if run.dist.is_main and self.last_step == run.state.step and run.config.checkpoint.save:
             directory = step_dir(checkpoint_root(run), run.state.step)
             mark_evaluated(directory, evaluated)
-            apply_retention(directory.parent, run.config.checkpoint.keep_last, protected(run, directory.parent))
+            kept = hook_calls(run).protected_checkpoints(run=run, root=directory.parent)
+            apply_retention(directory.parent, run.config.checkpoint.keep_last, kept)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-import coretrain.checkpoint.safeload as safeload
+from coretrain.checkpoint import safeload
 from coretrain.checkpoint.layout import begin, commit, failure_detail, step_dir, write_failure, write_json_atomically
 from coretrain.checkpoint.state import ShardedState, collect
 from coretrain.dist import max_over_ranks
@@ -44,11 +44,6 @@ def checkpoint_target(run: Run) -> Path | None:
         warnings.warn(_LEGACY_TARGET, DeprecationWarning, stacklevel=2)
         target = target or run.control.non_persistent_dir
     return Path(target) if target else None
-
-
-def protected(run: Run, root: Path) -> set[int]:
-    """The steps under ``root`` that plugins ask retention to keep (``protected_checkpoints``)."""
-    return hook_calls(run).protected_checkpoints(run=run, root=root)
 
 
 class _WriteErrors:
@@ -164,6 +159,9 @@ class Checkpointer:
         started = time.perf_counter()
         root, step, distributed = into or checkpoint_root(run), run.state.step, run.dist.world_size > 1
         asynchronous = self.asynchronous and not into
+        keep_last = 1 if into else run.config.checkpoint.keep_last
+        # what retention keeps, asked on the training thread (plugins' hooks never run on the writer's)
+        kept = hook_calls(run).protected_checkpoints(run=run, root=root) if run.dist.is_main and not into else set()
         files = collect(run, extra_state, evaluated)
         if into:
             tmp = self._write_or_skip(root, step, files)
@@ -177,9 +175,9 @@ class Checkpointer:
             if distributed:  # every rank's own file is written before anyone may commit
                 torch.distributed.barrier()
         if asynchronous:
-            self._start_background(root, step, tmp, files)
+            self._start_background(root, step, tmp, files, kept)
         elif run.dist.is_main:
-            commit(root, step, tmp, 1 if into else run.config.checkpoint.keep_last, protected(run, root))
+            commit(root, step, tmp, keep_last, kept)
         if distributed and not asynchronous:
             torch.distributed.barrier()
         return step_dir(root, step), time.perf_counter() - started
@@ -204,7 +202,7 @@ class Checkpointer:
             raise SkippedSave(failure or f"rank {failed_on - 1} could not write its part", own=failure is not None)
         return tmp
 
-    def _start_background(self, root: Path, step: int, tmp: Path, files: dict[str, Any]) -> None:
+    def _start_background(self, root: Path, step: int, tmp: Path, files: dict[str, Any], kept: set[int]) -> None:
         """Stage the rest to host memory (DCP stages a sharded model's itself) and write it in a thread."""
         sharded = files.pop("sharded", None)
         future = None
@@ -218,17 +216,17 @@ class Checkpointer:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land first
         self._pending_step = step
         self._thread = threading.Thread(
-            target=self._finish, name=f"checkpoint-{step}", daemon=False, args=(root, step, tmp, staged, future)
+            target=self._finish, name=f"checkpoint-{step}", daemon=False, args=(root, step, tmp, staged, future, kept)
         )
         self._thread.start()
 
-    def _finish(self, root: Path, step: int, tmp: Path, staged: dict[str, Any], future: Any) -> None:
+    def _finish(self, root: Path, step: int, tmp: Path, staged: dict[str, Any], future: Any, kept: set[int]) -> None:
         try:
             write_files(tmp, staged)
             if future is not None:
                 future.result()
             if self.run.dist.is_main:
-                commit(root, step, tmp, self.run.config.checkpoint.keep_last, protected(self.run, root))
+                commit(root, step, tmp, self.run.config.checkpoint.keep_last, kept)
         except BaseException as exc:  # handed to the training thread by wait()
             self._error = write_failure(root, step, tmp, exc) if isinstance(exc, safeload.dcp_errors()) else exc
 
