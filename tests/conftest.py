@@ -188,10 +188,32 @@ def in_one_job(
         command=(*launcher, str(REPO / "tests" / "fixtures" / "commands_in_one_job.py")),
     )
     plan.with_name(f"{name}.stderr").write_text(job.stderr)  # the job's whole story, for a failure
-    codes = json.loads(plan.with_name(plan.name + ".codes").read_text()) if job.returncode else []
-    errors = [line for line in job.stderr.splitlines() if line.startswith(("error:", "Traceback", "  File"))]
-    assert job.returncode == 0, (commands[len(codes) - 1] if codes else None, errors[-20:], job.stderr[-2000:])
+    if job.returncode:
+        pytest.fail(job_failure(job, commands, plan), pytrace=False)
     return job
+
+
+def job_failure(job: subprocess.CompletedProcess[str], commands: list[Any], plan: Path) -> str:
+    """What a failed ``in_one_job`` job says, whole (pytest truncates an assertion's message):
+    the commands rank 0 finished with their codes, and the job's stderr from the start of the
+    last of them — the failing rank may be one command behind rank 0 — with each rank's exit."""
+    codes_file = plan.with_name(plan.name + ".codes")
+    codes = json.loads(codes_file.read_text()) if codes_file.exists() else []
+    args = [command["args"] if isinstance(command, dict) else command for command in commands]
+    start = 0
+    if codes:
+        start = job.stderr.find("=== coretrain " + " ".join(args[len(codes) - 1]))
+    said = job.stderr[max(start, 0) :].splitlines()
+    exits = [line.strip() for line in said if line.strip().startswith(("rank ", "exitcode "))]
+    lines = [
+        f"the job ended with {job.returncode}; rank 0 finished {len(codes)} of {len(commands)} commands: {codes}",
+        f"last finished: {args[len(codes) - 1] if codes else None}",
+        f"next: {args[len(codes)] if len(codes) < len(args) else None}",
+        *exits,
+        "--- stderr from the last finished command on (last 120 lines):",
+        *said[-120:],
+    ]
+    return "\n".join(lines)
 
 
 def per_command(stderr: str, configs: list[str]) -> dict[str, str]:
