@@ -216,16 +216,16 @@ def _start(config: Config, plugins: Plugins) -> Run:
     device = resolve_device(config.run.device)
     if plugins.implemented("join_process_group"):
         plugins.calls.hook.join_process_group(config=config)
-    info = init_distributed(device.type, config.distributed)
+    info, groups = init_distributed(device.type, config.distributed)
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)
-    micro = micro_batches_per_step(config.train, info.dp_size, warn=info.is_main)  # the job warns once
-    seed_everything(config.run.seed)
     output_dir = Path(config.output_dir)
-    return Run(
-        config=config, plugins=plugins, dist=info, device=device, output_dir=output_dir, micro_batches_per_step=micro
-    )
+    run = Run(config=config, plugins=plugins, dist=info, groups=groups, device=device, output_dir=output_dir)
+    # (the job warns once, on rank 0)
+    run.micro_batches_per_step = micro_batches_per_step(config.train, info.dp_size, warn=info.is_main)
+    seed_everything(config.run.seed)
+    return run
 
 
 def _build_datasets(run: Run) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import atexit
 import ctypes
 import datetime
+import functools
 import gc
 import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from attrs import define
+from attrs import define, field
 
 from coretrain.config import DistributedConfig, world_size_from_env
 
@@ -51,23 +52,21 @@ class DistInfo:
         return self.rank // (self.tp_size * self.cp_size) % self.dp_size
 
 
-def init_distributed(device_type: str, config: DistributedConfig) -> DistInfo:
+def init_distributed(device_type: str, config: DistributedConfig) -> tuple[DistInfo, RunGroups]:
     """Join the process group torchrun set up (gloo on CPU, nccl on CUDA), once the layout the
-    config asks for fits the ranks; a single process otherwise."""
+    config asks for fits the ranks (a single process otherwise); who this process is, and the
+    new run's groups, which this process's decisions go over from now on."""
     world_size = world_size_from_env()
     config.check_layout(world_size)
+    global _current
+    _current = RunGroups(datetime.timedelta(seconds=config.init_timeout_seconds))
     if world_size == 1:
-        return DistInfo()
+        return DistInfo(), _current
     if not dist.is_initialized():
         chosen = config.backend if config.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
-        global _timeout
-        _timeout = datetime.timedelta(seconds=config.init_timeout_seconds)
-        dist.init_process_group(chosen, timeout=_timeout)
+        dist.init_process_group(chosen, timeout=_current.timeout)
     layout = {name: getattr(config, name) for name in ("tp_size", "cp_size", "pp_size", "dp_replicate", "ep_size")}
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), **layout)
-
-
-_mesh: Any = None
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), **layout), _current
 
 
 def mesh_dims(info: DistInfo) -> dict[str, int]:
@@ -104,29 +103,49 @@ def flattened_dims(dims: dict[str, int]) -> dict[str, tuple[str, ...]]:
     return flat
 
 
-def device_mesh(device_type: str, info: DistInfo) -> Any:
-    """The run's DeviceMesh, built once, with :func:`mesh_dims`; "dp" always names every
-    data-parallel rank (with HSDP, the two dims flattened into one), "dp_tp" all ranks with TP,
-    "dp_cp" (and with HSDP "dp_shard_cp") the data and context ranks.
+@define
+class RunGroups:
+    """The process groups a run makes besides the default one, each at its first use (making one
+    is collective: every rank asks): the run's DeviceMesh and the gloo group its decisions go
+    over. Held by the run (``run.groups``); each run makes its own (:func:`init_distributed`, an
+    in-process restart's too), and :func:`shutdown` lets the current one go with the groups."""
 
-    Parallelism plugins share it (FSDP2 shards over ``mesh["dp"]``, tensor parallelism splits
-    over ``mesh["tp"]``): a 2-D layout works only when both come from one mesh. Every rank must
-    ask for it (creating it is collective). A single process gets a process group of one."""
-    global _mesh
-    if _mesh is None:
-        from torch.distributed.device_mesh import init_device_mesh
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+    """For the decisions' group: ``distributed.init_timeout_seconds``."""
+    _mesh: Any = field(default=None, init=False)
 
-        if not dist.is_initialized():
-            store = dist.HashStore()  # type: ignore[attr-defined]
-            dist.init_process_group("gloo" if device_type == "cpu" else "nccl", rank=0, world_size=1, store=store)
-        dims = mesh_dims(info)
-        _mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
-        # "dp_cp": the ranks that average gradients, every batch and every chunk of it (with HSDP
-        # a replica's "dp_shard_cp"); "dp_tp": one group over both (torchtitan's too), so that a
-        # norm partial on both, as gradient clipping has, is reduced once, not once per dim
-        for name, parts in flattened_dims(dims).items():
-            _mesh[parts]._flatten(name)
-    return _mesh
+    def mesh(self, device_type: str, info: DistInfo) -> Any:
+        """The run's DeviceMesh, with :func:`mesh_dims`; "dp" always names every data-parallel
+        rank (with HSDP, the two dims flattened into one), "dp_tp" all ranks with TP, "dp_cp"
+        (and with HSDP "dp_shard_cp") the data and context ranks.
+
+        Parallelism plugins share it (FSDP2 shards over ``mesh["dp"]``, tensor parallelism
+        splits over ``mesh["tp"]``): a 2-D layout works only when both come from one mesh. A
+        single process gets a process group of one."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if not dist.is_initialized():
+                store = dist.HashStore()  # type: ignore[attr-defined]
+                dist.init_process_group("gloo" if device_type == "cpu" else "nccl", rank=0, world_size=1, store=store)
+            dims = mesh_dims(info)
+            self._mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+            # "dp_cp": the ranks that average gradients, every batch and every chunk of it (with
+            # HSDP a replica's "dp_shard_cp"); "dp_tp": one group over both (torchtitan's too), so
+            # that a norm partial on both, as gradient clipping has, is reduced once, not per dim
+            for name, parts in flattened_dims(dims).items():
+                self._mesh[parts]._flatten(name)
+        return self._mesh
+
+    @functools.cached_property
+    def control(self) -> object:
+        """A gloo group for decisions, so agreeing never syncs the GPU stream (None = the default
+        group, already gloo); decided at the first — it is asked every step."""
+        return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=self.timeout)
+
+
+_current = RunGroups()
+"""The groups of the run in progress: :func:`max_over_ranks` decides over its gloo group."""
 
 
 _kept: list[object] = []
@@ -134,18 +153,6 @@ atexit.register(_kept.clear)  # while the interpreter is whole: a group's thread
 groups_left: list[str] = []
 """Groups a failed run left, never destroyed (:func:`shutdown`): the CLI then ends its process
 without the interpreter's finalization (``coretrain.__main__``)."""
-_UNDECIDED = object()
-_control_group: object = _UNDECIDED
-_timeout = datetime.timedelta(minutes=10)
-
-
-def _cpu_group() -> object:
-    """A gloo group for decisions, so agreeing never syncs the GPU stream (None = the default
-    group, already gloo); decided once — it is asked every step."""
-    global _control_group
-    if _control_group is _UNDECIDED:
-        _control_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=_timeout)
-    return _control_group
 
 
 def max_over_ranks(*values: int) -> list[int]:
@@ -153,7 +160,7 @@ def max_over_ranks(*values: int) -> list[int]:
     if not (dist.is_available() and dist.is_initialized()):
         return list(values)
     tensor = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_cpu_group())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_current.control)
     return tensor.tolist()
 
 
@@ -183,7 +190,7 @@ class OneStepLate:
             current = max_over_ranks(*proposal)
             return [max(a, b) for a, b in zip(agreed, current)]
         self._values = torch.tensor(proposal, dtype=torch.int64)
-        self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=_cpu_group(), async_op=True)
+        self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=_current.control, async_op=True)
         return agreed
 
     def finish(self) -> None:
@@ -235,10 +242,10 @@ def shutdown(graceful: bool = False) -> None:
     collective may still be pending there (one a peer never joined: joining its thread would
     wait for gloo's timeout), and a thread that ends one during the interpreter's finalization
     cannot take the GIL and aborts the process (exit -6), so the CLI does not finalize then."""
-    global _control_group, _mesh
+    global _current
     if graceful and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-    _control_group, _mesh = _UNDECIDED, None
+    _current = RunGroups()
     if dist.is_available() and dist.is_initialized():
         groups = list(dist.distributed_c10d._world.pg_map)
         _kept[:] = groups if graceful else _kept

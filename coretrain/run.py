@@ -18,7 +18,7 @@ from coretrain.control import Control
 
 if TYPE_CHECKING:
     from coretrain.config import Config
-    from coretrain.dist import DistInfo
+    from coretrain.dist import DistInfo, RunGroups
     from coretrain.rundir import OutputDirLock
 
 
@@ -177,6 +177,8 @@ class Run:
     dist: DistInfo
     device: torch.device
     output_dir: Path
+    groups: RunGroups
+    """The process groups this run made (its device mesh, its decisions' group)."""
     control: Control = field(factory=Control)
     cadence: Cadence = field(factory=Cadence)
     """Which steps log, evaluate and save: ask it (``run.cadence.logs(step)``) rather than
@@ -233,9 +235,7 @@ class Run:
 
         Built on first use, shared by every parallelism plugin (FSDP2 shards over
         ``mesh["dp"]``, tensor parallelism splits over ``mesh["tp"]``); every rank must call it."""
-        from coretrain.dist import device_mesh
-
-        return device_mesh(self.device.type, self.dist)
+        return self.groups.mesh(self.device.type, self.dist)
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
