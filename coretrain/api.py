@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from attrs import define, field
 
 from coretrain import pluginmanager
-from coretrain.checkpoint.layout import linked_step
+from coretrain.checkpoint.layout import named_links
 from coretrain.configload import LoadedConfig, Overrides, load_config, load_config_data
 from coretrain.hookspecs import Outcome
 from coretrain.markers import hookimpl
@@ -45,12 +46,18 @@ class TrainResult:
     """The last value of every metric logged or evaluated (``loss``, ``valid/loss``, ...)."""
     history: list[dict[str, float]] = field(repr=False)
     """Every ``on_log`` and ``on_eval`` row, with its ``step``, as metrics.jsonl has them."""
+    checkpoints: dict[str, Path] = field(factory=dict)
+    """The checkpoints plugins named, by name: each link a plugin left beside the step
+    directories that leads to one of them (keep-best's ``"best"``)."""
 
     @property
     def best_checkpoint(self) -> Path | None:
-        """The ``checkpoints/best`` link, if a plugin made one (keep-best does), to a step of the run."""
-        link = self.output_dir / "checkpoints" / "best"
-        return link if linked_step(link) is not None else None
+        """Deprecated: ``checkpoints.get("best")``."""
+        warnings.warn(_DEPRECATED_BEST, DeprecationWarning, stacklevel=2)
+        return self.checkpoints.get("best")
+
+
+_DEPRECATED_BEST = 'TrainResult.best_checkpoint is deprecated: use result.checkpoints.get("best")'
 
 
 class ResultRecorder:
@@ -73,7 +80,8 @@ class ResultRecorder:
     def result(self, exit_code: int, step: int, output_dir: Path) -> TrainResult:
         """The run's outcome with the last value of each metric it logged."""
         metrics = {name: value for row in self.history for name, value in row.items() if name != "step"}
-        return TrainResult(self.outcome, exit_code, step, output_dir, metrics, self.history)
+        links = named_links(output_dir / "checkpoints")
+        return TrainResult(self.outcome, exit_code, step, output_dir, metrics, self.history, links)
 
 
 def train(

@@ -200,3 +200,20 @@ def test_the_old_checkpoint_keep_best_keys_still_work_with_one_deprecation_warni
 def test_a_keep_best_mode_without_keep_best_turns_nothing_on(tmp_path: Path) -> None:
     result = run_steps(tmp_path, 4, config={"checkpoint": {"keep_best_mode": "max"}})
     assert result.exit_code == 0 and result.run.plugins.get("keep-best") is None
+
+
+def test_the_python_api_reports_the_checkpoints_plugins_named(tmp_path: Path) -> None:
+    """``TrainResult.checkpoints`` holds each named link a plugin left beside the steps (the core
+    names none); the old ``best_checkpoint`` still answers, with one deprecation warning."""
+    import coretrain
+    from coretrain.testing import tiny_config
+
+    config = tiny_config(tmp_path / "out", **settings("max"))
+    result = coretrain.train(config, overrides={"train.train_iters": 8})
+    link = tmp_path / "out" / "checkpoints" / "best"
+    assert result.checkpoints == {"best": link}
+    assert os.readlink(link) == "step_00000002"
+    with pytest.warns(DeprecationWarning, match=r'result.checkpoints.get\("best"\)'):
+        assert result.best_checkpoint == link
+    (link.parent / "elsewhere").symlink_to(tmp_path)  # a link that leads out of the run is no checkpoint of it
+    assert coretrain.train(config, overrides={"train.train_iters": 10}).checkpoints == {"best": link}

@@ -330,11 +330,11 @@ def test_no_public_name_exists_for_one_plugin() -> None:
     assert not leaks
 
 
-CORE_CODE_LINES_CEILING = 4_800
+CORE_CODE_LINES_CEILING = 4_740
 """The core's code lines may only go down: lower this as features leave it or code is said once."""
 CORE_STATEMENTS_PER_LINE_BOUND = 0.849
 """Statements per code line (a guard against packing: code squeezed onto fewer lines raises it)
-may only go down. The "core, readable" issue's bound is 0.80; 0.848 today."""
+may only go down. The "core, readable" issue's bound is 0.80; 0.847 today."""
 
 
 def test_the_core_stays_under_its_code_line_ceiling_and_unpacked() -> None:

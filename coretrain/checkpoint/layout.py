@@ -106,6 +106,12 @@ def linked_step(link: Path) -> int | None:
     return parsed[0] if step_dir(link.parent, parsed[0]).is_dir() else None
 
 
+def named_links(root: Path) -> dict[str, Path]:
+    """The named links beside the step directories under ``root`` that lead to one, by name."""
+    links = sorted(root.iterdir()) if root.is_dir() else []
+    return {link.name: link for link in links if linked_step(link) is not None}
+
+
 def followed_link(path: Path, option: str) -> Path:
     """``path`` itself, the step directory a named link among the steps points at (never where
     an untrusted link leads), or the newest complete checkpoint of a run's output directory or of
