@@ -53,11 +53,8 @@ class TrainResult:
     @property
     def best_checkpoint(self) -> Path | None:
         """Deprecated: ``checkpoints.get("best")``."""
-        warnings.warn(_DEPRECATED_BEST, DeprecationWarning, stacklevel=2)
+        warnings.warn('best_checkpoint is deprecated: use result.checkpoints.get("best")', DeprecationWarning, 2)
         return self.checkpoints.get("best")
-
-
-_DEPRECATED_BEST = 'TrainResult.best_checkpoint is deprecated: use result.checkpoints.get("best")'
 
 
 class ResultRecorder:

@@ -305,7 +305,7 @@ class HookSpecs(Protocol):
         watchdog sees where a rank is, and how timers measure where a step's time goes.
 
         Args: ``run`` — built, not yet restored.
-        Phases (:data:`coretrain.phases.PHASES`): ``restore`` (step = the checkpoint's, 0 when
+        Phases (:mod:`coretrain.phases`): ``restore`` (step = the checkpoint's, 0 when
         fresh; covers restore and on_train_start); per step ``pre_step`` (when a plugin implements
         it), ``data``, ``forward_backward``, ``update``, ``post_step``, then ``log``, ``eval``,
         ``checkpoint`` when they happen, and ``agreement`` while the ranks agree on stopping (on

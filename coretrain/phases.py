@@ -3,6 +3,10 @@
 The loop calls one function at each phase boundary, ``mark(step, phase)``; plugins supply the
 listeners (hook ``phase_listener``). With none, ``mark`` is a function that does nothing, so a
 run without instrumentation pays one call per boundary and nothing else.
+
+The phases, in the order a step meets them: ``restore`` (once, first), ``pre_step``, ``data``,
+``forward_backward``, ``update``, ``post_step``, ``log``, ``eval``, ``checkpoint``,
+``agreement``, ``end`` (once, last).
 """
 
 from __future__ import annotations
@@ -10,9 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 Listener = Callable[[int, str], None]
-
-PHASES = tuple("restore pre_step data forward_backward update post_step log eval checkpoint agreement end".split())
-"""Every phase the loop marks, in the order a step meets them (restore first, end last)."""
 
 
 def _ignore(step: int, phase: str) -> None:

@@ -26,10 +26,7 @@ def check_model(model: Any, provider: str) -> None:
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model.provider '{provider}' returned a {describe(model)}, not a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
-        raise UserError(
-            f"model.provider '{provider}': the model has no trainable parameters "
-            "(check the model options, e.g. a layer count of 0)"
-        )
+        raise UserError(f"model.provider '{provider}': the model has no trainable parameters (check its options)")
 
 
 def check_datasets(datasets: Any, provider: str) -> None:

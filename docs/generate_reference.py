@@ -19,8 +19,10 @@ The site: ``pip install -e ".[docs]"`` then ``mkdocs build --strict`` (``mkdocs.
 from __future__ import annotations
 
 import argparse
+import ast
 import inspect
 import sys
+import textwrap
 import types
 import typing
 from importlib.metadata import entry_points
@@ -28,10 +30,28 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from coretrain_plugins_command import field_docs
 
 HERE = Path(__file__).resolve().parent
 PAGES = HERE / "reference"
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of an attrs class (a string literal right after it)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    body = getattr(tree, "body", [])
+    for node, after in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if (
+                isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
 
 
 def type_text(kind: Any) -> str:

@@ -81,3 +81,16 @@ def test_the_two_wheels_install_without_the_trackers_and_train_outside_the_check
     assert [row["step"] for row in rows if "loss" in row] == [3, 6]
     version = subprocess.run([str(venv / "bin" / "coretrain"), "--version"], capture_output=True, text=True, env=env)
     assert version.stdout.strip() == "coretrain 1.0.0"
+    # the core alone (coretrain-plugins removed) still imports, lists no plugin and says what is missing
+    subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", "coretrain-plugins"], check=True)
+    listing = subprocess.run([str(venv / "bin" / "coretrain"), "plugins"], capture_output=True, text=True, env=env)
+    assert listing.returncode == 0 and listing.stdout.startswith("No coretrain plugins installed; install one"), (
+        listing.stdout + listing.stderr
+    )
+    alone = subprocess.run(
+        [str(venv / "bin" / "coretrain"), "run", "c.toml"], cwd=users, env=env, capture_output=True, text=True
+    )
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr
+    assert "model.provider: no plugin named 'gpt' is installed; installed: none (install one" in alone.stderr, (
+        alone.stderr
+    )

@@ -678,7 +678,15 @@ def test_bad_files_and_providers_are_one_error_line_with_exit_2(tmp_path: Path) 
         )
         cases.append((("CONFIG", str(path)), expected))
     (tmp_path / "providers.py").write_text(
+        "import torch\n"
         "def not_a_model():\n    return 'a string'\ndef not_datasets(context):\n    return 42\n"
+        "def frozen():\n    return torch.nn.Linear(2, 1).requires_grad_(False)\n"
+    )
+    cases.append(
+        (
+            ("--set", 'model.provider="providers:frozen"', "--set", "model.options={}"),
+            "model.provider 'providers:frozen': the model has no trainable parameters (check its options)",
+        )
     )
     cases.append(
         (

@@ -108,8 +108,7 @@ def linked_step(link: Path) -> int | None:
 
 def named_links(root: Path) -> dict[str, Path]:
     """The named links beside the step directories under ``root`` that lead to one, by name."""
-    links = sorted(root.iterdir()) if root.is_dir() else []
-    return {link.name: link for link in links if linked_step(link) is not None}
+    return {link.name: link for link in sorted(root.glob("*")) if linked_step(link) is not None}
 
 
 def followed_link(path: Path, option: str) -> Path:

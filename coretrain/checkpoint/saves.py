@@ -57,10 +57,10 @@ class Saves:
         try:
             _, blocked = self.writer.save(state, evaluated=evaluated, into=self.into)
         except SkippedSave as skipped:  # (agreed: every rank skips it)
-            run.control.checkpoint_requested = run.control.checkpoint_persistent = False
             self._skipped(str(skipped), skipped.own)
             return
-        run.control.checkpoint_requested = run.control.checkpoint_persistent = False
+        finally:  # the requests are answered, saved or not
+            run.control.checkpoint_requested = run.control.checkpoint_persistent = False
         if self.into is not None:
             log.info("checkpoint step %d saved in %s in %.3f s (non-persistent)", run.state.step, self.into, blocked)
             return

@@ -33,15 +33,12 @@ def checkpoint_root(run: Run) -> Path:
     return run.output_dir / "checkpoints"
 
 
-_LEGACY_TARGET = "run.control.non_persistent_dir is deprecated: answer the checkpoint_target hook instead"
-
-
 def checkpoint_target(run: Run) -> Path | None:
     """A plugin's directory for this rank's non-persistent checkpoints (``checkpoint_target``)."""
     calls = hook_calls(run)
     target = calls.hook.checkpoint_target(run=run) if calls.implemented("checkpoint_target") else None
     if run.control.non_persistent_dir:  # hook API 1.12's way
-        warnings.warn(_LEGACY_TARGET, DeprecationWarning, stacklevel=2)
+        warnings.warn("run.control.non_persistent_dir is deprecated: answer checkpoint_target", DeprecationWarning, 2)
         target = target or run.control.non_persistent_dir
     return Path(target) if target else None
 
