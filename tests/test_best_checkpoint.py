@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -217,3 +218,36 @@ def test_the_python_api_reports_the_checkpoints_plugins_named(tmp_path: Path) ->
         assert result.best_checkpoint == link
     (link.parent / "elsewhere").symlink_to(tmp_path)  # a link that leads out of the run is no checkpoint of it
     assert coretrain.train(config, overrides={"train.train_iters": 10}).checkpoints == {"best": link}
+
+
+@pytest.mark.parametrize("entry", ["0.2", "not its own"])
+def test_a_checkpoint_of_0_2_resumes_the_best_from_its_manifest_entry(
+    tmp_path: Path, entry: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """0.2's ``checkpoint.keep_best`` kept the best in the ``best`` entry of the manifest the link
+    points at, not as a plugin state: keep-best reads it on resume. The entry is keep-best's to
+    read (the core's manifest check leaves it alone): one that is not ``{metric, mode, value}``
+    is not used, and the best starts afresh."""
+    first = run_steps(tmp_path, 4, config=settings("max"))  # "max" of a falling loss: step 2 stays the best
+    root = first.output_dir / "checkpoints"
+    value = first.evals[0]["valid/loss"]
+    rank_file = root / "step_00000004" / "rank_00000.pt"
+    saved = torch.load(rank_file, weights_only=True)
+    del saved["plugins"]["keep-best"]  # what 0.2 wrote: no state of the plugin
+    torch.save(saved, rank_file)
+    manifest = root / "step_00000002" / "checkpoint.json"
+    recorded = json.loads(manifest.read_text())
+    recorded["best"] = {"metric": "valid/loss", "mode": "max", "value": value if entry == "0.2" else "high"}
+    manifest.write_text(json.dumps(recorded))
+
+    with caplog.at_level("WARNING", logger="coretrain"):
+        resumed = run_steps(tmp_path, 8, config=settings("max"))
+    assert resumed.evals[0]["step"] == 6
+    best = resumed.run.plugins.get("keep-best")
+    if entry == "0.2":
+        assert os.readlink(root / "best") == "step_00000002"  # step 6 did not beat the resumed best
+        assert (best.value, best.step) == (value, 2)  # type: ignore[union-attr]
+    else:
+        assert os.readlink(root / "best") == "step_00000006"  # afresh: the first evaluation after the resume
+        said = [record.getMessage() for record in caplog.records]
+        assert any("the 'best' entry of step 2's checkpoint.json is not one it wrote" in line for line in said), said

@@ -212,7 +212,6 @@ MANIFEST = table(
         "seq_length": optional(integer(1)),
         "evaluated": items(each=kind(str)),
         "config": mapping(anything),
-        "best": table({"metric": kind(str), "value": kind(float, int), "mode": one_of("min", "max")}),
     },
     strict=False,  # a newer coretrain may record more about a checkpoint; nothing reads it here
 )

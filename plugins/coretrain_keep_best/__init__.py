@@ -118,9 +118,28 @@ class KeepBest:
 
 
 def _from_manifest(root: Path) -> dict[str, Any]:
-    """The best so far as ``checkpoint.keep_best`` recorded it: in the manifest ``best`` points at."""
+    """The best so far as 0.2's ``checkpoint.keep_best`` recorded it: the ``best`` entry of the
+    manifest ``best`` points at. An entry that is not ``{metric, mode, value}`` is not used (the
+    best starts afresh, said once): it is this plugin's to read, and the core does not check it."""
     step = best_step(root)
     if step is None:
         return {}
-    entry = read_manifest(step_dir(root, step)).get("best") or {}
-    return {**entry, "step": step} if isinstance(entry, dict) else {}
+    entry = read_manifest(step_dir(root, step)).get("best")
+    if entry is None:
+        return {}
+    if _legacy_entry(entry):
+        return {**entry, "step": step}
+    log.warning(
+        "keep-best: the 'best' entry of step %d's checkpoint.json is not one it wrote; the best starts afresh", step
+    )
+    return {}
+
+
+def _legacy_entry(entry: Any) -> bool:
+    """``{"metric": str, "mode": "min" | "max", "value": a number}``, as 0.2 wrote it."""
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("metric"), str)
+        and entry.get("mode") in ("min", "max")
+        and type(entry.get("value")) in (int, float)
+    )
