@@ -205,8 +205,12 @@ def job_failure(job: subprocess.CompletedProcess[str], commands: list[Any], plan
         start = job.stderr.find("=== coretrain " + " ".join(args[len(codes) - 1]))
     said = job.stderr[max(start, 0) :].splitlines()
     exits = [line.strip() for line in said if line.strip().startswith(("rank ", "exitcode "))]
+    each_rank = {
+        path.name.rsplit(".", 1)[-1]: path.read_text() for path in sorted(plan.parent.glob(f"{plan.name}.codes.rank*"))
+    }
     lines = [
         f"the job ended with {job.returncode}; rank 0 finished {len(codes)} of {len(commands)} commands: {codes}",
+        f"each rank's codes: {each_rank}",
         f"last finished: {args[len(codes) - 1] if codes else None}",
         f"next: {args[len(codes)] if len(codes) < len(args) else None}",
         *exits,
