@@ -222,7 +222,7 @@ def _start(config: Config, plugins: Plugins) -> Run:
         torch.cuda.set_device(device)
     output_dir = Path(config.output_dir)
     run = Run(config=config, plugins=plugins, dist=info, groups=groups, device=device, output_dir=output_dir)
-    # a global batch rounded down (decrease_batch_size_if_needed) is said once for the job, by rank 0
+    # (the job warns once, on rank 0)
     run.micro_batches_per_step = micro_batches_per_step(config.train, info.dp_size, warn=info.is_main)
     seed_everything(config.run.seed)
     return run

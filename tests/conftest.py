@@ -197,16 +197,17 @@ def job_failure(job: subprocess.CompletedProcess[str], commands: list[Any], plan
     """What a failed ``in_one_job`` job says, whole (pytest truncates an assertion's message):
     the commands rank 0 finished with their codes, and the job's stderr from the start of the
     last of them — the failing rank may be one command behind rank 0 — with each rank's exit."""
-    each_rank = {
-        path.name.rsplit(".", 1)[-1]: path.read_text() for path in sorted(plan.parent.glob(f"{plan.name}.codes.rank*"))
-    }
-    codes = json.loads(each_rank.get("rank0", "[]"))
+    codes_file = plan.with_name(plan.name + ".codes")
+    codes = json.loads(codes_file.read_text()) if codes_file.exists() else []
     args = [command["args"] if isinstance(command, dict) else command for command in commands]
     start = 0
     if codes:
         start = job.stderr.find("=== coretrain " + " ".join(args[len(codes) - 1]))
     said = job.stderr[max(start, 0) :].splitlines()
     exits = [line.strip() for line in said if line.strip().startswith(("rank ", "exitcode "))]
+    each_rank = {
+        path.name.rsplit(".", 1)[-1]: path.read_text() for path in sorted(plan.parent.glob(f"{plan.name}.codes.rank*"))
+    }
     lines = [
         f"the job ended with {job.returncode}; rank 0 finished {len(codes)} of {len(commands)} commands: {codes}",
         f"each rank's codes: {each_rank}",
