@@ -31,7 +31,7 @@ _DEFINED_IN = {
     "coretrain.errors": ("UserError", "require"),
     "coretrain.configload": ("config_as_dict",),
     "coretrain.configchanges": ("config_changes",),
-    "coretrain.checkpoint.state": ("is_sharded",),
+    "coretrain.checkpoint.state": ("is_sharded", "rng_state", "set_rng_state"),
     "coretrain.checkpoint.layout": ("find_checkpoint", "step_dir", "step_dirs", "linked_step", "read_manifest"),
     "coretrain.checkpoint.load": ("read_weights", "SHARED_PARAMETERS"),
     "coretrain.validators": ("FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code"),
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.cadence import Every
     from coretrain.checkpoint.layout import find_checkpoint, linked_step, read_manifest, step_dir, step_dirs
     from coretrain.checkpoint.load import SHARED_PARAMETERS, read_weights
-    from coretrain.checkpoint.state import is_sharded
+    from coretrain.checkpoint.state import is_sharded, rng_state, set_rng_state
     from coretrain.commands.common import add_config_args
     from coretrain.configchanges import config_changes
     from coretrain.configload import config_as_dict
@@ -78,7 +78,7 @@ __all__ = [
     "forward", "model_outputs", "NUM_TOKENS", "gradient_norm", "clip_to",  # models
     "LoggingBackend", "UserError", "require", "config_as_dict", "config_changes",  # backends, errors, configs
     "find_checkpoint", "step_dir", "step_dirs", "linked_step", "read_manifest", "read_weights",  # checkpoints
-    "SHARED_PARAMETERS",
+    "SHARED_PARAMETERS", "rng_state", "set_rng_state",  # (the random streams, as a checkpoint holds them)
     "FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code",  # option fields
     "add_config_args", "field_defaults",  # command plugins
 ]

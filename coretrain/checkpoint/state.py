@@ -53,6 +53,7 @@ def keeping_rng(hook: Callable[..., T]) -> Callable[..., T]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back the streams :func:`rng_state` took (a checkpoint's, or a peer's: ``torchft`` heals with them)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]

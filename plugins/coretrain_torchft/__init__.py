@@ -1,0 +1,317 @@
+"""``torchft``: data-parallel replica groups that carry on when one fails, on PyTorch's torchft.
+
+Each replica group is a job of its own (one process, or a torchrun job whose ranks split the
+model as usual); torchft's lighthouse holds a quorum of the live groups, step by step. At every
+step the groups' gradients are averaged over the quorum (torchft's fault-tolerant all-reduce)
+and the update is committed only when every member of the quorum got through the step
+(``Manager.should_commit``); a group that dies is dropped from the next quorum and the others
+go on with the same step — no process of theirs restarts, no checkpoint is read. A group that
+starts while others train (restarted, or a new one) takes the model, optimizer, schedule,
+counters and random streams from a live group over torchft's checkpoint transport before its
+first step, and from then on trains in step with them::
+
+    [plugins.torchft]
+    replica_groups = 2          # the job's groups; each reads its share of every batch
+
+    REPLICA_GROUP_ID=1 TORCHFT_LIGHTHOUSE=http://host:29510 coretrain run job.toml
+
+The lighthouse is torchft's (``torchft_lighthouse --min_replicas 1``). Each group reads every
+``replica_groups``-th sample of the train split, its own, so the groups of one step read
+different samples; ``train.global_batch_size`` is one group's batch. A step a group missed is
+a step its share was not read in: the log says so when it leaves and when it comes back.
+
+What it logs: ``replica groups 2 of 2 at step 1``, ``replica group 1 left the quorum at step 8``,
+``replica group 1 joined at step 11, state from replica group 0 (0.4 MB in 0.1 s)``, and the
+metric ``replica_groups`` (the quorum's size at the logged step).
+
+The state a recovering group receives is loaded with ``weights_only=True`` (torchft's own
+transport unpickles anything); its checkpoint server answers whoever reaches its port while a
+group recovers, as torchft's does: keep the replica groups on a network you trust.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from typing import Any
+
+import attrs
+import torch
+from attrs import define, field
+
+from coretrain import (
+    FieldValueError,
+    Run,
+    TrainState,
+    UserError,
+    hookimpl,
+    is_stream,
+    positive,
+    rng_state,
+    set_rng_state,
+)
+from coretrain_torchft.share import GroupShare
+from coretrain_torchft.transfer import local_part, tensor_bytes, weights_only_transport
+
+log = logging.getLogger("coretrain")
+
+GROUP_ENV, LIGHTHOUSE_ENV = "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"
+
+
+@define(kw_only=True)
+class TorchFT:
+    """Replica groups under torchft's per-step quorum: a failed group is dropped, the others go on."""
+
+    coretrain_vetoes_updates = True  # a step the quorum did not commit runs again
+
+    replica_groups: int = field(default=2, validator=positive)
+    """The job's replica groups; each reads every ``replica_groups``-th sample of the train split."""
+    replica_group: int | None = None
+    """This group's number, 0 .. replica_groups - 1; unset: ``REPLICA_GROUP_ID`` from the environment."""
+    lighthouse: str = ""
+    """torchft's lighthouse (``http://host:29510``); empty: ``TORCHFT_LIGHTHOUSE`` from the environment."""
+    min_replicas: int = field(default=1, validator=positive)
+    """Groups a step needs to commit; with fewer the step waits and runs again."""
+    timeout_seconds: float = field(default=30.0, validator=positive)
+    """A collective, a commit or a state transfer that takes longer fails (the step runs again)."""
+    quorum_timeout_seconds: float = field(default=60.0, validator=positive)
+    """How long a step waits for a quorum of ``min_replicas`` groups."""
+    _manager: Any = field(default=None, init=False, repr=False)
+    _store: Any = field(default=None, init=False, repr=False)
+    _run: Run | None = field(default=None, init=False, repr=False)
+    _members: tuple[int, ...] = field(default=(), init=False, repr=False)
+    _quorum: Any = field(default=None, init=False, repr=False)
+    _received: list[float] = field(factory=list, init=False, repr=False)
+    _begun: int | None = field(default=None, init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.replica_groups < 2:
+            raise FieldValueError(
+                "replica_groups", f"{self.replica_groups}: 2 or more groups are needed to carry on without one"
+            )
+        if self.min_replicas > self.replica_groups:
+            groups = self.replica_groups
+            raise FieldValueError("min_replicas", f"{self.min_replicas} is more than replica_groups ({groups})")
+
+    # ------------------------------------------------------------------ set-up
+
+    def _group(self) -> int:
+        if self.replica_group is not None:
+            chosen, where = self.replica_group, "plugins.torchft.replica_group"
+        else:
+            value = os.environ.get(GROUP_ENV, "")
+            if not value.isdigit():
+                raise UserError(
+                    f"plugins.torchft: which replica group is this? set {GROUP_ENV} (0 .. {self.replica_groups - 1}) "
+                    f"in the environment or plugins.torchft.replica_group (got {value!r})"
+                )
+            chosen, where = int(value), GROUP_ENV
+        if chosen >= self.replica_groups:
+            groups = self.replica_groups
+            raise UserError(f"{where}: {chosen} is not a group of replica_groups = {groups} (0 .. {groups - 1})")
+        return chosen
+
+    def _lighthouse(self) -> str:
+        address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+        if not address:
+            raise UserError(
+                f"plugins.torchft: no lighthouse; start one (`torchft_lighthouse --min_replicas 1`) and set "
+                f"{LIGHTHOUSE_ENV}=http://HOST:29510 or plugins.torchft.lighthouse"
+            )
+        return address
+
+    @hookimpl
+    def configure_run(self, run: Run) -> None:
+        """What is wrong is said before anything is built: the group, the lighthouse, torchft itself."""
+        self._group()
+        self._lighthouse()
+        try:
+            import torchft  # noqa: F401
+        except ImportError as exc:
+            raise UserError(
+                f"plugins.torchft: torchft is not installed ({exc}); pip install 'coretrain-plugins[torchft]'"
+            ) from None
+
+    @hookimpl
+    def configure_datasets(self, run: Run) -> None:
+        """This group's share of the train split: every ``replica_groups``-th sample from its own."""
+        train = run.datasets.train
+        if is_stream(train):
+            raise UserError(
+                "plugins.torchft: the train split is a stream; replica groups need a map-style dataset "
+                "(each reads every replica_groups-th sample)"
+            )
+        run.datasets.train = GroupShare(train, self._group(), self.replica_groups)
+
+    @hookimpl
+    def on_train_start(self, run: Run) -> None:
+        """Join the quorum; a group that starts behind the others takes a live group's state here,
+        before the loop plans its first step."""
+        from torchft import Manager, ProcessGroupGloo
+
+        self._run = run
+        for name in ("torchft.manager", "torchft.process_group"):
+            logging.getLogger(name).addFilter(_expected_failures)
+        group, timeout = self._group(), datetime.timedelta(seconds=self.timeout_seconds)
+        address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if address is None or port is None or run.dist.world_size == 1:  # one process: a store of its own
+            store = torch.distributed.TCPStore  # type: ignore[attr-defined]  # torch exports it untyped
+            self._store = store("localhost", 0, is_master=True, wait_for_workers=False)
+            address, port = "localhost", str(self._store.port)
+        lighthouse = self._lighthouse()
+        try:
+            self._manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout),
+                load_state_dict=self._load_state,
+                state_dict=self._state,
+                min_replica_size=self.min_replicas,
+                use_async_quorum=False,  # a state received is applied before the step, not in its middle
+                timeout=timeout,
+                connect_timeout=timeout,
+                quorum_timeout=datetime.timedelta(seconds=self.quorum_timeout_seconds),
+                rank=run.dist.rank,
+                world_size=run.dist.world_size,
+                store_addr=address,
+                store_port=int(port),
+                lighthouse_addr=lighthouse,
+                replica_id=f"replica_group_{group}",
+                checkpoint_transport=weights_only_transport(timeout),
+                init_sync=False,  # every group starts from the same seeded weights
+            )
+        except RuntimeError as exc:  # torchft's: it could not reach the lighthouse (or this group's store)
+            raise UserError(
+                f"plugins.torchft: the lighthouse at {lighthouse} did not answer within timeout_seconds "
+                f"({self.timeout_seconds:g}s: {str(exc).split(';')[0][:200]}); start it "
+                "(`torchft_lighthouse --min_replicas 1`) or point TORCHFT_LIGHTHOUSE at it"
+            ) from None
+        started = time.perf_counter()
+        fresh = run.state.step == 0  # a job starting: every group trains its first step, not the first one up alone
+        self._start_quorum(run, say=not fresh)
+        if fresh:
+            self._wait_for_every_group(run)
+            if run.dist.is_main:
+                self._say_changes((), self._members, run.state.step + 1)
+        self._begun = run.state.step + 1  # (a state received moved the run to the live groups' step)
+        if self._received:
+            seconds, megabytes = time.perf_counter() - started, self._received[0] / 2**20
+            sources = [g for g in self._members if g != group]
+            source = f"replica group {sources[0]}" if len(sources) == 1 else f"a live replica group ({sources})"
+            log.info(
+                "replica group %d joined at step %d, state from %s (%.1f MB in %.1f s)",
+                group,
+                run.state.step + 1,
+                source,
+                megabytes,
+                seconds,
+            )
+
+    def _wait_for_every_group(self, run: Run) -> None:
+        deadline = time.monotonic() + self.quorum_timeout_seconds
+        while len(self._members) < self.replica_groups and self._manager.current_step() == 0:
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"plugins.torchft: {len(self._members)} of {self.replica_groups} replica groups started within "
+                    f"quorum_timeout_seconds ({self.quorum_timeout_seconds:g}); start the others, or set replica_groups"
+                )
+            time.sleep(0.1)
+            self._start_quorum(run, say=False)
+
+    # ------------------------------------------------------------------ each step
+
+    def _start_quorum(self, run: Run, say: bool = True) -> None:
+        """The next step's quorum, and who is in it (said when it changes)."""
+        manager = self._manager
+        manager.start_quorum()
+        quorum = getattr(manager, "_quorum_id", None)
+        if quorum == self._quorum and self._members:
+            return
+        self._quorum = quorum
+        present = torch.zeros(self.replica_groups)
+        present[self._group()] = 1.0
+        manager.allreduce(present, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        members = tuple(g for g in range(self.replica_groups) if present[g] > 0)
+        if not members:  # the exchange failed with the quorum: the commit will say so, the step runs again
+            return
+        if say and run.dist.is_main:
+            self._say_changes(self._members, members, run.state.step + 1)  # (after a state received: the live groups')
+        self._members = members
+
+    def _say_changes(self, before: tuple[int, ...], members: tuple[int, ...], step: int) -> None:
+        if not before:
+            log.info("replica groups %d of %d at step %d", len(members), self.replica_groups, step)
+            return
+        for g in sorted(set(before) - set(members)):
+            log.warning("replica group %d left the quorum at step %d (its share of each step is not read)", g, step)
+        for g in sorted(set(members) - set(before)):
+            log.info("replica group %d joined the quorum at step %d", g, step)
+
+    @hookimpl(tryfirst=True)  # the quorum first: what other plugins do in pre_step happens inside the step
+    def pre_step(self, run: Run, step: int) -> None:
+        if step == self._begun:  # on_train_start began this step's quorum
+            self._begun = None
+            return
+        self._start_quorum(run)
+
+    @hookimpl
+    def before_update(self, run: Run, step: int) -> None:
+        """The gradients averaged over the quorum's groups; the update only if all of them got here."""
+        manager = self._manager
+        grads = [local_part(p.grad) for p in run.model.parameters() if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            manager.allreduce(flat).wait()
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        if manager.should_commit():
+            return
+        log.warning("torchft: step %d was not committed by every replica group of its quorum; it runs again", step)
+        self._start_quorum(run)
+        run.control.skip_update("the replica groups' quorum changed during the step", rerun=True)
+
+    @hookimpl
+    def on_log(self, metrics: dict[str, float]) -> None:
+        metrics["replica_groups"] = float(len(self._members))
+
+    @hookimpl
+    def on_train_end(self) -> None:
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+            self._manager = None
+
+    # ------------------------------------------------------------------ the state a recovering group takes
+
+    def _state(self) -> dict[str, Any]:
+        run = self._run
+        assert run is not None
+        return {
+            "model": run.unwrapped_model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "train": attrs.asdict(run.state),
+            "rng": rng_state(),
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        run = self._run
+        assert run is not None
+        self._received.append(float(sum(tensor_bytes(value) for value in state.values())))
+        run.unwrapped_model.load_state_dict(state["model"])
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
+        run.optimizer.load_state_dict(state["optimizer"])
+        for group, settings in zip(run.optimizer.param_groups, configured):
+            group.update(settings)  # the config's settings, as a resume keeps them
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.state = TrainState(**state["train"])
+        set_rng_state(state["rng"])
+
+
+def _expected_failures(record: logging.LogRecord) -> bool:
+    """torchft's errors about a peer group that failed are what this plugin expects and says in a line
+    of its own (the step runs again; the group left): kept in the run's log, off the console."""
+    if record.levelno >= logging.WARNING:
+        record.levelno, record.levelname, record.exc_info, record.exc_text = logging.INFO, "INFO", None, None
+    return True

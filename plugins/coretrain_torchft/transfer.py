@@ -1,0 +1,48 @@
+"""What a recovering replica group receives from a live one, and how: the transport (torchft's,
+read with ``weights_only=True``), sizes."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger("coretrain")
+
+
+def weights_only_transport(timeout: datetime.timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, reading what it receives with ``weights_only=True``."""
+    import urllib.request
+
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnly(HTTPTransport):  # type: ignore[misc]
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: datetime.timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    transport = WeightsOnly(timeout=timeout, num_chunks=0)
+    server = getattr(transport, "_server", None)  # its HTTP server logs each request to stderr: to our log instead
+    if server is not None:
+        server.RequestHandlerClass.log_message = lambda handler, form, *args: log.debug("torchft: " + form, *args)
+    return transport
+
+
+def local_part(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's own part on this rank (a DTensor's local shard: the groups hold the same layout)."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad
+
+
+def tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0

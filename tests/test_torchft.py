@@ -1,0 +1,155 @@
+"""``torchft``: replica groups under torchft's per-step quorum, with its real lighthouse and real
+processes — a group SIGKILLed mid-run is dropped and the other trains on in the same process;
+the group started again takes the live group's state and trains in step with it."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import config_file, free_port, gpt_preset, metrics_rows, run_cli, start_cli
+
+LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+
+
+@contextlib.contextmanager
+def lighthouse() -> Iterator[str]:
+    """torchft's lighthouse on a free port; a group silent for 2 s is dropped from the quorum."""
+    port = free_port()
+    args = ["--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
+    process = subprocess.Popen(
+        [str(LIGHTHOUSE), *args, "--bind", f"[::]:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        yield f"http://localhost:{port}"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def group(config: Path, number: int, address: str, *sets: str) -> list[str]:
+    values = (f'run.name="group{number}"', *sets)
+    return ["run", str(config), *(arg for value in values for arg in ("--set", value))]
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint / "model.pt", weights_only=True)
+
+
+@pytest.mark.slow
+def test_a_killed_replica_group_is_dropped_the_other_trains_on_and_the_restarted_one_rejoins(tmp_path: Path) -> None:
+    """The issue's scenario on two groups of one process: group 1 SIGKILLed at step 8; group 0
+    finishes all 20 steps in its first process (no resume), saying group 1 left and came back;
+    group 1, started again, takes group 0's state and ends with the same weights."""
+    preset = gpt_preset(tmp_path / "{name}")
+    preset["model"]["options"]["n_layer"] = 2
+    train = {"micro_batch_size": 4, "train_iters": 20, "log_interval": 1, "eval_iters": 0}
+    extra = {"checkpoint": {"save_interval": 5}, "plugins": {"torchft": {"replica_groups": 2}}}
+    config = config_file(tmp_path / "job.toml", preset, extra, **train)
+    # group 0 slows down after the fault, so that group 1's restart finds it training
+    slow = ('plugins.fault-injection.action="sleep"', "plugins.fault-injection.step=9")
+    slow += ("plugins.fault-injection.every_step=true", "plugins.fault-injection.sleep_seconds=1.5")
+    kill = ('plugins.fault-injection.action="sigkill"', "plugins.fault-injection.step=8")
+    env = {"OMP_NUM_THREADS": "1"}
+    with lighthouse() as address:
+        env["TORCHFT_LIGHTHOUSE"] = address
+        survivor = start_cli(*group(config, 0, address, *slow), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "0"})
+        killed = run_cli(*group(config, 1, address, *kill), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "1"})
+        restarted = run_cli(*group(config, 1, address), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "1"})
+        try:
+            out, err = survivor.communicate(timeout=300)
+        finally:
+            survivor.kill()
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert survivor.returncode == 0, err[-5000:]
+    assert restarted.returncode == 0, restarted.stderr[-5000:]
+
+    first, second = tmp_path / "group0", tmp_path / "group1"
+    rows = metrics_rows(first)
+    assert [row["step"] for row in rows] == list(range(1, 21))  # every step once, in one process
+    assert "resumed from" not in err and "replica group 1 left the quorum at step 8" in err
+    assert "step 8 was not committed by every replica group of its quorum; it runs again" in err  # died in it
+    assert "replica groups 2 of 2 at step 1" in err and "replica group 1 joined the quorum at step" in err
+    assert [row["replica_groups"] for row in rows[:7]] == [2.0] * 7 and rows[7]["replica_groups"] == 1.0
+    assert rows[-1]["replica_groups"] == 2.0  # group 1 back before the end
+    joined = [line for line in restarted.stderr.splitlines() if "replica group 1 joined at step" in line]
+    assert joined and "state from replica group 0 (" in joined[0], restarted.stderr[-3000:]
+    back = int(joined[0].split("joined at step ")[1].split(",")[0])
+    assert 8 < back <= 20 and [row["step"] for row in metrics_rows(second)][-(21 - back) :] == list(range(back, 21))
+
+    # the groups read different samples (their shares), yet their gradients were averaged: the same weights
+    one, two = metrics_rows(first)[0]["loss"], metrics_rows(second)[0]["loss"]
+    assert one != two
+    for step in (5, 20):
+        a, b = (weights(d / "checkpoints" / f"step_{step:08d}") for d in (first, second))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
+
+
+@pytest.mark.parametrize(
+    ("table", "env", "said"),
+    [
+        (
+            "replica_groups = 1",
+            {"REPLICA_GROUP_ID": "0", "TORCHFT_LIGHTHOUSE": "http://localhost:1"},
+            "2 or more groups",
+        ),
+        (
+            "replica_groups = 2",
+            {"TORCHFT_LIGHTHOUSE": "http://localhost:1"},
+            "which replica group is this? set REPLICA_GROUP_ID",
+        ),
+        (
+            "replica_groups = 2",
+            {"REPLICA_GROUP_ID": "2", "TORCHFT_LIGHTHOUSE": "http://localhost:1"},
+            "REPLICA_GROUP_ID: 2 is not a group",
+        ),
+        ("replica_groups = 2", {"REPLICA_GROUP_ID": "1"}, "no lighthouse; start one"),
+        ("replica_groups = 2\nmin_replicas = 3", {}, "min_replicas"),
+    ],
+)
+def test_a_misconfigured_group_is_one_error_line_before_training(
+    tmp_path: Path, cli: Any, monkeypatch: pytest.MonkeyPatch, table: str, env: dict[str, str], said: str
+) -> None:
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    config = config_file(tmp_path / "c.toml", gpt_preset(tmp_path / "out"), f"[plugins.torchft]\n{table}\n")
+    done = cli("run", str(config), cwd=tmp_path, env=env)
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_each_group_reads_its_own_share_and_the_shares_make_the_split() -> None:
+    from coretrain_torchft.share import GroupShare
+
+    class Numbers:
+        def __len__(self) -> int:
+            return 11
+
+        def __getitem__(self, index: int) -> int:
+            return index
+
+        def get_batch(self, indices: torch.Tensor) -> torch.Tensor:
+            return indices.clone()
+
+    shares = [GroupShare(Numbers(), group, 3) for group in range(3)]
+    read = [[share[i] for i in range(len(share))] for share in shares]
+    assert read == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8]]
+    assert shares[1].get_batch(torch.tensor([0, 2])).tolist() == [1, 7]
+
+
+@pytest.mark.slow
+def test_a_lighthouse_that_does_not_answer_is_one_error_line_before_the_first_step(tmp_path: Path) -> None:
+    config = config_file(tmp_path / "c.toml", gpt_preset(tmp_path / "out"), "[plugins.torchft]\ntimeout_seconds = 2\n")
+    env = {"REPLICA_GROUP_ID": "0", "TORCHFT_LIGHTHOUSE": f"http://localhost:{free_port()}", "OMP_NUM_THREADS": "1"}
+    done = run_cli("run", str(config), cwd=tmp_path, env=env, timeout=120)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
+    assert "the lighthouse at http://localhost:" in errors[0] and "start it (`torchft_lighthouse" in errors[0]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not metrics_rows(tmp_path / "out")
