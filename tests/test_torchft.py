@@ -153,3 +153,75 @@ def test_a_lighthouse_that_does_not_answer_is_one_error_line_before_the_first_st
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
     assert "the lighthouse at http://localhost:" in errors[0] and "start it (`torchft_lighthouse" in errors[0]
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or not metrics_rows(tmp_path / "out")
+
+
+SLOW_DATA = '''
+import time
+
+import torch
+
+from coretrain import Datasets
+
+
+class Slow:
+    """Token sequences that take a quarter of a second each to read: steps long enough for a
+    restarted group to come back while the other still trains."""
+
+    def __init__(self) -> None:
+        self.rows = torch.randint(0, 256, (256, 33), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.25)
+        return self.rows[index, :-1], self.rows[index, 1:]
+
+
+def make() -> Datasets:
+    return Datasets(train=Slow(), seq_length=32, vocab_size=256)
+'''
+
+
+@pytest.mark.slow
+def test_the_launcher_starts_a_lighthouse_and_restarts_a_killed_group_alone(tmp_path: Path) -> None:
+    """The issue's done-means: 2 gloo ranks as 2 replica groups, rank 1 SIGKILLed at step 8 in the
+    first attempt, --max-restarts 1: the job completes to step 20, group 0 logs every step once
+    and never resumes, group 1 comes back with group 0's state."""
+    (tmp_path / "slowdata.py").write_text(SLOW_DATA)
+    preset = gpt_preset(tmp_path / "out")
+    preset["data"] = {"provider": "slowdata:make"}
+    train = {"micro_batch_size": 4, "train_iters": 20, "log_interval": 1, "eval_iters": 0}
+    extra = {
+        "checkpoint": {"save_interval": 5},
+        "plugins": {
+            "torchft": {"replica_groups": 2, "heartbeat_timeout_seconds": 2},
+            "fault-injection": {"action": "sigkill", "step": 8, "ranks": [1], "attempt": 0},
+        },
+    }
+    config = config_file(tmp_path / "job.toml", preset, extra, **train)
+    env = {"OMP_NUM_THREADS": "1"}
+    done = run_cli("run", str(config), "--nproc-per-node", "2", "--max-restarts", "1", cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-6000:]
+    first, second = tmp_path / "out" / "replica_group_0", tmp_path / "out" / "replica_group_1"
+    assert [row["step"] for row in metrics_rows(first)] == list(range(1, 21))
+    own_log = (first / "run.log").read_text()
+    assert "resumed from" not in own_log and "replica group 1 left the quorum at step 8" in own_log
+    assert "replica group 1 joined the quorum at step" in own_log
+    assert "fault-injection: sigkill on rank 1 at step 8" in done.stderr  # rank 1 of the job: group 1's rank 0
+    joined = [line for line in done.stderr.splitlines() if "replica group 1 joined at step" in line]
+    assert joined and "state from replica group 0 (" in joined[0], done.stderr[-6000:]
+    a, b = (weights(d / "checkpoints" / "step_00000020") for d in (first, second))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ranks_the_groups_cannot_share_are_one_error_line_before_anything_starts(tmp_path: Path, cli: Any) -> None:
+    config = config_file(tmp_path / "c.toml", gpt_preset(tmp_path / "out"), "[plugins.torchft]\nreplica_groups = 2\n")
+    done = cli("run", str(config), "--nproc-per-node", "3", cwd=tmp_path)
+    assert (
+        done.returncode == 2
+        and "--nproc-per-node 3: must be a multiple of plugins.torchft.replica_groups (2)" in done.stderr
+    )
+    assert len([line for line in done.stderr.splitlines() if line.startswith("error:")]) == 1
+    done = cli("run", str(config), "--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", cwd=tmp_path)
+    assert done.returncode == 2 and "start each group's job yourself with REPLICA_GROUP_ID" in done.stderr

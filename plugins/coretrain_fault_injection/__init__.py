@@ -30,6 +30,15 @@ def _env_int(name: str) -> int | None:
     return int(os.environ[name]) if name in os.environ else None
 
 
+def _job_rank() -> int | None:
+    """This process's rank in the job as started: torchrun's ``RANK``, and with torchft's replica
+    groups (``REPLICA_GROUP_ID``, each group a job of ``WORLD_SIZE`` ranks) torchft's global rank."""
+    rank, group = _env_int("RANK"), _env_int("REPLICA_GROUP_ID")
+    if group is None:
+        return rank
+    return group * (_env_int("WORLD_SIZE") or 1) + (rank or 0)
+
+
 def _attempt() -> int:
     """Which attempt this process is: the job's restarts, and this rank's replacements."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get("CORETRAIN_REPLACEMENT", "0"))
@@ -49,7 +58,8 @@ class FaultInjection:
     """For probability: the generator's seed (plus the rank)."""
     ranks: list[int] = field(factory=list, validator=non_negative)
     """Ranks it happens on, as the processes were started (a process numbered anew after others
-    left, ``--min-ranks``, keeps its first number here); empty = every rank."""
+    left, ``--min-ranks``, keeps its first number here; with torchft's replica groups, the rank in
+    the whole job: group × the group's ranks + its rank in the group); empty = every rank."""
     sleep_seconds: float = field(default=1.0, validator=non_negative)
     """For action = "sleep"."""
     every_step: bool = False
@@ -69,7 +79,7 @@ class FaultInjection:
     1 the job restarted once; a process that replaced one that died adds how many times its rank
     was replaced, ``--replace-failed-ranks``); unset: in every attempt."""
     _fired: int = field(default=0, init=False, repr=False)
-    _first_rank: int | None = field(factory=lambda: _env_int("RANK"), init=False, repr=False)
+    _first_rank: int | None = field(factory=_job_rank, init=False, repr=False)
     _first_world: int | None = field(factory=lambda: _env_int("WORLD_SIZE"), init=False, repr=False)
     _rng: random.Random | None = field(default=None, init=False, repr=False)
     _veto_at: int | None = field(default=None, init=False, repr=False)
@@ -85,6 +95,8 @@ class FaultInjection:
     def configure_run(self, run: Run) -> None:
         """Ranks this job does not have would never fire (checked against the job as it started:
         a rank dropped later, ``--min-ranks``, keeps its number here)."""
+        if "REPLICA_GROUP_ID" in os.environ:  # one of several groups: the job's ranks are more than this one's
+            return
         started = max(self._first_world or 1, run.dist.world_size)
         missing = [rank for rank in self.ranks if rank >= started]
         if missing:
@@ -125,11 +137,12 @@ class FaultInjection:
 
     @hookimpl
     def pre_step(self, run: Run, step: int) -> None:
-        if not self._due(self._first_rank if self._first_rank is not None else run.dist.rank, step):
+        rank = self._first_rank if self._first_rank is not None else run.dist.rank  # (the job's, as started)
+        if not self._due(rank, step):
             return
         self._fired += 1
         if self.action != "sleep" or not self.every_step or step == self.step:
-            log.warning("fault-injection: %s on rank %d at step %d", self.action, run.dist.rank, step)
+            log.warning("fault-injection: %s on rank %d at step %d", self.action, rank, step)
         if self.action == "skip":
             self._veto_at = step
         elif self.action == "nan" and self.parameter is not None:

@@ -14,13 +14,15 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from coretrain import UserError
 from coretrain_launch.codes import STOP_CODES, USAGE_EXIT_CODE
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from coretrain_launch.hookspecs import LaunchSpecs
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -153,6 +155,12 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     import coretrain
 
     loaded = coretrain.load(args.config, args.overrides)  # a mistake: said once, before any rank starts
+    plugins = coretrain.load_plugins(loaded)
+    if plugins.implemented("launch_job"):  # a plugin that starts the job its own way (torchft's groups)
+        hooks = cast("LaunchSpecs", plugins.calls.hook)
+        code = hooks.launch_job(args=args, loaded=loaded, check=lambda sizes: check_job(loaded, sizes))
+        if code is not None:
+            return int(code)
     low, _, high = (args.nnodes or "1").partition(":")
     if high in ("", low):  # a fixed number of ranks: the layout and batch sizes must fit it
         check_job(loaded, [int(low) * (args.nproc_per_node or 1)])

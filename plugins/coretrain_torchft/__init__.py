@@ -13,9 +13,12 @@ first step, and from then on trains in step with them::
     [plugins.torchft]
     replica_groups = 2          # the job's groups; each reads its share of every batch
 
-    REPLICA_GROUP_ID=1 TORCHFT_LIGHTHOUSE=http://host:29510 coretrain run job.toml
+    coretrain run job.toml --nproc-per-node 4 --max-restarts 1    # 2 groups of 2 ranks, here
+    REPLICA_GROUP_ID=1 TORCHFT_LIGHTHOUSE=http://host:29510 coretrain run job.toml   # or one group, anywhere
 
-The lighthouse is torchft's (``torchft_lighthouse --min_replicas 1``). Each group reads every
+On one machine ``coretrain run --nproc-per-node`` starts torchft's lighthouse and one torchrun job
+per group (:mod:`coretrain_torchft.launch`); elsewhere each group is started with its number and
+the lighthouse's address (``torchft_lighthouse --min_replicas 1``). Each group reads every
 ``replica_groups``-th sample of the train split, its own, so the groups of one step read
 different samples; ``train.global_batch_size`` is one group's batch. A step a group missed is
 a step its share was not read in: the log says so when it leaves and when it comes back.
@@ -31,10 +34,12 @@ group recovers, as torchft's does: keep the replica groups on a network you trus
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -78,6 +83,8 @@ class TorchFT:
     """A collective, a commit or a state transfer that takes longer fails (the step runs again)."""
     quorum_timeout_seconds: float = field(default=60.0, validator=positive)
     """How long a step waits for a quorum of ``min_replicas`` groups."""
+    heartbeat_timeout_seconds: float = field(default=5.0, validator=positive)
+    """The lighthouse ``coretrain run --nproc-per-node`` starts drops a group silent this long."""
     _manager: Any = field(default=None, init=False, repr=False)
     _store: Any = field(default=None, init=False, repr=False)
     _run: Run | None = field(default=None, init=False, repr=False)
@@ -123,6 +130,20 @@ class TorchFT:
         return address
 
     @hookimpl
+    def launch_job(self, args: argparse.Namespace, loaded: Any, check: Callable[[list[int]], None]) -> int:
+        """``coretrain run --nproc-per-node N``: a lighthouse (unless one is given) and one torchrun
+        job of N / replica_groups ranks per group, each restarted alone (``--max-restarts``)."""
+        from coretrain_torchft.launch import launch_groups
+
+        given = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+        settings = {
+            "min_replicas": self.min_replicas,
+            "join_timeout_ms": int(self.timeout_seconds * 1000),  # a live group slower than this is left out
+            "heartbeat_timeout_ms": int(self.heartbeat_timeout_seconds * 1000),
+        }
+        return launch_groups(args, loaded, check, self.replica_groups, given or settings)
+
+    @hookimpl
     def configure_run(self, run: Run) -> None:
         """What is wrong is said before anything is built: the group, the lighthouse, torchft itself."""
         self._group()
@@ -145,10 +166,10 @@ class TorchFT:
             )
         run.datasets.train = GroupShare(train, self._group(), self.replica_groups)
 
-    @hookimpl
+    @hookimpl(tryfirst=True)
     def on_train_start(self, run: Run) -> None:
         """Join the quorum; a group that starts behind the others takes a live group's state here,
-        before the loop plans its first step."""
+        before the loop plans its first step (and before other plugins' on_train_start look at it)."""
         from torchft import Manager, ProcessGroupGloo
 
         self._run = run
