@@ -208,6 +208,10 @@ def test_the_launcher_starts_a_lighthouse_and_restarts_a_killed_group_alone(tmp_
     own_log = (first / "run.log").read_text()
     assert "resumed from" not in own_log and "replica group 1 left the quorum at step 8" in own_log
     assert "replica group 1 joined the quorum at step" in own_log
+    back_at = int(own_log.split("replica group 1 joined the quorum at step ")[1].split(" ")[0])
+    away = back_at - 8
+    assert f"(its share of {away} step(s), {away * 4} samples, was not read)" in own_log  # said and counted
+    assert metrics_rows(first)[-1]["replica_group_steps_missed"] == away
     assert "fault-injection: sigkill on rank 1 at step 8" in done.stderr  # rank 1 of the job: group 1's rank 0
     joined = [line for line in done.stderr.splitlines() if "replica group 1 joined at step" in line]
     assert joined and "state from replica group 0 (" in joined[0], done.stderr[-6000:]

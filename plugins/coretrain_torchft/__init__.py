@@ -25,7 +25,8 @@ a step its share was not read in: the log says so when it leaves and when it com
 
 What it logs: ``replica groups 2 of 2 at step 1``, ``replica group 1 left the quorum at step 8``,
 ``replica group 1 joined at step 11, state from replica group 0 (0.4 MB in 0.1 s)``, and the
-metric ``replica_groups`` (the quorum's size at the logged step).
+metrics ``replica_groups`` (the quorum's size at the logged step) and
+``replica_group_steps_missed`` (steps × groups whose share went unread, so far).
 
 The state a recovering group receives is loaded with ``weights_only=True`` (torchft's own
 transport unpickles anything); its checkpoint server answers whoever reaches its port while a
@@ -92,6 +93,10 @@ class TorchFT:
     _quorum: Any = field(default=None, init=False, repr=False)
     _received: list[float] = field(factory=list, init=False, repr=False)
     _begun: int | None = field(default=None, init=False, repr=False)
+    _left_at: dict[int, int] = field(factory=dict, init=False, repr=False)
+    """Group -> the step it left the quorum at, while it is away."""
+    _missed: int = field(default=0, init=False, repr=False)
+    """Steps times groups whose share was not read (a group away), counted as steps commit."""
 
     def __attrs_post_init__(self) -> None:
         if self.replica_groups < 2:
@@ -264,9 +269,13 @@ class TorchFT:
             log.info("replica groups %d of %d at step %d", len(members), self.replica_groups, step)
             return
         for g in sorted(set(before) - set(members)):
+            self._left_at[g] = step
             log.warning("replica group %d left the quorum at step %d (its share of each step is not read)", g, step)
         for g in sorted(set(members) - set(before)):
-            log.info("replica group %d joined the quorum at step %d", g, step)
+            away = step - self._left_at.pop(g, step)
+            batch = self._run.global_batch_size if self._run is not None else 0
+            said = f" (its share of {away} step(s), {away * batch} samples, was not read)" if away else ""
+            log.info("replica group %d joined the quorum at step %d%s", g, step, said)
 
     @hookimpl(tryfirst=True)  # the quorum first: what other plugins do in pre_step happens inside the step
     def pre_step(self, run: Run, step: int) -> None:
@@ -288,6 +297,7 @@ class TorchFT:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         if manager.should_commit():
+            self._missed += self.replica_groups - len(self._members)
             return
         log.warning("torchft: step %d was not committed by every replica group of its quorum; it runs again", step)
         self._start_quorum(run)
@@ -296,6 +306,7 @@ class TorchFT:
     @hookimpl
     def on_log(self, metrics: dict[str, float]) -> None:
         metrics["replica_groups"] = float(len(self._members))
+        metrics["replica_group_steps_missed"] = float(self._missed)  # steps x groups whose share went unread
 
     @hookimpl
     def on_train_end(self) -> None:
