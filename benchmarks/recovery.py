@@ -30,6 +30,15 @@ raising at step 11 (``fault-injection``):
   coretrain's (only the first round waits, and starts once both machines came: the second is in
   the job from the start; a job it is not in when it goes down counts as failed);
 
+- (f) a replica group SIGKILLed, with ``[plugins.torchft]`` (``replica_groups`` = the ranks, one
+  rank each; ``--max-restarts 1`` restarts the dead group alone): the other groups drop it after
+  the lighthouse's heartbeat timeout (5 s, torchft's default) and go on, never restarting; the
+  restarted group takes a live group's state and rejoins. Its jobs train ``REPLICA_STEPS`` steps,
+  long enough for the group to come back before the end; "cost of the fault" is what the job's
+  wall time grew by, "step 10 to 11" group 0's, and "back after" the seconds from the kill to the
+  restarted group's joining (its own log). Losses are group 0's, checked against its baseline's
+  up to the fault (the shares read after it differ by design);
+
 each also with ``[plugins.local-checkpoint]`` (a checkpoint in host memory after every step),
 which the restart resumes from instead of the durable one at step 8; in (e) each launcher has a
 ``local_dir`` of its own, as two machines' ``/dev/shm`` are, so every local save is copied to
@@ -128,6 +137,29 @@ def machine_leaving() -> dict[str, tuple[dict[str, Any], list[str]]]:
         went_on: (in_process, own),
         f"{went_on}, local checkpoints": ({**in_process, **LOCAL}, own),
     }
+
+
+REPLICA_STEPS = 1000
+"""(f)'s steps: at a few milliseconds each, the survivors still train when the dead group is back."""
+
+
+def replica_groups(ranks: int) -> dict[str, tuple[dict[str, Any], list[str]]]:
+    """(f): every rank a replica group of its own under torchft; rank 1 (group 1) SIGKILLed."""
+    groups = {"torchft": {"replica_groups": ranks}}
+    return {
+        "(f) baseline, replica groups": (groups, RESTART),
+        "(f) a replica group SIGKILLed, the others go on": ({**groups, "fault-injection": KILL}, RESTART),
+    }
+
+
+def joined_after_kill(log: Path) -> float:
+    """Seconds from group 1's kill to its joining again, from its own run.log's two lines."""
+    stamps = {}
+    for line in log.read_text(errors="replace").splitlines():
+        for key, marker in (("kill", "fault-injection: sigkill"), ("back", "joined at step")):
+            if marker in line and key not in stamps:
+                stamps[key] = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+    return stamps["back"] - stamps["kill"] if len(stamps) == 2 else math.nan
 
 
 def descendants(pid: int) -> list[int]:
@@ -231,14 +263,15 @@ def run_case(
     launch: list[str],
     batch: dict[str, int] | None = None,
     machines: bool | None = None,
-) -> tuple[float, float, list[float], int | None] | None:
+) -> tuple[float, float, list[float], int | None, float] | None:
     """Wall seconds of one job, the seconds from the fault to its step done again (:class:`StepTimes`),
     the losses it logged and the step it resumed from after the fault;
     None when the job failed (its output's tail printed). ``machines``: two launchers, the second
     going down (True) or not."""
+    groups = "torchft" in plugins  # (f): each group writes out/replica_group_G; group 0's is measured
     sections = tiny_config(
         root / "out",
-        train={"train_iters": STEPS, "log_interval": 1, "eval_iters": 0, **(batch or {})},
+        train={"train_iters": REPLICA_STEPS if groups else STEPS, "log_interval": 1, "eval_iters": 0, **(batch or {})},
         checkpoint={"save_interval": SAVE_EVERY},
         distributed={"backend": "gloo"},
         plugins=plugins,
@@ -247,7 +280,8 @@ def run_case(
     command = [sys.executable, "-m", "coretrain", "run", str(config), "--nproc-per-node", str(ranks)]
     command += launch  # coretrain's launcher: torchrun's agent, as users start it, or its own
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    started, clock = time.perf_counter(), StepTimes(root / "out" / "metrics.jsonl")
+    out = root / "out" / "replica_group_0" if groups else root / "out"
+    started, clock = time.perf_counter(), StepTimes(out / "metrics.jsonl")
     if machines is not None:
         done = two_machines(root, config, ranks, launch, machines, "local-checkpoint" in plugins, clock)
     else:
@@ -257,24 +291,34 @@ def run_case(
         errors = [line for line in done.stderr.splitlines() if line.startswith(("error:", "[E"))]
         print(f"{root}: the job failed, exit {done.returncode}: {errors[-3:]}", file=sys.stderr)
         return None
-    rows = [json.loads(line) for line in (root / "out" / "metrics.jsonl").read_text().splitlines()]
-    said = (root / "out" / "run.log").read_text() if (root / "out" / "run.log").exists() else done.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    said = (out / "run.log").read_text() if (out / "run.log").exists() else done.stderr
     resumed = re.findall(r"resumed from \S+ \(step (\d+)", said)
     losses = [row["loss"] for row in rows if "loss" in row]
     if machines and not resumed:  # the second machine came after the first's last step: nothing was measured
         print(f"{root}: the second machine was not in the job when it went down", file=sys.stderr)
         return None
-    return seconds, math.nan if fault_to_done is None else fault_to_done, losses, int(resumed[-1]) if resumed else None
+    back = (
+        joined_after_kill(root / "out" / "replica_group_1" / "run.log")
+        if groups and "fault-injection" in plugins
+        else math.nan
+    )
+    recovery = math.nan if fault_to_done is None else fault_to_done
+    return seconds, recovery, losses, int(resumed[-1]) if resumed else None, back
 
 
 def baseline_of(name: str) -> str:
     """The case a case is compared with: (d) and (e) train a batch of their own, (e) on its launchers."""
     if name.startswith("(e)"):
         return "(e) baseline, " + ("torchrun's agents" if "torchrun" in name else "coretrain's launchers")
+    if name.startswith("(f)"):
+        return "(f) baseline, replica groups"
     return "(d) baseline" if name.startswith("(d)") else "baseline"
 
 
-Measured = tuple[dict[str, list[float]], dict[str, list[float]], dict[str, int | None], dict[str, int]]
+Measured = tuple[
+    dict[str, list[float]], dict[str, list[float]], dict[str, int | None], dict[str, int], dict[str, list[float]]
+]
 
 
 def measure(ranks: int, cases: dict[str, tuple[dict[str, Any], list[str]]], repeat: int) -> Measured:
@@ -284,6 +328,7 @@ def measure(ranks: int, cases: dict[str, tuple[dict[str, Any], list[str]]], repe
     recoveries: dict[str, list[float]] = {name: [] for name in cases}
     resumed_at: dict[str, int | None] = dict.fromkeys(cases)
     failed = dict.fromkeys(cases, 0)
+    backs: dict[str, list[float]] = {name: [] for name in cases}
     references: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for attempt in range(repeat):
@@ -296,8 +341,10 @@ def measure(ranks: int, cases: dict[str, tuple[dict[str, Any], list[str]]], repe
                 if result is None:
                     failed[name] += 1
                     continue
-                seconds, recovery, losses, resumed_at[name] = result
+                seconds, recovery, losses, resumed_at[name], back = result
                 reference = references.setdefault(baseline_of(name), losses)
+                if name.startswith("(f)"):  # after the fault group 0 trains alone: other updates, by design
+                    losses, reference = losses[: FAULT_STEP - 1], reference[: FAULT_STEP - 1]
                 # (d), (e) sum the gradients in another order (more accumulation on fewer ranks)
                 close = len(losses) == len(reference) and all(
                     math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses, reference)
@@ -306,7 +353,8 @@ def measure(ranks: int, cases: dict[str, tuple[dict[str, Any], list[str]]], repe
                     raise SystemExit(f"{name} on {ranks} ranks: losses differ from the baseline's")
                 times[name].append(seconds)
                 recoveries[name].append(recovery)
-    return times, recoveries, resumed_at, failed
+                backs[name].append(back)
+    return times, recoveries, resumed_at, failed, backs
 
 
 def main() -> None:
@@ -314,18 +362,24 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--only-machines", action="store_true", help="only (e), a machine going down")
+    parser.add_argument("--only-replica-groups", action="store_true", help="only (f), torchft's replica groups")
     args = parser.parse_args()
     lines = [f"| ranks | case | job seconds | cost of the fault | step {FAULT_STEP - 1} to {FAULT_STEP} | steps lost |"]
     lines.append("| --- | --- | --- | --- | --- | --- |")
     for ranks in args.ranks:
-        cases = {**CASES, **leaving(ranks), **machine_leaving()} if not args.only_machines else machine_leaving()
-        times, recoveries, resumed_at, failed = measure(ranks, cases, args.repeat)
+        cases = {**CASES, **leaving(ranks), **machine_leaving(), **replica_groups(ranks)}
+        cases = (
+            machine_leaving() if args.only_machines else replica_groups(ranks) if args.only_replica_groups else cases
+        )
+        times, recoveries, resumed_at, failed, backs = measure(ranks, cases, args.repeat)
         for name, measured in times.items():
             median, base = statistics.median(measured) if measured else math.nan, baseline_of(name)
             cost = "—" if name == base else f"{median - statistics.median(times[base]):+.1f} s"
             recovery = statistics.median(recoveries[name]) if recoveries[name] else math.nan
             step = resumed_at[name]
             lost = "—" if name == base else "?" if step is None else str(FAULT_STEP - step)
+            if name.startswith("(f)") and name != base:  # the survivors lose none; the dead group is back after
+                lost = f"0 (group 1 back after {statistics.median(backs[name]):.1f} s)" if step is None else "?"
             note = f" ({failed[name]} of {args.repeat} jobs failed)" if failed[name] else ""
             lines.append(f"| {ranks} | {name}{note} | {median:.1f} | {cost} | {recovery:.2f} s | {lost} |")
     print("\n".join(lines))

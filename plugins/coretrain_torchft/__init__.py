@@ -88,6 +88,7 @@ class TorchFT:
     """The lighthouse ``coretrain run --nproc-per-node`` starts drops a group silent this long."""
     _manager: Any = field(default=None, init=False, repr=False)
     _store: Any = field(default=None, init=False, repr=False)
+    _pg: Any = field(default=None, init=False, repr=False)
     _run: Run | None = field(default=None, init=False, repr=False)
     _members: tuple[int, ...] = field(default=(), init=False, repr=False)
     _quorum: Any = field(default=None, init=False, repr=False)
@@ -187,9 +188,10 @@ class TorchFT:
             self._store = store("localhost", 0, is_master=True, wait_for_workers=False)
             address, port = "localhost", str(self._store.port)
         lighthouse = self._lighthouse()
+        self._pg = ProcessGroupGloo(timeout=timeout)
         try:
             self._manager = Manager(
-                pg=ProcessGroupGloo(timeout=timeout),
+                pg=self._pg,
                 load_state_dict=self._load_state,
                 state_dict=self._state,
                 min_replica_size=self.min_replicas,
@@ -296,6 +298,8 @@ class TorchFT:
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
+        if manager.errored() is not None:  # a peer failed: drop the connections, so that the ranks
+            self._pg.abort()  # still waiting in this collective fail now, not at the gloo timeout
         if manager.should_commit():
             self._missed += self.replica_groups - len(self._members)
             return
