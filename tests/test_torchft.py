@@ -5,8 +5,10 @@ the group started again takes the live group's state and trains in step with it.
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -253,3 +255,25 @@ def test_groups_of_two_fsdp_ranks_average_their_shards_and_end_with_the_same_wei
     assert metrics_rows(first)[0]["loss"] != metrics_rows(second)[0]["loss"]  # their own shares
     a, b = (read_weights(d / "checkpoints" / "step_00000006") for d in (first, second))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_the_launcher_checkpoints_every_group_and_exits_143(tmp_path: Path) -> None:
+    (tmp_path / "slowdata.py").write_text(SLOW_DATA)
+    preset = gpt_preset(tmp_path / "out")
+    preset["data"] = {"provider": "slowdata:make"}
+    train = {"micro_batch_size": 4, "train_iters": 40, "log_interval": 1, "eval_iters": 0}
+    config = config_file(tmp_path / "job.toml", preset, {"plugins": {"torchft": {"replica_groups": 2}}}, **train)
+    job = start_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    metrics = tmp_path / "out" / "replica_group_0" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+            time.sleep(0.2)
+        job.send_signal(signal.SIGTERM)
+        out, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 143 and "error:" not in err, err[-4000:]
+    for group in (0, 1):  # each group saved where it stopped (the groups' stops are not agreed yet)
+        assert list((tmp_path / "out" / f"replica_group_{group}" / "checkpoints").glob("step_*")), group

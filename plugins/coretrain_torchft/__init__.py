@@ -136,9 +136,11 @@ class TorchFT:
         return address
 
     @hookimpl
-    def launch_job(self, args: argparse.Namespace, loaded: Any, check: Callable[[list[int]], None]) -> int:
+    def launch_job(self, args: argparse.Namespace, loaded: Any, check: Callable[[list[int]], None]) -> int | None:
         """``coretrain run --nproc-per-node N``: a lighthouse (unless one is given) and one torchrun
         job of N / replica_groups ranks per group, each restarted alone (``--max-restarts``)."""
+        if GROUP_ENV in os.environ:  # the launcher of one group (started by the one below): torchrun, as usual
+            return None
         from coretrain_torchft.launch import launch_groups
 
         given = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")

@@ -1,5 +1,5 @@
-"""``coretrain run --nproc-per-node N`` with ``[plugins.torchft]``: torchft's lighthouse in the
-launcher, and one torchrun job per replica group — each restarted alone by its own agent
+"""``coretrain run --nproc-per-node N`` with ``[plugins.torchft]``: torchft's lighthouse beside the
+launcher, and one torchrun job per replica group (a launcher of its own) — each restarted alone by its own agent
 (``--max-restarts``), while the other groups train on."""
 
 from __future__ import annotations
@@ -76,13 +76,13 @@ def launch_groups(
 
 
 def _start(args: argparse.Namespace, group: int, ranks: int, lighthouse: str, output: Path) -> subprocess.Popen[bytes]:
-    """One group's torchrun job, its output in a directory of its own (one run per directory)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    command += ["--max-restarts", str(args.max_restarts), "-m", "coretrain", "run", args.config]
+    """One group's job — ``coretrain run --nproc-per-node`` again, so that its agent's signals and
+    failures are said as any job's — its output in a directory of its own (one run per directory)."""
+    command = [sys.executable, "-m", "coretrain", "run", args.config, "--nproc-per-node", str(ranks)]
+    command += ["--max-restarts", str(args.max_restarts)]
     for override in [*args.overrides, f"run.output_dir={json.dumps(str(output / f'replica_group_{group}'))}"]:
         command += ["--set", override]
     environment = {**os.environ, "REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse}
-    environment.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # (see coretrain_launch)
     return subprocess.Popen(command, env=environment)
 
 
