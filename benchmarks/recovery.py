@@ -61,6 +61,7 @@ timed. Prints a markdown table (README's).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -158,7 +159,7 @@ def joined_after_kill(log: Path) -> float:
     for line in log.read_text(errors="replace").splitlines():
         for key, marker in (("kill", "fault-injection: sigkill"), ("back", "joined at step")):
             if marker in line and key not in stamps:
-                stamps[key] = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+                stamps[key] = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
     return stamps["back"] - stamps["kill"] if len(stamps) == 2 else math.nan
 
 

@@ -35,7 +35,7 @@ def lighthouse() -> Iterator[str]:
         process.wait()
 
 
-def group(config: Path, number: int, address: str, *sets: str) -> list[str]:
+def group(config: Path, number: int, *sets: str) -> list[str]:
     values = (f'run.name="group{number}"', *sets)
     return ["run", str(config), *(arg for value in values for arg in ("--set", value))]
 
@@ -61,9 +61,9 @@ def test_a_killed_replica_group_is_dropped_the_other_trains_on_and_the_restarted
     env = {"OMP_NUM_THREADS": "1"}
     with lighthouse() as address:
         env["TORCHFT_LIGHTHOUSE"] = address
-        survivor = start_cli(*group(config, 0, address, *slow), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "0"})
-        killed = run_cli(*group(config, 1, address, *kill), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "1"})
-        restarted = run_cli(*group(config, 1, address), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "1"})
+        survivor = start_cli(*group(config, 0, *slow), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "0"})
+        killed = run_cli(*group(config, 1, *kill), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "1"})
+        restarted = run_cli(*group(config, 1), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "1"})
         try:
             out, err = survivor.communicate(timeout=300)
         finally:

@@ -158,12 +158,12 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     plugins = coretrain.load_plugins(loaded)
     if plugins.implemented("launch_job"):  # a plugin that starts the job its own way (torchft's groups)
         hooks = cast("LaunchSpecs", plugins.calls.hook)
-        code = hooks.launch_job(args=args, loaded=loaded, check=lambda sizes: check_job(loaded, sizes))
+        code = hooks.launch_job(args=args, loaded=loaded, check=lambda sizes: check_job(loaded, sizes, plugins))
         if code is not None:
             return int(code)
     low, _, high = (args.nnodes or "1").partition(":")
     if high in ("", low):  # a fixed number of ranks: the layout and batch sizes must fit it
-        check_job(loaded, [int(low) * (args.nproc_per_node or 1)])
+        check_job(loaded, [int(low) * (args.nproc_per_node or 1)], plugins)
     if args.min_ranks is not None and not args.replace_failed_ranks:
         raise UserError("--min-ranks: only with --replace-failed-ranks (coretrain's own launcher)")
     if args.replace_failed_ranks:
@@ -203,12 +203,13 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_job(loaded: Any, sizes: list[int]) -> None:
+def check_job(loaded: Any, sizes: list[int], plugins: Any = None) -> None:
     """Each number of ranks the job may have fits the config's layout and batch sizes — the
-    core's keys and each enabled plugin's (``check_layout``): one error for the job."""
+    core's keys and each enabled plugin's (``check_layout``): one error for the job. ``plugins``:
+    the config's, when the caller loaded them already."""
     import coretrain
 
-    plugins = coretrain.load_plugins(loaded)
+    plugins = plugins or coretrain.load_plugins(loaded)
     for ranks in sorted(sizes):
         loaded.config.check_world(ranks)
         if plugins.implemented("check_layout"):

@@ -92,7 +92,8 @@ class TorchFT:
     _run: Run | None = field(default=None, init=False, repr=False)
     _members: tuple[int, ...] = field(default=(), init=False, repr=False)
     _quorum: Any = field(default=None, init=False, repr=False)
-    _received: list[float] = field(factory=list, init=False, repr=False)
+    _received_bytes: float | None = field(default=None, init=False, repr=False)
+    """The size of the state this group took from a live one (None: it took none)."""
     _begun: int | None = field(default=None, init=False, repr=False)
     _left_at: dict[int, int] = field(factory=dict, init=False, repr=False)
     """Group -> the step it left the quorum at, while it is away."""
@@ -126,8 +127,12 @@ class TorchFT:
             raise UserError(f"{where}: {chosen} is not a group of replica_groups = {groups} (0 .. {groups - 1})")
         return chosen
 
+    def _given_lighthouse(self) -> str:
+        """The lighthouse's address from the config or the environment; empty when neither names one."""
+        return self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+
     def _lighthouse(self) -> str:
-        address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+        address = self._given_lighthouse()
         if not address:
             raise UserError(
                 f"plugins.torchft: no lighthouse; start one (`torchft_lighthouse --min_replicas 1`) and set "
@@ -143,7 +148,7 @@ class TorchFT:
             return None
         from coretrain_torchft.launch import launch_groups
 
-        given = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+        given = self._given_lighthouse()
         settings = {
             "min_replicas": self.min_replicas,
             "join_timeout_ms": int(self.timeout_seconds * 1000),  # a live group slower than this is left out
@@ -222,10 +227,10 @@ class TorchFT:
         if fresh:
             self._wait_for_every_group(run)
             if run.dist.is_main:
-                self._say_changes((), self._members, run.state.step + 1)
+                self._say_changes(run, (), self._members)
         self._begun = run.state.step + 1  # (a state received moved the run to the live groups' step)
-        if self._received:
-            seconds, megabytes = time.perf_counter() - started, self._received[0] / 2**20
+        if self._received_bytes is not None:
+            seconds, megabytes = time.perf_counter() - started, self._received_bytes / 2**20
             sources = [g for g in self._members if g != group]
             source = f"replica group {sources[0]}" if len(sources) == 1 else f"a live replica group ({sources})"
             log.info(
@@ -265,10 +270,11 @@ class TorchFT:
         if not members:  # the exchange failed with the quorum: the commit will say so, the step runs again
             return
         if say and run.dist.is_main:
-            self._say_changes(self._members, members, run.state.step + 1)  # (after a state received: the live groups')
+            self._say_changes(run, self._members, members)
         self._members = members
 
-    def _say_changes(self, before: tuple[int, ...], members: tuple[int, ...], step: int) -> None:
+    def _say_changes(self, run: Run, before: tuple[int, ...], members: tuple[int, ...]) -> None:
+        step = run.state.step + 1  # (after a state received: the live groups' next step)
         if not before:
             log.info("replica groups %d of %d at step %d", len(members), self.replica_groups, step)
             return
@@ -277,8 +283,9 @@ class TorchFT:
             log.warning("replica group %d left the quorum at step %d (its share of each step is not read)", g, step)
         for g in sorted(set(members) - set(before)):
             away = step - self._left_at.pop(g, step)
-            batch = self._run.global_batch_size if self._run is not None else 0
-            said = f" (its share of {away} step(s), {away * batch} samples, was not read)" if away else ""
+            said = (
+                f" (its share of {away} step(s), {away * run.global_batch_size} samples, was not read)" if away else ""
+            )
             log.info("replica group %d joined the quorum at step %d%s", g, step, said)
 
     @hookimpl(tryfirst=True)  # the quorum first: what other plugins do in pre_step happens inside the step
@@ -336,7 +343,7 @@ class TorchFT:
     def _load_state(self, state: dict[str, Any]) -> None:
         run = self._run
         assert run is not None
-        self._received.append(float(sum(tensor_bytes(value) for value in state.values())))
+        self._received_bytes = float(tensor_bytes(state))
         run.unwrapped_model.load_state_dict(state["model"])
         configured = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
         run.optimizer.load_state_dict(state["optimizer"])
