@@ -258,6 +258,33 @@ def test_groups_of_two_fsdp_ranks_average_their_shards_and_end_with_the_same_wei
 
 
 @pytest.mark.slow
+def test_an_update_one_group_vetoes_is_skipped_by_every_group(tmp_path: Path, site: Path) -> None:
+    """A NaN loss only group 1 sees: its guard skips the update, and group 0, whose own loss is
+    fine, skips it too (the veto travels with the gradients): the groups keep equal weights.
+    (Without the agreement group 0 updates at step 4 and the weights part.)"""
+    from coretrain import read_weights
+    from coretrain.testing import tiny_config, write_config
+
+    train = {"train_iters": 6, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4}
+    plugins = {
+        "torchft": {"replica_groups": 2},
+        "guards": {},
+        "nan-loss": {"rank": 0, "at_step": 4, "replica_group": "1"},
+    }
+    config = write_config(tmp_path / "c.toml", tiny_config(tmp_path / "out", train=train, plugins=plugins))
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)}
+    done = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert "guards: step 4: loss is nan; update skipped" in done.stderr
+    first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
+    for out in (first, second):
+        rows = {row["step"]: row for row in metrics_rows(out)}
+        assert (rows[3]["skipped_updates"], rows[4]["skipped_updates"], rows[6]["skipped_updates"]) == (0, 1, 1)
+    a, b = (read_weights(d / "checkpoints" / "step_00000006") for d in (first, second))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
 def test_a_sigterm_to_the_launcher_checkpoints_every_group_and_exits_143(tmp_path: Path) -> None:
     (tmp_path / "slowdata.py").write_text(SLOW_DATA)
     preset = gpt_preset(tmp_path / "out")

@@ -295,26 +295,38 @@ class TorchFT:
             return
         self._start_quorum(run)
 
-    @hookimpl
+    @hookimpl(trylast=True)  # after the plugins that veto: their vetoes travel with the gradients
     def before_update(self, run: Run, step: int) -> None:
-        """The gradients averaged over the quorum's groups; the update only if all of them got here."""
-        manager = self._manager
+        """The gradients averaged over the quorum's groups, and each group's veto or rerun made
+        every group's (replicas must take the same updates); the update only if every group of
+        the quorum got here."""
+        manager, control = self._manager, run.control
         grads = [local_part(p.grad) for p in run.model.parameters() if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            manager.allreduce(flat).wait()
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        dtype = grads[0].dtype if grads else torch.float32
+        asked = torch.tensor([control.skip_reason is not None, control.rerun], dtype=dtype, device=run.device)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), asked])
+        manager.allreduce(flat).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
         if manager.errored() is not None:  # a peer failed: drop the connections, so that the ranks
             self._pg.abort()  # still waiting in this collective fail now, not at the gloo timeout
         if manager.should_commit():
             self._missed += self.replica_groups - len(self._members)
+            self._agree_on_vetoes(control, *flat[-2:].tolist())  # (the commit waited on the host already)
             return
         log.warning("torchft: step %d was not committed by every replica group of its quorum; it runs again", step)
         self._start_quorum(run)
         run.control.skip_update("the replica groups' quorum changed during the step", rerun=True)
+
+    @staticmethod
+    def _agree_on_vetoes(control: Any, vetoed: float, rerun: float) -> None:
+        """Another group's veto or rerun of this step, this group's too (averaged flags: > 0 if any)."""
+        if rerun > 0 and not control.rerun:
+            control.skip_update(control.skip_reason or "another replica group runs this step again", rerun=True)
+        elif vetoed > 0 and control.skip_reason is None:
+            control.skip_update("another replica group skipped this step's update")
 
     @hookimpl
     def on_log(self, metrics: dict[str, float]) -> None:
