@@ -257,31 +257,132 @@ def test_groups_of_two_fsdp_ranks_average_their_shards_and_end_with_the_same_wei
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def two_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dict[str, Any]) -> Any:
+    """``coretrain run --nproc-per-node 2`` of a tiny model as 2 replica groups of one rank, with
+    the test plugins of ``site``; (the run, group 0's output, group 1's output)."""
+    from coretrain.testing import tiny_config, write_config
+
+    train = {"train_iters": train_iters, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4}
+    torchft = {"replica_groups": 2, **plugins.get("torchft", {})}
+    sections = tiny_config(tmp_path / "out", train=train, plugins={**plugins, "torchft": torchft})
+    config = write_config(tmp_path / "c.toml", sections)
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)}
+    done = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env=env)
+    return done, tmp_path / "out" / "replica_group_0", tmp_path / "out" / "replica_group_1"
+
+
+def assert_same_weights(first: Path, second: Path, step: int) -> None:
+    from coretrain import read_weights
+
+    a, b = (read_weights(d / "checkpoints" / f"step_{step:08d}") for d in (first, second))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.slow
 def test_an_update_one_group_vetoes_is_skipped_by_every_group(tmp_path: Path, site: Path) -> None:
     """A NaN loss only group 1 sees: its guard skips the update, and group 0, whose own loss is
     fine, skips it too (the veto travels with the gradients): the groups keep equal weights.
     (Without the agreement group 0 updates at step 4 and the weights part.)"""
-    from coretrain import read_weights
-    from coretrain.testing import tiny_config, write_config
-
-    train = {"train_iters": 6, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4}
-    plugins = {
-        "torchft": {"replica_groups": 2},
-        "guards": {},
-        "nan-loss": {"rank": 0, "at_step": 4, "replica_group": "1"},
-    }
-    config = write_config(tmp_path / "c.toml", tiny_config(tmp_path / "out", train=train, plugins=plugins))
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)}
-    done = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env=env)
+    nan = {"nan-loss": {"rank": 0, "at_step": 4, "replica_group": "1"}}
+    done, first, second = two_groups_of_one(tmp_path, site, 6, {"guards": {}, **nan})
     assert done.returncode == 0, done.stderr[-5000:]
     assert "guards: step 4: loss is nan; update skipped" in done.stderr
-    first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
     for out in (first, second):
         rows = {row["step"]: row for row in metrics_rows(out)}
         assert (rows[3]["skipped_updates"], rows[4]["skipped_updates"], rows[6]["skipped_updates"]) == (0, 1, 1)
-    a, b = (read_weights(d / "checkpoints" / "step_00000006") for d in (first, second))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_weights(first, second, 6)
+
+
+@pytest.mark.slow
+def test_a_step_one_group_skips_whole_is_an_update_every_group_skips(tmp_path: Path, site: Path) -> None:
+    """A whole step skipped in group 1's pre_step (no forward, backward or update there): group 0,
+    which ran the step, skips its update (group 1's veto travels with zeros for its gradients,
+    where group 0 waits for them); the batch is drawn in both, the groups keep equal weights."""
+    skip = {"skip-step": {"rank": 0, "at_step": 3, "replica_group": "1"}}
+    done, first, second = two_groups_of_one(tmp_path, site, 6, skip)
+    assert done.returncode == 0, done.stderr[-5000:]
+    rows = [{row["step"]: row for row in metrics_rows(out)} for out in (first, second)]
+    assert [(r[3]["skipped_steps"], r[3]["skipped_updates"], r[4]["skipped_steps"]) for r in rows] == [(1, 1, 0)] * 2
+    assert [r[6]["consumed_samples"] for r in rows] == [24, 24]  # the skipped step's batch was drawn
+    assert_same_weights(first, second, 6)
+
+
+BRANCHY = """
+import os
+
+import torch
+
+from coretrain import Datasets
+
+
+class Branchy(torch.nn.Module):
+    \"\"\"A part only replica group 1's samples use, as an expert no token of a batch was routed to.\"\"\"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.extra = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        if os.environ["REPLICA_GROUP_ID"] == "1":
+            out = out + self.extra(x)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+class Pairs:
+    def __init__(self) -> None:
+        self.x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.x[index, :1]
+
+
+def model() -> Branchy:
+    return Branchy()
+
+
+def data() -> Datasets:
+    return Datasets(train=Pairs())
+"""
+
+
+@pytest.mark.slow
+def test_a_parameter_one_group_did_not_use_takes_the_others_share(tmp_path: Path) -> None:
+    """A parameter without a gradient in group 0 (its samples never reach it) and with one in
+    group 1: group 0 sends zeros for it, so the groups' all-reduce has the same size (without,
+    gloo aborted on the mismatch), and updates it with group 1's half: equal weights."""
+    (tmp_path / "branchy.py").write_text(BRANCHY)
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[run]\noutput_dir = "out"\nthreads = 1\n[model]\nprovider = "branchy:model"\n'
+        '[data]\nprovider = "branchy:data"\n[train]\nmicro_batch_size = 4\ntrain_iters = 4\n'
+        "log_interval = 1\neval_iters = 0\n[plugins.torchft]\nreplica_groups = 2\n"
+    )
+    done = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-5000:]
+    first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
+    assert_same_weights(first, second, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agree", [True, False])
+def test_a_stop_one_group_asks_for_stops_every_group_at_that_step(tmp_path: Path, site: Path, agree: bool) -> None:
+    """A guard in group 1 stops the run at step 4 (exit code 3): group 0, which saw nothing
+    wrong, stops at step 4 too and saves its checkpoint there, saying why; the job exits 3.
+    With ``agree_stops = false`` the stop is group 1's own: group 0 trains on to the end."""
+    guard = {"guards": {"action": "stop"}, "nan-loss": {"rank": 0, "at_step": 4, "replica_group": "1"}}
+    done, first, second = two_groups_of_one(tmp_path, site, 8, {**guard, "torchft": {"agree_stops": agree}})
+    assert done.returncode == 3, done.stderr[-5000:]
+    said = "torchft: replica group 1 stopped the run at step 4 (its log says why)"
+    assert (said in done.stderr) is agree
+    for out, last in ((first, 4 if agree else 8), (second, 4)):
+        assert [row["step"] for row in metrics_rows(out) if "loss" in row or "skipped_updates" in row][-1] == last
+        assert (out / "checkpoints" / "latest").read_text().strip() == str(last)
+    if agree:
+        assert_same_weights(first, second, 4)
 
 
 @pytest.mark.slow

@@ -23,6 +23,9 @@ the lighthouse's address (``torchft_lighthouse --min_replicas 1``). Each group r
 different samples; ``train.global_batch_size`` is one group's batch. A step a group missed is
 a step its share was not read in: the log says so when it leaves and when it comes back.
 
+What one group's plugins decide — an update vetoed, a whole step skipped, a stop — every group
+does at the same step (a signal stays the group's own: a group preempted leaves, the others go on).
+
 What it logs: ``replica groups 2 of 2 at step 1``, ``replica group 1 left the quorum at step 8``,
 ``replica group 1 joined at step 11, state from replica group 0 (0.4 MB in 0.1 s)``, and the
 metrics ``replica_groups`` (the quorum's size at the logged step) and
@@ -40,7 +43,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import attrs
@@ -86,6 +89,9 @@ class TorchFT:
     """How long a step waits for a quorum of ``min_replicas`` groups."""
     heartbeat_timeout_seconds: float = field(default=5.0, validator=positive)
     """The lighthouse ``coretrain run --nproc-per-node`` starts drops a group silent this long."""
+    agree_stops: bool = True
+    """A stop one group's plugins ask for is every group's, at the same step (one tiny exchange
+    between the groups per step); false: it is the group's own, like a signal (it leaves, the others go on)."""
     _manager: Any = field(default=None, init=False, repr=False)
     _store: Any = field(default=None, init=False, repr=False)
     _pg: Any = field(default=None, init=False, repr=False)
@@ -95,6 +101,8 @@ class TorchFT:
     _received_bytes: float | None = field(default=None, init=False, repr=False)
     """The size of the state this group took from a live one (None: it took none)."""
     _begun: int | None = field(default=None, init=False, repr=False)
+    _averaged: int | None = field(default=None, init=False, repr=False)
+    """The step whose gradients this group last averaged with the others' (in before_update)."""
     _left_at: dict[int, int] = field(factory=dict, init=False, repr=False)
     """Group -> the step it left the quorum at, while it is away."""
     _missed: int = field(default=0, init=False, repr=False)
@@ -295,30 +303,82 @@ class TorchFT:
             return
         self._start_quorum(run)
 
+    @hookimpl(trylast=True)  # after the plugins that stop the run from their post_step
+    def post_step(self, run: Run, step: int) -> None:
+        if self._averaged != step:  # the step was skipped whole here (a pre_step veto): no before_update
+            self._average_and_commit(run, vetoed=True, rerun=False, skipped_whole=True)  # ran; the others wait
+        self._agree_on_stop(run, step)
+
+    def _agree_on_stop(self, run: Run, step: int) -> None:
+        """A stop one group's plugins asked for (a guard, early stopping) is every group's, at the
+        same step. (A signal stays the group's own: a group preempted leaves, the others carry on.)"""
+        if not self.agree_stops:
+            return
+        control = run.control
+        own = [float(control.stop_reason is not None), float(control.exit_code), float(control.checkpoint_requested)]
+        rows = torch.zeros(self.replica_groups, 3)
+        rows[self._group()] = torch.tensor(own)
+        if not self._exchange(rows):
+            return
+        asking = [g for g in range(self.replica_groups) if rows[g, 0] > 0 and g != self._group()]
+        if asking and control.stop_reason is None:
+            reason = f"replica group {asking[0]} stopped the run at step {step} (its log says why)"
+            checkpoint = bool(rows[asking, 2].max() > 0)
+            control.request_stop(reason, checkpoint=checkpoint, exit_code=int(rows[asking, 1].max()))
+            if run.dist.is_main:
+                log.info("torchft: %s", reason)
+
+    def _exchange(self, values: torch.Tensor) -> bool:
+        """``values`` summed over the quorum's groups, in place; False when a group failed in it (the
+        step's commit fails too, and the step runs again)."""
+        self._manager.allreduce(values, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        return self._manager.errored() is None
+
     @hookimpl(trylast=True)  # after the plugins that veto: their vetoes travel with the gradients
     def before_update(self, run: Run, step: int) -> None:
         """The gradients averaged over the quorum's groups, and each group's veto or rerun made
         every group's (replicas must take the same updates); the update only if every group of
         the quorum got here."""
-        manager, control = self._manager, run.control
-        grads = [local_part(p.grad) for p in run.model.parameters() if p.grad is not None]
-        dtype = grads[0].dtype if grads else torch.float32
-        asked = torch.tensor([control.skip_reason is not None, control.rerun], dtype=dtype, device=run.device)
-        flat = torch.cat([*(g.reshape(-1) for g in grads), asked])
-        manager.allreduce(flat).wait()
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        if manager.errored() is not None:  # a peer failed: drop the connections, so that the ranks
-            self._pg.abort()  # still waiting in this collective fail now, not at the gloo timeout
-        if manager.should_commit():
-            self._missed += self.replica_groups - len(self._members)
-            self._agree_on_vetoes(control, *flat[-2:].tolist())  # (the commit waited on the host already)
+        self._averaged = step
+        control = run.control
+        agreed = self._average_and_commit(run, control.skip_reason is not None, control.rerun)
+        if agreed is not None:
+            self._agree_on_vetoes(control, *agreed)
             return
         log.warning("torchft: step %d was not committed by every replica group of its quorum; it runs again", step)
         self._start_quorum(run)
-        run.control.skip_update("the replica groups' quorum changed during the step", rerun=True)
+        control.skip_update("the replica groups' quorum changed during the step", rerun=True)
+
+    def _average_and_commit(
+        self, run: Run, vetoed: bool, rerun: bool, skipped_whole: bool = False
+    ) -> tuple[float, float] | None:
+        """The gradients averaged over the quorum, with this group's veto and rerun flags: the
+        flags' averages, or None when the quorum did not commit. A parameter without a gradient
+        here (no sample of this group used it; a step skipped whole) sends zeros, so that every
+        group sends the same sizes; it takes the others' share when this group updates."""
+        manager = self._manager
+        params = [p for p in run.model.parameters() if p.requires_grad]
+        grads = [local_part(p.grad) if p.grad is not None else torch.zeros_like(local_part(p)) for p in params]
+        dtype = grads[0].dtype if grads else torch.float32
+        flags = torch.tensor([vetoed, rerun], dtype=dtype, device=run.device)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
+        manager.allreduce(flat).wait()
+        if manager.errored() is not None:  # a peer failed: drop the connections, so that the ranks
+            self._pg.abort()  # still waiting in this collective fail now, not at the gloo timeout
+        if not manager.should_commit():
+            return None
+        self._missed += self.replica_groups - len(self._members)
+        offset = 0
+        for p, g in zip(params, grads) if not skipped_whole else ():  # (skipped whole: no gradients to take)
+            averaged = flat[offset : offset + g.numel()].view_as(g)
+            offset += g.numel()
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+                local_part(p.grad).copy_(averaged)
+            else:
+                g.copy_(averaged)
+        vetoed_by, rerun_by = flat[-2:].tolist()  # (the commit waited on the host already)
+        return vetoed_by, rerun_by
 
     @staticmethod
     def _agree_on_vetoes(control: Any, vetoed: float, rerun: float) -> None:
@@ -328,10 +388,17 @@ class TorchFT:
         elif vetoed > 0 and control.skip_reason is None:
             control.skip_update("another replica group skipped this step's update")
 
-    @hookimpl
-    def on_log(self, metrics: dict[str, float]) -> None:
+    @hookimpl(wrapper=True)  # the figures before the other plugins log them; a stop they ask for after
+    def on_log(self, run: Run, step: int, metrics: dict[str, float]) -> Generator[None, None, None]:
         metrics["replica_groups"] = float(len(self._members))
         metrics["replica_group_steps_missed"] = float(self._missed)  # steps x groups whose share went unread
+        yield
+        self._agree_on_stop(run, step)
+        return None
+
+    @hookimpl(trylast=True)  # after the plugins that stop the run from an evaluation (early stopping)
+    def on_eval(self, run: Run, step: int) -> None:
+        self._agree_on_stop(run, step)
 
     @hookimpl
     def on_train_end(self) -> None:
