@@ -1,7 +1,7 @@
 """Randomized fault soak: many jobs, each with one fault drawn by seed, every one must complete
 with the losses of a run without faults.
 
-    python benchmarks/soak.py [--faults 50] [--ranks 2] [--seed 0] [--replace-failed-ranks]
+    python benchmarks/soak.py [--faults 50] [--ranks 2] [--seed 0] [--replace-failed-ranks | --replica-groups]
 
 Each job is ``benchmarks/recovery.py``'s (the tiny workload on gloo ranks, 16 steps, a durable
 checkpoint every 4) with ``[plugins.inprocess-restart]``, ``[plugins.local-checkpoint]`` (every
@@ -15,19 +15,31 @@ a killed rank is replaced alone while the others wait in-process; a rank the wat
 hang, or a peer that froze) restarts the job. Prints one line per job and a summary table: jobs
 per kind, completed, equal to the reference, and the median seconds over the reference's. Exits 1
 if any job failed or trained other losses.
+
+With ``--replica-groups`` every rank is a torchft replica group of its own (recovery.py's (f):
+1,000 steps, ``--max-restarts 2``, the watchdog at 5 s), and a fault — ``raise``, ``sigkill`` or
+``hang``, in the first attempt only, any group but group 0 — ends that group alone. A job passes
+when it completes and group 0 logged every step once without resuming, counted as many steps
+without the faulted group's share (``replica_group_steps_missed``; none when the group was back
+before the quorum dropped it) as its log said, and every group ended with the same weights.
+(``sigstop`` is left out: a frozen group of one process is dropped from the quorum, but nothing
+ends it, and the job waits for it.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import re
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from recovery import run_case
+import torch
+from recovery import REPLICA_STEPS, run_case
 
 KINDS = ("raise", "sigkill", "hang", "sigstop")
 SOAK: dict[str, Any] = {
@@ -37,12 +49,70 @@ SOAK: dict[str, Any] = {
 }
 
 
-def fault(rng: random.Random, ranks: int) -> dict[str, Any]:
-    kind = rng.choice(KINDS)
-    drawn: dict[str, Any] = {"action": kind, "step": rng.randint(2, 15), "ranks": [rng.randrange(ranks)]}
-    if kind != "raise":  # a new process of the restarted job would fire it again
+GROUP_KINDS = ("raise", "sigkill", "hang")
+
+
+def fault(rng: random.Random, ranks: int, groups: bool = False) -> dict[str, Any]:
+    kind = rng.choice(GROUP_KINDS if groups else KINDS)
+    rank = rng.randrange(1, ranks) if groups else rng.randrange(ranks)  # group 0 is the one measured
+    drawn: dict[str, Any] = {"action": kind, "step": rng.randint(2, 15), "ranks": [rank]}
+    if kind != "raise" or groups:  # a new process of the restarted job (or group) would fire it again
         drawn["attempt"] = 0
     return drawn
+
+
+def groups_agree(out: Path, ranks: int) -> str | None:
+    """What is wrong with a replica-group job's output, or None: group 0 logged every step once
+    and never resumed, counted the steps it trained without a group, and all groups end equal."""
+    first = out / "replica_group_0"
+    rows = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows if "loss" in row]
+    if steps != list(range(1, REPLICA_STEPS + 1)):
+        return f"group 0 logged steps {steps[:3]}...{steps[-3:]} ({len(steps)})"
+    said = (first / "run.log").read_text()
+    if "resumed from" in said:
+        return "group 0 resumed from a checkpoint"
+    told = sum(int(k) for k in re.findall(r"its share of (\d+) step\(s\)", said))  # when a group came back
+    counted = rows[-1].get("replica_group_steps_missed", 0.0)
+    if counted != told:
+        return f"group 0 counted {counted:g} steps without a group's share, its log said {told}"
+    last = f"step_{REPLICA_STEPS:08d}"
+    weights = [torch.load(out / f"replica_group_{g}" / "checkpoints" / last / "model.pt") for g in range(ranks)]
+    if any(not all(torch.equal(w[k], weights[0][k]) for k in weights[0]) for w in weights[1:]):
+        return "the groups ended with different weights"
+    return None
+
+
+def steps_missed(out: Path) -> float:
+    """Group 0's count of steps × groups whose share went unread (NaN without a metrics file)."""
+    metrics = out / "replica_group_0" / "metrics.jsonl"
+    if not metrics.exists():
+        return float("nan")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return float(rows[-1].get("replica_group_steps_missed", 0.0)) if rows else float("nan")
+
+
+def soak_groups(args: argparse.Namespace, rng: random.Random) -> None:
+    """``--replica-groups``: each job's fault ends one group; the others carry on (see the module)."""
+    groups = {"torchft": {"replica_groups": args.ranks}, "watchdog": {"step_timeout_seconds": 5.0}}
+    done: dict[str, list[tuple[bool, float]]] = {kind: [] for kind in GROUP_KINDS}
+    with tempfile.TemporaryDirectory() as scratch:
+        for i in range(args.faults):
+            drawn = fault(rng, args.ranks, groups=True)
+            root = Path(scratch) / f"job-{i}"
+            root.mkdir()
+            result = run_case(root, args.ranks, {**groups, "fault-injection": drawn}, ["--max-restarts", "2"])
+            wrong = "the job failed" if result is None else groups_agree(root / "out", args.ranks)
+            done[drawn["action"]].append((wrong is None, steps_missed(root / "out")))
+            what = f"{drawn['action']} at step {drawn['step']} on group {drawn['ranks'][0]}"
+            print(f"job {i}: {what}: {wrong or 'ok'}", flush=True)
+    lines = ["| fault | jobs | passed | steps without a group's share (median) |", "| --- | --- | --- | --- |"]
+    for kind, jobs in done.items():
+        counts = [m for ok, m in jobs if ok]
+        median = f"{statistics.median(counts):g}" if counts else "—"
+        lines.append(f"| {kind} | {len(jobs)} | {sum(ok for ok, _ in jobs)} | {median} |")
+    print("\n".join(lines))
+    sys.exit(0 if all(ok for jobs in done.values() for ok, _ in jobs) else 1)
 
 
 def main() -> None:
@@ -51,8 +121,11 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replace-failed-ranks", action="store_true")
+    parser.add_argument("--replica-groups", action="store_true", help="every rank a torchft replica group")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    if args.replica_groups:
+        soak_groups(args, rng)
     launch = ["--max-restarts", "2", *(["--replace-failed-ranks"] if args.replace_failed_ranks else [])]
     done: dict[str, list[tuple[bool, bool, float]]] = {kind: [] for kind in KINDS}
     with tempfile.TemporaryDirectory() as scratch:
