@@ -17,7 +17,7 @@ per kind, completed, equal to the reference, and the median seconds over the ref
 if any job failed or trained other losses.
 
 With ``--replica-groups`` every rank is a torchft replica group of its own (recovery.py's (f):
-1,000 steps, ``--max-restarts 2``, the watchdog at 5 s), and a fault — ``raise``, ``sigkill`` or
+1,000 steps, ``--max-restarts 2``, the watchdog at 60 s), and a fault — ``raise``, ``sigkill`` or
 ``hang``, in the first attempt only, any group but group 0 — ends that group alone. A job passes
 when it completes and group 0 logged every step once without resuming, counted as many steps
 without the faulted group's share (``replica_group_steps_missed``; none when the group was back
@@ -94,7 +94,9 @@ def steps_missed(out: Path) -> float:
 
 def soak_groups(args: argparse.Namespace, rng: random.Random) -> None:
     """``--replica-groups``: each job's fault ends one group; the others carry on (see the module)."""
-    groups = {"torchft": {"replica_groups": args.ranks}, "watchdog": {"step_timeout_seconds": 5.0}}
+    # the watchdog's grace for a rank waiting on others (a quarter of its timeout) must outlast the
+    # lighthouse dropping a hung group (its 5 s heartbeat timeout): at 5 s the survivors ended too
+    groups = {"torchft": {"replica_groups": args.ranks}, "watchdog": {"step_timeout_seconds": 60.0}}
     done: dict[str, list[tuple[bool, float]]] = {kind: [] for kind in GROUP_KINDS}
     with tempfile.TemporaryDirectory() as scratch:
         for i in range(args.faults):
