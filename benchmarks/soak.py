@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from recovery import REPLICA_STEPS, run_case
 
+from coretrain import read_weights
+
 KINDS = ("raise", "sigkill", "hang", "sigstop")
 SOAK: dict[str, Any] = {
     "inprocess-restart": {},
@@ -61,15 +63,19 @@ def fault(rng: random.Random, ranks: int, groups: bool = False) -> dict[str, Any
     return drawn
 
 
-def groups_agree(out: Path, ranks: int) -> str | None:
+def group_rows(out: Path) -> list[dict[str, Any]]:
+    """Group 0's metrics rows (none when it wrote no metrics file)."""
+    metrics = out / "replica_group_0" / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def groups_agree(out: Path, ranks: int, rows: list[dict[str, Any]]) -> str | None:
     """What is wrong with a replica-group job's output, or None: group 0 logged every step once
     and never resumed, counted the steps it trained without a group, and all groups end equal."""
-    first = out / "replica_group_0"
-    rows = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
     steps = [row["step"] for row in rows if "loss" in row]
     if steps != list(range(1, REPLICA_STEPS + 1)):
         return f"group 0 logged steps {steps[:3]}...{steps[-3:]} ({len(steps)})"
-    said = (first / "run.log").read_text()
+    said = (out / "replica_group_0" / "run.log").read_text()
     if "resumed from" in said:
         return "group 0 resumed from a checkpoint"
     told = sum(int(k) for k in re.findall(r"its share of (\d+) step\(s\)", said))  # when a group came back
@@ -77,19 +83,10 @@ def groups_agree(out: Path, ranks: int) -> str | None:
     if counted != told:
         return f"group 0 counted {counted:g} steps without a group's share, its log said {told}"
     last = f"step_{REPLICA_STEPS:08d}"
-    weights = [torch.load(out / f"replica_group_{g}" / "checkpoints" / last / "model.pt") for g in range(ranks)]
-    if any(not all(torch.equal(w[k], weights[0][k]) for k in weights[0]) for w in weights[1:]):
+    first, *others = (read_weights(out / f"replica_group_{g}" / "checkpoints" / last) for g in range(ranks))
+    if any(not all(torch.equal(weights[k], first[k]) for k in first) for weights in others):
         return "the groups ended with different weights"
     return None
-
-
-def steps_missed(out: Path) -> float:
-    """Group 0's count of steps × groups whose share went unread (NaN without a metrics file)."""
-    metrics = out / "replica_group_0" / "metrics.jsonl"
-    if not metrics.exists():
-        return float("nan")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return float(rows[-1].get("replica_group_steps_missed", 0.0)) if rows else float("nan")
 
 
 def soak_groups(args: argparse.Namespace, rng: random.Random) -> None:
@@ -104,8 +101,10 @@ def soak_groups(args: argparse.Namespace, rng: random.Random) -> None:
             root = Path(scratch) / f"job-{i}"
             root.mkdir()
             result = run_case(root, args.ranks, {**groups, "fault-injection": drawn}, ["--max-restarts", "2"])
-            wrong = "the job failed" if result is None else groups_agree(root / "out", args.ranks)
-            done[drawn["action"]].append((wrong is None, steps_missed(root / "out")))
+            rows = group_rows(root / "out")
+            wrong = "the job failed" if result is None else groups_agree(root / "out", args.ranks, rows)
+            missed = rows[-1].get("replica_group_steps_missed", 0.0) if rows else float("nan")
+            done[drawn["action"]].append((wrong is None, missed))
             what = f"{drawn['action']} at step {drawn['step']} on group {drawn['ranks'][0]}"
             print(f"job {i}: {what}: {wrong or 'ok'}", flush=True)
     lines = ["| fault | jobs | passed | steps without a group's share (median) |", "| --- | --- | --- | --- |"]

@@ -237,7 +237,6 @@ def test_ranks_the_groups_cannot_share_are_one_error_line_before_anything_starts
 def test_groups_of_two_fsdp_ranks_average_their_shards_and_end_with_the_same_weights(tmp_path: Path) -> None:
     """FSDP inside each group, as without torchft: the groups' gradient shards are averaged shard by
     shard (each group holds the same layout) and every group ends with the same weights."""
-    from coretrain import read_weights
     from coretrain.testing import tiny_config, write_config
 
     train = {"train_iters": 6, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4, "global_batch_size": 8}
@@ -253,8 +252,7 @@ def test_groups_of_two_fsdp_ranks_average_their_shards_and_end_with_the_same_wei
     assert "torchft: 2 replica groups of 2 rank(s)" in done.stderr
     first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
     assert metrics_rows(first)[0]["loss"] != metrics_rows(second)[0]["loss"]  # their own shares
-    a, b = (read_weights(d / "checkpoints" / "step_00000006") for d in (first, second))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_weights(first, second, 6)
 
 
 def two_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dict[str, Any]) -> Any:

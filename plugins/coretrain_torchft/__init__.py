@@ -51,6 +51,7 @@ import torch
 from attrs import define, field
 
 from coretrain import (
+    Control,
     FieldValueError,
     Run,
     TrainState,
@@ -96,6 +97,8 @@ class TorchFT:
     _store: Any = field(default=None, init=False, repr=False)
     _pg: Any = field(default=None, init=False, repr=False)
     _run: Run | None = field(default=None, init=False, repr=False)
+    _number: int = field(default=0, init=False, repr=False)
+    """This group's number, read once (``_group``) when training starts."""
     _members: tuple[int, ...] = field(default=(), init=False, repr=False)
     _quorum: Any = field(default=None, init=False, repr=False)
     _received_bytes: float | None = field(default=None, init=False, repr=False)
@@ -196,7 +199,8 @@ class TorchFT:
         self._run = run
         for name in ("torchft.manager", "torchft.process_group"):
             logging.getLogger(name).addFilter(_expected_failures)
-        group, timeout = self._group(), datetime.timedelta(seconds=self.timeout_seconds)
+        group = self._number = self._group()
+        timeout = datetime.timedelta(seconds=self.timeout_seconds)
         address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if address is None or port is None or run.dist.world_size == 1:  # one process: a store of its own
             store = torch.distributed.TCPStore  # type: ignore[attr-defined]  # torch exports it untyped
@@ -272,7 +276,7 @@ class TorchFT:
             return
         self._quorum = quorum
         present = torch.zeros(self.replica_groups)
-        present[self._group()] = 1.0
+        present[self._number] = 1.0
         manager.allreduce(present, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         members = tuple(g for g in range(self.replica_groups) if present[g] > 0)
         if not members:  # the exchange failed with the quorum: the commit will say so, the step runs again
@@ -317,10 +321,10 @@ class TorchFT:
         control = run.control
         own = [float(control.stop_reason is not None), float(control.exit_code), float(control.checkpoint_requested)]
         rows = torch.zeros(self.replica_groups, 3)
-        rows[self._group()] = torch.tensor(own)
+        rows[self._number] = torch.tensor(own)
         if not self._exchange(rows):
             return
-        asking = [g for g in range(self.replica_groups) if rows[g, 0] > 0 and g != self._group()]
+        asking = [g for g in range(self.replica_groups) if rows[g, 0] > 0 and g != self._number]
         if asking and control.stop_reason is None:
             reason = f"replica group {asking[0]} stopped the run at step {step} (its log says why)"
             checkpoint = bool(rows[asking, 2].max() > 0)
@@ -368,8 +372,16 @@ class TorchFT:
         if not manager.should_commit():
             return None
         self._missed += self.replica_groups - len(self._members)
+        if not skipped_whole:  # (a step skipped whole here has no update to take the averages)
+            self._take_averages(params, grads, flat)
+        vetoed_by, rerun_by = flat[-2:].tolist()  # (the commit waited on the host already)
+        return vetoed_by, rerun_by
+
+    @staticmethod
+    def _take_averages(params: list[torch.nn.Parameter], grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+        """Each parameter's gradient becomes its average in ``flat``; one without a gradient gets one."""
         offset = 0
-        for p, g in zip(params, grads) if not skipped_whole else ():  # (skipped whole: no gradients to take)
+        for p, g in zip(params, grads):
             averaged = flat[offset : offset + g.numel()].view_as(g)
             offset += g.numel()
             if p.grad is None:
@@ -377,11 +389,9 @@ class TorchFT:
                 local_part(p.grad).copy_(averaged)
             else:
                 g.copy_(averaged)
-        vetoed_by, rerun_by = flat[-2:].tolist()  # (the commit waited on the host already)
-        return vetoed_by, rerun_by
 
     @staticmethod
-    def _agree_on_vetoes(control: Any, vetoed: float, rerun: float) -> None:
+    def _agree_on_vetoes(control: Control, vetoed: float, rerun: float) -> None:
         """Another group's veto or rerun of this step, this group's too (averaged flags: > 0 if any)."""
         if rerun > 0 and not control.rerun:
             control.skip_update(control.skip_reason or "another replica group runs this step again", rerun=True)
