@@ -403,3 +403,85 @@ def test_a_sigterm_to_the_launcher_checkpoints_every_group_and_exits_143(tmp_pat
     assert job.returncode == 143 and "error:" not in err, err[-4000:]
     for group in (0, 1):  # each group saved where it stopped (the groups' stops are not agreed yet)
         assert list((tmp_path / "out" / f"replica_group_{group}" / "checkpoints").glob("step_*")), group
+
+
+def semi_synchronous(
+    tmp_path: Path, site: Path, out: str, torchft: dict[str, Any], *sets: str, plugins: dict[str, Any] | None = None
+) -> Any:
+    """A tiny model as 2 replica groups of one rank in a semi-synchronous ``torchft`` mode, syncing
+    every 3 of 9 steps, a checkpoint at every step; (the run, group 0's output, group 1's output)."""
+    from coretrain.testing import tiny_config, write_config
+
+    train = {"train_iters": 9, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4}
+    torchft = {"replica_groups": 2, "sync_every": 3, **torchft}
+    sections = tiny_config(
+        tmp_path / "out", train=train, checkpoint={"save_interval": 1}, plugins={"torchft": torchft, **(plugins or {})}
+    )
+    config = write_config(tmp_path / "c.toml", sections)
+    args = ["--set", f'run.output_dir="{out}"', *(arg for value in sets for arg in ("--set", value))]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)}
+    done = run_cli("run", str(config), "--nproc-per-node", "2", "--max-restarts", "1", *args, cwd=tmp_path, env=env)
+    return done, tmp_path / out / "replica_group_0", tmp_path / out / "replica_group_1"
+
+
+def same_weights(first: Path, second: Path, step: int) -> bool:
+    from coretrain import read_weights
+
+    a, b = (read_weights(d / "checkpoints" / f"step_{step:08d}") for d in (first, second))
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "torchft",
+    [{"mode": "localsgd"}, {"mode": "diloco", "outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}],
+    ids=["localsgd", "diloco"],
+)
+def test_semi_synchronous_groups_average_every_sync_every_steps_and_resume_exactly(
+    tmp_path: Path, site: Path, torchft: dict[str, Any]
+) -> None:
+    """Each group trains on its own share between syncs (the weights part); before step 4 and 7
+    the groups average (DiLoCo with an outer SGD of rate 1 and no momentum takes the average as
+    LocalSGD does): step 4, skipped whole by both, holds the mean of the groups' step-3
+    weights; the run's last step ends with the same weights. A job stopped at step 4 and resumed
+    ends bit for bit where the uninterrupted one did (DiLoCo's weights of the last sync and its
+    outer optimizer are in each group's checkpoint)."""
+    from coretrain import read_weights
+
+    skip = {"skip-step": {"rank": 0, "at_step": 4}}
+    done, first, second = semi_synchronous(tmp_path, site, "whole", torchft, plugins=skip)
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert [same_weights(first, second, step) for step in range(1, 10)] == [False] * 3 + [True] + [False] * 4 + [True]
+    (a, b), averaged = (
+        (read_weights(d / "checkpoints" / "step_00000003") for d in (first, second)),
+        read_weights(first / "checkpoints" / "step_00000004"),
+    )
+    assert all(torch.allclose(averaged[k], (a[k] + b[k]) / 2, atol=1e-6) for k in a)
+
+    stopped, *_ = semi_synchronous(tmp_path, site, "resumed", torchft, "train.exit_interval=5", plugins=skip)
+    assert stopped.returncode == 0, stopped.stderr[-5000:]
+    resumed, *parts = semi_synchronous(tmp_path, site, "resumed", torchft, plugins=skip)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-5000:]
+    assert "replica groups 2 of 2 at step 6" in resumed.stderr  # (no group trained alone while the other started)
+    for whole, part in zip((first, second), parts):
+        assert all(same_weights(whole, part, step) for step in (6, 7, 9))
+
+
+@pytest.mark.slow
+def test_a_killed_diloco_group_rejoins_at_a_sync_with_the_live_groups_state(tmp_path: Path, site: Path) -> None:
+    """DiLoCo's groups: group 1 SIGKILLed at step 5 and restarted by its launcher; group 0 trains
+    all 9 steps in its first process. Its sync before step 7 waits for a quorum until the dead
+    group's heartbeat lapses (15 s here, room for the restart on a busy machine); the restarted
+    group 1 is in it and takes group 0's state (weights, the last sync's weights, the outer
+    optimizer, the data position, the schedule): both end with the same weights."""
+    kill = {"fault-injection": {"action": "sigkill", "step": 5, "ranks": [1], "attempt": 0}}
+    torchft = {"mode": "diloco", "heartbeat_timeout_seconds": 15}
+    done, first, second = semi_synchronous(tmp_path, site, "out", torchft, plugins=kill)
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert [row["step"] for row in metrics_rows(first)] == list(range(1, 10))  # every step once, one process
+    log = (first / "run.log").read_text()
+    assert "resumed from" not in log and "runs again" not in log, log[-3000:]
+    joined = [line for line in done.stderr.splitlines() if "replica group 1 joined at step" in line]
+    assert joined and "joined at step 7, state from replica group 0 (" in joined[0], done.stderr[-5000:]
+    assert [row["step"] for row in metrics_rows(second)][-3:] == [7, 8, 9]
+    assert same_weights(first, second, 9)

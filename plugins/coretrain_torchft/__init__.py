@@ -26,6 +26,9 @@ a step its share was not read in: the log says so when it leaves and when it com
 What one group's plugins decide — an update vetoed, a whole step skipped, a stop — every group
 does at the same step (a signal stays the group's own: a group preempted leaves, the others go on).
 
+``mode = "localsgd"`` or ``"diloco"`` (:mod:`coretrain_torchft.periodic`): each group updates on
+its own and the groups meet every ``sync_every`` steps, torchft's LocalSGD and DiLoCo.
+
 What it logs: ``replica groups 2 of 2 at step 1``, ``replica group 1 left the quorum at step 8``,
 ``replica group 1 joined at step 11, state from replica group 0 (0.4 MB in 0.1 s)``, and the
 metrics ``replica_groups`` (the quorum's size at the logged step) and
@@ -44,7 +47,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -57,11 +60,13 @@ from coretrain import (
     TrainState,
     UserError,
     hookimpl,
+    in_range,
     is_stream,
     positive,
     rng_state,
     set_rng_state,
 )
+from coretrain_torchft.periodic import PeriodicSync
 from coretrain_torchft.share import GroupShare
 from coretrain_torchft.transfer import local_part, tensor_bytes, weights_only_transport
 
@@ -93,6 +98,21 @@ class TorchFT:
     agree_stops: bool = True
     """A stop one group's plugins ask for is every group's, at the same step (one tiny exchange
     between the groups per step); false: it is the group's own, like a signal (it leaves, the others go on)."""
+    mode: Literal["ddp", "localsgd", "diloco"] = "ddp"
+    """"ddp": the groups' gradients averaged at every step. "localsgd": each group updates on its
+    own and the groups' weights are averaged every ``sync_every`` steps (torchft's LocalSGD);
+    "diloco": every ``sync_every`` steps an outer SGD step on the groups' averaged pseudo-gradients
+    (torchft's DiLoCo): for groups on slow links. A group that fails is dropped at the next sync;
+    one that comes back joins at a sync."""
+    sync_every: int = field(default=100, validator=positive)
+    """localsgd, diloco: the groups sync at the boundary after every ``sync_every``-th step (a
+    checkpoint of that step holds the group's own weights) and after the run's last step."""
+    outer_lr: float = field(default=0.7, validator=positive)
+    """diloco: the outer SGD's learning rate (the DiLoCo paper's 0.7)."""
+    outer_momentum: float = field(default=0.9, validator=in_range(0.0, 1.0))
+    """diloco: the outer SGD's momentum."""
+    outer_nesterov: bool = True
+    """diloco: Nesterov momentum for the outer SGD, as the paper."""
     _manager: Any = field(default=None, init=False, repr=False)
     _store: Any = field(default=None, init=False, repr=False)
     _pg: Any = field(default=None, init=False, repr=False)
@@ -110,6 +130,12 @@ class TorchFT:
     """Group -> the step it left the quorum at, while it is away."""
     _missed: int = field(default=0, init=False, repr=False)
     """Steps times groups whose share was not read (a group away), counted as steps commit."""
+    _periodic: PeriodicSync | None = field(default=None, init=False, repr=False)
+    """localsgd, diloco: torchft's averaging, run at the syncs."""
+    _synced: int = field(default=0, init=False, repr=False)
+    """localsgd, diloco: the step of the last sync."""
+    _resumed: dict[str, Any] = field(factory=dict, init=False, repr=False)
+    """diloco: its state from the checkpoint resumed, applied once the DiLoCo exists."""
 
     def __attrs_post_init__(self) -> None:
         if self.replica_groups < 2:
@@ -233,14 +259,19 @@ class TorchFT:
                 f"({self.timeout_seconds:g}s: {str(exc).split(';')[0][:200]}); start it "
                 "(`torchft_lighthouse --min_replicas 1`) or point TORCHFT_LIGHTHOUSE at it"
             ) from None
+        if self.mode != "ddp":
+            self._start_periodic(run)
+        self._count_steps(run)
         started = time.perf_counter()
-        fresh = run.state.step == 0  # a job starting: every group trains its first step, not the first one up alone
-        self._start_quorum(run, say=not fresh)
-        if fresh:
-            self._wait_for_every_group(run)
-            if run.dist.is_main:
-                self._say_changes(run, (), self._members)
+        self._start_quorum(run, say=False)
+        if self._received_bytes is None:  # the job starting or resuming: every group takes part from the start
+            self._wait_for_every_group(run, resuming=run.state.step > 0)
+        if run.dist.is_main:
+            self._say_changes(run, (), self._members)
         self._begun = run.state.step + 1  # (a state received moved the run to the live groups' step)
+        self._synced = run.state.step
+        if self._periodic is not None and self._received_bytes is not None:  # met the live groups at a sync
+            self._average_until_committed(run, run.state.step)
         if self._received_bytes is not None:
             seconds, megabytes = time.perf_counter() - started, self._received_bytes / 2**20
             sources = [g for g in self._members if g != group]
@@ -254,9 +285,34 @@ class TorchFT:
                 seconds,
             )
 
-    def _wait_for_every_group(self, run: Run) -> None:
+    def _start_periodic(self, run: Run) -> None:
+        """torchft's LocalSGD or DiLoCo, before the first quorum (DiLoCo's state goes to a group that
+        heals); the manager counts the run's steps, so that a group behind the others heals from them."""
+        outer = {"lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": self.outer_nesterov}
+        self._periodic = PeriodicSync(self.mode, self._manager, run.unwrapped_model, run.optimizer, **outer)
+        if self._resumed:
+            self._periodic.load_state_dict(self._resumed)
+
+    def _count_steps(self, run: Run) -> None:
+        """torchft heals the groups whose manager is at a lower step than the quorum's highest: the
+        run's step, not the steps this process committed (a group resumed from an older checkpoint
+        is behind); in localsgd and diloco it counts syncs, so it is set again before each."""
+        self._manager.load_state_dict({"step": run.state.step, "batches_committed": 0})
+
+    def _wait_for_every_group(self, run: Run, resuming: bool) -> None:
+        """Quorums until every group is in one, or one is ahead and this group took its state. A
+        resumed job whose missing groups do not come within the quorum timeout trains on without them."""
         deadline = time.monotonic() + self.quorum_timeout_seconds
-        while len(self._members) < self.replica_groups and self._manager.current_step() == 0:
+        while len(self._members) < self.replica_groups and self._received_bytes is None:
+            if time.monotonic() > deadline and resuming:
+                log.warning(
+                    "torchft: %d of %d replica groups resumed within quorum_timeout_seconds (%g); training on "
+                    "without the others (they join when they start)",
+                    len(self._members),
+                    self.replica_groups,
+                    self.quorum_timeout_seconds,
+                )
+                return
             if time.monotonic() > deadline:
                 raise UserError(
                     f"plugins.torchft: {len(self._members)} of {self.replica_groups} replica groups started within "
@@ -305,13 +361,38 @@ class TorchFT:
         if step == self._begun:  # on_train_start began this step's quorum
             self._begun = None
             return
-        self._start_quorum(run)
+        if self._periodic is None:
+            self._start_quorum(run)
+        elif (step - 1) % self.sync_every == 0:  # (each group trains on its own between syncs)
+            self._sync(run, step - 1)
 
     @hookimpl(trylast=True)  # after the plugins that stop the run from their post_step
     def post_step(self, run: Run, step: int) -> None:
-        if self._averaged != step:  # the step was skipped whole here (a pre_step veto): no before_update
+        if self._periodic is not None:
+            if step == run.train_iters:  # the groups end with the same weights
+                self._sync(run, step)
+        elif self._averaged != step:  # the step was skipped whole here (a pre_step veto): no before_update
             self._average_and_commit(run, vetoed=True, rerun=False, skipped_whole=True)  # ran; the others wait
         self._agree_on_stop(run, step)
+
+    def _sync(self, run: Run, step: int) -> None:
+        """localsgd, diloco: the groups meet in a quorum at the boundary after ``step`` — before the
+        next step, where a group coming back joins (from ``on_train_start``) with the state of the
+        end of ``step`` — and average; and after the run's last step."""
+        self._count_steps(run)
+        self._start_quorum(run)
+        self._average_until_committed(run, step)
+
+    def _average_until_committed(self, run: Run, step: int) -> None:
+        """The sync of ``step`` under the quorum just started, again under a new one while a group
+        fails in it (as a step runs again in ``ddp``)."""
+        assert self._periodic is not None
+        while not self._periodic.average():
+            log.warning("torchft: the sync of step %d was not committed by every replica group; it runs again", step)
+            self._count_steps(run)
+            self._start_quorum(run)
+        self._missed += (self.replica_groups - len(self._members)) * (step - self._synced)
+        self._synced = step
 
     def _agree_on_stop(self, run: Run, step: int) -> None:
         """A stop one group's plugins asked for (a guard, early stopping) is every group's, at the
@@ -343,6 +424,8 @@ class TorchFT:
         """The gradients averaged over the quorum's groups, and each group's veto or rerun made
         every group's (replicas must take the same updates); the update only if every group of
         the quorum got here."""
+        if self._periodic is not None:  # (each group updates on its own; a veto is the group's)
+            return
         self._averaged = step
         control = run.control
         agreed = self._average_and_commit(run, control.skip_reason is not None, control.rerun)
@@ -409,6 +492,15 @@ class TorchFT:
     @hookimpl(trylast=True)  # after the plugins that stop the run from an evaluation (early stopping)
     def on_eval(self, run: Run, step: int) -> None:
         self._agree_on_stop(run, step)
+
+    @hookimpl
+    def on_checkpoint(self) -> dict[str, Any] | None:
+        """diloco: the weights of the last sync and the outer optimizer, so that a resume goes on exactly."""
+        return self._periodic.state_dict() if self._periodic is not None else None
+
+    @hookimpl
+    def on_resume(self, state: dict[str, Any]) -> None:
+        self._resumed = state  # (applied when training starts and the DiLoCo exists)
 
     @hookimpl
     def on_train_end(self) -> None:
