@@ -17,13 +17,13 @@ per kind, completed, equal to the reference, and the median seconds over the ref
 if any job failed or trained other losses.
 
 With ``--replica-groups`` every rank is a torchft replica group of its own (recovery.py's (f):
-1,000 steps, ``--max-restarts 2``, the watchdog at 60 s), and a fault — ``raise``, ``sigkill`` or
-``hang``, in the first attempt only, any group but group 0 — ends that group alone. A job passes
-when it completes and group 0 logged every step once without resuming, counted as many steps
-without the faulted group's share (``replica_group_steps_missed``; none when the group was back
-before the quorum dropped it) as its log said, and every group ended with the same weights.
-(``sigstop`` is left out: a frozen group of one process is dropped from the quorum, but nothing
-ends it, and the job waits for it.)
+1,000 steps, ``--max-restarts 2``, the watchdog at 60 s), and a fault — ``raise``, ``sigkill``,
+``hang`` or ``sigstop``, in the first attempt only, any group but group 0 — ends that group alone
+(a frozen one is left behind: the launcher ends it once the others completed without it). A job
+passes when it completes and group 0 logged every step once without resuming, counted as many
+steps without the faulted group's share (``replica_group_steps_missed``; none when the group was
+back before the quorum dropped it) as its log said, and every group of its last quorum ended with
+the same weights.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ SOAK: dict[str, Any] = {
 }
 
 
-GROUP_KINDS = ("raise", "sigkill", "hang")
+GROUP_KINDS = KINDS
 
 
 def fault(rng: random.Random, ranks: int, groups: bool = False) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def group_rows(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
-def groups_agree(out: Path, ranks: int, rows: list[dict[str, Any]]) -> str | None:
+def groups_agree(out: Path, rows: list[dict[str, Any]]) -> str | None:
     """What is wrong with a replica-group job's output, or None: group 0 logged every step once
     and never resumed, counted the steps it trained without a group, and all groups end equal."""
     steps = [row["step"] for row in rows if "loss" in row]
@@ -79,11 +79,14 @@ def groups_agree(out: Path, ranks: int, rows: list[dict[str, Any]]) -> str | Non
     if "resumed from" in said:
         return "group 0 resumed from a checkpoint"
     told = sum(int(k) for k in re.findall(r"its share of (\d+) step\(s\)", said))  # when a group came back
+    left = {int(g): int(s) for g, s in re.findall(r"replica group (\d+) left the quorum at step (\d+)", said)}
+    members = json.loads((out / "replica_group_0" / "torchft-completed.json").read_text())["members"]
+    told += sum(REPLICA_STEPS + 1 - step for group, step in left.items() if group not in members)  # away at the end
     counted = rows[-1].get("replica_group_steps_missed", 0.0)
     if counted != told:
         return f"group 0 counted {counted:g} steps without a group's share, its log said {told}"
     last = f"step_{REPLICA_STEPS:08d}"
-    first, *others = (read_weights(out / f"replica_group_{g}" / "checkpoints" / last) for g in range(ranks))
+    first, *others = (read_weights(out / f"replica_group_{g}" / "checkpoints" / last) for g in members)
     if any(not all(torch.equal(weights[k], first[k]) for k in first) for weights in others):
         return "the groups ended with different weights"
     return None
@@ -102,7 +105,7 @@ def soak_groups(args: argparse.Namespace, rng: random.Random) -> None:
             root.mkdir()
             result = run_case(root, args.ranks, {**groups, "fault-injection": drawn}, ["--max-restarts", "2"])
             rows = group_rows(root / "out")
-            wrong = "the job failed" if result is None else groups_agree(root / "out", args.ranks, rows)
+            wrong = "the job failed" if result is None else groups_agree(root / "out", rows)
             missed = rows[-1].get("replica_group_steps_missed", 0.0) if rows else float("nan")
             done[drawn["action"]].append((wrong is None, missed))
             what = f"{drawn['action']} at step {drawn['step']} on group {drawn['ranks'][0]}"

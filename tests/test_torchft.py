@@ -5,6 +5,7 @@ the group started again takes the live group's state and trains in step with it.
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -485,3 +486,20 @@ def test_a_killed_diloco_group_rejoins_at_a_sync_with_the_live_groups_state(tmp_
     assert joined and "joined at step 7, state from replica group 0 (" in joined[0], done.stderr[-5000:]
     assert [row["step"] for row in metrics_rows(second)][-3:] == [7, 8, 9]
     assert same_weights(first, second, 9)
+
+
+@pytest.mark.slow
+def test_a_frozen_group_is_left_behind_and_ended_once_the_others_completed(tmp_path: Path, site: Path) -> None:
+    """Group 1 SIGSTOPped at step 4 (a process stuck in the kernel): its agent sees a live process
+    and its watchdog is frozen with it, so nothing of its own ends it. Group 0 carries on without
+    it to the end, and the launcher then ends the group that was not in its last quorum: the job
+    completes (rc 0) instead of waiting for it for ever."""
+    stop = {"fault-injection": {"action": "sigstop", "step": 4, "ranks": [1]}}
+    torchft = {"torchft": {"timeout_seconds": 10, "heartbeat_timeout_seconds": 3}}
+    done, first, second = two_groups_of_one(tmp_path, site, 8, {**stop, **torchft})
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert [row["step"] for row in metrics_rows(first)] == list(range(1, 9))
+    assert "replica group 1 left the quorum at step 4" in done.stderr
+    said = "torchft: replica group 1 was not in the quorum the others completed with, and had not ended 13 s later"
+    assert said in done.stderr and "error:" not in done.stderr
+    assert json.loads((first / "torchft-completed.json").read_text()) == {"step": 8, "members": [0]}

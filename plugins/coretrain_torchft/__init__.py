@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import time
@@ -66,6 +67,7 @@ from coretrain import (
     rng_state,
     set_rng_state,
 )
+from coretrain_torchft.launch import ENDED_FILE
 from coretrain_torchft.periodic import PeriodicSync
 from coretrain_torchft.share import GroupShare
 from coretrain_torchft.transfer import local_part, tensor_bytes, weights_only_transport
@@ -191,7 +193,8 @@ class TorchFT:
             "join_timeout_ms": int(self.timeout_seconds * 1000),  # a live group slower than this is left out
             "heartbeat_timeout_ms": int(self.heartbeat_timeout_seconds * 1000),
         }
-        return launch_groups(args, loaded, check, self.replica_groups, given or settings)
+        grace = self.timeout_seconds + self.heartbeat_timeout_seconds
+        return launch_groups(args, loaded, check, self.replica_groups, given or settings, grace)
 
     @hookimpl
     def configure_run(self, run: Run) -> None:
@@ -503,7 +506,11 @@ class TorchFT:
         self._resumed = state  # (applied when training starts and the DiLoCo exists)
 
     @hookimpl
-    def on_train_end(self) -> None:
+    def on_train_end(self, run: Run, outcome: str) -> None:
+        if outcome == "completed" and self._manager is not None and run.dist.is_main:
+            # the groups in the last quorum: coretrain's launcher ends the others (frozen) once this one completed
+            ended = {"step": run.state.step, "members": list(self._members)}
+            (run.output_dir / ENDED_FILE).write_text(json.dumps(ended))
         if self._manager is not None:
             self._manager.shutdown(wait=False)
             self._manager = None

@@ -20,6 +20,9 @@ from typing import Any
 
 from coretrain import UserError
 
+ENDED_FILE = "torchft-completed.json"
+"""Written in a group's output directory when it completed: its step and the groups of its last quorum."""
+
 
 def launch_groups(
     args: argparse.Namespace,
@@ -27,9 +30,12 @@ def launch_groups(
     check: Callable[[list[int]], None],
     groups: int,
     lighthouse: str | dict[str, Any],
+    grace: float,
 ) -> int:
-    """The job's exit code: 0 when every group completed, else the first failing group's.
-    ``lighthouse``: the address of one running, or the settings of the one to start here."""
+    """The job's exit code: 0 when every group completed, or was ended here because it was not in
+    the quorum the groups that completed ended with; else the first failing group's.
+    ``lighthouse``: the address of one running, or the settings of the one to start here;
+    ``grace``: how long such a group may still run once the others completed."""
     nproc = args.nproc_per_node or 1
     if (args.nnodes or "1") != "1" or args.rdzv_endpoint or args.replace_failed_ranks:
         raise UserError(
@@ -57,7 +63,7 @@ def launch_groups(
     processes = [_start(args, group, per_group, address, output) for group in range(groups)]
     try:
         with _forwarding_signals(processes):
-            codes = [process.wait() for process in processes]
+            codes = _wait(processes, output, grace)
     finally:
         for process in processes:
             if process.poll() is None:
@@ -65,14 +71,66 @@ def launch_groups(
         if server is not None:
             server.terminate()
             server.wait()
-    failed = [(group, code) for group, code in enumerate(codes) if code]
+    failed = [(group, code) for group, code in enumerate(codes) if code]  # (None: ended here, not failed)
     if not failed:
         return 0
-    if len(failed) == groups and len(set(codes)) == 1 and codes[0] > 128:  # a signal every group obeyed
-        return codes[0]  # (each saved a checkpoint and said so)
+    first = failed[0][1]
+    if len(failed) == groups and {code for _, code in failed} == {first} and first > 128:  # a signal all obeyed
+        return first  # (each saved a checkpoint and said so)
     group, code = failed[0]
     print(f"error: replica group {group} ended with exit code {code}", file=sys.stderr)
     return code if code > 0 else 128 - code
+
+
+def _wait(processes: list[subprocess.Popen[bytes]], output: Path, grace: float) -> list[int | None]:
+    """Each group's exit code, None for a group ended here: one still running ``grace`` seconds after
+    another completed without it in its last quorum (it left: frozen, as a stopped process, or cut
+    off), which nothing else ends — its agent sees a live process, and its own watchdog is frozen too."""
+    completed_at: float | None = None
+    ended: set[int] = set()
+    while any(process.poll() is None for process in processes):
+        time.sleep(0.2)
+        codes = [process.poll() for process in processes]
+        if completed_at is None and 0 in codes:
+            completed_at = time.monotonic()
+        if completed_at is None or time.monotonic() - completed_at < grace:
+            continue
+        kept = _last_quorum(output, codes)
+        for group, process in enumerate(processes):
+            if process.poll() is None and group not in kept:
+                print(
+                    f"coretrain: torchft: replica group {group} was not in the quorum the others completed with, and "
+                    f"had not ended {grace:g} s later (frozen?); ending it",
+                    file=sys.stderr,
+                )
+                _kill_tree(process.pid)
+                process.wait()
+                ended.add(group)
+    return [None if group in ended else process.returncode for group, process in enumerate(processes)]
+
+
+def _last_quorum(output: Path, codes: list[int | None]) -> set[int]:
+    """The groups of the last quorum of the groups that completed (what their plugin wrote)."""
+    kept: set[int] = set()
+    for group, code in enumerate(codes):
+        ended = output / f"replica_group_{group}" / ENDED_FILE
+        if code == 0 and ended.exists():
+            kept.update(json.loads(ended.read_text())["members"])
+    return kept
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and its descendants (a stopped process obeys only SIGKILL; the agent's
+    workers run in sessions of their own, so a process group would miss them)."""
+    family, i = [pid], 0
+    while i < len(family):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{family[i]}/task").iterdir():
+                family += [int(child) for child in (task / "children").read_text().split()]
+        i += 1
+    for member in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
 
 
 def _start(args: argparse.Namespace, group: int, ranks: int, lighthouse: str, output: Path) -> subprocess.Popen[bytes]:
