@@ -201,6 +201,14 @@ class TorchFT:
         """What is wrong is said before anything is built: the group, the lighthouse, torchft itself."""
         self._group()
         self._lighthouse()
+        replicas = run.config.distributed.dp_replicate
+        if replicas > 1:  # a group started by hand with the job's HSDP layout
+            raise UserError(
+                f"plugins.torchft: distributed.dp_replicate = {replicas} in a replica group: "
+                "the groups are HSDP's replicate dimension, each one replica; start each group with "
+                "--set distributed.dp_replicate=1 --set distributed.strategy='\"fsdp\"' (coretrain run "
+                "--nproc-per-node does)"
+            )
         try:
             import torchft  # noqa: F401
         except ImportError as exc:

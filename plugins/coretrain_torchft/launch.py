@@ -48,6 +48,7 @@ def launch_groups(
             "group takes as many ranks"
         )
     per_group = nproc // groups
+    within = _replica_within_group(loaded.config, groups)
     check([per_group])  # a group's layout and batch sizes fit its ranks
     output = Path(loaded.config.output_dir)
     server = None
@@ -60,7 +61,7 @@ def launch_groups(
         f"group G writes {output}/replica_group_G",
         file=sys.stderr,
     )
-    processes = [_start(args, group, per_group, address, output) for group in range(groups)]
+    processes = [_start(args, group, per_group, address, output, within) for group in range(groups)]
     try:
         with _forwarding_signals(processes):
             codes = _wait(processes, output, grace)
@@ -133,12 +134,33 @@ def _kill_tree(pid: int) -> None:
             os.kill(member, signal.SIGKILL)
 
 
-def _start(args: argparse.Namespace, group: int, ranks: int, lighthouse: str, output: Path) -> subprocess.Popen[bytes]:
+def _replica_within_group(config: Any, groups: int) -> list[str]:
+    """HSDP's replicate dimension, when the config has one, is the replica groups: each group is one
+    replica, sharding over its own ranks. The overrides that make a group's job so (also applied to
+    ``config``, which the group's layout is checked with)."""
+    distributed = config.distributed
+    if distributed.dp_replicate == 1:
+        return []
+    if distributed.dp_replicate != groups:
+        raise UserError(
+            f"distributed.dp_replicate = {distributed.dp_replicate} with [plugins.torchft]: the replica groups are "
+            f"HSDP's replicate dimension; set plugins.torchft.replica_groups = {distributed.dp_replicate} "
+            f"(it is {groups})"
+        )
+    distributed.dp_replicate = 1
+    if distributed.strategy == "auto":  # (auto would choose ddp for a group: FSDP is what HSDP's replicas do)
+        distributed.strategy = "fsdp"
+    return ["distributed.dp_replicate=1", f'distributed.strategy="{distributed.strategy}"']
+
+
+def _start(
+    args: argparse.Namespace, group: int, ranks: int, lighthouse: str, output: Path, within: list[str]
+) -> subprocess.Popen[bytes]:
     """One group's job — ``coretrain run --nproc-per-node`` again, so that its agent's signals and
     failures are said as any job's — its output in a directory of its own (one run per directory)."""
     command = [sys.executable, "-m", "coretrain", "run", args.config, "--nproc-per-node", str(ranks)]
     command += ["--max-restarts", str(args.max_restarts)]
-    for override in [*args.overrides, f"run.output_dir={json.dumps(str(output / f'replica_group_{group}'))}"]:
+    for override in [*args.overrides, *within, f"run.output_dir={json.dumps(str(output / f'replica_group_{group}'))}"]:
         command += ["--set", override]
     environment = {**os.environ, "REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse}
     return subprocess.Popen(command, env=environment)
