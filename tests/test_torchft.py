@@ -239,39 +239,21 @@ def test_ranks_the_groups_cannot_share_are_one_error_line_before_anything_starts
 
 
 @pytest.mark.slow
-def test_groups_of_two_fsdp_ranks_average_their_shards_and_end_with_the_same_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [{"strategy": "fsdp"}, {"dp_replicate": 2}], ids=["fsdp", "hsdp"])
+def test_groups_of_two_fsdp_ranks_average_their_shards_and_end_with_the_same_weights(
+    tmp_path: Path, layout: dict[str, Any]
+) -> None:
     """FSDP inside each group, as without torchft: the groups' gradient shards are averaged shard by
-    shard (each group holds the same layout) and every group ends with the same weights."""
+    shard (each group holds the same layout) and every group ends with the same weights. With
+    HSDP (``dp_replicate = 2`` on 4 ranks) the replicate dimension is the groups: each group is
+    one replica sharding over its 2 ranks, not HSDP again inside each group."""
     from coretrain.testing import tiny_config, write_config
 
     train = {"train_iters": 6, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4, "global_batch_size": 8}
     sections = tiny_config(
         tmp_path / "out",
         train=train,
-        distributed={"backend": "gloo", "strategy": "fsdp"},
-        plugins={"torchft": {"replica_groups": 2}},
-    )
-    config = write_config(tmp_path / "c.toml", sections)
-    done = run_cli("run", str(config), "--nproc-per-node", "4", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-5000:]
-    assert "torchft: 2 replica groups of 2 rank(s)" in done.stderr
-    first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
-    assert metrics_rows(first)[0]["loss"] != metrics_rows(second)[0]["loss"]  # their own shares
-    assert_same_weights(first, second, 6)
-
-
-@pytest.mark.slow
-def test_hsdp_replicas_are_the_replica_groups_each_sharding_over_its_own_ranks(tmp_path: Path) -> None:
-    """HSDP's replicate dimension with torchft is the replica groups: ``dp_replicate = 2`` on 4
-    ranks makes 2 groups, each one replica that shards over its 2 ranks (FSDP), not HSDP again
-    inside each group; the groups end with the same weights."""
-    from coretrain.testing import tiny_config, write_config
-
-    train = {"train_iters": 4, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4, "global_batch_size": 8}
-    sections = tiny_config(
-        tmp_path / "out",
-        train=train,
-        distributed={"backend": "gloo", "dp_replicate": 2},
+        distributed={"backend": "gloo", **layout},
         plugins={"torchft": {"replica_groups": 2}},
     )
     config = write_config(tmp_path / "c.toml", sections)
@@ -280,10 +262,11 @@ def test_hsdp_replicas_are_the_replica_groups_each_sharding_over_its_own_ranks(t
     assert "torchft: 2 replica groups of 2 rank(s)" in done.stderr
     first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
     for out in (first, second):
-        layout = tomli.loads((out / "config.toml").read_text())["distributed"]
-        assert (layout["dp_replicate"], layout["strategy"]) == (1, "fsdp")
+        group_layout = tomli.loads((out / "config.toml").read_text())["distributed"]
+        assert (group_layout["dp_replicate"], group_layout["strategy"]) == (1, "fsdp")
     assert done.stdout.count("(micro 4 × 1 accumulation × 2 data-parallel), 2 rank(s)") == 2  # each group's
-    assert_same_weights(first, second, 4)
+    assert metrics_rows(first)[0]["loss"] != metrics_rows(second)[0]["loss"]  # their own shares
+    assert_same_weights(first, second, 6)
 
 
 def two_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dict[str, Any]) -> Any:
