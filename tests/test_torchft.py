@@ -269,6 +269,31 @@ def test_groups_of_two_fsdp_ranks_average_their_shards_and_end_with_the_same_wei
     assert_same_weights(first, second, 6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"pp_size": 2}, {"ep_size": 2}], ids=["pp2", "ep2"])
+def test_a_mixture_of_experts_split_inside_each_group_trains_and_the_groups_stay_equal(
+    tmp_path: Path, layout: dict[str, int]
+) -> None:
+    """Pipeline or expert parallelism inside each replica group, as without torchft (4 ranks: 2
+    groups of 2): each rank's gradients are averaged with the same rank of the other group (the
+    same stage, the same experts), and the groups end with the same weights. (tp2 and cp2 ran
+    the same way by hand, 2026-11-29.)"""
+    preset = gpt_preset(tmp_path / "out")
+    preset["model"]["options"].update({"n_layer": 4, "n_experts": 4, "moe_top_k": 2})
+    extra = {
+        "distributed": {"backend": "gloo", **layout},
+        "plugins": {"torchft": {"replica_groups": 2}},
+        "checkpoint": {"save_interval": 4},
+    }
+    train = {"micro_batch_size": 4, "global_batch_size": 8, "train_iters": 4, "log_interval": 1, "eval_iters": 0}
+    config = config_file(tmp_path / "c.toml", preset, extra, **train)
+    done = run_cli("run", str(config), "--nproc-per-node", "4", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-5000:]
+    first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
+    assert metrics_rows(first)[0]["loss"] != metrics_rows(second)[0]["loss"]  # their own shares
+    assert_same_weights(first, second, 4)
+
+
 def two_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dict[str, Any]) -> Any:
     """``coretrain run --nproc-per-node 2`` of a tiny model as 2 replica groups of one rank, with
     the test plugins of ``site``; (the run, group 0's output, group 1's output)."""
