@@ -228,11 +228,13 @@ def test_ranks_the_groups_cannot_share_are_one_error_line_before_anything_starts
     done = cli("run", str(config), "--nproc-per-node", "3", cwd=tmp_path)
     assert (
         done.returncode == 2
-        and "--nproc-per-node 3: must be a multiple of plugins.torchft.replica_groups (2)" in done.stderr
+        and "--nproc-per-node 3: must be a multiple of the replica groups on this machine (2)" in done.stderr
     )
     assert len([line for line in done.stderr.splitlines() if line.startswith("error:")]) == 1
     done = cli("run", str(config), "--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", cwd=tmp_path)
-    assert done.returncode == 2 and "start each group's job yourself with REPLICA_GROUP_ID" in done.stderr
+    assert done.returncode == 2 and "give each its --node-rank (0..1)" in done.stderr, done.stderr
+    done = cli("run", str(config), "--nproc-per-node", "2", "--nnodes", "1:2", "--rdzv-endpoint", "h:1", cwd=tmp_path)
+    assert done.returncode == 2 and "give a fixed --nnodes N" in done.stderr, done.stderr
     done = cli("run", str(config), "--nproc-per-node", "8", "--set", "distributed.dp_replicate=4", cwd=tmp_path)
     said = "the replica groups are HSDP's replicate dimension; set plugins.torchft.replica_groups = 4 (it is 2)"
     assert done.returncode == 2 and said in done.stderr and not (tmp_path / "out").exists(), done.stderr
@@ -292,6 +294,33 @@ def test_a_mixture_of_experts_split_inside_each_group_trains_and_the_groups_stay
     first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
     assert metrics_rows(first)[0]["loss"] != metrics_rows(second)[0]["loss"]  # their own shares
     assert_same_weights(first, second, 4)
+
+
+@pytest.mark.slow
+def test_each_machine_starts_its_own_groups_and_machine_0_the_lighthouse(tmp_path: Path) -> None:
+    """The same command on every machine, as any coretrain job across machines: ``--nnodes 2
+    --node-rank R --rdzv-endpoint HOST:PORT`` starts group R here; machine 0 starts torchft's
+    lighthouse at the endpoint, where the machines meet, and machine 1 waits for it (two launchers
+    on this machine stand for two machines)."""
+    from coretrain.testing import tiny_config, write_config
+
+    train = {"train_iters": 6, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4}
+    sections = tiny_config(tmp_path / "out", train=train, plugins={"torchft": {"replica_groups": 2}})
+    config = write_config(tmp_path / "c.toml", sections)
+    endpoint = f"localhost:{free_port()}"
+    machine = ["run", str(config), "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint]
+    env = {"OMP_NUM_THREADS": "1"}
+    second = start_cli(*machine, "--node-rank", "1", cwd=tmp_path, env=env)  # first: it waits for the lighthouse
+    try:
+        first = run_cli(*machine, "--node-rank", "0", cwd=tmp_path, env=env)
+        _, second_err = second.communicate(timeout=300)
+    finally:
+        second.kill()
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr[-3000:], second_err[-3000:])
+    assert f"lighthouse at http://{endpoint}; group G writes" in first.stderr
+    assert "groups 0 to 0 on this machine" in first.stderr and "groups 1 to 1 on this machine" in second_err
+    assert (tmp_path / "out" / "lighthouse.log").exists()
+    assert_same_weights(tmp_path / "out" / "replica_group_0", tmp_path / "out" / "replica_group_1", 6)
 
 
 def two_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dict[str, Any]) -> Any:

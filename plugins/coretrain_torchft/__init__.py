@@ -16,7 +16,7 @@ first step, and from then on trains in step with them::
     coretrain run job.toml --nproc-per-node 4 --max-restarts 1    # 2 groups of 2 ranks, here
     REPLICA_GROUP_ID=1 TORCHFT_LIGHTHOUSE=http://host:29510 coretrain run job.toml   # or one group, anywhere
 
-On one machine ``coretrain run --nproc-per-node`` starts torchft's lighthouse and one torchrun job
+``coretrain run --nproc-per-node`` (``--nnodes``) starts torchft's lighthouse and one torchrun job
 per group (:mod:`coretrain_torchft.launch`); elsewhere each group is started with its number and
 the lighthouse's address (``torchft_lighthouse --min_replicas 1``). Each group reads every
 ``replica_groups``-th sample of the train split, its own, so the groups of one step read
@@ -94,7 +94,8 @@ class TorchFT:
     timeout_seconds: float = field(default=30.0, validator=positive)
     """A collective, a commit or a state transfer that takes longer fails (the step runs again)."""
     quorum_timeout_seconds: float = field(default=60.0, validator=positive)
-    """How long a step waits for a quorum of ``min_replicas`` groups."""
+    """How long a step waits for a quorum of ``min_replicas`` groups (localsgd, diloco: also how long a
+    group that comes back waits for the live groups' next sync: keep it above ``sync_every`` steps)."""
     heartbeat_timeout_seconds: float = field(default=5.0, validator=positive)
     """The lighthouse ``coretrain run --nproc-per-node`` starts drops a group silent this long."""
     agree_stops: bool = True

@@ -1,6 +1,7 @@
 """``coretrain run --nproc-per-node N`` with ``[plugins.torchft]``: torchft's lighthouse beside the
 launcher, and one torchrun job per replica group (a launcher of its own) — each restarted alone by its own agent
-(``--max-restarts``), while the other groups train on."""
+(``--max-restarts``), while the other groups train on. With ``--nnodes N --node-rank R``, each machine
+starts its share of the groups, and machine 0 the lighthouse at ``--rdzv-endpoint``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,72 +34,109 @@ def launch_groups(
     lighthouse: str | dict[str, Any],
     grace: float,
 ) -> int:
-    """The job's exit code: 0 when every group completed, or was ended here because it was not in
-    the quorum the groups that completed ended with; else the first failing group's.
+    """This machine's exit code: 0 when each of its groups completed, or was ended here because it
+    was not in the quorum the groups that completed ended with; else the first failing group's.
     ``lighthouse``: the address of one running, or the settings of the one to start here;
     ``grace``: how long such a group may still run once the others completed."""
     nproc = args.nproc_per_node or 1
-    if (args.nnodes or "1") != "1" or args.rdzv_endpoint or args.replace_failed_ranks:
+    mine = _groups_of_this_machine(args, groups)
+    if nproc % len(mine):
         raise UserError(
-            "plugins.torchft: coretrain starts the replica groups on one machine (--nproc-per-node); across "
-            "machines start each group's job yourself with REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE set"
+            f"--nproc-per-node {nproc}: must be a multiple of the replica groups on this machine ({len(mine)}); "
+            "each group takes as many ranks"
         )
-    if nproc % groups:
-        raise UserError(
-            f"--nproc-per-node {nproc}: must be a multiple of plugins.torchft.replica_groups ({groups}); each "
-            "group takes as many ranks"
-        )
-    per_group = nproc // groups
+    per_group = nproc // len(mine)
     within = _replica_within_group(loaded.config, groups)
     check([per_group])  # a group's layout and batch sizes fit its ranks
     output = Path(loaded.config.output_dir)
-    server = None
-    if isinstance(lighthouse, str):
-        address = lighthouse
-    else:
-        server, address = _start_lighthouse(lighthouse, output / "lighthouse.log")
+    server, address = _lighthouse(args, lighthouse, output / "lighthouse.log")
+    here = f"; groups {mine[0]} to {mine[-1]} on this machine" if len(mine) < groups else ""
     print(
         f"coretrain: torchft: {groups} replica groups of {per_group} rank(s), lighthouse at {address}; "
-        f"group G writes {output}/replica_group_G",
+        f"group G writes {output}/replica_group_G{here}",
         file=sys.stderr,
     )
-    processes = [_start(args, group, per_group, address, output, within) for group in range(groups)]
+    processes = {group: _start(args, group, per_group, address, output, within) for group in mine}
     try:
-        with _forwarding_signals(processes):
+        with _forwarding_signals(list(processes.values())):
             codes = _wait(processes, output, grace)
     finally:
-        for process in processes:
+        for process in processes.values():
             if process.poll() is None:
                 process.kill()
         if server is not None:
             server.terminate()
             server.wait()
-    failed = [(group, code) for group, code in enumerate(codes) if code]  # (None: ended here, not failed)
+    failed = [(group, code) for group, code in codes.items() if code]  # (None: ended here, not failed)
     if not failed:
         return 0
     first = failed[0][1]
-    if len(failed) == groups and {code for _, code in failed} == {first} and first > 128:  # a signal all obeyed
+    if len(failed) == len(mine) and {code for _, code in failed} == {first} and first > 128:  # a signal all obeyed
         return first  # (each saved a checkpoint and said so)
     group, code = failed[0]
     print(f"error: replica group {group} ended with exit code {code}", file=sys.stderr)
     return code if code > 0 else 128 - code
 
 
-def _wait(processes: list[subprocess.Popen[bytes]], output: Path, grace: float) -> list[int | None]:
+def _groups_of_this_machine(args: argparse.Namespace, groups: int) -> list[int]:
+    """All the groups, or with ``--nnodes N --node-rank R`` the R-th N-th of them (each group on one machine)."""
+    if args.replace_failed_ranks:
+        raise UserError("--replace-failed-ranks: not with plugins.torchft; a failed replica group is restarted alone")
+    nnodes = args.nnodes or "1"
+    if not nnodes.isdigit():
+        raise UserError(
+            f"--nnodes {nnodes}: replica groups come and go on their own under torchft; give a fixed --nnodes N "
+            "and each machine's --node-rank"
+        )
+    machines = int(nnodes)
+    if machines == 1:
+        return list(range(groups))
+    if args.node_rank is None or groups % machines:
+        raise UserError(
+            f"--nnodes {machines}: each machine starts replica_groups / {machines} of the {groups} groups: give "
+            f"each its --node-rank (0..{machines - 1}), and a replica_groups that {machines} divides"
+        )
+    share = groups // machines
+    return list(range(args.node_rank * share, (args.node_rank + 1) * share))
+
+
+def _lighthouse(
+    args: argparse.Namespace, given: str | dict[str, Any], log_file: Path
+) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """The lighthouse's process (None when it is not this machine's) and address: the one given;
+    on one machine one started here; across machines one at ``--rdzv-endpoint``, where the
+    machines meet, started by machine 0 (the others wait for it)."""
+    if isinstance(given, str):
+        return None, given
+    if (args.nnodes or "1") == "1":
+        return _start_lighthouse(given, log_file, port=0)
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    address = f"http://{host}:{port}"
+    if args.node_rank == 0:
+        return _start_lighthouse(given, log_file, port=int(port))[0], address
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1):
+            return None, address
+        time.sleep(0.5)
+    raise UserError(f"plugins.torchft: machine 0's lighthouse at {address} did not answer within 120 s; is it started?")
+
+
+def _wait(processes: dict[int, subprocess.Popen[bytes]], output: Path, grace: float) -> dict[int, int | None]:
     """Each group's exit code, None for a group ended here: one still running ``grace`` seconds after
     another completed without it in its last quorum (it left: frozen, as a stopped process, or cut
     off), which nothing else ends — its agent sees a live process, and its own watchdog is frozen too."""
     completed_at: float | None = None
     ended: set[int] = set()
-    while any(process.poll() is None for process in processes):
+    while any(process.poll() is None for process in processes.values()):
         time.sleep(0.2)
-        codes = [process.poll() for process in processes]
-        if completed_at is None and 0 in codes:
+        codes = {group: process.poll() for group, process in processes.items()}
+        if completed_at is None and 0 in codes.values():
             completed_at = time.monotonic()
         if completed_at is None or time.monotonic() - completed_at < grace:
             continue
         kept = _last_quorum(output, codes)
-        for group, process in enumerate(processes):
+        for group, process in processes.items():
             if process.poll() is None and group not in kept:
                 print(
                     f"coretrain: torchft: replica group {group} was not in the quorum the others completed with, and "
@@ -107,13 +146,13 @@ def _wait(processes: list[subprocess.Popen[bytes]], output: Path, grace: float) 
                 _kill_tree(process.pid)
                 process.wait()
                 ended.add(group)
-    return [None if group in ended else process.returncode for group, process in enumerate(processes)]
+    return {group: None if group in ended else process.returncode for group, process in processes.items()}
 
 
-def _last_quorum(output: Path, codes: list[int | None]) -> set[int]:
+def _last_quorum(output: Path, codes: dict[int, int | None]) -> set[int]:
     """The groups of the last quorum of the groups that completed (what their plugin wrote)."""
     kept: set[int] = set()
-    for group, code in enumerate(codes):
+    for group, code in codes.items():
         ended = output / f"replica_group_{group}" / ENDED_FILE
         if code == 0 and ended.exists():
             kept.update(json.loads(ended.read_text())["members"])
@@ -166,11 +205,11 @@ def _start(
     return subprocess.Popen(command, env=environment)
 
 
-def _start_lighthouse(settings: dict[str, Any], log_file: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """torchft's lighthouse (its own binary, its log in the job's output directory) on a free port,
-    and its address once it listens."""
+def _start_lighthouse(settings: dict[str, Any], log_file: Path, port: int) -> tuple[subprocess.Popen[bytes], str]:
+    """torchft's lighthouse (its own binary, its log in the job's output directory) on ``port`` (0:
+    a free one), and its address once it listens."""
     binary = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
-    command = [binary, "--bind", "[::]:0", *(f"--{key}={value}" for key, value in settings.items())]
+    command = [binary, "--bind", f"[::]:{port}", *(f"--{key}={value}" for key, value in settings.items())]
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with log_file.open("wb") as sink:
         server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
