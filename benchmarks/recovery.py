@@ -33,7 +33,9 @@ raising at step 11 (``fault-injection``):
 - (f) a replica group SIGKILLed, with ``[plugins.torchft]`` (``replica_groups`` = the ranks, one
   rank each; ``--max-restarts 1`` restarts the dead group alone): the other groups drop it after
   the lighthouse's heartbeat timeout (5 s, torchft's default) and go on, never restarting; the
-  restarted group takes a live group's state and rejoins. Its jobs train ``REPLICA_STEPS`` steps,
+  restarted group takes a live group's state and rejoins; and the same with ``mode = "diloco"``
+  (``sync_every = 10``), where the groups meet, and the dead group is dropped and comes back,
+  only at a sync. Its jobs train ``REPLICA_STEPS`` steps,
   long enough for the group to come back before the end; "cost of the fault" is what the job's
   wall time grew by, "step 10 to 11" group 0's, and "back after" the seconds from the kill to the
   restarted group's joining (its own log). Losses are group 0's, checked against its baseline's
@@ -145,11 +147,15 @@ REPLICA_STEPS = 1000
 
 
 def replica_groups(ranks: int) -> dict[str, tuple[dict[str, Any], list[str]]]:
-    """(f): every rank a replica group of its own under torchft; rank 1 (group 1) SIGKILLed."""
+    """(f): every rank a replica group of its own under torchft; rank 1 (group 1) SIGKILLed; per
+    step (gradients averaged every step) and with DiLoCo (the groups meet every 10 steps)."""
     groups = {"torchft": {"replica_groups": ranks}}
+    diloco = {"torchft": {"replica_groups": ranks, "mode": "diloco", "sync_every": 10}}
     return {
         "(f) baseline, replica groups": (groups, RESTART),
         "(f) a replica group SIGKILLed, the others go on": ({**groups, "fault-injection": KILL}, RESTART),
+        "(f) baseline, DiLoCo groups": (diloco, RESTART),
+        "(f) a DiLoCo group SIGKILLed, the others go on": ({**diloco, "fault-injection": KILL}, RESTART),
     }
 
 
@@ -313,7 +319,7 @@ def baseline_of(name: str) -> str:
     if name.startswith("(e)"):
         return "(e) baseline, " + ("torchrun's agents" if "torchrun" in name else "coretrain's launchers")
     if name.startswith("(f)"):
-        return "(f) baseline, replica groups"
+        return "(f) baseline, DiLoCo groups" if "DiLoCo" in name else "(f) baseline, replica groups"
     return "(d) baseline" if name.startswith("(d)") else "baseline"
 
 

@@ -271,6 +271,7 @@ class TorchFT:
                 f"({self.timeout_seconds:g}s: {str(exc).split(';')[0][:200]}); start it "
                 "(`torchft_lighthouse --min_replicas 1`) or point TORCHFT_LIGHTHOUSE at it"
             ) from None
+        self._abort_on_errors()
         if self.mode != "ddp":
             self._start_periodic(run)
         self._count_steps(run)
@@ -296,6 +297,20 @@ class TorchFT:
                 megabytes,
                 seconds,
             )
+
+    def _abort_on_errors(self) -> None:
+        """A collective that fails (a peer group died) drops this rank's connections at once, so that
+        the ranks still waiting in it fail now, not at the gloo timeout: torchft reports every
+        failed collective to ``Manager.report_error`` (the gradients, the syncs, the exchanges)."""
+        manager, report = self._manager, self._manager.report_error
+
+        def report_and_abort(error: Exception) -> None:
+            first = manager.errored() is None
+            report(error)
+            if first:
+                self._pg.abort()
+
+        manager.report_error = report_and_abort
 
     def _start_periodic(self, run: Run) -> None:
         """torchft's LocalSGD or DiLoCo, before the first quorum (DiLoCo's state goes to a group that
@@ -462,8 +477,6 @@ class TorchFT:
         flags = torch.tensor([vetoed, rerun], dtype=dtype, device=run.device)
         flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
         manager.allreduce(flat).wait()
-        if manager.errored() is not None:  # a peer failed: drop the connections, so that the ranks
-            self._pg.abort()  # still waiting in this collective fail now, not at the gloo timeout
         if not manager.should_commit():
             return None
         self._missed += self.replica_groups - len(self._members)
