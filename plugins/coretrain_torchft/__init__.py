@@ -57,6 +57,7 @@ from attrs import define, field
 from coretrain import (
     Control,
     FieldValueError,
+    Outcome,
     Run,
     TrainState,
     UserError,
@@ -528,7 +529,7 @@ class TorchFT:
         self._resumed = state  # (applied when training starts and the DiLoCo exists)
 
     @hookimpl
-    def on_train_end(self, run: Run, outcome: str) -> None:
+    def on_train_end(self, run: Run, outcome: Outcome) -> None:
         if outcome == "completed" and self._manager is not None and run.dist.is_main:
             # the groups in the last quorum: coretrain's launcher ends the others (frozen) once this one completed
             ended = {"step": run.state.step, "members": list(self._members)}
