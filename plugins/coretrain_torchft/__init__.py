@@ -50,7 +50,6 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any, Literal
 
-import attrs
 import torch
 from attrs import define, field
 
@@ -59,19 +58,16 @@ from coretrain import (
     FieldValueError,
     Outcome,
     Run,
-    TrainState,
     UserError,
     hookimpl,
     in_range,
     is_stream,
     positive,
-    rng_state,
-    set_rng_state,
 )
 from coretrain_torchft.launch import ENDED_FILE
 from coretrain_torchft.periodic import PeriodicSync
 from coretrain_torchft.share import GroupShare
-from coretrain_torchft.transfer import local_part, tensor_bytes, weights_only_transport
+from coretrain_torchft.transfer import apply_run_state, local_part, run_state, tensor_bytes, weights_only_transport
 
 log = logging.getLogger("coretrain")
 
@@ -314,8 +310,8 @@ class TorchFT:
         manager.report_error = report_and_abort
 
     def _start_periodic(self, run: Run) -> None:
-        """torchft's LocalSGD or DiLoCo, before the first quorum (DiLoCo's state goes to a group that
-        heals); the manager counts the run's steps, so that a group behind the others heals from them."""
+        """torchft's LocalSGD or DiLoCo, made before the first quorum: DiLoCo registers its state (the
+        last sync's weights, the outer optimizer) with the manager, for a group that heals."""
         outer = {"lr": self.outer_lr, "momentum": self.outer_momentum, "nesterov": self.outer_nesterov}
         self._periodic = PeriodicSync(self.mode, self._manager, run.unwrapped_model, run.optimizer, **outer)
         if self._resumed:
@@ -541,28 +537,13 @@ class TorchFT:
     # ------------------------------------------------------------------ the state a recovering group takes
 
     def _state(self) -> dict[str, Any]:
-        run = self._run
-        assert run is not None
-        return {
-            "model": run.unwrapped_model.state_dict(),
-            "optimizer": run.optimizer.state_dict(),
-            "scheduler": run.scheduler.state_dict(),
-            "train": attrs.asdict(run.state),
-            "rng": rng_state(),
-        }
+        assert self._run is not None
+        return run_state(self._run)
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        run = self._run
-        assert run is not None
+        assert self._run is not None
         self._received_bytes = float(tensor_bytes(state))
-        run.unwrapped_model.load_state_dict(state["model"])
-        configured = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
-        run.optimizer.load_state_dict(state["optimizer"])
-        for group, settings in zip(run.optimizer.param_groups, configured):
-            group.update(settings)  # the config's settings, as a resume keeps them
-        run.scheduler.load_state_dict(state["scheduler"])
-        run.state = TrainState(**state["train"])
-        set_rng_state(state["rng"])
+        apply_run_state(self._run, state)
 
 
 def _expected_failures(record: logging.LogRecord) -> bool:

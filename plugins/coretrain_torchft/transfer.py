@@ -1,5 +1,5 @@
-"""What a recovering replica group receives from a live one, and how: the transport (torchft's,
-read with ``weights_only=True``), sizes."""
+"""What a recovering replica group receives from a live one, and how: the run's state, the
+transport (torchft's, read with ``weights_only=True``), sizes."""
 
 from __future__ import annotations
 
@@ -7,9 +7,35 @@ import datetime
 import logging
 from typing import Any
 
+import attrs
 import torch
 
+from coretrain import Run, TrainState, rng_state, set_rng_state
+
 log = logging.getLogger("coretrain")
+
+
+def run_state(run: Run) -> dict[str, Any]:
+    """What a live group sends one that heals: model, optimizer, schedule, counters, random streams."""
+    return {
+        "model": run.unwrapped_model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "train": attrs.asdict(run.state),
+        "rng": rng_state(),
+    }
+
+
+def apply_run_state(run: Run, state: dict[str, Any]) -> None:
+    """A live group's :func:`run_state`, applied; the optimizer keeps the config's settings, as a resume does."""
+    run.unwrapped_model.load_state_dict(state["model"])
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
+    run.optimizer.load_state_dict(state["optimizer"])
+    for group, settings in zip(run.optimizer.param_groups, configured):
+        group.update(settings)
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.state = TrainState(**state["train"])
+    set_rng_state(state["rng"])
 
 
 def weights_only_transport(timeout: datetime.timedelta) -> Any:
