@@ -51,11 +51,8 @@ SOAK: dict[str, Any] = {
 }
 
 
-GROUP_KINDS = KINDS
-
-
 def fault(rng: random.Random, ranks: int, groups: bool = False) -> dict[str, Any]:
-    kind = rng.choice(GROUP_KINDS if groups else KINDS)
+    kind = rng.choice(KINDS)
     rank = rng.randrange(1, ranks) if groups else rng.randrange(ranks)  # group 0 is the one measured
     drawn: dict[str, Any] = {"action": kind, "step": rng.randint(2, 15), "ranks": [rank]}
     if kind != "raise" or groups:  # a new process of the restarted job (or group) would fire it again
@@ -97,7 +94,7 @@ def soak_groups(args: argparse.Namespace, rng: random.Random) -> None:
     # the watchdog's grace for a rank waiting on others (a quarter of its timeout) must outlast the
     # lighthouse dropping a hung group (its 5 s heartbeat timeout): at 5 s the survivors ended too
     groups = {"torchft": {"replica_groups": args.ranks}, "watchdog": {"step_timeout_seconds": 60.0}}
-    done: dict[str, list[tuple[bool, float]]] = {kind: [] for kind in GROUP_KINDS}
+    done: dict[str, list[tuple[bool, float]]] = {kind: [] for kind in KINDS}
     with tempfile.TemporaryDirectory() as scratch:
         for i in range(args.faults):
             drawn = fault(rng, args.ranks, groups=True)

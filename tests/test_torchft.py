@@ -337,11 +337,16 @@ def two_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dic
     return done, tmp_path / "out" / "replica_group_0", tmp_path / "out" / "replica_group_1"
 
 
-def assert_same_weights(first: Path, second: Path, step: int) -> None:
+def same_weights(first: Path, second: Path, step: int) -> bool:
+    """The two groups' checkpoints of ``step`` hold bit-identical weights."""
     from coretrain import read_weights
 
     a, b = (read_weights(d / "checkpoints" / f"step_{step:08d}") for d in (first, second))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def assert_same_weights(first: Path, second: Path, step: int) -> None:
+    assert same_weights(first, second, step)
 
 
 @pytest.mark.slow
@@ -490,13 +495,6 @@ def semi_synchronous(
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)}
     done = run_cli("run", str(config), "--nproc-per-node", "2", "--max-restarts", "1", *args, cwd=tmp_path, env=env)
     return done, tmp_path / out / "replica_group_0", tmp_path / out / "replica_group_1"
-
-
-def same_weights(first: Path, second: Path, step: int) -> bool:
-    from coretrain import read_weights
-
-    a, b = (read_weights(d / "checkpoints" / f"step_{step:08d}") for d in (first, second))
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow

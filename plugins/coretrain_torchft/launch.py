@@ -70,10 +70,9 @@ def launch_groups(
     failed = [(group, code) for group, code in codes.items() if code]  # (None: ended here, not failed)
     if not failed:
         return 0
-    first = failed[0][1]
-    if len(failed) == len(mine) and {code for _, code in failed} == {first} and first > 128:  # a signal all obeyed
-        return first  # (each saved a checkpoint and said so)
     group, code = failed[0]
+    if len(failed) == len(mine) and {c for _, c in failed} == {code} and code > 128:  # a signal all obeyed
+        return code  # (each saved a checkpoint and said so)
     print(f"error: replica group {group} ended with exit code {code}", file=sys.stderr)
     return code if code > 0 else 128 - code
 

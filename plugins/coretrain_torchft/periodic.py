@@ -6,9 +6,9 @@ pseudo-gradients (the weights at the last sync minus today's) and takes an outer
 from the last sync's weights. The arithmetic is torchft's (``torchft.local_sgd``); what this module
 changes is *when* it runs. torchft hooks the optimizer's step, i.e. the middle of coretrain's
 update (the schedule not yet stepped, the step not yet counted); a group that heals there would
-take a state half a step old. Here the sync runs after the step is complete (``post_step``), so
-that a joining group, which meets the live groups in that sync's quorum, takes their state as of
-the end of the step and then does the same averaging they do.
+take a state half a step old. Here the sync runs at the boundary between two steps (the next
+step's ``pre_step``), so that a joining group, which meets the live groups in that sync's quorum,
+takes their state as of the end of the step and then does the same averaging they do.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-MODES = ("ddp", "localsgd", "diloco")
 
 
 class PeriodicSync:
@@ -28,7 +26,8 @@ class PeriodicSync:
     def __init__(self, mode: str, manager: Any, model: torch.nn.Module, optimizer: Any, **outer: Any) -> None:
         from torchft.local_sgd import DiLoCo, LocalSGD
 
-        self.mode, self._manager, self._model = mode, manager, model
+        self._manager, self._model = manager, model
+        self._local_sgd: LocalSGD | None = None
         self._outer: torch.optim.Optimizer | None = None
         if mode == "localsgd":
             self._local_sgd = LocalSGD(manager, model, optimizer, sync_every=1)
@@ -48,7 +47,7 @@ class PeriodicSync:
         """The groups of the quorum just started averaged; False when the quorum did not commit:
         the weights are as before the call, and the sync may run again under a new quorum."""
         step = self._manager.current_step()  # a commit counts one more
-        if self.mode == "localsgd":
+        if self._local_sgd is not None:
             self._local_sgd._perform_sync()  # the averaged weights are copied in only on commit
             return bool(self._manager.current_step() > step)
         local = [p.detach().clone() for p in self._model.parameters()]
