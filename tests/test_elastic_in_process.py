@@ -90,7 +90,11 @@ def test_a_machine_joins_and_leaves_and_the_first_machines_rank_trains_on_in_the
     same checkpoint on that size. Each machine has a local_dir of its own, so the local tier's
     copies between machines run through both changes (durable checkpoints at every step, where
     a resume prefers them, so the references can start from them)."""
-    plugins = {"inprocess-restart": {}, "fault-injection": SLOW_STEPS, "local-checkpoint": {}}
+    # 0.2 s steps: B's launcher and rank, started under load at step 10, must be taken in, train
+    # 10 steps and be missed for 3 s before A's job ends at step 150 (28 s; at 0.1 s a loaded
+    # machine left too little of the job for that)
+    slower = {**SLOW_STEPS, "sleep_seconds": 0.2}
+    plugins = {"inprocess-restart": {}, "fault-injection": slower, "local-checkpoint": {}}
     toml, out = config(tmp_path, "job", plugins), tmp_path / "job"
     machines = Machines(
         tmp_path, toml, "1:2", "--rdzv-conf", "last_call_timeout=1", "--set", "checkpoint.save_interval=1"

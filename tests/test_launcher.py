@@ -54,7 +54,8 @@ def test_an_elastic_job_takes_a_machine_that_joins_and_goes_on_without_one_whose
     """Machine A starts alone (--nnodes 1:2); machine B joins: the ranks stop with a checkpoint
     and resume on 2. Then B's launcher is SIGKILLed alone: its rank stops with it (checkpoint),
     A restarts its rank, resumes on 1 and finishes. No environment variable is set."""
-    slow_steps = '[plugins.fault-injection]\naction = "sleep"\nstep = 1\nevery_step = true\nsleep_seconds = 0.1\n'
+    # 0.2 s steps: B's launcher, started under load at step 10, must join before A's job ends (22 s)
+    slow_steps = '[plugins.fault-injection]\naction = "sleep"\nstep = 1\nevery_step = true\nsleep_seconds = 0.2\n'
     config, out = write_tiny_gpt(
         tmp_path, slow_steps + "[checkpoint]\nsave_interval = 5\n", micro_batch_size=4, global_batch_size=8
     )
