@@ -42,7 +42,6 @@ group recovers, as torchft's does: keep the replica groups on a network you trus
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
@@ -54,7 +53,6 @@ import torch
 from attrs import define, field
 
 from coretrain import (
-    Control,
     FieldValueError,
     Outcome,
     Run,
@@ -64,10 +62,12 @@ from coretrain import (
     is_stream,
     positive,
 )
+from coretrain_torchft.ddp import agree_on_vetoes, average_and_commit
 from coretrain_torchft.launch import ENDED_FILE
+from coretrain_torchft.manager import connect
 from coretrain_torchft.periodic import PeriodicSync
 from coretrain_torchft.share import GroupShare
-from coretrain_torchft.transfer import apply_run_state, local_part, run_state, tensor_bytes, weights_only_transport
+from coretrain_torchft.transfer import apply_run_state, run_state, tensor_bytes
 
 log = logging.getLogger("coretrain")
 
@@ -229,46 +229,13 @@ class TorchFT:
     def on_train_start(self, run: Run) -> None:
         """Join the quorum; a group that starts behind the others takes a live group's state here,
         before the loop plans its first step (and before other plugins' on_train_start look at it)."""
-        from torchft import Manager, ProcessGroupGloo
-
         self._run = run
-        for name in ("torchft.manager", "torchft.process_group"):
-            logging.getLogger(name).addFilter(_expected_failures)
         group = self._number = self._group()
-        timeout = datetime.timedelta(seconds=self.timeout_seconds)
-        address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if address is None or port is None or run.dist.world_size == 1:  # one process: a store of its own
-            store = torch.distributed.TCPStore  # type: ignore[attr-defined]  # torch exports it untyped
-            self._store = store("localhost", 0, is_master=True, wait_for_workers=False)
-            address, port = "localhost", str(self._store.port)
-        lighthouse = self._lighthouse()
-        self._pg = ProcessGroupGloo(timeout=timeout)
-        try:
-            self._manager = Manager(
-                pg=self._pg,
-                load_state_dict=self._load_state,
-                state_dict=self._state,
-                min_replica_size=self.min_replicas,
-                use_async_quorum=False,  # a state received is applied before the step, not in its middle
-                timeout=timeout,
-                connect_timeout=timeout,
-                quorum_timeout=datetime.timedelta(seconds=self.quorum_timeout_seconds),
-                rank=run.dist.rank,
-                world_size=run.dist.world_size,
-                store_addr=address,
-                store_port=int(port),
-                lighthouse_addr=lighthouse,
-                replica_id=f"replica_group_{group}",
-                checkpoint_transport=weights_only_transport(timeout),
-                init_sync=False,  # every group starts from the same seeded weights
-            )
-        except RuntimeError as exc:  # torchft's: it could not reach the lighthouse (or this group's store)
-            raise UserError(
-                f"plugins.torchft: the lighthouse at {lighthouse} did not answer within timeout_seconds "
-                f"({self.timeout_seconds:g}s: {str(exc).split(';')[0][:200]}); start it "
-                "(`torchft_lighthouse --min_replicas 1`) or point TORCHFT_LIGHTHOUSE at it"
-            ) from None
-        self._abort_on_errors()
+        timeouts = (self.timeout_seconds, self.quorum_timeout_seconds)
+        states = (self._state, self._load_state)
+        self._manager, self._pg, self._store = connect(
+            run, group, self._lighthouse(), timeouts, self.min_replicas, states
+        )
         if self.mode != "ddp":
             self._start_periodic(run)
         self._count_steps(run)
@@ -294,20 +261,6 @@ class TorchFT:
                 megabytes,
                 seconds,
             )
-
-    def _abort_on_errors(self) -> None:
-        """A collective that fails (a peer group died) drops this rank's connections at once, so that
-        the ranks still waiting in it fail now, not at the gloo timeout: torchft reports every
-        failed collective to ``Manager.report_error`` (the gradients, the syncs, the exchanges)."""
-        manager, report = self._manager, self._manager.report_error
-
-        def report_and_abort(error: Exception) -> None:
-            first = manager.errored() is None
-            report(error)
-            if first:
-                self._pg.abort()
-
-        manager.report_error = report_and_abort
 
     def _start_periodic(self, run: Run) -> None:
         """torchft's LocalSGD or DiLoCo, made before the first quorum: DiLoCo registers its state (the
@@ -454,7 +407,7 @@ class TorchFT:
         control = run.control
         agreed = self._average_and_commit(run, control.skip_reason is not None, control.rerun)
         if agreed is not None:
-            self._agree_on_vetoes(control, *agreed)
+            agree_on_vetoes(control, *agreed)
             return
         log.warning("torchft: step %d was not committed by every replica group of its quorum; it runs again", step)
         self._start_quorum(run)
@@ -463,45 +416,11 @@ class TorchFT:
     def _average_and_commit(
         self, run: Run, vetoed: bool, rerun: bool, skipped_whole: bool = False
     ) -> tuple[float, float] | None:
-        """The gradients averaged over the quorum, with this group's veto and rerun flags: the
-        flags' averages, or None when the quorum did not commit. A parameter without a gradient
-        here (no sample of this group used it; a step skipped whole) sends zeros, so that every
-        group sends the same sizes; it takes the others' share when this group updates."""
-        manager = self._manager
-        params = [p for p in run.model.parameters() if p.requires_grad]
-        grads = [local_part(p.grad) if p.grad is not None else torch.zeros_like(local_part(p)) for p in params]
-        dtype = grads[0].dtype if grads else torch.float32
-        flags = torch.tensor([vetoed, rerun], dtype=dtype, device=run.device)
-        flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
-        manager.allreduce(flat).wait()
-        if not manager.should_commit():
-            return None
-        self._missed += self.replica_groups - len(self._members)
-        if not skipped_whole:  # (a step skipped whole here has no update to take the averages)
-            self._take_averages(params, grads, flat)
-        vetoed_by, rerun_by = flat[-2:].tolist()  # (the commit waited on the host already)
-        return vetoed_by, rerun_by
-
-    @staticmethod
-    def _take_averages(params: list[torch.nn.Parameter], grads: list[torch.Tensor], flat: torch.Tensor) -> None:
-        """Each parameter's gradient becomes its average in ``flat``; one without a gradient gets one."""
-        offset = 0
-        for p, g in zip(params, grads):
-            averaged = flat[offset : offset + g.numel()].view_as(g)
-            offset += g.numel()
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-                local_part(p.grad).copy_(averaged)
-            else:
-                g.copy_(averaged)
-
-    @staticmethod
-    def _agree_on_vetoes(control: Control, vetoed: float, rerun: float) -> None:
-        """Another group's veto or rerun of this step, this group's too (averaged flags: > 0 if any)."""
-        if rerun > 0 and not control.rerun:
-            control.skip_update(control.skip_reason or "another replica group runs this step again", rerun=True)
-        elif vetoed > 0 and control.skip_reason is None:
-            control.skip_update("another replica group skipped this step's update")
+        """:func:`~coretrain_torchft.ddp.average_and_commit`, counting the shares a committed step missed."""
+        agreed = average_and_commit(self._manager, run, vetoed, rerun, take=not skipped_whole)
+        if agreed is not None:
+            self._missed += self.replica_groups - len(self._members)
+        return agreed
 
     @hookimpl(wrapper=True)  # the figures before the other plugins log them; a stop they ask for after
     def on_log(self, run: Run, step: int, metrics: dict[str, float]) -> Generator[None, None, None]:
@@ -544,11 +463,3 @@ class TorchFT:
         assert self._run is not None
         self._received_bytes = float(tensor_bytes(state))
         apply_run_state(self._run, state)
-
-
-def _expected_failures(record: logging.LogRecord) -> bool:
-    """torchft's errors about a peer group that failed are what this plugin expects and says in a line
-    of its own (the step runs again; the group left): kept in the run's log, off the console."""
-    if record.levelno >= logging.WARNING:
-        record.levelno, record.levelname, record.exc_info, record.exc_text = logging.INFO, "INFO", None, None
-    return True
