@@ -23,13 +23,16 @@ LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 
 
 @contextlib.contextmanager
-def lighthouse() -> Iterator[str]:
-    """torchft's lighthouse on a free port; a group silent for 2 s is dropped from the quorum."""
+def lighthouse(log_file: Path) -> Iterator[str]:
+    """torchft's lighthouse on a free port; a group silent for 2 s is dropped from the quorum. Its
+    log goes to a file: a pipe nobody reads fills after some hundred quorums, and the lighthouse,
+    blocked writing to it, answers no group (every quorum timed out in a slow run)."""
     port = free_port()
     args = ["--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
-    process = subprocess.Popen(
-        [str(LIGHTHOUSE), *args, "--bind", f"[::]:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    with open(log_file, "wb") as log:
+        process = subprocess.Popen(
+            [str(LIGHTHOUSE), *args, "--bind", f"[::]:{port}"], stdout=log, stderr=subprocess.STDOUT
+        )
     try:
         yield f"http://localhost:{port}"
     finally:
@@ -61,7 +64,7 @@ def test_a_killed_replica_group_is_dropped_the_other_trains_on_and_the_restarted
     slow += ("plugins.fault-injection.every_step=true", "plugins.fault-injection.sleep_seconds=1.5")
     kill = ('plugins.fault-injection.action="sigkill"', "plugins.fault-injection.step=8")
     env = {"OMP_NUM_THREADS": "1"}
-    with lighthouse() as address:
+    with lighthouse(tmp_path / "lighthouse.log") as address:
         env["TORCHFT_LIGHTHOUSE"] = address
         survivor = start_cli(*group(config, 0, *slow), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "0"})
         killed = run_cli(*group(config, 1, *kill), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "1"})
