@@ -45,10 +45,6 @@ def group(config: Path, number: int, *sets: str) -> list[str]:
     return ["run", str(config), *(arg for value in values for arg in ("--set", value))]
 
 
-def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return torch.load(checkpoint / "model.pt", weights_only=True)
-
-
 @pytest.mark.slow
 def test_a_killed_replica_group_is_dropped_the_other_trains_on_and_the_restarted_one_rejoins(tmp_path: Path) -> None:
     """The issue's scenario on two groups of one process: group 1 SIGKILLed at step 8; group 0
@@ -94,8 +90,7 @@ def test_a_killed_replica_group_is_dropped_the_other_trains_on_and_the_restarted
     one, two = metrics_rows(first)[0]["loss"], metrics_rows(second)[0]["loss"]
     assert one != two
     for step in (5, 20):
-        a, b = (weights(d / "checkpoints" / f"step_{step:08d}") for d in (first, second))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
+        assert same_weights(first, second, step), step
 
 
 @pytest.mark.parametrize(
@@ -224,8 +219,7 @@ def test_the_launcher_starts_a_lighthouse_and_restarts_a_killed_group_alone(tmp_
     assert "fault-injection: sigkill on rank 1 at step 8" in done.stderr  # rank 1 of the job: group 1's rank 0
     joined = [line for line in done.stderr.splitlines() if "replica group 1 joined at step" in line]
     assert joined and "state from replica group 0 (" in joined[0], done.stderr[-6000:]
-    a, b = (weights(d / "checkpoints" / "step_00000036") for d in (first, second))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_weights(first, second, 36)
 
 
 def test_ranks_the_groups_cannot_share_are_one_error_line_before_anything_starts(tmp_path: Path, cli: Any) -> None:

@@ -231,10 +231,15 @@ class TorchFT:
         before the loop plans its first step (and before other plugins' on_train_start look at it)."""
         self._run = run
         group = self._number = self._group()
-        timeouts = (self.timeout_seconds, self.quorum_timeout_seconds)
-        states = (self._state, self._load_state)
         self._manager, self._pg, self._store = connect(
-            run, group, self._lighthouse(), timeouts, self.min_replicas, states
+            run,
+            group,
+            self._lighthouse(),
+            timeout_seconds=self.timeout_seconds,
+            quorum_timeout_seconds=self.quorum_timeout_seconds,
+            min_replicas=self.min_replicas,
+            state_dict=self._state,
+            load_state_dict=self._load_state,
         )
         if self.mode != "ddp":
             self._start_periodic(run)

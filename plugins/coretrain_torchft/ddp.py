@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from coretrain import Control, Run
-from coretrain_torchft.transfer import local_part
 
 
 def average_and_commit(manager: Any, run: Run, vetoed: bool, rerun: bool, take: bool) -> tuple[float, float] | None:
@@ -50,3 +49,9 @@ def agree_on_vetoes(control: Control, vetoed: float, rerun: float) -> None:
         control.skip_update(control.skip_reason or "another replica group runs this step again", rerun=True)
     elif vetoed > 0 and control.skip_reason is None:
         control.skip_update("another replica group skipped this step's update")
+
+
+def local_part(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's own part on this rank (a DTensor's local shard: the groups hold the same layout)."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad

@@ -27,17 +27,20 @@ def connect(
     run: Run,
     group: int,
     lighthouse: str,
-    timeouts: tuple[float, float],
+    *,
+    timeout_seconds: float,
+    quorum_timeout_seconds: float,
     min_replicas: int,
-    state: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]],
+    state_dict: Callable[[], dict[str, Any]],
+    load_state_dict: Callable[[dict[str, Any]], None],
 ) -> Connection:
-    """A manager for replica group ``group``; ``timeouts``: (collectives, quorum) in seconds;
-    ``state``: what a recovering group is sent, and how this one applies what it receives."""
+    """A manager for replica group ``group``: ``state_dict`` is what a recovering group is sent,
+    ``load_state_dict`` how this one applies what it receives."""
     from torchft import Manager, ProcessGroupGloo
 
     for name in ("torchft.manager", "torchft.process_group"):
         logging.getLogger(name).addFilter(_expected_failures)
-    timeout = datetime.timedelta(seconds=timeouts[0])
+    timeout = datetime.timedelta(seconds=timeout_seconds)
     address, port, store = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), None
     if address is None or port is None or run.dist.world_size == 1:  # one process: a store of its own
         store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
@@ -46,13 +49,13 @@ def connect(
     try:
         manager = Manager(
             pg=pg,
-            load_state_dict=state[1],
-            state_dict=state[0],
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
             min_replica_size=min_replicas,
             use_async_quorum=False,  # a state received is applied before the step, not in its middle
             timeout=timeout,
             connect_timeout=timeout,
-            quorum_timeout=datetime.timedelta(seconds=timeouts[1]),
+            quorum_timeout=datetime.timedelta(seconds=quorum_timeout_seconds),
             rank=run.dist.rank,
             world_size=run.dist.world_size,
             store_addr=address,
@@ -65,7 +68,7 @@ def connect(
     except RuntimeError as exc:  # torchft's: it could not reach the lighthouse (or this group's store)
         raise UserError(
             f"plugins.torchft: the lighthouse at {lighthouse} did not answer within timeout_seconds "
-            f"({timeouts[0]:g}s: {str(exc).split(';')[0][:200]}); start it "
+            f"({timeout_seconds:g}s: {str(exc).split(';')[0][:200]}); start it "
             "(`torchft_lighthouse --min_replicas 1`) or point TORCHFT_LIGHTHOUSE at it"
         ) from None
     _abort_on_errors(manager, pg)

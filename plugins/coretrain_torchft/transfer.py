@@ -58,12 +58,6 @@ def weights_only_transport(timeout: datetime.timedelta) -> Any:
     return transport
 
 
-def local_part(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient's own part on this rank (a DTensor's local shard: the groups hold the same layout)."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if to_local is not None else grad
-
-
 def tensor_bytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
