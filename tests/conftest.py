@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import tomli
+from forked_ranks import run_ranks
 
 from coretrain.cli import main
 from coretrain.configload import deep_merge, toml_text
@@ -166,12 +167,19 @@ def start_cli(
 
 
 def in_one_job(
-    tmp_path: Path, ranks: int, commands: list[Any], name: str, env: dict[str, str] | None = None
+    tmp_path: Path,
+    ranks: int,
+    commands: list[Any],
+    name: str,
+    env: dict[str, str] | None = None,
+    torchrun: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """``coretrain`` commands one after another, as that many jobs would run them: in this
-    process for one rank, else all in one torchrun job (``fixtures/commands_in_one_job.py``:
-    a job's start-up, paid once). A command is an argument list, or ``{"args": [...], "expect":
-    CODE}``; the job must give each its expected exit code (0 by default)."""
+    process for one rank, else all in one job of that many ranks forked from a warm process
+    (``forked_ranks``: the imports paid once) running ``fixtures/commands_in_one_job.py`` —
+    under torchrun's agent instead with ``torchrun``, for a test of what the agent provides. A
+    command is an argument list, or ``{"args": [...], "expect": CODE}``; the job must give each
+    its expected exit code (0 by default)."""
     if ranks == 1:
         for command in commands:
             args, expected = (command["args"], command["expect"]) if isinstance(command, dict) else (command, 0)
@@ -180,13 +188,16 @@ def in_one_job(
         return done
     plan = tmp_path / f"{name}.json"
     plan.write_text(json.dumps(commands))
-    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}")
-    job = run_cli(
-        str(plan),
-        cwd=tmp_path,
-        env=env,
-        command=(*launcher, str(REPO / "tests" / "fixtures" / "commands_in_one_job.py")),
-    )
+    if torchrun:
+        launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}")
+        job = run_cli(
+            str(plan),
+            cwd=tmp_path,
+            env=env,
+            command=(*launcher, str(REPO / "tests" / "fixtures" / "commands_in_one_job.py")),
+        )
+    else:
+        job = run_ranks(plan, ranks, cwd=tmp_path, env=env)
     plan.with_name(f"{name}.stderr").write_text(job.stderr)  # the job's whole story, for a failure
     if job.returncode:
         pytest.fail(job_failure(job, commands, plan), pytrace=False)
