@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch.distributed as dist
@@ -65,7 +65,7 @@ def run_ranks(
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(WARM)
     store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False)
-    job_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    job_env = {**os.environ, **(env or {})}
     out, err = plan.with_name(f"{plan.name}.stdout"), plan.with_name(f"{plan.name}.stderr")
     for log in (out, err):
         log.write_text("")
@@ -82,24 +82,24 @@ def run_ranks(
     return subprocess.CompletedProcess(["forked ranks", str(plan)], code, out.read_text(), err.read_text() + exits)
 
 
-def _wait(processes: list[multiprocessing.process.BaseProcess], timeout: float) -> int:
-    """Wait for every rank; the first failure's exit code (0 when all succeeded)."""
-    deadline, ended_at = time.monotonic() + timeout, None
-    code = 0
+def _wait(processes: Sequence[multiprocessing.process.BaseProcess], timeout: float) -> int:
+    """Wait for every rank; the first failure's exit code (0 when all succeeded). Once one
+    failed or the timeout passed (each rank then SIGABRTed), the rest get ``GRACE_SECONDS``."""
+    deadline, kill_at, code = time.monotonic() + timeout, 0.0, 0
     while any(process.is_alive() for process in processes):
-        failed = [process.exitcode for process in processes if process.exitcode not in (None, 0)]
-        if failed and not code:
-            code, ended_at = failed[0] or 1, time.monotonic()
-        if time.monotonic() > deadline and not code:
-            code = 124
-            for process in processes:
-                if process.pid is not None and process.is_alive():
-                    os.kill(process.pid, signal.SIGABRT)
-            ended_at = time.monotonic()
-        if ended_at is not None and time.monotonic() > ended_at + GRACE_SECONDS:
+        now = time.monotonic()
+        if not code:
+            code = next((process.exitcode for process in processes if process.exitcode), 0)
+            if not code and now > deadline:
+                code = 124
+                for process in processes:
+                    if process.pid is not None and process.is_alive():
+                        os.kill(process.pid, signal.SIGABRT)
+            kill_at = now + GRACE_SECONDS
+        elif now > kill_at:
             for process in processes:
                 process.kill()
         time.sleep(0.05)
     for process in processes:
         process.join()
-    return code or next((process.exitcode for process in processes if process.exitcode), 0) or 0
+    return code or next((process.exitcode for process in processes if process.exitcode), 0)
