@@ -330,8 +330,7 @@ def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float
     from test_inprocess_restart import config, losses
 
     root = tmp_path_factory.mktemp("uninterrupted")
-    job = run_train(config(root, "whole"), "--nproc-per-node", "2", cwd=root, env={"OMP_NUM_THREADS": "1"})
-    assert job.returncode == 0, job.stderr[-3000:]
+    in_one_job(root, 2, [["run", config(root, "whole")]], "whole")
     return losses(root / "whole")
 
 
@@ -441,9 +440,9 @@ def train_llama(
 ) -> None:
     """A tiny Llama (the hf provider, built from its config: 4 query heads on 2 key/value heads,
     ``config`` on top) trained on the GPT preset's data in each layout, by name: ``{}`` on one
-    rank, any other ``[distributed]`` table on as many torchrun ranks as its sizes multiply to (2 at
+    rank, any other ``[distributed]`` table on as many ranks as its sizes multiply to (2 at
     least), its ``plugins`` key the ``[plugins]`` tables; output in ``tmp_path / name``. The
-    layouts of one number of ranks run in one torchrun job (one rank: in this process)."""
+    layouts of one number of ranks run in one job (one rank: in this process)."""
     llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
     llama |= {"num_attention_heads": 4, "num_key_value_heads": 2, **config}
     by_ranks: dict[int, list[Any]] = {}

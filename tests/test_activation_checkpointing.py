@@ -152,7 +152,7 @@ def test_composed_with_compile_or_fp8_the_losses_are_unchanged(tmp_path: Path, p
 @pytest.mark.slow
 def test_on_two_ranks_with_fsdp_or_tensor_parallel_the_losses_match_one_plain_rank(tmp_path: Path, site: Path) -> None:
     """Full checkpointing under FSDP2 and op-level under tensor parallelism (both runs in one
-    torchrun job, as two jobs would run them) recompute every block in backward on every rank
+    job, as two jobs would run them) recompute every block in backward on every rank
     and train as one plain rank does."""
     import json
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import metrics_rows, run_cli, start_cli, write_tiny_gpt
+from conftest import in_one_job, metrics_rows, run_cli, start_cli, write_tiny_gpt
 
 pytestmark = pytest.mark.slow  # every logging backend in real CLI runs: the full suite, not the fast tier
 
@@ -309,7 +309,7 @@ def test_all_four_backends_together_each_hold_every_logged_point(tmp_path: Path)
 
 def test_on_two_ranks_only_rank_0_logs_and_each_backend_holds_one_run(tmp_path: Path) -> None:
     config, out = write_tiny_gpt(tmp_path, train_iters=10, log_interval=5, eval_iters=0, extra=ALL_FOUR)
-    run_to_end(config, "--nproc-per-node", "2")
+    in_one_job(tmp_path, 2, [["run", str(config)]], "backends")
     expected = by_name(metrics_rows(out))
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
     ((_, messages),) = [comet_archive(out / "comet")]  # exactly one archive

@@ -26,11 +26,11 @@ def losses(out: Path) -> list[tuple[int, float]]:
     return [(row["step"], row.get("loss", row.get("valid/loss"))) for row in metrics_rows(out)]
 
 
-@pytest.mark.slow  # torchrun with 2 and 4 gloo ranks
+@pytest.mark.slow  # 2 and 4 gloo ranks
 def test_sequences_split_over_two_ranks_train_like_one_rank_and_resume_on_data_parallel(tmp_path: Path) -> None:
     assert run_train(str(write(tmp_path, "one", {})), cwd=tmp_path).returncode == 0
     # CP 2 with DDP, and CP 2 → DP 2 (the same global batch: one micro-batch of 2 per rank), in
-    # one torchrun job (its start-up paid once); CP 2 × FSDP 2 on 4 ranks
+    # one job (its start-up paid once); CP 2 × FSDP 2 on 4 ranks
     split = write(tmp_path, "cp_then_dp", {"cp_size": 2})
     jobs = [
         ["run", str(write(tmp_path, "cp", {"cp_size": 2}))],
@@ -78,7 +78,7 @@ def test_a_sequence_the_chunks_or_tensor_parallelism_cannot_divide_is_one_error(
         ContextParallel().configure_model(run=run)  # type: ignore[arg-type]
 
 
-@pytest.mark.slow  # torchrun with 2 and 4 gloo ranks
+@pytest.mark.slow  # 2 and 4 gloo ranks
 def test_a_hugging_face_llama_split_over_two_ranks_trains_like_one_rank(tmp_path: Path) -> None:
     """Through transformers' own attention registry: rotary positions per chunk, grouped-query
     attention (4 query heads on 2 key/value heads) over every rank's keys and values."""
@@ -94,7 +94,7 @@ def grad_norms(out: Path) -> list[float]:
     return [row["grad_norm"] for row in metrics_rows(out) if "grad_norm" in row]
 
 
-@pytest.mark.slow  # torchrun with 2 and 4 gloo ranks
+@pytest.mark.slow  # 2 and 4 gloo ranks
 def test_every_cp_comm_type_trains_like_one_rank(tmp_path: Path) -> None:
     """Megatron's cp_comm_type: all-to-all over heads (a2a) and the ring (p2p, its own backward)
     give one rank's losses and gradient norms, the ring on 4 ranks too (blocks a causal mask

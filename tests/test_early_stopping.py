@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import metrics_rows, run_cli, run_here, tiny_gpt_config
+from conftest import in_one_job, metrics_rows, tiny_gpt_config
 
 from coretrain import UserError
 from coretrain.testing import run_steps
@@ -97,9 +97,7 @@ def test_two_ranks_stop_and_keep_the_best_at_the_same_steps_as_one(tmp_path: Pat
             + "\n[plugins.early-stopping]\npatience = 2\nmin_delta = 100.0\n"
             + '[checkpoint]\nkeep_last = 1\n[plugins.keep-best]\nmetric = "valid/loss"\nmode = "max"\n'
         )
-        launch = ("--nproc-per-node", nproc) if nproc != "1" else ()  # one rank: this process
-        result = (run_cli if launch else run_here)("run", str(config), *launch, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
+        result = in_one_job(tmp_path, int(nproc), [["run", str(config)]], name)  # one rank: this process
         assert "early stopping: valid/loss did not improve" in result.stderr
         steps[name] = max(r["step"] for r in metrics_rows(tmp_path / name))
         checkpoints = tmp_path / name / "checkpoints"

@@ -34,9 +34,9 @@ def assert_same(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> None:
         assert y == pytest.approx(x, rel=1e-5)
 
 
-@pytest.mark.slow  # torchrun with 2 gloo ranks
+@pytest.mark.slow  # 2 gloo ranks
 def test_experts_spread_over_two_ranks_train_like_one_rank_and_resume_across_layouts(tmp_path: Path) -> None:
-    """One rank's run and the first half of one → EP 2 here; then one torchrun job (its start-up
+    """One rank's run and the first half of one → EP 2 here; then one job (its start-up
     paid once) runs EP 2, the first half of EP 2 → one rank, and the second half of one → EP 2."""
     assert run_train(str(write(tmp_path, "one", ep=False)), cwd=tmp_path).returncode == 0
     grow = write(tmp_path, "one_then_ep", ep=False)

@@ -1,4 +1,4 @@
-"""The fsdp plugin's memory levers on real torchrun gloo ranks: FSDP2's mixed-precision policy
+"""The fsdp plugin's memory levers on real gloo ranks: FSDP2's mixed-precision policy
 (bf16 compute, fp32 reductions and master weights) and CPU offload, trained and resumed."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_train
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows
 
-pytestmark = pytest.mark.slow  # torchrun ranks: the full suite
+pytestmark = pytest.mark.slow  # 2 gloo ranks: the full suite
 
 
 def config(tmp_path: Path, name: str, fsdp: dict[str, Any] | None, checkpoint: dict[str, Any] | None = None) -> Path:
@@ -24,16 +24,15 @@ def config(tmp_path: Path, name: str, fsdp: dict[str, Any] | None, checkpoint: d
     return config_file(tmp_path / f"{name}.toml", preset, extra, **settings)
 
 
-def run(tmp_path: Path, name: str, fsdp: dict[str, Any] | None, *launch: str, **env: str) -> list[dict[str, Any]]:
-    done = run_train(str(config(tmp_path, name, fsdp)), *launch, cwd=tmp_path, env={"OMP_NUM_THREADS": "1", **env})
-    assert done.returncode == 0, done.stderr
+def run(tmp_path: Path, name: str, fsdp: dict[str, Any] | None, ranks: int = 1, **env: str) -> list[dict[str, Any]]:
+    in_one_job(tmp_path, ranks, [["run", str(config(tmp_path, name, fsdp))]], name, env=env)
     return metrics_rows(tmp_path / name)
 
 
 def test_bf16_parameters_with_fp32_reductions_train_close_to_fp32(tmp_path: Path, site: Path) -> None:
     reference = [row["loss"] for row in run(tmp_path, "fp32", None)]
     policy = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "count-block-calls": True}
-    mixed = [row["loss"] for row in run(tmp_path, "bf16", policy, "--nproc-per-node", "2", PYTHONPATH=str(site))]
+    mixed = [row["loss"] for row in run(tmp_path, "bf16", policy, 2, PYTHONPATH=str(site))]
     for rank in (0, 1):  # the blocks computed in bf16 on every rank (their inputs, as the test-only plugin saw them)
         seen = json.loads((tmp_path / "bf16" / f"block_calls.rank{rank}.json").read_text())
         assert seen["input_dtypes"] == ["torch.bfloat16"], rank
@@ -48,7 +47,7 @@ def test_cpu_offload_trains_and_its_checkpoint_resumes_exactly(tmp_path: Path) -
         ["run", str(config(tmp_path, "whole", offload, checkpoint={"save_interval": 4}))],
         ["run", str(config(tmp_path, "resumed", offload, checkpoint={"resume": str(step_4)}))],
     ]
-    in_one_job(tmp_path, 2, runs, "offload", env={"OMP_NUM_THREADS": "1"})  # two jobs' runs in one torchrun job
+    in_one_job(tmp_path, 2, runs, "offload", env={"OMP_NUM_THREADS": "1"})  # two jobs' runs in one job
     whole, resumed = ([row["loss"] for row in metrics_rows(tmp_path / name)] for name in ("whole", "resumed"))
     assert resumed == whole[4:]  # steps 5-8 from the offloaded parameters and optimizer state it saved
     assert whole[-1] < whole[0]
@@ -63,7 +62,7 @@ def test_grad_reduce_in_fp32_is_reduce_dtype_float32_and_reduces_otherwise_than_
     runs = [
         ["run", str(config(tmp_path, name, {"param_dtype": "bfloat16", **fsdp}))] for name, fsdp in policies.items()
     ]
-    in_one_job(tmp_path, 2, runs, "policies", env={"OMP_NUM_THREADS": "1"})  # three jobs' runs in one torchrun job
+    in_one_job(tmp_path, 2, runs, "policies", env={"OMP_NUM_THREADS": "1"})  # three jobs' runs in one job
     named, fp32, bf16 = ([row["grad_norm"] for row in metrics_rows(tmp_path / name)] for name in policies)
     assert named == fp32
     assert named != bf16

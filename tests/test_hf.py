@@ -205,7 +205,7 @@ def test_a_vocabulary_larger_than_the_models_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_train_and_export_from_pretrained(tmp_path: Path, llama_dir: Path) -> None:
-    """On DDP and FSDP ranks (one torchrun job, as two jobs would run them), then exported."""
+    """On DDP and FSDP ranks (one job, as two jobs would run them), then exported."""
     from conftest import in_one_job
 
     runs = []

@@ -10,7 +10,7 @@ batch of 8 and saves (in the middle of a log interval of 2); each target resumes
 steps 4–6, and its logged losses — step 4's the mean of step 3, from the source's pending
 interval, and of its own step 4 — must be the uninterrupted one-rank run's within 1e-6
 (reduction orders differ between layouts, nothing else may). Commands sharing a number of
-ranks run in one torchrun job, one after another (``fixtures/commands_in_one_job.py``), as
+ranks run in one job, one after another (``fixtures/commands_in_one_job.py``), as
 separate jobs would.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import config_file, gpt_preset, in_one_job, metrics_rows
 
-pytestmark = pytest.mark.slow  # torchrun jobs of 2 and 4 gloo ranks
+pytestmark = pytest.mark.slow  # jobs of 2 and 4 gloo ranks
 
 LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {  # name: (ranks, --set values)
     "one": (1, ()),

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_train
+from conftest import in_one_job
 from test_inprocess_restart import config as two_rank_config
 from test_inprocess_restart import losses
 from test_launcher import free_port
@@ -184,12 +184,12 @@ def test_two_gloo_ranks_restart_in_process_from_the_local_checkpoint_and_agree_o
     restarted = two_rank_config(
         tmp_path, "restarted", **{"fault-injection": fault, "inprocess-restart": {}, "local-checkpoint": shm}
     )
-    job = run_train(restarted, "--nproc-per-node", "2", cwd=tmp_path, env=env)
-    assert job.returncode == 0, job.stderr[-3000:]
+    job = in_one_job(tmp_path, 2, [["run", restarted]], "restarted", env=env)
     assert "in-process restart 1: resumed at step 7, " in job.stderr
     assert losses(tmp_path / "restarted") == uninterrupted_losses
 
     rarely = {"local_dir": str(tmp_path / "shm"), "local_save_interval": 100}  # the plugin itself never asks
+    failing = []
     for name, persistent_ranks in (("alone", []), ("both", [0])):
         asks = {"at_step": 3, "non_persistent_ranks": [1], "persistent_ranks": persistent_ranks}
         stop = {"action": "raise", "step": 6}  # a failed job keeps its local tier, for the test to read
@@ -201,8 +201,8 @@ def test_two_gloo_ranks_restart_in_process_from_the_local_checkpoint_and_agree_o
             distributed={"backend": "gloo"},
             plugins=plugins,
         )
-        config_path = str(write_config(tmp_path / f"{name}.toml", sections))
-        assert run_train(config_path, "--nproc-per-node", "2", cwd=tmp_path, env=env).returncode != 0
+        failing.append({"args": ["run", str(write_config(tmp_path / f"{name}.toml", sections))], "expect": 1})
+    in_one_job(tmp_path, 2, failing, "requests", env=env)
     (alone,) = [d for d in (tmp_path / "shm").iterdir() if steps_in(d)]
     assert [sorted(p.name for p in (alone / s).iterdir()) for s in steps_in(alone)] == [
         ["checkpoint.json", "model.pt", "optimizer.pt", "rank_00000.pt", "rank_00001.pt"]
@@ -213,8 +213,7 @@ def test_two_gloo_ranks_restart_in_process_from_the_local_checkpoint_and_agree_o
     # rank 1's local_dir is full (rank 0's is not): both skip every local save, agreed, and train on
     full = {"under": str(tmp_path / "shm"), "ranks": [1]}
     skipping = two_rank_config(tmp_path, "skipping", **{"local-checkpoint": shm, "full-disk": full})
-    job = run_train(skipping, "--nproc-per-node", "2", cwd=tmp_path, env=env)
-    assert job.returncode == 0, job.stderr[-3000:]
+    job = in_one_job(tmp_path, 2, [["run", skipping]], "skipping", env=env)
     said = [line for line in job.stderr.splitlines() if "non-persistent checkpoint of step" in line]
     assert len(said) == 2, job.stderr[-3000:]  # rank 0 says whose it was, rank 1 why
     assert any(line.startswith("coretrain:") and "skipped: rank 1 could not write its part" in line for line in said)

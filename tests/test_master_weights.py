@@ -71,7 +71,7 @@ def test_groups_with_their_own_rates_log_each_rate(tmp_path: Path) -> None:
     assert not any(name.startswith("lr/") for name in plain.metrics[-1])
 
 
-@pytest.mark.slow  # torchrun ranks
+@pytest.mark.slow  # 2 gloo ranks
 def test_ddp_on_two_ranks_trains_like_one_rank_and_resumes_exactly(tmp_path: Path) -> None:
     from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_here
 
@@ -92,7 +92,7 @@ def test_ddp_on_two_ranks_trains_like_one_rank_and_resumes_exactly(tmp_path: Pat
     assert run_here("run", config("one"), cwd=tmp_path).returncode == 0
     step_4 = tmp_path / "ddp" / "checkpoints" / "step_00000004"
     runs = [["run", config("ddp", {"save_interval": 4})], ["run", config("resumed", {"resume": str(step_4)})]]
-    in_one_job(tmp_path, 2, runs, "ddp", env={"OMP_NUM_THREADS": "1"})  # two jobs' runs in one torchrun job
+    in_one_job(tmp_path, 2, runs, "ddp", env={"OMP_NUM_THREADS": "1"})  # two jobs' runs in one job
     whole = losses("ddp")
     assert whole == pytest.approx(losses("one"), rel=2e-2)  # bf16 gradients all-reduced: rounding, not another run
     assert whole[-1] < whole[0]

@@ -176,7 +176,7 @@ def in_consumed_order(blocks: list[list[list[int]]], per_rank: int) -> list[list
     return [row for s in range(steps) for rows in blocks for row in rows[s * per_rank : (s + 1) * per_rank]]
 
 
-@pytest.mark.slow  # torchrun with 2 gloo ranks
+@pytest.mark.slow  # 2 gloo ranks
 def test_the_loop_feeds_megatrons_blended_samples_in_order_on_any_ranks_and_across_a_resume(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     corpora = [

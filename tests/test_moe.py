@@ -159,13 +159,13 @@ def test_the_progress_line_and_the_report_show_the_experts_load(
     assert report["train/moe/layer1/load_max"] == f"last {last['train/moe/layer1/load_max']:.4g}"
 
 
-@pytest.mark.slow  # torchrun with 2 gloo ranks
+@pytest.mark.slow  # 2 gloo ranks
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_experts_on_two_data_parallel_ranks_train_like_one_rank(tmp_path: Path, strategy: str) -> None:
     """Every expert takes part in every step's backward, also one no token chose on a rank, so
     DDP's and FSDP's gradient reductions see each parameter (DDP without find_unused_parameters)."""
-    from conftest import config_file, run_train
-    from test_distributed import logged, torchrun
+    from conftest import config_file, in_one_job
+    from test_distributed import logged
 
     preset = gpt_preset(tmp_path)
     preset["model"]["options"] |= {"n_layer": 2, "n_experts": 8, "moe_top_k": 1, "moe_aux_loss_coeff": 0.01}
@@ -175,8 +175,7 @@ def test_experts_on_two_data_parallel_ranks_train_like_one_rank(tmp_path: Path, 
         preset["run"]["output_dir"] = str(tmp_path / name)
         extra = {"distributed": {"strategy": strategy}} if nproc == 2 else {}
         config = config_file(tmp_path / f"{name}.toml", preset, extra, **train)
-        result = run_train(str(config), cwd=tmp_path) if nproc == 1 else torchrun("run", str(config), cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
+        in_one_job(tmp_path, nproc, [["run", str(config)]], name)  # one rank: in this process
         runs[name] = logged(tmp_path / name)
     assert [s for s, _ in runs["one"]] == [s for s, _ in runs["two"]] == [3, 6, 9, 12]
     for (_, one), (_, two) in zip(runs["one"], runs["two"]):

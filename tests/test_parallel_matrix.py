@@ -3,7 +3,7 @@ tensor, context and expert parallelism train the one-rank numbers — the loss, 
 norm, the validation loss and a mixture of experts' routers' losses and loads, each within a
 relative 1e-5 (the reduction orders differ between layouts, nothing else may).
 
-One torchrun job per number of ranks runs a layout family's commands one after another
+One job per number of ranks runs a layout family's commands one after another
 (``fixtures/commands_in_one_job.py``), as separate jobs would. Every layout of 4 ranks (27, each
 kind with each other: TP × FSDP, PP × EP, CP × TP × EP, ...) is tested once, in
 ``test_every_layout_of_four_ranks_trains_like_one_rank``; the family tests here add what that one
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from conftest import HF_MOE, config_file, gpt_preset, hf_moe_table, in_one_job, metrics_rows
 
-pytestmark = pytest.mark.slow  # torchrun jobs of 2, 4 and 8 gloo ranks
+pytestmark = pytest.mark.slow  # jobs of 2, 4 and 8 gloo ranks
 
 MOE = {"n_layer": 4, "n_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
 MOE |= {"moe_capacity_factor": 1.0}  # experts that drop assignments: the choice must be the whole sequences' too
@@ -330,7 +330,7 @@ def test_a_rampups_small_first_batches_run_on_a_pipeline(tmp_path: Path) -> None
 def test_every_layout_of_four_ranks_trains_like_one_rank(tmp_path: Path) -> None:
     """All 27 layouts of 4 ranks, not a selection: ``benchmarks/layout_matrix.py`` enumerates
     pp × dp_replicate × dp_shard × cp × tp and every ep_size each can take (DDP beside FSDP), runs
-    them in one torchrun job and compares each with one rank (at 8 ranks it takes 34 minutes on
+    them in one job and compares each with one rank (at 8 ranks it takes 34 minutes on
     2 cores: run by hand, docs/scaling.md has its figures)."""
     from conftest import run_cli
 

@@ -44,7 +44,7 @@ def losses(out: Path) -> list[tuple[int, str, float]]:
     ]
 
 
-@pytest.mark.slow  # torchrun with 2 and 4 gloo ranks
+@pytest.mark.slow  # 2 and 4 gloo ranks
 def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Path) -> None:
     one_config = write(tmp_path, "one", {})
     one_run = run_train(str(one_config), cwd=tmp_path)
@@ -190,7 +190,7 @@ def test_a_model_without_a_stage_split_is_one_error() -> None:
         Pipeline.of(run, PipelineParallel())
 
 
-@pytest.mark.slow  # torchrun with 2 gloo ranks
+@pytest.mark.slow  # 2 gloo ranks
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_hugging_face_llama_cut_into_stages_trains_like_one_rank(tmp_path: Path, tied: bool) -> None:
     """By decoder layer, rotary positions on every stage, grouped-query attention; with the head

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, gpt_preset, metrics_rows, run_cli, run_here
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_here
 
 from coretrain.testing import tiny_config, write_config
 
@@ -115,29 +114,14 @@ def test_a_language_models_predictions_are_token_ids_and_the_console_says_only_w
     assert records(tmp_path / "plain.jsonl") == predicted
 
 
-@pytest.mark.slow  # 2 gloo ranks under torchrun
+@pytest.mark.slow  # 2 gloo ranks
 def test_two_ranks_write_the_same_file_as_one(tmp_path: Path) -> None:
     config = digits_config(tmp_path)
     tests = {"PYTHONPATH": str(Path(__file__).parent)}  # workloads: a user's own module
     assert run_here("run", str(config), cwd=tmp_path, env=tests).returncode == 0
     one = run_here("predict", str(config), "--out", str(tmp_path / "p1.jsonl"), cwd=tmp_path, env=tests)
     assert one.returncode == 0, one.stderr
-    launched = run_cli(
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "coretrain",
-        "predict",
-        str(config),
-        "--out",
-        str(tmp_path / "p2.jsonl"),
-        cwd=tmp_path,
-        env=tests,
-        command=(sys.executable,),
-    )
-    assert launched.returncode == 0, launched.stderr
+    in_one_job(tmp_path, 2, [["predict", str(config), "--out", str(tmp_path / "p2.jsonl")]], "predict", env=tests)
     one, two = records(tmp_path / "p1.jsonl"), records(tmp_path / "p2.jsonl")
     assert [r["index"] for r in two] == list(range(201))
     assert [r["prediction"] for r in one] == [r["prediction"] for r in two]

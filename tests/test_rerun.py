@@ -98,7 +98,7 @@ def test_a_spike_is_judged_against_the_largest_early_loss_and_a_nan_not_at_all()
     assert relative_difference(1.0, 3.0) == 1.0
 
 
-@pytest.mark.slow  # one torchrun job of 2 gloo ranks, three runs
+@pytest.mark.slow  # one job of 2 gloo ranks, three runs
 def test_a_nan_on_one_rank_is_rerun_on_both_and_the_verdict_is_agreed(tmp_path: Path) -> None:
     configs = {
         "clean": write(tmp_path, "clean", {}, ranks=2),

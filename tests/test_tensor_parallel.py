@@ -1,4 +1,4 @@
-"""Tensor parallelism (and 2-D with FSDP2) on real torchrun gloo ranks, against one rank."""
+"""Tensor parallelism (and 2-D with FSDP2) on real gloo ranks, against one rank."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_a_model_without_a_provider_plan_takes_one_from_the_config(tmp_path: Pat
         return {"args": ["run", str(write_config(tmp_path / f"{name}.toml", config))], "expect": expect}
 
     plan = {"plan": {"net.0": "colwise", "net.3": "rowwise"}}
-    job = in_one_job(  # the four as four jobs would run them, in one torchrun job
+    job = in_one_job(  # the four as four jobs would run them, in one job
         tmp_path,
         2,
         [
@@ -141,19 +141,18 @@ def test_batch_rampup_on_tensor_parallel_ranks_counts_the_data_parallel_batch(tm
     preset["model"]["options"] = {"n_layer": 1, "n_head": 2, "n_embd": 32}
     train = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 8, "log_interval": 1, "eval_iters": 0}
 
-    def run(name: str, *launch: str, **distributed: object) -> list[dict[str, float]]:
+    def run(name: str, ranks: int = 1, **distributed: object) -> list[dict[str, float]]:
         tables = {
             "run": {"output_dir": str(tmp_path / name)},
             "distributed": distributed,
             "plugins": {"batch-rampup": {"rampup_batch_size": [2, 2, 16]}},
         }
         config = config_file(tmp_path / f"{name}.toml", preset, tables, **train)
-        result = run_train(str(config), *launch, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
+        in_one_job(tmp_path, ranks, [["run", str(config)]], name)
         return metrics_rows(tmp_path / name)
 
     one = run("one")
-    tp2 = run("tp2", "--nproc-per-node", "2", tp_size=2)
+    tp2 = run("tp2", 2, tp_size=2)
     # +2 per 16/3 samples consumed (0, 2, 4 | 6, 10 | 14 | 20, 28): Megatron's formula
     assert [row["global_batch_size"] for row in one] == [2, 2, 2, 4, 4, 6, 8, 8]
     assert [row["global_batch_size"] for row in tp2] == [row["global_batch_size"] for row in one]

@@ -4,7 +4,6 @@ workers, a model that returns named values, exact evaluation — through the rea
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +12,12 @@ from typing import Any
 import pytest
 import tomli
 import torch
-from conftest import config_file, metrics_rows, run_cli, run_here
+from conftest import config_file, in_one_job, metrics_rows, run_cli, run_here
 
 from coretrain.configload import deep_merge
 from coretrain.testing import run_steps
 
-pytestmark = pytest.mark.slow  # user workloads through the CLI and torchrun: the full suite, not the fast tier
+pytestmark = pytest.mark.slow  # user workloads through the CLI and on 2 ranks: the full suite, not the fast tier
 
 TESTS = str(Path(__file__).resolve().parent)
 CONSOLE_SCRIPT = (str(Path(sys.executable).parent / "coretrain"),)
@@ -124,25 +123,7 @@ def test_a_full_evaluation_on_two_ranks_equals_one_rank(tmp_path: Path) -> None:
     one_config, one = digits_config(tmp_path, "one", eval_interval=10)
     two_config, two = digits_config(tmp_path, "two", eval_interval=10, micro_batch_size=16, global_batch_size=32)
     assert run_digits(one_config).returncode == 0
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "coretrain",
-            "run",
-            str(two_config),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": TESTS},
-    )
-    assert result.returncode == 0, result.stderr
+    in_one_job(tmp_path, 2, [["run", str(two_config)]], "two", env={"PYTHONPATH": TESTS})
     evals = [[r for r in metrics_rows(out) if "valid/loss" in r or "test/loss" in r] for out in (one, two)]
     assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [10, 20, 30, 30]
     for a, b in zip(*evals):  # 359 valid samples: 180 on rank 0, 179 on rank 1
