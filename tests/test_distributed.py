@@ -38,11 +38,6 @@ def torchrun(
     return run_cli(*args, cwd=cwd, env=env, command=(*command, "-m", "coretrain"))
 
 
-def ranks(nproc: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``coretrain run ARGS`` on ``nproc`` torchrun ranks; one rank runs in this process."""
-    return run_train(*args, cwd=cwd) if nproc == 1 else torchrun("run", *args, cwd=cwd, nproc=nproc)
-
-
 def logged(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r.get("loss", r.get("valid/loss"))) for r in metrics_rows(out)]
 
@@ -370,8 +365,7 @@ def test_a_rampup_counted_in_samples_resumes_on_more_ranks_planning_only_the_ste
     assert whole.returncode == 0, whole.stderr
     first = run_train(str(config("grown")), "--set", "train.exit_interval=8", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    resumed = torchrun("run", str(config("grown")), cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
+    in_one_job(tmp_path, 2, [["run", str(config("grown"))]], "grown")
     rows: dict[int, dict[str, float]] = {}
     reference: dict[int, dict[str, float]] = {}
     for merged, name in ((rows, "grown"), (reference, "whole")):  # a step's train and valid rows, merged
@@ -388,8 +382,7 @@ def test_a_rampup_counted_in_samples_resumes_on_more_ranks_planning_only_the_ste
 def test_a_job_that_lost_a_rank_goes_on_with_a_smaller_global_batch_only_when_allowed(tmp_path: Path) -> None:
     """2 ranks × micro 2 × 2 accumulation = 8; resumed on 3 ranks, 8 is no multiple of 6."""
     path = write(tmp_path, "run", micro_batch_size=2, global_batch_size=8, eval_iters=0, log_interval=5)
-    first = torchrun("run", str(path), "--set", "train.exit_interval=10", cwd=tmp_path, nproc=2)
-    assert first.returncode == 0, first.stderr
+    in_one_job(tmp_path, 2, [["run", str(path), "--set", "train.exit_interval=10"]], "first")
     refused = run_cli("run", str(path), "--nproc-per-node", "3", cwd=tmp_path)  # coretrain's launcher
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert refused.stderr.count("error:") == 1 and "exitcode" not in refused.stderr  # once, by local rank 0
@@ -397,8 +390,9 @@ def test_a_job_that_lost_a_rank_goes_on_with_a_smaller_global_batch_only_when_al
         "error: train.global_batch_size (8) is not a multiple of train.micro_batch_size × data-parallel size "
         "(2 × 3 = 6); set train.decrease_batch_size_if_needed = true" in refused.stderr
     )
-    allowed = torchrun("run", str(path), "--set", "train.decrease_batch_size_if_needed=true", cwd=tmp_path, nproc=3)
-    assert allowed.returncode == 0, allowed.stderr
+    allowed = in_one_job(
+        tmp_path, 3, [["run", str(path), "--set", "train.decrease_batch_size_if_needed=true"]], "allowed"
+    )
     assert allowed.stderr.count("training with a global batch of 6 instead") == 1  # once for the job
     rows = {r["step"]: r for r in metrics_rows(tmp_path / "run")}
     assert (rows[10]["global_batch_size"], rows[15]["global_batch_size"]) == (8.0, 6.0)
