@@ -166,18 +166,23 @@ def start_cli(
     )
 
 
+def torchrun(ranks: int) -> tuple[str, ...]:
+    """``torchrun --standalone --nproc-per-node RANKS``, as a command prefix for :func:`run_cli`."""
+    return (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}")
+
+
 def in_one_job(
     tmp_path: Path,
     ranks: int,
     commands: list[Any],
     name: str,
     env: dict[str, str] | None = None,
-    torchrun: bool = False,
+    agent: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """``coretrain`` commands one after another, as that many jobs would run them: in this
     process for one rank, else all in one job of that many ranks forked from a warm process
     (``forked_ranks``: the imports paid once) running ``fixtures/commands_in_one_job.py`` —
-    under torchrun's agent instead with ``torchrun``, for a test of what the agent provides. A
+    under torchrun's agent instead with ``agent``, for a test of what the agent provides. A
     command is an argument list, or ``{"args": [...], "expect": CODE}``; the job must give each
     its expected exit code (0 by default)."""
     if ranks == 1:
@@ -188,14 +193,9 @@ def in_one_job(
         return done
     plan = tmp_path / f"{name}.json"
     plan.write_text(json.dumps(commands))
-    if torchrun:
-        launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}")
-        job = run_cli(
-            str(plan),
-            cwd=tmp_path,
-            env=env,
-            command=(*launcher, str(REPO / "tests" / "fixtures" / "commands_in_one_job.py")),
-        )
+    if agent:
+        script = str(REPO / "tests" / "fixtures" / "commands_in_one_job.py")
+        job = run_cli(str(plan), cwd=tmp_path, env=env, command=(*torchrun(ranks), script))
     else:
         job = run_ranks(plan, ranks, cwd=tmp_path, env=env)
     plan.with_name(f"{name}.stderr").write_text(job.stderr)  # the job's whole story, for a failure

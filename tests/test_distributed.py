@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,17 +24,15 @@ from conftest import (
     run_train,
     start_cli,
     tiny_gpt_config,
+    torchrun,
 )
 
 pytestmark = pytest.mark.slow  # 2 gloo ranks: the full suite, not the fast tier
 
 
-def torchrun(
-    *args: str, cwd: Path, env: dict[str, str] | None = None, nproc: int = 2, launcher: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node NPROC [LAUNCHER...] -m coretrain ARGS``."""
-    command = (sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *launcher)
-    return run_cli(*args, cwd=cwd, env=env, command=(*command, "-m", "coretrain"))
+def on_torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 -m coretrain ARGS``: the same file under torchrun."""
+    return run_cli(*args, cwd=cwd, command=(*torchrun(2), "-m", "coretrain"))
 
 
 def logged(out: Path) -> list[tuple[int, float]]:
@@ -59,7 +56,7 @@ def write(directory: Path, name: str, **train: object) -> Path:
 def test_ddp_on_two_ranks_matches_one_rank_with_two_accumulation_steps(tmp_path: Path) -> None:
     one = run_train(str(write(tmp_path, "one")), cwd=tmp_path)
     assert one.returncode == 0, one.stderr
-    two = torchrun("run", str(write(tmp_path, "two")), cwd=tmp_path)
+    two = on_torchrun("run", str(write(tmp_path, "two")), cwd=tmp_path)
     assert two.returncode == 0, two.stderr
     assert "2 rank(s) on cpu" in two.stdout and two.stdout.count("step 20/20") == 1  # only rank 0 draws
     a, b = logged(tmp_path / "one"), logged(tmp_path / "two")
@@ -72,7 +69,7 @@ def test_ddp_on_two_ranks_matches_one_rank_with_two_accumulation_steps(tmp_path:
 
 
 def test_world_size_that_does_not_divide_the_global_batch_is_a_clear_error(tmp_path: Path) -> None:
-    result = torchrun("run", str(write(tmp_path, "odd", micro_batch_size=4, global_batch_size=4)), cwd=tmp_path)
+    result = on_torchrun("run", str(write(tmp_path, "odd", micro_batch_size=4, global_batch_size=4)), cwd=tmp_path)
     assert result.returncode != 0
     assert (
         "error: train.global_batch_size (4) is not a multiple of train.micro_batch_size × data-parallel "
@@ -422,7 +419,7 @@ def test_a_hung_rank_is_named_with_its_step_and_phase_and_the_job_ends(tmp_path:
     hang = '[plugins.fault-injection]\naction = "hang"\nstep = 6\nranks = [1]\n'
     config.write_text(config.read_text() + "\n[plugins.watchdog]\nstep_timeout_seconds = 3\n" + hang)
     # with no watchdog this would hang until the test's own timeout, not end with an error
-    result = torchrun("run", str(config), cwd=tmp_path)
+    result = on_torchrun("run", str(config), cwd=tmp_path)
     assert result.returncode != 0
     assert "error: rank 1: no progress for 3 s at step 6, last in pre_step" in result.stderr
     assert "hang.rank1.log" in {p.name for p in (tmp_path / "run").iterdir()}

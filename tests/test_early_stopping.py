@@ -82,7 +82,7 @@ def test_two_ranks_stop_and_keep_the_best_at_the_same_steps_as_one(tmp_path: Pat
     step 6 as one rank does, exit 0, with the step-6 checkpoint and the reason logged, and keep
     the best evaluation's checkpoint (step 2, no save step) as checkpoints/best."""
     steps = {}
-    for name, nproc in (("one", "1"), ("two", "2")):
+    for name, ranks in (("one", 1), ("two", 2)):
         config = tmp_path / f"{name}.toml"
         config.write_text(
             tiny_gpt_config(
@@ -97,7 +97,7 @@ def test_two_ranks_stop_and_keep_the_best_at_the_same_steps_as_one(tmp_path: Pat
             + "\n[plugins.early-stopping]\npatience = 2\nmin_delta = 100.0\n"
             + '[checkpoint]\nkeep_last = 1\n[plugins.keep-best]\nmetric = "valid/loss"\nmode = "max"\n'
         )
-        result = in_one_job(tmp_path, int(nproc), [["run", str(config)]], name)  # one rank: this process
+        result = in_one_job(tmp_path, ranks, [["run", str(config)]], name)  # one rank: this process
         assert "early stopping: valid/loss did not improve" in result.stderr
         steps[name] = max(r["step"] for r in metrics_rows(tmp_path / name))
         checkpoints = tmp_path / name / "checkpoints"

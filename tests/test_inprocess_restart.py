@@ -137,7 +137,7 @@ def test_a_rank_that_raises_costs_an_in_process_restart_on_two_gloo_ranks(
         job = run_train(restarted, "--nproc-per-node", "2", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
         assert job.returncode == 0, job.stderr[-3000:]
     else:
-        job = in_one_job(tmp_path, 2, [["run", restarted]], "restart", env={"OMP_NUM_THREADS": "1"}, torchrun=True)
+        job = in_one_job(tmp_path, 2, [["run", restarted]], "restart", env={"OMP_NUM_THREADS": "1"}, agent=True)
     assert losses(tmp_path / "restarted") == uninterrupted_losses
     assert "in-process restart 1/2 after rank 1 raised at step 8: plugin 'fault-injection' in pre_step" in job.stderr
     assert "in-process restart 1: resumed at step 4, " in job.stderr
