@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port, metrics_rows, write_tiny_gpt
+from conftest import free_port, metrics_rows, run_cli, write_tiny_gpt
 
 
 def children(pid: int) -> list[int]:
@@ -94,6 +94,30 @@ def test_an_elastic_job_takes_a_machine_that_joins_and_goes_on_without_one_whose
     assert rows[-1]["step"] == 120
     assert [row["step"] for row in rows] == sorted({row["step"] for row in rows})  # each step logged once
     assert step_before_kill < 120
+
+
+@pytest.mark.slow
+def test_ranks_that_cannot_be_restarted_meet_at_the_store_the_launcher_holds(tmp_path: Path) -> None:
+    """On one machine without --max-restarts the ranks meet at the launcher's own store, bound for
+    the whole job (torchrun's default): a store of rank 0's would listen on a port the launcher
+    found free and let go, and a connection of another job on the machine took it first
+    (EADDRINUSE, seen with tests side by side). Ranks the launcher may restart keep their own
+    (restarted gloo groups reached the dead attempt's ports through the shared one)."""
+    config, _ = write_tiny_gpt(tmp_path, train_iters=1)
+    said = tmp_path / "ranks.txt"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import os\n"
+        "if 'LOCAL_RANK' in os.environ:\n"
+        f"    with open({str(said)!r}, 'a') as said:\n"
+        "        said.write(os.environ['TORCHELASTIC_USE_AGENT_STORE'] + '\\n')\n"
+    )
+    env = {"PYTHONPATH": str(tmp_path / "site"), "OMP_NUM_THREADS": "1"}
+    for restarts, agents_store in (("0", "True"), ("1", "False")):
+        said.write_text("")
+        job = run_cli("run", str(config), "--nproc-per-node", "2", "--max-restarts", restarts, cwd=tmp_path, env=env)
+        assert job.returncode == 0, job.stderr[-3000:]
+        assert said.read_text().split() == [agents_store, agents_store], restarts
 
 
 def test_a_rendezvous_port_held_by_another_program_is_one_error_also_on_one_machine(tmp_path: Path, cli: Any) -> None:

@@ -180,9 +180,13 @@ def launch_torchrun(args: argparse.Namespace) -> int:
 
     for handler in logging.getLogger("torch.distributed").handlers:  # torch's own, where elastic logs
         handler.addFilter(_AgreedStops())
-    # Workers keep their own rendezvous store: with the agent's shared store, restarted gloo
-    # groups connect to the dead attempt's ports (seen with torch 2.13; pytorch#167288).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if args.max_restarts or args.nnodes not in (None, "1") or args.rdzv_endpoint:
+        # Workers the agent may start again keep their own rendezvous store: with the agent's
+        # shared one, restarted gloo groups connect to the dead attempt's ports (seen with torch
+        # 2.13; pytorch#167288). A job that cannot restart shares it, as torchrun does: rank 0's
+        # own store would listen on a port the agent found free and let go, which another
+        # process may take before rank 0 binds it (EADDRINUSE; torch's get_free_port says so).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         torchrun(argv)
     except SignalException as exc:
