@@ -46,6 +46,18 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto``: one worker more than this process may use cores (PYTEST_XDIST_AUTO_NUM_WORKERS
+    still decides where set). A worker spends much of a slow test waiting on what it started —
+    ranks meeting, a launcher's restart, a heartbeat that must be missed — and with one worker
+    per core the cores stood idle 44% of the suite (2 cores: 27:06 with 2 workers, 17:56 with 3,
+    17:01 with 4; docs/benchmarks.md)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores + 1
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Move what the imports made (torch, transformers, the test modules) out of the collector's
     reach: a test's ``gc.collect()`` (the gc plugin's, a leak check's) then scans only what
