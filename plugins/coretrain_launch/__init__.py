@@ -180,7 +180,7 @@ def launch_torchrun(args: argparse.Namespace) -> int:
 
     for handler in logging.getLogger("torch.distributed").handlers:  # torch's own, where elastic logs
         handler.addFilter(_AgreedStops())
-    if args.max_restarts or args.nnodes not in (None, "1") or args.rdzv_endpoint:
+    if args.max_restarts or argv[0] != "--standalone":  # (torchrun_arguments decided: one machine)
         # Workers the agent may start again keep their own rendezvous store: with the agent's
         # shared one, restarted gloo groups connect to the dead attempt's ports (seen with torch
         # 2.13; pytorch#167288). A job that cannot restart shares it, as torchrun does: rank 0's
