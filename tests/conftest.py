@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import tomli
+from filelock import FileLock
 from forked_ranks import run_ranks
 
 from coretrain.cli import main
@@ -347,19 +348,33 @@ def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float
 
 
 @pytest.fixture(scope="session")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def site(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """A target dir with real pip installs of third-party plugin packages, for PYTHONPATH.
 
     The example hooklog plugin, a plugin whose import fails, and the test-only
     kill-during-save plugin: found exactly as `pip install coretrain-foo` would make them.
+    Built once per session (two builds and an install: 13 CPU-seconds), in the directory
+    xdist's workers share, by the first worker that needs it; the tests only read it.
     """
-    root = tmp_path_factory.mktemp("thirdparty")
+    if worker_id == "master":  # no xdist: this session's own directory
+        return install_site(tmp_path_factory.mktemp("thirdparty"))
+    root = tmp_path_factory.getbasetemp().parent / "thirdparty"
+    with FileLock(f"{root}.lock"):
+        if not (root / "installed").exists():
+            root.mkdir(exist_ok=True)
+            install_site(root)
+            (root / "installed").touch()
+    return root / "site"
+
+
+def install_site(root: Path) -> Path:
+    """``site``'s packages pip-installed into ``root / "site"``, built from copies in ``root``."""
     broken = root / "broken-src"
     for name, text in BROKEN_PLUGIN.items():
         (broken / name).parent.mkdir(parents=True, exist_ok=True)
         (broken / name).write_text(textwrap.dedent(text))
     target = root / "site"
-    # copies: setuptools builds in the source tree, and xdist workers install at the same time
+    # copies: setuptools builds in the source tree
     sources = [root / "hooklog-src", root / "faults-src"]
     for origin, copy in zip(
         [REPO / "examples" / "coretrain-hooklog", REPO / "tests" / "fixtures" / "coretrain-faults"], sources
