@@ -336,6 +336,55 @@ def two_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dic
     return done, tmp_path / "out" / "replica_group_0", tmp_path / "out" / "replica_group_1"
 
 
+def forked_groups(tmp_path: Path, config: Path, table: dict[str, Any], env: dict[str, str]) -> Any:
+    """``config``'s two replica groups of one rank, each forked warm (``forked_ranks``) with what
+    the launcher gives a group — its number, the lighthouse the launcher would start for the
+    torchft ``table``, an output directory of its own — for the tests of what the groups agree on;
+    the launcher's own part is tested through it in the other tests (three interpreters fewer a
+    test: 13 CPU-seconds). Returns the job (the groups' stderr, the first failing group's exit code),
+    group 0's output and group 1's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coretrain_torchft import TorchFT
+    from coretrain_torchft.launch import _start_lighthouse
+    from forked_ranks import run_ranks
+
+    from coretrain import load
+
+    output = tmp_path / load(config).config.output_dir  # (a relative one: under the groups' working directory)
+    outputs = [output / f"replica_group_{number}" for number in (0, 1)]
+    server, address = _start_lighthouse(TorchFT(**table).lighthouse_settings(), tmp_path / "lighthouse.log", port=0)
+
+    def group(number: int) -> tuple[int, str]:
+        plan = tmp_path / f"group{number}.json"
+        output = f"run.output_dir={json.dumps(str(outputs[number]))}"
+        plan.write_text(json.dumps([{"args": ["run", str(config), "--set", output], "expect": None}]))
+        group_env = {**env, "REPLICA_GROUP_ID": str(number), "TORCHFT_LIGHTHOUSE": address}
+        job = run_ranks(plan, 1, tmp_path, {"OMP_NUM_THREADS": "1", **group_env})
+        codes = plan.with_name(f"{plan.name}.codes")  # the run's exit code (the rank's is 0: any was expected)
+        return job.returncode or (json.loads(codes.read_text())[0] if codes.exists() else 1), job.stderr
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            ended = list(pool.map(group, (0, 1)))
+    finally:
+        server.kill()
+        server.wait()
+    code = next((code for code, _ in ended if code), 0)
+    done = subprocess.CompletedProcess(["forked groups"], code, "", "".join(stderr for _, stderr in ended))
+    return done, outputs[0], outputs[1]
+
+
+def forked_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dict[str, Any]) -> Any:
+    """``two_groups_of_one``'s job with its groups forked (:func:`forked_groups`)."""
+    from coretrain.testing import tiny_config, write_config
+
+    train = {"train_iters": train_iters, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4}
+    table = {"replica_groups": 2, **plugins.get("torchft", {})}
+    sections = tiny_config(tmp_path / "out", train=train, plugins={**plugins, "torchft": table})
+    return forked_groups(tmp_path, write_config(tmp_path / "c.toml", sections), table, {"PYTHONPATH": str(site)})
+
+
 def same_weights(first: Path, second: Path, step: int) -> bool:
     """The two groups' checkpoints of ``step`` hold bit-identical weights."""
     from coretrain import read_weights
@@ -354,7 +403,7 @@ def test_an_update_one_group_vetoes_is_skipped_by_every_group(tmp_path: Path, si
     fine, skips it too (the veto travels with the gradients): the groups keep equal weights.
     (Without the agreement group 0 updates at step 4 and the weights part.)"""
     nan = {"nan-loss": {"rank": 0, "at_step": 4, "replica_group": "1"}}
-    done, first, second = two_groups_of_one(tmp_path, site, 6, {"guards": {}, **nan})
+    done, first, second = forked_groups_of_one(tmp_path, site, 6, {"guards": {}, **nan})
     assert done.returncode == 0, done.stderr[-5000:]
     assert "guards: step 4: loss is nan; update skipped" in done.stderr
     for out in (first, second):
@@ -369,7 +418,7 @@ def test_a_step_one_group_skips_whole_is_an_update_every_group_skips(tmp_path: P
     which ran the step, skips its update (group 1's veto travels with zeros for its gradients,
     where group 0 waits for them); the batch is drawn in both, the groups keep equal weights."""
     skip = {"skip-step": {"rank": 0, "at_step": 3, "replica_group": "1"}}
-    done, first, second = two_groups_of_one(tmp_path, site, 6, skip)
+    done, first, second = forked_groups_of_one(tmp_path, site, 6, skip)
     assert done.returncode == 0, done.stderr[-5000:]
     rows = [{row["step"]: row for row in metrics_rows(out)} for out in (first, second)]
     assert [(r[3]["skipped_steps"], r[3]["skipped_updates"], r[4]["skipped_steps"]) for r in rows] == [(1, 1, 0)] * 2
@@ -431,9 +480,8 @@ def test_a_parameter_one_group_did_not_use_takes_the_others_share(tmp_path: Path
         '[data]\nprovider = "branchy:data"\n[train]\nmicro_batch_size = 4\ntrain_iters = 4\n'
         "log_interval = 1\neval_iters = 0\n[plugins.torchft]\nreplica_groups = 2\n"
     )
-    done = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    done, first, second = forked_groups(tmp_path, config, {"replica_groups": 2}, {})
     assert done.returncode == 0, done.stderr[-5000:]
-    first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
     assert_same_weights(first, second, 4)
 
 
@@ -444,7 +492,7 @@ def test_a_stop_one_group_asks_for_stops_every_group_at_that_step(tmp_path: Path
     wrong, stops at step 4 too and saves its checkpoint there, saying why; the job exits 3.
     With ``agree_stops = false`` the stop is group 1's own: group 0 trains on to the end."""
     guard = {"guards": {"action": "stop"}, "nan-loss": {"rank": 0, "at_step": 4, "replica_group": "1"}}
-    done, first, second = two_groups_of_one(tmp_path, site, 8, {**guard, "torchft": {"agree_stops": agree}})
+    done, first, second = forked_groups_of_one(tmp_path, site, 8, {**guard, "torchft": {"agree_stops": agree}})
     assert done.returncode == 3, done.stderr[-5000:]
     said = "torchft: replica group 1 stopped the run at step 4 (its log says why)"
     assert (said in done.stderr) is agree

@@ -186,13 +186,16 @@ class TorchFT:
         from coretrain_torchft.launch import launch_groups
 
         given = self._given_lighthouse()
-        settings = {
+        grace = self.timeout_seconds + self.heartbeat_timeout_seconds
+        return launch_groups(args, loaded, check, self.replica_groups, given or self.lighthouse_settings(), grace)
+
+    def lighthouse_settings(self) -> dict[str, int]:
+        """The flags of the lighthouse the launcher starts, from this table."""
+        return {
             "min_replicas": self.min_replicas,
             "join_timeout_ms": int(self.timeout_seconds * 1000),  # a live group slower than this is left out
             "heartbeat_timeout_ms": int(self.heartbeat_timeout_seconds * 1000),
         }
-        grace = self.timeout_seconds + self.heartbeat_timeout_seconds
-        return launch_groups(args, loaded, check, self.replica_groups, given or settings, grace)
 
     @hookimpl
     def configure_run(self, run: Run) -> None:
