@@ -288,9 +288,8 @@ def test_a_mixture_of_experts_split_inside_each_group_trains_and_the_groups_stay
     }
     train = {"micro_batch_size": 4, "global_batch_size": 8, "train_iters": 4, "log_interval": 1, "eval_iters": 0}
     config = config_file(tmp_path / "c.toml", preset, extra, **train)
-    done = run_cli("run", str(config), "--nproc-per-node", "4", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    done, first, second = forked_groups(tmp_path, config, {"replica_groups": 2}, {}, ranks=2)
     assert done.returncode == 0, done.stderr[-5000:]
-    first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
     assert metrics_rows(first)[0]["loss"] != metrics_rows(second)[0]["loss"]  # their own shares
     assert_same_weights(first, second, 4)
 
@@ -336,13 +335,13 @@ def two_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dic
     return done, tmp_path / "out" / "replica_group_0", tmp_path / "out" / "replica_group_1"
 
 
-def forked_groups(tmp_path: Path, config: Path, table: dict[str, Any], env: dict[str, str]) -> Any:
-    """``config``'s two replica groups of one rank, each forked warm (``forked_ranks``) with what
-    the launcher gives a group — its number, the lighthouse the launcher would start for the
-    torchft ``table``, an output directory of its own — for the tests of what the groups agree on;
-    the launcher's own part is tested through it in the other tests (three interpreters fewer a
-    test: 13 CPU-seconds). Returns the job (the groups' stderr, the first failing group's exit code),
-    group 0's output and group 1's."""
+def forked_groups(tmp_path: Path, config: Path, table: dict[str, Any], env: dict[str, str], ranks: int = 1) -> Any:
+    """``config``'s two replica groups of ``ranks`` ranks each, forked warm (``forked_ranks``) with
+    what the launcher gives a group: its number, the lighthouse the launcher would start for the
+    torchft ``table``, an output directory of its own. For the tests of what the groups compute and
+    agree on; the launcher's own part stays tested through ``coretrain run --nproc-per-node`` (each
+    test here starts 3 to 7 interpreters fewer, 3 CPU-seconds each). Returns the job (the groups'
+    stderr, the first failing group's exit code), group 0's output and group 1's."""
     from concurrent.futures import ThreadPoolExecutor
 
     from coretrain_torchft import TorchFT
@@ -360,7 +359,7 @@ def forked_groups(tmp_path: Path, config: Path, table: dict[str, Any], env: dict
         output = f"run.output_dir={json.dumps(str(outputs[number]))}"
         plan.write_text(json.dumps([{"args": ["run", str(config), "--set", output], "expect": None}]))
         group_env = {**env, "REPLICA_GROUP_ID": str(number), "TORCHFT_LIGHTHOUSE": address}
-        job = run_ranks(plan, 1, tmp_path, {"OMP_NUM_THREADS": "1", **group_env})
+        job = run_ranks(plan, ranks, tmp_path, {"OMP_NUM_THREADS": "1", **group_env})
         codes = plan.with_name(f"{plan.name}.codes")  # the run's exit code (the rank's is 0: any was expected)
         return job.returncode or (json.loads(codes.read_text())[0] if codes.exists() else 1), job.stderr
 
