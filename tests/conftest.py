@@ -51,8 +51,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto``: one worker more than this process may use cores (PYTEST_XDIST_AUTO_NUM_WORKERS
     still decides where set). A worker spends much of a slow test waiting on what it started —
     ranks meeting, a launcher's restart, a heartbeat that must be missed — and with one worker
-    per core the 2-core machine was 1.13 cores busy (README's pytest: 21:43–28:09 with 2 workers,
-    17:56 with 3, 17:01 with 4; docs/benchmarks.md)."""
+    per core the cores stood idle while both workers waited (README's pytest on 2 cores:
+    21:43–28:09 with 2 workers, 17:56 with 3, 17:01 with 4; docs/benchmarks.md)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

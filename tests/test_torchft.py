@@ -8,7 +8,6 @@ import contextlib
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,22 +18,19 @@ import tomli
 import torch
 from conftest import config_file, free_port, gpt_preset, metrics_rows, run_cli, start_cli
 
-LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+QUICK_LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 1000, "heartbeat_timeout_ms": 2000}
+"""A lighthouse that drops a group silent for 2 s from the quorum."""
 
 
 @contextlib.contextmanager
-def lighthouse(log_file: Path) -> Iterator[str]:
-    """torchft's lighthouse on a free port; a group silent for 2 s is dropped from the quorum. Its
-    log goes to a file: a pipe nobody reads fills after some hundred quorums, and the lighthouse,
-    blocked writing to it, answers no group (every quorum timed out in a slow run)."""
-    port = free_port()
-    args = ["--min_replicas", "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
-    with open(log_file, "wb") as log:
-        process = subprocess.Popen(
-            [str(LIGHTHOUSE), *args, "--bind", f"[::]:{port}"], stdout=log, stderr=subprocess.STDOUT
-        )
+def lighthouse(log_file: Path, settings: dict[str, int]) -> Iterator[str]:
+    """torchft's lighthouse with ``settings``, started as the launcher starts it (on a free port,
+    its log in a file), and its address; killed at the end."""
+    from coretrain_torchft.launch import start_lighthouse
+
+    process, address = start_lighthouse(settings, log_file, port=0)
     try:
-        yield f"http://localhost:{port}"
+        yield address
     finally:
         process.kill()
         process.wait()
@@ -60,7 +56,7 @@ def test_a_killed_replica_group_is_dropped_the_other_trains_on_and_the_restarted
     slow += ("plugins.fault-injection.every_step=true", "plugins.fault-injection.sleep_seconds=1.5")
     kill = ('plugins.fault-injection.action="sigkill"', "plugins.fault-injection.step=8")
     env = {"OMP_NUM_THREADS": "1"}
-    with lighthouse(tmp_path / "lighthouse.log") as address:
+    with lighthouse(tmp_path / "lighthouse.log", QUICK_LIGHTHOUSE) as address:
         env["TORCHFT_LIGHTHOUSE"] = address
         survivor = start_cli(*group(config, 0, *slow), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "0"})
         killed = run_cli(*group(config, 1, *kill), cwd=tmp_path, env={**env, "REPLICA_GROUP_ID": "1"})
@@ -321,15 +317,20 @@ def test_each_machine_starts_its_own_groups_and_machine_0_the_lighthouse(tmp_pat
     assert_same_weights(tmp_path / "out" / "replica_group_0", tmp_path / "out" / "replica_group_1", 6)
 
 
-def two_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dict[str, Any]) -> Any:
-    """``coretrain run --nproc-per-node 2`` of a tiny model as 2 replica groups of one rank, with
-    the test plugins of ``site``; (the run, group 0's output, group 1's output)."""
+def tiny_groups_config(tmp_path: Path, train_iters: int, plugins: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """A tiny model's config of 2 replica groups with ``plugins``' tables, and its torchft table."""
     from coretrain.testing import tiny_config, write_config
 
     train = {"train_iters": train_iters, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4}
     torchft = {"replica_groups": 2, **plugins.get("torchft", {})}
     sections = tiny_config(tmp_path / "out", train=train, plugins={**plugins, "torchft": torchft})
-    config = write_config(tmp_path / "c.toml", sections)
+    return write_config(tmp_path / "c.toml", sections), torchft
+
+
+def two_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dict[str, Any]) -> Any:
+    """``coretrain run --nproc-per-node 2`` of a tiny model as 2 replica groups of one rank, with
+    the test plugins of ``site``; (the run, group 0's output, group 1's output)."""
+    config, _ = tiny_groups_config(tmp_path, train_iters, plugins)
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)}
     done = run_cli("run", str(config), "--nproc-per-node", "2", cwd=tmp_path, env=env)
     return done, tmp_path / "out" / "replica_group_0", tmp_path / "out" / "replica_group_1"
@@ -345,30 +346,25 @@ def forked_groups(tmp_path: Path, config: Path, table: dict[str, Any], env: dict
     from concurrent.futures import ThreadPoolExecutor
 
     from coretrain_torchft import TorchFT
-    from coretrain_torchft.launch import _start_lighthouse
     from forked_ranks import run_ranks
 
     from coretrain import load
 
     output = tmp_path / load(config).config.output_dir  # (a relative one: under the groups' working directory)
     outputs = [output / f"replica_group_{number}" for number in (0, 1)]
-    server, address = _start_lighthouse(TorchFT(**table).lighthouse_settings(), tmp_path / "lighthouse.log", port=0)
 
-    def group(number: int) -> tuple[int, str]:
+    def group(number: int, address: str) -> tuple[int, str]:
         plan = tmp_path / f"group{number}.json"
-        output = f"run.output_dir={json.dumps(str(outputs[number]))}"
-        plan.write_text(json.dumps([{"args": ["run", str(config), "--set", output], "expect": None}]))
+        where = f"run.output_dir={json.dumps(str(outputs[number]))}"
+        plan.write_text(json.dumps([{"args": ["run", str(config), "--set", where], "expect": None}]))
         group_env = {**env, "REPLICA_GROUP_ID": str(number), "TORCHFT_LIGHTHOUSE": address}
         job = run_ranks(plan, ranks, tmp_path, {"OMP_NUM_THREADS": "1", **group_env})
         codes = plan.with_name(f"{plan.name}.codes")  # the run's exit code (the rank's is 0: any was expected)
         return job.returncode or (json.loads(codes.read_text())[0] if codes.exists() else 1), job.stderr
 
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            ended = list(pool.map(group, (0, 1)))
-    finally:
-        server.kill()
-        server.wait()
+    settings = TorchFT(**table).lighthouse_settings()
+    with lighthouse(tmp_path / "lighthouse.log", settings) as address, ThreadPoolExecutor(2) as pool:
+        ended = list(pool.map(group, (0, 1), (address, address)))
     code = next((code for code, _ in ended if code), 0)
     done = subprocess.CompletedProcess(["forked groups"], code, "", "".join(stderr for _, stderr in ended))
     return done, outputs[0], outputs[1]
@@ -376,12 +372,8 @@ def forked_groups(tmp_path: Path, config: Path, table: dict[str, Any], env: dict
 
 def forked_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dict[str, Any]) -> Any:
     """``two_groups_of_one``'s job with its groups forked (:func:`forked_groups`)."""
-    from coretrain.testing import tiny_config, write_config
-
-    train = {"train_iters": train_iters, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4}
-    table = {"replica_groups": 2, **plugins.get("torchft", {})}
-    sections = tiny_config(tmp_path / "out", train=train, plugins={**plugins, "torchft": table})
-    return forked_groups(tmp_path, write_config(tmp_path / "c.toml", sections), table, {"PYTHONPATH": str(site)})
+    config, table = tiny_groups_config(tmp_path, train_iters, plugins)
+    return forked_groups(tmp_path, config, table, {"PYTHONPATH": str(site)})
 
 
 def same_weights(first: Path, second: Path, step: int) -> bool:

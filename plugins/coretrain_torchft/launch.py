@@ -108,11 +108,11 @@ def _lighthouse(
     if isinstance(given, str):
         return None, given
     if (args.nnodes or "1") == "1":
-        return _start_lighthouse(given, log_file, port=0)
+        return start_lighthouse(given, log_file, port=0)
     host, _, port = args.rdzv_endpoint.rpartition(":")
     address = f"http://{host}:{port}"
     if args.node_rank == 0:
-        return _start_lighthouse(given, log_file, port=int(port))[0], address
+        return start_lighthouse(given, log_file, port=int(port))[0], address
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1):
@@ -204,7 +204,7 @@ def _start(
     return subprocess.Popen(command, env=environment)
 
 
-def _start_lighthouse(settings: dict[str, Any], log_file: Path, port: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_lighthouse(settings: dict[str, Any], log_file: Path, port: int) -> tuple[subprocess.Popen[bytes], str]:
     """torchft's lighthouse (its own binary, its log in the job's output directory) on ``port`` (0:
     a free one), and its address once it listens."""
     binary = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
