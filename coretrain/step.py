@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from coretrain import outputs
-from coretrain.checkpoint.state import is_sharded
 from coretrain.dist import max_over_ranks, sum_over_ranks
 from coretrain.errors import RunFailure
 from coretrain.gradnorm import clip_to, gradient_norm
@@ -55,8 +54,6 @@ class StepNumerics:
         self.model, self.optimizer, self.scheduler = run.model, run.optimizer, run.scheduler
         self.params = [p for p in run.model.parameters() if p.requires_grad]
         self.clip = run.config.train.clip_grad
-        self.sharded_norm = is_sharded(run.model)
-        self.several_meshes = len({getattr(p, "device_mesh", None) for p in self.params}) > 1
 
     def forward_backward(self, batches: list[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """The step's loss (and the model's named values) with gradients accumulated."""
@@ -105,10 +102,7 @@ class StepNumerics:
         own = self.own_clip(run=self.run, parameters=self.params, max_norm=self.clip) if self.own_clip else None
         if own is not None:
             return own
-        if not self.several_meshes:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-            return norm.full_tensor() if self.sharded_norm else norm  # type: ignore[attr-defined]  # FSDP2: a DTensor
-        norm = gradient_norm(self.params)  # expert parallelism's experts beside FSDP's others
+        norm = gradient_norm(self.params)  # (over several meshes: expert parallelism's experts beside FSDP's others)
         clip_to(self.params, self.clip, norm)
         return norm
 
