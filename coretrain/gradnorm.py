@@ -29,13 +29,9 @@ def clip_to(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm: tor
     commutes with every placement (shards, replicas, partial sums), and no DTensor op runs —
     DTensor works out a placement for the whole list of gradients, afresh for each new mesh."""
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            by_device.setdefault(grad.device, []).append(grad)
-    for device, grads in by_device.items():
-        torch._foreach_mul_(grads, coefficient.to(device))
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in parameters if p.grad is not None]
+    for device in {grad.device for grad in grads}:
+        torch._foreach_mul_([grad for grad in grads if grad.device == device], coefficient.to(device))
 
 
 def _whole(norm: torch.Tensor) -> torch.Tensor:

@@ -361,7 +361,7 @@ class HookSpecs(Protocol):
         Args: ``parameters`` — this rank's trainable parameters; ``max_norm`` — ``train.clip_grad``.
         May change: gradients, in place.
         Returns: the global norm before clipping (a device scalar, the same on every rank), or
-        None to leave clipping to ``torch.nn.utils.clip_grad_norm_``.
+        None to leave clipping to the core (``coretrain.gradient_norm`` and ``coretrain.clip_to``).
         Ranks: every rank, each step that updates with clipping on.
         """
 

@@ -44,12 +44,15 @@ def load_sharded(
     directory: Path,
     with_frozen: bool,
     single_process: bool,
+    metadata: Any = None,
 ) -> None:
-    """A DCP checkpoint (``directory`` = its ``sharded/``) into ``model`` and, when given, ``optimizer``."""
+    """A DCP checkpoint (``directory`` = its ``sharded/``) into ``model`` and, when given,
+    ``optimizer``; ``metadata``: its ``.metadata`` if already read (:func:`safeload.check_metadata`)."""
     from torch.distributed.checkpoint import state_dict as dsd
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    saved = safeload.check_metadata(directory).state_dict_metadata  # torch's nested optimizer groups before 0.4
+    metadata = metadata or safeload.check_metadata(directory)
+    saved = metadata.state_dict_metadata  # torch's nested optimizer groups before 0.4
     nested = any(key.startswith("optimizer.param_groups.") and key.endswith(".params") for key in saved)
     options = dcp_options(with_frozen, flat=not nested)
     state: dict[str, Any] = {"model": dsd.get_model_state_dict(model, options=options)}
@@ -61,7 +64,7 @@ def load_sharded(
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             load(
                 state,
-                storage_reader=safeload.dcp_reader(directory),
+                storage_reader=safeload.dcp_reader(directory, metadata),
                 planner=safeload.dcp_planner(directory),
                 no_dist=single_process,
             )
@@ -236,12 +239,12 @@ def read_sharded_model(directory: Path) -> dict[str, torch.Tensor]:
     # dcp.load fills a copy of the dict it is given; torch's own dcp_to_torch_save calls this instead
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    safeload.check_metadata(directory)
+    metadata = safeload.check_metadata(directory)
     state: dict[str, Any] = {}
     try:
         _load_state_dict(
             state,
-            storage_reader=safeload.dcp_reader(directory),
+            storage_reader=safeload.dcp_reader(directory, metadata),
             planner=safeload.dcp_planner(directory, empty=True),
             no_dist=True,
         )

@@ -104,6 +104,8 @@ class Restored:
     rank_state: dict[str, Any]
     model: dict[str, Any] | None = None
     optimizer: dict[str, Any] | None = None
+    metadata: Any = None
+    """A sharded checkpoint's DCP metadata, checked (read once: the load uses it)."""
 
 
 def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
@@ -139,8 +141,8 @@ def read(run: Run, path: Path, with_optimizer: bool = True) -> Restored:
             schema.validate(restored.optimizer, schema.OPTIMIZER_FILE, path / "optimizer.pt")
             if run.dist.pp_size == 1 and not changed_keys_hint(info.get("config"), run.config, ("model", "data")):
                 schema.check_optimizer_fits(restored.optimizer, run.optimizer, path / "optimizer.pt")
-    else:  # DCP reads it again when applying; reading it here lets a crafted or torn one fail early
-        safeload.check_metadata(path / "sharded")
+    else:  # read here, a crafted or torn one fails before the run changes
+        restored.metadata = safeload.check_metadata(path / "sharded")
     return restored
 
 
@@ -190,7 +192,8 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
     if restored.manifest["layout"] == "sharded":
         optimizer = run.optimizer if with_optimizer else None
         try:
-            load_sharded(run.model, optimizer, path / "sharded", frozen_saved, run.dist.world_size == 1)
+            single = run.dist.world_size == 1
+            load_sharded(run.model, optimizer, path / "sharded", frozen_saved, single, restored.metadata)
         except CheckpointUnreadable as exc:
             raise CheckpointUnreadable(exc.path, exc.reason + hint, unsafe=exc.unsafe) from None
     else:
