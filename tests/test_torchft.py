@@ -336,13 +336,16 @@ def two_groups_of_one(tmp_path: Path, site: Path, train_iters: int, plugins: dic
     return done, tmp_path / "out" / "replica_group_0", tmp_path / "out" / "replica_group_1"
 
 
-def forked_groups(tmp_path: Path, config: Path, table: dict[str, Any], env: dict[str, str], ranks: int = 1) -> Any:
-    """``config``'s two replica groups of ``ranks`` ranks each, forked warm (``forked_ranks``) with
-    what the launcher gives a group: its number, the lighthouse the launcher would start for the
-    torchft ``table``, an output directory of its own. For the tests of what the groups compute and
-    agree on; the launcher's own part stays tested through ``coretrain run --nproc-per-node`` (each
-    test here starts 3 to 7 interpreters fewer, 3 CPU-seconds each). Returns the job (the groups'
-    stderr, the first failing group's exit code), group 0's output and group 1's."""
+def forked_groups(
+    tmp_path: Path, config: Path, table: dict[str, Any], env: dict[str, str], ranks: int = 1, sets: tuple[str, ...] = ()
+) -> Any:
+    """``config``'s two replica groups of ``ranks`` ranks each (with ``--set`` ``sets``), forked
+    warm (``forked_ranks``) with what the launcher gives a group: its number, the lighthouse the
+    launcher would start for the torchft ``table``, an output directory of its own. For the tests
+    of what the groups compute and agree on; the launcher's own part stays tested through
+    ``coretrain run --nproc-per-node`` (each test here starts 3 to 7 interpreters fewer, 3
+    CPU-seconds each). Returns the job (the groups' stderr, the first failing group's exit code),
+    group 0's output and group 1's."""
     from concurrent.futures import ThreadPoolExecutor
 
     from coretrain_torchft import TorchFT
@@ -356,7 +359,8 @@ def forked_groups(tmp_path: Path, config: Path, table: dict[str, Any], env: dict
     def group(number: int, address: str) -> tuple[int, str]:
         plan = tmp_path / f"group{number}.json"
         where = f"run.output_dir={json.dumps(str(outputs[number]))}"
-        plan.write_text(json.dumps([{"args": ["run", str(config), "--set", where], "expect": None}]))
+        args = ["run", str(config), *(arg for value in (where, *sets) for arg in ("--set", value))]
+        plan.write_text(json.dumps([{"args": args, "expect": None}]))
         group_env = {**env, "REPLICA_GROUP_ID": str(number), "TORCHFT_LIGHTHOUSE": address}
         job = run_ranks(plan, ranks, tmp_path, {"OMP_NUM_THREADS": "1", **group_env})
         codes = plan.with_name(f"{plan.name}.codes")  # the run's exit code (the rank's is 0: any was expected)
@@ -516,22 +520,27 @@ def test_a_sigterm_to_the_launcher_checkpoints_every_group_and_exits_143(tmp_pat
         assert list((tmp_path / "out" / f"replica_group_{group}" / "checkpoints").glob("step_*")), group
 
 
-def semi_synchronous(
-    tmp_path: Path, site: Path, out: str, torchft: dict[str, Any], *sets: str, plugins: dict[str, Any] | None = None
-) -> Any:
-    """A tiny model as 2 replica groups of one rank in a semi-synchronous ``torchft`` mode, syncing
-    every 3 of 9 steps, a checkpoint at every step; (the run, group 0's output, group 1's output)."""
+def semi_synchronous_config(
+    tmp_path: Path, out: str, torchft: dict[str, Any], plugins: dict[str, Any]
+) -> tuple[Path, dict[str, Any]]:
+    """A tiny model's config of 2 replica groups of one rank in a semi-synchronous ``torchft`` mode,
+    syncing every 3 of 9 steps, a checkpoint at every step, writing to ``out``; and its torchft table."""
     from coretrain.testing import tiny_config, write_config
 
     train = {"train_iters": 9, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4}
-    torchft = {"replica_groups": 2, "sync_every": 3, **torchft}
+    table = {"replica_groups": 2, "sync_every": 3, **torchft}
     sections = tiny_config(
-        tmp_path / "out", train=train, checkpoint={"save_interval": 1}, plugins={"torchft": torchft, **(plugins or {})}
+        tmp_path / out, train=train, checkpoint={"save_interval": 1}, plugins={"torchft": table, **plugins}
     )
-    config = write_config(tmp_path / "c.toml", sections)
-    args = ["--set", f'run.output_dir="{out}"', *(arg for value in sets for arg in ("--set", value))]
+    return write_config(tmp_path / f"{out}.toml", sections), table
+
+
+def semi_synchronous(tmp_path: Path, site: Path, out: str, torchft: dict[str, Any], plugins: dict[str, Any]) -> Any:
+    """:func:`semi_synchronous_config`'s job through ``coretrain run --nproc-per-node 2`` (its
+    launcher restarts a group that dies); (the run, group 0's output, group 1's output)."""
+    config, _ = semi_synchronous_config(tmp_path, out, torchft, plugins)
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(site)}
-    done = run_cli("run", str(config), "--nproc-per-node", "2", "--max-restarts", "1", *args, cwd=tmp_path, env=env)
+    done = run_cli("run", str(config), "--nproc-per-node", "2", "--max-restarts", "1", cwd=tmp_path, env=env)
     return done, tmp_path / out / "replica_group_0", tmp_path / out / "replica_group_1"
 
 
@@ -553,7 +562,12 @@ def test_semi_synchronous_groups_average_every_sync_every_steps_and_resume_exact
     from coretrain import read_weights
 
     skip = {"skip-step": {"rank": 0, "at_step": 4}}
-    done, first, second = semi_synchronous(tmp_path, site, "whole", torchft, plugins=skip)
+
+    def groups(out: str, *sets: str) -> Any:  # (forked: what is tested is what the groups compute)
+        config, table = semi_synchronous_config(tmp_path, out, torchft, skip)
+        return forked_groups(tmp_path, config, table, {"PYTHONPATH": str(site)}, sets=sets)
+
+    done, first, second = groups("whole")
     assert done.returncode == 0, done.stderr[-5000:]
     assert [same_weights(first, second, step) for step in range(1, 10)] == [False] * 3 + [True] + [False] * 4 + [True]
     (a, b), averaged = (
@@ -562,9 +576,9 @@ def test_semi_synchronous_groups_average_every_sync_every_steps_and_resume_exact
     )
     assert all(torch.allclose(averaged[k], (a[k] + b[k]) / 2, atol=1e-6) for k in a)
 
-    stopped, *_ = semi_synchronous(tmp_path, site, "resumed", torchft, "train.exit_interval=5", plugins=skip)
+    stopped, *_ = groups("resumed", "train.exit_interval=5")
     assert stopped.returncode == 0, stopped.stderr[-5000:]
-    resumed, *parts = semi_synchronous(tmp_path, site, "resumed", torchft, plugins=skip)
+    resumed, *parts = groups("resumed")
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-5000:]
     assert "replica groups 2 of 2 at step 6" in resumed.stderr  # (no group trained alone while the other started)
     for whole, part in zip((first, second), parts):
@@ -580,7 +594,7 @@ def test_a_killed_diloco_group_rejoins_at_a_sync_with_the_live_groups_state(tmp_
     optimizer, the data position, the schedule): both end with the same weights."""
     kill = {"fault-injection": {"action": "sigkill", "step": 5, "ranks": [1], "attempt": 0}}
     torchft = {"mode": "diloco", "heartbeat_timeout_seconds": 15}
-    done, first, second = semi_synchronous(tmp_path, site, "out", torchft, plugins=kill)
+    done, first, second = semi_synchronous(tmp_path, site, "out", torchft, kill)
     assert done.returncode == 0, done.stderr[-5000:]
     assert [row["step"] for row in metrics_rows(first)] == list(range(1, 10))  # every step once, one process
     log = (first / "run.log").read_text()
