@@ -116,6 +116,33 @@ def worst(reference: dict[tuple[int, str], float], got: dict[tuple[int, str], fl
     return max(abs(got[k] - v) / max(abs(v), 1e-12) for k, v in reference.items())
 
 
+def write_config(root: Path, ranks: int, steps: int) -> Path:
+    """The matrix's config in ``root``: micro-batches of 8 / ``ranks`` (one pass on every rank),
+    evaluations halfway and at the end."""
+    config = root / "moe.toml"
+    micro = max(1, 8 // ranks)
+    config.write_text(CONFIG.format(stdlib=STDLIB, micro=micro, steps=steps, eval_interval=steps // 2))
+    return config
+
+
+def plan(config: Path, root: Path, chosen: dict[str, dict[str, int]]) -> list[dict[str, object]]:
+    """One job's commands: every chosen layout, each run whatever the one before it ended with."""
+    return [{"args": command(config, root / name, sizes), "expect": None} for name, sizes in chosen.items()]
+
+
+def report(root: Path, chosen: dict[str, dict[str, int]], codes: list[int], bound: float) -> tuple[list[str], int]:
+    """Each layout's line (its worst relative difference from ``root / "one"``, or its exit code)
+    and how many are within ``bound``."""
+    reference = figures(root / "one")
+    lines, within = [], 0
+    for index, name in enumerate(chosen):
+        code = codes[index] if index < len(codes) else "not reached"
+        result = worst(reference, figures(root / name)) if code == 0 else f"exit code {code}"
+        within += isinstance(result, float) and result <= bound
+        lines.append(f"  {name:<24} {f'{result:.1e}' if isinstance(result, float) else result}")
+    return lines, within
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -128,9 +155,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        config = root / "moe.toml"
-        micro = max(1, 8 // args.ranks)  # one pass on every rank
-        config.write_text(CONFIG.format(stdlib=STDLIB, micro=micro, steps=args.steps, eval_interval=args.steps // 2))
+        config = write_config(root, args.ranks, args.steps)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         one = subprocess.run(
             [sys.executable, "-m", "coretrain", "run", str(config), "--set", f'run.output_dir="{root / "one"}"'],
@@ -140,22 +165,17 @@ def main() -> None:
         )
         if one.returncode:
             sys.exit(one.stderr)
-        plan = root / "plan.json"
-        plan.write_text(json.dumps([{"args": command(config, root / n, s), "expect": None} for n, s in chosen.items()]))
+        commands = root / "plan.json"
+        commands.write_text(json.dumps(plan(config, root, chosen)))
         job = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}"]
-        done = subprocess.run([*job, str(JOB), str(plan)], env=env, capture_output=True, text=True)
+        done = subprocess.run([*job, str(JOB), str(commands)], env=env, capture_output=True, text=True)
         (root / "job.log").write_text(done.stderr)
-        reference = figures(root / "one")
         errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-        codes_file = plan.with_name(plan.name + ".codes")
+        codes_file = commands.with_name(commands.name + ".codes")
         codes = json.loads(codes_file.read_text()) if codes_file.is_file() else []
+        lines, within = report(root, chosen, codes, args.bound)
         print(f"{len(chosen)} layouts of {args.ranks} ranks against one rank (worst relative difference):")
-        within = 0
-        for index, name in enumerate(chosen):
-            code = codes[index] if index < len(codes) else "not reached"
-            result = worst(reference, figures(root / name)) if code == 0 else f"exit code {code}"
-            within += isinstance(result, float) and result <= args.bound
-            print(f"  {name:<24} {f'{result:.1e}' if isinstance(result, float) else result}")
+        print(*lines, sep="\n")
         print(f"{within} of {len(chosen)} within {args.bound:g}")
         if errors:
             print("errors said:", *sorted(set(errors)), sep="\n  ")

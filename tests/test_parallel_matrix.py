@@ -13,12 +13,11 @@ does not: 2 and 8 ranks, each pipeline schedule, prediction, resumes and what th
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HF_MOE, config_file, gpt_preset, hf_moe_table, in_one_job, metrics_rows
+from conftest import HF_MOE, REPO, config_file, gpt_preset, hf_moe_table, in_one_job, metrics_rows
 
 pytestmark = pytest.mark.slow  # jobs of 2, 4 and 8 gloo ranks
 
@@ -331,19 +330,23 @@ def test_a_rampups_small_first_batches_run_on_a_pipeline(tmp_path: Path) -> None
 
 
 def test_every_layout_of_four_ranks_trains_like_one_rank(tmp_path: Path) -> None:
-    """All 27 layouts of 4 ranks, not a selection: ``benchmarks/layout_matrix.py`` enumerates
-    pp × dp_replicate × dp_shard × cp × tp and every ep_size each can take (DDP beside FSDP), runs
-    them in one job and compares each with one rank (at 8 ranks it takes 34 minutes on
-    2 cores: run by hand, docs/scaling.md has its figures). Two steps, each validated: the second
-    update reads the optimizer state each layout shards its own way, and step 2's validation loss
-    is computed after it; steps 3 and 4 cost 64 more CPU-seconds on 27 layouts."""
-    from conftest import run_cli
+    """All 27 layouts of 4 ranks, not a selection: ``benchmarks/layout_matrix.py``'s enumeration
+    of pp × dp_replicate × dp_shard × cp × tp and every ep_size each can take (DDP beside FSDP),
+    run in one job (its ranks forked warm, where the script starts torchrun) and each compared
+    with one rank (at 8 ranks it takes 34 minutes on 2 cores: run by hand, docs/scaling.md has
+    its figures). Two steps, each validated: the second update reads the optimizer state each
+    layout shards its own way, and step 2's validation loss is computed after it; steps 3 and 4
+    cost 64 more CPU-seconds on 27 layouts."""
+    import importlib.util
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "layout_matrix.py"
-    done = run_cli(
-        *("--ranks", "4", "--steps", "2", "--keep", str(tmp_path)),
-        command=(sys.executable, str(script)),
-        cwd=tmp_path,
-        timeout=1500,
-    )
-    assert done.returncode == 0 and "27 of 27 within 1e-05" in done.stdout, done.stdout + done.stderr[-2000:]
+    spec = importlib.util.spec_from_file_location("layout_matrix", REPO / "benchmarks" / "layout_matrix.py")
+    assert spec is not None and spec.loader is not None
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    chosen = matrix.layouts(4)
+    config = matrix.write_config(tmp_path, ranks=4, steps=2)
+    in_one_job(tmp_path, 1, [run(config, tmp_path / "one")], "one")
+    in_one_job(tmp_path, 4, matrix.plan(config, tmp_path, chosen), "four")  # (each command run whatever its exit)
+    codes = json.loads((tmp_path / "four.json.codes").read_text())
+    lines, within = matrix.report(tmp_path, chosen, codes, 1e-5)
+    assert len(chosen) == 27 and within == 27, "\n".join(lines)
