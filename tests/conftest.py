@@ -38,8 +38,11 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 def pytest_configure(config: pytest.Config) -> None:
     """One torch thread per test process, as every run here asks (``run.threads = 1``): the
     tests that compute before any run would otherwise spin one intra-op thread per core in each
-    xdist worker, and on a 2-core machine the workers then wait on each other's spinning. (Not
-    in xdist's controller, which runs no test and need not load torch.)"""
+    xdist worker, and on a 2-core machine the workers then wait on each other's spinning. The
+    processes the tests start inherit ``OMP_NUM_THREADS=1`` (torch's default for a config that
+    sets no ``run.threads``). (Not in xdist's controller, which runs no test and need not load
+    torch.)"""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if config.pluginmanager.hasplugin("dsession"):
         return
     import torch

@@ -631,6 +631,7 @@ def test_the_hf_finetune_example_trains_exports_and_loads_back(tmp_path: Path) -
         "train.train_iters=40",
         "train.eval_interval=20",
         "train.log_interval=10",
+        "run.threads=1",  # the example's 2 would stay set in this test worker, and spin on a busy machine
     ]
     # the example's own scripts run as a user runs them; the coretrain commands in this process
     sets = [a for o in overrides for a in ("--set", o)]
