@@ -28,7 +28,7 @@ def clip_to(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm: tor
     ``clip_grads_with_norm_`` does. Each rank scales its own part of each gradient: a scalar
     commutes with every placement (shards, replicas, partial sums), and no DTensor op runs —
     DTensor works out a placement for the whole list of gradients, afresh for each new mesh."""
-    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coefficient = torch.clamp(max_norm / (_whole(norm) + 1e-6), max=1.0)  # (a DTensor norm too: torch's own)
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in parameters if p.grad is not None]
     for device in {grad.device for grad in grads}:
         torch._foreach_mul_([grad for grad in grads if grad.device == device], coefficient.to(device))
