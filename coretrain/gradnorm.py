@@ -15,9 +15,13 @@ import torch
 def gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     """The 2-norm over these parameters' gradients (a plain tensor): torch's own when they are on
     one mesh (or none), else each mesh's part reduced over its own ranks, their squares summed."""
-    groups = [[p.grad for p in params if p.grad is not None] for params in _by_mesh(parameters).values()]
-    if len(groups) <= 1:
-        return _whole(torch.nn.utils.get_total_norm(groups[0] if groups else []))
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    groups = list(by_mesh.values()) or [[]]
+    if len(groups) == 1:
+        return _whole(torch.nn.utils.get_total_norm(groups[0]))
     squares = [_whole(torch.nn.utils.get_total_norm(grads)).float() ** 2 for grads in groups]
     return torch.stack(squares).sum().sqrt()
 
@@ -31,18 +35,10 @@ def clip_to(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm: tor
     coefficient = torch.clamp(max_norm / (_whole(norm) + 1e-6), max=1.0)  # (a DTensor norm too: torch's own)
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in parameters if p.grad is not None]
     for device in {grad.device for grad in grads}:
-        torch._foreach_mul_([grad for grad in grads if grad.device == device], coefficient.to(device))
+        on_device = [grad for grad in grads if grad.device == device]
+        torch._foreach_mul_(on_device, coefficient.to(device))
 
 
 def _whole(norm: torch.Tensor) -> torch.Tensor:
     """A norm of DTensors (partial over their ranks) as a plain tensor."""
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def _by_mesh(parameters: Iterable[torch.nn.Parameter]) -> dict[Any, list[torch.nn.Parameter]]:
-    """The parameters with a gradient, by the mesh their gradient lives on (None: a plain tensor)."""
-    groups: dict[Any, list[torch.nn.Parameter]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    return groups
