@@ -69,6 +69,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+def load_script(path: Path) -> Any:
+    """A script of the repository that is not a package (``benchmarks/``, ``docs/``) as a module,
+    for a test that calls its parts as the script does."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_cli(
     *args: str,
     cwd: Path,

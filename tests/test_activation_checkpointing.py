@@ -77,14 +77,9 @@ def test_checkpointed_blocks_run_again_in_backward_and_the_losses_are_unchanged(
 
 
 def test_full_checkpointing_keeps_under_half_the_activations_in_the_memory_benchmark() -> None:
-    import importlib.util
+    from conftest import REPO, load_script
 
-    from conftest import REPO
-
-    spec = importlib.util.spec_from_file_location("memory_benchmark", REPO / "benchmarks" / "memory.py")
-    assert spec is not None and spec.loader is not None
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_script(REPO / "benchmarks" / "memory.py")
     size, cpu = (6, 4, 64, 64, 8), torch.device("cpu")  # layers, heads, width, seq, micro-batch
     none, full = (benchmark.measure(size, mode, cpu, "fp32", steps=1, vocab=256) for mode in ("none", "full"))
     assert 0 < full["saved"] < 0.5 * none["saved"]
@@ -93,14 +88,9 @@ def test_full_checkpointing_keeps_under_half_the_activations_in_the_memory_bench
 def test_offloaded_blocks_keep_their_activations_out_of_autograds_own_storage() -> None:
     """What an offloaded block saves goes through save_on_cpu's hooks (host memory), not the
     hooks around the whole forward that the memory benchmark counts with."""
-    import importlib.util
+    from conftest import REPO, load_script
 
-    from conftest import REPO
-
-    spec = importlib.util.spec_from_file_location("memory_benchmark", REPO / "benchmarks" / "memory.py")
-    assert spec is not None and spec.loader is not None
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_script(REPO / "benchmarks" / "memory.py")
     size, cpu = (6, 4, 64, 64, 8), torch.device("cpu")
     none, offload = (benchmark.measure(size, mode, cpu, "fp32", steps=1, vocab=256) for mode in ("none", "offload"))
     assert 0 < offload["saved"] < 0.2 * none["saved"]

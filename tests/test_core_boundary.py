@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO
+from conftest import REPO, load_script
 
 from coretrain.config import Config
 from coretrain.configload import structure
@@ -338,12 +338,7 @@ may only go down. The "core, readable" issue's bound is 0.80; 0.847 today."""
 
 
 def test_the_core_stays_under_its_code_line_ceiling_and_unpacked() -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("core_size", REPO / "benchmarks" / "core_size.py")
-    assert spec is not None and spec.loader is not None
-    core_size = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(core_size)
+    core_size = load_script(REPO / "benchmarks" / "core_size.py")
     assert (
         core_size.code_lines(
             '"""Doc."""\n\nx = 1  # a comment\n"""About x."""\n\n\ndef f():\n    """Doc."""\n    return x\n'

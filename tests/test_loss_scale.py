@@ -3,11 +3,10 @@ against Megatron-Core itself by benchmarks/loss_scale_parity.py: 200 of 200 over
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, load_script
 from coretrain_loss_scale import MegatronGradScaler
 
 from coretrain import UserError
@@ -17,10 +16,7 @@ from coretrain.testing import run_steps, stop_and_resume
 def scales(pattern: str, initial: float, minimum: float, hysteresis: int, static: bool = False) -> list[float]:
     """The scale after each step of ``pattern`` ("x": the gradients overflowed, "."), window 2:
     the parity benchmark's own replay (which CI runs no other way)."""
-    spec = importlib.util.spec_from_file_location("loss_scale_parity", REPO / "benchmarks" / "loss_scale_parity.py")
-    assert spec is not None and spec.loader is not None
-    parity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parity)
+    parity = load_script(REPO / "benchmarks" / "loss_scale_parity.py")
     return list(parity.our_scales([step == "x" for step in pattern], initial, minimum, 2, hysteresis, static))
 
 

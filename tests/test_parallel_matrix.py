@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HF_MOE, REPO, config_file, gpt_preset, hf_moe_table, in_one_job, metrics_rows
+from conftest import HF_MOE, REPO, config_file, gpt_preset, hf_moe_table, in_one_job, load_script, metrics_rows
 
 pytestmark = pytest.mark.slow  # jobs of 2, 4 and 8 gloo ranks
 
@@ -337,12 +337,7 @@ def test_every_layout_of_four_ranks_trains_like_one_rank(tmp_path: Path) -> None
     its figures). Two steps, each validated: the second update reads the optimizer state each
     layout shards its own way, and step 2's validation loss is computed after it; steps 3 and 4
     cost 64 more CPU-seconds on 27 layouts."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("layout_matrix", REPO / "benchmarks" / "layout_matrix.py")
-    assert spec is not None and spec.loader is not None
-    matrix = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(matrix)
+    matrix = load_script(REPO / "benchmarks" / "layout_matrix.py")
     chosen = matrix.layouts(4)
     config = matrix.write_config(tmp_path, ranks=4, steps=2)
     in_one_job(tmp_path, 1, [run(config, tmp_path / "one")], "one")

@@ -3,19 +3,15 @@ command without a doc, or a page that no longer says what the code does, fails h
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from typing import Any
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 
 def generator() -> Any:
-    spec = importlib.util.spec_from_file_location("generate_reference", REPO / "docs" / "generate_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(REPO / "docs" / "generate_reference.py")
     return module
 
 

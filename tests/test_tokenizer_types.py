@@ -6,7 +6,6 @@ Megatron itself gives the same ids on held-out texts (benchmarks/megatron_tokeni
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import sysconfig
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import REPO, run_here
+from conftest import REPO, load_script, run_here
 
 from coretrain.testing import tiny_config, write_config
 
@@ -41,10 +40,7 @@ def vocabularies(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import tokenizers
     import transformers
 
-    spec = importlib.util.spec_from_file_location("parity", REPO / "benchmarks" / "megatron_tokenizer_parity.py")
-    assert spec is not None and spec.loader is not None
-    parity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parity)
+    parity = load_script(REPO / "benchmarks" / "megatron_tokenizer_parity.py")
     root = tmp_path_factory.mktemp("vocabularies")
     parity.train_vocabularies(root)
     bpe = tokenizers.ByteLevelBPETokenizer(str(root / "gpt2-vocab.json"), str(root / "gpt2-merges.txt"))
