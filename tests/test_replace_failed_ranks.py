@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_here, run_train
+from conftest import in_one_job, run_here, run_train
 from test_backends import wait_for_logged_steps
 from test_inprocess_restart import config as two_rank_config
 from test_inprocess_restart import losses
@@ -87,8 +87,7 @@ def test_with_min_ranks_the_others_go_on_without_a_dead_rank_as_a_smaller_job(tm
     assert "in-process restart 1: resumed at step 7, " in done.stderr
 
     reference = job("reference")
-    stopped = run_train(reference, "--nproc-per-node", "2", "--set", "train.exit_interval=7", cwd=tmp_path, env=ENV)
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    in_one_job(tmp_path, 2, [["run", reference, "--set", "train.exit_interval=7"]], "reference")
     assert run_train(reference, cwd=tmp_path, env=ENV).returncode == 0  # restarted on one rank
     assert losses(tmp_path / "shrunk") == losses(tmp_path / "reference")
 

@@ -51,9 +51,10 @@ def test_a_killed_replica_group_is_dropped_the_other_trains_on_and_the_restarted
     train = {"micro_batch_size": 4, "train_iters": 20, "log_interval": 1, "eval_iters": 0}
     extra = {"checkpoint": {"save_interval": 5}, "plugins": {"torchft": {"replica_groups": 2}}}
     config = config_file(tmp_path / "job.toml", preset, extra, **train)
-    # group 0 slows down after the fault, so that group 1's restart finds it training
+    # group 0 slows down after the fault, so that group 1's restart finds it training: 12 steps
+    # of 3 s give the restart 36 s (a cold interpreter on a loaded 2-core machine took over 18)
     slow = ('plugins.fault-injection.action="sleep"', "plugins.fault-injection.step=9")
-    slow += ("plugins.fault-injection.every_step=true", "plugins.fault-injection.sleep_seconds=1.5")
+    slow += ("plugins.fault-injection.every_step=true", "plugins.fault-injection.sleep_seconds=3")
     kill = ('plugins.fault-injection.action="sigkill"', "plugins.fault-injection.step=8")
     env = {"OMP_NUM_THREADS": "1"}
     with lighthouse(tmp_path / "lighthouse.log", QUICK_LIGHTHOUSE) as address:
@@ -235,15 +236,8 @@ def test_ranks_the_groups_cannot_share_are_one_error_line_before_anything_starts
     assert done.returncode == 2 and said in done.stderr and not (tmp_path / "out").exists(), done.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"strategy": "fsdp"}, {"dp_replicate": 2}], ids=["fsdp", "hsdp"])
-def test_groups_of_two_fsdp_ranks_average_their_shards_and_end_with_the_same_weights(
-    tmp_path: Path, layout: dict[str, Any]
-) -> None:
-    """FSDP inside each group, as without torchft: the groups' gradient shards are averaged shard by
-    shard (each group holds the same layout) and every group ends with the same weights. With
-    HSDP (``dp_replicate = 2`` on 4 ranks) the replicate dimension is the groups: each group is
-    one replica sharding over its 2 ranks, not HSDP again inside each group."""
+def fsdp_groups_config(tmp_path: Path, layout: dict[str, Any]) -> Path:
+    """A tiny model's 6 steps as 2 replica groups whose data-parallel ranks run ``layout``."""
     from coretrain.testing import tiny_config, write_config
 
     train = {"train_iters": 6, "log_interval": 1, "eval_iters": 0, "micro_batch_size": 4, "global_batch_size": 8}
@@ -253,17 +247,39 @@ def test_groups_of_two_fsdp_ranks_average_their_shards_and_end_with_the_same_wei
         distributed={"backend": "gloo", **layout},
         plugins={"torchft": {"replica_groups": 2}},
     )
-    config = write_config(tmp_path / "c.toml", sections)
-    done = run_cli("run", str(config), "--nproc-per-node", "4", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    return write_config(tmp_path / "c.toml", sections)
+
+
+def assert_groups_of_two_fsdp_ranks(done: subprocess.CompletedProcess[str], first: Path, second: Path) -> None:
+    """Each group trained with FSDP over its own 2 ranks on its own share, and the groups end with
+    the same weights: their gradient shards were averaged shard by shard."""
     assert done.returncode == 0, done.stderr[-5000:]
-    assert "torchft: 2 replica groups of 2 rank(s)" in done.stderr
-    first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
     for out in (first, second):
         group_layout = tomli.loads((out / "config.toml").read_text())["distributed"]
         assert (group_layout["dp_replicate"], group_layout["strategy"]) == (1, "fsdp")
     assert done.stdout.count("(micro 4 × 1 accumulation × 2 data-parallel), 2 rank(s)") == 2  # each group's
     assert metrics_rows(first)[0]["loss"] != metrics_rows(second)[0]["loss"]  # their own shares
     assert_same_weights(first, second, 6)
+
+
+@pytest.mark.slow
+def test_groups_of_two_fsdp_ranks_average_their_shards_and_end_with_the_same_weights(tmp_path: Path) -> None:
+    """FSDP inside each group, as without torchft (the groups forked, as the launcher starts them)."""
+    config = fsdp_groups_config(tmp_path, {"strategy": "fsdp"})
+    done, first, second = forked_groups(tmp_path, config, {"replica_groups": 2}, {}, ranks=2)
+    assert_groups_of_two_fsdp_ranks(done, first, second)
+
+
+@pytest.mark.slow
+def test_with_hsdp_the_launcher_makes_the_replicate_dimension_the_groups(tmp_path: Path) -> None:
+    """``dp_replicate = 2`` on 4 ranks under ``coretrain run --nproc-per-node 4``: the replicate
+    dimension is the groups, each group one replica sharding over its 2 ranks (not HSDP again
+    inside each group), averaged as FSDP groups are."""
+    config = fsdp_groups_config(tmp_path, {"dp_replicate": 2})
+    done = run_cli("run", str(config), "--nproc-per-node", "4", cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert "torchft: 2 replica groups of 2 rank(s)" in done.stderr
+    first, second = (tmp_path / "out" / f"replica_group_{g}" for g in (0, 1))
+    assert_groups_of_two_fsdp_ranks(done, first, second)
 
 
 @pytest.mark.slow
@@ -356,7 +372,7 @@ def forked_groups(
     output = tmp_path / load(config).config.output_dir  # (a relative one: under the groups' working directory)
     outputs = [output / f"replica_group_{number}" for number in (0, 1)]
 
-    def group(number: int, address: str) -> tuple[int, str]:
+    def group(number: int, address: str) -> tuple[int, str, str]:
         plan = tmp_path / f"group{number}.json"
         where = f"run.output_dir={json.dumps(str(outputs[number]))}"
         args = ["run", str(config), *(arg for value in (where, *sets) for arg in ("--set", value))]
@@ -364,13 +380,15 @@ def forked_groups(
         group_env = {**env, "REPLICA_GROUP_ID": str(number), "TORCHFT_LIGHTHOUSE": address}
         job = run_ranks(plan, ranks, tmp_path, {"OMP_NUM_THREADS": "1", **group_env})
         codes = plan.with_name(f"{plan.name}.codes")  # the run's exit code (the rank's is 0: any was expected)
-        return job.returncode or (json.loads(codes.read_text())[0] if codes.exists() else 1), job.stderr
+        code = job.returncode or (json.loads(codes.read_text())[0] if codes.exists() else 1)
+        return code, job.stdout, job.stderr
 
     settings = TorchFT(**table).lighthouse_settings()
     with lighthouse(tmp_path / "lighthouse.log", settings) as address, ThreadPoolExecutor(2) as pool:
         ended = list(pool.map(group, (0, 1), (address, address)))
-    code = next((code for code, _ in ended if code), 0)
-    done = subprocess.CompletedProcess(["forked groups"], code, "", "".join(stderr for _, stderr in ended))
+    code = next((code for code, _, _ in ended if code), 0)
+    stdout, stderr = ("".join(each[part] for each in ended) for part in (1, 2))
+    done = subprocess.CompletedProcess(["forked groups"], code, stdout, stderr)
     return done, outputs[0], outputs[1]
 
 

@@ -69,7 +69,6 @@ class FaultInjection:
     parameter: str | None = None
     """For action = "nan": the NaN goes into this parameter's gradient alone (a name from
     ``named_parameters()`` of the model as configured), not into the loss."""
-    """For action = "sleep": sleep on every step from `step` on."""
     times: int | None = field(default=None, validator=positive)
     """At most this many times in this process; unset: once for a fault at ``step`` (the same
     step run again after an in-process restart does not fire again), every time it is due with
