@@ -16,14 +16,22 @@ from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_here
 from coretrain import UserError
 from coretrain.testing import run_steps
 
-TRAIN = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 30, "log_interval": 3}
-TRAIN |= {"eval_iters": 1, "eval_interval": 15}
+TRAIN = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 15, "log_interval": 3}
+TRAIN |= {"eval_iters": 1, "eval_interval": 9}  # at step 9 and after the last
+SCHEDULE = {"decay_iters": 30}
+"""The learning rates of the 30-step runs this test trained before (their first 15 steps): a
+faster decay moves the weights further in the first steps, and a gradient norm of one block
+(0.08) then differs between GPipe's and one rank's reduction order by 1.4e-05 at step 9."""
+STOP = ["--set", "train.exit_interval=6"]
+"""Where a run stops to be resumed (on another layout or schedule): 9 more steps, 3 logs and an
+evaluation after it."""
 
 
 def write(tmp_path: Path, name: str, distributed: dict[str, Any], **pipeline: Any) -> Path:
     preset = gpt_preset(tmp_path / name)
     preset["model"]["options"] |= {"n_layer": 4}
-    sections: dict[str, Any] = {"distributed": distributed, "plugins": {"model-stats": {"layer_grad_norms": True}}}
+    plugins = {"model-stats": {"layer_grad_norms": True}, "schedule": SCHEDULE}
+    sections: dict[str, Any] = {"distributed": distributed, "plugins": plugins}
     if pipeline:
         sections["plugins"]["pipeline-parallel"] = pipeline
     return config_file(tmp_path / f"{name}.toml", preset, sections, **TRAIN)
@@ -57,7 +65,7 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     )
     predict = ["predict", str(one_config), "--set", 'model.loss="cross_entropy"', "--split", "valid", "--out"]
     to_pp = write(tmp_path, "to_pp", {})  # 1 rank → PP 2: a replicated checkpoint into two stages
-    assert run_train(str(to_pp), "--set", "train.exit_interval=12", cwd=tmp_path).returncode == 0
+    assert run_train(str(to_pp), *STOP, cwd=tmp_path).returncode == 0
     pp_tp = write(tmp_path, "pp_tp", {"pp_size": 2, "tp_size": 2})  # PP 2 × TP 2, then resumed on PP 2
     four = [
         ["run", str(write(tmp_path, "pp4", {"pp_size": 4}))],
@@ -71,7 +79,7 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
                 )
             ),
         ],
-        ["run", str(pp_tp), "--set", "train.exit_interval=12"],
+        ["run", str(pp_tp), *STOP],
     ]
     in_one_job(tmp_path, 4, four, "pp4")
     resumed = write(tmp_path, "resumed", {"pp_size": 2})
@@ -84,18 +92,18 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     jobs = [
         ["run", str(write(tmp_path, "pp", {"pp_size": 2}))],
         ["run", str(write(tmp_path, "gpipe", {"pp_size": 2}, pp_schedule="GPipe", pp_microbatches=2, pp_split=[1, 3]))],
-        ["run", str(resumed), "--set", "train.exit_interval=12", *schedule("ZBVZeroBubble")],
+        ["run", str(resumed), *STOP, *schedule("ZBVZeroBubble")],
         ["run", str(resumed), *schedule("DualPipeV")],  # resumed on the other zero-bubble schedule
         # two stages per rank (4 of one block each), run as torch's interleaved 1F1B; stopped, then
         # resumed on one stage per rank
-        ["run", str(interleaved), *schedule("Interleaved1F1B"), "--set", "train.exit_interval=12"],
+        ["run", str(interleaved), *schedule("Interleaved1F1B"), *STOP],
         ["run", str(interleaved)],
         {"args": ["run", str(signalled), *sigterm], "expect": 128 + 15},
         # the last stage alone vetoes step 5's update (as a guard seeing its loss would): both skip it
         ["run", str(write(tmp_path, "skipped", {"pp_size": 2})), *veto, "--set", "plugins.fault-injection.ranks=[1]"],
         ["run", str(signalled)],
         ["run", str(to_pp), "--set", "distributed.pp_size=2"],
-        ["run", str(from_pp), "--set", "train.exit_interval=12", *schedule("ZBVZeroBubble")],  # V: tied on rank 0
+        ["run", str(from_pp), *STOP, *schedule("ZBVZeroBubble")],  # V: tied on rank 0
         ["run", str(pp_tp), "--set", "distributed.tp_size=1"],
         [
             "run",
