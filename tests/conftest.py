@@ -232,6 +232,21 @@ def in_one_job(
     return job
 
 
+def forked_steps(
+    tmp_path: Path, ranks: int, steps: int, config: Mapping[str, Mapping[str, Any]]
+) -> subprocess.CompletedProcess[str]:
+    """``coretrain.testing.run_ranks``'s job — the tiny workload with ``config``'s tables on top,
+    ``steps`` steps, gloo, its files in ``tmp_path / "out"`` — on ranks forked warm
+    (:func:`in_one_job`), for a test of what the ranks compute rather than of torchrun."""
+    from coretrain.testing import tiny_config, write_config
+
+    sections = {name: dict(values) for name, values in config.items()}
+    sections["train"] = {"train_iters": steps, **sections.get("train", {})}
+    sections["distributed"] = {"backend": "gloo", **sections.get("distributed", {})}
+    path = write_config(tmp_path / "config.toml", tiny_config(tmp_path / "out", **sections))
+    return in_one_job(tmp_path, ranks, [["run", str(path)]], "ranks")
+
+
 def job_failure(job: subprocess.CompletedProcess[str], commands: list[Any], plan: Path) -> str:
     """What a failed ``in_one_job`` job says, whole (pytest truncates an assertion's message):
     the commands rank 0 finished with their codes, and the job's stderr from the start of the

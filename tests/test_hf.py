@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CORPUS, HF_MOE, STDLIB, hf_moe_table, in_one_job, metrics_rows
+from conftest import CORPUS, HF_MOE, STDLIB, forked_steps, hf_moe_table, metrics_rows
 from coretrain_checkpoint_command.export import export
 
 from coretrain import UserError, hookimpl
@@ -232,9 +232,7 @@ def test_tensor_parallel_takes_the_transformers_plan_sequence_parallel_and_match
 ) -> None:
     sections = text_run(llama_dir, global_batch_size=8, eval_iters=0, log_interval=1)
     one = run_steps(tmp_path / "one", steps=8, config=sections)
-    layout = {"distributed": {"backend": "gloo", "tp_size": 2}, "train": {**sections["train"], "train_iters": 8}}
-    config = write_config(tmp_path / "tp.toml", tiny_config(tmp_path / "tp" / "out", **{**sections, **layout}))
-    split = in_one_job(tmp_path, 2, [["run", str(config)]], "tp")
+    split = forked_steps(tmp_path / "tp", 2, 8, {**sections, "distributed": {"tp_size": 2}})
     # LlamaConfig.base_model_tp_plan (q, k, v, gate, up column-wise; o, down row-wise) and 6
     # entries of sequence parallelism: the layers' norms split by position, the whole sequence
     # gathered for attention and MLP, split on entering layer 0 and gathered for the final norm
@@ -413,10 +411,8 @@ def test_bad_text_options_are_one_clear_error(
 @pytest.mark.slow
 def test_two_ranks_share_one_tokenization(tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path]) -> None:
     sections = tokenized_run(tokenizer_dir, [0.5, text_files["code"], 0.5, text_files["prose"]], tmp_path / "cache")
-    sections["train"].update(global_batch_size=8, eval_iters=1, train_iters=4)
-    sections["distributed"] = {"backend": "gloo"}
-    config = write_config(tmp_path / "two.toml", tiny_config(tmp_path / "out", **sections))
-    in_one_job(tmp_path, 2, [["run", str(config)]], "two")  # two processes, as torchrun starts them
+    sections["train"].update(global_batch_size=8, eval_iters=1)
+    forked_steps(tmp_path, 2, 4, sections)  # two processes, as torchrun starts them
     # one entry per source, committed, whichever rank came first built it under the lock
     assert len(list((tmp_path / "cache").glob("*.bin"))) == 2 and len(list((tmp_path / "cache").glob("*.json"))) == 2
     assert not list((tmp_path / "cache").glob("*.tmp"))

@@ -386,9 +386,9 @@ def forked_groups(
     settings = TorchFT(**table).lighthouse_settings()
     with lighthouse(tmp_path / "lighthouse.log", settings) as address, ThreadPoolExecutor(2) as pool:
         ended = list(pool.map(group, (0, 1), (address, address)))
-    code = next((code for code, _, _ in ended if code), 0)
-    stdout, stderr = ("".join(each[part] for each in ended) for part in (1, 2))
-    done = subprocess.CompletedProcess(["forked groups"], code, stdout, stderr)
+    codes, stdouts, stderrs = zip(*ended)
+    code = next((code for code in codes if code), 0)
+    done = subprocess.CompletedProcess(["forked groups"], code, "".join(stdouts), "".join(stderrs))
     return done, outputs[0], outputs[1]
 
 
