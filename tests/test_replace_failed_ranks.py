@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +167,26 @@ def test_what_it_needs_is_one_error_before_any_rank_starts(
     job = run_here("run", two_rank_config(tmp_path, "job", **plugins), *args, cwd=tmp_path)
     assert job.returncode == 2
     assert f"error: {said}" in job.stderr, job.stderr
+
+
+@pytest.mark.slow  # a real launcher process, SIGKILLed
+def test_a_sigkilled_launchers_error_files_go_when_the_next_launcher_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGKILLed launcher removes nothing: the next one on the machine removes the directory of
+    its ranks' error files once its process is gone, and never one of a launcher still running."""
+    from coretrain_launch.errordir import error_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code = "from coretrain_launch.errordir import error_dir; print(error_dir(), flush=True); input()"
+    launcher = [sys.executable, "-c", code]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    with subprocess.Popen(launcher, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env) as other:
+        assert other.stdout is not None
+        left = Path(other.stdout.readline().decode().strip())
+        (left / "rank0.json").write_text("{}")
+        running = error_dir()  # while the other launcher runs: its directory stays
+        assert left.parent == tmp_path and (left / "rank0.json").is_file()
+        other.kill()
+    again = error_dir()
+    assert not left.exists() and running.is_dir() and again.is_dir() and again != running

@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 from coretrain import UserError
 from coretrain_launch.codes import HANG_EXIT_CODE, STOP_CODES, STOP_SIGNALS, USAGE_EXIT_CODE
+from coretrain_launch.errordir import error_dir
 
 MEMBERS_KEY = "default_pg/coretrain/launch/members"
 """The ranks this launcher runs, as their first rank numbers joined by commas ("+3": waits to
@@ -111,7 +111,7 @@ class Ranks:
         self.command, self.nproc, self.max_replacements, self.min_ranks = command, nproc, max_replacements, min_ranks
         self.first_slot = 0
         """This machine's first rank (its ranks are ``first_slot`` .. ``+ nproc - 1``)."""
-        self.errors = Path(tempfile.mkdtemp(prefix="coretrain-launch-"))
+        self.errors = error_dir()
         self.env = dict(os.environ) | {
             "MASTER_ADDR": "127.0.0.1",
             "WORLD_SIZE": str(nproc),
