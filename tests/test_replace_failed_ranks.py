@@ -169,7 +169,7 @@ def test_what_it_needs_is_one_error_before_any_rank_starts(
     assert f"error: {said}" in job.stderr, job.stderr
 
 
-@pytest.mark.slow  # a real launcher process, SIGKILLed
+@pytest.mark.slow  # a real process making its directory as a launcher does, SIGKILLed
 def test_a_sigkilled_launchers_error_files_go_when_the_next_launcher_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
