@@ -238,12 +238,10 @@ def forked_steps(
     """``coretrain.testing.run_ranks``'s job — the tiny workload with ``config``'s tables on top,
     ``steps`` steps, gloo, its files in ``tmp_path / "out"`` — on ranks forked warm
     (:func:`in_one_job`), for a test of what the ranks compute rather than of torchrun."""
-    from coretrain.testing import tiny_config, write_config
+    from coretrain.testing import _write_steps_config  # run_ranks's own config writer
 
-    sections = {name: dict(values) for name, values in config.items()}
-    sections["train"] = {"train_iters": steps, **sections.get("train", {})}
-    sections["distributed"] = {"backend": "gloo", **sections.get("distributed", {})}
-    path = write_config(tmp_path / "config.toml", tiny_config(tmp_path / "out", **sections))
+    distributed = {"backend": "gloo", **config.get("distributed", {})}
+    path = _write_steps_config(tmp_path, steps, {}, {**config, "distributed": distributed})
     return in_one_job(tmp_path, ranks, [["run", str(path)]], "ranks")
 
 
