@@ -39,6 +39,7 @@ def test_sequences_split_over_two_ranks_train_like_one_rank_and_resume_on_data_p
     ]
     job = in_one_job(tmp_path, 2, jobs, "cp")
     assert "each sequence of 32 positions over 2 ranks, 16 positions each" in job.stderr
+    assert "so it follows the ranks" not in job.stderr  # CP 2 → DP 2 kept the batch of 4: resume-checks says nothing
     # CP 2 × FSDP 2, CP 2 × HSDP (2 replicas of 1 shard: FSDP over shard × context ranks), CP 2 × TP 2
     layouts = {"cp_fsdp": {"cp_size": 2, "strategy": "fsdp"}, "cp_hsdp": {"cp_size": 2, "dp_replicate": 2}}
     four = [["run", str(write(tmp_path, n, d)), "--set", "train.micro_batch_size=2"] for n, d in layouts.items()]

@@ -162,6 +162,23 @@ def fsdp_config(directory: Path, name: str) -> Path:
     return path
 
 
+def test_a_global_batch_that_follows_the_ranks_is_said_when_a_resume_on_more_ranks_changes_it(tmp_path: Path) -> None:
+    """``train.global_batch_size`` unset: the batch is micro × data-parallel ranks, so the 1-rank
+    run's checkpoint resumed on 2 ranks trains on batches twice as large; resume-checks says so,
+    with the key that keeps it (the context-parallel test resumes without a change: no word)."""
+    preset = gpt_preset(tmp_path / "out")
+    config = config_file(tmp_path / "c.toml", preset, micro_batch_size=4, train_iters=2, log_interval=1)
+    assert run_train(str(config), cwd=tmp_path).returncode == 0
+    job = in_one_job(tmp_path, 2, [["run", str(config), "--set", "train.train_iters=3"]], "grown")
+    assert (
+        "resuming step 2 with a global batch of 8 (4 × 2 data-parallel rank(s)); it was 4 (4 × 1): "
+        "train.global_batch_size is unset, so it follows the ranks. Set train.global_batch_size = 4 (with a "
+        "train.micro_batch_size that × 2 divides it) to train on with the batch it had"
+    ) in job.stderr
+    last = [row for row in metrics_rows(tmp_path / "out") if "consumed_samples" in row][-1]
+    assert (last["step"], last["global_batch_size"], last["consumed_samples"]) == (3, 8, 2 * 4 + 8)
+
+
 def test_fsdp_checkpoint_is_sharded_and_resumes_on_two_ranks_and_on_one(tmp_path: Path) -> None:
     """Saved in the background (``async_save``) by 2 FSDP ranks; resumed on 2 and on 1."""
     split = fsdp_config(tmp_path, "split")

@@ -229,10 +229,21 @@ def test_the_start_line_says_how_the_batch_is_made_the_precision_and_the_threads
     settings = {"train": {"micro_batch_size": 2, "global_batch_size": 8}, "plugins": {"progress": {"plain": True}}}
     run_steps(tmp_path, 2, config=settings, autoload=("progress",))
     threads = torch.get_num_threads()
+    out = capsys.readouterr().out
     assert (
         "global batch 8 (micro 2 × 4 accumulation × 1 data-parallel), 1 rank(s) on cpu, fp32, "
-        f"{threads} thread(s)" in capsys.readouterr().out
+        f"{threads} thread(s)" in out
     )
+    size = out.split(" parameters, global batch")[0].rsplit(": ", 1)[-1]
+    assert size != "0.00M" and int(size.replace(",", "")) > 0  # the tiny model's own count, not "0.00M"
+
+
+def test_a_models_size_reads_as_a_count_for_small_models_and_in_millions_or_billions_above() -> None:
+    from coretrain_progress import parameter_count
+
+    assert [parameter_count(n) for n in (161, 48_513, 99_999)] == ["161", "48,513", "99,999"]
+    assert [parameter_count(n) for n in (100_000, 840_123, 124_439_808)] == ["0.10M", "0.84M", "124.44M"]
+    assert parameter_count(1_235_814_400) == "1.24B"
 
 
 def test_a_resumed_rampup_run_validates_on_the_uninterrupted_runs_samples(tmp_path: Path) -> None:

@@ -235,7 +235,8 @@ class Progress:
         if self._active:
             elapsed = time.perf_counter() - self._started
             loss = f", last logged loss {self._metrics['loss']:.4f}" if "loss" in self._metrics else ""
-            self._event(f"{outcome} at step {run.state.step} in {eta(elapsed)}{loss}")
+            when = "after" if outcome == "error" else "at"  # a failure is in the step after the last one done
+            self._event(f"{outcome} {when} step {run.state.step} in {eta(elapsed)}{loss}")
         if self._live is not None:
             self._live.stop()  # (its last frame shows the run: let go of it only after)
             self._live = None
@@ -251,8 +252,15 @@ def start_line(run: Run, params: int) -> str:
 
     micro, accumulation = run.config.train.micro_batch_size, run.micro_batches_per_step
     return (
-        f"{run.config.run.name}: {params / 1e6:.2f}M parameters, global batch {run.global_batch_size} "
+        f"{run.config.run.name}: {parameter_count(params)} parameters, global batch {run.global_batch_size} "
         f"(micro {micro} × {accumulation} accumulation × {run.dist.dp_size} data-parallel), "
         f"{run.dist.world_size} rank(s) on {run.device.type}, {run.config.run.precision}, "
         f"{torch.get_num_threads()} thread(s)"
     )
+
+
+def parameter_count(params: int) -> str:
+    """A model's size as a person reads it: 161, 48,513, 0.84M, 1.24B (a small model is not "0.00M")."""
+    if params < 100_000:
+        return f"{params:,}"
+    return f"{params / 1e6:.2f}M" if params < 1_000_000_000 else f"{params / 1e9:.2f}B"

@@ -86,3 +86,30 @@ class ResumeChecks:
                 "resuming with changed settings; the config's values are used from now on: %s",
                 describe(remarked),
             )
+        grown = batch_that_followed_the_ranks(run, manifest)
+        if grown is not None and run.dist.is_main:
+            log.warning(grown)
+
+
+def batch_that_followed_the_ranks(run: Run, manifest: dict[str, Any]) -> str | None:
+    """What to say when the global batch changes on resume although no key did: with
+    ``train.global_batch_size`` unset it is micro-batch × data-parallel ranks, so a run resumed on
+    more (or fewer) ranks trains on other batches from here on (as Megatron's would, printing only
+    the new size); None when it stays or the config sets it."""
+    saved = manifest.get("config") or {}
+    train, layout, world = saved.get("train") or {}, saved.get("distributed") or {}, manifest.get("world_size")
+    if run.config.train.global_batch_size or train.get("global_batch_size") or not isinstance(world, int):
+        return None
+    splits = layout.get("tp_size", 1) * layout.get("cp_size", 1) * layout.get("pp_size", 1)
+    saved_dp = world // splits
+    before = train.get("micro_batch_size", 0) * saved_dp
+    if not before or before == run.global_batch_size:
+        return None
+    micro, ranks = run.config.train.micro_batch_size, run.dist.dp_size
+    fits = "" if before % (micro * ranks) == 0 else f" (with a train.micro_batch_size that × {ranks} divides it)"
+    return (
+        f"resuming step {manifest.get('step')} with a global batch of {run.global_batch_size} ({micro} × {ranks} "
+        f"data-parallel rank(s)); it was {before} ({train.get('micro_batch_size')} × {saved_dp}): "
+        f"train.global_batch_size is unset, so it follows the ranks. Set train.global_batch_size = {before}{fits} "
+        "to train on with the batch it had"
+    )
