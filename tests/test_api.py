@@ -131,3 +131,27 @@ def test_the_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert (result.outcome, result.step) == ("completed", 20)
     assert namespace["steps"] == [10, 20]
     assert "completed 20" in capsys.readouterr().out
+
+
+def test_a_model_and_data_defined_in_a_notebooks_main_train_by_import_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The guide's block, run as a notebook runs a cell: in the module ``__main__`` (the kernel's
+    namespace), whose functions the config names as ``__main__:NAME``; the loss falls."""
+    import types
+
+    guide = (REPO / "docs" / "guides" / "python-api.md").read_text()
+    block = re.search(
+        r"<!-- tests/test_api.py runs this block as a notebook's __main__ -->\n```python\n(.*?)```", guide, re.S
+    )
+    assert block is not None
+    code = block.group(1).replace('"runs/cell"}', f'{str(tmp_path / "cell")!r}, "threads": 1}}')
+    notebook = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    exec(compile(code, "docs/guides/python-api.md", "exec"), notebook.__dict__)
+    result = notebook.result
+    assert (result.outcome, result.step) == ("completed", 60)
+    losses = [row["loss"] for row in result.history if "loss" in row]
+    assert len(losses) == 3 and losses[-1] < losses[0] / 2, losses
+    assert "valid/loss" in result.metrics
+    assert f"{result.metrics['loss']} {result.metrics['valid/loss']}" in capsys.readouterr().out
