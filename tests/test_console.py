@@ -93,6 +93,44 @@ def test_in_the_python_api_library_noise_goes_to_run_log_too(
     )  # the run's own lines once (the stand-in for Python's last resort printed them again)
 
 
+def test_torchs_trace_handler_still_gets_its_records_and_none_reach_run_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's structured-trace handler (``torch.__trace``: DEBUG records through a compilation,
+    written to a file when TORCH_TRACE names a directory) has no stream until its first record,
+    and without TORCH_TRACE removes itself then. console-log must leave it alone: it did not, and
+    a compiled run's run.log held hundreds of empty ``torch.__trace DEBUG`` lines while torch went
+    on building a trace record with its stack for every one."""
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    fresh = LazyTraceHandler(None)  # as torch makes it at import: here whatever earlier tests did to it
+    monkeypatch.setattr(trace_log, "handlers", [fresh])
+    monkeypatch.delenv("TORCH_TRACE", raising=False)
+    (tmp_path / "traced.py").write_text(TRACED_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        result = coretrain.train(
+            tiny_config(tmp_path / "out", model={"provider": "traced:model"}, train={"train_iters": 2})
+        )
+        logging.captureWarnings(False)
+    sys.modules.pop("traced", None)
+    assert result.exit_code == 0
+    assert "torch.__trace" not in (tmp_path / "out" / "run.log").read_text()
+    assert fresh not in trace_log.handlers  # it saw its first record and went, as torch meant
+
+
+TRACED_MODEL = """
+from torch._logging._internal import trace_structured
+from coretrain.testing import tiny_model
+
+def model():
+    for _ in range(3):  # as dynamo does through a compilation
+        trace_structured("artifact", metadata_fn=lambda: {"name": "x", "encoding": "string"}, payload_fn=lambda: "p")
+    return tiny_model()
+"""
+
+
 def test_an_export_keeps_library_noise_in_the_runs_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, noisylib: None
 ) -> None:

@@ -93,14 +93,22 @@ class LibraryNoise(logging.Filter):
 def own_terminal_handlers() -> list[logging.Handler]:
     """Terminal handlers of loggers that print for themselves rather than through the root
     logger's (torch's: ``torch`` and ``torch.distributed`` do not propagate, and write to stderr
-    with handlers of their own)."""
+    with handlers of their own).
+
+    A stream handler with no stream yet prints nothing: torch's structured-trace handler
+    (``torch.__trace``, a record for each step of a compilation) opens its file at its first
+    record when ``TORCH_TRACE`` names a directory, and otherwise removes itself then. Filtered,
+    it never saw that record: it stayed, torch built every trace record (with its stack) for
+    ever after, and hundreds of empty DEBUG lines went to run.log."""
     loggers = [logger for logger in logging.root.manager.loggerDict.values() if isinstance(logger, logging.Logger)]
     return [
         handler
         for logger in loggers
         if not logger.propagate
         for handler in logger.handlers
-        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if isinstance(handler, logging.StreamHandler)
+        and not isinstance(handler, logging.FileHandler)
+        and handler.stream is not None
     ]
 
 
