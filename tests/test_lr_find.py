@@ -115,7 +115,7 @@ def test_the_suggestions_on_a_known_curve() -> None:
     ]
     found = finder.suggestions()
     assert math.isclose(found["steepest"], 1e-3, rel_tol=0.26)
-    lowest = min(zip(finder.smoothed, finder.lrs))[1]
+    lowest = min(zip(finder.smoothed[6:-5], finder.lrs[6:-5]))[1]  # fastai's window: [61 // 10 : -5]
     assert math.isclose(found["minimum/10"], lowest / 10)
     # Lightning's rule differentiates against lr itself (numpy's gradient: the same second-order
     # differences on uneven steps): a slope against log(lr) divided by lr, which leans to smaller rates
@@ -123,3 +123,26 @@ def test_the_suggestions_on_a_known_curve() -> None:
     gradient = np.gradient(np.float32(finder.smoothed[kept]), np.float32(finder.lrs[kept]))
     assert found["lightning"] == finder.lrs[10 + int(np.argmin(gradient))]
     assert found["lightning"] < found["steepest"]
+
+
+def test_the_minimum_rule_reads_fastais_window_not_the_first_steps_halved_loss() -> None:
+    """Lightning's bias correction halves the first smoothed loss (``/ (1 - 0.98 ** 2)`` after one
+    step), so on a curve that falls by less than half the first point is the lowest of all, and the
+    minimum rule suggested min_lr / 10 (a user's regression got 1e-9). fastai's ``lr_find`` reads
+    ``losses[num_it // 10 : -5]``: its first tenth and last five points left out, and the curve
+    up to its first non-finite loss."""
+    finder = LRFinder(min_lr=1e-8, max_lr=1.0, steps=100)
+    for step in range(1, 101):
+        finder.lrs.append(finder.lr_at(step))
+        lr = finder.lrs[-1]
+        loss = 4.0 - 1.5 * math.exp(-((math.log10(lr) + 1.5) ** 2)) + (float("nan") if step > 90 else 0.0)
+        finder.losses.append(loss)
+    average = 0.0
+    for n, loss in enumerate(finder.losses, start=1):
+        average = 0.98 * average + 0.02 * loss
+        finder.smoothed.append(average / (1 - 0.98 ** (n + 1)))
+    assert min(range(90), key=finder.smoothed.__getitem__) == 0  # the halved first point is the lowest
+    kept = finder.smoothed[10:90]  # [100 // 10 : -5], up to the first NaN
+    best = min(range(len(kept)), key=kept.__getitem__)
+    assert finder.suggestions()["minimum/10"] == finder.lrs[10 + best] / 10
+    assert 1e-3 < finder.suggestions()["minimum/10"] < 1e-1  # the fall near lr 10 ** -1.5, not 1e-9

@@ -11,7 +11,8 @@ suggestions, each a rule of its own: ``steepest``, where the smoothed loss falls
 against log(lr) (the slope on the log axis the curve is plotted on); ``lightning``, where it
 falls fastest against lr itself (Lightning 2.6's ``suggestion()``: ``torch.gradient`` over lr,
 the log slope divided by lr, which leans to smaller rates); and ``minimum/10``, the lr of the lowest
-smoothed loss divided by ten (fastai's).
+smoothed loss divided by ten, over the steps fastai's ``lr_find`` keeps for it (the first tenth and
+the last five left out).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from coretrain import Run, StepOutputs, hookimpl
 SMOOTHING = 0.98
 SKIP_START, SKIP_END = 10, 1
 """Steps left out at both ends when looking for the steepest descent (Lightning's defaults)."""
+FASTAI_SKIP_END = 5
+"""fastai's suggestions read ``recorder.losses[num_it // 10 : -5]``: the first tenth of the
+planned steps and the last five left out."""
 
 
 @define(kw_only=True)
@@ -89,8 +93,9 @@ class LRFinder:
         found: dict[str, float] = {}
         if not points:
             return found
-        best = min(range(len(points)), key=lambda i: points[i][1])
-        found["minimum/10"] = points[best][0] / 10
+        minimum = self.fastai_minimum()
+        if minimum is not None:
+            found["minimum/10"] = minimum / 10
         window = points[SKIP_START : len(points) - SKIP_END]
         if len(window) >= 3:
             slopes = [
@@ -101,6 +106,15 @@ class LRFinder:
             found["steepest"] = window[steepest + 1][0]
         lightning = self.lightning()
         return found | ({"lightning": lightning} if lightning is not None else {})
+
+    def fastai_minimum(self) -> float | None:
+        """The lr of the lowest smoothed loss, as fastai's ``minimum`` finds it: over the steps it
+        keeps (``[steps // 10 : -5]``), up to the first that is not finite. The first steps' smoothed
+        losses are the lowest of many a curve that has not begun to fall yet (Lightning's bias
+        correction halves the first); fastai's window leaves them out."""
+        kept = list(zip(self.lrs, self.smoothed))[self.steps // 10 : -FASTAI_SKIP_END]
+        finite = [(lr, loss) for lr, loss in kept if math.isfinite(loss)]  # (a moving average stays NaN)
+        return min(finite, key=lambda point: point[1])[0] if finite else None
 
     def lightning(self) -> float | None:
         """Lightning's rule, as its ``_LRFinder.suggestion`` computes it: the ends skipped, the
