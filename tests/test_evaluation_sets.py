@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,25 @@ def test_two_named_validation_sets_are_evaluated_and_logged_apart(tmp_path: Path
 def test_a_bad_set_of_validation_sets_is_one_clear_error(tmp_path: Path, names: tuple[str, ...], message: str) -> None:
     with pytest.raises(UserError, match=message):
         digits_run(tmp_path, "digits_named_valid", options={"names": list(names)})
+
+
+def test_an_eval_interval_over_data_without_a_validation_split_is_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A config that validates every 3 steps and a provider that makes no valid split (an
+    ``indexed`` split whose valid share rounds to no document did this silently): one warning
+    naming the key and the provider; with a valid split, none."""
+    caplog.set_level(logging.WARNING, logger="coretrain")
+    result = digits_run(tmp_path / "none", "digits_train_only")
+    said = [r.getMessage() for r in caplog.records if "gave no validation split" in r.getMessage()]
+    assert said == [
+        "train.eval_interval = 3, but data.provider 'workloads:digits_train_only' gave no validation split: "
+        "nothing is evaluated during training (give the data a valid split, or unset train.eval_interval)"
+    ]
+    assert result.evals == []
+    caplog.clear()
+    assert digits_run(tmp_path / "valid", "digits_clean_valid").evals
+    assert not [r for r in caplog.records if "gave no validation split" in r.getMessage()]
 
 
 def test_random_splits_list_is_train_and_valid(tmp_path: Path) -> None:

@@ -49,6 +49,11 @@ def digits(
     return Datasets(train=Digits(train, 1, delay, augment), valid=Digits(valid, 2, delay), test=Digits(test, 3, delay))
 
 
+def digits_train_only(context: Any = None) -> Digits:
+    """The training digits alone, as a provider that makes no validation split hands them over."""
+    return Digits(1200, 1)
+
+
 def as_dict(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """A user collate_fn: a dict batch whose target is under 'labels'."""
     return {"pixels": torch.stack([s[0] for s in samples]), "labels": torch.stack([s[1] for s in samples])}

@@ -20,6 +20,7 @@ batch sizes and the number of ranks. ``ppl`` is reported for token-level losses 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from typing import TYPE_CHECKING, Any, cast
 
@@ -30,6 +31,8 @@ from coretrain import NUM_TOKENS, Run, SampleOrder, SplitBatches, forward, hooki
 
 if TYPE_CHECKING:
     from coretrain_evaluation.hookspecs import EvaluationSpecs
+
+log = logging.getLogger("coretrain")
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -149,6 +152,22 @@ class Evaluation:
         if self._batches.get(split, (None,))[0] != block:  # index chunks and workers made once, reused
             self._batches[split] = (block, split_batches(run, dataset, block))
         return evaluate_split(run, self._batches[split][1], split)
+
+    @hookimpl
+    def on_datasets(self, run: Run) -> None:
+        """A config that asks for validation during training from data without a validation split
+        (a provider that made none, an ``indexed`` split whose valid share rounds to no document)
+        is said once, instead of a run that silently never validates (``config validate`` says it
+        too)."""
+        train = run.config.train
+        if train.eval_interval and (train.eval_full or train.eval_iters) and not run.datasets.sets("valid"):
+            if run.dist.is_main:
+                log.warning(
+                    "train.eval_interval = %d, but data.provider %r gave no validation split: nothing is evaluated "
+                    "during training (give the data a valid split, or unset train.eval_interval)",
+                    train.eval_interval,
+                    run.config.data.provider,
+                )
 
     @hookimpl
     def on_train_end(self) -> None:
