@@ -146,3 +146,17 @@ def test_the_minimum_rule_reads_fastais_window_not_the_first_steps_halved_loss()
     best = min(range(len(kept)), key=kept.__getitem__)
     assert finder.suggestions()["minimum/10"] == finder.lrs[10 + best] / 10
     assert 1e-3 < finder.suggestions()["minimum/10"] < 1e-1  # the fall near lr 10 ** -1.5, not 1e-9
+
+
+def test_a_curve_too_short_for_the_asked_rule_falls_back_to_one_that_found_a_rate() -> None:
+    """A loss that diverged at step 15 of 100 leaves fastai's window (``[10 : -5]``) empty: the
+    minimum rule finds nothing, and ``--rule minimum/10`` takes the steepest instead of failing
+    with a KeyError (the minimum was always found before its window was fastai's)."""
+    from coretrain_lr_find.command import choose
+
+    finder = LRFinder(min_lr=1e-6, max_lr=1.0, steps=100)
+    finder.lrs = [finder.lr_at(step) for step in range(1, 16)]
+    finder.smoothed = [4.0 - 0.1 * step for step in range(1, 16)]
+    found = finder.suggestions()
+    assert "minimum/10" not in found and "steepest" in found
+    assert choose(found, "minimum/10") == "steepest" and choose(found, "steepest") == "steepest"

@@ -57,7 +57,9 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     one_config = write(tmp_path, "one", {})
     one_run = run_train(str(one_config), cwd=tmp_path)
     assert one_run.returncode == 0
-    (size,) = {line.split(": ")[-1].split(",")[0] for line in one_run.stdout.splitlines() if "M parameters" in line}
+    (size,) = {
+        line.split(": ")[-1].split(" parameters,")[0] for line in one_run.stdout.splitlines() if " parameters, " in line
+    }
     veto = ["--set", 'plugins.fault-injection.action="skip"', "--set", "plugins.fault-injection.step=5"]
     skipped_once = write(tmp_path, "one_skipped", {})  # step 5's update vetoed
     assert (
@@ -121,7 +123,7 @@ def test_stages_over_ranks_train_evaluate_and_resume_like_one_rank(tmp_path: Pat
     ]
     job = in_one_job(tmp_path, 2, jobs, "pp")
     said = job.stdout + job.stderr
-    assert f"{size}, global batch 8" in said and "M parameters" in size  # the whole model's, not one stage's
+    assert f": {size} parameters, global batch 8" in said  # the whole model's, not one stage's
     assert "pipeline-parallel: 2 stages of [2, 2] blocks, 1F1B schedule" in job.stderr
     assert "pipeline-parallel: 4 stages of [1, 1, 1, 1] blocks, Interleaved1F1B schedule" in job.stderr
     assert "pipeline-parallel: 4 stages of [1, 1, 1, 1] blocks, ZBVZeroBubble schedule" in job.stderr

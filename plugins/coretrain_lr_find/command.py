@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +51,26 @@ def lr_find(
     write(out, finder)
     found = finder.suggestions()
     if not found:
-        raise UserError("lr-find: no finite loss was recorded; lower --min-lr")
+        if not any(math.isfinite(loss) for loss in finder.losses):
+            raise UserError("lr-find: no finite loss was recorded; lower --min-lr")
+        raise UserError(
+            f"lr-find: the loss diverged after {len(finder.losses)} of {steps} steps (lr {finder.lrs[-1]:.3g}), "
+            "too little of the curve for any rule; lower --max-lr"
+        )
     print(f"lr-find: {len(finder.lrs)} steps from {min_lr:g} to {finder.lrs[-1]:.3g}; wrote {out}")
     for name, lr in found.items():
         print(f"  {name:<11} {lr:<9.3g} ({RULES[name]})")
-    chosen = rule if rule in found else "minimum/10"
+    chosen = choose(found, rule)
+    if chosen != rule:
+        print(f"  (--rule {rule}: the curve before the loss diverged is too short for it)")
     print(f"suggested ({chosen}): --set optimizer.lr={found[chosen]:.3g}")
     return 0
+
+
+def choose(found: dict[str, float], rule: str) -> str:
+    """The rule asked for, or, when the curve is too short for it (the loss diverged early),
+    the first that found a rate."""
+    return rule if rule in found else next(iter(found))
 
 
 def counted_in_steps(config: str, settings: Any) -> str | dict[str, Any]:
