@@ -179,6 +179,39 @@ def test_a_global_batch_that_follows_the_ranks_is_said_when_a_resume_on_more_ran
     assert (last["step"], last["global_batch_size"], last["consumed_samples"]) == (3, 8, 2 * 4 + 8)
 
 
+SPARE_MODEL = """
+import torch
+from coretrain.testing import tiny_model
+
+def model():
+    net = tiny_model()
+    net.spare = torch.nn.Linear(4, 4)  # a head this task never uses: no gradient, ever
+    return net
+"""
+
+
+def test_a_parameter_ddp_gets_no_gradient_for_is_one_line_with_the_ddp_key(tmp_path: Path) -> None:
+    """DDP's own error tells a user to pass ``find_unused_parameters=True`` to a constructor they
+    never call; the ddp plugin says it with its key, and that key makes the same job train."""
+    from coretrain.testing import tiny_config, write_config
+
+    (tmp_path / "spare.py").write_text(SPARE_MODEL)
+    distributed = {"strategy": "ddp", "backend": "gloo"}
+    settings = tiny_config(
+        tmp_path / "out", model={"provider": "spare:model"}, train={"train_iters": 3}, distributed=distributed
+    )
+    config = write_config(tmp_path / "c.toml", settings)
+    fails = {"args": ["run", str(config)], "expect": 1}
+    fixed = ["run", str(config), "--set", "plugins.ddp.find_unused_parameters=true"]
+    job = in_one_job(tmp_path, 2, [fails, fixed], "spare", env={"PYTHONPATH": str(tmp_path)})
+    assert (
+        "error: a parameter of the model got no gradient in step 1 (DDP reduces every parameter's gradient each "
+        "step): set [plugins.ddp] find_unused_parameters = true"
+    ) in job.stderr
+    assert "passing the keyword argument `find_unused_parameters=True`" not in job.stderr.split("=== ")[1]
+    assert metrics_rows(tmp_path / "out")[-1]["step"] == 3 and "checkpoint step 3 saved" in job.stderr  # trained
+
+
 def test_fsdp_checkpoint_is_sharded_and_resumes_on_two_ranks_and_on_one(tmp_path: Path) -> None:
     """Saved in the background (``async_save``) by 2 FSDP ranks; resumed on 2 and on 1."""
     split = fsdp_config(tmp_path, "split")

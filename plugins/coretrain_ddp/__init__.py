@@ -137,6 +137,19 @@ class DDP:
             )
 
     @hookimpl
+    def explain_failure(self, run: Run, error: BaseException) -> str | None:
+        """DDP's error for a parameter that got no gradient names DDP's constructor argument, which
+        a user of this plugin never calls: say it with this plugin's key instead."""
+        if "Expected to have finished reduction in the prior iteration" not in str(error):
+            return None
+        return (
+            f"a parameter of the model got no gradient in step {run.state.step} (DDP reduces every parameter's "
+            "gradient each step): set [plugins.ddp] find_unused_parameters = true (a walk of the autograd graph "
+            "each step), or freeze the parameters the loss does not use (requires_grad = False); "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL names them"
+        )
+
+    @hookimpl
     def on_checkpoint(self, run: Run) -> None:
         """Every rank, before rank 0 reads the optimizer state: gather the shards to it."""
         consolidate = getattr(run.optimizer, "consolidate_state_dict", None)
