@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from coretrain_lr_find.finder import LRFinder
+from coretrain_lr_find.finder import SMOOTHING, LRFinder
 
 import coretrain
 from coretrain import Run, hookimpl
@@ -138,9 +138,9 @@ def test_the_minimum_rule_reads_fastais_window_not_the_first_steps_halved_loss()
         loss = 4.0 - 1.5 * math.exp(-((math.log10(lr) + 1.5) ** 2)) + (float("nan") if step > 90 else 0.0)
         finder.losses.append(loss)
     average = 0.0
-    for n, loss in enumerate(finder.losses, start=1):
-        average = 0.98 * average + 0.02 * loss
-        finder.smoothed.append(average / (1 - 0.98 ** (n + 1)))
+    for n, loss in enumerate(finder.losses, start=1):  # the finder's smoothing, Lightning's off-by-one kept
+        average = SMOOTHING * average + (1 - SMOOTHING) * loss
+        finder.smoothed.append(average / (1 - SMOOTHING ** (n + 1)))
     assert min(range(90), key=finder.smoothed.__getitem__) == 0  # the halved first point is the lowest
     kept = finder.smoothed[10:90]  # [100 // 10 : -5], up to the first NaN
     best = min(range(len(kept)), key=kept.__getitem__)

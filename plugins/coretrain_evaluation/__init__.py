@@ -160,14 +160,15 @@ class Evaluation:
         is said once, instead of a run that silently never validates (``config validate`` says it
         too)."""
         train = run.config.train
-        if train.eval_interval and (train.eval_full or train.eval_iters) and not run.datasets.sets("valid"):
-            if run.dist.is_main:
-                log.warning(
-                    "train.eval_interval = %d, but data.provider %r gave no validation split: nothing is evaluated "
-                    "during training (give the data a valid split, or unset train.eval_interval)",
-                    train.eval_interval,
-                    run.config.data.provider,
-                )
+        asks = bool(train.eval_interval) and bool(train.eval_full or train.eval_iters)
+        if not asks or run.datasets.sets("valid") or not run.dist.is_main:
+            return
+        log.warning(
+            "train.eval_interval = %d, but data.provider %r gave no validation split: nothing is evaluated "
+            "during training (give the data a valid split, or unset train.eval_interval)",
+            train.eval_interval,
+            run.config.data.provider,
+        )
 
     @hookimpl
     def on_train_end(self) -> None:

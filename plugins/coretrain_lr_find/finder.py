@@ -113,8 +113,11 @@ class LRFinder:
         losses are the lowest of many a curve that has not begun to fall yet (Lightning's bias
         correction halves the first); fastai's window leaves them out."""
         kept = list(zip(self.lrs, self.smoothed))[self.steps // 10 : -FASTAI_SKIP_END]
-        finite = [(lr, loss) for lr, loss in kept if math.isfinite(loss)]  # (a moving average stays NaN)
-        return min(finite, key=lambda point: point[1])[0] if finite else None
+        best_lr, best_loss = None, math.inf
+        for lr, loss in kept:
+            if loss < best_loss:  # (NaN compares false: a diverged tail, where the average stays NaN, is passed over)
+                best_lr, best_loss = lr, loss
+        return best_lr
 
     def lightning(self) -> float | None:
         """Lightning's rule, as its ``_LRFinder.suggestion`` computes it: the ends skipped, the

@@ -21,7 +21,7 @@ from typing import Any
 
 from attrs import define, field
 
-from coretrain import Run, UserError, config_as_dict, config_changes, hookimpl
+from coretrain import DistInfo, Run, UserError, config_as_dict, config_changes, hookimpl
 
 log = logging.getLogger("coretrain")
 
@@ -100,9 +100,9 @@ def batch_that_followed_the_ranks(run: Run, manifest: dict[str, Any]) -> str | N
     train, layout, world = saved.get("train") or {}, saved.get("distributed") or {}, manifest.get("world_size")
     if run.config.train.global_batch_size or train.get("global_batch_size") or not isinstance(world, int):
         return None
-    splits = layout.get("tp_size", 1) * layout.get("cp_size", 1) * layout.get("pp_size", 1)
-    saved_dp = world // splits
-    before = train.get("micro_batch_size", 0) * saved_dp
+    sizes = {key: layout.get(key, 1) for key in ("tp_size", "cp_size", "pp_size")}
+    saved_dp = DistInfo(world_size=world, **sizes).dp_size  # the core's own count of data-parallel ranks
+    before = train.get("micro_batch_size", 0) * saved_dp  # one micro-batch on each of them
     if not before or before == run.global_batch_size:
         return None
     micro, ranks = run.config.train.micro_batch_size, run.dist.dp_size
