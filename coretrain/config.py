@@ -254,28 +254,6 @@ class DistributedConfig:
     """Start-up and the first step (compilation, loading, a slow filesystem), evaluation and
     checkpoints: a rank that makes no progress for this long is named and the job ends."""
 
-    def _check_experts(self, shards: int) -> None:
-        """Experts spread over data-parallel ranks of one replica and, with context parallelism,
-        over whole context groups (torchtitan's ep = dp_shard_in_ep × cp)."""
-        ep, cp = self.ep_size, self.cp_size
-        if ep == 1:
-            return
-        if self.strategy not in ("auto", "fsdp"):
-            raise UserError(
-                f'distributed.ep_size ({ep}): expert parallelism runs on FSDP2, not strategy = "{self.strategy}"; '
-                'set distributed.strategy = "fsdp" (or "auto")'
-            )
-        if (shards * cp) % ep:
-            raise UserError(
-                f"distributed.ep_size ({ep}) must divide the ranks of one data-parallel replica times cp_size "
-                f"({shards} × {cp} = {shards * cp}): the experts are spread over them"
-            )
-        if ep % cp:
-            raise UserError(
-                f"distributed.ep_size ({ep}) must be a multiple of distributed.cp_size ({cp}): an expert group "
-                "takes whole context groups (the ranks that split one sequence)"
-            )
-
     def resolved_strategy(self, world_size: int) -> str | None:
         """The data-parallel plugin to enable, if any (DDP cannot hold tensor-parallel weights)."""
         if self.strategy == "auto":
@@ -307,7 +285,6 @@ class DistributedConfig:
                 f"data-parallel ranks: {world_size} ranks / tp_size {tp} / cp_size {self.cp_size} / pp_size "
                 f"{self.pp_size} = {data_parallel}"
             )
-        self._check_experts(data_parallel // replicas)
         for key, size, what in (("dp_replicate", replicas, "HSDP"), ("pp_size", self.pp_size, "pipelined")):
             if size > 1 and self.resolved_strategy(world_size) != "fsdp":
                 raise UserError(

@@ -68,6 +68,8 @@ def test_experts_spread_over_two_ranks_train_like_one_rank_and_resume_across_lay
 
 def test_a_layout_expert_parallelism_cannot_take_is_one_error_before_any_rank_starts(tmp_path: Path) -> None:
     """Checked from the config and the world size alone (as the launcher checks a job)."""
+    from coretrain_expert_parallel import check_expert_groups
+
     from coretrain.config import DistributedConfig
 
     cases = [
@@ -76,14 +78,15 @@ def test_a_layout_expert_parallelism_cannot_take_is_one_error_before_any_rank_st
         ({"ep_size": 4, "dp_replicate": 2}, 4, r"ep_size \(4\) must divide the ranks of one data-parallel replica"),
     ]
     for layout, world, expected in cases:
+        DistributedConfig(**layout).check_layout(world)  # the core's grid holds: the plugin refuses it
         with pytest.raises(UserError, match=expected):
-            DistributedConfig(**layout).check_layout(world)
+            check_expert_groups(DistributedConfig(**layout), world)
     for layout, world in (
         ({"ep_size": 2}, 4),
         ({"ep_size": 4, "cp_size": 2}, 4),
         ({"ep_size": 2, "dp_replicate": 2}, 4),
     ):
-        DistributedConfig(**layout).check_layout(world)  # expert groups inside a replica, whole context groups
+        check_expert_groups(DistributedConfig(**layout), world)  # expert groups inside a replica, whole context groups
     preset = gpt_preset(tmp_path)
     preset["model"]["options"] |= MOE
     config = {name: preset[name] for name in ("model", "data", "optimizer")} | {"distributed": {"ep_size": 2}}

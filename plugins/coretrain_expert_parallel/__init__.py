@@ -33,7 +33,7 @@ from typing import Any, cast
 
 from attrs import define
 
-from coretrain import Run, UserError, hookimpl
+from coretrain import DistInfo, Run, UserError, hookimpl
 from coretrain_expert_parallel.hookspecs import ExpertSpecs
 
 log = logging.getLogger("coretrain")
@@ -125,6 +125,11 @@ class ExpertParallel:
     """Spread a mixture of experts' experts over expert groups of ranks (all-to-all dispatch),
     each group's spread copy sharded by FSDP over the ranks holding the same experts."""
 
+    @hookimpl
+    def check_layout(self, config: Any, world_size: int) -> None:
+        """Said once for a job, before any rank starts (:func:`check_expert_groups`)."""
+        check_expert_groups(config.distributed, world_size)
+
     @hookimpl(tryfirst=True)  # before FSDP shards the rest
     def configure_model(self, run: Run) -> None:
         import torch
@@ -169,6 +174,32 @@ class ExpertParallel:
                 "experts.%s: %s), tokens sent to them by all-to-all; each group's copy sharded over %d",
                 *(n_experts, len(layers), n_experts // ep, ep, name, tuple(local_shape(first)), copies.size()),
             )
+
+
+def check_expert_groups(distributed: Any, world_size: int) -> None:
+    """Experts spread over data-parallel ranks of one replica and, with context parallelism,
+    over whole context groups (torchtitan's ep = dp_shard_in_ep × cp), on FSDP2. ``distributed``
+    is the config's table, whose grid the core has checked."""
+    ep, cp = distributed.ep_size, distributed.cp_size
+    if ep == 1:
+        return
+    if distributed.strategy not in ("auto", "fsdp"):
+        raise UserError(
+            f'distributed.ep_size ({ep}): expert parallelism runs on FSDP2, not strategy = "{distributed.strategy}"; '
+            'set distributed.strategy = "fsdp" (or "auto")'
+        )
+    layout = DistInfo(world_size=world_size, tp_size=distributed.tp_size, cp_size=cp, pp_size=distributed.pp_size)
+    shards = layout.dp_size // distributed.dp_replicate
+    if (shards * cp) % ep:
+        raise UserError(
+            f"distributed.ep_size ({ep}) must divide the ranks of one data-parallel replica times cp_size "
+            f"({shards} × {cp} = {shards * cp}): the experts are spread over them"
+        )
+    if ep % cp:
+        raise UserError(
+            f"distributed.ep_size ({ep}) must be a multiple of distributed.cp_size ({cp}): an expert group "
+            "takes whole context groups (the ranks that split one sequence)"
+        )
 
 
 def tensor_split_of(experts: Any, tp: int) -> dict[str, int | None]:
