@@ -63,21 +63,30 @@ tokens over every micro-batch and rank — so padding and uneven lengths change 
 def split_output(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, other scalar tensors) from whatever the model or the loss function returned."""
     if isinstance(output, torch.Tensor):
-        return output, {}
+        return one_value(output), {}
     items = output if isinstance(output, dict) else getattr(output, "__dict__", None)
-    if items is None or "loss" not in items:
-        if hasattr(output, "loss"):  # e.g. a Hugging Face ModelOutput
-            return output.loss, {}
+    if items is None or items.get("loss") is None:
+        if getattr(output, "loss", None) is not None:  # e.g. a Hugging Face ModelOutput
+            return one_value(output.loss), {}
         raise UserError(
-            f"the model returned a {type(output).__name__} without a loss; return the loss, a dict "
-            "with 'loss', or set model.loss to turn its outputs into one"
+            f"the model returned a {type(output).__name__} without a loss (a Hugging Face model computes one "
+            "only when the batch has 'labels'); return the loss, a dict with 'loss', or set model.loss to "
+            "turn its outputs into one"
         )
     extras = {
         name: value.detach()
         for name, value in items.items()
         if name != "loss" and isinstance(value, torch.Tensor) and value.numel() == 1
     }
-    return items["loss"], extras
+    return one_value(items["loss"]), extras
+
+
+def one_value(loss: Any) -> torch.Tensor:
+    """The loss, checked once it is out of the model: one value to backpropagate."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+    raise UserError(f"the loss is {what}, not one value; reduce it to one (e.g. loss.mean()) before returning it")
 
 
 def call_model(model: torch.nn.Module, batch: Any) -> Any:

@@ -63,7 +63,7 @@ class StepNumerics:
             batch = batches[0]
             model = self.model
             result = model(*batch) if type(batch) is tuple else outputs.call_model(model, batch)
-            if type(result) is torch.Tensor:
+            if type(result) is torch.Tensor and result.numel() == 1:  # else split_output says what is wrong
                 torch.autograd.backward(result)
                 return result, None
             loss, values = outputs.split_output(result)

@@ -140,6 +140,61 @@ def test_a_loss_that_is_not_installed_or_importable_is_one_error(
     assert expected in line
 
 
+BAD_LOSS = """
+import torch
+
+
+class Output:  # what a Hugging Face model returns when the batch has no labels: loss None
+    def __init__(self, loss, logits):
+        self.loss, self.logits = loss, logits
+
+
+class Net(torch.nn.Module):
+    def __init__(self, returns):
+        super().__init__()
+        self.layer, self.returns = torch.nn.Linear(4, 1), returns
+
+    def forward(self, x, y=None):
+        prediction = self.layer(x)
+        if y is None:  # model.loss is set: the loss function gets the outputs
+            return prediction
+        per_sample = (prediction - y) ** 2
+        if self.returns == "dict":
+            return {"loss": per_sample, "first": per_sample[0, 0].detach()}
+        return Output(None, prediction) if self.returns == "no loss" else per_sample
+
+
+def build(returns="tensor"):
+    return Net(returns)
+
+
+def unreduced(outputs, target):
+    return (outputs - target) ** 2
+"""
+
+
+@pytest.mark.parametrize(
+    ("returns", "overrides", "words"),
+    [
+        ("tensor", [], "the loss is a tensor of shape (8, 1), not one value; reduce it to one (e.g. loss.mean())"),
+        ("tensor", ["train.micro_batch_size=4", "train.global_batch_size=8"], "a tensor of shape (4, 1)"),
+        ("dict", [], "the loss is a tensor of shape (8, 1), not one value"),
+        ("tensor", ['model.loss="mod:unreduced"'], "the loss is a tensor of shape (8, 1), not one value"),
+        ("no loss", [], "the model returned a Output without a loss (a Hugging Face model computes one only when"),
+    ],
+)
+def test_a_loss_that_is_not_one_value_is_one_error_naming_its_shape(
+    on_path: Path, config: Path, capsys: Any, returns: str, overrides: list[str], words: str
+) -> None:
+    """The model (or ``model.loss``) hands back the loss; anything but one value is the user's to
+    fix, said before torch's "grad can be implicitly created only for scalar outputs" or a
+    TypeError on None — on the one-micro-batch fast path, under accumulation and through a loss."""
+    (on_path / "mod.py").write_text(BAD_LOSS)
+    sets = ['model.provider="mod:build"', f'model.options={{returns="{returns}"}}', *overrides]
+    code, line = cli(capsys, "run", str(config), *(arg for value in sets for arg in ("--set", value)))
+    assert code == 2 and words in line, line
+
+
 # --------------------------------------------------------------------------- new-plugin
 
 
