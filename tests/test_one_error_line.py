@@ -195,6 +195,16 @@ def test_a_loss_that_is_not_one_value_is_one_error_naming_its_shape(
     assert code == 2 and words in line, line
 
 
+def test_plugins_lists_only_the_plugins_named_and_a_misspelt_name_is_one_error(capsys: Any) -> None:
+    assert main(["plugins", "ddp", "keep-best"]) == 0
+    listing = capsys.readouterr().out
+    shown = [line.split()[0] for line in listing.splitlines() if line and not line.startswith(" ")]
+    assert shown == ["ddp", "keep-best"], listing  # in the order asked, without the list of commands
+    assert "find_unused_parameters: bool = False" in listing and "metric: str = required" in listing
+    _, line = cli(capsys, "plugins", "ddp", "dpp")
+    assert line == "error: no plugin 'dpp' is installed (did you mean 'ddp'?); `coretrain plugins` lists all"
+
+
 # --------------------------------------------------------------------------- new-plugin
 
 

@@ -9,26 +9,35 @@ from typing import Any
 def add(commands: Any) -> None:
     """Add this module's command(s) to ``coretrain``'s subcommands."""
     plugins = commands.add_parser("plugins", help="list installed plugins, their hooks and config fields")
+    plugins.add_argument("names", nargs="*", metavar="NAME", help="only these plugins (default: all, and commands)")
     plugins.set_defaults(handler=cmd_plugins)
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from coretrain.errors import UserError
+    from coretrain.errors import UserError, did_you_mean
     from coretrain.pluginmanager import INSTALL_HINT, discover
 
     installed = discover()
     if not installed:
         print(f"No coretrain plugins installed; {INSTALL_HINT}.")
         return 0
-    print(f"{len(installed)} plugins installed (entry-point group 'coretrain'):\n")
-    for name, entry in sorted(installed.items()):
+    for name in args.names:
+        if name not in installed:
+            raise UserError(
+                f"no plugin '{name}' is installed{did_you_mean(name, installed)}; `coretrain plugins` lists all"
+            )
+    if not args.names:
+        print(f"{len(installed)} plugins installed (entry-point group 'coretrain'):\n")
+    for name in args.names or sorted(installed):
+        entry = installed[name]
         try:
             cls = entry.load()
         except UserError as exc:
             print(f"{name}  {entry.origin}  broken: {exc}\n")
             continue
         _print_plugin(name, entry, cls)
-    _print_commands()
+    if not args.names:
+        _print_commands()
     return 0
 
 
