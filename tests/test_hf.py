@@ -180,6 +180,99 @@ def parity_data(context: Any) -> Any:
 sys.modules.setdefault("test_hf", sys.modules[__name__])
 
 
+def review_data(context: Any, tokenizer: str, token_labels: bool = False, unlabelled: bool = False) -> Any:
+    """Reviews as a Hugging Face user prepares them: tokenized without padding (each as long as
+    its words), the class in a column named ``label``; 1 when the review is good."""
+    import random
+
+    import datasets
+
+    words = random.Random(0)
+    good, bad, filler = "good great lovely fine".split(), "bad awful poor dull".split(), "the a film plot".split()
+    labels = [i % 2 for i in range(240)]
+    texts = [
+        " ".join(words.choices(good if label else bad, k=words.randint(1, 6)) + words.choices(filler, k=2))
+        for label in labels
+    ]
+    tok = context.tokenizer or transformers.AutoTokenizer.from_pretrained(tokenizer)
+    reviews = datasets.Dataset.from_dict({"text": texts, "label": labels})
+    reviews = reviews.map(lambda b: tok(b["text"]), batched=True, remove_columns=["text"])
+    if token_labels:  # one label per token: a column the tokenizer does not pad
+        reviews = reviews.map(lambda r: {"label": [r["label"]] * len(r["input_ids"])})
+    reviews = reviews.remove_columns("label") if unlabelled else reviews
+    return reviews.select(range(200)), reviews.select(range(200, 240))
+
+
+@pytest.fixture(scope="session")
+def padding_tokenizer_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test tokenizer with a pad token, as a decoder's tokenizer is given one (its EOS)."""
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.pad_token = tok.eos_token
+    directory = tmp_path_factory.mktemp("tok") / "padding"
+    tok.save_pretrained(directory)
+    return directory
+
+
+def review_run(tokenizer: Path, shared: bool, **options: Any) -> dict[str, Any]:
+    classifier = llama_table(vocab_size=300, pad_token_id=2)  # </s>, the tokenizer's EOS and pad
+    return {
+        "model": {
+            "provider": "hf",
+            "options": {"task": "sequence-classification", "num_labels": 2, "config": classifier},
+        },
+        "data": {"provider": "test_hf:review_data", "options": {"tokenizer": str(tokenizer), **options}},
+        "optimizer": {"lr": 1e-2},
+        "train": {"micro_batch_size": 16, "log_interval": 10, "eval_iters": 3},
+        **({"tokenizer": {"path": str(tokenizer)}} if shared else {}),
+    }
+
+
+def test_uneven_token_columns_are_padded_with_the_runs_tokenizer_and_label_is_the_class(
+    tmp_path: Path, padding_tokenizer_dir: Path
+) -> None:
+    """As transformers' Trainer with DataCollatorWithPadding: a batch's reviews padded to its
+    longest, the padding masked out (each review's logits as it gets alone), ``label`` taken as
+    the class; the classifier learns."""
+    result = run_steps(tmp_path, steps=40, config=review_run(padding_tokenizer_dir, shared=True))
+    assert result.exit_code == 0 and result.evals[-1]["valid/accuracy"] > 0.9, result.evals
+    columns = result.run.datasets.valid
+    batch = columns.get_batch(torch.arange(8))
+    lengths = batch["attention_mask"].sum(dim=1)
+    assert len(set(lengths.tolist())) > 1 and batch["input_ids"].shape == (8, int(lengths.max()))
+    model = result.run.model.hf.eval()
+    with torch.no_grad():
+        together = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        for i, length in enumerate(lengths.tolist()):
+            alone = model(input_ids=columns.get_batch(torch.tensor([i]))["input_ids"]).logits
+            assert batch["input_ids"][i, length:].eq(2).all()  # right-padded with the pad token
+            torch.testing.assert_close(together[i], alone[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("shared", "options", "words"),
+    [
+        (
+            False,
+            {},
+            "column 'input_ids' holds sequences of different lengths (|); set [tokenizer] path = \"DIR\" to pad",
+        ),
+        (True, {"token_labels": True}, "columns ['label'] hold sequences of different lengths, which the tokenizer"),
+        ("no pad", {}, "and the run's tokenizer has no pad token: give it one (tokenizer.pad_token"),
+        (True, {"unlabelled": True}, "this batch has no 'labels' (its keys: ['attention_mask', 'input_ids']); name"),
+    ],
+)
+def test_uneven_token_columns_the_run_cannot_pad_are_one_error_saying_how(
+    tmp_path: Path, tokenizer_dir: Path, padding_tokenizer_dir: Path, shared: Any, options: Any, words: str
+) -> None:
+    """Said by data-checks (on by default) as it reads the first batch, before training."""
+    tokenizer = tokenizer_dir if shared == "no pad" else padding_tokenizer_dir
+    config = review_run(tokenizer, shared=bool(shared), **options)
+    with pytest.raises(UserError) as caught:
+        run_steps(tmp_path, steps=2, config=config, tables={"data-checks": {}})
+    message = str(caught.value)
+    assert all(part in message for part in words.split("|")) and "UserError" not in message, message
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -55,9 +55,8 @@ def check_split(dataset: Any, split: str, provider: str, needed: int, micro_batc
         try:
             batch = fetch(dataset, indices, datasets.collate_fn)
         except Exception as exc:
-            raise UserError(
-                f"{where}: cannot read samples {indices.tolist()[:4]} of {length}: {type(exc).__name__}: {exc}"
-            ) from None
+            cause = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"  # a reader's own words
+            raise UserError(f"{where}: cannot read samples {indices.tolist()[:4]} of {length}: {cause}") from None
         if datasets.vocab_size is not None:
             check_token_ids(batch, datasets.vocab_size, where)
 

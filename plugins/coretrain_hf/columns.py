@@ -7,6 +7,11 @@ sample they would be python rows collated one by one; this plugin, through the
 of column tensors. A split with a ``data.collate_fn`` is left alone (the function wants
 samples), and so is a stream. Importing it imports no ``datasets``: a split is recognised by
 its type's module.
+
+Token columns of different lengths (``tokenizer(text)`` without ``padding="max_length"``) are
+padded per micro-batch with the run's tokenizer (``[tokenizer]``), as transformers'
+``DataCollatorWithPadding`` pads them for its ``Trainer``; without one, such a batch is one
+error that says how to pad it.
 """
 
 from __future__ import annotations
@@ -15,16 +20,21 @@ from typing import Any
 
 import torch
 from attrs import define
+from coretrain_tokenizer import names_one, run_tokenizer
 
-from coretrain import Run, hookimpl, is_stream
+from coretrain import Run, UserError, hookimpl, is_stream
+
+SPLITS = ("train", "valid", "test")
 
 
 class Columns:
     """A Hugging Face ``datasets.Dataset`` read a micro-batch at a time (one Arrow slice per
-    batch, as torch tensors), instead of sample by sample."""
+    batch, as torch tensors), instead of sample by sample; ``tokenizer`` pads token columns of
+    different lengths, and ``split`` names the split when there is none to pad them."""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, split: str = "train", tokenizer: Any = None) -> None:
         self.dataset = dataset.with_format("torch") if dataset.format.get("type") is None else dataset
+        self.split, self.tokenizer = split, tokenizer
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -33,7 +43,38 @@ class Columns:
         return self.dataset[int(index)]
 
     def get_batch(self, indices: torch.Tensor) -> Any:
-        return self.dataset[indices.tolist()]
+        batch = self.dataset[indices.tolist()]
+        ragged = [name for name, column in batch.items() if isinstance(column, list)]
+        return self._padded(batch, ragged) if ragged else batch
+
+    def _padded(self, batch: dict[str, Any], ragged: list[str]) -> dict[str, Any]:
+        """The batch with its token columns padded by the run's tokenizer (and an attention
+        mask of 0 over the padding), as ``DataCollatorWithPadding`` pads them."""
+        lengths = sorted({len(row) for row in batch[ragged[0]]})
+        uneven = (
+            f"the {self.split} split's column '{ragged[0]}' holds sequences of different lengths "
+            f"({', '.join(map(str, lengths[:4]))}{', ...' if len(lengths) > 4 else ''})"
+        )
+        if self.tokenizer is None:
+            raise UserError(
+                f'{uneven}; set [tokenizer] path = "DIR" to pad them with its pad token (as transformers\' '
+                'DataCollatorWithPadding does), or tokenize with padding="max_length", or set data.collate_fn'
+            )
+        if self.tokenizer.pad_token is None:
+            raise UserError(
+                f"{uneven}, and the run's tokenizer has no pad token: give it one (tokenizer.pad_token = "
+                'tokenizer.eos_token, then save_pretrained), or tokenize with padding="max_length"'
+            )
+        try:
+            return dict(self.tokenizer.pad(batch, return_tensors="pt"))
+        except ValueError:  # a ragged column the tokenizer does not pad (per-token labels)
+            padded = list(self.tokenizer.model_input_names)
+            others = [name for name in ragged if name not in padded]
+            raise UserError(
+                f"the {self.split} split's columns {others} hold sequences of different lengths, which the "
+                f"tokenizer does not pad (it pads {padded}); pad them in the dataset, or set data.collate_fn "
+                "(e.g. a function calling transformers' DataCollatorForTokenClassification)"
+            ) from None
 
 
 def is_hf_dataset(dataset: Any) -> bool:
@@ -54,9 +95,22 @@ class HFDatasets:
         datasets = run.datasets
         if datasets.collate_fn is not None:
             return
-        for split in ("train", "valid", "test"):
+        tokenizer = None
+        every = [dataset for split in SPLITS for _, dataset in datasets.sets(split)]
+        if names_one(run) and any(is_hf_dataset(d) and has_sequences(d) for d in every):
+            tokenizer, _ = run_tokenizer(run, None, "tokenizer.path", "padding the token columns of a datasets split")
+
+        def read(dataset: Any, split: str) -> Any:
+            return Columns(dataset, split, tokenizer) if is_hf_dataset(dataset) else dataset
+
+        for split in SPLITS:
             value = getattr(datasets, split)
             if isinstance(value, dict):  # named evaluation sets
-                setattr(datasets, split, {name: Columns(d) if is_hf_dataset(d) else d for name, d in value.items()})
-            elif value is not None and is_hf_dataset(value):
-                setattr(datasets, split, Columns(value))
+                setattr(datasets, split, {name: read(d, f"{split}/{name}") for name, d in value.items()})
+            elif value is not None:
+                setattr(datasets, split, read(value, split))
+
+
+def has_sequences(dataset: Any) -> bool:
+    """A column of sequences without a fixed length (``List``, or ``Sequence`` of ``datasets`` 3)."""
+    return any(getattr(feature, "length", None) == -1 for feature in dataset.features.values())

@@ -101,11 +101,26 @@ class SequenceClassifier(torch.nn.Module):
             input_ids, labels = args
             batch = {"input_ids": input_ids}
         else:
-            labels = batch.pop("labels")
+            labels = pop_labels(batch)
         logits = self.hf(**batch).logits
         loss = F.cross_entropy(logits.float(), labels.long())
         accuracy = (logits.argmax(-1) == labels).float().mean()
         return {"loss": loss, "accuracy": accuracy}
+
+
+LABEL_KEYS = ("labels", "label", "label_ids")
+"""A sample's class, under the names transformers' data collators take it by."""
+
+
+def pop_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The batch's labels, taken out of it, or one error naming its keys."""
+    for key in LABEL_KEYS:
+        if key in batch:
+            return batch.pop(key)
+    raise UserError(
+        f"a sequence classifier needs each sample's class: this batch has no 'labels' (its keys: {sorted(batch)}); "
+        "name the column 'labels' (or 'label')"
+    )
 
 
 def with_experts(

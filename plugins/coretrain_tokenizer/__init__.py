@@ -94,6 +94,11 @@ def run_tokenizer(run: Run, own: str | None, own_key: str, needed_by: str) -> tu
     return load_tokenizer(path, key, needed_by, run.config.tokenizer.trust_remote_code), Path(path)
 
 
+def names_one(run: Run) -> bool:
+    """Whether the run has a tokenizer: ``[tokenizer] path``, or one of Megatron's types."""
+    return run.config.tokenizer.path is not None or megatron_type(run.plugins.get("tokenizer")) is not None
+
+
 def megatron_type(plugin: object | None) -> str | None:
     """The ``tokenizer`` plugin's ``tokenizer_type`` when it is one of Megatron's own (not a
     Hugging Face directory); None otherwise, or when the plugin is off."""
@@ -142,8 +147,7 @@ class Tokenizer:
 
     @hookimpl(wrapper=True)
     def provide_datasets(self, run: Run, context: DatasetContext) -> Any:
-        named = run.config.tokenizer.path is not None or megatron_type(self) is not None
-        if named and context.tokenizer is None:
+        if names_one(run) and context.tokenizer is None:
             context.tokenizer, _ = run_tokenizer(run, None, "tokenizer.path", "the run's [tokenizer]")
         return (yield)
 
