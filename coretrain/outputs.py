@@ -7,9 +7,10 @@ The contract (docs/guides/your-model-and-data.md):
   values (``{"loss": l, "accuracy": a}``), logged as ``train/NAME`` and ``valid/NAME``;
 - or, with ``model.loss`` set, it returns outputs (logits, or a dict / object with
   ``logits``) and the configured loss turns them into the loss (Megatron's forward_step /
-  loss_func split): the batch's last item — or its ``labels`` key — is the target and the
-  rest is the model's input. A name is looked up in the ``coretrain.losses`` entry-point
-  group (coretrain-plugins: ``cross_entropy``, which also reports ``accuracy``, and ``mse``).
+  loss_func split): the batch's last item — or its ``labels`` key (or ``label``,
+  ``label_ids``) — is the target and the rest is the model's input. A name is looked up in
+  the ``coretrain.losses`` entry-point group (coretrain-plugins: ``cross_entropy``, which
+  also reports ``accuracy``, and ``mse``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 from coretrain.errors import UserError
 from coretrain.run import LossFn, Run
 
-TARGET_KEY = "labels"
+TARGET_KEYS = ("labels", "label", "label_ids")
+"""A dict batch's target, under the names transformers' data collators take it by."""
 
 
 LOSSES_GROUP = "coretrain.losses"
@@ -103,17 +105,17 @@ def call(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[to
     inputs, target = inputs_and_target(batch)
     if target is None:
         keys = f" (this batch's keys: {sorted(batch)})" if isinstance(batch, dict) else ""
-        raise UserError(
-            f"model.loss needs a target: a batch of (inputs..., target) or a dict with '{TARGET_KEY}'{keys}"
-        )
+        raise UserError(f"model.loss needs a target: a batch of (inputs..., target) or a dict with 'labels'{keys}")
     return split_output(loss_fn(call_model(model, inputs), target))
 
 
 def inputs_and_target(batch: Any) -> tuple[Any, Any]:
     """A batch for a model with ``model.loss``: what the model gets, and the target held back
-    (the dict's ``labels``, or a tuple's last item); None when the batch has no target."""
-    if isinstance(batch, dict) and TARGET_KEY in batch:
-        return {name: value for name, value in batch.items() if name != TARGET_KEY}, batch[TARGET_KEY]
+    (the dict's ``labels``, ``label`` or ``label_ids``, or a tuple's last item); None when the
+    batch has none."""
+    key = next((key for key in TARGET_KEYS if key in batch), None) if isinstance(batch, dict) else None
+    if key is not None:
+        return {name: value for name, value in batch.items() if name != key}, batch[key]
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         *inputs, target = batch
         return tuple(inputs), target

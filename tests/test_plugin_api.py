@@ -269,10 +269,13 @@ def test_configure_datasets_wraps_the_splits_before_they_are_checked_and_read(tm
     assert result.run.datasets.train.reads == 3 * 8  # every sample of every step came through it
 
 
-def test_a_hugging_face_dataset_is_read_by_the_batch_through_the_built_in_hf_datasets(tmp_path: Path) -> None:
+@pytest.mark.parametrize("target", ["labels", "label", "label_ids"])  # the names transformers' collators take
+def test_a_hugging_face_dataset_is_read_by_the_batch_through_the_built_in_hf_datasets(
+    tmp_path: Path, target: str
+) -> None:
     config = {
         "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
-        "data": {"provider": "workloads:hf_digits"},
+        "data": {"provider": "workloads:hf_digits", "options": {"target": target}},
         "train": {"micro_batch_size": 16, "eval_iters": 1},
     }
     result = run_steps(tmp_path, steps=3, config=config)

@@ -135,12 +135,13 @@ def digit_stream(context: Any = None, stateful: bool = False, delay: float = 0.0
     return Datasets(train=kind(1200, 1, delay), valid=kind(359, 2, delay))
 
 
-def hf_digits(context: Any = None) -> Datasets:
-    """The digits as Hugging Face datasets (built in memory, as load_dataset would from local files)."""
+def hf_digits(context: Any = None, target: str = "labels") -> Datasets:
+    """The digits as Hugging Face datasets (built in memory, as load_dataset would from local
+    files), the class in the column ``target``."""
     import datasets
 
     def table(split: Digits) -> Any:
-        return datasets.Dataset.from_dict({"pixels": split.images.numpy(), "labels": split.labels.numpy()})
+        return datasets.Dataset.from_dict({"pixels": split.images.numpy(), target: split.labels.numpy()})
 
     return Datasets(train=table(Digits(1200, 1)), valid=table(Digits(359, 2)))
 

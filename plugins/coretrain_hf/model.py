@@ -88,39 +88,32 @@ class CausalLM(torch.nn.Module):
         return float(6 * params + 12 * int(config.num_hidden_layers) * int(config.hidden_size) * seq)
 
 
+LABEL_KEYS = ("labels", "label", "label_ids")
+"""A sample's class, under the names transformers' data collators take it by (as the core's
+``model.loss`` finds a dict batch's target)."""
+
+
 class SequenceClassifier(torch.nn.Module):
     """A ``*ForSequenceClassification`` model; ``model(input_ids, labels)`` (or a dict) returns the
-    cross-entropy loss and the accuracy, both logged."""
+    cross-entropy loss and the accuracy, both logged; a dict without labels, its logits (as
+    transformers' model does: what ``coretrain predict`` writes)."""
 
     def __init__(self, hf: torch.nn.Module) -> None:
         super().__init__()
         self.hf: Any = hf  # a transformers PreTrainedModel
 
     def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        labels: torch.Tensor | None
         if args:
-            input_ids, labels = args
-            batch = {"input_ids": input_ids}
+            batch, labels = {"input_ids": args[0]}, args[1]
         else:
-            labels = pop_labels(batch)
+            labels = next((batch.pop(key) for key in LABEL_KEYS if key in batch), None)
         logits = self.hf(**batch).logits
+        if labels is None:
+            return {"logits": logits}
         loss = F.cross_entropy(logits.float(), labels.long())
         accuracy = (logits.argmax(-1) == labels).float().mean()
         return {"loss": loss, "accuracy": accuracy}
-
-
-LABEL_KEYS = ("labels", "label", "label_ids")
-"""A sample's class, under the names transformers' data collators take it by."""
-
-
-def pop_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The batch's labels, taken out of it, or one error naming its keys."""
-    for key in LABEL_KEYS:
-        if key in batch:
-            return batch.pop(key)
-    raise UserError(
-        f"a sequence classifier needs each sample's class: this batch has no 'labels' (its keys: {sorted(batch)}); "
-        "name the column 'labels' (or 'label')"
-    )
 
 
 def with_experts(
