@@ -479,3 +479,21 @@ def test_a_stream_resumes_only_with_the_ranks_and_workers_that_saved_its_positio
     with pytest.raises(UserError, match=r"on 1 rank\(s\) with data.num_workers = 0, and this run has 1 with 1"):
         run_steps(tmp_path, steps=4, config=more_workers)
     assert run_steps(tmp_path, steps=4, config=config).run.state.step == 4  # the same counts resume
+
+
+@pytest.mark.parametrize(("workers", "warned"), [(0, False), (2, True)])
+def test_a_stream_dealt_to_several_readers_is_said_once_and_to_one_reader_not_at_all(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, workers: int, warned: bool
+) -> None:
+    """Several readers change the order a stream's items are read in, and a resume must have
+    as many: worth a warning. One reader (a laptop's run) reads it in order: nothing to say."""
+    from coretrain.cli import main
+    from coretrain.testing import tiny_config, write_config
+
+    data = {"provider": "workloads:digit_stream", "num_workers": workers}
+    config = write_config(tmp_path / "c.toml", tiny_config(tmp_path / "out", data=data, model={"loss": "mse"}))
+    with caplog.at_level("WARNING", logger="coretrain"):
+        assert main(["config", "validate", str(config)]) == 0  # builds the datasets, as a run does
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "item by item" in r.getMessage()]
+    expected = ["the train split is a stream, dealt out item by item to 2 reader(s)"] if warned else []
+    assert [message.split(" (ranks")[0] for message in said] == expected, said

@@ -100,6 +100,8 @@ class Streams:
         if not (is_stream(run.datasets.train) and run.dist.is_main):
             return
         workers, dp = run.config.data.num_workers, run.dist.dp_size
+        if dp * max(workers, 1) == 1:  # one reader reads it in order; a resume with more is refused (check_resume)
+            return
         log.warning(
             "the train split is a stream, dealt out item by item to %d reader(s) (ranks × workers), and a "
             "checkpoint resumes exactly only on %d rank(s) with data.num_workers = %d (the stream's position is "
