@@ -205,6 +205,60 @@ def test_plugins_lists_only_the_plugins_named_and_a_misspelt_name_is_one_error(c
     assert line == "error: no plugin 'dpp' is installed (did you mean 'ddp'?); `coretrain plugins` lists all"
 
 
+NUMPY_DATA = """
+import numpy as np
+import torch
+
+
+class Rows(torch.utils.data.Dataset):  # numpy rows, as a pandas or numpy user hands them over: float64
+    def __init__(self, count):
+        self.x = np.random.default_rng(0).normal(size=(count, 4))
+        self.y = self.x.sum(axis=1, keepdims=True)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+class Converts(torch.nn.Module):  # a model that takes float64 and converts it itself
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.layer(x.float())
+
+
+def data():
+    return Rows(256), Rows(64)
+
+
+def plain():
+    return torch.nn.Linear(4, 1)
+
+
+def converts():
+    return Converts()
+"""
+
+
+@pytest.mark.parametrize("checks", [True, False])
+def test_float64_batches_in_a_float32_model_are_one_error_saying_to_convert(
+    on_path: Path, config: Path, capsys: Any, checks: bool
+) -> None:
+    """numpy's float64 rows into a float32 Linear: torch's "mat1 and mat2 must have the same
+    dtype", explained by data-checks (on by default); a model that converts them trains."""
+    (on_path / "npdata.py").write_text(NUMPY_DATA)
+    sets = ['data.provider="npdata:data"', 'model.loss="mse"', f"plugins.data-checks.enabled={str(checks).lower()}"]
+    argv = [arg for value in sets for arg in ("--set", value)]
+    code, line = cli(capsys, "run", str(config), "--set", 'model.provider="npdata:plain"', *argv)
+    explained = "the train and valid batches hold float64 tensors (numpy's default float type), and the model"
+    assert code == 1 and (explained in line) == checks and "must have the same dtype" in line, line
+    assert main(["run", str(config), "--set", 'model.provider="npdata:converts"', *argv]) == 0
+
+
 # --------------------------------------------------------------------------- new-plugin
 
 

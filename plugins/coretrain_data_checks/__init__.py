@@ -5,7 +5,9 @@ about its length fails hours in. So before training each map-style split is aske
 enough for one global batch (valid/test: for one evaluation), can its first and last samples
 be read, are its token ids inside the vocabulary. Each failure is one :class:`UserError`
 naming the split and what to change. Streams are read in order and not checked. That the
-provider handed back a dataset at all is the core's check, not this plugin's.
+provider handed back a dataset at all is the core's check, not this plugin's. A batch of
+float64 tensors (numpy's default) is noted, and when torch then fails on a float64 input to a
+float32 model, the run's error says so (``explain_failure``).
 Turn it off with ``[plugins.data-checks] enabled = false`` (a split too large to index twice).
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from attrs import define
+from attrs import define, field
 
 from coretrain import Run, UserError, fetch, hookimpl, is_stream
 
@@ -23,20 +25,38 @@ from coretrain import Run, UserError, fetch, hookimpl, is_stream
 class DataChecks:
     """Check every split's length, first and last samples and token ids once, before training."""
 
+    in_float64: list[str] = field(factory=list, init=False)
+    """The splits whose first batch holds float64 tensors."""
+
     @hookimpl
     def on_datasets(self, run: Run) -> None:
         train, datasets = run.config.train, run.datasets
         # a full pass needs a sample per rank; eval_iters batches need one global batch
         eval_needed = run.dist.dp_size if train.eval_full else run.global_batch_size if train.eval_iters else 1
+        self.in_float64.clear()
         for split, dataset in [named for name in ("train", "valid", "test") for named in datasets.sets(name)]:
             if is_stream(dataset):
                 continue
             needed = run.global_batch_size if split == "train" else eval_needed
-            check_split(dataset, split, run.config.data.provider, needed, min(train.micro_batch_size, needed), datasets)
+            micro_batch = min(train.micro_batch_size, needed)
+            first = check_split(dataset, split, run.config.data.provider, needed, micro_batch, datasets)
+            if any(tensor.dtype == torch.float64 for tensor in tensors_of(first)):
+                self.in_float64.append(split)
+
+    @hookimpl
+    def explain_failure(self, run: Run, error: BaseException) -> str | None:
+        """torch's dtype error for a float64 batch (numpy's default) in a float32 model, with the fix."""
+        if not (self.in_float64 and isinstance(error, RuntimeError) and "double" in str(error).lower()):
+            return None
+        return (
+            f"the {' and '.join(self.in_float64)} batches hold float64 tensors (numpy's default float type), "
+            f"and the model computes in float32 ({str(error).splitlines()[0]}): return float32 from the "
+            "dataset (x.astype(np.float32), torch.as_tensor(x, dtype=torch.float32)), or convert in data.collate_fn"
+        )
 
 
-def check_split(dataset: Any, split: str, provider: str, needed: int, micro_batch: int, datasets: Any) -> None:
-    """Length, first micro-batch, last sample, token ids of one map-style split."""
+def check_split(dataset: Any, split: str, provider: str, needed: int, micro_batch: int, datasets: Any) -> Any:
+    """Length, first micro-batch, last sample, token ids of one map-style split; its first batch."""
     where = f"data.provider '{provider}': the {split} split"
     try:
         length = len(dataset)
@@ -51,21 +71,28 @@ def check_split(dataset: Any, split: str, provider: str, needed: int, micro_batc
             f"{where} has {length} sample(s), fewer than {needed} (one global batch, or a sample "
             f"per rank for a full pass): {fix}"
         )
+    batches = []
     for indices in (torch.arange(micro_batch), torch.arange(length - 1, length)):
         try:
-            batch = fetch(dataset, indices, datasets.collate_fn)
+            batches.append(fetch(dataset, indices, datasets.collate_fn))
         except Exception as exc:
             cause = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"  # a reader's own words
             raise UserError(f"{where}: cannot read samples {indices.tolist()[:4]} of {length}: {cause}") from None
         if datasets.vocab_size is not None:
-            check_token_ids(batch, datasets.vocab_size, where)
+            check_token_ids(batches[-1], datasets.vocab_size, where)
+    return batches[0]
+
+
+def tensors_of(batch: Any) -> list[torch.Tensor]:
+    """The tensors a batch holds at its top level (a tensor, or those of a tuple, list or dict)."""
+    items = batch if isinstance(batch, (list, tuple)) else batch.values() if isinstance(batch, dict) else [batch]
+    return [item for item in items if isinstance(item, torch.Tensor)]
 
 
 def check_token_ids(batch: Any, vocab_size: int, where: str) -> None:
     """Integer tensors of the batch hold ids below ``vocab_size`` (negative ones are ignore-indices)."""
-    tensors = batch if isinstance(batch, (list, tuple)) else batch.values() if isinstance(batch, dict) else [batch]
-    for tensor in tensors:
-        if not isinstance(tensor, torch.Tensor) or tensor.is_floating_point() or tensor.dtype == torch.bool:
+    for tensor in tensors_of(batch):
+        if tensor.is_floating_point() or tensor.dtype == torch.bool:
             continue
         high = int(tensor.max()) if tensor.numel() else -1
         if high >= vocab_size:
