@@ -181,9 +181,10 @@ def unreduced(outputs, target):
         ("dict", [], "the loss is a tensor of shape (8, 1), not one value"),
         ("tensor", ['model.loss="mod:unreduced"'], "the loss is a tensor of shape (8, 1), not one value"),
         ("no loss", [], "the model returned a Output without a loss (a Hugging Face model computes one only when"),
+        ("tensor", ['model.loss="cross_entropy"'], 'model.loss = "cross_entropy": the target is torch.float32 (class'),
     ],
 )
-def test_a_loss_that_is_not_one_value_is_one_error_naming_its_shape(
+def test_a_loss_that_is_not_one_value_or_a_float_class_target_is_one_error(
     on_path: Path, config: Path, capsys: Any, returns: str, overrides: list[str], words: str
 ) -> None:
     """The model (or ``model.loss``) hands back the loss; anything but one value is the user's to

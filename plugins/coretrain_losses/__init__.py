@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from coretrain import UserError
+
 __all__ = ["cross_entropy", "mse"]
 
 
@@ -28,6 +30,11 @@ def cross_entropy(output: Any, target: torch.Tensor) -> dict[str, torch.Tensor]:
     """Mean cross entropy over samples (or tokens: [B, T, V] logits, [B, T] targets; -100 is
     ignored) and accuracy."""
     logits = logits_of(output)
+    if target.is_floating_point():  # class ids stored as floats (a pandas column): torch's error names no fix
+        raise UserError(
+            f'model.loss = "cross_entropy": the target is {target.dtype} (class ids are integers); return it as '
+            'torch.long (torch.tensor(label, dtype=torch.long)), or set model.loss = "mse" for a regression'
+        )
     flat_logits, flat_target = logits.reshape(-1, logits.size(-1)), target.reshape(-1)
     loss = torch.nn.functional.cross_entropy(flat_logits.float(), flat_target, ignore_index=-100)
     with torch.no_grad():
