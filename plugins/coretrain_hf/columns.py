@@ -44,7 +44,10 @@ class Columns:
 
     def get_batch(self, indices: torch.Tensor) -> Any:
         batch = self.dataset[indices.tolist()]
-        ragged = [name for name, column in batch.items() if isinstance(column, list)]
+        # torch format gives a column of uneven sequences as a list of tensors (strings stay a list of str)
+        ragged = [
+            name for name, value in batch.items() if isinstance(value, list) and value and torch.is_tensor(value[0])
+        ]
         return self._padded(batch, ragged) if ragged else batch
 
     def _padded(self, batch: dict[str, Any], ragged: list[str]) -> dict[str, Any]:
