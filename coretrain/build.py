@@ -61,6 +61,10 @@ class ImportedModelProvider:
         return cast("torch.nn.Module | None", call_with(self.fn, self.options, "model.options", run=run))
 
 
+SPLIT_NAMES = {"train": "train", "validation": "valid", "valid": "valid", "test": "test"}
+"""A dict of splits by these names (Hugging Face's ``DatasetDict``) is the run's splits."""
+
+
 @define
 class ImportedDataProvider:
     """Adapter: ``data.provider = "pkg.mod:fn"`` -> ``fn(context, **data.options)`` as provide_datasets."""
@@ -73,6 +77,8 @@ class ImportedDataProvider:
         result = call_with(self.fn, self.options, "data.options", run=run, context=context)
         if isinstance(result, Datasets):
             return result
+        if isinstance(result, dict) and "train" in result and set(result) <= set(SPLIT_NAMES):  # a DatasetDict
+            return Datasets(**{SPLIT_NAMES[name]: dataset for name, dataset in result.items()})
         if isinstance(result, tuple) or splits_list(result):  # (train, valid[, test]), random_split's list
             if not 1 <= len(result) <= 3:
                 raise UserError(

@@ -46,7 +46,10 @@ def check_datasets(datasets: Any, provider: str) -> None:
     if datasets.train is None:
         raise UserError(f"data.provider '{provider}' returned no train split")
     if isinstance(datasets.train, dict):
-        raise UserError(f"data.provider '{provider}': the train split is a dict; only valid and test may be named sets")
+        raise UserError(
+            f"data.provider '{provider}': the train split is a dict ({sorted(map(str, datasets.train))}); return "
+            "one of splits named train, validation (or valid) and test; only valid and test may be named sets"
+        )
     for split in ("valid", "test"):
         check_named_sets(getattr(datasets, split), f"data.provider '{provider}': Datasets.{split}")
     for split, dataset in [set_ for name in ("train", "valid", "test") for set_ in datasets.sets(name)]:

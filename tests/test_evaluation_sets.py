@@ -87,6 +87,16 @@ def test_random_splits_list_is_train_and_valid(tmp_path: Path) -> None:
     assert "valid/accuracy" in result.evals[0]
 
 
+def test_a_dataset_dict_is_the_splits_by_their_names(tmp_path: Path) -> None:
+    """load_dataset's DatasetDict (train, validation, test) is the run's three splits; a dict
+    with a name that is not a split is one error listing its names."""
+    result = digits_run(tmp_path, "digits_by_split_name")
+    lengths = [len(result.run.datasets.sets(split)[0][1]) for split in ("train", "valid", "test")]
+    assert lengths == [600, 400, 200] and "valid/accuracy" in result.evals[0] and "test/accuracy" in result.evals[-1]
+    with pytest.raises(UserError, match=r"the train split is a dict \(\['train', 'unsupervised'\]\); return one of"):
+        digits_run(tmp_path / "imdb", "digits_by_split_name", options={"names": ["train", "unsupervised"]})
+
+
 def test_a_list_of_datasets_is_splits_and_a_list_of_samples_is_one_dataset() -> None:
     import numpy as np
     import torch

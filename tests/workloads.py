@@ -170,6 +170,16 @@ def digits_clean_valid(context: Any = None) -> Datasets:
     return Datasets(train=Digits(1200, 1), valid=Digits(300, 2))
 
 
+def digits_by_split_name(context: Any = None, names: tuple[str, ...] = ("train", "validation", "test")) -> Any:
+    """What a Hugging Face user returns: ``load_dataset``'s DatasetDict, its splits by name."""
+    import datasets
+
+    def table(split: Digits) -> Any:
+        return datasets.Dataset.from_dict({"pixels": split.images.numpy(), "labels": split.labels.numpy()})
+
+    return datasets.DatasetDict({name: table(Digits(600 - 200 * i, 1 + i)) for i, name in enumerate(names)})
+
+
 def digits_random_split(context: Any = None) -> list[torch.utils.data.Subset[Any]]:
     """What a Lightning user returns: ``random_split``'s list of subsets (train, valid)."""
     return torch.utils.data.random_split(Digits(1500, 1), [0.8, 0.2], generator=torch.Generator().manual_seed(0))
