@@ -180,7 +180,9 @@ def parity_data(context: Any) -> Any:
 sys.modules.setdefault("test_hf", sys.modules[__name__])
 
 
-def review_data(context: Any, tokenizer: str, token_labels: bool = False, unlabelled: bool = False) -> Any:
+def review_data(
+    context: Any, tokenizer: str, token_labels: bool = False, unlabelled: bool = False, spans: bool = False
+) -> Any:
     """Reviews as a Hugging Face user prepares them: tokenized without padding (each as long as
     its words), the class in a column named ``label``; 1 when the review is good."""
     import random
@@ -197,8 +199,10 @@ def review_data(context: Any, tokenizer: str, token_labels: bool = False, unlabe
     tok = context.tokenizer or transformers.AutoTokenizer.from_pretrained(tokenizer)
     reviews = datasets.Dataset.from_dict({"text": texts, "label": labels})
     reviews = reviews.map(lambda b: tok(b["text"]), batched=True, remove_columns=["text"])
-    if token_labels:  # one label per token: a column the tokenizer does not pad
+    if token_labels:  # one label per token, as a tagger's or a causal LM's
         reviews = reviews.map(lambda r: {"label": [r["label"]] * len(r["input_ids"])})
+    if spans:  # a column of the reviews' lengths, neither the model's input nor labels
+        reviews = reviews.map(lambda r: {"spans": [1] * len(r["input_ids"])})
     reviews = reviews.remove_columns("label") if unlabelled else reviews
     return reviews.select(range(200)), reviews.select(range(200, 240))
 
@@ -257,6 +261,19 @@ def test_uneven_token_columns_are_padded_with_the_runs_tokenizer_and_label_is_th
             torch.testing.assert_close(together[i], alone[0], rtol=1e-4, atol=1e-5)
 
 
+def test_uneven_per_token_labels_are_padded_with_the_index_losses_ignore(padding_tokenizer_dir: Path) -> None:
+    """A tagger's or a causal LM's labels, one per token, padded as the tokens are, with -100."""
+    from coretrain_hf.columns import Columns
+
+    tok = transformers.AutoTokenizer.from_pretrained(padding_tokenizer_dir)
+    context = types.SimpleNamespace(tokenizer=tok)
+    train, _ = review_data(context, str(padding_tokenizer_dir), token_labels=True)
+    batch = Columns(train, "train", tok).get_batch(torch.arange(8))
+    assert batch["label"].shape == batch["input_ids"].shape and len(set(batch["attention_mask"].sum(1).tolist())) > 1
+    assert torch.equal(batch["label"] == -100, batch["attention_mask"] == 0)
+    assert torch.equal(batch["label"][:, 0], torch.tensor([i % 2 for i in range(8)]))
+
+
 @pytest.mark.parametrize(
     ("shared", "options", "words"),
     [
@@ -265,7 +282,7 @@ def test_uneven_token_columns_are_padded_with_the_runs_tokenizer_and_label_is_th
             {},
             "column 'input_ids' holds sequences of different lengths (|); set [tokenizer] path = \"DIR\" to pad",
         ),
-        (True, {"token_labels": True}, "columns ['label'] hold sequences of different lengths, which the tokenizer"),
+        (True, {"spans": True}, "columns ['spans'] hold sequences of different lengths, which the tokenizer does"),
         ("no pad", {}, "and the run's tokenizer has no pad token: give it one (tokenizer.pad_token"),
         (True, {"unlabelled": True}, "a dict without a loss (a Hugging Face model computes one only when the batch"),
     ],

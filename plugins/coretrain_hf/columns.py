@@ -10,8 +10,8 @@ its type's module.
 
 Token columns of different lengths (``tokenizer(text)`` without ``padding="max_length"``) are
 padded per micro-batch with the run's tokenizer (``[tokenizer]``), as transformers'
-``DataCollatorWithPadding`` pads them for its ``Trainer``; without one, such a batch is one
-error that says how to pad it.
+``DataCollatorWithPadding`` pads them for its ``Trainer``, and per-token labels with -100; without
+a tokenizer, such a batch is one error that says how to pad it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from attrs import define
 from coretrain_tokenizer import names_one, run_tokenizer
 
 from coretrain import Run, UserError, hookimpl, is_stream
+from coretrain_hf.model import IGNORE_INDEX, LABEL_KEYS
 
 SPLITS = ("train", "valid", "test")
 
@@ -52,7 +53,8 @@ class Columns:
 
     def _padded(self, batch: dict[str, Any], ragged: list[str]) -> dict[str, Any]:
         """The batch with its token columns padded by the run's tokenizer (and an attention
-        mask of 0 over the padding), as ``DataCollatorWithPadding`` pads them."""
+        mask of 0 over the padding), as ``DataCollatorWithPadding`` pads them, and per-token
+        labels with -100, the index every loss ignores (as ``DataCollatorForSeq2Seq``)."""
         lengths = sorted({len(row) for row in batch[ragged[0]]})
         uneven = (
             f"the {self.split} split's column '{ragged[0]}' holds sequences of different lengths "
@@ -68,16 +70,29 @@ class Columns:
                 f"{uneven}, and the run's tokenizer has no pad token: give it one (tokenizer.pad_token = "
                 'tokenizer.eos_token, then save_pretrained), or tokenize with padding="max_length"'
             )
+        labels = {name: batch.pop(name) for name in ragged if name in LABEL_KEYS}  # per-token: -100 is ignored
         try:
-            return dict(self.tokenizer.pad(batch, return_tensors="pt"))
-        except ValueError:  # a ragged column the tokenizer does not pad (per-token labels)
-            padded = list(self.tokenizer.model_input_names)
-            others = [name for name in ragged if name not in padded]
+            padded = dict(self.tokenizer.pad(batch, return_tensors="pt"))
+        except ValueError:  # a ragged column the tokenizer does not pad
+            inputs = list(self.tokenizer.model_input_names)
+            others = [name for name in ragged if name not in inputs and name not in labels]
             raise UserError(
                 f"the {self.split} split's columns {others} hold sequences of different lengths, which the "
-                f"tokenizer does not pad (it pads {padded}); pad them in the dataset, or set data.collate_fn "
-                "(e.g. a function calling transformers' DataCollatorForTokenClassification)"
+                f"tokenizer does not pad (it pads {inputs}, and labels are padded with {IGNORE_INDEX}); pad them "
+                "in the dataset, drop them (remove_columns), or set data.collate_fn"
             ) from None
+        side = self.tokenizer.padding_side
+        return padded | {name: padded_rows(rows, IGNORE_INDEX, side) for name, rows in labels.items()}
+
+
+def padded_rows(rows: list[torch.Tensor], value: int, side: str) -> torch.Tensor:
+    """Rows of different lengths as one tensor, padded with ``value`` on ``side`` to the longest."""
+    longest = max(len(row) for row in rows)
+    out = torch.full((len(rows), longest), value, dtype=rows[0].dtype)
+    for i, row in enumerate(rows):
+        start = longest - len(row) if side == "left" else 0
+        out[i, start : start + len(row)] = row
+    return out
 
 
 def is_hf_dataset(dataset: Any) -> bool:
