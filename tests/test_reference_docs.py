@@ -72,3 +72,33 @@ def test_every_page_is_in_the_sites_navigation_and_every_shipped_plugin_in_the_p
 
 def plugins_pyproject() -> str:
     return (REPO / "plugins" / "pyproject.toml").read_text()
+
+
+def test_every_coretrain_key_the_peers_table_names_is_a_key() -> None:
+    """The table from Lightning's and the HF Trainer's names: each `section.key` and
+    `[plugins.NAME] key` it gives as coretrain's is one a config accepts."""
+    import attrs
+
+    from coretrain.config import Config
+    from coretrain.pluginmanager import discover
+
+    text = (REPO / "docs" / "guides" / "config.md").read_text(encoding="utf-8")
+    rows = [line for line in text.split("## Coming from Lightning")[1].splitlines() if line.startswith("| ")][2:]
+    defaults = Config()
+    sections = {
+        f.name: {g.name for g in attrs.fields(type(getattr(defaults, f.name)))}
+        for f in attrs.fields(Config)
+        if attrs.has(type(getattr(defaults, f.name)))
+    }
+    installed = discover()
+    named = 0
+    for row in rows:
+        ours = row.split(" | ")[-1]
+        for section, key in re.findall(r"`(run|model|data|train|optimizer|checkpoint|distributed)\.(\w+)", ours):
+            assert key in sections[section], row
+            named += 1
+        for plugin, keys in re.findall(r"`\[plugins\.([\w-]+)\]((?: \w+)?)", ours):
+            fields = {f.name for f in attrs.fields(installed[plugin].load())}
+            assert all(key in fields for key in keys.split()), row
+            named += 1
+    assert len(rows) >= 20 and named >= 25
