@@ -181,7 +181,12 @@ sys.modules.setdefault("test_hf", sys.modules[__name__])
 
 
 def review_data(
-    context: Any, tokenizer: str, token_labels: bool = False, unlabelled: bool = False, spans: bool = False
+    context: Any,
+    tokenizer: str,
+    token_labels: bool = False,
+    unlabelled: bool = False,
+    spans: bool = False,
+    keep_text: bool = False,
 ) -> Any:
     """Reviews as a Hugging Face user prepares them: tokenized without padding (each as long as
     its words), the class in a column named ``label``; 1 when the review is good."""
@@ -198,7 +203,7 @@ def review_data(
     ]
     tok = context.tokenizer or transformers.AutoTokenizer.from_pretrained(tokenizer)
     reviews = datasets.Dataset.from_dict({"text": texts, "label": labels})
-    reviews = reviews.map(lambda b: tok(b["text"]), batched=True, remove_columns=["text"])
+    reviews = reviews.map(lambda b: tok(b["text"]), batched=True, remove_columns=[] if keep_text else ["text"])
     if token_labels:  # one label per token, as a tagger's or a causal LM's
         reviews = reviews.map(lambda r: {"label": [r["label"]] * len(r["input_ids"])})
     if spans:  # a column of the reviews' lengths, neither the model's input nor labels
@@ -262,13 +267,15 @@ def test_uneven_token_columns_are_padded_with_the_runs_tokenizer_and_label_is_th
 
 
 def test_uneven_per_token_labels_are_padded_with_the_index_losses_ignore(padding_tokenizer_dir: Path) -> None:
-    """A tagger's or a causal LM's labels, one per token, padded as the tokens are, with -100."""
+    """A tagger's or a causal LM's labels, one per token, padded as the tokens are, with -100;
+    the text the ids came from, left beside them, passes through as it is."""
     from coretrain_hf.columns import Columns
 
     tok = transformers.AutoTokenizer.from_pretrained(padding_tokenizer_dir)
     context = types.SimpleNamespace(tokenizer=tok)
-    train, _ = review_data(context, str(padding_tokenizer_dir), token_labels=True)
+    train, _ = review_data(context, str(padding_tokenizer_dir), token_labels=True, keep_text=True)
     batch = Columns(train, "train", tok).get_batch(torch.arange(8))
+    assert batch["text"] == train[:8]["text"] and all(isinstance(text, str) for text in batch["text"])
     assert batch["label"].shape == batch["input_ids"].shape and len(set(batch["attention_mask"].sum(1).tolist())) > 1
     assert torch.equal(batch["label"] == -100, batch["attention_mask"] == 0)
     assert torch.equal(batch["label"][:, 0], torch.tensor([i % 2 for i in range(8)]))

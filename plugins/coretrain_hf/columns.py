@@ -46,9 +46,7 @@ class Columns:
     def get_batch(self, indices: torch.Tensor) -> Any:
         batch = self.dataset[indices.tolist()]
         # torch format gives a column of uneven sequences as a list of tensors (strings stay a list of str)
-        ragged = [
-            name for name, value in batch.items() if isinstance(value, list) and value and torch.is_tensor(value[0])
-        ]
+        ragged = [name for name, value in batch.items() if isinstance(value, list) and is_tensors(value)]
         return self._padded(batch, ragged) if ragged else batch
 
     def _padded(self, batch: dict[str, Any], ragged: list[str]) -> dict[str, Any]:
@@ -71,6 +69,7 @@ class Columns:
                 'tokenizer.eos_token, then save_pretrained), or tokenize with padding="max_length"'
             )
         labels = {name: batch.pop(name) for name in ragged if name in LABEL_KEYS}  # per-token: -100 is ignored
+        kept = {name: batch.pop(name) for name in list(batch) if not is_tensors(batch[name])}  # strings: as they are
         try:
             padded = dict(self.tokenizer.pad(batch, return_tensors="pt"))
         except ValueError:  # a ragged column the tokenizer does not pad
@@ -82,7 +81,12 @@ class Columns:
                 "in the dataset, drop them (remove_columns), or set data.collate_fn"
             ) from None
         side = self.tokenizer.padding_side
-        return padded | {name: padded_rows(rows, IGNORE_INDEX, side) for name, rows in labels.items()}
+        return padded | kept | {name: padded_rows(rows, IGNORE_INDEX, side) for name, rows in labels.items()}
+
+
+def is_tensors(column: Any) -> bool:
+    """A column of tensors: one tensor, or a list of them (uneven sequences)."""
+    return torch.is_tensor(column) or (isinstance(column, list) and bool(column) and torch.is_tensor(column[0]))
 
 
 def padded_rows(rows: list[torch.Tensor], value: int, side: str) -> torch.Tensor:
