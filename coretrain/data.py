@@ -8,7 +8,7 @@ changing the number of ranks or micro-batches never changes which samples make a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ def batch_size(batch: Any) -> int:
     """Samples in a collated batch: the first dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else []
     return next((batch_size(item) for item in items if isinstance(item, (torch.Tensor, dict, list, tuple))), 1)
 
 
@@ -66,7 +66,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device) for b in batch)
-    return {k: to_device(v, device) for k, v in batch.items()} if isinstance(batch, dict) else batch
+    return {k: to_device(v, device) for k, v in batch.items()} if isinstance(batch, Mapping) else batch
 
 
 class BatchReader:

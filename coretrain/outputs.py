@@ -16,6 +16,7 @@ The contract (docs/guides/your-model-and-data.md):
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -95,7 +96,7 @@ def call_model(model: torch.nn.Module, batch: Any) -> Any:
     """``model(*batch)``, ``model(**batch)`` or ``model(batch)``, as the batch is shaped."""
     if isinstance(batch, (tuple, list)):
         return model(*batch)
-    return model(**batch) if isinstance(batch, dict) else model(batch)
+    return model(**batch) if isinstance(batch, Mapping) else model(batch)  # a dict, or transformers' BatchEncoding
 
 
 def call(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -104,7 +105,7 @@ def call(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[to
         return split_output(call_model(model, batch))
     inputs, target = inputs_and_target(batch)
     if target is None:
-        keys = f" (this batch's keys: {sorted(batch)})" if isinstance(batch, dict) else ""
+        keys = f" (this batch's keys: {sorted(batch)})" if isinstance(batch, Mapping) else ""
         raise UserError(f"model.loss needs a target: a batch of (inputs..., target) or a dict with 'labels'{keys}")
     return split_output(loss_fn(call_model(model, inputs), target))
 
@@ -113,7 +114,7 @@ def inputs_and_target(batch: Any) -> tuple[Any, Any]:
     """A batch for a model with ``model.loss``: what the model gets, and the target held back
     (the dict's ``labels``, ``label`` or ``label_ids``, or a tuple's last item); None when the
     batch has none."""
-    key = next((key for key in TARGET_KEYS if key in batch), None) if isinstance(batch, dict) else None
+    key = next((key for key in TARGET_KEYS if key in batch), None) if isinstance(batch, Mapping) else None
     if key is not None:
         return {name: value for name, value in batch.items() if name != key}, batch[key]
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:

@@ -212,6 +212,16 @@ def review_data(
     return reviews.select(range(200)), reviews.select(range(200, 240))
 
 
+def collated_reviews(context: Any, tokenizer: str) -> Any:
+    """The reviews batched by transformers' DataCollatorWithPadding, as its Trainer batches them:
+    each batch a BatchEncoding (a mapping, not a dict), ``label`` renamed ``labels``."""
+    from coretrain import Datasets
+
+    train, valid = review_data(context, tokenizer)
+    collator = transformers.DataCollatorWithPadding(transformers.AutoTokenizer.from_pretrained(tokenizer))
+    return Datasets(train=train, valid=valid, collate_fn=collator)
+
+
 @pytest.fixture(scope="session")
 def padding_tokenizer_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The test tokenizer with a pad token, as a decoder's tokenizer is given one (its EOS)."""
@@ -264,6 +274,17 @@ def test_uneven_token_columns_are_padded_with_the_runs_tokenizer_and_label_is_th
             alone = model(input_ids=columns.get_batch(torch.tensor([i]))["input_ids"]).logits
             assert batch["input_ids"][i, length:].eq(2).all()  # right-padded with the pad token
             torch.testing.assert_close(together[i], alone[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_collate_fn_that_returns_a_batch_encoding_feeds_the_model_its_keys(
+    tmp_path: Path, padding_tokenizer_dir: Path
+) -> None:
+    """DataCollatorWithPadding as data.collate_fn: its BatchEncoding is called as model(**batch)."""
+    config = review_run(padding_tokenizer_dir, shared=True)
+    config["data"]["provider"] = "test_hf:collated_reviews"
+    result = run_steps(tmp_path, steps=40, config=config)
+    assert type(result.run.datasets.train).__name__ == "Dataset"  # read by samples, collated by the collator
+    assert result.exit_code == 0 and result.evals[-1]["valid/accuracy"] > 0.9, result.evals
 
 
 def test_uneven_per_token_labels_are_padded_with_the_index_losses_ignore(padding_tokenizer_dir: Path) -> None:

@@ -13,6 +13,7 @@ Turn it off with ``[plugins.data-checks] enabled = false`` (a split too large to
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -85,7 +86,7 @@ def check_split(dataset: Any, split: str, provider: str, needed: int, micro_batc
 
 def tensors_of(batch: Any) -> list[torch.Tensor]:
     """The tensors a batch holds at its top level (a tensor, or those of a tuple, list or dict)."""
-    items = batch if isinstance(batch, (list, tuple)) else batch.values() if isinstance(batch, dict) else [batch]
+    items = batch if isinstance(batch, (list, tuple)) else batch.values() if isinstance(batch, Mapping) else [batch]
     return [item for item in items if isinstance(item, torch.Tensor)]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -179,7 +179,7 @@ def read_prompts(path: Path) -> list[str]:
 def batch_size(batch: Any) -> int:
     if isinstance(batch, (tuple, list)):
         return len(batch[0])
-    return len(next(iter(batch.values())) if isinstance(batch, dict) else batch)
+    return len(next(iter(batch.values())) if isinstance(batch, Mapping) else batch)
 
 
 def per_sample(output: Any, size: int) -> dict[str, torch.Tensor]:
