@@ -58,7 +58,7 @@ def batch_size(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else []
-    return next((batch_size(item) for item in items if isinstance(item, (torch.Tensor, dict, list, tuple))), 1)
+    return next((batch_size(item) for item in items if isinstance(item, (torch.Tensor, Mapping, list, tuple))), 1)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -114,9 +114,9 @@ def inputs_and_target(batch: Any) -> tuple[Any, Any]:
     """A batch for a model with ``model.loss``: what the model gets, and the target held back
     (the dict's ``labels``, ``label`` or ``label_ids``, or a tuple's last item); None when the
     batch has none."""
-    key = next((key for key in TARGET_KEYS if key in batch), None) if isinstance(batch, Mapping) else None
-    if key is not None:
-        return {name: value for name, value in batch.items() if name != key}, batch[key]
+    for key in TARGET_KEYS:
+        if isinstance(batch, Mapping) and key in batch:
+            return {name: value for name, value in batch.items() if name != key}, batch[key]
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
         *inputs, target = batch
         return tuple(inputs), target

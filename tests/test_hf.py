@@ -222,6 +222,13 @@ def collated_reviews(context: Any, tokenizer: str) -> Any:
     return Datasets(train=train, valid=valid, collate_fn=collator)
 
 
+def reviews_given_a_pad_token(context: Any, tokenizer: str) -> Any:
+    """The HF idiom for a decoder's tokenizer: ``tokenizer.pad_token = tokenizer.eos_token``, on
+    the run's tokenizer as the provider gets it, nothing saved."""
+    context.tokenizer.pad_token = context.tokenizer.eos_token
+    return review_data(context, tokenizer)
+
+
 @pytest.fixture(scope="session")
 def padding_tokenizer_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The test tokenizer with a pad token, as a decoder's tokenizer is given one (its EOS)."""
@@ -285,6 +292,16 @@ def test_a_collate_fn_that_returns_a_batch_encoding_feeds_the_model_its_keys(
     result = run_steps(tmp_path, steps=40, config=config)
     assert type(result.run.datasets.train).__name__ == "Dataset"  # read by samples, collated by the collator
     assert result.exit_code == 0 and result.evals[-1]["valid/accuracy"] > 0.9, result.evals
+
+
+def test_a_pad_token_the_provider_gives_the_runs_tokenizer_is_the_one_padding_uses(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """hf-datasets pads with the tokenizer the provider was handed, not a second copy of it."""
+    config = review_run(tokenizer_dir, shared=True)  # a tokenizer saved without a pad token
+    config["data"]["provider"] = "test_hf:reviews_given_a_pad_token"
+    result = run_steps(tmp_path, steps=2, config=config, tables={"tokenizer": {}})
+    assert result.exit_code == 0 and result.run.datasets.train.tokenizer.pad_token == "</s>"
 
 
 def test_uneven_per_token_labels_are_padded_with_the_index_losses_ignore(padding_tokenizer_dir: Path) -> None:

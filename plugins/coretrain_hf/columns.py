@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from attrs import define
-from coretrain_tokenizer import names_one, run_tokenizer
+from coretrain_tokenizer import handed_tokenizer
 
 from coretrain import Run, UserError, hookimpl, is_stream
 from coretrain_hf.model import IGNORE_INDEX, LABEL_KEYS
@@ -53,20 +53,17 @@ class Columns:
         """The batch with its token columns padded by the run's tokenizer (and an attention
         mask of 0 over the padding), as ``DataCollatorWithPadding`` pads them, and per-token
         labels with -100, the index every loss ignores (as ``DataCollatorForSeq2Seq``)."""
-        lengths = sorted({len(row) for row in batch[ragged[0]]})
-        uneven = (
-            f"the {self.split} split's column '{ragged[0]}' holds sequences of different lengths "
-            f"({', '.join(map(str, lengths[:4]))}{', ...' if len(lengths) > 4 else ''})"
-        )
         if self.tokenizer is None:
             raise UserError(
-                f'{uneven}; set [tokenizer] path = "DIR" to pad them with its pad token (as transformers\' '
-                'DataCollatorWithPadding does), or tokenize with padding="max_length", or set data.collate_fn'
+                f'{self._uneven(batch, ragged[0])}; set [tokenizer] path = "DIR" to pad them with its pad token '
+                '(as transformers\' DataCollatorWithPadding does), or tokenize with padding="max_length", or set '
+                "data.collate_fn"
             )
         if self.tokenizer.pad_token is None:
             raise UserError(
-                f"{uneven}, and the run's tokenizer has no pad token: give it one (tokenizer.pad_token = "
-                'tokenizer.eos_token, then save_pretrained), or tokenize with padding="max_length"'
+                f"{self._uneven(batch, ragged[0])}, and the run's tokenizer has no pad token: give it one "
+                "(tokenizer.pad_token = tokenizer.eos_token, then save_pretrained), or tokenize with "
+                'padding="max_length"'
             )
         labels = {name: batch.pop(name) for name in ragged if name in LABEL_KEYS}  # per-token: -100 is ignored
         kept = {name: batch.pop(name) for name in list(batch) if not is_tensors(batch[name])}  # strings: as they are
@@ -82,6 +79,12 @@ class Columns:
             ) from None
         side = self.tokenizer.padding_side
         return padded | kept | {name: padded_rows(rows, IGNORE_INDEX, side) for name, rows in labels.items()}
+
+    def _uneven(self, batch: dict[str, Any], name: str) -> str:
+        """What is wrong with the column ``name``, for the error that refuses the batch."""
+        lengths = sorted({len(row) for row in batch[name]})
+        shown = ", ".join(map(str, lengths[:4])) + (", ..." if len(lengths) > 4 else "")
+        return f"the {self.split} split's column '{name}' holds sequences of different lengths ({shown})"
 
 
 def is_tensors(column: Any) -> bool:
@@ -117,10 +120,9 @@ class HFDatasets:
         datasets = run.datasets
         if datasets.collate_fn is not None:
             return
-        tokenizer = None
         every = [dataset for split in SPLITS for _, dataset in datasets.sets(split)]
-        if names_one(run) and any(is_hf_dataset(d) and has_sequences(d) for d in every):
-            tokenizer, _ = run_tokenizer(run, None, "tokenizer.path", "padding the token columns of a datasets split")
+        uneven = any(is_hf_dataset(dataset) and has_sequences(dataset) for dataset in every)
+        tokenizer = handed_tokenizer(run, "padding the token columns of a datasets split") if uneven else None
 
         def read(dataset: Any, split: str) -> Any:
             return Columns(dataset, split, tokenizer) if is_hf_dataset(dataset) else dataset

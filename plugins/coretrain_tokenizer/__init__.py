@@ -94,9 +94,19 @@ def run_tokenizer(run: Run, own: str | None, own_key: str, needed_by: str) -> tu
     return load_tokenizer(path, key, needed_by, run.config.tokenizer.trust_remote_code), Path(path)
 
 
-def names_one(run: Run) -> bool:
+def names_a_tokenizer(run: Run) -> bool:
     """Whether the run has a tokenizer: ``[tokenizer] path``, or one of Megatron's types."""
     return run.config.tokenizer.path is not None or megatron_type(run.plugins.get("tokenizer")) is not None
+
+
+def handed_tokenizer(run: Run, needed_by: str) -> Any:
+    """The run's tokenizer as the ``tokenizer`` plugin handed it to the data provider — the same
+    object, so a pad token the provider gave it is there — or loaded when the plugin is off;
+    None when the run names none."""
+    if not names_a_tokenizer(run):
+        return None
+    handed = getattr(run.plugins.get("tokenizer"), "handed", None)
+    return handed if handed is not None else run_tokenizer(run, None, "tokenizer.path", needed_by)[0]
 
 
 def megatron_type(plugin: object | None) -> str | None:
@@ -145,10 +155,14 @@ class Tokenizer:
     tiktoken_num_special_tokens: int = field(default=1000, validator=positive)
     """TikTokenizer: the ids before the BPE's, for <unk>, <s>, </s>, ... and fillers."""
 
+    handed: Any = field(default=None, init=False)
+    """The tokenizer on the data provider's context, for the plugins that read its data after it."""
+
     @hookimpl(wrapper=True)
     def provide_datasets(self, run: Run, context: DatasetContext) -> Any:
-        if names_one(run) and context.tokenizer is None:
+        if names_a_tokenizer(run) and context.tokenizer is None:
             context.tokenizer, _ = run_tokenizer(run, None, "tokenizer.path", "the run's [tokenizer]")
+        self.handed = context.tokenizer
         return (yield)
 
 
