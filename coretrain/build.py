@@ -81,9 +81,7 @@ class ImportedDataProvider:
             return Datasets(**{SPLIT_NAMES[name]: dataset for name, dataset in result.items()})
         if isinstance(result, tuple) or splits_list(result):  # (train, valid[, test]), random_split's list
             if not 1 <= len(result) <= 3:
-                raise UserError(
-                    f"data.provider: returned a tuple of {len(result)} items; expected (train, valid, test)"
-                )
+                raise UserError(f"data.provider: a tuple of {len(result)} items; expected (train, valid, test)")
             return Datasets(**dict(zip(("train", "valid", "test"), result)))
         return Datasets(train=result)
 
@@ -160,8 +158,14 @@ def close_run(run: Run, failing: bool, configured: bool = True) -> None:
     finally:
         if run.output_lock is not None:
             run.output_lock.release()
+    raise_first(errors, failing)
+
+
+def raise_first(errors: list[BaseException], failing: bool) -> None:
+    """The first error of plugins called past one another's failures is raised, unless the run
+    already fails for another reason; the others (then all of them) are logged, not lost."""
     first = errors.pop(0) if errors and not failing else None
-    for error in errors:  # the run already fails for another reason, or one error is raised: say these too
+    for error in errors:
         log.error("also: %s", error)
     if first is not None:
         raise first

@@ -78,7 +78,8 @@ class IntervalLog:
             raise RunFailure(self._nonfinite_message(int(nonfinite)))
         by = {name: world if name == "grad_norm" or name in extra else reporters for name in [*series, *extra]}
         metrics = {name: value / by[name] for name, value in zip([*series, *extra], sums)}
-        metrics.update(schedule_metrics(run))
+        if run.grad_scaler is not None:  # fp16: the scale the next step multiplies the loss by
+            metrics["loss_scale"] = run.grad_scaler.get_scale()
         counts = {"global_batch_size": run.global_batch_size, "consumed_samples": run.state.consumed_samples}
         counts |= {"skipped_updates": run.state.skipped_updates, "skipped_steps": self.skipped}
         metrics.update({name: float(count) for name, count in counts.items()})
@@ -148,9 +149,3 @@ class IntervalLog:
             self.losses = list(state["losses"].to(device).unbind())
             self.grad_norms = list(state["grad_norms"].to(device).unbind())
             self.values = {name: list(values.to(device).unbind()) for name, values in state.get("values", {}).items()}
-
-
-def schedule_metrics(run: Run) -> dict[str, float]:
-    """``loss_scale`` with fp16 (the scale the next step multiplies the loss by); the rates are
-    the schedule plugin's to log."""
-    return {"loss_scale": run.grad_scaler.get_scale()} if run.grad_scaler is not None else {}

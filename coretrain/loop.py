@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from attrs import frozen
 
-from coretrain.build import planned_steps, record_config
+from coretrain.build import planned_steps, raise_first, record_config
 from coretrain.checkpoint import resume, safeload
 from coretrain.checkpoint.layout import step_dir
 from coretrain.checkpoint.saves import Saves
@@ -215,13 +215,7 @@ class Trainer:
         for error in errors:
             if isinstance(error, PluginError) and error.step is None:
                 error.step = run.state.step
-        first: BaseException | None = None
-        if errors and outcome != "error":
-            errors, first = errors[1:], errors[0]
-        for error in errors:  # the run already fails for another reason: say these too, then that one
-            log.error("also: %s", error)
-        if first is not None:
-            raise first
+        raise_first(errors, failing=outcome == "error")
 
     def _final_eval(self) -> None:
         """After training: validation (unless done at this step) and the test split, once each."""

@@ -36,13 +36,9 @@ class Stop(enum.IntEnum):
     PLUGIN = 3
     SIGNAL = 4
 
-    @property
-    def outcome(self) -> Outcome | None:
-        """What on_train_end is told."""
-        return _OUTCOMES[self]
 
-
-_OUTCOMES: tuple[Outcome | None, ...] = (None, "exit_interval", "exit_duration", "stopped", "signal")  # by value
+OUTCOMES: tuple[Outcome | None, ...] = (None, "exit_interval", "exit_duration", "stopped", "signal")
+"""What on_train_end is told for each :class:`Stop`, by its value."""
 
 
 class StopAgreement:
@@ -131,4 +127,4 @@ class StopAgreement:
         elif stop is Stop.PLUGIN and control.stop_reason is None:  # the agreed request says whether to save
             persistent = control.checkpoint_requested and control.checkpoint_persistent
             control.request_stop("another rank requested a stop", checkpoint=persistent)
-        return stop.outcome
+        return OUTCOMES[stop]
