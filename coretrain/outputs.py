@@ -4,7 +4,8 @@ The contract (docs/guides/your-model-and-data.md):
 
 - ``model(*batch)`` for tuple/list batches, ``model(**batch)`` for dicts, ``model(batch)`` else;
 - it returns the scalar loss; or a dict / object with ``loss`` and any other scalar
-  values (``{"loss": l, "accuracy": a}``), logged as ``train/NAME`` and ``valid/NAME``;
+  values (``{"loss": l, "accuracy": a}``), logged as ``train/NAME`` and ``valid/NAME``; or a
+  tuple whose one tensor of no dimensions is the loss (nanoGPT's ``(logits, loss)``);
 - or, with ``model.loss`` set, it returns outputs (logits, or a dict / object with
   ``logits``) and the configured loss turns them into the loss (Megatron's forward_step /
   loss_func split): the batch's last item — or its ``labels`` key (or ``label``,
@@ -67,6 +68,15 @@ def split_output(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, other scalar tensors) from whatever the model or the loss function returned."""
     if isinstance(output, torch.Tensor):
         return one_value(output), {}
+    if isinstance(output, (tuple, list)):  # nanoGPT's (logits, loss), or transformers' (loss, logits, ...)
+        losses = [item for item in output if isinstance(item, torch.Tensor) and item.dim() == 0]
+        if len(losses) > 1:
+            raise UserError(
+                f"the model returned a {type(output).__name__} holding {len(losses)} single values, so which is "
+                "the loss is unclear; return a dict with 'loss' and the others by name"
+            )
+        if losses:
+            return losses[0], {}
     items = output if isinstance(output, dict) else getattr(output, "__dict__", None)
     if items is None or items.get("loss") is None:
         if getattr(output, "loss", None) is not None:  # e.g. a Hugging Face ModelOutput

@@ -156,11 +156,17 @@ class Net(torch.nn.Module):
 
     def forward(self, x, y=None):
         prediction = self.layer(x)
+        if self.returns == "strings":
+            return "a", "b"
         if y is None:  # model.loss is set: the loss function gets the outputs
             return prediction
         per_sample = (prediction - y) ** 2
         if self.returns == "dict":
             return {"loss": per_sample, "first": per_sample[0, 0].detach()}
+        if self.returns == "two values":  # the loss and another value, unnamed
+            return per_sample.mean(), per_sample.max()
+        if self.returns == "tuple without a loss":  # nanoGPT's (logits, loss) with the loss None
+            return prediction, None
         return Output(None, prediction) if self.returns == "no loss" else per_sample
 
 
@@ -182,6 +188,9 @@ def unreduced(outputs, target):
         ("tensor", ['model.loss="mod:unreduced"'], "the loss is a tensor of shape (8, 1), not one value"),
         ("no loss", [], "the model returned a Output without a loss (a Hugging Face model computes one only when"),
         ("tensor", ['model.loss="cross_entropy"'], 'model.loss = "cross_entropy": the target is torch.float32 (class'),
+        ("two values", [], "the model returned a tuple holding 2 single values, so which is the loss is unclear; "),
+        ("tuple without a loss", [], "the model returned a tuple without a loss (a Hugging Face model computes"),
+        ("strings", ['model.loss="mse"'], "model.loss: the model returned a tuple, which holds no logits; return a"),
     ],
 )
 def test_a_loss_that_is_not_one_value_or_a_float_class_target_is_one_error(

@@ -45,6 +45,47 @@ def test_predictions_of_the_test_split_match_its_evaluation(tmp_path: Path, cli:
     assert not (tmp_path / "out" / "predict" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("loss_first", [False, True])
+def test_a_model_returning_a_tuple_trains_on_its_loss_and_predicts_its_logits(
+    tmp_path: Path, cli: Any, loss_first: bool
+) -> None:
+    """nanoGPT's ``(logits, loss)`` and transformers' ``(loss, logits)`` (``return_dict=False``):
+    the loss is the tuple's one single value, and the run is the one of the same model returning
+    its logits under ``model.loss = "cross_entropy"``; with ``model.loss`` the tuple's model (called
+    without targets) gives its logits first. Predict writes the same logits for all three."""
+    runs = {
+        "own_loss": {"provider": "workloads:tuple_cnn", "options": {"loss_first": loss_first}},
+        "tuple_and_model_loss": {"provider": "workloads:tuple_cnn", "loss": "cross_entropy"},
+        "logits_and_model_loss": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+    }
+    losses, outputs = {}, {}
+    for name, model in runs.items():
+        out = tmp_path / name
+        config = tiny_config(
+            out,
+            model=model,
+            data={"provider": "workloads:digits"},
+            train={"train_iters": 12, "log_interval": 1, "eval_full": True, "eval_interval": 12},
+            optimizer={"lr": 0.005},
+        )
+        config_path = write_config(out.with_suffix(".toml"), config)
+        done = cli("run", str(config_path), cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        keys = ("loss", "valid/loss", "test/loss")
+        losses[name] = {(r["step"], key): r[key] for r in metrics_rows(out) for key in keys if key in r}
+        predicted = out.with_suffix(".jsonl")
+        done = cli("predict", str(config_path), "--split", "valid", "--out", str(predicted), cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        outputs[name] = [value for record in records(predicted) for value in record["output"]]
+    reference = losses["logits_and_model_loss"]
+    assert len(reference) == 14 and reference[12, "valid/loss"] < reference[1, "loss"] - 0.1  # it learns
+    for name in runs:
+        assert losses[name] == pytest.approx(reference, rel=1e-6), name
+        assert len(outputs[name]) == 359 * 10 and outputs[name] == pytest.approx(
+            outputs["logits_and_model_loss"], rel=1e-5
+        )
+
+
 def test_checkpoint_choice_split_and_parquet(tmp_path: Path, cli: Any) -> None:
     import pyarrow.parquet as pq
 

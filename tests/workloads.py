@@ -91,6 +91,26 @@ class CNNWithAccuracy(CNN):
         }
 
 
+class TupleCNN(CNN):
+    """Returns a tuple, as nanoGPT's ``forward(idx, targets=None) -> (logits, loss)`` (the loss
+    None without targets), or ``(loss, logits)`` as transformers' models with ``return_dict=False``."""
+
+    def __init__(self, loss_first: bool = False) -> None:
+        super().__init__()
+        self.loss_first = loss_first
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[Any, ...]:  # type: ignore[override]
+        logits = super().forward(pixels)
+        if labels is None:
+            return (logits,) if self.loss_first else (logits, None)
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        return (loss, logits) if self.loss_first else (logits, loss)
+
+
+def tuple_cnn(loss_first: bool = False) -> torch.nn.Module:
+    return TupleCNN(loss_first)
+
+
 def cnn(width: int = 16, dropout: float = 0.0) -> torch.nn.Module:
     return CNN(width, dropout)
 

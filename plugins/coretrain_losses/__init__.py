@@ -1,6 +1,7 @@
 """The named losses of ``model.loss``: ``"cross_entropy"`` and ``"mse"``.
 
-A model that returns outputs (logits, or a dict / object with ``logits``) rather than its loss
+A model that returns outputs (logits, a dict / object with ``logits``, or a tuple that starts
+with them) rather than its loss
 gets one from ``model.loss``; a name there is looked up in the ``coretrain.losses`` entry-point
 group, which this distribution fills (yours may add names: ``focal = "mypkg.losses:focal"``),
 and ``"pkg.module:function"`` names any function. A loss is ``fn(outputs, target)`` and
@@ -18,12 +19,18 @@ from coretrain import UserError
 __all__ = ["cross_entropy", "mse"]
 
 
-def logits_of(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict):
-        return output["logits"]
-    return output.logits
+def logits_of(output: Any) -> torch.Tensor:
+    """The model's outputs: a tensor, the ``logits`` of a dict or an object (a Hugging Face
+    ``ModelOutput``), or the first item of a tuple (nanoGPT's ``(logits, loss)``, called without
+    targets, and transformers' ``return_dict=False`` outputs start with the logits)."""
+    first = output[0] if isinstance(output, (tuple, list)) and output else output
+    logits = first.get("logits") if isinstance(first, dict) else getattr(first, "logits", first)
+    if not isinstance(logits, torch.Tensor):
+        raise UserError(
+            f"model.loss: the model returned a {type(output).__name__}, which holds no logits; return a tensor, "
+            "a dict or object with 'logits', or a tuple whose first item is the logits"
+        )
+    return logits
 
 
 def cross_entropy(output: Any, target: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -183,9 +183,13 @@ def batch_size(batch: Any) -> int:
 
 
 def per_sample(output: Any, size: int) -> dict[str, torch.Tensor]:
-    """The output's tensors whose first dimension is the batch, by name ("output" for a bare one)."""
+    """The output's tensors whose first dimension is the batch, by name ("output" for a bare one,
+    and for a tuple's first: nanoGPT's ``(logits, loss)``; the others ``output_1``, ...)."""
     if isinstance(output, torch.Tensor):
         items = {"output": output}
+    elif isinstance(output, (tuple, list)):  # (logits, loss) or (loss, logits): the first with a batch is "output"
+        tensors = [item for item in output if isinstance(item, torch.Tensor) and item.dim() > 0]
+        items = {("output" if i == 0 else f"output_{i}"): item for i, item in enumerate(tensors)}
     else:
         items = dict(output) if isinstance(output, dict) else vars(output)
     values = {
