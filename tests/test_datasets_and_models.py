@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ def test_token_windows_batch_fast_path_equals_per_sample() -> None:
         sx, sy = windows[i]
         assert torch.equal(x[row], sx) and torch.equal(y[row], sy)
     assert torch.equal(y[0], x[0] + 1)  # targets are the next tokens
+    assert x.is_contiguous() and y.is_contiguous()  # a model's targets.view(-1) (nanoGPT's loss) works
 
 
 def test_sample_order_is_a_seeded_permutation_per_epoch_and_resumable() -> None:
@@ -81,6 +83,33 @@ def test_token_file_memory_maps_uint16_and_uint32(tmp_path: Path) -> None:
         assert x[0].tolist() == tokens[20:30] and y[0].tolist() == tokens[21:31]
 
 
+@pytest.mark.parametrize("sampling", ["windows", "random"])
+def test_a_nanogpt_model_trains_as_it_is_on_the_bin_files_its_prepare_writes(tmp_path: Path, sampling: str) -> None:
+    """nanoGPT's train.bin / val.bin (uint16, numpy's ``tofile``) through ``token-file``, into a
+    model with nanoGPT's forward: the (logits, loss) tuple is its loss, and its
+    ``targets.view(-1)`` gets contiguous targets from the batched fast path."""
+    import numpy as np
+
+    from coretrain.testing import run_steps
+
+    text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 200, dtype=np.uint8)
+    ids = (text - 32).astype(np.uint16)  # a character-level vocabulary, as shakespeare_char's prepare.py
+    ids[:8000].tofile(tmp_path / "train.bin")
+    ids[8000:].tofile(tmp_path / "val.bin")
+    options = {"train_path": str(tmp_path / "train.bin"), "valid_path": str(tmp_path / "val.bin")}
+    result = run_steps(
+        tmp_path / "run",
+        30,
+        config={
+            "model": {"provider": "workloads:nano_lm", "options": {"vocab_size": 96}},
+            "data": {"provider": "token-file", "options": {**options, "seq_length": 32, "sampling": sampling}},
+            "train": {"micro_batch_size": 8, "eval_interval": 30, "eval_iters": 2},
+            "optimizer": {"lr": 0.02},
+        },
+    )
+    assert result.evals[-1]["valid/loss"] < 0.5 * math.log(96)  # far below uniform: it learnt the text
+
+
 def test_token_file_with_the_wrong_width_is_a_clear_error(tmp_path: Path) -> None:
     from coretrain.errors import UserError
 
@@ -111,7 +140,7 @@ def test_random_windows_are_fixed_by_seed_and_index_and_cover_the_text() -> None
     x, y = a.get_batch(indices)
     assert torch.equal(x, b.get_batch(indices)[0]) and not torch.equal(x, other.get_batch(indices)[0])
     assert torch.equal(x[1], x[3]) and torch.equal(y[:, :-1], x[:, 1:])  # same index, same window; shifted
-    assert torch.equal(a[7][0], x[1])
+    assert torch.equal(a[7][0], x[1]) and x.is_contiguous() and y.is_contiguous()
     starts = a.starts(torch.arange(5000))
     assert int(starts.min()) >= 0 and int(starts.max()) < 10_000 - 16
     assert len(set(starts.tolist())) > 3800 and starts.float().std() > 2700  # as uniform draws: ~3934, ~2882

@@ -67,6 +67,7 @@ def test_windows_run_across_document_boundaries_of_a_shuffled_order(tmp_path: Pa
     assert len(train) >= 200 and len({int(t) for i in range(len(train)) for t in train[i][0]}) == 50
     x, y = train.get_batch(torch.tensor([3, 0]))
     assert torch.equal(x[0], train[3][0]) and torch.equal(y[1], train[0][1])
+    assert x.is_contiguous() and y.is_contiguous()  # a model's targets.view(-1) (nanoGPT's loss) works
 
 
 # Megatron-Core's own ranges (BlendedMegatronDatasetBuilder: parse_and_normalize_split,

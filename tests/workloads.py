@@ -111,6 +111,29 @@ def tuple_cnn(loss_first: bool = False) -> torch.nn.Module:
     return TupleCNN(loss_first)
 
 
+class NanoLM(torch.nn.Module):
+    """nanoGPT's interface: ``forward(idx, targets=None) -> (logits, loss)``, its loss over
+    ``targets.view(-1)`` (which needs contiguous targets), logits of the last position without
+    targets; a bigram model in place of its blocks."""
+
+    def __init__(self, vocab_size: int, n_embd: int = 32) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab_size, n_embd)
+        self.lm_head = torch.nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        x = self.wte(idx)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def nano_lm(vocab_size: int) -> torch.nn.Module:
+    return NanoLM(vocab_size)
+
+
 def cnn(width: int = 16, dropout: float = 0.0) -> torch.nn.Module:
     return CNN(width, dropout)
 

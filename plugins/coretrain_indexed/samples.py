@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from coretrain_windows import shifted
 
 from coretrain import UserError
 from coretrain_indexed.format import IndexedTokens
@@ -66,8 +67,7 @@ class Windows:
         return window[:-1], window[1:]
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = torch.from_numpy(np.stack([self.window(int(i)) for i in indices]))
-        return windows[:, :-1], windows[:, 1:]
+        return shifted(torch.from_numpy(np.stack([self.window(int(i)) for i in indices])))
 
 
 class DocumentWindows(Windows):

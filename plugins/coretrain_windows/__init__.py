@@ -14,7 +14,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["TokenWindows", "RandomWindows", "windows"]
+__all__ = ["TokenWindows", "RandomWindows", "windows", "shifted"]
+
+
+def shifted(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of a batch of ``seq_length + 1`` windows, each its own contiguous tensor, as
+    Megatron's GPTDataset returns them: slices of one tensor are not, and a model's
+    ``targets.view(-1)`` (nanoGPT's loss) fails on them."""
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
 class TokenWindows:
@@ -43,7 +50,7 @@ class TokenWindows:
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         windows = self.tokens[(indices * self.seq_length).unsqueeze(1) + self._offsets].long()
-        return windows[:, :-1], windows[:, 1:]
+        return shifted(windows)
 
 
 def _mix(values: torch.Tensor) -> torch.Tensor:
@@ -85,7 +92,7 @@ class RandomWindows:
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         windows = self.tokens[self.starts(indices).unsqueeze(1) + self._offsets].long()
-        return windows[:, :-1], windows[:, 1:]
+        return shifted(windows)
 
 
 def windows(tokens: torch.Tensor, seq_length: int, sampling: str, count: int, seed: int) -> Any:
