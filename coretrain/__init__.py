@@ -27,7 +27,6 @@ _DEFINED_IN = {
     "coretrain.loader": ("is_stream", "SplitBatches", "loader_settings"),
     "coretrain.outputs": ("forward", "model_outputs", "NUM_TOKENS"),
     "coretrain.gradnorm": ("gradient_norm", "clip_to"),
-    "coretrain.backend": ("LoggingBackend",),
     "coretrain.errors": ("UserError", "require"),
     "coretrain.configload": ("config_as_dict",),
     "coretrain.configchanges": ("config_changes",),
@@ -46,7 +45,6 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from typing import Any
 
     from coretrain.api import TrainResult, load, load_plugins, prepare, train
-    from coretrain.backend import LoggingBackend
     from coretrain.cadence import Every
     from coretrain.checkpoint.layout import find_checkpoint, linked_step, read_manifest, step_dir, step_dirs
     from coretrain.checkpoint.load import SHARED_PARAMETERS, read_weights
@@ -76,7 +74,7 @@ __all__ = [
     "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "is_sharded",  # ranks
     "fetch", "to_device", "SampleOrder", "is_stream", "SplitBatches", "loader_settings",  # data
     "forward", "model_outputs", "NUM_TOKENS", "gradient_norm", "clip_to",  # models
-    "LoggingBackend", "UserError", "require", "config_as_dict", "config_changes",  # backends, errors, configs
+    "UserError", "require", "config_as_dict", "config_changes",  # errors, configs
     "find_checkpoint", "step_dir", "step_dirs", "linked_step", "read_manifest", "read_weights",  # checkpoints
     "SHARED_PARAMETERS", "rng_state", "set_rng_state",  # (the random streams, as a checkpoint holds them)
     "FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code",  # option fields

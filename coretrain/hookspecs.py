@@ -79,7 +79,7 @@ Rules every implementation can rely on:
   the device goes into ``run.log_tensors[name]``: the next ``on_log`` reads it with the loop's
   own host sync and hands it over in ``metrics``.
 - Logging backends (TensorBoard, Comet, MLflow, W&B) subclass
-  :class:`coretrain.backend.LoggingBackend`: their hooks run ``trylast`` (they record what every
+  :class:`coretrain_backends.LoggingBackend` (coretrain-plugins): their hooks run ``trylast`` (they record what every
   other plugin added), only on rank 0, and close on every way a run ends.
 """
 

@@ -9,10 +9,10 @@ from typing import Any
 import numpy
 import pytest
 import torch
+from coretrain_backends import LoggingBackend
 from helpers_inprocess import build, config, train
 
 from coretrain import hookimpl
-from coretrain.backend import LoggingBackend
 from coretrain.errors import UserError
 from coretrain.loop import ResolvedHooks
 from coretrain.step import StepNumerics

@@ -7,7 +7,7 @@ Here ``end()`` runs in ``on_train_end``, which the loop calls on every way a run
 core's signal handler (on by default) turns SIGTERM into a checkpoint and a normal return, so
 a preempted job's archive holds everything up to its last step.
 
-A :class:`~coretrain.backend.LoggingBackend`: after every other plugin, rank 0 only, closed on
+A :class:`~coretrain_backends.LoggingBackend`: after every other plugin, rank 0 only, closed on
 every way a run ends. The experiment key is saved in checkpoints, so a resumed run continues the
 same experiment. comet-ml's framework auto-logging is off: every value comes from the loop.
 Needs ``pip install 'coretrain-plugins[comet]'``.
@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from attrs import define, field
+from coretrain_backends import LoggingBackend
 
-from coretrain import LoggingBackend, Outcome, Run, UserError, hookimpl, require
+from coretrain import Outcome, Run, UserError, hookimpl, require
 
 log = logging.getLogger("coretrain")
 

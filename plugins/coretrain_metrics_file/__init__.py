@@ -4,7 +4,7 @@ Floats are written with ``repr`` precision (json's default), so reading the file
 exactly the values the run computed. On resume, lines after the resumed step (from the
 interrupted timeline) are dropped, so each step appears once, and a line a crash or a full
 disk left half-written is dropped too (with a warning), so it never blocks a restart. A
-:class:`~coretrain.backend.LoggingBackend`, so it records what every other plugin added.
+:class:`~coretrain_backends.LoggingBackend`, so it records what every other plugin added.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import IO
 
 from attrs import define, field
+from coretrain_backends import LoggingBackend
 
-from coretrain import LoggingBackend, Outcome, Run
+from coretrain import Outcome, Run
 
 log = logging.getLogger("coretrain")
 

@@ -4,7 +4,7 @@ By default the store is a SQLite file in the output dir (``<output_dir>/mlflow.d
 in ``<output_dir>/mlartifacts``); ``tracking_uri`` (or ``MLFLOW_TRACKING_URI``) points it at a
 server or another database. Open it with ``mlflow ui --backend-store-uri sqlite:///…/mlflow.db``.
 
-A :class:`~coretrain.backend.LoggingBackend` (after every other plugin, rank 0 only). The
+A :class:`~coretrain_backends.LoggingBackend` (after every other plugin, rank 0 only). The
 MLflow run id is saved in checkpoints, so a resumed job logs into the same run; the run ends
 FINISHED, KILLED (signal) or FAILED (exception) on every way a run ends. Needs
 ``pip install 'coretrain-plugins[mlflow]'`` (mlflow-skinny: the client and its SQL store without the
@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from attrs import define, field
+from coretrain_backends import LoggingBackend
 
-from coretrain import LoggingBackend, Outcome, Run, require
+from coretrain import Outcome, Run, require
 
 STATUS = {
     "completed": "FINISHED",

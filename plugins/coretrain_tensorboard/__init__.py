@@ -1,6 +1,6 @@
 """``tensorboard``: every logged and evaluated metric as a TensorBoard scalar (rank 0).
 
-A :class:`~coretrain.backend.LoggingBackend`: after every other plugin, rank 0 only, closed on
+A :class:`~coretrain_backends.LoggingBackend`: after every other plugin, rank 0 only, closed on
 every way a run ends. Needs the ``tensorboard`` package: ``pip install 'coretrain-plugins[tensorboard]'``.
 """
 
@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from attrs import define, field
+from coretrain_backends import LoggingBackend
 
-from coretrain import LoggingBackend, Outcome, Run, require
+from coretrain import Outcome, Run, require
 
 
 @define(kw_only=True)

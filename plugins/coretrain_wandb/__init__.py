@@ -4,7 +4,7 @@
 directory under ``<output_dir>/wandb`` to ``wandb sync`` later) or "disabled"; unset follows
 ``WANDB_MODE``, else online. W&B's capture of the terminal is off (the progress view owns it).
 
-A :class:`~coretrain.backend.LoggingBackend` (after every other plugin, rank 0 only). The W&B
+A :class:`~coretrain_backends.LoggingBackend` (after every other plugin, rank 0 only). The W&B
 run id is saved in checkpoints, so a resumed job continues the same run; a signal marks the run
 as preempting; every way a run ends finishes it, with exit code 1 after an exception. Needs
 ``pip install 'coretrain-plugins[wandb]'``.
@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from attrs import define, field
+from coretrain_backends import LoggingBackend
 
-from coretrain import LoggingBackend, Outcome, Run, UserError, hookimpl, require
+from coretrain import Outcome, Run, UserError, hookimpl, require
 
 
 def _logged_in(wandb: Any) -> bool:

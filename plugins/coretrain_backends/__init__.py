@@ -1,4 +1,6 @@
-"""The contract of a logging backend (TensorBoard, Comet, MLflow, W&B, yours), written once.
+"""The contract of a logging backend (TensorBoard, Comet, MLflow, W&B, yours), written once: a
+library of coretrain-plugins (the core's ``coretrain.LoggingBackend`` until 1.0, which still
+finds it, with a deprecation warning). Nothing of the core needs it: it is a plugin of plugins.
 
 A backend subclasses :class:`LoggingBackend` and fills in ``open``, ``write`` and ``close``;
 the hooks here guarantee what every backend must do:
@@ -13,15 +15,11 @@ the hooks here guarantee what every backend must do:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from coretrain.hookspecs import Outcome
-    from coretrain.run import Run
-
 from typing import Any
 
-from coretrain.markers import hookimpl
+from coretrain import Outcome, Run, hookimpl
+
+__all__ = ["LoggingBackend"]
 
 
 class LoggingBackend:
