@@ -517,9 +517,29 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Pa
     assert [r["step"] for r in metrics_rows(out)] == [5, 10, 15, 20]
 
 
+def test_a_manifest_is_measured_for_nesting_without_parsing_it(tmp_path: Path) -> None:
+    """Brackets inside strings (escaped quotes too) do not count; 32 levels read, 33 do not."""
+    from coretrain.checkpoint.layout import MAX_NESTING, nesting, read_manifest
+    from coretrain.errors import CheckpointUnreadable
+
+    assert nesting('{"a": [1, {"b": "[[[{"}], "c": "x\\"[{", "d": {}}') == 3
+    assert nesting("[]") == 1 and nesting('"[["') == 0 and nesting("[" * 40 + "]" * 40) == 40
+    for levels in (MAX_NESTING, MAX_NESTING + 1):  # the manifest, its config table, lists in it
+        directory = tmp_path / str(levels)
+        directory.mkdir()
+        lists = "[" * (levels - 2) + "]" * (levels - 2)
+        (directory / "checkpoint.json").write_text(f'{{"layout": "replicated", "config": {{"x": {lists}}}}}')
+        if levels <= MAX_NESTING:
+            assert nesting(json.dumps(read_manifest(directory)["config"]["x"])) == levels - 2
+        else:
+            with pytest.raises(CheckpointUnreadable, match=rf"nested {levels} deep \(at most {MAX_NESTING}\)"):
+                read_manifest(directory)
+
+
 def test_a_deeply_nested_manifest_is_a_damaged_checkpoint_passed_over(tmp_path: Path) -> None:
-    """100,000 nested lists in checkpoint.json (crafted, or garbage): JSON's recursion limit is
-    a damaged file like any other, not a RecursionError that ends the run."""
+    """100,000 nested lists in checkpoint.json (crafted, or garbage) are a damaged file like any
+    other, refused before the JSON parser descends to the recursion limit (where a finalizer that
+    ran printed a RecursionError of its own, now and then)."""
     config, out = write_tiny_gpt(
         tmp_path, train_iters=20, log_interval=5, eval_iters=0, extra="\n[checkpoint]\nsave_interval = 5\n"
     )
@@ -528,7 +548,7 @@ def test_a_deeply_nested_manifest_is_a_damaged_checkpoint_passed_over(tmp_path: 
     result = run_here("run", str(config), cwd=tmp_path)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     warning = next(line for line in result.stderr.splitlines() if "falling back" in line)
-    assert "checkpoint.json: cannot read the manifest: RecursionError" in warning
+    assert "checkpoint.json: cannot read the manifest: ValueError: arrays or objects nested 100000 deep" in warning
     assert "(step 10," in result.stderr
 
 

@@ -174,11 +174,28 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         sharded = (directory / "sharded").is_dir() and not (directory / "model.pt").exists()
         return {"layout": "sharded" if sharded else "replicated", "evaluated": []}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # (a crafted, deeply nested one)
+        text = path.read_text(encoding="utf-8")
+        if nesting(text) > MAX_NESTING:  # a crafted file: the parser would recurse to the interpreter's limit
+            raise ValueError(f"arrays or objects nested {nesting(text)} deep (at most {MAX_NESTING})")
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointUnreadable(path, f"cannot read the manifest: {type(exc).__name__}: {exc}") from None
     validate(data, MANIFEST_SCHEMA, path)
     return dict(data)
+
+
+MAX_NESTING = 32
+"""A manifest nests a few levels; the JSON parser recurses once per level, and near the
+interpreter's recursion limit any finalizer or signal handler that runs fails with a traceback."""
+
+
+def nesting(text: str) -> int:
+    """How deep JSON ``text`` nests arrays and objects, counted without recursing."""
+    depth = deepest = 0
+    for bracket in re.sub(r"[^\[\]{}]", "", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)):  # strings left out
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
