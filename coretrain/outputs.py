@@ -68,6 +68,8 @@ def split_output(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, other scalar tensors) from whatever the model or the loss function returned."""
     if isinstance(output, torch.Tensor):
         return one_value(output), {}
+    if isinstance(output, tuple) and hasattr(output, "_asdict"):  # a namedtuple names its values: a dict
+        output = output._asdict()
     if isinstance(output, (tuple, list)):  # nanoGPT's (logits, loss), or transformers' (loss, logits, ...)
         losses = [item for item in output if isinstance(item, torch.Tensor) and item.dim() == 0]
         if len(losses) > 1:

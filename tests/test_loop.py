@@ -412,3 +412,30 @@ def test_a_logging_backend_sees_what_every_other_plugin_added_and_is_closed(tmp_
     assert code == 0 and backend.outcome == "completed"
     assert [step for step, _ in backend.rows] == [2, 4]
     assert all(metrics["added_by_a_plain_plugin"] == 1.0 for _, metrics in backend.rows)
+
+
+def test_the_loss_is_found_in_every_shape_a_model_returns_it() -> None:
+    """A tensor; a dict or an object with ``loss`` (the other single values logged); a namedtuple
+    by its names; a tuple by its one single value, nanoGPT's ``(logits, loss)`` or transformers'
+    ``(loss, logits)``; two unnamed single values are one error."""
+    from collections import namedtuple
+
+    from coretrain.outputs import split_output
+
+    loss, accuracy, logits = torch.tensor(0.5), torch.tensor(0.75), torch.zeros(4, 3)
+    named = namedtuple("Named", ["logits", "loss", "accuracy"])
+    shapes = [
+        (loss, {}),
+        ({"loss": loss, "accuracy": accuracy, "logits": logits}, {"accuracy": accuracy}),
+        (named(logits, loss, accuracy), {"accuracy": accuracy}),
+        ((logits, loss), {}),
+        ((loss, logits, None), {}),
+        ([logits, loss], {}),
+    ]
+    for output, values in shapes:
+        found, named_values = split_output(output)
+        assert found is loss and named_values == values, output
+    with pytest.raises(UserError, match="a tuple holding 2 single values, so which is the loss is unclear"):
+        split_output((loss, accuracy))
+    with pytest.raises(UserError, match="the model returned a tuple without a loss"):
+        split_output((logits, None))
