@@ -1,8 +1,10 @@
-"""Several validation sets by name, and the shapes a data provider may return its splits in."""
+"""Several validation sets by name, the shapes a data provider may return its splits in, and metrics of
+a whole split (``compute_metrics``)."""
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +162,72 @@ def test_every_rank_runs_as_many_forwards_in_a_full_evaluation(micro: int) -> No
     counted = [chunk for share in shares for chunk in share if chunk is not UNCOUNTED]
     assert sorted(torch.cat(counted).tolist()) == list(range(361))
     assert sum(chunk is UNCOUNTED for chunk in shares[1]) == 1  # 181 samples against 180
+
+
+@pytest.mark.parametrize(
+    "model", [{"provider": "workloads:cnn", "loss": "cross_entropy"}, {"provider": "workloads:tuple_cnn"}]
+)
+def test_compute_metrics_sees_every_sample_of_the_split_once_in_order(tmp_path: Path, model: dict[str, str]) -> None:
+    """As the HF Trainer's compute_metrics: the model's logits and the labels of the whole split
+    (359 valid samples in micro-batches of 64, 201 test), logged as valid/NAME; its accuracy is the
+    per-batch mean's, its macro F1 the one of the model's logits over the split by hand."""
+    from workloads import Digits, corpus_metrics
+
+    result = run_steps(
+        tmp_path,
+        6,
+        config={
+            "model": model,
+            "data": {"provider": "workloads:digits"},
+            "train": {"eval_full": True, "eval_micro_batch_size": 64, "eval_interval": 3},
+        },
+        tables={"evaluation": {"compute_metrics": "workloads:corpus_metrics"}},
+    )
+    valid, test = Digits(359, 2), Digits(201, 3)
+    evals = [e for e in result.evals if "valid/loss" in e]
+    assert [e["step"] for e in evals] == [3, 6]
+    for split, data in (("valid", valid), ("test", test)):
+        logged = [e for e in result.evals if f"{split}/loss" in e][-1]
+        assert logged[f"{split}/samples"] == len(data)
+        assert logged[f"{split}/order"] == float((data.labels * torch.arange(len(data))).sum())
+    model_now = result.run.model.eval()
+    with torch.no_grad():
+        outputs = model_now(valid.images)
+    logits = outputs[0] if isinstance(outputs, tuple) else outputs
+    by_hand = corpus_metrics(logits, valid.labels)
+    logged = evals[-1]
+    assert logged["valid/macro_f1"] == pytest.approx(by_hand["macro_f1"], rel=1e-6)
+    assert logged["valid/acc"] == pytest.approx(float(by_hand["acc"]), rel=1e-6)
+    if "valid/accuracy" in logged:  # model.loss = cross_entropy: its per-batch mean over samples
+        assert logged["valid/acc"] == pytest.approx(logged["valid/accuracy"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("workloads:no_such_metrics", "plugins.evaluation.compute_metrics: cannot import 'workloads:no_such_metrics'"),
+        ("workloads", "'workloads' is not an import path; expected 'package.module:function'"),
+        ("workloads:CLASSES", "plugins.evaluation.compute_metrics: 'workloads:CLASSES' is not callable"),
+        ("workloads:one_number", "plugins.evaluation.compute_metrics: returned a float; return a dict of metrics by"),
+        ("workloads:words_for_metrics", "plugins.evaluation.compute_metrics: 'f1' is a str, not a number"),
+    ],
+)
+def test_a_compute_metrics_that_does_not_import_or_answer_is_one_error(tmp_path: Path, path: str, words: str) -> None:
+    config = {
+        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+        "data": {"provider": "workloads:digits"},
+        "train": {"eval_iters": 1},
+    }
+    with pytest.raises(UserError, match=re.escape(words)):
+        run_steps(tmp_path, 2, config=config, tables={"evaluation": {"compute_metrics": path}})
+
+
+def test_batches_of_other_lengths_are_joined_padded_with_minus_100() -> None:
+    """As the HF Trainer joins its evaluation batches: each padded to the longest, on every dimension."""
+    from coretrain_evaluation.corpus import concatenated
+
+    a, b = torch.ones(2, 3, dtype=torch.long), torch.full((1, 5), 2)
+    joined = concatenated([a, b])
+    assert joined.tolist() == [[1, 1, 1, -100, -100], [1, 1, 1, -100, -100], [2, 2, 2, 2, 2]]
+    logits = concatenated([torch.zeros(1, 2, 4), torch.zeros(2, 3, 4)])
+    assert logits.shape == (3, 3, 4) and bool((logits[0, 2] == -100).all()) and bool((logits[1:] == 0).all())

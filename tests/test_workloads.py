@@ -120,16 +120,24 @@ def test_a_classifier_reports_accuracy_over_every_validation_sample_once(tmp_pat
 
 
 def test_a_full_evaluation_on_two_ranks_equals_one_rank(tmp_path: Path) -> None:
-    one_config, one = digits_config(tmp_path, "one", eval_interval=10)
-    two_config, two = digits_config(tmp_path, "two", eval_interval=10, micro_batch_size=16, global_batch_size=32)
+    """The means over samples, and compute_metrics' metrics of the whole split: each rank's
+    share gathered and put back in sample order (rank 0 holds samples 0, 2, 4, ...)."""
+    metrics = '[plugins.evaluation]\ncompute_metrics = "workloads:corpus_metrics"\n'
+    shares = {"eval_interval": 10, "eval_micro_batch_size": 179}  # 180 valid samples on rank 0 (179 + 1), 179 on
+    one_config, one = digits_config(tmp_path, "one", metrics, **shares)  # rank 1, which runs one micro-batch uncounted
+    two_config, two = digits_config(tmp_path, "two", metrics, micro_batch_size=16, global_batch_size=32, **shares)
     assert run_digits(one_config).returncode == 0
     in_one_job(tmp_path, 2, [["run", str(two_config)]], "two", env={"PYTHONPATH": TESTS})
     evals = [[r for r in metrics_rows(out) if "valid/loss" in r or "test/loss" in r] for out in (one, two)]
     assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [10, 20, 30, 30]
     for a, b in zip(*evals):  # 359 valid samples: 180 on rank 0, 179 on rank 1
-        for key in ("valid/loss", "valid/accuracy", "test/loss", "test/accuracy"):
+        for key in ("valid/loss", "valid/accuracy", "test/loss", "test/accuracy", "valid/macro_f1", "test/acc"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        split = "valid" if "valid/loss" in a else "test"
+        assert a[f"{split}/samples"] == b[f"{split}/samples"] == (359 if split == "valid" else 201)
+        assert a[f"{split}/order"] == b[f"{split}/order"]  # the labels in the same order
+        assert b[f"{split}/acc"] == pytest.approx(b[f"{split}/accuracy"], rel=1e-6)
 
 
 def test_workers_and_a_user_collate_fn_read_the_same_samples_and_resume_exactly(tmp_path: Path) -> None:

@@ -22,12 +22,14 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from attrs import define, field
 
 from coretrain import NUM_TOKENS, Run, SampleOrder, SplitBatches, forward, hookimpl, is_stream, sum_over_ranks
+from coretrain_evaluation.corpus import Collected, computed, import_metrics
 
 if TYPE_CHECKING:
     from coretrain_evaluation.hookspecs import EvaluationSpecs
@@ -97,8 +99,11 @@ def split_batches(run: Run, dataset: Any, block: int = 0) -> SplitBatches:
 
 
 @torch.no_grad()
-def evaluate_split(run: Run, batches: SplitBatches, split: str) -> dict[str, float]:
-    """``SPLIT/NAME`` means over every sample the ranks read, with one collective."""
+def evaluate_split(
+    run: Run, batches: SplitBatches, split: str, compute_metrics: Callable[..., Any] | None = None
+) -> dict[str, float]:
+    """``SPLIT/NAME`` means over every sample the ranks read, with one collective; and
+    ``compute_metrics``' metrics of the whole split (:mod:`coretrain_evaluation.corpus`)."""
     model = run.model
     own = (
         cast("EvaluationSpecs", run.plugins.calls.hook).forward_batch
@@ -109,9 +114,12 @@ def evaluate_split(run: Run, batches: SplitBatches, split: str) -> dict[str, flo
     model.eval()
     totals: dict[str, torch.Tensor] = {}
     samples = 0
+    collected = Collected(model) if compute_metrics is not None else None
     try:
         for chunk, (count, batch) in zip(batches.chunks or itertools.repeat(None), batches):
             loss, extras = (own(run=run, batch=batch) if own else None) or forward(run, batch)
+            if collected is not None:
+                collected.add(batch, chunk, counted=chunk is not UNCOUNTED)
             if chunk is UNCOUNTED:  # run to keep this rank in step with the others, not counted
                 continue
             samples += count
@@ -124,6 +132,8 @@ def evaluate_split(run: Run, batches: SplitBatches, split: str) -> dict[str, flo
                 totals["_tokens"] = totals.get("_tokens", torch.zeros((), device=tokens.device)) + tokens.float()
     finally:
         model.train(was_training)
+        if collected is not None:
+            collected.close()
     names = sorted(totals)
     sample_count = torch.tensor(float(samples), device=run.device)
     summed = sum_over_ranks(torch.stack([sample_count, *(totals[n].to(run.device) for n in names)])).tolist()
@@ -134,6 +144,8 @@ def evaluate_split(run: Run, batches: SplitBatches, split: str) -> dict[str, flo
         metrics[f"{split}/loss"] = sums["loss"] / tokens
     if run.datasets.seq_length:  # a token-level loss: its exponential is the perplexity
         metrics[f"{split}/ppl"] = math.exp(min(metrics[f"{split}/loss"], 50.0))
+    if collected is not None and compute_metrics is not None:
+        metrics.update(computed(compute_metrics, *collected.everyones(run), split))
     return metrics
 
 
@@ -141,7 +153,13 @@ def evaluate_split(run: Run, batches: SplitBatches, split: str) -> dict[str, flo
 class Evaluation:
     """The loss and the model's named values over the valid split (and test after training)."""
 
+    compute_metrics: str | None = None
+    """``package.module:function`` called after each evaluation of a split as ``function(predictions,
+    labels)``, with the model's outputs (its logits) and the targets of every sample evaluated —
+    over all ranks, in sample order — returning metrics by name, logged as ``valid/NAME``: F1, AUC,
+    what a mean over batches cannot give (the Hugging Face Trainer's ``compute_metrics``)."""
     _batches: dict[str, tuple[int, SplitBatches]] = field(factory=dict, init=False, repr=False)
+    _metrics: Callable[..., Any] | None = field(default=None, init=False, repr=False)
 
     @hookimpl(trylast=True)  # a plugin of yours that evaluates answers first
     def evaluate(self, run: Run, split: str, dataset: Any) -> dict[str, float] | None:
@@ -151,7 +169,7 @@ class Evaluation:
         block = 0 if train.eval_full else block_of(run, split)
         if self._batches.get(split, (None,))[0] != block:  # index chunks and workers made once, reused
             self._batches[split] = (block, split_batches(run, dataset, block))
-        return evaluate_split(run, self._batches[split][1], split)
+        return evaluate_split(run, self._batches[split][1], split, self._metrics)
 
     @hookimpl
     def on_datasets(self, run: Run) -> None:
@@ -159,6 +177,8 @@ class Evaluation:
         (a provider that made none, an ``indexed`` split whose valid share rounds to no document)
         is said once, instead of a run that silently never validates (``config validate`` says it
         too)."""
+        if self.compute_metrics is not None:
+            self._metrics = import_metrics(self.compute_metrics)
         train = run.config.train
         asks = bool(train.eval_interval) and bool(train.eval_full or train.eval_iters)
         if not asks or run.datasets.sets("valid") or not run.dist.is_main:

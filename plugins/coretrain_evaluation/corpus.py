@@ -1,0 +1,140 @@
+"""``compute_metrics``: metrics of a whole split from every sample's prediction and label — F1,
+AUC, a confusion matrix, what a mean over batches cannot give — called as the Hugging Face
+``Trainer`` calls its ``compute_metrics``, once per evaluation, with all of them.
+
+The predictions are what the model returned for each sample (a tensor, its ``logits``, or a
+tuple's first tensor with a batch dimension, such as nanoGPT's ``(logits, loss)``), taken from
+the evaluation's own forward passes by a forward hook; the labels are the batch's target (its
+last item, or its ``labels`` / ``label`` / ``label_ids``). Every rank's share is gathered (a
+tensor-parallel group's first rank's copy, a pipeline's last stage's) and put back in sample
+order, so the function sees the split as one process would, on every rank alike.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from coretrain import Run, UserError
+
+KEY = "plugins.evaluation.compute_metrics"
+TARGET_KEYS = ("labels", "label", "label_ids")
+"""A dict batch's target, under the names transformers' data collators give it."""
+
+
+def import_metrics(path: str) -> Callable[..., Any]:
+    """``package.module:function``, imported when the run starts (a module of the current directory
+    is found, as for ``model.provider``); one that does not import is one error."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise UserError(f"{KEY}: '{path}' is not an import path; expected 'package.module:function'")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except Exception as exc:  # ImportError, AttributeError, or what the module raised as it loaded
+        raise UserError(f"{KEY}: cannot import '{path}': {type(exc).__name__}: {exc}") from None
+    if not callable(function):
+        raise UserError(f"{KEY}: '{path}' is not callable")
+    return function  # type: ignore[no-any-return]
+
+
+def predictions_of(output: Any) -> torch.Tensor | None:
+    """The model's per-sample outputs: a tensor, its ``logits``, or a tuple's first tensor with a batch dimension."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((item for item in output if isinstance(item, torch.Tensor) and item.dim() > 0), None)
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
+def labels_of(batch: Any) -> Any:
+    """The batch's target: its last item, or its ``labels`` (``label``, ``label_ids``); None without one."""
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return batch[-1]
+    if isinstance(batch, Mapping):
+        return next((batch[key] for key in TARGET_KEYS if key in batch), None)
+    return None
+
+
+class Collected:
+    """This rank's predictions and labels over one evaluation, from a forward hook on the model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.outputs: list[Any] = []
+        self.predictions: list[torch.Tensor] = []
+        self.labels: list[Any] = []
+        self.indices: list[torch.Tensor] = []
+        self._hook = model.register_forward_hook(lambda module, args, output: self.outputs.append(output))
+
+    def add(self, batch: Any, chunk: torch.Tensor | None, counted: bool) -> None:
+        """After each forward: keep what it returned for ``batch`` (unless the rank ran it only to keep in step)."""
+        outputs, self.outputs = self.outputs, []
+        if not counted:
+            return
+        predictions = predictions_of(outputs[-1]) if outputs else None
+        if predictions is None:
+            what = type(outputs[-1]).__name__ if outputs else "nothing (a plugin ran the forward in parts)"
+            raise UserError(
+                f"{KEY}: the model returned {what}, which holds no per-sample outputs; return logits, a dict or "
+                "object with 'logits', or a tuple starting with them"
+            )
+        self.predictions.append(predictions.detach().cpu())
+        labels = labels_of(batch)
+        self.labels.append(labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels)
+        if chunk is not None:
+            self.indices.append(chunk)
+
+    def close(self) -> None:
+        self._hook.remove()
+
+    def everyones(self, run: Run) -> tuple[torch.Tensor, Any]:
+        """Every rank's predictions and labels, in sample order (a stream's: rank by rank)."""
+        mine = (self.predictions, self.labels, self.indices) if run.reports_loss else None
+        shares: list[Any] = [mine] if mine is not None else []
+        if run.dist.world_size > 1:  # each replica's share from its first rank that has one
+            everyone: list[Any] = [None] * run.dist.world_size
+            torch.distributed.all_gather_object(everyone, (run.dist.dp_rank, mine))
+            by_replica = dict(part for part in everyone[::-1] if part[1] is not None)
+            shares = [share for _, share in sorted(by_replica.items())]
+        predictions = [part for share in shares for part in share[0]]
+        labels = [part for share in shares for part in share[1]]
+        indices = [part for share in shares for part in share[2]]
+        joined = concatenated(predictions) if predictions else torch.empty(0)
+        if all(isinstance(label, torch.Tensor) for label in labels) and labels:
+            joined_labels: Any = concatenated(labels)
+        else:
+            joined_labels = None if all(label is None for label in labels) else [x for part in labels for x in part]
+        if len(indices) != len(predictions) or not indices:
+            return joined, joined_labels
+        order = torch.argsort(torch.cat(indices), stable=True)
+        in_order = joined_labels[order] if isinstance(joined_labels, torch.Tensor) else joined_labels
+        return joined[order], in_order
+
+
+def concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Batches joined on their first dimension, each padded with -100 to the longest where their
+    other dimensions differ (sequences of another length), as the Hugging Face Trainer joins them."""
+    widest = [max(sizes) for sizes in zip(*(part.shape[1:] for part in parts))]
+    padded = []
+    for part in parts:
+        missing = [most - size for size, most in zip(part.shape[1:], widest)]
+        pad = [amount for gap in reversed(missing) for amount in (0, gap)]  # F.pad: the last dimension first
+        padded.append(torch.nn.functional.pad(part, pad, value=-100) if any(missing) else part)
+    return torch.cat(padded)
+
+
+def computed(function: Callable[..., Any], predictions: torch.Tensor, labels: Any, split: str) -> dict[str, float]:
+    """``function(predictions, labels)``'s metrics as ``SPLIT/NAME``; anything but numbers by name is one error."""
+    result = function(predictions, labels)
+    if not isinstance(result, Mapping):
+        raise UserError(f"{KEY}: returned a {type(result).__name__}; return a dict of metrics by name")
+    metrics = {}
+    for name, value in result.items():
+        try:
+            metrics[f"{split}/{name}"] = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise UserError(f"{KEY}: '{name}' is a {type(value).__name__}, not a number") from None
+    return metrics
