@@ -259,8 +259,11 @@ def test_uneven_token_columns_are_padded_with_the_runs_tokenizer_and_label_is_th
     """As transformers' Trainer with DataCollatorWithPadding: a batch's reviews padded to its
     longest, the padding masked out (each review's logits as it gets alone), ``label`` taken as
     the class; the classifier learns, and ``coretrain predict`` writes each review's class."""
-    result = run_steps(tmp_path, steps=40, config=review_run(padding_tokenizer_dir, shared=True))
+    metrics = {"evaluation": {"compute_metrics": "workloads:corpus_metrics"}}  # the logits and `label` of each
+    result = run_steps(tmp_path, steps=40, config=review_run(padding_tokenizer_dir, shared=True), tables=metrics)
     assert result.exit_code == 0 and result.evals[-1]["valid/accuracy"] > 0.9, result.evals
+    assert result.evals[-1]["valid/acc"] == pytest.approx(result.evals[-1]["valid/accuracy"], rel=1e-6)
+    assert result.evals[-1]["valid/samples"] == 3 * 16  # eval_iters global batches
     config = write_config(
         tmp_path / "c.toml", tiny_config(result.output_dir, **review_run(padding_tokenizer_dir, True))
     )

@@ -95,8 +95,8 @@ LABEL_KEYS = ("labels", "label", "label_ids")
 
 class SequenceClassifier(torch.nn.Module):
     """A ``*ForSequenceClassification`` model; ``model(input_ids, labels)`` (or a dict) returns the
-    cross-entropy loss and the accuracy, both logged; a dict without labels, its logits (as
-    transformers' model does: what ``coretrain predict`` writes)."""
+    cross-entropy loss and the accuracy, both logged, and the logits (as transformers' model does:
+    what ``coretrain predict`` writes and ``compute_metrics`` gets); a dict without labels, its logits."""
 
     def __init__(self, hf: torch.nn.Module) -> None:
         super().__init__()
@@ -113,7 +113,7 @@ class SequenceClassifier(torch.nn.Module):
             return {"logits": logits}
         loss = F.cross_entropy(logits.float(), labels.long())
         accuracy = (logits.argmax(-1) == labels).float().mean()
-        return {"loss": loss, "accuracy": accuracy}
+        return {"loss": loss, "accuracy": accuracy, "logits": logits}  # (logged: the single values)
 
 
 def with_experts(

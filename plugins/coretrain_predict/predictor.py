@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import torch
 from attrs import define, field
+from coretrain_evaluation.corpus import labels_of
 
 from coretrain import Run, SplitBatches, UserError, hookimpl, is_stream, model_outputs
 from coretrain_predict.hookspecs import PredictSpecs
@@ -111,7 +112,9 @@ class Predictor:
             except (TypeError, ValueError):  # it cannot be called so: per_sample says what to do instead
                 held_back = False
         values = per_sample(output, size)
-        if "output" in values and (run.config.model.loss == "cross_entropy" or (held_back and scores(values, target))):
+        if target is None and own is None and run.loss_fn is None:  # the model was given its target: read it too
+            target = labels_of(batch)
+        if "output" in values and (run.config.model.loss == "cross_entropy" or scores(values, target)):
             values = {"prediction": values["output"].argmax(-1), **values}  # class ids (per position for an LM)
         values = {
             name: value.argmax(-1) if value[0].numel() > MAX_VALUES else value
