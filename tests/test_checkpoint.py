@@ -80,6 +80,30 @@ def test_pretrained_loads_weights_only_and_starts_at_step_zero(tmp_path: Any, no
     assert target.scheduler.position == 3  # a fresh optimizer and schedule
 
 
+@pytest.mark.parametrize(
+    "wrapped",
+    [
+        lambda sd: {"model": {f"_orig_mod.{k}": v for k, v in sd.items()}, "iter_num": 6, "config": {"lr": 0.1}},
+        lambda sd: {"state_dict": sd, "epoch": 1, "global_step": 6},
+        lambda sd: {f"module.{k}": v for k, v in sd.items()},  # torch.save(ddp_model.state_dict())
+    ],
+    ids=["nanogpt-compiled", "state_dict", "ddp"],
+)
+def test_pretrained_takes_the_weights_of_a_training_scripts_own_file(
+    tmp_path: Any, no_autoload: None, wrapped: Any
+) -> None:
+    """A file another loop saved: nanoGPT's ckpt.pt (its compiled model's names), a state dict
+    under 'state_dict', a DDP model's 'module.' names; the weights load as they were."""
+    source, _ = train(config(tmp_path / "a", train={"train_iters": 6}))
+    weights = {k: v.clone() for k, v in source.model.state_dict().items()}
+    torch.save(wrapped(weights), tmp_path / "ckpt.pt")
+    seen = FirstWeights()
+    pretrained = {"pretrained": str(tmp_path / "ckpt.pt")}
+    train(config(tmp_path / "b", train={"train_iters": 2}, checkpoint=pretrained), ("seen", seen))
+    assert seen.step == 0 and seen.weights.keys() == weights.keys()
+    assert all(torch.equal(seen.weights[k], v) for k, v in weights.items())
+
+
 @pytest.mark.parametrize("named", ["out", "out/checkpoints"])
 def test_pretrained_and_resume_take_a_run_directory_as_its_newest_complete_checkpoint(
     tmp_path: Any, no_autoload: None, named: str

@@ -275,6 +275,20 @@ def changed_keys_hint(saved: dict[str, Any] | None, config: Any, sections: tuple
     return f"; changed since the checkpoint: {', '.join(changed)}" if changed else ""
 
 
+def state_dict_in(saved: Any) -> Any:
+    """The model's weights in a file a training script saved: the state dict itself, or under
+    ``model`` / ``state_dict`` (nanoGPT's ``ckpt.pt``, most scripts'), its names
+    without torch.compile's ``_orig_mod.`` or DDP's ``module.`` before each."""
+    for key in ("model", "state_dict", "model_state_dict"):
+        if isinstance(saved, dict) and isinstance(saved.get(key), dict):
+            saved = saved[key]
+            break
+    for prefix in ("_orig_mod.", "module."):
+        if isinstance(saved, dict) and saved and all(str(name).startswith(prefix) for name in saved):
+            saved = {name.removeprefix(prefix): value for name, value in saved.items()}
+    return saved
+
+
 def load_pretrained(run: Run, path: str) -> None:
     """Model weights only (fine-tuning): step 0, fresh optimizer."""
     directory = followed_link(Path(path), "checkpoint.pretrained")
@@ -282,7 +296,7 @@ def load_pretrained(run: Run, path: str) -> None:
         raise UserError(f"checkpoint.pretrained: '{path}' does not exist")
     frozen_saved = True
     if directory.is_file():
-        weights = safeload.load_file(directory)
+        weights = state_dict_in(safeload.load_file(directory))
     else:
         info = read_manifest(directory)
         frozen_saved = info.get("frozen_saved", True)
