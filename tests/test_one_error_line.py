@@ -269,6 +269,60 @@ def test_float64_batches_in_a_float32_model_are_one_error_saying_to_convert(
     assert main(["run", str(config), "--set", 'model.provider="npdata:converts"', *argv]) == 0
 
 
+UNEVEN_DATA = """
+import torch
+
+
+def sample(i):
+    ids = torch.arange(3 + i % 5) % 50  # 3 to 7 tokens
+    return {"input_ids": ids, "labels": ids}
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        i = 0
+        while True:
+            yield sample(i)
+            i += 1
+
+
+class Bag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50)
+
+    def forward(self, input_ids, labels):
+        return torch.nn.functional.cross_entropy(self.out(self.emb(input_ids)).flatten(0, 1), labels.flatten())
+
+
+def stream():
+    return Stream()
+
+
+def samples():
+    return [sample(i) for i in range(64)]
+
+
+def model():
+    return Bag()
+"""
+
+
+@pytest.mark.parametrize("kind", ["samples", "stream"])
+def test_samples_of_different_lengths_are_one_error_saying_to_pad_them(
+    on_path: Path, config: Path, capsys: Any, kind: str
+) -> None:
+    """torch's "stack expects each tensor to be equal size" from the default collate, with the
+    fix: a list of samples when data-checks reads its first batch, a stream at its first step."""
+    (on_path / "uneven.py").write_text(UNEVEN_DATA)
+    sets = [f'data.provider="uneven:{kind}"', 'model.provider="uneven:model"', "train.eval_iters=0"]
+    sets += ["plugins.data-checks.enabled=true", "plugins.streams.enabled=true"]  # both on by default
+    code, line = cli(capsys, "run", str(config), *(arg for value in sets for arg in ("--set", value)))
+    assert "the samples of a micro-batch hold tensors of different lengths, which the default collate" in line
+    assert "stack expects each tensor to be equal size" in line and "pad them in data.collate_fn" in line, line
+    assert code == (2 if kind == "samples" else 1)
+
+
 # --------------------------------------------------------------------------- new-plugin
 
 

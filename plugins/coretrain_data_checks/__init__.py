@@ -21,6 +21,9 @@ from attrs import define, field
 
 from coretrain import Run, UserError, fetch, hookimpl, is_stream
 
+UNEVEN_SAMPLES = "stack expects each tensor to be equal size"
+"""torch.stack's words when default_collate stacks samples of different lengths."""
+
 
 @define
 class DataChecks:
@@ -46,7 +49,10 @@ class DataChecks:
 
     @hookimpl
     def explain_failure(self, run: Run, error: BaseException) -> str | None:
-        """torch's dtype error for a float64 batch (numpy's default) in a float32 model, with the fix."""
+        """torch's dtype error for a float64 batch (numpy's default) in a float32 model, and its
+        stack error for samples of different lengths collated into one batch, with the fix."""
+        if (fix := uneven_samples(error)) is not None:
+            return fix
         if not (self.in_float64 and isinstance(error, RuntimeError) and "double" in str(error).lower()):
             return None
         return (
@@ -54,6 +60,19 @@ class DataChecks:
             f"and the model computes in float32 ({str(error).splitlines()[0]}): return float32 from the "
             "dataset (x.astype(np.float32), torch.as_tensor(x, dtype=torch.float32)), or convert in data.collate_fn"
         )
+
+
+def uneven_samples(error: BaseException) -> str | None:
+    """What to do about samples of different lengths that the default collate stacked (torch's
+    words kept), or None for another error."""
+    if not (isinstance(error, RuntimeError) and str(error).startswith(UNEVEN_SAMPLES)):
+        return None
+    return (
+        f"the samples of a micro-batch hold tensors of different lengths, which the default collate cannot "
+        f"stack ({str(error).splitlines()[0]}): pad them in data.collate_fn (e.g. "
+        "torch.nn.utils.rnn.pad_sequence(..., batch_first=True), padding labels with -100), or return samples "
+        "of one length"
+    )
 
 
 def check_split(dataset: Any, split: str, provider: str, needed: int, micro_batch: int, datasets: Any) -> Any:
@@ -78,6 +97,7 @@ def check_split(dataset: Any, split: str, provider: str, needed: int, micro_batc
             batches.append(fetch(dataset, indices, datasets.collate_fn))
         except Exception as exc:
             cause = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"  # a reader's own words
+            cause = uneven_samples(exc) or cause
             raise UserError(f"{where}: cannot read samples {indices.tolist()[:4]} of {length}: {cause}") from None
         if datasets.vocab_size is not None:
             check_token_ids(batches[-1], datasets.vocab_size, where)
