@@ -88,12 +88,13 @@ def split_output(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             "only when the batch has 'labels'); return the loss, a dict with 'loss', or set model.loss to "
             "turn its outputs into one"
         )
+    loss = one_value(items["loss"])
     extras = {
-        name: value.detach()
+        name: value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value), device=loss.device)
         for name, value in items.items()
-        if name != "loss" and isinstance(value, torch.Tensor) and value.numel() == 1
-    }
-    return one_value(items["loss"]), extras
+        if name != "loss" and (type(value) in (int, float) or isinstance(value, torch.Tensor) and value.numel() == 1)
+    }  # a number the model took off the device itself (acc.item()) is logged as a tensor is
+    return loss, extras
 
 
 def one_value(loss: Any) -> torch.Tensor:

@@ -415,7 +415,8 @@ def test_a_logging_backend_sees_what_every_other_plugin_added_and_is_closed(tmp_
 
 
 def test_the_loss_is_found_in_every_shape_a_model_returns_it() -> None:
-    """A tensor; a dict or an object with ``loss`` (the other single values logged); a namedtuple
+    """A tensor; a dict or an object with ``loss`` (the other single values logged, numbers the model
+    took off the device too, not a flag); a namedtuple
     by its names; a tuple by its one single value, nanoGPT's ``(logits, loss)`` or transformers'
     ``(loss, logits)``; two unnamed single values are one error."""
     from collections import namedtuple
@@ -427,6 +428,7 @@ def test_the_loss_is_found_in_every_shape_a_model_returns_it() -> None:
     shapes = [
         (loss, {}),
         ({"loss": loss, "accuracy": accuracy, "logits": logits}, {"accuracy": accuracy}),
+        ({"loss": loss, "accuracy": 0.75, "correct": 3, "done": True}, {"accuracy": accuracy, "correct": 3.0}),
         (named(logits, loss, accuracy), {"accuracy": accuracy}),
         ((logits, loss), {}),
         ((loss, logits, None), {}),
