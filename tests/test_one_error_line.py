@@ -323,6 +323,48 @@ def test_samples_of_different_lengths_are_one_error_saying_to_pad_them(
     assert code == (2 if kind == "samples" else 1)
 
 
+EXTRA_KEY_DATA = """
+import torch
+
+
+class Rows(torch.utils.data.Dataset):  # each sample carries its id, as a dataset's record does
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        x = torch.full((4,), float(i % 7))
+        return {"x": x, "y": x.sum(0, keepdim=True), "id": i}
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+
+def data():
+    return Rows()
+
+
+def model():
+    return Net()
+"""
+
+
+def test_a_batch_key_the_model_does_not_take_is_one_error_naming_it(on_path: Path, config: Path, capsys: Any) -> None:
+    """A dict batch is model(**batch): a record's 'id' ends in "forward() got an unexpected keyword
+    argument 'id'", which data-checks explains with the fix."""
+    (on_path / "records.py").write_text(EXTRA_KEY_DATA)
+    sets = ['data.provider="records:data"', 'model.provider="records:model"', "train.eval_iters=0"]
+    sets += ["plugins.data-checks.enabled=true"]
+    code, line = cli(capsys, "run", str(config), *(arg for value in sets for arg in ("--set", value)))
+    assert code == 1 and line.startswith("error: the batches hold 'id', which Net.forward() does not take"), line
+    assert "leave it out of the samples or in data.collate_fn, or give forward a **kwargs" in line
+
+
 # --------------------------------------------------------------------------- new-plugin
 
 

@@ -13,6 +13,7 @@ Turn it off with ``[plugins.data-checks] enabled = false`` (a split too large to
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,8 @@ class DataChecks:
 
     in_float64: list[str] = field(factory=list, init=False)
     """The splits whose first batch holds float64 tensors."""
+    batch_keys: set[str] = field(factory=set, init=False)
+    """The keys of the splits' first batches, when they are dicts (the model's keyword arguments)."""
 
     @hookimpl
     def on_datasets(self, run: Run) -> None:
@@ -38,6 +41,7 @@ class DataChecks:
         # a full pass needs a sample per rank; eval_iters batches need one global batch
         eval_needed = run.dist.dp_size if train.eval_full else run.global_batch_size if train.eval_iters else 1
         self.in_float64.clear()
+        self.batch_keys.clear()
         for split, dataset in [named for name in ("train", "valid", "test") for named in datasets.sets(name)]:
             if is_stream(dataset):
                 continue
@@ -46,13 +50,23 @@ class DataChecks:
             first = check_split(dataset, split, run.config.data.provider, needed, micro_batch, datasets)
             if any(tensor.dtype == torch.float64 for tensor in tensors_of(first)):
                 self.in_float64.append(split)
+            if isinstance(first, Mapping):
+                self.batch_keys.update(str(key) for key in first)
 
     @hookimpl
     def explain_failure(self, run: Run, error: BaseException) -> str | None:
-        """torch's dtype error for a float64 batch (numpy's default) in a float32 model, and its
-        stack error for samples of different lengths collated into one batch, with the fix."""
+        """torch's dtype error for a float64 batch (numpy's default) in a float32 model, its stack
+        error for samples of different lengths collated into one batch, and a batch key the
+        model's forward does not take, each with the fix."""
         if (fix := uneven_samples(error)) is not None:
             return fix
+        taken = re.search(r"(\S+)\(\) got an unexpected keyword argument '(\w+)'", str(error))
+        if isinstance(error, TypeError) and taken and taken.group(2) in self.batch_keys:
+            return (
+                f"the batches hold '{taken.group(2)}', which {taken.group(1)}() does not take (a dict batch is "
+                f"called as model(**batch)): leave it out of the samples or in data.collate_fn, or give forward "
+                "a **kwargs"
+            )
         if not (self.in_float64 and isinstance(error, RuntimeError) and "double" in str(error).lower()):
             return None
         return (
