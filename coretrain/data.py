@@ -65,7 +65,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
+        moved = [to_device(b, device) for b in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # a namedtuple: by position
     return {k: to_device(v, device) for k, v in batch.items()} if isinstance(batch, Mapping) else batch
 
 

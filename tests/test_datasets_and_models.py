@@ -144,3 +144,18 @@ def test_random_windows_are_fixed_by_seed_and_index_and_cover_the_text() -> None
     starts = a.starts(torch.arange(5000))
     assert int(starts.min()) >= 0 and int(starts.max()) < 10_000 - 16
     assert len(set(starts.tolist())) > 3800 and starts.float().std() > 2700  # as uniform draws: ~3934, ~2882
+
+
+def test_a_batch_moves_to_the_device_in_its_own_shape() -> None:
+    """Tensors in tuples, lists, namedtuples (a collate_fn's Batch(pixels, labels)) and mappings
+    move; the containers keep their types; what is not a tensor stays as it is."""
+    from collections import namedtuple
+
+    from coretrain.data import to_device
+
+    pair = namedtuple("pair", ["pixels", "labels"])
+    batch = {"a": pair(torch.ones(2), torch.zeros(2)), "b": [torch.ones(1), "text"], "c": (torch.ones(1),)}
+    moved = to_device(batch, torch.device("meta"))
+    assert type(moved["a"]) is pair and moved["a"].pixels.device.type == "meta" and moved["a"].labels.is_meta
+    assert type(moved["b"]) is list and moved["b"][0].is_meta and moved["b"][1] == "text"
+    assert type(moved["c"]) is tuple and moved["c"][0].is_meta
