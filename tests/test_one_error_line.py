@@ -345,24 +345,37 @@ class Net(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.layer(x), y)
 
 
+class WholeBatch(Net):
+    def forward(self, batch):  # the dict as one argument, as some codebases write it
+        return super().forward(batch["x"], batch["y"])
+
+
 def data():
     return Rows()
 
 
 def model():
     return Net()
+
+
+def whole_batch():
+    return WholeBatch()
 """
 
 
 def test_a_batch_key_the_model_does_not_take_is_one_error_naming_it(on_path: Path, config: Path, capsys: Any) -> None:
     """A dict batch is model(**batch): a record's 'id' ends in "forward() got an unexpected keyword
-    argument 'id'", which data-checks explains with the fix."""
+    argument 'id'", which data-checks explains with the fix; so is a forward(self, batch)."""
     (on_path / "records.py").write_text(EXTRA_KEY_DATA)
     sets = ['data.provider="records:data"', 'model.provider="records:model"', "train.eval_iters=0"]
     sets += ["plugins.data-checks.enabled=true"]
     code, line = cli(capsys, "run", str(config), *(arg for value in sets for arg in ("--set", value)))
     assert code == 1 and line.startswith("error: the batches hold 'id', which Net.forward() does not take"), line
     assert "leave it out of the samples or in data.collate_fn, or give forward a **kwargs" in line
+    sets[1] = 'model.provider="records:whole_batch"'  # forward(self, batch)
+    code, line = cli(capsys, "run", str(config), *(arg for value in sets for arg in ("--set", value)))
+    assert code == 1 and line.startswith("error: WholeBatch.forward() takes the batch as one argument"), line
+    assert "hand the dict over in a tuple from data.collate_fn (return (batch,): model(*batch))" in line
 
 
 # --------------------------------------------------------------------------- new-plugin

@@ -13,6 +13,7 @@ Turn it off with ``[plugins.data-checks] enabled = false`` (a split too large to
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -62,6 +63,12 @@ class DataChecks:
             return fix
         taken = re.search(r"(\S+)\(\) got an unexpected keyword argument '(\w+)'", str(error))
         if isinstance(error, TypeError) and taken and taken.group(2) in self.batch_keys:
+            if len(forward_parameters(run)) == 1:  # forward(self, batch): the dict as one argument
+                return (
+                    f"{taken.group(1)}() takes the batch as one argument, but a dict batch is called as "
+                    "model(**batch), each key an argument: take the keys as forward's arguments, or hand the "
+                    "dict over in a tuple from data.collate_fn (return (batch,): model(*batch))"
+                )
             return (
                 f"the batches hold '{taken.group(2)}', which {taken.group(1)}() does not take (a dict batch is "
                 f"called as model(**batch)): leave it out of the samples or in data.collate_fn, or give forward "
@@ -74,6 +81,14 @@ class DataChecks:
             f"and the model computes in float32 ({str(error).splitlines()[0]}): return float32 from the "
             "dataset (x.astype(np.float32), torch.as_tensor(x, dtype=torch.float32)), or convert in data.collate_fn"
         )
+
+
+def forward_parameters(run: Run) -> list[str]:
+    """The names ``forward`` of the run's model takes (none when it cannot be read)."""
+    try:
+        return list(inspect.signature(run.unwrapped_model.forward).parameters)
+    except (TypeError, ValueError, AttributeError):
+        return []
 
 
 def uneven_samples(error: BaseException) -> str | None:
