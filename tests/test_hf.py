@@ -258,7 +258,8 @@ def test_uneven_token_columns_are_padded_with_the_runs_tokenizer_and_label_is_th
 ) -> None:
     """As transformers' Trainer with DataCollatorWithPadding: a batch's reviews padded to its
     longest, the padding masked out (each review's logits as it gets alone), ``label`` taken as
-    the class; the classifier learns, and ``coretrain predict`` writes each review's class."""
+    the class; the classifier learns, and ``coretrain predict`` writes each review's class, and
+    the class of new texts (``--data``, as transformers' text-classification pipeline)."""
     metrics = {"evaluation": {"compute_metrics": "workloads:corpus_metrics"}}  # the logits and `label` of each
     result = run_steps(tmp_path, steps=40, config=review_run(padding_tokenizer_dir, shared=True), tables=metrics)
     assert result.exit_code == 0 and result.evals[-1]["valid/accuracy"] > 0.9, result.evals
@@ -273,6 +274,14 @@ def test_uneven_token_columns_are_padded_with_the_runs_tokenizer_and_label_is_th
     assert len(predicted) == 40 and set(predicted[0]) == {"index", "prediction", "output", "target"}
     assert [r["target"] for r in predicted] == [i % 2 for i in range(200, 240)]
     assert sum(r["prediction"] == r["target"] for r in predicted) >= 36
+    texts = ["great lovely good the film", "awful poor bad a plot", "fine great plot", "dull awful the film"]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
+    done = cli("predict", str(config), "--data", "texts.jsonl", "--out", str(tmp_path / "t.jsonl"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    classified = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in classified] == texts and [r["prediction"] for r in classified] == [1, 0, 1, 0]
+    assert [r["label"] for r in classified] == ["LABEL_1", "LABEL_0", "LABEL_1", "LABEL_0"]  # the config's id2label
+    assert all(0.5 < r["score"] <= 1 and len(r["output"]) == 2 for r in classified)
     columns = result.run.datasets.valid
     batch = columns.get_batch(torch.arange(8))
     lengths = batch["attention_mask"].sum(dim=1)

@@ -177,11 +177,13 @@ class HFModel:
 
     @hookimpl
     def predict_step(self, run: Run, batch: Any, options: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """Prompts (``coretrain predict --data``) get a causal LM's ``generate``."""
-        if self.task != "causal-lm" or not (isinstance(batch, dict) and "prompt" in batch):
+        """Texts (``coretrain predict --data``) get a causal LM's ``generate``, or a classifier's class."""
+        if not (isinstance(batch, dict) and "prompt" in batch):
             return None
-        from coretrain_hf.generate import generate
+        from coretrain_hf.generate import classify, generate
 
+        if self.task == "sequence-classification":
+            return classify(run, self.path, batch["prompt"])
         return generate(run, self.path, batch["prompt"], options)
 
     @hookimpl

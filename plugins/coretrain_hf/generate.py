@@ -1,4 +1,5 @@
-"""Text for prompts: ``generate`` of a causal LM, for ``coretrain predict --data prompts.jsonl``."""
+"""Answers to texts for ``coretrain predict --data texts.jsonl``: a causal LM's ``generate``, a
+sequence classifier's class (as transformers' ``text-classification`` pipeline gives it)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,24 @@ def generate(run: Run, model_path: str | None, prompts: list[str], options: dict
     produced = hf.generate(**encoded, **settings)
     completions = tokenizer.batch_decode(produced[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
     return [{"prompt": prompt, "completion": text} for prompt, text in zip(prompts, completions)]
+
+
+def classify(run: Run, model_path: str | None, texts: list[str]) -> list[dict[str, Any]]:
+    """Each text's class: its id (``prediction``), its name in the config's ``id2label``
+    (``label``), its probability (``score``) and the logits (``output``). Tokenized as the
+    training data was by ``tokenizer(text)``: special tokens added, padded on the right."""
+    import torch
+
+    tokenizer = prompt_tokenizer(run, model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(run.device)
+    hf = wrapped_model(run.unwrapped_model)
+    with torch.no_grad():
+        logits = hf(**encoded).logits.float()
+    scores, classes = logits.softmax(-1).max(-1)
+    names = getattr(hf.config, "id2label", None) or {}
+    return [
+        {"prompt": text, "prediction": int(c), "label": names.get(int(c), str(int(c))), "score": float(p), "output": o}
+        for text, c, p, o in zip(texts, classes, scores, logits.tolist())
+    ]

@@ -55,7 +55,7 @@ class Predictor:
                     raise UserError(
                         f"--data {self.data}: the model provider '{run.config.model.provider}' does not generate"
                         " text from prompts; a provider that answers predict_step does (the hf provider,"
-                        " with transformers' generate), or predict a split with --split"
+                        " with transformers' generate, or its classifier's classes), or predict a split with --split"
                     )
                 if answer is None or len(answer) != len(chunk):
                     got = "no answer" if answer is None else f"{len(answer)} records"
