@@ -295,6 +295,26 @@ def test_uneven_token_columns_are_padded_with_the_runs_tokenizer_and_label_is_th
             torch.testing.assert_close(together[i], alone[0], rtol=1e-4, atol=1e-5)
 
 
+def own_classifier(path: str) -> Any:
+    """A user's own provider: transformers' model as it comes, its loss its own."""
+    return transformers.AutoModelForSequenceClassification.from_pretrained(path)
+
+
+def test_a_users_own_hf_model_learns_from_a_label_column_as_under_the_trainer(
+    tmp_path: Path, padding_tokenizer_dir: Path
+) -> None:
+    """load_dataset names the class column ``label``; transformers' collators hand it to the model
+    as ``labels``, from which the model computes its loss: so does hf-datasets (before, the model
+    got ``label``, ignored it and returned no loss)."""
+    config = transformers.LlamaConfig(**llama_table(vocab_size=300, pad_token_id=2, num_labels=2))
+    transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "model")
+    sections = review_run(padding_tokenizer_dir, shared=True)
+    sections["model"] = {"provider": "test_hf:own_classifier", "options": {"path": str(tmp_path / "model")}}
+    result = run_steps(tmp_path / "run", steps=40, config=sections)
+    assert result.exit_code == 0 and result.evals[-1]["valid/loss"] < 0.3, result.evals
+    assert result.run.datasets.train.get_batch(torch.arange(4))["labels"].tolist() == [0, 1, 0, 1]
+
+
 def test_a_collate_fn_that_returns_a_batch_encoding_feeds_the_model_its_keys(
     tmp_path: Path, padding_tokenizer_dir: Path
 ) -> None:
@@ -326,9 +346,11 @@ def test_uneven_per_token_labels_are_padded_with_the_index_losses_ignore(padding
     train, _ = review_data(context, str(padding_tokenizer_dir), token_labels=True, keep_text=True)
     batch = Columns(train, "train", tok).get_batch(torch.arange(8))
     assert batch["text"] == train[:8]["text"] and all(isinstance(text, str) for text in batch["text"])
-    assert batch["label"].shape == batch["input_ids"].shape and len(set(batch["attention_mask"].sum(1).tolist())) > 1
-    assert torch.equal(batch["label"] == -100, batch["attention_mask"] == 0)
-    assert torch.equal(batch["label"][:, 0], torch.tensor([i % 2 for i in range(8)]))
+    labels = batch["labels"]  # the `label` column, renamed as transformers' collators rename it
+    assert "label" not in batch and labels.shape == batch["input_ids"].shape
+    assert len(set(batch["attention_mask"].sum(1).tolist())) > 1
+    assert torch.equal(labels == -100, batch["attention_mask"] == 0)
+    assert torch.equal(labels[:, 0], torch.tensor([i % 2 for i in range(8)]))
 
 
 @pytest.mark.parametrize(

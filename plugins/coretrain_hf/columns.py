@@ -11,7 +11,9 @@ its type's module.
 Token columns of different lengths (``tokenizer(text)`` without ``padding="max_length"``) are
 padded per micro-batch with the run's tokenizer (``[tokenizer]``), as transformers'
 ``DataCollatorWithPadding`` pads them for its ``Trainer``, and per-token labels with -100; without
-a tokenizer, such a batch is one error that says how to pad it.
+a tokenizer, such a batch is one error that says how to pad it. A ``label`` (or ``label_ids``)
+column reaches the model as ``labels``, as that collator renames it: a Hugging Face model of
+yours computes its loss from it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class Columns:
         batch = self.dataset[indices.tolist()]
         # torch format gives a column of uneven sequences as a list of tensors (strings stay a list of str)
         ragged = [name for name, value in batch.items() if isinstance(value, list) and is_tensors(value)]
-        return self._padded(batch, ragged) if ragged else batch
+        return as_labels(self._padded(batch, ragged) if ragged else batch)
 
     def _padded(self, batch: dict[str, Any], ragged: list[str]) -> dict[str, Any]:
         """The batch with its token columns padded by the run's tokenizer (and an attention
@@ -85,6 +87,16 @@ class Columns:
         lengths = sorted({len(row) for row in batch[name]})
         shown = ", ".join(map(str, lengths[:4])) + (", ..." if len(lengths) > 4 else "")
         return f"the {self.split} split's column '{name}' holds sequences of different lengths ({shown})"
+
+
+def as_labels(batch: dict[str, Any]) -> dict[str, Any]:
+    """The target column under the name a Hugging Face model takes it by: ``label`` (what
+    ``load_dataset`` names a class) or ``label_ids`` becomes ``labels``, as transformers'
+    ``DataCollatorWithPadding`` and ``default_data_collator`` rename it for the ``Trainer``."""
+    for name in ("label", "label_ids"):
+        if name in batch and "labels" not in batch:
+            batch["labels"] = batch.pop(name)
+    return batch
 
 
 def is_tensors(column: Any) -> bool:
