@@ -100,7 +100,11 @@ def split_batches(run: Run, dataset: Any, block: int = 0) -> SplitBatches:
 
 @torch.no_grad()
 def evaluate_split(
-    run: Run, batches: SplitBatches, split: str, compute_metrics: Callable[..., Any] | None = None
+    run: Run,
+    batches: SplitBatches,
+    split: str,
+    compute_metrics: Callable[..., Any] | None = None,
+    collected: Collected | None = None,
 ) -> dict[str, float]:
     """``SPLIT/NAME`` means over every sample the ranks read, with one collective; and
     ``compute_metrics``' metrics of the whole split (:mod:`coretrain_evaluation.corpus`)."""
@@ -114,7 +118,8 @@ def evaluate_split(
     model.eval()
     totals: dict[str, torch.Tensor] = {}
     samples = 0
-    collected = Collected(model) if compute_metrics is not None else None
+    if collected is not None:
+        collected.start()
     try:
         for chunk, (count, batch) in zip(batches.chunks or itertools.repeat(None), batches):
             loss, extras = (own(run=run, batch=batch) if own else None) or forward(run, batch)
@@ -133,7 +138,7 @@ def evaluate_split(
     finally:
         model.train(was_training)
         if collected is not None:
-            collected.close()
+            collected.stop()
     names = sorted(totals)
     sample_count = torch.tensor(float(samples), device=run.device)
     summed = sum_over_ranks(torch.stack([sample_count, *(totals[n].to(run.device) for n in names)])).tolist()
@@ -160,6 +165,7 @@ class Evaluation:
     what a mean over batches cannot give (the Hugging Face Trainer's ``compute_metrics``)."""
     _batches: dict[str, tuple[int, SplitBatches]] = field(factory=dict, init=False, repr=False)
     _metrics: Callable[..., Any] | None = field(default=None, init=False, repr=False)
+    _collected: Collected | None = field(default=None, init=False, repr=False)
 
     @hookimpl(trylast=True)  # a plugin of yours that evaluates answers first
     def evaluate(self, run: Run, split: str, dataset: Any) -> dict[str, float] | None:
@@ -169,7 +175,9 @@ class Evaluation:
         block = 0 if train.eval_full else block_of(run, split)
         if self._batches.get(split, (None,))[0] != block:  # index chunks and workers made once, reused
             self._batches[split] = (block, split_batches(run, dataset, block))
-        return evaluate_split(run, self._batches[split][1], split, self._metrics)
+        if self._metrics is not None and self._collected is None:
+            self._collected = Collected(run.model)
+        return evaluate_split(run, self._batches[split][1], split, self._metrics, self._collected)
 
     @hookimpl
     def on_datasets(self, run: Run) -> None:
@@ -192,5 +200,9 @@ class Evaluation:
 
     @hookimpl
     def on_train_end(self) -> None:
-        """Let go of the DataLoader workers kept between evaluations, so the process can exit."""
+        """Let go of the DataLoader workers kept between evaluations, so the process can exit, and
+        of the forward hook ``compute_metrics`` reads the outputs by."""
         self._batches.clear()
+        if self._collected is not None:
+            self._collected.close()
+            self._collected = None

@@ -60,14 +60,28 @@ def labels_of(batch: Any) -> Any:
 
 
 class Collected:
-    """This rank's predictions and labels over one evaluation, from a forward hook on the model."""
+    """This rank's predictions and labels over one evaluation, from a forward hook on the model.
+
+    The hook is registered once, for the run, and keeps outputs only during an evaluation
+    (:meth:`start`): one registered afresh for each would change the module's hooks, which a
+    compiled model guards on — every evaluation would compile it again."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.outputs: list[Any] = []
         self.predictions: list[torch.Tensor] = []
         self.labels: list[Any] = []
         self.indices: list[torch.Tensor] = []
-        self._hook = model.register_forward_hook(lambda module, args, output: self.outputs.append(output))
+        self.active = False
+        self._hook = model.register_forward_hook(self._keep)
+
+    def _keep(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.active:
+            self.outputs.append(output)
+
+    def start(self) -> None:
+        """An evaluation begins: keep the outputs of its forward passes."""
+        self.outputs, self.predictions, self.labels, self.indices = [], [], [], []
+        self.active = True
 
     def add(self, batch: Any, chunk: torch.Tensor | None, counted: bool) -> None:
         """After each forward: keep what it returned for ``batch`` (unless the rank ran it only to keep in step)."""
@@ -86,6 +100,9 @@ class Collected:
         self.labels.append(labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels)
         if chunk is not None:
             self.indices.append(chunk)
+
+    def stop(self) -> None:
+        self.active = False
 
     def close(self) -> None:
         self._hook.remove()
