@@ -231,3 +231,28 @@ def test_batches_of_other_lengths_are_joined_padded_with_minus_100() -> None:
     assert joined.tolist() == [[1, 1, 1, -100, -100], [1, 1, 1, -100, -100], [2, 2, 2, 2, 2]]
     logits = concatenated([torch.zeros(1, 2, 4), torch.zeros(2, 3, 4)])
     assert logits.shape == (3, 3, 4) and bool((logits[0, 2] == -100).all()) and bool((logits[1:] == 0).all())
+
+
+class ForwardInParts:
+    """A plugin that runs the evaluation's forward itself, as pipeline parallelism's stages do."""
+
+    from coretrain import hookimpl
+
+    @hookimpl
+    def forward_batch(self) -> None:
+        return None
+
+
+def test_compute_metrics_with_outputs_split_over_ranks_is_refused_before_training(tmp_path: Path) -> None:
+    """Pipeline stages (a forward_batch plugin) or context parallelism hold no sample's whole
+    outputs: refused on every rank alike, before the first step, not at an evaluation."""
+    config = {"model": {"provider": "workloads:cnn", "loss": "cross_entropy"}, "data": {"provider": "workloads:digits"}}
+    with pytest.raises(UserError, match="compute_metrics: each sample's outputs are split over ranks") as caught:
+        run_steps(
+            tmp_path,
+            2,
+            config=config,
+            plugins={"parts": ForwardInParts()},
+            tables={"evaluation": {"compute_metrics": "workloads:corpus_metrics"}},
+        )
+    assert "evaluate without it" in str(caught.value)

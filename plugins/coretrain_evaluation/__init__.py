@@ -28,7 +28,17 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from attrs import define, field
 
-from coretrain import NUM_TOKENS, Run, SampleOrder, SplitBatches, forward, hookimpl, is_stream, sum_over_ranks
+from coretrain import (
+    NUM_TOKENS,
+    Run,
+    SampleOrder,
+    SplitBatches,
+    UserError,
+    forward,
+    hookimpl,
+    is_stream,
+    sum_over_ranks,
+)
 from coretrain_evaluation.corpus import Collected, computed, import_metrics
 
 if TYPE_CHECKING:
@@ -186,6 +196,11 @@ class Evaluation:
         is said once, instead of a run that silently never validates (``config validate`` says it
         too)."""
         if self.compute_metrics is not None:
+            if run.dist.cp_size > 1 or run.plugins.implemented("forward_batch"):  # the same on every rank
+                raise UserError(
+                    "plugins.evaluation.compute_metrics: each sample's outputs are split over ranks (context or "
+                    "pipeline parallelism), and compute_metrics needs them whole on one rank; evaluate without it"
+                )
             self._metrics = import_metrics(self.compute_metrics)
         train = run.config.train
         asks = bool(train.eval_interval) and bool(train.eval_full or train.eval_iters)
