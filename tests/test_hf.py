@@ -18,7 +18,7 @@ from conftest import CORPUS, HF_MOE, STDLIB, forked_steps, hf_moe_table, metrics
 from coretrain_checkpoint_command.export import export
 
 from coretrain import UserError, hookimpl
-from coretrain.testing import run_steps, tiny_config, write_config
+from coretrain.testing import BEHAVIOUR, run_steps, tiny_config, write_config
 
 transformers = pytest.importorskip("transformers")
 from coretrain_hf.model import CausalLM  # noqa: E402
@@ -313,6 +313,33 @@ def test_a_users_own_hf_model_learns_from_a_label_column_as_under_the_trainer(
     result = run_steps(tmp_path / "run", steps=40, config=sections)
     assert result.exit_code == 0 and result.evals[-1]["valid/loss"] < 0.3, result.evals
     assert result.run.datasets.train.get_batch(torch.arange(4))["labels"].tolist() == [0, 1, 0, 1]
+
+
+class LabelTaker(torch.nn.Module):
+    """A model of the user's own whose forward names the class ``label``, as its dataset does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = torch.nn.Embedding(300, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        pooled = (self.embedding(input_ids) * attention_mask.unsqueeze(-1)).sum(1)
+        return torch.nn.functional.cross_entropy(self.head(pooled), label)
+
+
+def label_taker() -> torch.nn.Module:
+    return LabelTaker()
+
+
+def test_a_forward_that_takes_label_is_told_the_column_arrives_as_labels(
+    tmp_path: Path, padding_tokenizer_dir: Path
+) -> None:
+    from coretrain.errors import RunFailure
+
+    sections = review_run(padding_tokenizer_dir, shared=True)
+    sections["model"] = {"provider": "test_hf:label_taker"}
+    with pytest.raises(RunFailure, match="LabelTaker.forward\\(\\) takes 'label', but the batches hold 'labels'"):
+        run_steps(tmp_path, steps=2, config=sections, autoload=[*BEHAVIOUR, "data-checks"])
 
 
 def test_a_collate_fn_that_returns_a_batch_encoding_feeds_the_model_its_keys(

@@ -61,19 +61,8 @@ class DataChecks:
         model's forward does not take, each with the fix."""
         if (fix := uneven_samples(error)) is not None:
             return fix
-        taken = re.search(r"(\S+)\(\) got an unexpected keyword argument '(\w+)'", str(error))
-        if isinstance(error, TypeError) and taken and taken.group(2) in self.batch_keys:
-            if len(forward_parameters(run)) == 1:  # forward(self, batch): the dict as one argument
-                return (
-                    f"{taken.group(1)}() takes the batch as one argument, but a dict batch is called as "
-                    "model(**batch), each key an argument: take the keys as forward's arguments, or hand the "
-                    "dict over in a tuple from data.collate_fn (return (batch,): model(*batch))"
-                )
-            return (
-                f"the batches hold '{taken.group(2)}', which {taken.group(1)}() does not take (a dict batch is "
-                f"called as model(**batch)): leave it out of the samples or in data.collate_fn, or give forward "
-                "a **kwargs"
-            )
+        if (fix := unexpected_key(error, self.batch_keys, run)) is not None:
+            return fix
         if not (self.in_float64 and isinstance(error, RuntimeError) and "double" in str(error).lower()):
             return None
         return (
@@ -81,6 +70,31 @@ class DataChecks:
             f"and the model computes in float32 ({str(error).splitlines()[0]}): return float32 from the "
             "dataset (x.astype(np.float32), torch.as_tensor(x, dtype=torch.float32)), or convert in data.collate_fn"
         )
+
+
+def unexpected_key(error: BaseException, batch_keys: set[str], run: Run) -> str | None:
+    """What to do about a dict batch's key that the model's ``forward`` does not take (torch's
+    TypeError from ``model(**batch)``), or None for another error."""
+    taken = re.search(r"(\S+)\(\) got an unexpected keyword argument '(\w+)'", str(error))
+    if not (isinstance(error, TypeError) and taken and taken.group(2) in batch_keys):
+        return None
+    forward, key = taken.groups()
+    parameters = forward_parameters(run)
+    if len(parameters) == 1:  # forward(self, batch): the dict as one argument
+        return (
+            f"{forward}() takes the batch as one argument, but a dict batch is called as model(**batch), each "
+            "key an argument: take the keys as forward's arguments, or hand the dict over in a tuple from "
+            "data.collate_fn (return (batch,): model(*batch))"
+        )
+    if key == "labels" and "label" in parameters:
+        return (
+            f"{forward}() takes 'label', but the batches hold 'labels': hf-datasets renames a dataset's 'label' "
+            "column so, as transformers' data collators do for their models; name forward's argument labels"
+        )
+    return (
+        f"the batches hold '{key}', which {forward}() does not take (a dict batch is called as model(**batch)): "
+        "leave it out of the samples or in data.collate_fn, or give forward a **kwargs"
+    )
 
 
 def forward_parameters(run: Run) -> list[str]:
