@@ -256,3 +256,20 @@ def test_compute_metrics_with_outputs_split_over_ranks_is_refused_before_trainin
             tables={"evaluation": {"compute_metrics": "workloads:corpus_metrics"}},
         )
     assert "evaluate without it" in str(caught.value)
+
+
+def test_predictions_and_labels_that_are_not_tensors_are_put_in_sample_order_alike() -> None:
+    """Samples read as 2, 0 then 1 (text labels, a list): both back in the order of the split."""
+    import types
+
+    from coretrain_evaluation.corpus import Collected
+
+    collected = Collected(torch.nn.Identity())
+    collected.start()
+    for index, label in ((2, "c"), (0, "a"), (1, "b")):
+        collected.outputs = [torch.tensor([[float(index)]])]
+        collected.add({"x": torch.zeros(1), "labels": [label]}, torch.tensor([index]), counted=True)
+    run = types.SimpleNamespace(reports_loss=True, dist=types.SimpleNamespace(world_size=1, dp_rank=0))
+    predictions, labels = collected.gathered(run)  # type: ignore[arg-type]
+    assert predictions.flatten().tolist() == [0.0, 1.0, 2.0] and labels == ["a", "b", "c"]
+    collected.close()

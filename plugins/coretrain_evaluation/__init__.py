@@ -160,7 +160,7 @@ def evaluate_split(
     if run.datasets.seq_length:  # a token-level loss: its exponential is the perplexity
         metrics[f"{split}/ppl"] = math.exp(min(metrics[f"{split}/loss"], 50.0))
     if collected is not None and compute_metrics is not None:
-        metrics.update(computed(compute_metrics, *collected.everyones(run), split))
+        metrics.update(computed(compute_metrics, *collected.gathered(run), split))
     return metrics
 
 

@@ -107,7 +107,7 @@ class Collected:
     def close(self) -> None:
         self._hook.remove()
 
-    def everyones(self, run: Run) -> tuple[torch.Tensor, Any]:
+    def gathered(self, run: Run) -> tuple[torch.Tensor, Any]:
         """Every rank's predictions and labels, in sample order (a stream's: rank by rank)."""
         mine = (self.predictions, self.labels, self.indices) if run.reports_loss else None
         shares: list[Any] = [mine] if mine is not None else []
@@ -127,8 +127,9 @@ class Collected:
         if len(indices) != len(predictions) or not indices:
             return joined, joined_labels
         order = torch.argsort(torch.cat(indices), stable=True)
-        in_order = joined_labels[order] if isinstance(joined_labels, torch.Tensor) else joined_labels
-        return joined[order], in_order
+        if isinstance(joined_labels, list):  # labels that are no tensors (strings) follow the same order
+            return joined[order], [joined_labels[i] for i in order.tolist()]
+        return joined[order], (joined_labels[order] if joined_labels is not None else None)
 
 
 def concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
