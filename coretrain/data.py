@@ -66,7 +66,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
         moved = [to_device(b, device) for b in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # a namedtuple: by position
+        if hasattr(batch, "_fields"):  # a namedtuple takes its fields by position
+            return type(batch)(*moved)
+        return type(batch)(moved)
     return {k: to_device(v, device) for k, v in batch.items()} if isinstance(batch, Mapping) else batch
 
 

@@ -89,12 +89,23 @@ def split_output(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             "turn its outputs into one"
         )
     loss = one_value(items["loss"])
-    extras = {
-        name: value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value), device=loss.device)
-        for name, value in items.items()
-        if name != "loss" and (type(value) in (int, float) or isinstance(value, torch.Tensor) and value.numel() == 1)
-    }  # a number the model took off the device itself (acc.item()) is logged as a tensor is
+    extras = {}
+    for name, value in items.items():
+        logged = logged_value(value, loss.device) if name != "loss" else None
+        if logged is not None:
+            extras[name] = logged
     return loss, extras
+
+
+def logged_value(value: Any, device: torch.device) -> torch.Tensor | None:
+    """What is logged for a value the model returned beside its loss: a one-value tensor, or a
+    number the model took off the device itself (``acc.item()``); None for anything else (a
+    bool is a flag, not a metric)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value.numel() == 1 else None
+    if type(value) in (int, float):
+        return torch.tensor(float(value), device=device)
+    return None
 
 
 def one_value(loss: Any) -> torch.Tensor:

@@ -175,8 +175,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         return {"layout": "sharded" if sharded else "replicated", "evaluated": []}
     try:
         text = path.read_text(encoding="utf-8")
-        if nesting(text) > MAX_NESTING:  # a crafted file: the parser would recurse to the interpreter's limit
-            raise ValueError(f"arrays or objects nested {nesting(text)} deep (at most {MAX_NESTING})")
+        depth = nesting(text)
+        if depth > MAX_NESTING:  # a crafted file: the parser would recurse to the interpreter's limit
+            raise ValueError(f"arrays or objects nested {depth} deep (at most {MAX_NESTING})")
         data = json.loads(text)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointUnreadable(path, f"cannot read the manifest: {type(exc).__name__}: {exc}") from None
@@ -191,8 +192,10 @@ interpreter's recursion limit any finalizer or signal handler that runs fails wi
 
 def nesting(text: str) -> int:
     """How deep JSON ``text`` nests arrays and objects, counted without recursing."""
+    unquoted = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)  # a string may hold brackets
+    brackets = re.sub(r"[^\[\]{}]", "", unquoted)
     depth = deepest = 0
-    for bracket in re.sub(r"[^\[\]{}]", "", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)):  # strings left out
+    for bracket in brackets:
         depth += 1 if bracket in "[{" else -1
         deepest = max(deepest, depth)
     return deepest
