@@ -65,10 +65,8 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
-        moved = [to_device(b, device) for b in batch]
-        if hasattr(batch, "_fields"):  # a namedtuple takes its fields by position
-            return type(batch)(*moved)
-        return type(batch)(moved)
+        moved = [to_device(b, device) for b in batch]  # a namedtuple takes them by position, not as one list
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     return {k: to_device(v, device) for k, v in batch.items()} if isinstance(batch, Mapping) else batch
 
 

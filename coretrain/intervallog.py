@@ -80,8 +80,12 @@ class IntervalLog:
         metrics = {name: value / by[name] for name, value in zip([*series, *extra], sums)}
         if run.grad_scaler is not None:  # fp16: the scale the next step multiplies the loss by
             metrics["loss_scale"] = run.grad_scaler.get_scale()
-        counts = {"global_batch_size": run.global_batch_size, "consumed_samples": run.state.consumed_samples}
-        counts |= {"skipped_updates": run.state.skipped_updates, "skipped_steps": self.skipped}
+        counts = {
+            "global_batch_size": run.global_batch_size,
+            "consumed_samples": run.state.consumed_samples,
+            "skipped_updates": run.state.skipped_updates,
+            "skipped_steps": self.skipped,
+        }
         metrics.update({name: float(count) for name, count in counts.items()})
         self.losses, self.steps, self.grad_norms, self.values, self.skipped = [], [], [], {}, 0
         return metrics

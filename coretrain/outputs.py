@@ -89,12 +89,8 @@ def split_output(output: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             "turn its outputs into one"
         )
     loss = one_value(items["loss"])
-    extras = {}
-    for name, value in items.items():
-        logged = logged_value(value, loss.device) if name != "loss" else None
-        if logged is not None:
-            extras[name] = logged
-    return loss, extras
+    logged = {name: logged_value(value, loss.device) for name, value in items.items() if name != "loss"}
+    return loss, {name: value for name, value in logged.items() if value is not None}
 
 
 def logged_value(value: Any, device: torch.device) -> torch.Tensor | None:
@@ -103,9 +99,7 @@ def logged_value(value: Any, device: torch.device) -> torch.Tensor | None:
     bool is a flag, not a metric)."""
     if isinstance(value, torch.Tensor):
         return value.detach() if value.numel() == 1 else None
-    if type(value) in (int, float):
-        return torch.tensor(float(value), device=device)
-    return None
+    return torch.tensor(float(value), device=device) if type(value) in (int, float) else None
 
 
 def one_value(loss: Any) -> torch.Tensor:

@@ -6,6 +6,7 @@ once every file is durable. Everything that names or finds a step directory is h
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -193,12 +194,8 @@ interpreter's recursion limit any finalizer or signal handler that runs fails wi
 def nesting(text: str) -> int:
     """How deep JSON ``text`` nests arrays and objects, counted without recursing."""
     unquoted = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)  # a string may hold brackets
-    brackets = re.sub(r"[^\[\]{}]", "", unquoted)
-    depth = deepest = 0
-    for bracket in brackets:
-        depth += 1 if bracket in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
+    steps = [1 if bracket in "[{" else -1 for bracket in re.sub(r"[^\[\]{}]", "", unquoted)]
+    return max(itertools.accumulate(steps), default=0)  # the deepest the running depth goes
 
 
 def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
