@@ -25,7 +25,7 @@ _DEFINED_IN = {
     "coretrain.dist": ("DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks"),
     "coretrain.data": ("fetch", "to_device", "SampleOrder"),
     "coretrain.loader": ("is_stream", "SplitBatches", "loader_settings"),
-    "coretrain.outputs": ("forward", "model_outputs", "NUM_TOKENS"),
+    "coretrain.outputs": ("forward", "model_outputs", "inputs_and_target", "NUM_TOKENS"),
     "coretrain.gradnorm": ("gradient_norm", "clip_to"),
     "coretrain.errors": ("UserError", "require"),
     "coretrain.configload": ("config_as_dict",),
@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.hookspecs import HOOK_API, Outcome
     from coretrain.loader import SplitBatches, is_stream, loader_settings
     from coretrain.markers import hookimpl, hookspec
-    from coretrain.outputs import NUM_TOKENS, forward, model_outputs
+    from coretrain.outputs import NUM_TOKENS, forward, inputs_and_target, model_outputs
     from coretrain.pluginmanager import field_defaults
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
@@ -73,7 +73,7 @@ __all__ = [
     "Run", "TrainState", "StepOutputs", "Datasets", "DatasetContext", "Scheduler",  # what hooks receive
     "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "is_sharded",  # ranks
     "fetch", "to_device", "SampleOrder", "is_stream", "SplitBatches", "loader_settings",  # data
-    "forward", "model_outputs", "NUM_TOKENS", "gradient_norm", "clip_to",  # models
+    "forward", "model_outputs", "inputs_and_target", "NUM_TOKENS", "gradient_norm", "clip_to",  # models
     "UserError", "require", "config_as_dict", "config_changes",  # errors, configs
     "find_checkpoint", "step_dir", "step_dirs", "linked_step", "read_manifest", "read_weights",  # checkpoints
     "SHARED_PARAMETERS", "rng_state", "set_rng_state",  # (the random streams, as a checkpoint holds them)

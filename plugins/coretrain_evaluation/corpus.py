@@ -17,12 +17,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from coretrain_losses import logits_in
 
-from coretrain import Run, UserError
+from coretrain import Run, UserError, inputs_and_target
 
 KEY = "plugins.evaluation.compute_metrics"
-TARGET_KEYS = ("labels", "label", "label_ids")
-"""A dict batch's target, under the names transformers' data collators give it."""
 
 
 def import_metrics(path: str) -> Callable[..., Any]:
@@ -38,25 +37,6 @@ def import_metrics(path: str) -> Callable[..., Any]:
     if not callable(function):
         raise UserError(f"{KEY}: '{path}' is not callable")
     return function  # type: ignore[no-any-return]
-
-
-def predictions_of(output: Any) -> torch.Tensor | None:
-    """The model's per-sample outputs: a tensor, its ``logits``, or a tuple's first tensor with a batch dimension."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)):
-        return next((item for item in output if isinstance(item, torch.Tensor) and item.dim() > 0), None)
-    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
-    return logits if isinstance(logits, torch.Tensor) else None
-
-
-def labels_of(batch: Any) -> Any:
-    """The batch's target: its last item, or its ``labels`` (``label``, ``label_ids``); None without one."""
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return batch[-1]
-    if isinstance(batch, Mapping):
-        return next((batch[key] for key in TARGET_KEYS if key in batch), None)
-    return None
 
 
 class Collected:
@@ -88,7 +68,7 @@ class Collected:
         outputs, self.outputs = self.outputs, []
         if not counted:
             return
-        predictions = predictions_of(outputs[-1]) if outputs else None
+        predictions = logits_in(outputs[-1]) if outputs else None
         if predictions is None:
             what = type(outputs[-1]).__name__ if outputs else "nothing (a plugin ran the forward in parts)"
             raise UserError(
@@ -96,7 +76,7 @@ class Collected:
                 "object with 'logits', or a tuple starting with them"
             )
         self.predictions.append(predictions.detach().cpu())
-        labels = labels_of(batch)
+        labels = inputs_and_target(batch)[1]
         self.labels.append(labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels)
         if chunk is not None:
             self.indices.append(chunk)

@@ -19,13 +19,22 @@ from coretrain import UserError
 __all__ = ["cross_entropy", "mse"]
 
 
+def logits_in(output: Any) -> torch.Tensor | None:
+    """The model's outputs as a tensor, or None: a tensor, the ``logits`` of a dict or an object (a
+    Hugging Face ``ModelOutput``), or a tuple's first tensor with a batch dimension (nanoGPT's
+    ``(logits, loss)``, transformers' ``(loss, logits, ...)`` with ``return_dict=False``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((item for item in output if isinstance(item, torch.Tensor) and item.dim() > 0), None)
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
 def logits_of(output: Any) -> torch.Tensor:
-    """The model's outputs: a tensor, the ``logits`` of a dict or an object (a Hugging Face
-    ``ModelOutput``), or the first item of a tuple (nanoGPT's ``(logits, loss)``, called without
-    targets, and transformers' ``return_dict=False`` outputs start with the logits)."""
-    first = output[0] if isinstance(output, (tuple, list)) and output else output
-    logits = first.get("logits") if isinstance(first, dict) else getattr(first, "logits", first)
-    if not isinstance(logits, torch.Tensor):
+    """:func:`logits_in`, or one error saying what a loss needs."""
+    logits = logits_in(output)
+    if logits is None:
         raise UserError(
             f"model.loss: the model returned a {type(output).__name__}, which holds no logits; return a tensor, "
             "a dict or object with 'logits', or a tuple whose first item is the logits"

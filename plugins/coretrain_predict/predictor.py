@@ -11,9 +11,8 @@ from typing import Any, cast
 
 import torch
 from attrs import define, field
-from coretrain_evaluation.corpus import labels_of
 
-from coretrain import Run, SplitBatches, UserError, hookimpl, is_stream, model_outputs
+from coretrain import Run, SplitBatches, UserError, hookimpl, inputs_and_target, is_stream, model_outputs
 from coretrain_predict.hookspecs import PredictSpecs
 
 log = logging.getLogger("coretrain")
@@ -113,7 +112,7 @@ class Predictor:
                 held_back = False
         values = per_sample(output, size)
         if target is None and own is None and run.loss_fn is None:  # the model was given its target: read it too
-            target = labels_of(batch)
+            target = inputs_and_target(batch)[1]
         if "output" in values and (run.config.model.loss == "cross_entropy" or scores(values, target)):
             values = {"prediction": values["output"].argmax(-1), **values}  # class ids (per position for an LM)
         values = {
