@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -104,14 +105,12 @@ class Predictor:
         size = len(target) if target is not None else batch_size(batch)
         if not run.reports_loss:  # a part of the model without outputs: placeholders, not written
             return [{} for _ in range(size)]
-        held_back = own is None and run.loss_fn is None and not has_per_sample(output, size)
-        if held_back:  # it returned its loss: called without the target, a model (an LM) gives its outputs
-            try:
+        own_loss = own is None and run.loss_fn is None  # the model was given its target and returned its loss
+        if own_loss and not has_per_sample(output, size):  # called without the target, a model (an LM) gives
+            with contextlib.suppress(TypeError, ValueError):  # its outputs; if it cannot be, per_sample says so
                 output, target = model_outputs(run, batch, hold_target=True)
-            except (TypeError, ValueError):  # it cannot be called so: per_sample says what to do instead
-                held_back = False
         values = per_sample(output, size)
-        if target is None and own is None and run.loss_fn is None:  # the model was given its target: read it too
+        if own_loss and target is None:  # the target it was given
             target = inputs_and_target(batch)[1]
         if "output" in values and (run.config.model.loss == "cross_entropy" or scores(values, target)):
             values = {"prediction": values["output"].argmax(-1), **values}  # class ids (per position for an LM)
