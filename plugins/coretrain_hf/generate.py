@@ -32,12 +32,19 @@ def prompt_tokenizer(run: Run, model_path: str | None) -> Any:
     return load_tokenizer(data_tokenizer, "data.options.tokenizer", NEEDED_BY, trusted)
 
 
-def generate(run: Run, model_path: str | None, prompts: list[str], options: dict[str, Any]) -> list[dict[str, Any]]:
-    """Greedy (or sampled, with ``do_sample``) continuations, left-padded as decoders need."""
+def padding_tokenizer(run: Run, model_path: str | None) -> Any:
+    """:func:`prompt_tokenizer`, with a pad token (its EOS, else its UNK) when it has none:
+    texts of different lengths go through the model together."""
     tokenizer = prompt_tokenizer(run, model_path)
-    tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def generate(run: Run, model_path: str | None, prompts: list[str], options: dict[str, Any]) -> list[dict[str, Any]]:
+    """Greedy (or sampled, with ``do_sample``) continuations, left-padded as decoders need."""
+    tokenizer = padding_tokenizer(run, model_path)
+    tokenizer.padding_side = "left"
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(run.device)
     settings: dict[str, Any] = {
         "max_new_tokens": options.get("max_new_tokens") or 32,
@@ -57,16 +64,15 @@ def classify(run: Run, model_path: str | None, texts: list[str]) -> list[dict[st
     training data was by ``tokenizer(text)``: special tokens added, padded on the right."""
     import torch
 
-    tokenizer = prompt_tokenizer(run, model_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    tokenizer = padding_tokenizer(run, model_path)
     encoded = tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(run.device)
     hf = wrapped_model(run.unwrapped_model)
     with torch.no_grad():
         logits = hf(**encoded).logits.float()
-    scores, classes = logits.softmax(-1).max(-1)
+    probabilities, classes = logits.softmax(-1).max(-1)
     names = getattr(hf.config, "id2label", None) or {}
-    return [
-        {"prompt": text, "prediction": int(c), "label": names.get(int(c), str(int(c))), "score": float(p), "output": o}
-        for text, c, p, o in zip(texts, classes, scores, logits.tolist())
-    ]
+    records = []
+    for text, chosen, probability, output in zip(texts, classes.tolist(), probabilities.tolist(), logits.tolist()):
+        label = names.get(chosen, str(chosen))
+        records.append({"prompt": text, "prediction": chosen, "label": label, "score": probability, "output": output})
+    return records
