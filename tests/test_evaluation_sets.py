@@ -264,7 +264,7 @@ def test_predictions_and_labels_that_are_not_tensors_are_put_in_sample_order_ali
 
     from coretrain_evaluation.corpus import Collected
 
-    collected = Collected(torch.nn.Identity())
+    collected = Collected(torch.nn.Identity(), lambda predictions, labels: {})
     collected.start()
     for index, label in ((2, "c"), (0, "a"), (1, "b")):
         collected.outputs = [torch.tensor([[float(index)]])]

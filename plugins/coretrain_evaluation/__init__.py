@@ -39,7 +39,7 @@ from coretrain import (
     is_stream,
     sum_over_ranks,
 )
-from coretrain_evaluation.corpus import Collected, computed, import_metrics
+from coretrain_evaluation.corpus import Collected, import_metrics
 
 if TYPE_CHECKING:
     from coretrain_evaluation.hookspecs import EvaluationSpecs
@@ -113,11 +113,10 @@ def evaluate_split(
     run: Run,
     batches: SplitBatches,
     split: str,
-    compute_metrics: Callable[..., Any] | None = None,
     collected: Collected | None = None,
 ) -> dict[str, float]:
     """``SPLIT/NAME`` means over every sample the ranks read, with one collective; and
-    ``compute_metrics``' metrics of the whole split (:mod:`coretrain_evaluation.corpus`)."""
+    with ``collected``, ``compute_metrics``' metrics of the whole split (:mod:`coretrain_evaluation.corpus`)."""
     model = run.model
     own = (
         cast("EvaluationSpecs", run.plugins.calls.hook).forward_batch
@@ -159,8 +158,8 @@ def evaluate_split(
         metrics[f"{split}/loss"] = sums["loss"] / tokens
     if run.datasets.seq_length:  # a token-level loss: its exponential is the perplexity
         metrics[f"{split}/ppl"] = math.exp(min(metrics[f"{split}/loss"], 50.0))
-    if collected is not None and compute_metrics is not None:
-        metrics.update(computed(compute_metrics, *collected.gathered(run), split))
+    if collected is not None:
+        metrics.update(collected.metrics(run, split))
     return metrics
 
 
@@ -186,8 +185,8 @@ class Evaluation:
         if self._batches.get(split, (None,))[0] != block:  # index chunks and workers made once, reused
             self._batches[split] = (block, split_batches(run, dataset, block))
         if self._metrics is not None and self._collected is None:
-            self._collected = Collected(run.model)
-        return evaluate_split(run, self._batches[split][1], split, self._metrics, self._collected)
+            self._collected = Collected(run.model, self._metrics)
+        return evaluate_split(run, self._batches[split][1], split, self._collected)
 
     @hookimpl
     def on_datasets(self, run: Run) -> None:

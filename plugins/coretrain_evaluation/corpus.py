@@ -46,7 +46,9 @@ class Collected:
     (:meth:`start`): one registered afresh for each would change the module's hooks, which a
     compiled model guards on — every evaluation would compile it again."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, function: Callable[..., Any]) -> None:
+        self.function = function
+        """The user's ``compute_metrics``."""
         self.outputs: list[Any] = []
         self.predictions: list[torch.Tensor] = []
         self.labels: list[Any] = []
@@ -83,6 +85,10 @@ class Collected:
 
     def stop(self) -> None:
         self.active = False
+
+    def metrics(self, run: Run, split: str) -> dict[str, float]:
+        """The function's metrics of the evaluation just run, over every rank's samples."""
+        return computed(self.function, *self.gathered(run), split)
 
     def close(self) -> None:
         self._hook.remove()
