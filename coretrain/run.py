@@ -81,6 +81,10 @@ class Datasets:
     seq_length: int | None = None
     """Tokens per sample, for tokens/s and for model defaults."""
     vocab_size: int | None = None
+    tokenizer: Any = None
+    """What turns text into these token ids and back (``encode``, ``decode``): a transformers
+    tokenizer or a provider's own (``text-bytes``: UTF-8 bytes), for commands given text
+    (``predict --data``). None: no known one (the ``tokenizer`` plugin fills in ``[tokenizer]``)."""
     collate_fn: Any = None
     """Turns a list of samples into a batch; None = torch's default_collate (``data.collate_fn``
     in the config takes precedence)."""

@@ -7,8 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_here
 
+import coretrain
+from coretrain import hookimpl
 from coretrain.testing import tiny_config, write_config
 
 
@@ -111,7 +114,7 @@ def test_checkpoint_choice_split_and_parquet(tmp_path: Path, cli: Any) -> None:
         (("--out", "x.csv"), "no plugin writes .csv files; use .jsonl or .parquet"),
         (("--out", "."), "--out .: is a directory; give a file name"),
         (("--out", "c.toml/p.jsonl"), "--out c.toml/p.jsonl: a folder on its path is a file"),
-        (("--data", "prompts.jsonl"), "--data prompts.jsonl: the model provider 'workloads:cnn' does not generate"),
+        (("--data", "prompts.jsonl"), "--data: the data provider 'workloads:digits' names no tokenizer"),
     ],
 )
 def test_bad_choices_are_one_clear_error(tmp_path: Path, cli: Any, args: tuple[str, ...], message: str) -> None:
@@ -162,11 +165,24 @@ def test_two_ranks_write_the_same_file_as_one(tmp_path: Path) -> None:
     assert run_here("run", str(config), cwd=tmp_path, env=tests).returncode == 0
     one = run_here("predict", str(config), "--out", str(tmp_path / "p1.jsonl"), cwd=tmp_path, env=tests)
     assert one.returncode == 0, one.stderr
-    in_one_job(tmp_path, 2, [["predict", str(config), "--out", str(tmp_path / "p2.jsonl")]], "predict", env=tests)
+    # and a GPT's sampled continuations of five prompts, three on one rank and two on the other
+    lm = config_file(tmp_path / "lm" / "c.toml", gpt_preset(tmp_path / "lm" / "out"), train_iters=20, eval_iters=0)
+    assert run_here("run", str(lm), cwd=tmp_path).returncode == 0
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(5)))
+    sample = ["predict", str(lm), "--data", str(prompts), "--temperature", "1.0", "--max-new-tokens", "8"]
+    assert run_here(*sample, "--out", str(tmp_path / "g1.jsonl"), cwd=tmp_path).returncode == 0
+    jobs = [
+        ["predict", str(config), "--out", str(tmp_path / "p2.jsonl")],
+        [*sample, "--out", str(tmp_path / "g2.jsonl")],
+        [*sample, "--set", 'distributed.strategy="fsdp"', "--out", str(tmp_path / "g3.jsonl")],  # forwards: collectives
+    ]
+    in_one_job(tmp_path, 2, jobs, "predict", env=tests)
     one, two = records(tmp_path / "p1.jsonl"), records(tmp_path / "p2.jsonl")
     assert [r["index"] for r in two] == list(range(201))
     assert [r["prediction"] for r in one] == [r["prediction"] for r in two]
     assert all(a["output"] == pytest.approx(b["output"], abs=1e-5) for a, b in zip(one, two))
+    assert records(tmp_path / "g2.jsonl") == records(tmp_path / "g1.jsonl") == records(tmp_path / "g3.jsonl")
 
 
 @pytest.mark.parametrize(("count", "world", "size"), [(634, 4, 3), (10, 4, 2), (7, 3, 8), (3, 4, 1), (0, 2, 2)])
@@ -179,3 +195,111 @@ def test_every_rank_predicts_in_as_many_batches_each_sample_once(count: int, wor
     assert sorted(i for chunks, _ in shares for chunk in chunks for i in chunk) == list(range(count))
     assert len({len(chunks) + len(fillers) for chunks, fillers in shares}) == 1
     assert all(len(chunk) <= size for chunks, _ in shares for chunk in chunks)
+
+
+# --------------------------------------------------------------------------- prompts to a causal LM
+
+
+class KeepModel:
+    """The trained model as the run ends: the weights predict restores from the last checkpoint."""
+
+    model: Any = None
+
+    @hookimpl
+    def on_train_end(self, run: Any) -> None:
+        self.model = run.unwrapped_model.eval()
+
+
+def predict_prompts(cli: Any, config: Path, prompts: list[str], *options: str) -> list[dict[str, Any]]:
+    data, out = config.parent / "prompts.jsonl", config.parent / f"gen{len(options)}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in prompts))
+    result = cli("predict", str(config), "--data", str(data), "--out", str(out), *options, cwd=config.parent)
+    assert result.returncode == 0, result.stderr
+    return records(out)
+
+
+def test_prompts_to_the_first_party_gpt_on_bytes_get_its_greedy_continuation(tmp_path: Path, cli: Any) -> None:
+    """The quickstart's model and data: each prompt's bytes, then the argmax byte after each, its
+    context cropped to the last seq_length (32) bytes; sampling is seeded per prompt and draws
+    bytes only, not the padded vocabulary's other ids."""
+    for name in ("a.txt", "b.txt"):  # a text whose next byte depends on the ones before
+        (tmp_path / name).write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    preset = gpt_preset(tmp_path / "out")
+    preset["data"]["options"]["globs"] = [str(tmp_path / "*.txt")]
+    preset["model"]["options"]["make_vocab_size_divisible_by"] = 384  # 128 ids that are no byte, as Megatron pads
+    config = config_file(tmp_path / "c.toml", preset, train_iters=100, eval_iters=0)
+    keep = KeepModel()
+    assert coretrain.train(config, plugins={"keep": keep}).outcome == "completed"
+    long = "the lazy dog\nthe quick brown fox jumps"  # 38 bytes: more than the window
+    prompts = ["the quick ", "over the", long, long[-32:]]
+    greedy = predict_prompts(cli, config, prompts, "--max-new-tokens", "12")
+    assert [(r["index"], r["prompt"]) for r in greedy] == list(enumerate(prompts))
+    for record in greedy[:2]:  # one forward over prompt and completion: each new byte was the argmax
+        prompt, completion = record["prompt"].encode(), record["completion"].encode()
+        assert len(completion) == 12, record
+        with torch.no_grad():
+            logits = keep.model(torch.tensor([list(prompt + completion)]))[0]
+        assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == list(completion), record
+    assert greedy[2]["completion"] == greedy[3]["completion"]  # only the last 32 bytes are seen
+
+    sampled = predict_prompts(cli, config, prompts, "--temperature", "1.0", "--top-p", "0.9")
+    assert sampled == predict_prompts(
+        cli, config, prompts, "--temperature", "1.0", "--top-p", "0.9", "--batch-size", "1"
+    )
+    assert [r["completion"] for r in sampled] != [r["completion"] for r in greedy]
+    hot = predict_prompts(cli, config, prompts, "--temperature", "50", "--top-p", "0.9")  # near uniform, yet
+    assert all(hot[i]["completion"] != sampled[i]["completion"] for i in range(4))  # never a padding id (no byte)
+
+    (tmp_path / "empty.jsonl").write_text('{"prompt": ""}\n')
+    empty = cli("predict", str(config), "--data", "empty.jsonl", "--out", "e.jsonl", cwd=tmp_path)
+    assert empty.returncode == 2 and "--data: a prompt is empty (it encodes to no tokens)" in empty.stderr
+
+
+def test_a_nanogpt_model_on_token_files_continues_prompts_through_the_runs_tokenizer(
+    tmp_path: Path, cli: Any, tokenizer_dir: Path
+) -> None:
+    """nanoGPT's way: train.bin / val.bin of a tokenizer's ids, a model that returns the last
+    position's logits only when called without targets, its vocabulary padded past the
+    tokenizer's; ``[tokenizer]`` names the tokenizer, which turns prompts into ids and back."""
+    import numpy as np
+    from conftest import PROSE
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = np.array([i for text in PROSE for i in tokenizer.encode(text + "\n")], dtype=np.uint16)
+    ids[: len(ids) * 9 // 10].tofile(tmp_path / "train.bin")
+    ids[len(ids) * 9 // 10 :].tofile(tmp_path / "val.bin")
+    files = {"train_path": str(tmp_path / "train.bin"), "valid_path": str(tmp_path / "val.bin"), "seq_length": 16}
+    config = tiny_config(
+        tmp_path / "out",
+        model={"provider": "workloads:nano_lm", "options": {"vocab_size": len(tokenizer) + 20}},
+        data={"provider": "token-file", "options": files},
+        train={"train_iters": 30, "eval_iters": 0},
+        optimizer={"lr": 0.05},
+        tokenizer={"path": str(tokenizer_dir)},
+    )
+    write_config(tmp_path / "c.toml", config)
+    keep = KeepModel()
+    assert coretrain.train(tmp_path / "c.toml", plugins={"keep": keep}).outcome == "completed"
+    prompts = ["The quick brown", "jumps over the"]
+    got = predict_prompts(cli, tmp_path / "c.toml", prompts, "--max-new-tokens", "6")
+
+    bigram = keep.model
+    for prompt, record in zip(prompts, got):
+        made = tokenizer.encode(prompt)
+        for _ in range(6):  # the bigram's argmax over the tokenizer's ids (not the padding's)
+            with torch.no_grad():
+                made.append(int(bigram.lm_head(bigram.wte(torch.tensor(made[-1])))[: len(tokenizer)].argmax()))
+        new = made[len(tokenizer.encode(prompt)) :]
+        new = new[: new.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new
+        assert record["completion"] == tokenizer.decode(new), record
+
+
+def test_nucleus_keeps_the_fewest_tokens_that_reach_top_p_and_until_cuts_at_the_end_token() -> None:
+    from coretrain_predict.sampling import nucleus, until
+
+    logits = torch.tensor([0.5, 0.2, 0.25, 0.05]).log()
+    assert nucleus(logits, 0.6).tolist() == pytest.approx([0.5 / 0.75, 0.0, 0.25 / 0.75, 0.0])
+    assert nucleus(logits, 0.4).tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])  # the first is always kept
+    assert nucleus(logits, None).tolist() == pytest.approx([0.5, 0.2, 0.25, 0.05])
+    assert until([5, 6, 2, 7, 2], 2) == [5, 6] and until([5, 6], 2) == [5, 6] and until([5, 2], None) == [5, 2]

@@ -108,6 +108,7 @@ class HFSFT:
             test=test,
             seq_length=self.seq_length if self.packing else None,
             vocab_size=len(tokenizer),
+            tokenizer=tokenizer,
             collate_fn=collate,
         )
 

@@ -106,7 +106,14 @@ class HFText:
             raise UserError(
                 f"data.options: the files hold fewer than seq_length + 1 ({self.seq_length + 1}) tokens for training"
             )
-        return Datasets(train=train, valid=valid, test=test, seq_length=self.seq_length, vocab_size=len(tokenizer))
+        return Datasets(
+            train=train,
+            valid=valid,
+            test=test,
+            seq_length=self.seq_length,
+            vocab_size=len(tokenizer),
+            tokenizer=tokenizer,
+        )
 
 
 def blend(data_path: list[Any]) -> list[tuple[float, Path]]:

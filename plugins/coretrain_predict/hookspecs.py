@@ -23,12 +23,14 @@ class PredictSpecs(Protocol):
         hook API 1.8).
 
         Args: ``batch`` — a collated batch of the split on this rank's device (with ``--data
-        FILE``: ``{"prompt": [texts]}``); ``options`` — the command's generation options
-        (``max_new_tokens``, ``temperature``, ``top_p``, ``do_sample``; None where not given).
+        FILE``: ``{"prompt": [texts], "index": [their record numbers]}``); ``options`` — the
+        command's generation options (``max_new_tokens``, ``temperature``, ``top_p``,
+        ``do_sample``; None where not given).
         May change: nothing on ``run``; the model is in eval mode, gradients off.
         Returns: a list of JSON-able dicts, one per sample in batch order, or None when this
         plugin does not predict this batch (the first answer wins: the ``hf`` provider answers
-        prompts with ``generate``; the built-in answer writes the model's outputs per sample).
+        prompts with ``generate``; the built-in answer writes the model's outputs per sample, and
+        continues prompts with any causal LM through ``Datasets.tokenizer``).
         Ranks: every rank, its own share of the samples.
         """
 

@@ -15,6 +15,7 @@ from attrs import define, field
 
 from coretrain import Run, SplitBatches, UserError, hookimpl, inputs_and_target, is_stream, model_outputs
 from coretrain_predict.hookspecs import PredictSpecs
+from coretrain_predict.sampling import complete
 
 log = logging.getLogger("coretrain")
 
@@ -51,12 +52,6 @@ class Predictor:
                 zip(chunks + fillers, self._batches(run, samples, chunks + fillers))
             ):
                 answer = hooks.predict_step(run=run, batch=batch, options=self.options)
-                if answer is None and self.data is not None:
-                    raise UserError(
-                        f"--data {self.data}: the model provider '{run.config.model.provider}' does not generate"
-                        " text from prompts; a provider that answers predict_step does (the hf provider,"
-                        " with transformers' generate, or its classifier's classes), or predict a split with --split"
-                    )
                 if answer is None or len(answer) != len(chunk):
                     got = "no answer" if answer is None else f"{len(answer)} records"
                     raise UserError(f"predict: predict_step gave {got} for a batch of {len(chunk)} samples")
@@ -90,15 +85,15 @@ class Predictor:
         """Each chunk's batch on the device: prompts as they are, a split's samples read as an
         evaluation reads them (DataLoader workers included)."""
         if self.data is not None:
-            return ({"prompt": [samples[i] for i in chunk]} for chunk in chunks)
+            return ({"prompt": [samples[i] for i in chunk], "index": chunk} for chunk in chunks)
         return (batch for _, batch in SplitBatches(run, samples, [torch.tensor(chunk) for chunk in chunks]))
 
     @hookimpl(trylast=True)
-    def predict_step(self, run: Run, batch: Any) -> list[dict[str, Any]] | None:
+    def predict_step(self, run: Run, batch: Any, options: dict[str, Any]) -> list[dict[str, Any]] | None:
         """The model's outputs, one record per sample: ``prediction`` (the argmax) for logits of a
         model trained with ``model.loss = "cross_entropy"``, the outputs themselves, the target."""
-        if isinstance(batch, dict) and "prompt" in batch:
-            return None  # text in: only a model that generates can answer
+        if isinstance(batch, dict) and "prompt" in batch:  # text in: a causal LM's continuations
+            return complete(run, batch["prompt"], batch["index"], options)
         hooks = cast(PredictSpecs, run.plugins.calls.hook)
         own = hooks.predict_outputs(run=run, batch=batch) if run.plugins.implemented("predict_outputs") else None
         output, target = own or model_outputs(run, batch)

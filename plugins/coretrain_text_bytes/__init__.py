@@ -28,6 +28,19 @@ def is_valid_file(path: str, valid_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < valid_fraction
 
 
+class ByteTokenizer:
+    """Text to the ids this data holds and back: each UTF-8 byte is one token."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")  # a sampled byte may end mid-character
+
+
 @define(kw_only=True)
 class TextBytes:
     """Byte-level LM dataset over text files (default: the Python standard library source)."""
@@ -85,4 +98,4 @@ class TextBytes:
         valid = TokenWindows(read(valid_files, None), self.seq_length)
         if len(train) == 0 or len(valid) == 0:
             raise UserError(f"data.options.seq_length ({self.seq_length}) is longer than the text read; lower it")
-        return Datasets(train=train, valid=valid, seq_length=self.seq_length, vocab_size=256)
+        return Datasets(train=train, valid=valid, seq_length=self.seq_length, vocab_size=256, tokenizer=ByteTokenizer())

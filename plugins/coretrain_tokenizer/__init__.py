@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from attrs import define, field
 
-from coretrain import DatasetContext, Run, UserError, hookimpl, positive, require
+from coretrain import DatasetContext, Datasets, Run, UserError, hookimpl, positive, require
 
 log = logging.getLogger("coretrain")
 
@@ -163,7 +163,10 @@ class Tokenizer:
         if names_a_tokenizer(run) and context.tokenizer is None:
             context.tokenizer, _ = run_tokenizer(run, None, "tokenizer.path", "the run's [tokenizer]")
         self.handed = context.tokenizer
-        return (yield)
+        datasets = yield
+        if isinstance(datasets, Datasets) and datasets.tokenizer is None:  # a provider that names no tokenizer
+            datasets.tokenizer = context.tokenizer  # of its own reads the run's: it turns text into these ids
+        return datasets
 
 
 def padded_vocab(vocab_size: int, divisible_by: int | None, tp_size: int = 1) -> int:

@@ -1,0 +1,101 @@
+"""Continuations of prompts from a causal LM no plugin generates with: the first-party GPT,
+nanoGPT's own ``GPT``, a user's model — given the tokenizer its data came from
+(``Datasets.tokenizer``: text-bytes' bytes, the run's ``[tokenizer]``).
+
+Each prompt alone, one forward per new token over its last ``seq_length`` tokens (nanoGPT's
+``generate``, without a KV cache: for seeing what a model learned, not for serving). Alone,
+because a model may return the logits of its last position only (nanoGPT does without targets),
+which a padded batch would misplace; and every rank runs as many forwards as the rank with the
+most prompts (a sharded model's forward is a collective over the ranks). Sampling draws from a
+generator seeded by the run's seed and the prompt's index: the same completions on any number of
+ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from coretrain_losses import logits_in
+
+from coretrain import Run, UserError, max_over_ranks, model_outputs
+
+
+def complete(run: Run, prompts: list[str], indices: list[int], options: dict[str, Any]) -> list[dict[str, Any]]:
+    """``{"prompt", "completion"}`` for each prompt, greedy unless ``options`` asks to sample."""
+    tokenizer = text_tokenizer(run)
+    encoded = [list(tokenizer.encode(prompt)) for prompt in prompts]
+    if any(not ids for ids in encoded):
+        raise UserError("--data: a prompt is empty (it encodes to no tokens); give each record some text")
+    agreed = max_over_ranks(len(prompts))[0]  # the forwards of the rank with the most prompts
+    made: list[list[int]] = []
+    for number in range(agreed):
+        row = number if number < len(prompts) else 0  # beyond this rank's prompts: the first again, dropped
+        made.append(continuation(run, encoded[row], indices[row], options, vocabulary=len(tokenizer)))
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [{"prompt": prompt, "completion": tokenizer.decode(until(new, eos))} for prompt, new in zip(prompts, made)]
+
+
+def text_tokenizer(run: Run) -> Any:
+    """The tokenizer that made the training data's ids, or one error saying how to name it."""
+    tokenizer = run.datasets.tokenizer
+    if tokenizer is None:
+        raise UserError(
+            f"--data: the data provider '{run.config.data.provider}' names no tokenizer, so the prompts cannot "
+            'become its token ids; set [tokenizer] path = "DIR" (the save_pretrained directory the data was '
+            "tokenized with), or predict a split with --split"
+        )
+    if run.dist.cp_size > 1 or run.plugins.implemented("forward_batch"):  # the same on every rank
+        raise UserError(
+            "--data: the model is split over ranks (context or pipeline parallelism), so no rank has the logits "
+            "to sample from; run predict on a layout without them (a checkpoint loads on any layout)"
+        )
+    return tokenizer
+
+
+def continuation(run: Run, prompt: list[int], index: int, options: dict[str, Any], vocabulary: int) -> list[int]:
+    """``max_new_tokens`` token ids after ``prompt`` (greedy, or sampled at ``temperature`` / ``top_p``)."""
+    new_tokens = options.get("max_new_tokens") or 32
+    window = run.datasets.seq_length or len(prompt) + new_tokens  # the longest context the model was trained on
+    sampling = bool(options.get("do_sample")) or options.get("temperature") is not None
+    generator = torch.Generator(device=run.device).manual_seed(run.config.run.seed * 1_000_003 + index)
+    tokens = list(prompt)
+    for _ in range(new_tokens):
+        context = torch.tensor([tokens[-window:]], device=run.device)
+        output, _ = model_outputs(run, context, hold_target=False)  # under the run's precision
+        logits = last_logits(output)[:vocabulary]  # a padded vocabulary's ids decode to nothing
+        if sampling:
+            probabilities = nucleus(logits / (options.get("temperature") or 1.0), options.get("top_p"))
+            tokens.append(int(torch.multinomial(probabilities, 1, generator=generator)))
+        else:
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]
+
+
+def last_logits(output: Any) -> torch.Tensor:
+    """The next token's logits (vocabulary,) from a model's outputs for one sequence."""
+    logits = logits_in(output)
+    if logits is None or logits.dim() != 3:
+        got = type(output).__name__ if logits is None else f"logits of shape {tuple(logits.shape)}"
+        raise UserError(
+            f"--data: the model returned {got} for a batch of token ids; generating needs logits (batch, "
+            "positions, vocabulary): return them (a tensor, a dict's or object's 'logits', or a tuple's first item)"
+        )
+    full = logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # tensor parallelism's shards
+    return full[0, -1].float()
+
+
+def nucleus(logits: torch.Tensor, top_p: float | None) -> torch.Tensor:
+    """Probabilities of the smallest set of tokens whose mass reaches ``top_p`` (all: None)."""
+    probabilities = logits.softmax(-1)
+    if top_p is None or top_p >= 1:
+        return probabilities
+    ordered, order = probabilities.sort(descending=True)
+    outside = ordered.cumsum(-1) - ordered > top_p  # the first token is always kept
+    ordered[outside] = 0
+    return torch.zeros_like(probabilities).scatter(-1, order, ordered / ordered.sum())
+
+
+def until(ids: list[int], eos: int | None) -> list[int]:
+    """The ids before the first end-of-sequence token (a transformers tokenizer's), all without one."""
+    return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
