@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -108,6 +109,27 @@ def test_a_nanogpt_model_trains_as_it_is_on_the_bin_files_its_prepare_writes(tmp
         },
     )
     assert result.evals[-1]["valid/loss"] < 0.5 * math.log(96)  # far below uniform: it learnt the text
+    if sampling == "random":
+        return
+    # sample.py's way: prompts through the meta.pkl prepare.py wrote beside train.bin, read as data
+    import pickle
+
+    from conftest import run_here
+
+    chars = [chr(32 + i) for i in range(96)]
+    meta = {"vocab_size": 96, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps(meta))
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "the quick"}\n{"prompt": "lazy"}\n')
+    predict = ["predict", str(tmp_path / "run" / "config.toml"), "--data", str(tmp_path / "prompts.jsonl")]
+    done = run_here(*predict, "--out", str(tmp_path / "gen.jsonl"), "--max-new-tokens", "5", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    completions = [json.loads(line)["completion"] for line in (tmp_path / "gen.jsonl").read_text().splitlines()]
+    assert completions == [" the ", " the "]  # a bigram's: after "k" or "y" a space, after a space most often "t"
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "naïve"}\n')
+    unknown = run_here(*predict, "--out", str(tmp_path / "x.jsonl"), cwd=tmp_path)
+    assert (
+        unknown.returncode == 2 and "meta.pkl: the characters ['ï'] are not in this vocabulary of 96" in unknown.stderr
+    )
 
 
 def test_token_file_with_the_wrong_width_is_a_clear_error(tmp_path: Path) -> None:

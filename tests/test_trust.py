@@ -25,6 +25,8 @@ import pytest
 import torch
 from conftest import metrics_rows, run_cli, run_here, start_cli, write_tiny_gpt
 
+from coretrain.testing import tiny_config, write_config
+
 pytestmark = pytest.mark.slow  # crafted files, signals and locks through the CLI: the full suite, not the fast tier
 
 CKPT = Path("checkpoints")
@@ -171,6 +173,22 @@ def test_a_real_sharded_checkpoint_still_loads_through_the_restricted_readers(tm
         "checkpoint", "export", str(work / "out"), "--step", "4", "--to", str(tmp_path / "m.st"), cwd=work
     )
     assert exported.returncode == 0, exported.stderr
+
+
+def test_a_crafted_meta_pkl_beside_the_token_files_runs_nothing_and_is_named(tmp_path: Path) -> None:
+    """nanoGPT's meta.pkl is read beside train.bin without being named (as its sample.py finds it):
+    read as data, a pickle that calls a function is refused, in training as in predict."""
+    marker = tmp_path / "PWNED"
+    (tmp_path / "train.bin").write_bytes(bytes(range(64)) * 64)
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"itos": {0: "a"}, "stoi": Payload(marker)}))
+    options = {"train_path": str(tmp_path / "train.bin"), "seq_length": 8, "dtype": "uint16"}
+    config = tmp_path / "c.toml"
+    write_config(config, tiny_config(tmp_path / "out", data={"provider": "token-file", "options": options}))
+    result = run_here("run", str(config), cwd=tmp_path)
+    assert not marker.exists(), "the payload ran"
+    assert result.returncode == 2, result.stderr
+    line = one_error_line(result.stderr)
+    assert f"{tmp_path / 'meta.pkl'}: not read as nanoGPT's meta.pkl: it names posix.system" in line, line
 
 
 # --------------------------------------------------------------------------- 2. one run per directory

@@ -7,6 +7,7 @@ read through a memory map so only the windows a batch touches are paged in.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Literal
 
 from attrs import define, field
@@ -74,6 +75,10 @@ class TokenFile:
     sampling: Literal["windows", "random"] = "windows"
     """Training samples: non-overlapping windows, or windows at seeded random offsets
     (nanoGPT's get_batch), a fresh one for every sample of the run; validation stays fixed."""
+    meta_path: str | None = None
+    """nanoGPT's ``meta.pkl`` (its character vocabulary), read as data, never run: what
+    ``coretrain predict --data`` turns prompts into ids with; unset = the ``meta.pkl`` beside
+    ``train_path`` if there is one, as nanoGPT's ``sample.py`` finds it (else the run's ``[tokenizer]``)."""
 
     @hookimpl
     def provide_datasets(self, run: Run, context: Any) -> Any:
@@ -90,4 +95,18 @@ class TokenFile:
                 f"vocabulary: is dtype '{self.dtype}' right? (or set data.options.vocab_size)"
             )
         train = windows(train_tokens, self.seq_length, self.sampling, context.train_samples, context.seed)
-        return Datasets(train=train, valid=valid, seq_length=self.seq_length, vocab_size=vocab_size)
+        return Datasets(
+            train=train, valid=valid, seq_length=self.seq_length, vocab_size=vocab_size, tokenizer=self.vocabulary()
+        )
+
+    def vocabulary(self) -> Any:
+        """The character tokenizer of nanoGPT's ``meta.pkl``, or None without one."""
+        from coretrain import UserError
+        from coretrain_token_file.meta import read_meta
+
+        path = Path(self.meta_path) if self.meta_path else Path(self.train_path).with_name("meta.pkl")
+        if not path.is_file():
+            if self.meta_path:
+                raise UserError(f"data.options.meta_path: {path}: no such file (relative to {os.getcwd()})")
+            return None
+        return read_meta(path)
