@@ -80,6 +80,13 @@ def test_an_eval_interval_over_data_without_a_validation_split_is_said_once(
     caplog.clear()
     assert digits_run(tmp_path / "valid", "digits_clean_valid").evals
     assert not [r for r in caplog.records if "gave no validation split" in r.getMessage()]
+    # datasets' train_test_split: {"train", "test"}, its held-out part evaluated only at the end
+    digits_run(tmp_path / "split", "digits_by_split_name", options={"names": ["train", "test"]})
+    said = [r.getMessage() for r in caplog.records if "gave no validation split" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(
+        "(its test split is evaluated once, at the end; to evaluate it during training, return it as the "
+        "validation split: {'train': splits['train'], 'validation': splits['test']})"
+    ), said
 
 
 def test_random_splits_list_is_train_and_valid(tmp_path: Path) -> None:

@@ -205,11 +205,18 @@ class Evaluation:
         asks = bool(train.eval_interval) and bool(train.eval_full or train.eval_iters)
         if not asks or run.datasets.sets("valid") or not run.dist.is_main:
             return
+        fix = "give the data a valid split, or unset train.eval_interval"
+        if run.datasets.sets("test"):  # datasets' train_test_split names its held-out part "test"
+            fix = (
+                "its test split is evaluated once, at the end; to evaluate it during training, return it as the "
+                "validation split: {'train': splits['train'], 'validation': splits['test']}"
+            )
         log.warning(
             "train.eval_interval = %d, but data.provider %r gave no validation split: nothing is evaluated "
-            "during training (give the data a valid split, or unset train.eval_interval)",
+            "during training (%s)",
             train.eval_interval,
             run.config.data.provider,
+            fix,
         )
 
     @hookimpl
