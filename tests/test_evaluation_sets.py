@@ -209,6 +209,42 @@ def test_compute_metrics_sees_every_sample_of_the_split_once_in_order(tmp_path: 
         assert logged["valid/acc"] == pytest.approx(logged["valid/accuracy"], rel=1e-6)
 
 
+@pytest.mark.parametrize("transformers_imported", [False, True])
+def test_a_compute_metrics_written_for_the_trainer_gets_an_eval_prediction_of_numpy_arrays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transformers_imported: bool
+) -> None:
+    """The Hugging Face course's ``compute_metrics(eval_pred)``: ``logits, labels = eval_pred``,
+    numpy's argmax, ``eval_pred.label_ids``; transformers' own ``EvalPrediction`` when it is imported."""
+    import sys
+
+    import numpy as np
+    import workloads
+
+    if transformers_imported:
+        import transformers
+    else:
+        monkeypatch.delitem(sys.modules, "transformers", raising=False)
+    workloads.HANDED.clear()
+    result = run_steps(
+        tmp_path,
+        6,
+        config={
+            "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+            "data": {"provider": "workloads:digits"},
+            "train": {"eval_full": True, "eval_interval": 6},
+        },
+        tables={"evaluation": {"compute_metrics": "workloads:trainer_metrics"}},
+    )
+    logged = [e for e in result.evals if "valid/loss" in e][-1]
+    assert logged["valid/labels_seen"] == 359
+    assert logged["valid/trainer_accuracy"] == pytest.approx(logged["valid/accuracy"], rel=1e-6)
+    handed = workloads.HANDED[0]
+    assert isinstance(handed.predictions, np.ndarray) and handed.predictions.shape == (359, 10)
+    assert isinstance(handed.label_ids, np.ndarray) and handed.label_ids.dtype == np.int64
+    if transformers_imported:
+        assert isinstance(handed, transformers.EvalPrediction)
+
+
 @pytest.mark.parametrize(
     ("path", "words"),
     [

@@ -13,8 +13,10 @@ order, so the function sees the split as one process would, on every rank alike.
 from __future__ import annotations
 
 import importlib
+import inspect
+import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from coretrain_losses import logits_in
@@ -130,9 +132,40 @@ def concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(padded)
 
 
+class EvalPrediction(NamedTuple):
+    """What the Hugging Face ``Trainer`` hands a ``compute_metrics`` of one parameter (its class when
+    transformers is imported): numpy arrays, read as ``p.predictions`` or ``logits, labels = p``."""
+
+    predictions: Any
+    label_ids: Any
+
+
+def as_numpy(value: Any) -> Any:
+    """A tensor as the Trainer hands it over: a numpy array, bf16 and fp16 as float32."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return (value.float() if value.is_floating_point() else value).numpy()
+
+
+def takes_one_argument(function: Callable[..., Any]) -> bool:
+    """``compute_metrics(eval_pred)``, the Trainer's form, rather than ``(predictions, labels)``."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 1 and not any(p.kind == p.VAR_POSITIONAL for p in parameters)
+
+
 def computed(function: Callable[..., Any], predictions: torch.Tensor, labels: Any, split: str) -> dict[str, float]:
-    """``function(predictions, labels)``'s metrics as ``SPLIT/NAME``; anything but numbers by name is one error."""
-    result = function(predictions, labels)
+    """The metrics as ``SPLIT/NAME`` of ``function(predictions, labels)`` (torch tensors), or of
+    ``function(eval_pred)`` (the Trainer's form); anything but numbers by name is one error."""
+    if takes_one_argument(function):
+        transformers = sys.modules.get("transformers")
+        kind = transformers.EvalPrediction if transformers is not None else EvalPrediction
+        result = function(kind(predictions=as_numpy(predictions), label_ids=as_numpy(labels)))
+    else:
+        result = function(predictions, labels)
     if not isinstance(result, Mapping):
         raise UserError(f"{KEY}: returned a {type(result).__name__}; return a dict of metrics by name")
     metrics = {}
