@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CORPUS, HF_MOE, STDLIB, forked_steps, hf_moe_table, metrics_rows
+from conftest import CORPUS, HF_MOE, STDLIB, forked_steps, hf_moe_table, in_one_job, metrics_rows
 from coretrain_checkpoint_command.export import export
 
 from coretrain import UserError, hookimpl
@@ -907,7 +907,9 @@ def test_the_compile_plugin_compiles_an_hf_model(tmp_path: Path, llama_dir: Path
 @pytest.mark.slow  # builds a run and generates: about 10 s
 def test_predict_generates_for_prompts_as_transformers_does(tmp_path: Path, tokenizer_dir: Path, cli: Any) -> None:
     """A downloaded model directory with its tokenizer; `coretrain predict --data prompts.jsonl`
-    writes each prompt's greedy continuation, the same text transformers' generate gives."""
+    writes each prompt's greedy continuation, the same text transformers' generate gives; a
+    temperature samples, the same draws run to run; with FSDP on two ranks, where one rank's
+    prompt ends at once (its first token is the model's EOS), the ranks generate in step."""
     model_dir = tmp_path / "model"
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
@@ -921,6 +923,8 @@ def test_predict_generates_for_prompts_as_transformers_does(tmp_path: Path, toke
             num_key_value_heads=2,
         )
     )
+    first = hf.generate(**tokenizer("x", return_tensors="pt", add_special_tokens=False), max_new_tokens=1)[0, -1]
+    hf.generation_config.eos_token_id = hf.config.eos_token_id = int(first)  # "x" ends at once
     hf.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     prompts = ["def add(a, b):", "The river", "x"]
@@ -940,6 +944,16 @@ def test_predict_generates_for_prompts_as_transformers_does(tmp_path: Path, toke
         assert record["completion"] == tokenizer.decode(
             expected[0, ids["input_ids"].shape[1] :], skip_special_tokens=True
         )
+    assert len(written[0]["completion"]) > len(written[2]["completion"]) == len(tokenizer.decode([first]))
+
+    predict = ["predict", str(config), "--checkpoint", "none", "--data", str(tmp_path / "prompts.jsonl")]
+    hot = [*predict, "--max-new-tokens", "6", "--temperature", "1.5"]
+    sampled = [cli(*hot, "--out", str(tmp_path / f"s{i}.jsonl"), cwd=tmp_path).returncode for i in (1, 2)]
+    assert sampled == [0, 0] and (tmp_path / "s1.jsonl").read_text() == (tmp_path / "s2.jsonl").read_text()
+    assert [json.loads(line) for line in (tmp_path / "s1.jsonl").read_text().splitlines()] != written
+    fsdp = ["--set", 'distributed.strategy="fsdp"', "--batch-size", "1", "--max-new-tokens", "6"]
+    in_one_job(tmp_path, 2, [[*predict, *fsdp, "--out", str(tmp_path / "fsdp.jsonl")]], "fsdp")  # "x" on rank 0
+    assert [json.loads(line) for line in (tmp_path / "fsdp.jsonl").read_text().splitlines()] == written
 
 
 # --------------------------------------------------------------------------- mixtures of experts
@@ -1161,16 +1175,21 @@ NO_PLUGINS = types.SimpleNamespace(get=lambda name: None)
 
 def test_predict_encodes_prompts_with_the_runs_tokenizer(tokenizer_dir: Path, llama_dir: Path) -> None:
     """A model directory without a tokenizer and a data provider without one: [tokenizer] path
-    is the tokenizer the prompts are encoded with (before it, `predict --data` had none)."""
+    is the tokenizer the prompts are encoded with (before it, `predict --data` had none); a data
+    provider's tokenizer that is no transformers one (text-bytes' bytes) is left to coretrain's
+    own sampler."""
     import types
 
     from coretrain_hf.generate import prompt_tokenizer
+    from coretrain_text_bytes import ByteTokenizer
 
     from coretrain.config import Config
 
     config = Config()
-    with pytest.raises(UserError, match="no tokenizer for the prompts: no \\[tokenizer\\] path"):
-        prompt_tokenizer(types.SimpleNamespace(config=config, plugins=NO_PLUGINS), str(llama_dir))
+    for data_tokenizer in (None, ByteTokenizer()):
+        data = types.SimpleNamespace(tokenizer=data_tokenizer)
+        run = types.SimpleNamespace(config=config, plugins=NO_PLUGINS, datasets=data)
+        assert prompt_tokenizer(run, str(llama_dir)) is None
     config.tokenizer.path = str(tokenizer_dir)
     tokenizer = prompt_tokenizer(types.SimpleNamespace(config=config, plugins=NO_PLUGINS), str(llama_dir))
     assert (

@@ -184,7 +184,7 @@ class HFModel:
 
         if self.task == "sequence-classification":
             return classify(run, self.path, batch["prompt"])
-        return generate(run, self.path, batch["prompt"], options)
+        return generate(run, self.path, batch, options)
 
     @hookimpl
     def export_model(

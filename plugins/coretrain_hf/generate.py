@@ -3,57 +3,85 @@ sequence classifier's class (as transformers' ``text-classification`` pipeline g
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from coretrain_predict.sampling import samples
 from coretrain_tokenizer import load_tokenizer, megatron_type, run_tokenizer
 
-from coretrain import Run, UserError
+from coretrain import Run, UserError, is_sharded
 from coretrain_hf.model import wrapped_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 NEEDED_BY = "coretrain predict"
 
 
-def prompt_tokenizer(run: Run, model_path: str | None) -> Any:
+@contextlib.contextmanager
+def root_gathered(run: Run) -> Iterator[None]:
+    """FSDP shards the run's model at its root, coretrain's wrapper around the transformers model;
+    ``generate`` and a direct call go around the wrapper, and so around the root's gathering of its
+    own parameters (embeddings, head): they are gathered here (each block still gathers its own)."""
+    unshard: Callable[[], Any] | None = getattr(run.model, "unshard", None)
+    if unshard is None:  # not FSDP
+        yield
+        return
+    unshard()
+    try:
+        yield
+    finally:
+        run.model.reshard()  # type: ignore[operator]  # FSDPModule's
+
+
+def prompt_tokenizer(run: Run, model_path: str | None) -> Any | None:
     """The run's ``[tokenizer]``; else the model directory's own (a downloaded model carries
-    one); else the data's."""
+    one); else the data's when it is a transformers tokenizer (``Datasets.tokenizer``); else None."""
     trusted = run.config.tokenizer.trust_remote_code
     if run.config.tokenizer.path is not None or megatron_type(run.plugins.get("tokenizer")) is not None:
         return run_tokenizer(run, None, "tokenizer.path", NEEDED_BY)[0]
     if model_path is not None and any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
         return load_tokenizer(model_path, "model.options.path", NEEDED_BY, trusted)
-    data_tokenizer = dict(run.config.data.options).get("tokenizer")
-    if not isinstance(data_tokenizer, str):
-        raise UserError(
-            "predict --data: no tokenizer for the prompts: no [tokenizer] path, model.options.path has "
-            "none, and data.options.tokenizer is not set"
-        )
-    return load_tokenizer(data_tokenizer, "data.options.tokenizer", NEEDED_BY, trusted)
+    data_tokenizer = run.datasets.tokenizer
+    return data_tokenizer if hasattr(data_tokenizer, "batch_decode") else None  # not text-bytes' bytes
 
 
-def padding_tokenizer(run: Run, model_path: str | None) -> Any:
+def padding_tokenizer(run: Run, model_path: str | None) -> Any | None:
     """:func:`prompt_tokenizer`, with a pad token (its EOS, else its UNK) when it has none:
     texts of different lengths go through the model together."""
     tokenizer = prompt_tokenizer(run, model_path)
-    if tokenizer.pad_token is None:
+    if tokenizer is not None and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return tokenizer
 
 
-def generate(run: Run, model_path: str | None, prompts: list[str], options: dict[str, Any]) -> list[dict[str, Any]]:
-    """Greedy (or sampled, with ``do_sample``) continuations, left-padded as decoders need."""
+def generate(
+    run: Run, model_path: str | None, batch: dict[str, Any], options: dict[str, Any]
+) -> list[dict[str, Any]] | None:
+    """transformers' ``generate``: greedy, or sampled when ``options`` asks (a temperature or
+    top-p alone samples, as ``coretrain predict --help`` says), left-padded as decoders need; None without a
+    transformers tokenizer (coretrain-plugins' own sampler then continues the prompts)."""
+    import torch
+
     tokenizer = padding_tokenizer(run, model_path)
+    if tokenizer is None:
+        return None
+    prompts = batch["prompt"]
     tokenizer.padding_side = "left"
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(run.device)
+    sampling = samples(options)
     settings: dict[str, Any] = {
         "max_new_tokens": options.get("max_new_tokens") or 32,
-        "do_sample": bool(options.get("do_sample")),
+        "do_sample": sampling,
         "pad_token_id": tokenizer.pad_token_id,
+        "synced_gpus": run.dist.world_size > 1 and is_sharded(run.model),  # a shard's forward waits for every rank
     }
     settings.update({name: options[name] for name in ("temperature", "top_p") if options.get(name) is not None})
+    if sampling:  # the batch's own draws: the same on the ranks of a tensor-parallel group, and run to run
+        torch.manual_seed(run.config.run.seed * 1_000_003 + batch["index"][0])
     hf = wrapped_model(run.unwrapped_model)
-    produced = hf.generate(**encoded, **settings)
+    with root_gathered(run):
+        produced = hf.generate(**encoded, **settings)
     completions = tokenizer.batch_decode(produced[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
     return [{"prompt": prompt, "completion": text} for prompt, text in zip(prompts, completions)]
 
@@ -65,9 +93,14 @@ def classify(run: Run, model_path: str | None, texts: list[str]) -> list[dict[st
     import torch
 
     tokenizer = padding_tokenizer(run, model_path)
+    if tokenizer is None:
+        raise UserError(
+            "predict --data: no tokenizer for the texts: no [tokenizer] path, model.options.path has none, and "
+            "the data provider names none"
+        )
     encoded = tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(run.device)
     hf = wrapped_model(run.unwrapped_model)
-    with torch.no_grad():
+    with torch.no_grad(), root_gathered(run):
         logits = hf(**encoded).logits.float()
     probabilities, classes = logits.softmax(-1).max(-1)
     names = getattr(hf.config, "id2label", None) or {}

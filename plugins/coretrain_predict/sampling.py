@@ -57,7 +57,7 @@ def continuation(run: Run, prompt: list[int], index: int, options: dict[str, Any
     """``max_new_tokens`` token ids after ``prompt`` (greedy, or sampled at ``temperature`` / ``top_p``)."""
     new_tokens = options.get("max_new_tokens") or 32
     window = run.datasets.seq_length or len(prompt) + new_tokens  # the longest context the model was trained on
-    sampling = bool(options.get("do_sample")) or options.get("temperature") is not None
+    sampling = samples(options)
     generator = torch.Generator(device=run.device).manual_seed(run.config.run.seed * 1_000_003 + index)
     tokens = list(prompt)
     for _ in range(new_tokens):
@@ -70,6 +70,12 @@ def continuation(run: Run, prompt: list[int], index: int, options: dict[str, Any
         else:
             tokens.append(int(logits.argmax()))
     return tokens[len(prompt) :]
+
+
+def samples(options: dict[str, Any]) -> bool:
+    """Whether the command asks to sample: ``--do-sample``, or a temperature or top-p given
+    (``--help`` says they sample), for every model alike."""
+    return bool(options.get("do_sample")) or any(options.get(name) is not None for name in ("temperature", "top_p"))
 
 
 def last_logits(output: Any) -> torch.Tensor:
