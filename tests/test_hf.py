@@ -712,7 +712,8 @@ def test_a_padded_batch_and_the_same_examples_unpadded_give_the_same_loss_and_gr
 
 
 def test_chat_records_use_the_chat_template_and_mask_the_prompt(tokenizer_dir: Path) -> None:
-    from coretrain_hf.sft import HFSFT, chat_ids
+    from coretrain_hf.sft import HFSFT
+    from coretrain_tokenizer import chat_ids
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.chat_template = (
@@ -925,6 +926,7 @@ def test_predict_generates_for_prompts_as_transformers_does(tmp_path: Path, toke
     )
     first = hf.generate(**tokenizer("x", return_tensors="pt", add_special_tokens=False), max_new_tokens=1)[0, -1]
     hf.generation_config.eos_token_id = hf.config.eos_token_id = int(first)  # "x" ends at once
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     hf.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     prompts = ["def add(a, b):", "The river", "x"]
@@ -951,6 +953,22 @@ def test_predict_generates_for_prompts_as_transformers_does(tmp_path: Path, toke
     sampled = [cli(*hot, "--out", str(tmp_path / f"s{i}.jsonl"), cwd=tmp_path).returncode for i in (1, 2)]
     assert sampled == [0, 0] and (tmp_path / "s1.jsonl").read_text() == (tmp_path / "s2.jsonl").read_text()
     assert [json.loads(line) for line in (tmp_path / "s1.jsonl").read_text().splitlines()] != written
+    chat = [{"role": "user", "content": "def add(a, b):"}]  # a record of "messages", rendered by the template
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    chat_data = [
+        "--data",
+        str(tmp_path / "chat.jsonl"),
+        "--max-new-tokens",
+        "6",
+        "--out",
+        str(tmp_path / "reply.jsonl"),
+    ]
+    answered = cli(*predict[:4], *chat_data, cwd=tmp_path)
+    assert answered.returncode == 0, answered.stderr
+    ids = torch.tensor([tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]])
+    expected = hf.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    reply = json.loads((tmp_path / "reply.jsonl").read_text())
+    assert reply["prompt"] == chat and reply["completion"] == tokenizer.decode(expected[0, ids.shape[1] :])
     fsdp = ["--set", 'distributed.strategy="fsdp"', "--batch-size", "1", "--max-new-tokens", "6"]
     in_one_job(tmp_path, 2, [[*predict, *fsdp, "--out", str(tmp_path / "fsdp.jsonl")]], "fsdp")  # "x" on rank 0
     assert [json.loads(line) for line in (tmp_path / "fsdp.jsonl").read_text().splitlines()] == written

@@ -210,9 +210,10 @@ class KeepModel:
         self.model = run.unwrapped_model.eval()
 
 
-def predict_prompts(cli: Any, config: Path, prompts: list[str], *options: str) -> list[dict[str, Any]]:
+def predict_prompts(cli: Any, config: Path, prompts: list[Any], *options: str) -> list[dict[str, Any]]:
+    """``coretrain predict --data`` of texts (``prompt``) and chats (``messages``): its records."""
     data, out = config.parent / "prompts.jsonl", config.parent / f"gen{len(options)}.jsonl"
-    data.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in prompts))
+    data.write_text("".join(json.dumps({"prompt" if isinstance(p, str) else "messages": p}) + "\n" for p in prompts))
     result = cli("predict", str(config), "--data", str(data), "--out", str(out), *options, cwd=config.parent)
     assert result.returncode == 0, result.stderr
     return records(out)
@@ -252,7 +253,9 @@ def test_prompts_to_the_first_party_gpt_on_bytes_get_its_greedy_continuation(tmp
 
     (tmp_path / "empty.jsonl").write_text('{"prompt": ""}\n')
     empty = cli("predict", str(config), "--data", "empty.jsonl", "--out", "e.jsonl", cwd=tmp_path)
-    assert empty.returncode == 2 and "--data: a prompt is empty (it encodes to no tokens)" in empty.stderr
+    assert (
+        empty.returncode == 2 and "empty.jsonl: record 1 has neither a 'prompt' text nor a 'messages'" in empty.stderr
+    )
 
 
 def test_a_nanogpt_model_on_token_files_continues_prompts_through_the_runs_tokenizer(
@@ -266,6 +269,8 @@ def test_a_nanogpt_model_on_token_files_continues_prompts_through_the_runs_token
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}<s>assistant:"
+    tokenizer.save_pretrained(tmp_path / "tokenizer")  # a chat model's tokenizer
     ids = np.array([i for text in PROSE for i in tokenizer.encode(text + "\n")], dtype=np.uint16)
     ids[: len(ids) * 9 // 10].tofile(tmp_path / "train.bin")
     ids[len(ids) * 9 // 10 :].tofile(tmp_path / "val.bin")
@@ -276,23 +281,26 @@ def test_a_nanogpt_model_on_token_files_continues_prompts_through_the_runs_token
         data={"provider": "token-file", "options": files},
         train={"train_iters": 30, "eval_iters": 0},
         optimizer={"lr": 0.05},
-        tokenizer={"path": str(tokenizer_dir)},
+        tokenizer={"path": str(tmp_path / "tokenizer")},
     )
     write_config(tmp_path / "c.toml", config)
     keep = KeepModel()
     assert coretrain.train(tmp_path / "c.toml", plugins={"keep": keep}).outcome == "completed"
-    prompts = ["The quick brown", "jumps over the"]
+    chat = [{"role": "user", "content": "The lazy"}]  # a record of "messages": rendered by the chat template
+    prompts: list[Any] = ["The quick brown", "jumps over the", chat]
     got = predict_prompts(cli, tmp_path / "c.toml", prompts, "--max-new-tokens", "6")
 
     bigram = keep.model
     for prompt, record in zip(prompts, got):
-        made = tokenizer.encode(prompt)
+        given = tokenizer.encode(prompt) if isinstance(prompt, str) else tokenizer.apply_chat_template(prompt)
+        given = list(given["input_ids"] if hasattr(given, "keys") else given)
+        made = list(given)
         for _ in range(6):  # the bigram's argmax over the tokenizer's ids (not the padding's)
             with torch.no_grad():
                 made.append(int(bigram.lm_head(bigram.wte(torch.tensor(made[-1])))[: len(tokenizer)].argmax()))
-        new = made[len(tokenizer.encode(prompt)) :]
+        new = made[len(given) :]
         new = new[: new.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new
-        assert record["completion"] == tokenizer.decode(new), record
+        assert record["prompt"] == prompt and record["completion"] == tokenizer.decode(new), record
 
 
 def test_nucleus_keeps_the_fewest_tokens_that_reach_top_p_and_until_cuts_at_the_end_token() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from coretrain_predict.sampling import samples
+from coretrain_predict.sampling import prompt_ids, samples
 from coretrain_tokenizer import load_tokenizer, megatron_type, run_tokenizer
 
 from coretrain import Run, UserError, is_sharded
@@ -68,7 +68,8 @@ def generate(
         return None
     prompts = batch["prompt"]
     tokenizer.padding_side = "left"
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(run.device)
+    ids = {"input_ids": [prompt_ids(tokenizer, prompt) for prompt in prompts]}  # a text, or a chat's rendering
+    encoded = tokenizer.pad(ids, padding=True, return_tensors="pt").to(run.device)
     sampling = samples(options)
     settings: dict[str, Any] = {
         "max_new_tokens": options.get("max_new_tokens") or 32,
@@ -93,6 +94,8 @@ def classify(run: Run, model_path: str | None, texts: list[str]) -> list[dict[st
     import torch
 
     tokenizer = padding_tokenizer(run, model_path)
+    if not all(isinstance(text, str) for text in texts):
+        raise UserError("predict --data: a classifier takes 'prompt' texts; these records hold 'messages' chats")
     if tokenizer is None:
         raise UserError(
             "predict --data: no tokenizer for the texts: no [tokenizer] path, model.options.path has none, and "

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from attrs import define, field
-from coretrain_tokenizer import run_tokenizer
+from coretrain_tokenizer import chat_ids, run_tokenizer
 
 from coretrain import (
     DatasetContext,
@@ -149,14 +149,6 @@ class HFSFT:
         labels = ids.clone()
         labels[: min(len(prompt), len(labels))] = IGNORE_INDEX
         return ids, labels
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` rendered by the tokenizer's chat template (transformers 4 returns
-    the ids, 5 an encoding holding them)."""
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
-    ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
-    return [int(i) for i in ids]
 
 
 class Examples:

@@ -31,7 +31,9 @@ def add(commands: Any) -> None:
     )
     source = predict.add_mutually_exclusive_group()
     source.add_argument("--split", default=None, help="valid, test (default) or train, or valid/NAME of a named set")
-    source.add_argument("--data", default=None, metavar="FILE", help="prompts: a .jsonl/.parquet with a 'prompt' field")
+    source.add_argument(
+        "--data", default=None, metavar="FILE", help="prompts: a .jsonl/.parquet of 'prompt' texts or 'messages' chats"
+    )
     predict.add_argument("--out", required=True, metavar="FILE", help="predictions.jsonl or .parquet")
     predict.add_argument("--batch-size", type=int, default=None, help="samples per batch and rank (default: eval's)")
     generate = predict.add_argument_group("generation (a causal LM given --data)")

@@ -15,7 +15,7 @@ from attrs import define, field
 
 from coretrain import Run, SplitBatches, UserError, hookimpl, inputs_and_target, is_stream, model_outputs
 from coretrain_predict.hookspecs import PredictSpecs
-from coretrain_predict.sampling import complete
+from coretrain_predict.sampling import Prompt, complete
 
 log = logging.getLogger("coretrain")
 
@@ -149,8 +149,9 @@ def this_ranks_chunks(count: int, rank: int, world: int, size: int) -> tuple[lis
     return chunks, [[0]] * (most - len(chunks)) if count else []
 
 
-def read_prompts(path: Path) -> list[str]:
-    """The ``prompt`` field of every record of a .jsonl or .parquet file."""
+def read_prompts(path: Path) -> list[Prompt]:
+    """Every record's ``prompt`` text, or its ``messages`` (a chat: ``[{"role", "content"}, ...]``),
+    from a .jsonl or .parquet file; a record with neither is one error, the same on every rank."""
     if not path.is_file():
         raise UserError(f"--data {path}: no such file")
     if path.suffix == ".parquet":
@@ -165,11 +166,28 @@ def read_prompts(path: Path) -> list[str]:
                     rows.append(json.loads(line))
                 except ValueError as exc:
                     raise UserError(f"--data {path}:{number}: not JSON: {exc}") from None
-    prompts = [row.get("prompt") if isinstance(row, dict) else None for row in rows]
-    missing = next((i for i, p in enumerate(prompts) if not isinstance(p, str)), None)
-    if missing is not None:
-        raise UserError(f"--data {path}: record {missing + 1} has no 'prompt' text")
-    return [p for p in prompts if isinstance(p, str)]
+    prompts = []
+    for number, row in enumerate(rows, start=1):
+        prompt = prompt_of(row)
+        if prompt is None:
+            raise UserError(
+                f"--data {path}: record {number} has neither a 'prompt' text nor a 'messages' chat "
+                '([{"role": ..., "content": ...}, ...])'
+            )
+        prompts.append(prompt)
+    return prompts
+
+
+def prompt_of(record: Any) -> Prompt | None:
+    """A record's text to continue, or its chat to answer; None for neither (or an empty one)."""
+    if not isinstance(record, dict):
+        return None
+    text, chat = record.get("prompt"), record.get("messages")
+    if isinstance(text, str) and text:
+        return text
+    if isinstance(chat, list) and chat and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in chat):
+        return chat
+    return None
 
 
 def batch_size(batch: Any) -> int:

@@ -17,14 +17,33 @@ from typing import Any
 
 import torch
 from coretrain_losses import logits_in
+from coretrain_tokenizer import chat_ids
 
 from coretrain import Run, UserError, max_over_ranks, model_outputs
 
+Prompt = str | list[dict[str, Any]]
+"""A text to continue, or a chat (``[{"role", "content"}, ...]``) whose next turn is wanted."""
 
-def complete(run: Run, prompts: list[str], indices: list[int], options: dict[str, Any]) -> list[dict[str, Any]]:
+
+def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A prompt's token ids: its text without added special tokens (as hf-sft takes a prompt), or
+    a chat rendered by the tokenizer's chat template, ready for the assistant's turn."""
+    if isinstance(prompt, str):
+        if hasattr(tokenizer, "batch_decode"):  # a transformers tokenizer
+            return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return list(tokenizer.encode(prompt))
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            "--data: a record's 'messages' is a chat, and the tokenizer has no chat template to render it with; "
+            "give 'prompt' texts, or a tokenizer that has one"
+        )
+    return chat_ids(tokenizer, prompt, generation_prompt=True)
+
+
+def complete(run: Run, prompts: list[Prompt], indices: list[int], options: dict[str, Any]) -> list[dict[str, Any]]:
     """``{"prompt", "completion"}`` for each prompt, greedy unless ``options`` asks to sample."""
     tokenizer = text_tokenizer(run)
-    encoded = [list(tokenizer.encode(prompt)) for prompt in prompts]
+    encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
     if any(not ids for ids in encoded):
         raise UserError("--data: a prompt is empty (it encodes to no tokens); give each record some text")
     agreed = max_over_ranks(len(prompts))[0]  # the forwards of the rank with the most prompts

@@ -169,6 +169,14 @@ class Tokenizer:
         return datasets
 
 
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template (transformers 4 returns
+    the ids, 5 an encoding holding them): for training on chats (``hf-sft``) and prompting with one."""
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+    return [int(i) for i in ids]
+
+
 def padded_vocab(vocab_size: int, divisible_by: int | None, tp_size: int = 1) -> int:
     """Megatron's ``_vocab_size_with_padding``: up to a multiple of ``divisible_by`` × the
     tensor-parallel size (each rank then holds an equal slice of the embedding); None: as it is."""
