@@ -127,6 +127,35 @@ def test_train_export_from_pretrained_gives_the_same_logits(tmp_path: Path, llam
         assert not torch.allclose(untrained(ids).logits, trained(ids).logits)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_first_party_gpt_exports_as_a_transformers_gpt2_with_the_same_logits(tmp_path: Path, bias: bool) -> None:
+    """The quickstart's model, ``--format hf``: transformers' GPT2LMHeadModel loads it and computes
+    its logits (q, k, v fused into c_attn, Conv1D's transposed weights, zero biases without
+    ``bias``, the exact GELU), generates as it does, and a mixture of experts is one error."""
+    sections = {
+        "model": {"provider": "gpt", "options": {"n_layer": 2, "n_head": 2, "n_embd": 32, "bias": bias}},
+        "data": text_run(Path("unused"))["data"],
+        "train": {"micro_batch_size": 4, "log_interval": 5},
+    }
+    result = run_steps(tmp_path, steps=10, config=sections)
+    trained = result.run.model.eval()
+    assert "GPT-2 of 2 blocks, 32 wide, 256 tokens" in export(result.output_dir, None, tmp_path / "gpt2", "hf", {})
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2", local_files_only=True).eval()
+    ids = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, trained(ids), atol=1e-6, rtol=0)  # (GPT-2's tanh GELU: 9e-6)
+        made = loaded.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)[0, 8:]
+        context = ids[:1, :8]
+        for token in made:  # greedy with transformers' generate = the argmax of coretrain's model
+            assert int(trained(context)[0, -1].argmax()) == int(token)
+            context = torch.cat([context, token.view(1, 1)], dim=1)
+
+    experts = {**sections, "model": {"provider": "gpt", "options": {**sections["model"]["options"], "n_experts": 2}}}
+    moe = run_steps(tmp_path / "moe", steps=2, config=experts)
+    with pytest.raises(UserError, match="mixture of experts has no transformers GPT-2 counterpart"):
+        export(moe.output_dir, None, tmp_path / "moe-gpt2", "hf", {})
+
+
 def test_a_config_table_builds_a_fresh_model_sized_by_the_data(tmp_path: Path) -> None:
     sections = text_run(Path("unused"))
     sections["model"]["options"] = {"config": llama_table()}

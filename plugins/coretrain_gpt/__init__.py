@@ -22,12 +22,16 @@ every block's MLP::
 from __future__ import annotations
 
 import functools
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from attrs import define, field
 from coretrain_tokenizer import padded_vocab
 
 from coretrain import FieldValueError, Run, fraction, hookimpl, non_negative, positive
+
+if TYPE_CHECKING:
+    import torch
 
 
 @define(kw_only=True)
@@ -118,6 +122,15 @@ class GPTProvider:
             z_loss_coeff=self.moe_z_loss_coeff,
             shared_experts=self.moe_shared_experts,
         )
+
+    @hookimpl
+    def export_model(self, state: dict[str, torch.Tensor], export_format: str, to: Path) -> str | None:
+        """``--format hf``: a transformers GPT-2 directory (:mod:`coretrain_gpt.hf_export`)."""
+        if export_format != "hf":
+            return None
+        from coretrain_gpt.hf_export import save_gpt2
+
+        return save_gpt2(state, self.n_head, to)
 
     @hookimpl
     def pipeline_blocks(self) -> int:
