@@ -181,3 +181,39 @@ def test_a_batch_moves_to_the_device_in_its_own_shape() -> None:
     assert type(moved["a"]) is pair and moved["a"].pixels.device.type == "meta" and moved["a"].labels.is_meta
     assert type(moved["b"]) is list and moved["b"][0].is_meta and moved["b"][1] == "text"
     assert type(moved["c"]) is tuple and moved["c"][0].is_meta
+
+
+def test_dataloaders_a_script_holds_train_as_their_datasets_and_a_custom_sampler_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A provider that returns a training script's DataLoaders (an iterable of whole batches, which
+    read as a stream ended in "fewer samples than one micro-batch") trains exactly as on their
+    datasets, collated by the loaders' collate_fn; what of the loaders is not used is said once; a
+    WeightedRandomSampler, whose choice coretrain's order cannot follow, is one error."""
+    import logging
+
+    import workloads
+
+    from coretrain import UserError
+    from coretrain.testing import run_steps
+
+    model = {"provider": "workloads:cnn", "loss": "cross_entropy"}
+    train = {"micro_batch_size": 32, "eval_interval": 10, "eval_iters": 2}
+    caplog.set_level(logging.WARNING, logger="coretrain")
+    workloads.COLLATED.clear()
+    loaders = {"provider": "workloads:digit_loaders", "options": {"batch_size": 64, "collate": True}}
+    got = run_steps(tmp_path / "loaders", 20, config={"model": model, "data": loaders, "train": train})
+    plain = {"provider": "workloads:digits", "collate_fn": "workloads:as_dict"}
+    expected = run_steps(tmp_path / "datasets", 20, config={"model": model, "data": plain, "train": train})
+    assert [m["loss"] for m in got.metrics] == [m["loss"] for m in expected.metrics]
+    valid = [[e["valid/loss"] for e in run.evals if "valid/loss" in e] for run in (got, expected)]
+    assert valid[0] == valid[1] and len(valid[0]) == 2
+    assert set(workloads.COLLATED) == {32}  # the loaders' collate_fn, on coretrain's micro-batches
+    said = [r.getMessage() for r in caplog.records if "gave DataLoaders" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(
+        "not used: train batch_size 64 (micro-batches of 32 here), valid batch_size 64 (micro-batches of 32 here)"
+    ), said
+
+    weighted = {**loaders, "options": {"sampler": "weighted"}}
+    with pytest.raises(UserError, match=r"the train split is a DataLoader whose sampler \(WeightedRandomSampler\)"):
+        run_steps(tmp_path / "weighted", 2, config={"model": model, "data": weighted, "train": train})

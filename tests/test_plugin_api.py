@@ -281,7 +281,7 @@ def test_a_hugging_face_dataset_is_read_by_the_batch_through_the_built_in_hf_dat
     result = run_steps(tmp_path, steps=3, config=config)
     assert result.exit_code == 0 and result.metrics[-1]["loss"] > 0
     assert type(result.run.datasets.train).__name__ == "Columns"  # one Arrow slice per micro-batch
-    assert result.run.plugins.implementers("configure_datasets") == ["hf-datasets"]
+    assert "hf-datasets" in result.run.plugins.implementers("configure_datasets")  # (streams: DataLoaders)
 
 
 def test_a_stream_is_read_by_the_plugin_that_answers_read_stream_first(tmp_path: Path) -> None:

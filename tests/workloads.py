@@ -59,6 +59,31 @@ def as_dict(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch
     return {"pixels": torch.stack([s[0] for s in samples]), "labels": torch.stack([s[1] for s in samples])}
 
 
+COLLATED: list[int] = []
+"""Batch sizes :func:`counted_as_dict` collated, for a test to see it was used."""
+
+
+def counted_as_dict(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    COLLATED.append(len(samples))
+    return as_dict(samples)
+
+
+def digit_loaders(context: Any = None, batch_size: int = 32, sampler: str = "", collate: bool = False) -> Any:
+    """What a training script holds: DataLoaders (shuffled train, ordered valid), a sampler of its
+    own and a collate_fn if asked."""
+    data = digits()
+    options: dict[str, Any] = {"batch_size": batch_size, "num_workers": 0}
+    if collate:
+        options["collate_fn"] = counted_as_dict
+    if sampler == "weighted":
+        options["sampler"] = torch.utils.data.WeightedRandomSampler(torch.ones(len(data.train)), len(data.train))
+    else:
+        options["shuffle"] = True
+    train = torch.utils.data.DataLoader(data.train, **options)
+    valid = torch.utils.data.DataLoader(data.valid, **{**options, "shuffle": False, "sampler": None})
+    return train, valid
+
+
 class CNN(torch.nn.Module):
     """Returns logits; the config's model.loss makes the loss. ``dropout`` before the classifier
     (no parameters of its own: the state dict is the same with or without)."""

@@ -20,6 +20,7 @@ import torch
 from attrs import define
 
 from coretrain import Run, UserError, hookimpl, is_stream, loader_settings
+from coretrain_streams.dataloaders import unwrap_loaders
 
 log = logging.getLogger("coretrain")
 
@@ -68,6 +69,11 @@ class RankStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 @define
 class Streams:
     """Read stream splits: each rank and worker its share, resumable with the same ranks and workers."""
+
+    @hookimpl(tryfirst=True)  # before an adapter (hf-datasets) wraps what a loader held
+    def configure_datasets(self, run: Run) -> None:
+        """A split handed over as a DataLoader is read as its dataset (:mod:`coretrain_streams.dataloaders`)."""
+        unwrap_loaders(run)
 
     @hookimpl(trylast=True)  # a reader of your own answers first
     def read_stream(self, run: Run, dataset: Any, micro_batch_size: int, training: bool) -> Any:
