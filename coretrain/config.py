@@ -14,7 +14,7 @@ from typing import Any, Literal
 import attrs
 from attrs import define, field
 
-from coretrain.errors import UserError
+from coretrain.errors import UserError, did_you_mean
 from coretrain.validators import FieldValueError, fraction, in_range
 from coretrain.validators import non_negative as _non_negative
 from coretrain.validators import positive as _positive
@@ -168,13 +168,30 @@ class TrainConfig:
             self.train_iters = 1000
 
 
+OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "adafactor")
+
+
+def _optimizer_name(instance: Any, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value not in OPTIMIZER_NAMES and ":" not in value:
+        raise FieldValueError(
+            attribute.name,
+            f"must be {', '.join(OPTIMIZER_NAMES)} or 'package.module:Class', got {value!r}"
+            + did_you_mean(value, OPTIMIZER_NAMES),
+        )
+
+
 @define(kw_only=True)
 class OptimizerConfig:
-    """A torch.optim optimizer by name."""
+    """A torch.optim optimizer by name, or any optimizer class by import path."""
 
-    name: Literal["adamw", "adam", "sgd", "adafactor"] = "adamw"
+    name: str = field(default="adamw", validator=_optimizer_name)
     """torch.optim's AdamW, Adam, SGD or Adafactor (Shazeer & Stern: factored second moments, no
-    first; ``betas`` and ``eps`` are Adam's, Adafactor keeps torch's own decay and epsilons)."""
+    first; ``betas`` and ``eps`` are Adam's, Adafactor keeps torch's own decay and epsilons); or a
+    class by import path (``"torch.optim:RMSprop"``, ``"lion_pytorch:Lion"``), given the param
+    groups, ``lr``, ``weight_decay`` if it takes one, and ``options``."""
+    options: dict[str, Any] = field(factory=dict)
+    """More keyword arguments of the optimizer (``{nesterov = true}``, ``{fused = true}``, a
+    class's own), checked against its signature."""
     lr: float = field(default=3e-4, validator=_non_negative)
     """Peak learning rate (the schedule's ``max_lr`` unless a param group overrides it)."""
     weight_decay: float = field(default=0.01, validator=_non_negative)

@@ -90,8 +90,9 @@ def plugin_states(run: Run) -> dict[str, Any]:
         try:
             safeload.check_plain(state, "state")
         except TypeError as exc:
-            kinds = "tensors, numbers, str, bool, None and lists/dicts of these"
-            error = TypeError(f"returned {exc}; a checkpoint holds {kinds}")
+            error = TypeError(
+                f"returned {exc}; a checkpoint holds tensors, numbers, str, bool, None and lists/dicts of these"
+            )
             raise PluginError(name, "on_checkpoint", error, run.state.step) from None
         states[name] = state
     return states

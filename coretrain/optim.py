@@ -1,13 +1,15 @@
-"""Optimizer by name, one param group per distinct set of per-parameter overrides."""
+"""Optimizer by name or import path, one param group per distinct set of per-parameter overrides."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from coretrain.config import OptimizerConfig
+from coretrain.usercode import check_options, import_callable
 
 OPTIMIZERS = {name.lower(): getattr(torch.optim, name) for name in ("AdamW", "Adam", "SGD", "Adafactor")}
 
@@ -27,13 +29,16 @@ def build_optimizer(
         # saved with the state, as the checkpoint names the weights (without DDP's "module."): it
         # loads by name into any part of the model
         group["param_names"].append(name.removeprefix("module." if hasattr(model, "module") else ""))
-    optimizer: torch.optim.Optimizer = OPTIMIZERS[cfg.name](
-        list(groups.values()), lr=cfg.lr, weight_decay=cfg.weight_decay, **_options(cfg)
-    )
+    kind = OPTIMIZERS.get(cfg.name) or import_callable(cfg.name, "optimizer.name")
+    decay = {"weight_decay": cfg.weight_decay} if "weight_decay" in inspect.signature(kind).parameters else {}
+    settings = {"lr": cfg.lr, **decay, **_options(cfg), **cfg.options}
+    check_options(kind, settings, "optimizer.options", ("params",))
+    optimizer: torch.optim.Optimizer = kind(list(groups.values()), **settings)
     return optimizer
 
 
 def _options(cfg: OptimizerConfig) -> dict[str, Any]:
-    """The optimizer's own settings: SGD's momentum, Adam's betas and eps; Adafactor keeps torch's."""
+    """The optimizer's own settings: SGD's momentum, Adam's betas and eps; Adafactor keeps torch's;
+    a class by import path has its ``options`` alone."""
     own: dict[str, dict[str, Any]] = {"sgd": {"momentum": cfg.momentum}, "adafactor": {}}
-    return own.get(cfg.name, {"betas": cfg.betas, "eps": cfg.eps})
+    return own.get(cfg.name, {"betas": cfg.betas, "eps": cfg.eps}) if cfg.name in OPTIMIZERS else {}

@@ -173,7 +173,7 @@ def test_a_choice_differing_only_in_case_is_the_suggestion(tmp_path: Path, cli: 
     path = write(tmp_path / "c.toml", '[optimizer]\nname = "adamW"\n')
     assert_user_error(
         cli("config", "validate", str(path), cwd=tmp_path),
-        "optimizer.name: expected one of 'adamw', 'adam', 'sgd', 'adafactor', got 'adamW' (string) "
+        "optimizer.name: must be adamw, adam, sgd, adafactor or 'package.module:Class', got 'adamW' "
         "(did you mean 'adamw'?)",
     )
     bad_set = cli("config", "validate", str(path), "--set", "optimizer.lr", cwd=tmp_path)

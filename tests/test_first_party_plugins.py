@@ -124,6 +124,29 @@ def test_adafactor_trains_and_resumes_by_name(tmp_path: Path) -> None:
     assert [row["loss"] for row in resumed.metrics][-4:] == losses[-4:]
 
 
+def test_an_optimizer_class_by_import_path_gets_the_groups_lr_weight_decay_and_its_options(tmp_path: Path) -> None:
+    """optimizer.name = "torch.optim:RMSprop" (or a library's Lion): built on optimizer-overrides'
+    groups (no decay on biases) with lr, weight_decay and optimizer.options; a class without
+    weight_decay (Rprop) gets none; options go to a built-in too (SGD's nesterov); an option the
+    class does not take is one error naming it and what it takes."""
+    rmsprop = {"name": "torch.optim:RMSprop", "lr": 1e-3, "weight_decay": 0.05, "options": {"alpha": 0.9}}
+    result = run_steps(tmp_path / "rmsprop", 6, config={"optimizer": rmsprop, "train": {"log_interval": 1}})
+    optimizer = result.run.optimizer
+    assert isinstance(optimizer, torch.optim.RMSprop) and optimizer.defaults["alpha"] == 0.9
+    assert sorted(group["weight_decay"] for group in optimizer.param_groups) == [0.0, 0.05]
+    assert all(
+        "square_avg" in optimizer.state[p] for group in optimizer.param_groups for p in group["params"]
+    )  # it stepped
+    rprop = run_steps(tmp_path / "rprop", 2, config={"optimizer": {"name": "torch.optim:Rprop", "lr": 1e-3}})
+    assert isinstance(rprop.run.optimizer, torch.optim.Rprop) and "weight_decay" not in rprop.run.optimizer.defaults
+    nesterov = {"name": "sgd", "momentum": 0.9, "options": {"nesterov": True}}
+    assert run_steps(tmp_path / "sgd", 2, config={"optimizer": nesterov}).run.optimizer.defaults["nesterov"] is True
+    with pytest.raises(UserError, match=r"optimizer.options: options do not fit torch.optim.rmsprop.RMSprop: .*alph"):
+        run_steps(tmp_path / "bad", 2, config={"optimizer": {**rmsprop, "options": {"alph": 0.9}}})
+    with pytest.raises(UserError, match="optimizer.name: cannot import 'torch.optim:RMSProp'"):
+        run_steps(tmp_path / "missing", 2, config={"optimizer": {"name": "torch.optim:RMSProp"}})
+
+
 def test_optimizer_overrides_pattern_that_matches_nothing_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="pattern 'encoder.*' matches no parameter"):
         run_steps(tmp_path, tables={"optimizer-overrides": {"rules": [{"pattern": "encoder.*"}]}})
