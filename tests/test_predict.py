@@ -115,6 +115,9 @@ def test_checkpoint_choice_split_and_parquet(tmp_path: Path, cli: Any) -> None:
         (("--out", "."), "--out .: is a directory; give a file name"),
         (("--out", "c.toml/p.jsonl"), "--out c.toml/p.jsonl: a folder on its path is a file"),
         (("--data", "prompts.jsonl"), "--data: the data provider 'workloads:digits' names no tokenizer"),
+        (("--temperature", "-1"), "--temperature -1.0: expected 0 (greedy) or more"),
+        (("--top-p", "0"), "--top-p 0.0: expected a share of the probability mass in (0, 1]"),
+        (("--max-new-tokens", "0"), "--max-new-tokens 0: expected a positive number"),
     ],
 )
 def test_bad_choices_are_one_clear_error(tmp_path: Path, cli: Any, args: tuple[str, ...], message: str) -> None:
@@ -248,6 +251,7 @@ def test_prompts_to_the_first_party_gpt_on_bytes_get_its_greedy_continuation(tmp
         cli, config, prompts, "--temperature", "1.0", "--top-p", "0.9", "--batch-size", "1"
     )
     assert [r["completion"] for r in sampled] != [r["completion"] for r in greedy]
+    assert predict_prompts(cli, config, prompts, "--max-new-tokens", "12", "--temperature", "0") == greedy
     hot = predict_prompts(cli, config, prompts, "--temperature", "50", "--top-p", "0.9")  # near uniform, yet
     assert all(hot[i]["completion"] != sampled[i]["completion"] for i in range(4))  # never a padding id (no byte)
 

@@ -77,8 +77,8 @@ def generate(
         "pad_token_id": tokenizer.pad_token_id,
         "synced_gpus": run.dist.world_size > 1 and is_sharded(run.model),  # a shard's forward waits for every rank
     }
-    settings.update({name: options[name] for name in ("temperature", "top_p") if options.get(name) is not None})
     if sampling:  # the batch's own draws: the same on the ranks of a tensor-parallel group, and run to run
+        settings.update({name: options[name] for name in ("temperature", "top_p") if options.get(name) is not None})
         torch.manual_seed(run.config.run.seed * 1_000_003 + batch["index"][0])
     hf = wrapped_model(run.unwrapped_model)
     with root_gathered(run):

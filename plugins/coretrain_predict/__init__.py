@@ -38,7 +38,9 @@ def add(commands: Any) -> None:
     predict.add_argument("--batch-size", type=int, default=None, help="samples per batch and rank (default: eval's)")
     generate = predict.add_argument_group("generation (a causal LM given --data)")
     generate.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
-    generate.add_argument("--temperature", type=float, default=None, help="sample at this temperature (unset: greedy)")
+    generate.add_argument(
+        "--temperature", type=float, default=None, help="sample at this temperature (unset or 0: greedy)"
+    )
     generate.add_argument("--top-p", type=float, default=None, help="sample from the top-p nucleus (unset: all)")
     generate.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     predict.set_defaults(handler=cmd_predict)

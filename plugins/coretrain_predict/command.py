@@ -51,6 +51,12 @@ def check_out(out: Path) -> None:
 def predict(args: argparse.Namespace) -> int:
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: expected a positive number")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: expected a positive number")
+    if args.temperature is not None and args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature}: expected 0 (greedy) or more")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p {args.top_p}: expected a share of the probability mass in (0, 1]")
     settings = coretrain.load(args.config, args.overrides).config
     out = Path(args.out)
     check_out(out)

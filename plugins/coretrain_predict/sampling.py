@@ -93,7 +93,10 @@ def continuation(run: Run, prompt: list[int], index: int, options: dict[str, Any
 
 def samples(options: dict[str, Any]) -> bool:
     """Whether the command asks to sample: ``--do-sample``, or a temperature or top-p given
-    (``--help`` says they sample), for every model alike."""
+    (``--help`` says they sample), for every model alike; temperature 0 is greedy (vLLM's and
+    OpenAI's reading)."""
+    if options.get("temperature") == 0:
+        return False
     return bool(options.get("do_sample")) or any(options.get(name) is not None for name in ("temperature", "top_p"))
 
 
