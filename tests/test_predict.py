@@ -175,10 +175,13 @@ def test_two_ranks_write_the_same_file_as_one(tmp_path: Path) -> None:
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(5)))
     sample = ["predict", str(lm), "--data", str(prompts), "--temperature", "1.0", "--max-new-tokens", "8"]
     assert run_here(*sample, "--out", str(tmp_path / "g1.jsonl"), cwd=tmp_path).returncode == 0
+    greedy = [*sample[:4], "--max-new-tokens", "8"]
+    assert run_here(*greedy, "--out", str(tmp_path / "t1.jsonl"), cwd=tmp_path).returncode == 0
     jobs = [
         ["predict", str(config), "--out", str(tmp_path / "p2.jsonl")],
         [*sample, "--out", str(tmp_path / "g2.jsonl")],
         [*sample, "--set", 'distributed.strategy="fsdp"', "--out", str(tmp_path / "g3.jsonl")],  # forwards: collectives
+        [*greedy, "--set", "distributed.tp_size=2", "--out", str(tmp_path / "t2.jsonl")],  # the logits: gathered
     ]
     in_one_job(tmp_path, 2, jobs, "predict", env=tests)
     one, two = records(tmp_path / "p1.jsonl"), records(tmp_path / "p2.jsonl")
@@ -186,6 +189,7 @@ def test_two_ranks_write_the_same_file_as_one(tmp_path: Path) -> None:
     assert [r["prediction"] for r in one] == [r["prediction"] for r in two]
     assert all(a["output"] == pytest.approx(b["output"], abs=1e-5) for a, b in zip(one, two))
     assert records(tmp_path / "g2.jsonl") == records(tmp_path / "g1.jsonl") == records(tmp_path / "g3.jsonl")
+    assert records(tmp_path / "t2.jsonl") == records(tmp_path / "t1.jsonl")
 
 
 @pytest.mark.parametrize(("count", "world", "size"), [(634, 4, 3), (10, 4, 2), (7, 3, 8), (3, 4, 1), (0, 2, 2)])

@@ -80,9 +80,12 @@ def continuation(run: Run, prompt: list[int], index: int, options: dict[str, Any
     generator = torch.Generator(device=run.device).manual_seed(run.config.run.seed * 1_000_003 + index)
     tokens = list(prompt)
     for _ in range(new_tokens):
-        context = torch.tensor([tokens[-window:]], device=run.device)
-        output, _ = model_outputs(run, context, hold_target=False)  # under the run's precision
-        logits = last_logits(output)[:vocabulary]  # a padded vocabulary's ids decode to nothing
+        seen = tokens[-window:]
+        # tensor parallelism's sequence parallelism splits the positions evenly over the group: pad
+        # after the last, which leaves a causal model's logits before it as they are
+        padded = seen + [0] * (-len(seen) % run.dist.tp_size)
+        output, _ = model_outputs(run, torch.tensor([padded], device=run.device), hold_target=False)
+        logits = last_logits(output, len(seen) - 1)[:vocabulary]  # a padded vocabulary's ids decode to nothing
         if sampling:
             probabilities = nucleus(logits / (options.get("temperature") or 1.0), options.get("top_p"))
             tokens.append(int(torch.multinomial(probabilities, 1, generator=generator)))
@@ -100,8 +103,9 @@ def samples(options: dict[str, Any]) -> bool:
     return bool(options.get("do_sample")) or any(options.get(name) is not None for name in ("temperature", "top_p"))
 
 
-def last_logits(output: Any) -> torch.Tensor:
-    """The next token's logits (vocabulary,) from a model's outputs for one sequence."""
+def last_logits(output: Any, last: int) -> torch.Tensor:
+    """The next token's logits (vocabulary,) from a model's outputs for one sequence whose last
+    token is at ``last`` (a model that returns its last position's logits only: those)."""
     logits = logits_in(output)
     if logits is None or logits.dim() != 3:
         got = type(output).__name__ if logits is None else f"logits of shape {tuple(logits.shape)}"
@@ -110,7 +114,7 @@ def last_logits(output: Any) -> torch.Tensor:
             "positions, vocabulary): return them (a tensor, a dict's or object's 'logits', or a tuple's first item)"
         )
     full = logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # tensor parallelism's shards
-    return full[0, -1].float()
+    return full[0, last if full.shape[1] > 1 else -1].float()
 
 
 def nucleus(logits: torch.Tensor, top_p: float | None) -> torch.Tensor:
