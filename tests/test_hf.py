@@ -999,8 +999,11 @@ def test_predict_generates_for_prompts_as_transformers_does(tmp_path: Path, toke
     reply = json.loads((tmp_path / "reply.jsonl").read_text())
     assert reply["prompt"] == chat and reply["completion"] == tokenizer.decode(expected[0, ids.shape[1] :])
     fsdp = ["--set", 'distributed.strategy="fsdp"', "--batch-size", "1", "--max-new-tokens", "6"]
-    in_one_job(tmp_path, 2, [[*predict, *fsdp, "--out", str(tmp_path / "fsdp.jsonl")]], "fsdp")  # "x" on rank 0
-    assert [json.loads(line) for line in (tmp_path / "fsdp.jsonl").read_text().splitlines()] == written
+    tensor = ["--set", "distributed.tp_size=2", "--max-new-tokens", "6", "--out", str(tmp_path / "tp.jsonl")]
+    jobs = [[*predict, *fsdp, "--out", str(tmp_path / "fsdp.jsonl")], [*predict, *tensor]]  # "x" on FSDP's rank 0
+    in_one_job(tmp_path, 2, jobs, "fsdp")
+    for name in ("fsdp", "tp"):
+        assert [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()] == written
 
 
 # --------------------------------------------------------------------------- mixtures of experts

@@ -307,15 +307,15 @@ def test_a_nanogpt_model_on_token_files_continues_prompts_through_the_runs_token
             with torch.no_grad():
                 made.append(int(bigram.lm_head(bigram.wte(torch.tensor(made[-1])))[: len(tokenizer)].argmax()))
         new = made[len(given) :]
-        new = new[: new.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new
-        assert record["prompt"] == prompt and record["completion"] == tokenizer.decode(new), record
+        new = new[: new.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in new else new
+        assert record["prompt"] == prompt and record["completion"] == tokenizer.decode(new, skip_special_tokens=True)
 
 
-def test_nucleus_keeps_the_fewest_tokens_that_reach_top_p_and_until_cuts_at_the_end_token() -> None:
+def test_nucleus_keeps_the_fewest_tokens_that_reach_top_p_and_until_ends_at_the_end_token() -> None:
     from coretrain_predict.sampling import nucleus, until
 
     logits = torch.tensor([0.5, 0.2, 0.25, 0.05]).log()
     assert nucleus(logits, 0.6).tolist() == pytest.approx([0.5 / 0.75, 0.0, 0.25 / 0.75, 0.0])
     assert nucleus(logits, 0.4).tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])  # the first is always kept
     assert nucleus(logits, None).tolist() == pytest.approx([0.5, 0.2, 0.25, 0.05])
-    assert until([5, 6, 2, 7, 2], 2) == [5, 6] and until([5, 6], 2) == [5, 6] and until([5, 2], None) == [5, 2]
+    assert until([5, 6, 2, 7, 2], 2) == [5, 6, 2] and until([5, 6], 2) == [5, 6] and until([5, 2], None) == [5, 2]

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from coretrain_predict.sampling import prompt_ids, samples
+from coretrain_predict.sampling import complete, prompt_ids, samples
 from coretrain_tokenizer import load_tokenizer, megatron_type, run_tokenizer
 
 from coretrain import Run, UserError, is_sharded
@@ -67,6 +67,9 @@ def generate(
     if tokenizer is None:
         return None
     prompts = batch["prompt"]
+    hf = wrapped_model(run.unwrapped_model)
+    if run.dist.tp_size > 1:  # generate feeds one position a step, which sequence parallelism cannot split
+        return complete(run, prompts, batch["index"], options, tokenizer, hf.generation_config.eos_token_id)
     tokenizer.padding_side = "left"
     ids = {"input_ids": [prompt_ids(tokenizer, prompt) for prompt in prompts]}  # a text, or a chat's rendering
     encoded = tokenizer.pad(ids, padding=True, return_tensors="pt").to(run.device)
@@ -80,7 +83,6 @@ def generate(
     if sampling:  # the batch's own draws: the same on the ranks of a tensor-parallel group, and run to run
         settings.update({name: options[name] for name in ("temperature", "top_p") if options.get(name) is not None})
         torch.manual_seed(run.config.run.seed * 1_000_003 + batch["index"][0])
-    hf = wrapped_model(run.unwrapped_model)
     with root_gathered(run):
         produced = hf.generate(**encoded, **settings)
     completions = tokenizer.batch_decode(produced[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -40,9 +40,23 @@ def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
     return chat_ids(tokenizer, prompt, generation_prompt=True)
 
 
-def complete(run: Run, prompts: list[Prompt], indices: list[int], options: dict[str, Any]) -> list[dict[str, Any]]:
-    """``{"prompt", "completion"}`` for each prompt, greedy unless ``options`` asks to sample."""
-    tokenizer = text_tokenizer(run)
+def complete(
+    run: Run,
+    prompts: list[Prompt],
+    indices: list[int],
+    options: dict[str, Any],
+    tokenizer: Any = None,
+    eos: int | None = None,
+) -> list[dict[str, Any]]:
+    """``{"prompt", "completion"}`` for each prompt, greedy unless ``options`` asks to sample;
+    through ``tokenizer`` (the data's by default), each completion cut at ``eos`` (its EOS)."""
+    if run.dist.cp_size > 1 or run.plugins.implemented("forward_batch"):  # the same on every rank
+        raise UserError(
+            "--data: the model is split over ranks (context or pipeline parallelism), so no rank has the logits "
+            "to sample from; run predict on a layout without them (a checkpoint loads on any layout)"
+        )
+    tokenizer = tokenizer or data_tokenizer(run)
+    eos = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
     encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
     if any(not ids for ids in encoded):
         raise UserError("--data: a prompt is empty (it encodes to no tokens); give each record some text")
@@ -51,11 +65,17 @@ def complete(run: Run, prompts: list[Prompt], indices: list[int], options: dict[
     for number in range(agreed):
         row = number if number < len(prompts) else 0  # beyond this rank's prompts: the first again, dropped
         made.append(continuation(run, encoded[row], indices[row], options, vocabulary=len(tokenizer)))
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return [{"prompt": prompt, "completion": tokenizer.decode(until(new, eos))} for prompt, new in zip(prompts, made)]
+    return [{"prompt": prompt, "completion": text_of(tokenizer, until(new, eos))} for prompt, new in zip(prompts, made)]
 
 
-def text_tokenizer(run: Run) -> Any:
+def text_of(tokenizer: Any, ids: list[int]) -> str:
+    """The text of ``ids``, a transformers tokenizer's special tokens left out (as its pipelines do)."""
+    if hasattr(tokenizer, "batch_decode"):
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+    return str(tokenizer.decode(ids))
+
+
+def data_tokenizer(run: Run) -> Any:
     """The tokenizer that made the training data's ids, or one error saying how to name it."""
     tokenizer = run.datasets.tokenizer
     if tokenizer is None:
@@ -63,11 +83,6 @@ def text_tokenizer(run: Run) -> Any:
             f"--data: the data provider '{run.config.data.provider}' names no tokenizer, so the prompts cannot "
             'become its token ids; set [tokenizer] path = "DIR" (the save_pretrained directory the data was '
             "tokenized with), or predict a split with --split"
-        )
-    if run.dist.cp_size > 1 or run.plugins.implemented("forward_batch"):  # the same on every rank
-        raise UserError(
-            "--data: the model is split over ranks (context or pipeline parallelism), so no rank has the logits "
-            "to sample from; run predict on a layout without them (a checkpoint loads on any layout)"
         )
     return tokenizer
 
@@ -129,5 +144,6 @@ def nucleus(logits: torch.Tensor, top_p: float | None) -> torch.Tensor:
 
 
 def until(ids: list[int], eos: int | None) -> list[int]:
-    """The ids before the first end-of-sequence token (a transformers tokenizer's), all without one."""
-    return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
+    """The ids up to the first end-of-sequence token, which stays, as in what transformers'
+    ``generate`` returns (decoding leaves it out when it is a special token); all without one."""
+    return ids[: ids.index(eos) + 1] if eos is not None and eos in ids else ids
