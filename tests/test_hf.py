@@ -740,6 +740,43 @@ def test_a_padded_batch_and_the_same_examples_unpadded_give_the_same_loss_and_gr
     assert abs(padded.loss - sum(means) / 2) > 1e-3
 
 
+def test_a_batch_padded_to_a_multiple_of_positions_computes_the_same_loss_and_tokens() -> None:
+    """What sequence parallelism needs of a dict batch of any length: padding after the last
+    position that changes nothing (ids padded, attention masked, labels -100, positions on)."""
+    from coretrain_hf.model import padded_to
+
+    hf = tiny_llama().eval()
+    batch = {"input_ids": torch.randint(0, VOCAB, (2, 7)), "attention_mask": torch.tensor([[1] * 7, [1] * 5 + [0] * 2])}
+    plain, model = CausalLM(hf), CausalLM(hf)
+    model.position_multiple = 4
+    with torch.no_grad():
+        a, b = plain(**dict(batch)), model(**dict(batch))
+    assert torch.allclose(a["loss"], b["loss"], atol=1e-6) and int(a["num_tokens"]) == int(b["num_tokens"]) == 10
+    padded = padded_to({"input_ids": batch["input_ids"], "position_ids": torch.arange(7).expand(2, 7)}, 4, 3)
+    assert padded["input_ids"].shape == (2, 8) and padded["input_ids"][:, -1].tolist() == [3, 3]
+    assert padded["attention_mask"][:, -1].tolist() == [0, 0] and padded["position_ids"][0, -1] == 7
+    labels = {"input_ids": batch["input_ids"], "labels": torch.tensor([1, 0])}  # a classifier's, per sample
+    assert padded_to(labels, 4, 0)["labels"].tolist() == [1, 0]
+
+
+@pytest.mark.slow  # 2 forked gloo ranks
+def test_padded_batches_under_sequence_parallelism_are_padded_to_the_groups_multiple(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """hf-sft without packing pads a batch to its longest example, any length; sequence
+    parallelism splits the positions evenly over the tensor-parallel group. Padded on to a multiple
+    of tp_size (labels -100, attention masked out), two ranks train one rank's losses."""
+    path = tmp_path / "sft.jsonl"
+    records = [{"prompt": f"def f{i}(x):", "response": " return x" + " + 1" * i} for i in range(12)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    sections = sft_run(tokenizer_dir, path, micro=2)
+    one = run_steps(tmp_path / "one", steps=6, config=sections)
+    split = forked_steps(tmp_path / "tp", 2, 6, {**sections, "distributed": {"tp_size": 2}})
+    assert split.returncode == 0, split.stderr[-3000:]
+    got = [row["loss"] for row in metrics_rows(tmp_path / "tp" / "out")]
+    assert got == pytest.approx([row["loss"] for row in one.metrics], rel=1e-5)
+
+
 def test_chat_records_use_the_chat_template_and_mask_the_prompt(tokenizer_dir: Path) -> None:
     from coretrain_hf.sft import HFSFT
     from coretrain_tokenizer import chat_ids

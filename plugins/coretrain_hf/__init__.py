@@ -148,6 +148,9 @@ class HFModel:
             return None
         base = getattr(hf, hf.base_model_prefix)
         plan = sequence_parallel(base, plan, run.dist.tp_size, run.datasets.seq_length)
+        if "layers.0" in plan and hf is not model:  # positions split over the group: a batch's are padded to fit
+            wrapper: Any = model  # coretrain_hf.model's CausalLM or SequenceClassifier
+            wrapper.position_multiple = run.dist.tp_size
         prefix = ("hf." if hf is not model else "") + f"{hf.base_model_prefix}."  # hf.model.layers.0...
         return {prefix + path: style for path, style in plan.items()}
 

@@ -45,6 +45,8 @@ class CausalLM(torch.nn.Module):
         attention, registered with transformers, sees every rank's keys and values)."""
         self.whole_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Set by context parallelism: the logits of every rank's positions, in sequence order."""
+        self.position_multiple = 1
+        """Set by sequence parallelism: a dict batch's positions are padded to a multiple of it."""
 
     def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         if args:  # coretrain's (input_ids, targets): already shifted, every position a target
@@ -63,6 +65,7 @@ class CausalLM(torch.nn.Module):
             raise UserError(
                 "distributed.cp_size: context parallelism splits (input_ids, targets) windows, not dict batches"
             )
+        batch = padded_to(batch, self.position_multiple, self.hf.config.pad_token_id)
         labels = batch.pop("labels", None)
         if labels is None:
             labels = batch["input_ids"]
@@ -101,6 +104,8 @@ class SequenceClassifier(torch.nn.Module):
     def __init__(self, hf: torch.nn.Module) -> None:
         super().__init__()
         self.hf: Any = hf  # a transformers PreTrainedModel
+        self.position_multiple = 1
+        """Set by sequence parallelism: a batch's positions are padded to a multiple of it."""
 
     def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> dict[str, torch.Tensor]:
         labels: torch.Tensor | None
@@ -108,12 +113,31 @@ class SequenceClassifier(torch.nn.Module):
             batch, labels = {"input_ids": args[0]}, args[1]
         else:
             labels = next((batch.pop(key) for key in LABEL_KEYS if key in batch), None)
-        logits = self.hf(**batch).logits
+        logits = self.hf(**padded_to(batch, self.position_multiple, self.hf.config.pad_token_id)).logits
         if labels is None:
             return {"logits": logits}
         loss = F.cross_entropy(logits.float(), labels.long())
         accuracy = (logits.argmax(-1) == labels).float().mean()
         return {"loss": loss, "accuracy": accuracy, "logits": logits}  # (logged: the single values)
+
+
+def padded_to(batch: dict[str, torch.Tensor], multiple: int, pad_id: int | None) -> dict[str, torch.Tensor]:
+    """``batch`` padded after its last position to a multiple of ``multiple`` (sequence parallelism
+    splits the positions evenly over a tensor-parallel group; a padded batch is as long as its
+    longest sample): ids with the pad id, the attention mask (made if absent) with 0, per-position
+    labels with -100, position ids counting on. Nothing before the padding changes."""
+    length = batch["input_ids"].shape[1]
+    extra = -length % multiple
+    if not extra:
+        return batch
+    fills = {"input_ids": pad_id or 0, "attention_mask": 0, "labels": IGNORE_INDEX, "token_type_ids": 0}
+    padded = {"attention_mask": torch.ones_like(batch["input_ids"]), **batch}
+    for key, value in padded.items():
+        if key == "position_ids":
+            padded[key] = torch.cat([value, value[:, -1:] + torch.arange(1, extra + 1, device=value.device)], dim=1)
+        elif key in fills and value.dim() == 2 and value.shape[1] == length:
+            padded[key] = F.pad(value, (0, extra), value=fills[key])
+    return padded
 
 
 def with_experts(
