@@ -282,6 +282,34 @@ def review_run(tokenizer: Path, shared: bool, **options: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # 2 forked gloo ranks
+def test_a_classifier_classifies_texts_alike_on_one_rank_with_fsdp_and_with_tensor_parallelism(
+    tmp_path: Path, padding_tokenizer_dir: Path
+) -> None:
+    """``predict --data`` of texts through the run's model, as an evaluation calls it: under FSDP
+    its root gathers the embeddings, under tensor parallelism the texts' positions are padded to
+    the group's multiple; the classes and scores are one rank's."""
+    from conftest import run_here
+
+    result = run_steps(tmp_path, steps=10, config=review_run(padding_tokenizer_dir, shared=True))
+    config = write_config(
+        tmp_path / "c.toml", tiny_config(result.output_dir, **review_run(padding_tokenizer_dir, True))
+    )
+    texts = ["great lovely good the film", "awful poor bad a plot", "fine great plot", "dull awful the film", "ok"]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
+    predict = ["predict", str(config), "--data", str(tmp_path / "texts.jsonl"), "--batch-size", "2"]
+    tests = {"PYTHONPATH": str(Path(__file__).parent)}  # test_hf:review_data, the provider
+    assert run_here(*predict, "--out", str(tmp_path / "one.jsonl"), cwd=tmp_path, env=tests).returncode == 0
+    layouts = {"fsdp": 'distributed.strategy="fsdp"', "tp": "distributed.tp_size=2"}
+    jobs = [[*predict, "--set", value, "--out", str(tmp_path / f"{name}.jsonl")] for name, value in layouts.items()]
+    in_one_job(tmp_path, 2, jobs, "classify", env=tests)
+    one = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+    for name in layouts:
+        got = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["prediction"] for r in got] == [r["prediction"] for r in one], name
+        assert [r["score"] for r in got] == pytest.approx([r["score"] for r in one], abs=1e-5), name
+
+
 def test_uneven_token_columns_are_padded_with_the_runs_tokenizer_and_label_is_the_class(
     tmp_path: Path, padding_tokenizer_dir: Path, cli: Any
 ) -> None:

@@ -21,8 +21,8 @@ NEEDED_BY = "coretrain predict"
 @contextlib.contextmanager
 def root_gathered(run: Run) -> Iterator[None]:
     """FSDP shards the run's model at its root, coretrain's wrapper around the transformers model;
-    ``generate`` and a direct call go around the wrapper, and so around the root's gathering of its
-    own parameters (embeddings, head): they are gathered here (each block still gathers its own)."""
+    ``generate`` goes around the wrapper, and so around the root's gathering of its own parameters
+    (embeddings, head): they are gathered here (each block still gathers its own)."""
     unshard: Callable[[], Any] | None = getattr(run.model, "unshard", None)
     if unshard is None:  # not FSDP
         yield
@@ -105,8 +105,8 @@ def classify(run: Run, model_path: str | None, texts: list[str]) -> list[dict[st
         )
     encoded = tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(run.device)
     hf = wrapped_model(run.unwrapped_model)
-    with torch.no_grad(), root_gathered(run):
-        logits = hf(**encoded).logits.float()
+    with torch.no_grad():  # through the run's model, as an evaluation: its FSDP root, its sequence padding
+        logits = run.model(**encoded)["logits"].float()
     probabilities, classes = logits.softmax(-1).max(-1)
     names = getattr(hf.config, "id2label", None) or {}
     records = []
