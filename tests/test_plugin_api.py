@@ -284,6 +284,21 @@ def test_a_hugging_face_dataset_is_read_by_the_batch_through_the_built_in_hf_dat
     assert "hf-datasets" in result.run.plugins.implementers("configure_datasets")  # (streams: DataLoaders)
 
 
+@pytest.mark.parametrize("target", ["labels", "label"])
+def test_a_hugging_face_stream_yields_tensors_and_its_label_as_labels(tmp_path: Path, target: str) -> None:
+    """``streaming=True`` gives python rows, which torch's collate turns a list column of into a
+    list of tensors ("linear(): argument 'input' must be Tensor, not list"): hf-datasets formats
+    the stream as torch, as a Dataset split is read, and hands its label over as labels."""
+    config = {
+        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+        "data": {"provider": "workloads:hf_digit_stream", "options": {"target": target}},
+        "train": {"micro_batch_size": 16, "eval_iters": 1, "log_interval": 5},
+    }
+    result = run_steps(tmp_path, steps=30, config=config)
+    losses = [row["loss"] for row in result.metrics]
+    assert result.exit_code == 0 and losses[-1] < 0.5 * losses[0], losses
+
+
 def test_a_stream_is_read_by_the_plugin_that_answers_read_stream_first(tmp_path: Path) -> None:
     """The built-in ``streams`` answers last: a reader of your own (one that shards by file, say)
     is asked first, for training and for each evaluation pass."""

@@ -254,6 +254,13 @@ def hf_digits(context: Any = None, target: str = "labels") -> Datasets:
     return Datasets(train=table(Digits(1200, 1)), valid=table(Digits(359, 2)))
 
 
+def hf_digit_stream(context: Any = None, target: str = "label") -> Datasets:
+    """The training digits as a Hugging Face stream (``load_dataset(..., streaming=True)`` gives
+    one): python rows, the class in ``target``."""
+    data = hf_digits(context, target)
+    return Datasets(train=data.train.to_iterable_dataset(num_shards=2), valid=data.valid)
+
+
 class ChattyCNN(CNN):
     """Warns on every forward, as a library deprecation often does."""
 

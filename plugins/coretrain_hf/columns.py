@@ -114,6 +114,21 @@ def padded_rows(rows: list[torch.Tensor], value: int, side: str) -> torch.Tensor
     return out
 
 
+def is_hf_stream(dataset: Any) -> bool:
+    """A Hugging Face ``IterableDataset`` (``streaming=True``, ``to_iterable_dataset``)."""
+    return type(dataset).__module__.startswith("datasets.") and hasattr(dataset, "with_format") and is_stream(dataset)
+
+
+def torch_stream(dataset: Any) -> Any:
+    """A Hugging Face stream yielding torch tensors, as a ``Dataset`` split is read (its python
+    rows would collate a list column into a list of tensors), its ``label`` column as ``labels``."""
+    if getattr(dataset, "_formatting", None) is None:  # unformatted: python rows
+        dataset = dataset.with_format("torch")
+    names = dataset.column_names or []  # unknown for some streams until read
+    old = next((name for name in LABEL_KEYS[1:] if name in names), None)
+    return dataset.rename_column(old, "labels") if old and "labels" not in names else dataset
+
+
 def is_hf_dataset(dataset: Any) -> bool:
     return (
         type(dataset).__module__.startswith("datasets.")
@@ -137,6 +152,8 @@ class HFDatasets:
         tokenizer = handed_tokenizer(run, "padding the token columns of a datasets split") if uneven else None
 
         def read(dataset: Any, split: str) -> Any:
+            if is_hf_stream(dataset):
+                return torch_stream(dataset)
             return Columns(dataset, split, tokenizer) if is_hf_dataset(dataset) else dataset
 
         for split in SPLITS:
