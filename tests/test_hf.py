@@ -592,6 +592,26 @@ def test_text_is_tokenized_once_with_eos_and_packed(
     assert len(list((tmp_path / "cache").glob("*.bin"))) == 1
 
 
+def test_prompts_to_a_model_trained_on_hf_text_are_encoded_with_the_datas_tokenizer(
+    tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path], cli: Any
+) -> None:
+    """A model built from a config table (no directory, no tokenizer of its own) trained on
+    hf-text with data.options.tokenizer: predict --data encodes the prompts with the tokenizer
+    the data names (Datasets.tokenizer) and writes what transformers' generate gives."""
+    sections = tokenized_run(tokenizer_dir, [text_files["code"]], tmp_path / "cache")
+    result = run_steps(tmp_path, steps=4, config=sections)
+    config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def function_3(x):"}\n')
+    done = cli("predict", str(config), "--data", "p.jsonl", "--max-new-tokens", "5", "--out", "g.jsonl", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tokenizer("def function_3(x):", return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        made = result.run.model.hf.eval().generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=2)
+    expected = tokenizer.decode(made[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert json.loads((tmp_path / "g.jsonl").read_text())["completion"] == expected
+
+
 def test_an_edit_that_keeps_size_and_mtime_is_tokenized_again(
     tmp_path: Path, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
