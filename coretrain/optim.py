@@ -30,7 +30,8 @@ def build_optimizer(
         # loads by name into any part of the model
         group["param_names"].append(name.removeprefix("module." if hasattr(model, "module") else ""))
     kind = OPTIMIZERS.get(cfg.name) or import_callable(cfg.name, "optimizer.name")
-    decay = {"weight_decay": cfg.weight_decay} if "weight_decay" in inspect.signature(kind).parameters else {}
+    takes_decay = "weight_decay" in inspect.signature(kind).parameters  # a class by import path may not
+    decay = {"weight_decay": cfg.weight_decay} if takes_decay else {}
     settings = {"lr": cfg.lr, **decay, **_options(cfg), **cfg.options}
     check_options(kind, settings, "optimizer.options", ("params",))
     optimizer: torch.optim.Optimizer = kind(list(groups.values()), **settings)

@@ -21,8 +21,8 @@ EPSILON = 1e-5
 """torch's LayerNorm default, which the blocks use; GPT-2's ``layer_norm_epsilon`` is the same."""
 
 
-def gpt2_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This model's state dict under GPT-2's names and layouts."""
+def gpt2_state(state: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """This model's state dict (of ``layers`` blocks) under GPT-2's names and layouts."""
     width = state["wte.weight"].shape[1]
 
     def bias(name: str, size: int) -> torch.Tensor:
@@ -30,7 +30,7 @@ def gpt2_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     gpt2 = {"transformer.wte.weight": state["wte.weight"], "transformer.wpe.weight": state["wpe.weight"]}
     gpt2 |= {"transformer.ln_f.weight": state["ln_f.weight"], "transformer.ln_f.bias": bias("ln_f.bias", width)}
-    for layer in range(blocks_in(state)):
+    for layer in range(layers):
         ours, theirs = f"blocks.{layer}.", f"transformer.h.{layer}."
         fused = [state[f"{ours}attn.{part}.weight"] for part in "qkv"]
         fused_bias = [bias(f"{ours}attn.{part}.bias", width) for part in "qkv"]
@@ -79,7 +79,7 @@ def save_gpt2(state: dict[str, torch.Tensor], n_head: int, to: Path) -> str:
         tie_word_embeddings=True,
     )
     model: Any = transformers.GPT2LMHeadModel(config)
-    model.load_state_dict({**gpt2_state(state), "lm_head.weight": state["wte.weight"]}, strict=True)
+    model.load_state_dict({**gpt2_state(state, config.n_layer), "lm_head.weight": state["wte.weight"]}, strict=True)
     model.save_pretrained(to)
     return (
         f"GPT-2 of {config.n_layer} blocks, {width} wide, {vocabulary} tokens -> {to} "

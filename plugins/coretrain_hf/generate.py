@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from coretrain_predict.sampling import complete, prompt_ids, samples
+from coretrain_predict.sampling import complete, is_transformers_tokenizer, prompt_ids, samples
 from coretrain_tokenizer import load_tokenizer, megatron_type, run_tokenizer
 
 from coretrain import Run, UserError, is_sharded
@@ -43,7 +43,7 @@ def prompt_tokenizer(run: Run, model_path: str | None) -> Any | None:
     if model_path is not None and any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES):
         return load_tokenizer(model_path, "model.options.path", NEEDED_BY, trusted)
     data_tokenizer = run.datasets.tokenizer
-    return data_tokenizer if hasattr(data_tokenizer, "batch_decode") else None  # not text-bytes' bytes
+    return data_tokenizer if is_transformers_tokenizer(data_tokenizer) else None
 
 
 def padding_tokenizer(run: Run, model_path: str | None) -> Any | None:

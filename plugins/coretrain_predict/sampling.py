@@ -25,11 +25,17 @@ Prompt = str | list[dict[str, Any]]
 """A text to continue, or a chat (``[{"role", "content"}, ...]``) whose next turn is wanted."""
 
 
+def is_transformers_tokenizer(tokenizer: Any) -> bool:
+    """A transformers tokenizer (called on text, decoding without its special tokens), not a
+    provider's own with ``encode`` / ``decode`` alone (text-bytes' bytes, nanoGPT's characters)."""
+    return hasattr(tokenizer, "batch_decode")
+
+
 def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
     """A prompt's token ids: its text without added special tokens (as hf-sft takes a prompt), or
     a chat rendered by the tokenizer's chat template, ready for the assistant's turn."""
     if isinstance(prompt, str):
-        if hasattr(tokenizer, "batch_decode"):  # a transformers tokenizer
+        if is_transformers_tokenizer(tokenizer):
             return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         return list(tokenizer.encode(prompt))
     if not getattr(tokenizer, "chat_template", None):
@@ -70,7 +76,7 @@ def complete(
 
 def text_of(tokenizer: Any, ids: list[int]) -> str:
     """The text of ``ids``, a transformers tokenizer's special tokens left out (as its pipelines do)."""
-    if hasattr(tokenizer, "batch_decode"):
+    if is_transformers_tokenizer(tokenizer):
         return str(tokenizer.decode(ids, skip_special_tokens=True))
     return str(tokenizer.decode(ids))
 

@@ -26,8 +26,9 @@ class NoCode(pickle.Unpickler):
 class CharTokenizer:
     """Each character one id, as nanoGPT's shakespeare_char ``prepare.py`` numbers them."""
 
-    def __init__(self, stoi: dict[str, int], itos: dict[int, str], path: Path) -> None:
-        self.stoi, self.itos, self.path = stoi, itos, path
+    def __init__(self, itos: dict[int, str], path: Path) -> None:
+        self.itos, self.path = itos, path
+        self.stoi = {char: i for i, char in itos.items()}
 
     def __len__(self) -> int:
         return len(self.itos)
@@ -50,9 +51,9 @@ def read_meta(path: Path) -> CharTokenizer:
         meta = NoCode(io.BytesIO(path.read_bytes())).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as exc:
         raise UserError(f"{path}: not read as nanoGPT's meta.pkl: {exc}") from None
-    stoi, itos = (meta.get(key) if isinstance(meta, dict) else None for key in ("stoi", "itos"))
-    if not (isinstance(stoi, dict) and isinstance(itos, dict)):
-        raise UserError(f"{path}: nanoGPT's meta.pkl holds a dict with 'stoi' and 'itos'; this one does not")
+    itos = meta.get("itos") if isinstance(meta, dict) else None  # its 'stoi' is the same map inverted
+    if not isinstance(itos, dict):
+        raise UserError(f"{path}: nanoGPT's meta.pkl holds a dict with 'itos' (id -> character); this one does not")
     if not all(isinstance(i, int) and isinstance(s, str) for i, s in itos.items()):
         raise UserError(f"{path}: 'itos' maps ids (int) to characters (str); this one holds other things")
-    return CharTokenizer({s: i for i, s in itos.items()}, itos, path)
+    return CharTokenizer(itos, path)
