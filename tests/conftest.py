@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -268,8 +269,18 @@ def job_failure(job: subprocess.CompletedProcess[str], commands: list[Any], plan
         *exits,
         "--- stderr from the last finished command on (last 120 lines):",
         *said[-120:],
+        *crashing_thread(job.stderr),
     ]
     return "\n".join(lines)
+
+
+def crashing_thread(stderr: str) -> list[str]:
+    """The C++ frames of the thread a fatal signal hit (c10 prints every thread's, the one that
+    took the signal with ``fatalSignalHandler`` in them): for a crash in a thread Python does
+    not know, where faulthandler names no current thread."""
+    sections = re.split(r"\n(?=SIG[A-Z]+\(\d+\), PID: )", stderr)
+    hit = [section for section in sections if "fatalSignalHandler(int" in section]
+    return ["--- the crashing thread's C++ frames:", *hit[0].splitlines()[:40]] if hit else []
 
 
 def per_command(stderr: str, configs: list[str]) -> dict[str, str]:

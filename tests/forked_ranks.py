@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -43,6 +44,9 @@ def _rank(plan: str, rank: int, world: int, port: int, env: dict[str, str], cwd:
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     faulthandler.enable()  # a timeout's SIGABRT prints the rank's stacks into its log
+    # a crash in a thread of torch's own (gloo's workers) has no Python stack: c10 prints each
+    # thread's C++ frames first (job_failure quotes the crashing thread's)
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the fork server ignores it
     os.environ.clear()
     os.environ.update(env)
