@@ -946,6 +946,47 @@ def test_a_lora_run_resumes_exactly_from_adapter_only_checkpoints(tmp_path: Path
     assert [m["loss"] for m in first.metrics + resumed.metrics] == [m["loss"] for m in straight.metrics]
 
 
+def test_a_lora_classifier_trains_its_new_head_saves_it_with_the_adapters_and_exports_it(tmp_path: Path) -> None:
+    """LoRA on a pretrained model made a classifier: its ``score`` head is new, so it trains in
+    full beside the adapters (peft's SEQ_CLS task, as peft's own fine-tuning sets it), is saved in
+    the adapter-only checkpoint, and both exports carry it: the merged model and the PEFT adapter
+    directory give the trained model's logits (with the head frozen it stayed random)."""
+    import peft
+
+    classifier = transformers.LlamaForSequenceClassification(
+        transformers.LlamaConfig(**{**llama_table(vocab_size=16, pad_token_id=0), "num_labels": 2})
+    )
+    classifier.save_pretrained(tmp_path / "base")
+    sections: dict[str, Any] = {
+        "model": {"provider": "hf", "options": {"task": "sequence-classification", "path": str(tmp_path / "base")}},
+        "data": {"provider": "test_hf:parity_data"},
+        "optimizer": {"lr": 1e-2},
+        "checkpoint": {"save_frozen": False},
+        "train": {"micro_batch_size": 16, "log_interval": 1, "eval_iters": 0},
+    }
+    result = run_steps(tmp_path, steps=6, config=sections, tables={"lora": LORA})
+    model = result.run.model.hf
+    head = model.base_model.model.score.modules_to_save["default"].weight
+    assert any(head is p for group in result.run.optimizer.param_groups for p in group["params"])
+    assert not torch.equal(head, classifier.score.weight)  # it trained
+    saved = torch.load(tmp_path / "out/checkpoints/step_00000006/model.pt", weights_only=True)
+    assert any("score.modules_to_save" in name for name in saved)
+    ids = torch.randint(1, 16, (4, 8))
+    with torch.no_grad():
+        expected = model.eval()(input_ids=ids).logits
+    export(result.output_dir, None, tmp_path / "merged", "hf", {"merge_lora": True})
+    export(result.output_dir, None, tmp_path / "adapters", "hf", {"merge_lora": False})
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged")
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "base")
+    reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapters")
+    with torch.no_grad():
+        for exported in (merged, reloaded):
+            torch.testing.assert_close(exported.eval()(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+    typo = {**LORA, "modules_to_save": ["scores"]}
+    with pytest.raises(UserError, match=r"plugins.lora.modules_to_save: no module named \['scores'\].*: model, score"):
+        run_steps(tmp_path / "typo", steps=1, config=sections, tables={"lora": typo})
+
+
 def test_lora_target_modules_that_match_nothing_name_the_linear_modules(tmp_path: Path, llama_dir: Path) -> None:
     with pytest.raises(UserError, match=r"plugins.lora.target_modules: .*the model's Linear modules: .*q_proj"):
         run_steps(tmp_path, steps=2, config=lora_run(llama_dir), tables={"lora": {"target_modules": ["attn_qkv"]}})

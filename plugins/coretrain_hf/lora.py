@@ -5,13 +5,18 @@
     alpha = 16
     dropout = 0.05
     target_modules = ["q_proj", "v_proj"]     # module names (suffixes), as peft matches them
+    modules_to_save = []                       # modules that train in full besides the adapters
 
     [checkpoint]
     save_frozen = false                        # checkpoints hold the adapters only
 
 The model (the Hugging Face model inside the ``hf`` provider's wrapper, or any model) becomes
 a ``peft`` model before compilation and parallel wrappers; every base parameter is frozen, so
-the optimizer holds the adapters alone. ``coretrain checkpoint export RUN --format hf`` writes a
+the optimizer holds the adapters alone — and a new head: a transformers classifier (sequence or
+token classification, question answering) is given peft's task, so its randomly initialised
+``score`` / ``classifier`` / ``qa_outputs`` trains in full and is saved with the adapters, as
+peft's own ``task_type="SEQ_CLS"`` fine-tuning does (``modules_to_save`` names the head of a
+model of yours). ``coretrain checkpoint export RUN --format hf`` writes a
 PEFT adapter directory (``PeftModel.from_pretrained(base, DIR)`` loads it), or with
 ``--merge-lora`` the base model with the adapters merged in (``from_pretrained(DIR)``).
 """
@@ -28,6 +33,19 @@ from coretrain import Run, UserError, fraction, hookimpl, positive, require
 
 log = logging.getLogger("coretrain")
 NEEDED_BY = "plugins.lora"
+PEFT_TASKS = {
+    "ForSequenceClassification": "SEQ_CLS",
+    "ForTokenClassification": "TOKEN_CLS",
+    "ForQuestionAnswering": "QUESTION_ANS",
+}
+"""peft's task for a transformers model by its class's ending: those whose head is new."""
+
+
+def peft_task(model: torch.nn.Module) -> str | None:
+    """peft's task for a model whose head the fine-tuning adds (a classifier): peft then trains
+    and saves that head in full; ``None`` for a language model, whose head is pretrained."""
+    name = type(model).__name__
+    return next((task for ending, task in PEFT_TASKS.items() if name.endswith(ending)), None)
 
 
 @define(kw_only=True)
@@ -42,20 +60,41 @@ class LoRA:
     """Dropout on the adapter's input."""
     target_modules: list[str] = field(factory=lambda: ["q_proj", "v_proj"])
     """Names of the modules to adapt (a name matches a module whose name ends with it)."""
+    modules_to_save: list[str] = field(factory=list)
+    """Modules that train in full and are saved beside the adapters: a new head of your model
+    (``["fc"]``). A transformers classifier's head is added by peft itself."""
 
-    def peft_config(self) -> Any:
+    def peft_config(self, model: torch.nn.Module) -> Any:
+        """peft's LoRA settings for ``model`` (its task decides which head trains in full)."""
         peft = require("peft", needed_by=NEEDED_BY, extra="hf")
         return peft.LoraConfig(
-            r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=list(self.target_modules)
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            modules_to_save=list(self.modules_to_save) or None,
+            task_type=peft_task(model),
         )
+
+    def check_modules_to_save(self, model: torch.nn.Module) -> None:
+        """Each of ``modules_to_save`` names a module of ``model`` (peft would skip a name that
+        matches none, and the head it meant would stay frozen)."""
+        paths = [f".{path}" for path, _ in model.named_modules()]
+        unmatched = [name for name in self.modules_to_save if not any(path.endswith(f".{name}") for path in paths)]
+        if unmatched:
+            children = ", ".join(name for name, _ in model.named_children())
+            raise UserError(
+                f"plugins.lora.modules_to_save: no module named {unmatched} in the model; its modules: {children}"
+            )
 
     @hookimpl(tryfirst=True)
     def configure_model(self, run: Run) -> None:
         peft = require("peft", needed_by=NEEDED_BY, extra="hf")
         holder = run.model if hasattr(run.model, "hf") else None  # the hf provider's wrapper
         base: Any = holder.hf if holder is not None else run.model
+        self.check_modules_to_save(base)
         try:
-            adapted = peft.get_peft_model(base, self.peft_config())
+            adapted = peft.get_peft_model(base, self.peft_config(base))
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
             linear = {name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
             names = ", ".join(sorted(linear))
@@ -74,7 +113,7 @@ class LoRA:
 def export_adapters(model: Any, weights: dict[str, torch.Tensor], lora: LoRA, merge: bool) -> tuple[Any, str]:
     """The exported model: the base with the trained adapters, merged into it or kept as a PEFT adapter."""
     peft = require("peft", needed_by="checkpoint export --format hf", extra="hf")
-    adapted = peft.get_peft_model(model, lora.peft_config())
+    adapted = peft.get_peft_model(model, lora.peft_config(model))
     result = adapted.load_state_dict(weights, strict=False)
     adapters = [name for name, _ in adapted.named_parameters() if "lora_" in name]
     missing = [name for name in result.missing_keys if "lora_" in name]
