@@ -936,13 +936,19 @@ def test_lora_trains_and_saves_only_adapters_and_exports_merged_or_as_adapters(t
     assert safetensors.torch.load_file(tmp_path / "adapters/adapter_model.safetensors")  # adapters, not the base
 
 
-def test_a_lora_run_resumes_exactly_from_adapter_only_checkpoints(tmp_path: Path, llama_dir: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_lora_run_resumes_exactly_from_adapter_only_checkpoints(
+    tmp_path: Path, llama_dir: Path, strategy: str
+) -> None:
+    """Whole (one ``model.pt``) and sharded (FSDP's DCP files, which a load read strictly, the
+    frozen base missing from them: "Missing key(s) in state_dict") checkpoints of the adapters."""
     from coretrain.testing import stop_and_resume
 
-    straight = run_steps(tmp_path / "straight", steps=6, config=lora_run(llama_dir), tables={"lora": LORA})
-    first, resumed = stop_and_resume(
-        tmp_path / "split", stop_at=3, steps=6, config=lora_run(llama_dir), tables={"lora": LORA}
-    )
+    config = {**lora_run(llama_dir), "distributed": {"strategy": strategy, "backend": "gloo"}}
+    straight = run_steps(tmp_path / "straight", steps=6, config=config, tables={"lora": LORA})
+    first, resumed = stop_and_resume(tmp_path / "split", stop_at=3, steps=6, config=config, tables={"lora": LORA})
+    layout = json.loads((tmp_path / "split/out/checkpoints/step_00000003/checkpoint.json").read_text())["layout"]
+    assert layout == {"ddp": "replicated", "fsdp": "sharded"}[strategy]
     assert [m["loss"] for m in first.metrics + resumed.metrics] == [m["loss"] for m in straight.metrics]
 
 
@@ -985,6 +991,41 @@ def test_a_lora_classifier_trains_its_new_head_saves_it_with_the_adapters_and_ex
     typo = {**LORA, "modules_to_save": ["scores"]}
     with pytest.raises(UserError, match=r"plugins.lora.modules_to_save: no module named \['scores'\].*: model, score"):
         run_steps(tmp_path / "typo", steps=1, config=sections, tables={"lora": typo})
+
+
+@pytest.mark.slow  # 2 forked gloo ranks
+def test_lora_adapters_train_on_pipeline_stages_like_one_rank_and_resume_on_one(tmp_path: Path) -> None:
+    """LoRA on a Llama cut into pipeline stages (its decoder layers inside a PeftModel's
+    ``base_model.model``, where a stage found no layers) trains the one-rank losses; the stages'
+    adapter-only checkpoint resumes on one rank as one rank's own would; tensor parallelism,
+    whose plan splits no adapter, is one error."""
+    from conftest import config_file, gpt_preset
+
+    llama = llama_table(num_attention_heads=4, num_hidden_layers=2)
+    preset = {**gpt_preset(tmp_path / "one"), "model": {"provider": "hf", "options": {"config": llama}}}
+    tables = {"distributed": {"backend": "gloo"}, "checkpoint": {"save_frozen": False}, "plugins": {"lora": LORA}}
+    train = {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 6, "log_interval": 1, "eval_iters": 1}
+    config = config_file(tmp_path / "lora.toml", preset, tables, **train, eval_interval=3)
+
+    def run(name: str, *sets: str) -> list[str]:
+        return ["run", str(config), *(a for s in (f'run.output_dir="{tmp_path / name}"', *sets) for a in ("--set", s))]
+
+    in_one_job(tmp_path, 1, [run("one")], "one")
+    tensor_parallel = {"args": run("tp", "distributed.tp_size=2"), "expect": 2}
+    job = in_one_job(tmp_path, 2, [run("pp", "distributed.pp_size=2", "train.exit_interval=3"), tensor_parallel], "two")
+    assert "LoRA adapters (a PeftModel) are not split over tensor-parallel ranks" in job.stderr
+    step_3 = tmp_path / "pp" / "checkpoints" / "step_00000003"
+    in_one_job(tmp_path, 1, [run("resumed", f'checkpoint.resume="{step_3}"')], "resumed")
+
+    def figures(name: str) -> dict[tuple[int, str], float]:
+        keys = ("loss", "valid/loss")
+        return {(row["step"], key): row[key] for row in metrics_rows(tmp_path / name) for key in keys if key in row}
+
+    one, stages, resumed = figures("one"), figures("pp"), figures("resumed")
+    assert len(one) == 8 and len(stages) == 4 and len(resumed) == 4  # 6 losses, 2 evaluations
+    assert stages == pytest.approx({key: one[key] for key in stages}, rel=1e-5)
+    assert resumed == pytest.approx({key: one[key] for key in resumed}, rel=1e-5)
+    assert min(step for step, _ in resumed) == 4
 
 
 def test_lora_target_modules_that_match_nothing_name_the_linear_modules(tmp_path: Path, llama_dir: Path) -> None:

@@ -112,12 +112,14 @@ def frozen_names(model: torch.nn.Module) -> set[str]:
 
 
 def dcp_options(with_frozen: bool, flat: bool = True) -> Any:
-    """torch.distributed.checkpoint's state-dict options: frozen parameters in or out; the
-    optimizer's parameter groups ``flat``, one entry per parameter (as torchtitan saves them), so
-    that ranks holding other parameters — pipeline stages — each save their own groups."""
+    """torch.distributed.checkpoint's state-dict options: frozen parameters in or out (out, a load
+    leaves them as the model was built — LoRA's base from its path — and is not strict about
+    them: every other key is read, and DCP refuses one the checkpoint lacks); the optimizer's
+    parameter groups ``flat``, one entry per parameter (as torchtitan saves them), so that ranks
+    holding other parameters — pipeline stages — each save their own groups."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=not with_frozen, flatten_optimizer_state_dict=flat)
+    return StateDictOptions(ignore_frozen_params=not with_frozen, flatten_optimizer_state_dict=flat, strict=with_frozen)
 
 
 def manifest(run: Run, layout: str, evaluated: list[str]) -> dict[str, Any]:

@@ -143,6 +143,11 @@ class HFModel:
         from coretrain_hf.parallel import sequence_parallel, transformers_plan
 
         hf = wrapped_model(model)
+        if hasattr(hf, "peft_config"):  # transformers' plan splits plain Linear layers, not peft's
+            raise UserError(
+                f"distributed.tp_size = {run.dist.tp_size}: LoRA adapters (a PeftModel) are not split over "
+                "tensor-parallel ranks; train them on data-parallel, FSDP, context- or pipeline-parallel ranks"
+            )
         plan = transformers_plan(getattr(hf, "config", None), run.dist.tp_size)
         if not plan:
             return None
