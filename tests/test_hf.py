@@ -508,6 +508,53 @@ def test_two_ranks_train_and_export_from_pretrained(tmp_path: Path, llama_dir: P
         assert type(loaded).__name__ == "LlamaForCausalLM"
 
 
+def token_classifier(path: str) -> Any:
+    """A model provider of a user's own: a transformers token classifier as ``from_pretrained`` gives it."""
+    return transformers.AutoModelForTokenClassification.from_pretrained(path, local_files_only=True)
+
+
+def test_transformers_plans_answer_for_a_transformers_model_only() -> None:
+    """The plan's paths name the model's own modules; a model of another kind gets no answer
+    (its provider's, or the user's plan, is asked for); a PeftModel is one error."""
+    import peft
+    from coretrain_hf.plans import TransformersPlans
+    from coretrain_tensor_parallel import unmatched
+
+    tagger = transformers.LlamaForTokenClassification(transformers.LlamaConfig(**llama_table(num_labels=2)))
+    run: Any = types.SimpleNamespace(dist=types.SimpleNamespace(tp_size=2))
+    plan = TransformersPlans().tensor_parallel_plan(run=run, model=tagger)
+    assert plan and "model.layers.*.self_attn.q_proj" in plan and not unmatched(tagger, plan)
+    assert TransformersPlans().tensor_parallel_plan(run=run, model=torch.nn.Linear(2, 2)) is None
+    adapted = peft.get_peft_model(tagger, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(UserError, match="LoRA adapters .* are not split over tensor-parallel ranks"):
+        TransformersPlans().tensor_parallel_plan(run=run, model=adapted)
+
+
+@pytest.mark.slow  # 2 forked gloo ranks
+def test_a_transformers_model_of_a_users_provider_splits_over_tensor_parallel_ranks(
+    tmp_path: Path, padding_tokenizer_dir: Path
+) -> None:
+    """A provider of the user's returns a transformers tagger: ``transformers-plans`` gives its
+    architecture's plan (before: "model.provider ... gives no tensor-parallel plan"), and on
+    padded batches of uneven reviews 2 tensor-parallel ranks train the one-rank losses."""
+    tagger = transformers.LlamaConfig(**llama_table(vocab_size=300, pad_token_id=2, num_labels=2))
+    transformers.LlamaForTokenClassification(tagger).save_pretrained(tmp_path / "tagger")
+    data = {"tokenizer": str(padding_tokenizer_dir), "token_labels": True}
+    sections = {
+        "model": {"provider": "test_hf:token_classifier", "options": {"path": str(tmp_path / "tagger")}},
+        "data": {"provider": "test_hf:review_data", "options": data},
+        "tokenizer": {"path": str(padding_tokenizer_dir)},
+        "optimizer": {"lr": 1e-2},
+        "train": {"micro_batch_size": 8, "log_interval": 1, "eval_iters": 1},
+    }
+    one = run_steps(tmp_path / "one", steps=4, config=sections)
+    split = forked_steps(tmp_path / "tp", 2, 4, {**sections, "distributed": {"tp_size": 2}})
+    assert "tensor-parallel: 2 ranks per group split 7 plan entries" in split.stderr
+    losses = [row["loss"] for row in metrics_rows(tmp_path / "tp" / "out") if "loss" in row]
+    assert losses == pytest.approx([row["loss"] for row in one.metrics], rel=1e-5)
+    assert len(losses) == 4
+
+
 @pytest.mark.slow
 def test_tensor_parallel_takes_the_transformers_plan_sequence_parallel_and_matches_one_rank(
     tmp_path: Path, llama_dir: Path

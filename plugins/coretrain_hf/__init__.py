@@ -141,13 +141,10 @@ class HFModel:
         (:mod:`coretrain_hf.parallel`). None for an architecture without a plan."""
         from coretrain_hf.model import wrapped_model
         from coretrain_hf.parallel import sequence_parallel, transformers_plan
+        from coretrain_hf.plans import refuse_adapters
 
         hf = wrapped_model(model)
-        if hasattr(hf, "peft_config"):  # transformers' plan splits plain Linear layers, not peft's
-            raise UserError(
-                f"distributed.tp_size = {run.dist.tp_size}: LoRA adapters (a PeftModel) are not split over "
-                "tensor-parallel ranks; train them on data-parallel, FSDP, context- or pipeline-parallel ranks"
-            )
+        refuse_adapters(hf, run.dist.tp_size)
         plan = transformers_plan(getattr(hf, "config", None), run.dist.tp_size)
         if not plan:
             return None
