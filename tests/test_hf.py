@@ -517,24 +517,63 @@ def test_transformers_plans_answer_for_a_transformers_model_only() -> None:
     """The plan's paths name the model's own modules; a model of another kind gets no answer
     (its provider's, or the user's plan, is asked for); a PeftModel is one error."""
     import peft
-    from coretrain_hf.plans import TransformersPlans
+    from coretrain_hf.transformers_models import TransformersModels
     from coretrain_tensor_parallel import unmatched
 
     tagger = transformers.LlamaForTokenClassification(transformers.LlamaConfig(**llama_table(num_labels=2)))
     run: Any = types.SimpleNamespace(dist=types.SimpleNamespace(tp_size=2))
-    plan = TransformersPlans().tensor_parallel_plan(run=run, model=tagger)
+    plan = TransformersModels().tensor_parallel_plan(run=run, model=tagger)
     assert plan and "model.layers.*.self_attn.q_proj" in plan and not unmatched(tagger, plan)
-    assert TransformersPlans().tensor_parallel_plan(run=run, model=torch.nn.Linear(2, 2)) is None
+    assert TransformersModels().tensor_parallel_plan(run=run, model=torch.nn.Linear(2, 2)) is None
     adapted = peft.get_peft_model(tagger, peft.LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(UserError, match="LoRA adapters .* are not split over tensor-parallel ranks"):
-        TransformersPlans().tensor_parallel_plan(run=run, model=adapted)
+        TransformersModels().tensor_parallel_plan(run=run, model=adapted)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_transformers_model_of_a_users_provider_exports_as_transformers_loads_it(
+    tmp_path: Path, padding_tokenizer_dir: Path, strategy: str
+) -> None:
+    """``checkpoint export --format hf`` of a run whose provider is the user's own: the class and
+    config the run recorded (FSDP2's class is the transformers one underneath), the trained
+    weights, the tokenizer; ``from_pretrained`` gives the trained logits. A class the run
+    directory names that transformers has not is one error (its code is not the directory's to name)."""
+    tagger = transformers.LlamaConfig(**llama_table(vocab_size=300, pad_token_id=2, num_labels=2))
+    transformers.LlamaForTokenClassification(tagger).save_pretrained(tmp_path / "tagger")
+    sections = {
+        "model": {"provider": "test_hf:token_classifier", "options": {"path": str(tmp_path / "tagger")}},
+        "data": {
+            "provider": "test_hf:review_data",
+            "options": {"tokenizer": str(padding_tokenizer_dir), "token_labels": True},
+        },
+        "tokenizer": {"path": str(padding_tokenizer_dir)},
+        "distributed": {"strategy": strategy, "backend": "gloo"},
+        "train": {"micro_batch_size": 8, "eval_iters": 0},
+    }
+    result = run_steps(tmp_path, steps=3, config=sections, autoload=(*BEHAVIOUR, "transformers-models"))
+    written = export(result.output_dir, None, tmp_path / "exported", "hf", {})
+    assert "LlamaForTokenClassification, tokenizer copied from" in written
+    loaded = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "exported")
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "exported").pad_token_id == 2
+    original = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "tagger")
+    ids = torch.randint(3, 300, (2, 7))
+    with torch.no_grad():
+        trained = result.run.unwrapped_model.eval()(input_ids=ids).logits
+        torch.testing.assert_close(
+            loaded(input_ids=ids).logits, trained.full_tensor() if hasattr(trained, "full_tensor") else trained
+        )
+        assert not torch.allclose(original(input_ids=ids).logits, trained, atol=1e-4)  # it trained
+    recorded = tmp_path / "out" / "hf-config" / "config.json"
+    recorded.write_text(recorded.read_text().replace("LlamaForTokenClassification", "Popen"))
+    with pytest.raises(UserError, match=r"the run's model class 'Popen' .* is not one of transformers'"):
+        export(result.output_dir, None, tmp_path / "crafted", "hf", {})
 
 
 @pytest.mark.slow  # 2 forked gloo ranks
 def test_a_transformers_model_of_a_users_provider_splits_over_tensor_parallel_ranks(
     tmp_path: Path, padding_tokenizer_dir: Path
 ) -> None:
-    """A provider of the user's returns a transformers tagger: ``transformers-plans`` gives its
+    """A provider of the user's returns a transformers tagger: ``transformers-models`` gives its
     architecture's plan (before: "model.provider ... gives no tensor-parallel plan"), and on
     padded batches of uneven reviews 2 tensor-parallel ranks train the one-rank losses."""
     tagger = transformers.LlamaConfig(**llama_table(vocab_size=300, pad_token_id=2, num_labels=2))

@@ -168,7 +168,7 @@ def test_autoload_and_enabled_false(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         "schedule",
         "console-log",
         "hf-datasets",
-        "transformers-plans",
+        "transformers-models",
         "streams",
         "resume-checks",
         "out-of-memory",

@@ -141,7 +141,7 @@ class HFModel:
         (:mod:`coretrain_hf.parallel`). None for an architecture without a plan."""
         from coretrain_hf.model import wrapped_model
         from coretrain_hf.parallel import sequence_parallel, transformers_plan
-        from coretrain_hf.plans import refuse_adapters
+        from coretrain_hf.transformers_models import refuse_adapters
 
         hf = wrapped_model(model)
         refuse_adapters(hf, run.dist.tp_size)

@@ -1,0 +1,121 @@
+"""``transformers-models``: what the ``hf`` provider gives its models, for a transformers model
+that any provider returns — a provider of yours (``AutoModelForTokenClassification.from_pretrained``,
+a transformers body with your head) keeps what transformers ships with the architecture:
+
+- **tensor parallelism**: the model's own plan, ``config.base_model_tp_plan`` (what
+  ``from_pretrained(tp_plan="auto")`` reads), answers the ``tensor-parallel`` plugin's
+  ``tensor_parallel_plan`` after the provider (last: the ``hf`` provider and a plan of yours come
+  first): attention and MLP projections column-wise in, row-wise out, everything else whole on
+  each rank — without the sequence parallelism the ``hf`` provider adds, so a batch of any
+  length splits, padded or not;
+- **``checkpoint export --format hf``**: the run records the model's config and class at its
+  start (``RUN_DIR/hf-config``); the export builds that transformers class from it, loads the
+  checkpoint's weights strictly and writes ``save_pretrained``'s directory (the run's tokenizer
+  copied in), which ``from_pretrained`` loads as the model you trained.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from attrs import define
+
+from coretrain import Run, UserError, hookimpl, require
+
+
+def is_transformers_model(model: torch.nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (by its attributes: transformers is not imported for it)."""
+    return hasattr(model, "base_model_prefix") and hasattr(getattr(model, "config", None), "model_type")
+
+
+def refuse_adapters(model: torch.nn.Module, tp: int) -> None:
+    """Transformers' plan splits plain Linear layers, not peft's: one error for a PeftModel."""
+    if hasattr(model, "peft_config"):
+        raise UserError(
+            f"distributed.tp_size = {tp}: LoRA adapters (a PeftModel) are not split over "
+            "tensor-parallel ranks; train them on data-parallel, FSDP, context- or pipeline-parallel ranks"
+        )
+
+
+def transformers_class(model: torch.nn.Module) -> str:
+    """The transformers class of ``model`` (FSDP2 makes ``FSDPLlamaFor...`` of ``LlamaFor...``)."""
+    return next(cls.__name__ for cls in type(model).__mro__ if cls.__module__.startswith("transformers."))
+
+
+@define
+class TransformersModels:
+    """Transformers' own tensor-parallel plan and ``--format hf`` export for a transformers model
+    from any provider."""
+
+    @hookimpl(trylast=True)
+    def tensor_parallel_plan(self, run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
+        from coretrain_hf.parallel import transformers_plan
+
+        refuse_adapters(model, run.dist.tp_size)
+        if not is_transformers_model(model):
+            return None
+        plan = transformers_plan(model.config, run.dist.tp_size)
+        prefix = f"{model.base_model_prefix}."  # model.layers.0.self_attn.q_proj ...
+        return {prefix + path: style for path, style in plan.items()} or None
+
+    @hookimpl
+    def on_train_start(self, run: Run) -> None:
+        """Rank 0 records the config and class of a transformers model (not a PeftModel: the
+        ``lora`` plugin's adapters export through the ``hf`` provider)."""
+        from coretrain_hf.export import CONFIG_DIR
+
+        model = run.unwrapped_model
+        if run.dist.is_main and is_transformers_model(model) and not hasattr(model, "peft_config"):
+            config: Any = copy.deepcopy(model.config)
+            config.architectures = [transformers_class(model)]
+            config.save_pretrained(run.output_dir / CONFIG_DIR)
+
+    @hookimpl(trylast=True)
+    def export_model(
+        self,
+        state: dict[str, torch.Tensor],
+        config: dict[str, Any],
+        run_dir: Path,
+        export_format: str,
+        to: Path,
+        options: dict[str, Any],
+    ) -> str | None:
+        from coretrain_hf.export import CONFIG_DIR
+
+        saved = run_dir / CONFIG_DIR
+        if export_format != "hf" or not (saved / "config.json").is_file():
+            return None
+        return save_transformers_model(state, config, saved, to, options)
+
+
+def save_transformers_model(
+    state: dict[str, torch.Tensor], config: dict[str, Any], saved: Path, to: Path, options: dict[str, Any]
+) -> str:
+    """The class the run recorded in ``saved``, built from its config, the weights loaded
+    strictly, written by ``save_pretrained`` (a class not in transformers is one error: its code
+    is not the run directory's to name)."""
+    from coretrain_hf.export import copy_tokenizer, load_strictly, refusing_remote_code
+
+    transformers = require("transformers", needed_by="checkpoint export --format hf", extra="hf")
+    transformers.utils.logging.disable_progress_bar()
+    if to.exists() and (not to.is_dir() or any(to.iterdir())):
+        raise UserError(f"--to: {to} exists and is not an empty directory; name a new one")
+    trusted = bool(options.get("trust_remote_code"))  # the user's flag; never the run directory's word
+    with refusing_remote_code(saved, "model", trusted):
+        hf_config = transformers.AutoConfig.from_pretrained(saved, local_files_only=True, trust_remote_code=trusted)
+    name = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    model_class = getattr(transformers, name, None)
+    if not isinstance(model_class, type) or not issubclass(model_class, transformers.PreTrainedModel):
+        raise UserError(
+            f"--format hf: the run's model class {name!r} (in {saved}/config.json) is not one of transformers'; "
+            "export --format safetensors and load the weights into your class"
+        )
+    model = model_class(hf_config)
+    load_strictly(model, state)
+    to.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(to)
+    copied = copy_tokenizer(config, to, trusted)
+    return f"wrote {to}: {name}" + (f", tokenizer copied from {copied}" if copied else "")
