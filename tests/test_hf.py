@@ -513,7 +513,20 @@ def token_classifier(path: str) -> Any:
     return transformers.AutoModelForTokenClassification.from_pretrained(path, local_files_only=True)
 
 
-def test_transformers_plans_answer_for_a_transformers_model_only() -> None:
+def tagger_run(tmp_path: Path, tokenizer: Path) -> dict[str, Any]:
+    """Sections of a run of a user's own provider returning a transformers token classifier
+    (saved to ``tmp_path / "tagger"``) on reviews padded per micro-batch, a label per token."""
+    tagger = transformers.LlamaConfig(**llama_table(vocab_size=300, pad_token_id=2, num_labels=2))
+    transformers.LlamaForTokenClassification(tagger).save_pretrained(tmp_path / "tagger")
+    return {
+        "model": {"provider": "test_hf:token_classifier", "options": {"path": str(tmp_path / "tagger")}},
+        "data": {"provider": "test_hf:review_data", "options": {"tokenizer": str(tokenizer), "token_labels": True}},
+        "tokenizer": {"path": str(tokenizer)},
+        "train": {"micro_batch_size": 8, "eval_iters": 0},
+    }
+
+
+def test_transformers_models_answers_for_a_transformers_model_only() -> None:
     """The plan's paths name the model's own modules; a model of another kind gets no answer
     (its provider's, or the user's plan, is asked for); a PeftModel is one error."""
     import peft
@@ -538,18 +551,7 @@ def test_a_transformers_model_of_a_users_provider_exports_as_transformers_loads_
     config the run recorded (FSDP2's class is the transformers one underneath), the trained
     weights, the tokenizer; ``from_pretrained`` gives the trained logits. A class the run
     directory names that transformers has not is one error (its code is not the directory's to name)."""
-    tagger = transformers.LlamaConfig(**llama_table(vocab_size=300, pad_token_id=2, num_labels=2))
-    transformers.LlamaForTokenClassification(tagger).save_pretrained(tmp_path / "tagger")
-    sections = {
-        "model": {"provider": "test_hf:token_classifier", "options": {"path": str(tmp_path / "tagger")}},
-        "data": {
-            "provider": "test_hf:review_data",
-            "options": {"tokenizer": str(padding_tokenizer_dir), "token_labels": True},
-        },
-        "tokenizer": {"path": str(padding_tokenizer_dir)},
-        "distributed": {"strategy": strategy, "backend": "gloo"},
-        "train": {"micro_batch_size": 8, "eval_iters": 0},
-    }
+    sections = {**tagger_run(tmp_path, padding_tokenizer_dir), "distributed": {"strategy": strategy, "backend": "gloo"}}
     result = run_steps(tmp_path, steps=3, config=sections, autoload=(*BEHAVIOUR, "transformers-models"))
     written = export(result.output_dir, None, tmp_path / "exported", "hf", {})
     assert "LlamaForTokenClassification, tokenizer copied from" in written
@@ -569,6 +571,24 @@ def test_a_transformers_model_of_a_users_provider_exports_as_transformers_loads_
         export(result.output_dir, None, tmp_path / "crafted", "hf", {})
 
 
+def test_a_taggers_predictions_hold_each_records_own_tokens_not_the_padding(
+    tmp_path: Path, padding_tokenizer_dir: Path, cli: Any
+) -> None:
+    """``coretrain predict --split valid`` of a token classifier on padded batches: each record's
+    prediction, logits and labels are its own tokens' (as transformers' token-classification
+    pipeline answers), not its micro-batch's longest with the padding's -100 and noise."""
+    sections = tagger_run(tmp_path, padding_tokenizer_dir)
+    result = run_steps(tmp_path, steps=2, config=sections)
+    config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
+    done = cli("predict", str(config), "--split", "valid", "--out", str(tmp_path / "p.jsonl"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    predicted = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    lengths = result.run.datasets.valid.get_batch(torch.arange(40))["attention_mask"].sum(dim=1).tolist()
+    assert len(set(lengths)) > 1  # the micro-batches are padded
+    assert [r["target"] for r in predicted] == [[i % 2] * n for i, n in zip(range(200, 240), lengths)]
+    assert [(len(r["prediction"]), len(r["output"])) for r in predicted] == [(n, n) for n in lengths]
+
+
 @pytest.mark.slow  # 2 forked gloo ranks
 def test_a_transformers_model_of_a_users_provider_splits_over_tensor_parallel_ranks(
     tmp_path: Path, padding_tokenizer_dir: Path
@@ -576,16 +596,8 @@ def test_a_transformers_model_of_a_users_provider_splits_over_tensor_parallel_ra
     """A provider of the user's returns a transformers tagger: ``transformers-models`` gives its
     architecture's plan (before: "model.provider ... gives no tensor-parallel plan"), and on
     padded batches of uneven reviews 2 tensor-parallel ranks train the one-rank losses."""
-    tagger = transformers.LlamaConfig(**llama_table(vocab_size=300, pad_token_id=2, num_labels=2))
-    transformers.LlamaForTokenClassification(tagger).save_pretrained(tmp_path / "tagger")
-    data = {"tokenizer": str(padding_tokenizer_dir), "token_labels": True}
-    sections = {
-        "model": {"provider": "test_hf:token_classifier", "options": {"path": str(tmp_path / "tagger")}},
-        "data": {"provider": "test_hf:review_data", "options": data},
-        "tokenizer": {"path": str(padding_tokenizer_dir)},
-        "optimizer": {"lr": 1e-2},
-        "train": {"micro_batch_size": 8, "log_interval": 1, "eval_iters": 1},
-    }
+    sections = tagger_run(tmp_path, padding_tokenizer_dir)
+    sections |= {"optimizer": {"lr": 1e-2}, "train": {"micro_batch_size": 8, "log_interval": 1, "eval_iters": 1}}
     one = run_steps(tmp_path / "one", steps=4, config=sections)
     split = forked_steps(tmp_path / "tp", 2, 4, {**sections, "distributed": {"tp_size": 2}})
     assert "tensor-parallel: 2 ranks per group split 7 plan entries" in split.stderr

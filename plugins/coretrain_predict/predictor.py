@@ -116,7 +116,14 @@ class Predictor:
         }
         if isinstance(target, torch.Tensor) and len(target) == size:
             values["target"] = target
-        return [{name: plain(value[i]) for name, value in values.items()} for i in range(size)]
+        kept = padding_kept_out(batch, values)
+        return [
+            {
+                name: plain(value[i] if kept is None or value.shape[:2] != kept.shape else value[i][kept[i]])
+                for name, value in values.items()
+            }
+            for i in range(size)
+        ]
 
     @hookimpl(trylast=True)
     def write_predictions(self, records: list[dict[str, Any]], path: Path) -> str | None:
@@ -217,6 +224,20 @@ def per_sample(output: Any, size: int) -> dict[str, torch.Tensor]:
             "the model returns its outputs, or implement the predict_step hook"
         )
     return values
+
+
+def padding_kept_out(batch: Any, values: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The positions each record keeps, when a padded dict batch's values are per position: its
+    ``attention_mask`` (B, T) as booleans, so a record holds its own tokens' values and not the
+    padding's, left or right (as transformers' token-classification pipeline answers); None for
+    values per sample (a classifier's) or a batch without a mask."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return None
+    per_position = [name for name in ("prediction", "target") if name in values]
+    if not per_position or values[per_position[0]].shape != mask.shape:
+        return None
+    return mask.bool().cpu()
 
 
 def has_per_sample(output: Any, size: int) -> bool:
