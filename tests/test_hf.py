@@ -571,6 +571,37 @@ def test_a_transformers_model_of_a_users_provider_exports_as_transformers_loads_
         export(result.output_dir, None, tmp_path / "crafted", "hf", {})
 
 
+@pytest.mark.parametrize("save_frozen", [True, False])
+def test_lora_on_a_users_transformers_model_exports_its_adapters_and_merged_weights(
+    tmp_path: Path, padding_tokenizer_dir: Path, save_frozen: bool
+) -> None:
+    """LoRA on a tagger of the user's own provider: the adapters (and the new head) export as a
+    PEFT directory that ``PeftModel.from_pretrained`` puts on the user's base with the trained
+    logits, also from an adapter-only checkpoint; merged, from a checkpoint that holds the base
+    (without it, where the user's provider loaded it from is not the run's to say: one error)."""
+    import peft
+
+    sections = {**tagger_run(tmp_path, padding_tokenizer_dir), "checkpoint": {"save_frozen": save_frozen}}
+    autoload = (*BEHAVIOUR, "transformers-models")
+    result = run_steps(tmp_path, steps=3, config=sections, tables={"lora": LORA}, autoload=autoload)
+    ids = torch.randint(3, 300, (2, 7))
+    with torch.no_grad():
+        trained = result.run.unwrapped_model.eval()(input_ids=ids).logits
+    export(result.output_dir, None, tmp_path / "adapters", "hf", {})
+    base = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "tagger")
+    with torch.no_grad():
+        reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()(input_ids=ids).logits
+    torch.testing.assert_close(reloaded, trained)
+    if not save_frozen:
+        with pytest.raises(UserError, match="--merge-lora: the checkpoint holds only the adapters"):
+            export(result.output_dir, None, tmp_path / "merged", "hf", {"merge_lora": True})
+        return
+    export(result.output_dir, None, tmp_path / "merged", "hf", {"merge_lora": True})
+    merged = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(input_ids=ids).logits, trained, atol=1e-5, rtol=1e-5)
+
+
 def test_a_taggers_predictions_hold_each_records_own_tokens_not_the_padding(
     tmp_path: Path, padding_tokenizer_dir: Path, cli: Any
 ) -> None:

@@ -11,7 +11,8 @@ a transformers body with your head) keeps what transformers ships with the archi
 - **``checkpoint export --format hf``**: the run records the model's config and class at its
   start (``RUN_DIR/hf-config``); the export builds that transformers class from it, loads the
   checkpoint's weights strictly and writes ``save_pretrained``'s directory (the run's tokenizer
-  copied in), which ``from_pretrained`` loads as the model you trained.
+  copied in), which ``from_pretrained`` loads as the model you trained; with ``lora``, the
+  adapters as a PEFT directory, or merged into the base when the checkpoint holds it.
 """
 
 from __future__ import annotations
@@ -63,12 +64,12 @@ class TransformersModels:
 
     @hookimpl
     def on_train_start(self, run: Run) -> None:
-        """Rank 0 records the config and class of a transformers model (not a PeftModel: the
-        ``lora`` plugin's adapters export through the ``hf`` provider)."""
+        """Rank 0 records the config and class of a transformers model (the one a PeftModel adapts)."""
         from coretrain_hf.export import CONFIG_DIR
 
-        model = run.unwrapped_model
-        if run.dist.is_main and is_transformers_model(model) and not hasattr(model, "peft_config"):
+        model: Any = run.unwrapped_model
+        model = model.get_base_model() if hasattr(model, "peft_config") else model
+        if run.dist.is_main and is_transformers_model(model):
             config: Any = copy.deepcopy(model.config)
             config.architectures = [transformers_class(model)]
             config.save_pretrained(run.output_dir / CONFIG_DIR)
@@ -97,7 +98,7 @@ def save_transformers_model(
     """The class the run recorded in ``saved``, built from its config, the weights loaded
     strictly, written by ``save_pretrained`` (a class not in transformers is one error: its code
     is not the run directory's to name)."""
-    from coretrain_hf.export import copy_tokenizer, load_strictly, refusing_remote_code
+    from coretrain_hf.export import copy_tokenizer, refusing_remote_code
 
     transformers = require("transformers", needed_by="checkpoint export --format hf", extra="hf")
     transformers.utils.logging.disable_progress_bar()
@@ -113,9 +114,33 @@ def save_transformers_model(
             f"--format hf: the run's model class {name!r} (in {saved}/config.json) is not one of transformers'; "
             "export --format safetensors and load the weights into your class"
         )
-    model = model_class(hf_config)
-    load_strictly(model, state)
+    model, what = with_weights(model_class(hf_config), state, config, options)
     to.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(to)
     copied = copy_tokenizer(config, to, trusted)
-    return f"wrote {to}: {name}" + (f", tokenizer copied from {copied}" if copied else "")
+    return f"wrote {to}: {name}{what}" + (f", tokenizer copied from {copied}" if copied else "")
+
+
+def with_weights(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], config: dict[str, Any], options: dict[str, Any]
+) -> tuple[Any, str]:
+    """``model`` with the checkpoint's weights: loaded strictly, or for a run of the ``lora``
+    plugin its adapters, merged in or as a PEFT adapter directory. Adapters saved without their
+    base (``checkpoint.save_frozen = false``) export as adapters only: the base your provider
+    loaded is not the run directory's to name."""
+    from coretrain_hf.export import load_strictly, lora_settings
+    from coretrain_hf.lora import export_adapters
+
+    lora = lora_settings(config)
+    if lora is None:
+        load_strictly(model, state)
+        return model, ""
+    merge = bool(options.get("merge_lora"))
+    if merge and not config.get("checkpoint", {}).get("save_frozen", True):
+        raise UserError(
+            "--merge-lora: the checkpoint holds only the adapters (checkpoint.save_frozen = false) and your "
+            "provider loaded the base: export the adapters (no --merge-lora) and merge them into your base "
+            "with PeftModel.from_pretrained(base, DIR).merge_and_unload()"
+        )
+    adapted, what = export_adapters(model, state, lora, merge)
+    return adapted, f" {what}"
