@@ -607,7 +607,8 @@ def test_a_taggers_predictions_hold_each_records_own_tokens_not_the_padding(
 ) -> None:
     """``coretrain predict --split valid`` of a token classifier on padded batches: each record's
     prediction, logits and labels are its own tokens' (as transformers' token-classification
-    pipeline answers), not its micro-batch's longest with the padding's -100 and noise."""
+    pipeline answers), not its micro-batch's longest with the padding's -100 and noise. Texts
+    to continue (``--data``) are one error: its two classes were sampled as tokens."""
     sections = tagger_run(tmp_path, padding_tokenizer_dir)
     result = run_steps(tmp_path, steps=2, config=sections)
     config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
@@ -618,6 +619,9 @@ def test_a_taggers_predictions_hold_each_records_own_tokens_not_the_padding(
     assert len(set(lengths)) > 1  # the micro-batches are padded
     assert [r["target"] for r in predicted] == [[i % 2] * n for i, n in zip(range(200, 240), lengths)]
     assert [(len(r["prediction"]), len(r["output"])) for r in predicted] == [(n, n) for n in lengths]
+    (tmp_path / "texts.jsonl").write_text(json.dumps({"prompt": "great film"}) + "\n")  # a tagger continues no text
+    done = cli("predict", str(config), "--data", "texts.jsonl", "--out", str(tmp_path / "t.jsonl"), cwd=tmp_path)
+    assert done.returncode == 2 and "gives 2 values per position for a tokenizer of 300 tokens" in done.stderr
 
 
 @pytest.mark.slow  # 2 forked gloo ranks

@@ -106,7 +106,7 @@ def continuation(run: Run, prompt: list[int], index: int, options: dict[str, Any
         # after the last, which leaves a causal model's logits before it as they are
         padded = seen + [0] * (-len(seen) % run.dist.tp_size)
         output, _ = model_outputs(run, torch.tensor([padded], device=run.device), hold_target=False)
-        logits = last_logits(output, len(seen) - 1)[:vocabulary]  # a padded vocabulary's ids decode to nothing
+        logits = last_logits(output, len(seen) - 1, vocabulary)[:vocabulary]  # a padded vocabulary's ids: no token
         if sampling:
             probabilities = nucleus(logits / (options.get("temperature") or 1.0), options.get("top_p"))
             tokens.append(int(torch.multinomial(probabilities, 1, generator=generator)))
@@ -124,9 +124,10 @@ def samples(options: dict[str, Any]) -> bool:
     return bool(options.get("do_sample")) or any(options.get(name) is not None for name in ("temperature", "top_p"))
 
 
-def last_logits(output: Any, last: int) -> torch.Tensor:
+def last_logits(output: Any, last: int, vocabulary: int) -> torch.Tensor:
     """The next token's logits (vocabulary,) from a model's outputs for one sequence whose last
-    token is at ``last`` (a model that returns its last position's logits only: those)."""
+    token is at ``last`` (a model that returns its last position's logits only: those); fewer
+    values than the tokenizer's ``vocabulary`` are no language model's (a tagger's classes)."""
     logits = logits_in(output)
     if logits is None or logits.dim() != 3:
         got = type(output).__name__ if logits is None else f"logits of shape {tuple(logits.shape)}"
@@ -135,6 +136,12 @@ def last_logits(output: Any, last: int) -> torch.Tensor:
             "positions, vocabulary): return them (a tensor, a dict's or object's 'logits', or a tuple's first item)"
         )
     full = logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # tensor parallelism's shards
+    if full.shape[-1] < vocabulary:
+        raise UserError(
+            f"--data continues prompts with a language model, and this model gives {full.shape[-1]} values per "
+            f"position for a tokenizer of {vocabulary} tokens (a token classifier's classes?): predict its "
+            "records per position on a split instead (--split valid)"
+        )
     return full[0, last if full.shape[1] > 1 else -1].float()
 
 
