@@ -48,8 +48,7 @@ def transformers_class(model: torch.nn.Module) -> str:
 
 @define
 class TransformersModels:
-    """Transformers' own tensor-parallel plan and ``--format hf`` export for a transformers model
-    from any provider."""
+    """A transformers model from any provider: its architecture's tensor-parallel plan, ``--format hf``."""
 
     @hookimpl(trylast=True)
     def tensor_parallel_plan(self, run: Run, model: torch.nn.Module) -> dict[str, Any] | None:
