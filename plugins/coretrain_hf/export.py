@@ -37,6 +37,12 @@ def save_config(model: Any, output_dir: Path) -> None:
     model.config.save_pretrained(output_dir / CONFIG_DIR)
 
 
+def refuse_used_destination(to: Path) -> None:
+    """``--to`` is a new or empty directory: an export never writes into one that holds files."""
+    if to.exists() and (not to.is_dir() or any(to.iterdir())):
+        raise UserError(f"--to: {to} exists and is not an empty directory; name a new one")
+
+
 def save_pretrained(
     provider: HFModel,
     state: dict[str, torch.Tensor],
@@ -49,8 +55,7 @@ def save_pretrained(
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards": one line says what was written
     from coretrain_hf import DTYPES, TASKS
 
-    if to.exists() and (not to.is_dir() or any(to.iterdir())):
-        raise UserError(f"--to: {to} exists and is not an empty directory; name a new one")
+    refuse_used_destination(to)
     saved = run_dir / CONFIG_DIR
     trusted = bool(options.get("trust_remote_code"))  # the user's flag; never the run directory's word
     with refusing_remote_code(saved if (saved / "config.json").is_file() else provider.path, "model", trusted):

@@ -97,12 +97,11 @@ def save_transformers_model(
     """The class the run recorded in ``saved``, built from its config, the weights loaded
     strictly, written by ``save_pretrained`` (a class not in transformers is one error: its code
     is not the run directory's to name)."""
-    from coretrain_hf.export import copy_tokenizer, refusing_remote_code
+    from coretrain_hf.export import copy_tokenizer, refuse_used_destination, refusing_remote_code
 
     transformers = require("transformers", needed_by="checkpoint export --format hf", extra="hf")
     transformers.utils.logging.disable_progress_bar()
-    if to.exists() and (not to.is_dir() or any(to.iterdir())):
-        raise UserError(f"--to: {to} exists and is not an empty directory; name a new one")
+    refuse_used_destination(to)
     trusted = bool(options.get("trust_remote_code"))  # the user's flag; never the run directory's word
     with refusing_remote_code(saved, "model", trusted):
         hf_config = transformers.AutoConfig.from_pretrained(saved, local_files_only=True, trust_remote_code=trusted)

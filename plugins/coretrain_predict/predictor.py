@@ -117,13 +117,7 @@ class Predictor:
         if isinstance(target, torch.Tensor) and len(target) == size:
             values["target"] = target
         kept = padding_kept_out(batch, values)
-        return [
-            {
-                name: plain(value[i] if kept is None or value.shape[:2] != kept.shape else value[i][kept[i]])
-                for name, value in values.items()
-            }
-            for i in range(size)
-        ]
+        return [{name: plain(own_positions(value, i, kept)) for name, value in values.items()} for i in range(size)]
 
     @hookimpl(trylast=True)
     def write_predictions(self, records: list[dict[str, Any]], path: Path) -> str | None:
@@ -238,6 +232,13 @@ def padding_kept_out(batch: Any, values: dict[str, torch.Tensor]) -> torch.Tenso
     if not per_position or values[per_position[0]].shape != mask.shape:
         return None
     return mask.bool().cpu()
+
+
+def own_positions(value: torch.Tensor, i: int, kept: torch.Tensor | None) -> torch.Tensor:
+    """Record ``i``'s values; per position, only those ``kept`` marks for it (not its padding)."""
+    if kept is None or value.shape[:2] != kept.shape:
+        return value[i]
+    return value[i][kept[i]]
 
 
 def has_per_sample(output: Any, size: int) -> bool:
