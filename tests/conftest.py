@@ -490,6 +490,18 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def padding_tokenizer_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test tokenizer with a pad token, as a decoder's tokenizer is given one (its EOS)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.pad_token = tok.eos_token
+    directory = tmp_path_factory.mktemp("tok") / "padding"
+    tok.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def text_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("text")

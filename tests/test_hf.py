@@ -258,16 +258,6 @@ def reviews_given_a_pad_token(context: Any, tokenizer: str) -> Any:
     return review_data(context, tokenizer)
 
 
-@pytest.fixture(scope="session")
-def padding_tokenizer_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test tokenizer with a pad token, as a decoder's tokenizer is given one (its EOS)."""
-    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.pad_token = tok.eos_token
-    directory = tmp_path_factory.mktemp("tok") / "padding"
-    tok.save_pretrained(directory)
-    return directory
-
-
 def review_run(tokenizer: Path, shared: bool, **options: Any) -> dict[str, Any]:
     classifier = llama_table(vocab_size=300, pad_token_id=2)  # </s>, the tokenizer's EOS and pad
     return {

@@ -6,7 +6,7 @@
     path = "models/tiny-llama"          # a local save_pretrained directory
     # or, for a randomly initialised model:
     # config = { model_type = "llama", hidden_size = 256, num_hidden_layers = 4, ... }
-    task = "causal-lm"                  # or "sequence-classification"
+    task = "causal-lm"                  # or "sequence-classification", "token-classification"
     dtype = "float32"
 
 Labels are shifted exactly once, whatever the data provider sends (:mod:`coretrain_hf.model`).
@@ -27,7 +27,11 @@ from coretrain_tokenizer import REMOTE_CODE, padded_vocab, remote_code_refused
 
 from coretrain import FieldValueError, Run, UserError, hookimpl, positive, require
 
-TASKS = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
+TASKS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NEEDED_BY = 'model.provider = "hf"'
 
@@ -42,12 +46,12 @@ class HFModel:
     """Config fields: with ``path``, overrides of its config; without, the whole config of a
     randomly initialised model (``model_type`` required; vocab_size and
     max_position_embeddings default to the data's)."""
-    task: Literal["causal-lm", "sequence-classification"] = "causal-lm"
-    """What the model is trained for."""
+    task: Literal["causal-lm", "sequence-classification", "token-classification"] = "causal-lm"
+    """What the model is trained for: the next token, a class per text, or a class per token (a tagger)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype (mixed precision is run.precision's job; this stores the weights so)."""
     num_labels: int | None = field(default=None, validator=positive)
-    """Classes, for sequence-classification (unset = the model config's)."""
+    """Classes, for sequence- and token-classification (unset = the model config's)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel: PyTorch's scaled_dot_product_attention, or the reference one."""
     make_vocab_size_divisible_by: int | None = field(default=None, validator=positive)
@@ -62,7 +66,7 @@ class HFModel:
 
     @hookimpl
     def provide_model(self, run: Run) -> torch.nn.Module:
-        from coretrain_hf.model import CausalLM, SequenceClassifier
+        from coretrain_hf.model import CausalLM, SequenceClassifier, TokenClassifier
 
         transformers = require("transformers", needed_by=NEEDED_BY, extra="hf")
         transformers.utils.logging.disable_progress_bar()  # coretrain shows its own progress
@@ -89,7 +93,7 @@ class HFModel:
                 make_routable(experts)
         if self.task == "causal-lm":
             return CausalLM(hf, run.datasets.seq_length)
-        return SequenceClassifier(hf)
+        return TokenClassifier(hf) if self.task == "token-classification" else SequenceClassifier(hf)
 
     def model_config(
         self, vocab_size: int | None = None, seq_length: int | None = None, trust_remote_code: bool = False
@@ -151,7 +155,7 @@ class HFModel:
         base = getattr(hf, hf.base_model_prefix)
         plan = sequence_parallel(base, plan, run.dist.tp_size, run.datasets.seq_length)
         if "layers.0" in plan and hf is not model:  # positions split over the group: a batch's are padded to fit
-            wrapper: Any = model  # coretrain_hf.model's CausalLM or SequenceClassifier
+            wrapper: Any = model  # coretrain_hf.model's CausalLM or a classifier
             wrapper.position_multiple = run.dist.tp_size
         prefix = ("hf." if hf is not model else "") + f"{hf.base_model_prefix}."  # hf.model.layers.0...
         return {prefix + path: style for path, style in plan.items()}
@@ -182,13 +186,16 @@ class HFModel:
 
     @hookimpl
     def predict_step(self, run: Run, batch: Any, options: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """Texts (``coretrain predict --data``) get a causal LM's ``generate``, or a classifier's class."""
+        """Texts (``coretrain predict --data``) get a causal LM's ``generate``, a classifier's
+        class, or a tagger's class for each token."""
         if not (isinstance(batch, dict) and "prompt" in batch):
             return None
-        from coretrain_hf.generate import classify, generate
+        from coretrain_hf.generate import classify, generate, tag
 
         if self.task == "sequence-classification":
             return classify(run, self.path, batch["prompt"])
+        if self.task == "token-classification":
+            return tag(run, self.path, batch["prompt"])
         return generate(run, self.path, batch, options)
 
     @hookimpl

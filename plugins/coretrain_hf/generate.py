@@ -93,6 +93,47 @@ def classify(run: Run, model_path: str | None, texts: list[str]) -> list[dict[st
     """Each text's class: its id (``prediction``), its name in the config's ``id2label``
     (``label``), its probability (``score``) and the logits (``output``). Tokenized as the
     training data was by ``tokenizer(text)``: special tokens added, padded on the right."""
+    _, encoded, logits = classes_of(run, model_path, texts)
+    probabilities, classes = logits.softmax(-1).max(-1)
+    names = label_names(run)
+    records = []
+    for text, chosen, probability, output in zip(texts, classes.tolist(), probabilities.tolist(), logits.tolist()):
+        label = names.get(chosen, str(chosen))
+        records.append({"prompt": text, "prediction": chosen, "label": label, "score": probability, "output": output})
+    return records
+
+
+def tag(run: Run, model_path: str | None, texts: list[str]) -> list[dict[str, Any]]:
+    """Each text's tokens and a class for each, as transformers' ``token-classification``
+    pipeline tags them (every token; the special tokens and padding left out): the tokens
+    (``tokens``), their class ids (``prediction``), names (``label``, the config's ``id2label``),
+    probabilities (``score``) and logits (``output``), one list entry per token."""
+    tokenizer, encoded, logits = classes_of(run, model_path, texts)
+    probabilities, classes = logits.softmax(-1).max(-1)
+    names = label_names(run)
+    tagged = encoded["attention_mask"].bool() & ~encoded["special_tokens_mask"].bool()
+    records = []
+    for i, text in enumerate(texts):
+        kept = tagged[i].nonzero().flatten().tolist()
+        chosen = classes[i, kept].tolist()
+        records.append(
+            {
+                "prompt": text,
+                "tokens": tokenizer.convert_ids_to_tokens(encoded["input_ids"][i, kept].tolist()),
+                "prediction": chosen,
+                "label": [names.get(c, str(c)) for c in chosen],
+                "score": probabilities[i, kept].tolist(),
+                "output": logits[i, kept].tolist(),
+            }
+        )
+    return records
+
+
+def classes_of(run: Run, model_path: str | None, texts: list[str]) -> tuple[Any, Any, Any]:
+    """The tokenizer, the texts it encoded (``tokenizer(texts)`` as the training data was:
+    special tokens added, padded on the right; their special-tokens mask beside) and the
+    classifier's float logits for them, through the run's model as an evaluation (its FSDP
+    root, its sequence padding)."""
     import torch
 
     tokenizer = padding_tokenizer(run, model_path)
@@ -103,14 +144,14 @@ def classify(run: Run, model_path: str | None, texts: list[str]) -> list[dict[st
             "predict --data: no tokenizer for the texts: no [tokenizer] path, model.options.path has none, and "
             "the data provider names none"
         )
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(run.device)
-    hf = wrapped_model(run.unwrapped_model)
-    with torch.no_grad():  # through the run's model, as an evaluation: its FSDP root, its sequence padding
-        logits = run.model(**encoded)["logits"].float()
-    probabilities, classes = logits.softmax(-1).max(-1)
-    names = getattr(hf.config, "id2label", None) or {}
-    records = []
-    for text, chosen, probability, output in zip(texts, classes.tolist(), probabilities.tolist(), logits.tolist()):
-        label = names.get(chosen, str(chosen))
-        records.append({"prompt": text, "prediction": chosen, "label": label, "score": probability, "output": output})
-    return records
+    options = {"return_tensors": "pt", "padding": True, "truncation": True, "return_special_tokens_mask": True}
+    encoded = tokenizer(texts, **options).to(run.device)
+    inputs = {name: value for name, value in encoded.items() if name != "special_tokens_mask"}
+    with torch.no_grad():
+        logits = run.model(**inputs)["logits"].float()
+    return tokenizer, encoded, logits
+
+
+def label_names(run: Run) -> dict[int, str]:
+    """The model config's ``id2label`` (class id -> name); empty when it names none."""
+    return dict(getattr(wrapped_model(run.unwrapped_model).config, "id2label", None) or {})

@@ -101,6 +101,9 @@ class SequenceClassifier(torch.nn.Module):
     cross-entropy loss and the accuracy, both logged, and the logits (as transformers' model does:
     what ``coretrain predict`` writes and ``compute_metrics`` gets); a dict without labels, its logits."""
 
+    per_position = False
+    """Whether the model answers a class per position (a tagger) rather than per sequence."""
+
     def __init__(self, hf: torch.nn.Module) -> None:
         super().__init__()
         self.hf: Any = hf  # a transformers PreTrainedModel
@@ -110,15 +113,35 @@ class SequenceClassifier(torch.nn.Module):
     def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> dict[str, torch.Tensor]:
         labels: torch.Tensor | None
         if args:
-            batch, labels = {"input_ids": args[0]}, args[1]
+            batch, labels = {"input_ids": args[0]}, (args[1] if len(args) > 1 else None)
         else:
             labels = next((batch.pop(key) for key in LABEL_KEYS if key in batch), None)
+        length = batch["input_ids"].shape[1]
         logits = self.hf(**padded_to(batch, self.position_multiple, self.hf.config.pad_token_id)).logits
+        if self.per_position:  # sequence parallelism's padding comes off: a class for each position given
+            logits = logits[:, :length]
         if labels is None:
             return {"logits": logits}
+        return self.scored(logits, labels)
+
+    def scored(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         loss = F.cross_entropy(logits.float(), labels.long())
         accuracy = (logits.argmax(-1) == labels).float().mean()
         return {"loss": loss, "accuracy": accuracy, "logits": logits}  # (logged: the single values)
+
+
+class TokenClassifier(SequenceClassifier):
+    """A ``*ForTokenClassification`` model (a tagger: named entities, parts of speech): a class
+    per position, its labels aligned with ``input_ids`` and never shifted, -100 where none counts
+    (as transformers' ``DataCollatorForTokenClassification`` pads them). Returns the loss over the
+    labelled positions, their count (``num_tokens``: each labelled token weighs the same across
+    micro-batches and ranks, however long the sentences) and the logits. No accuracy: a mean
+    over micro-batches would weigh a short sentence's tokens more (``compute_metrics`` gives it)."""
+
+    per_position = True
+
+    def scored(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": token_loss(logits, labels), "num_tokens": (labels != IGNORE_INDEX).sum(), "logits": logits}
 
 
 def padded_to(batch: dict[str, torch.Tensor], multiple: int, pad_id: int | None) -> dict[str, torch.Tensor]:
