@@ -598,7 +598,8 @@ def test_a_taggers_predictions_hold_each_records_own_tokens_not_the_padding(
     """``coretrain predict --split valid`` of a token classifier on padded batches: each record's
     prediction, logits and labels are its own tokens' (as transformers' token-classification
     pipeline answers), not its micro-batch's longest with the padding's -100 and noise. Texts
-    to continue (``--data``) are one error: its two classes were sampled as tokens."""
+    (``--data``) are tagged token by token (``transformers-models``); without that plugin, they
+    are one error, not texts continued by sampling its two classes as tokens."""
     sections = tagger_run(tmp_path, padding_tokenizer_dir)
     result = run_steps(tmp_path, steps=2, config=sections)
     config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
@@ -611,6 +612,13 @@ def test_a_taggers_predictions_hold_each_records_own_tokens_not_the_padding(
     assert [(len(r["prediction"]), len(r["output"])) for r in predicted] == [(n, n) for n in lengths]
     (tmp_path / "texts.jsonl").write_text(json.dumps({"prompt": "great film"}) + "\n")  # a tagger continues no text
     done = cli("predict", str(config), "--data", "texts.jsonl", "--out", str(tmp_path / "t.jsonl"), cwd=tmp_path)
+    tagged = json.loads((tmp_path / "t.jsonl").read_text())
+    assert done.returncode == 0 and len(tagged["tokens"]) == len(tagged["label"]) > 1, done.stderr
+    off = write_config(
+        tmp_path / "off.toml",
+        tiny_config(result.output_dir, **sections, plugins={"transformers-models": {"enabled": False}}),
+    )
+    done = cli("predict", str(off), "--data", "texts.jsonl", "--out", str(tmp_path / "u.jsonl"), cwd=tmp_path)
     assert done.returncode == 2 and "gives 2 values per position for a tokenizer of 300 tokens" in done.stderr
 
 

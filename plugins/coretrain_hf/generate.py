@@ -59,8 +59,10 @@ def generate(
     run: Run, model_path: str | None, batch: dict[str, Any], options: dict[str, Any]
 ) -> list[dict[str, Any]] | None:
     """transformers' ``generate``: greedy, or sampled when ``options`` asks (a temperature or
-    top-p alone samples, as ``coretrain predict --help`` says), left-padded as decoders need; None without a
-    transformers tokenizer (coretrain-plugins' own sampler then continues the prompts)."""
+    top-p alone samples, as ``coretrain predict --help`` says); a decoder's completion follows its
+    prompt, an encoder-decoder's (T5, BART: translation, summaries) is the decoder's whole
+    output. None without a transformers tokenizer (coretrain-plugins' own sampler then
+    continues the prompts)."""
     import torch
 
     tokenizer = padding_tokenizer(run, model_path)
@@ -68,11 +70,10 @@ def generate(
         return None
     prompts = batch["prompt"]
     hf = wrapped_model(run.unwrapped_model)
-    if run.dist.tp_size > 1:  # generate feeds one position a step, which sequence parallelism cannot split
+    encoder_decoder = bool(getattr(hf.config, "is_encoder_decoder", False))
+    if run.dist.tp_size > 1 and not encoder_decoder:  # generate feeds one position a step: no sequence to split
         return complete(run, prompts, batch["index"], options, tokenizer, hf.generation_config.eos_token_id)
-    tokenizer.padding_side = "left"
-    ids = {"input_ids": [prompt_ids(tokenizer, prompt) for prompt in prompts]}  # a text, or a chat's rendering
-    encoded = tokenizer.pad(ids, padding=True, return_tensors="pt").to(run.device)
+    encoded = encoded_prompts(tokenizer, prompts, encoder_decoder).to(run.device)
     sampling = samples(options)
     settings: dict[str, Any] = {
         "max_new_tokens": options.get("max_new_tokens") or 32,
@@ -85,8 +86,24 @@ def generate(
         torch.manual_seed(run.config.run.seed * 1_000_003 + batch["index"][0])
     with root_gathered(run):
         produced = hf.generate(**encoded, **settings)
-    completions = tokenizer.batch_decode(produced[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+    new = produced if encoder_decoder else produced[:, encoded["input_ids"].shape[1] :]  # (after the prompt)
+    completions = tokenizer.batch_decode(new, skip_special_tokens=True)
     return [{"prompt": prompt, "completion": text} for prompt, text in zip(prompts, completions)]
+
+
+def encoded_prompts(tokenizer: Any, prompts: list[Any], encoder_decoder: bool) -> Any:
+    """The prompts as the model reads them: a decoder's padded on the left, so that each
+    continues from its last token, without added special tokens (:func:`prompt_ids`: a text, or
+    a chat's rendering); an encoder's as its training inputs were, ``tokenizer(text)`` (special
+    tokens added: T5's closing ``</s>``), padded on the right."""
+    if not encoder_decoder:
+        tokenizer.padding_side = "left"
+        ids = {"input_ids": [prompt_ids(tokenizer, prompt) for prompt in prompts]}
+        return tokenizer.pad(ids, padding=True, return_tensors="pt")
+    if not all(isinstance(prompt, str) for prompt in prompts):
+        raise UserError("predict --data: an encoder-decoder model takes 'prompt' texts; these records hold 'messages'")
+    tokenizer.padding_side = "right"
+    return tokenizer(prompts, return_tensors="pt", padding=True, truncation=True)
 
 
 def classify(run: Run, model_path: str | None, texts: list[str]) -> list[dict[str, Any]]:

@@ -12,7 +12,10 @@ a transformers body with your head) keeps what transformers ships with the archi
   start (``RUN_DIR/hf-config``); the export builds that transformers class from it, loads the
   checkpoint's weights strictly and writes ``save_pretrained``'s directory (the run's tokenizer
   copied in), which ``from_pretrained`` loads as the model you trained; with ``lora``, the
-  adapters as a PEFT directory, or merged into the base when the checkpoint holds it.
+  adapters as a PEFT directory, or merged into the base when the checkpoint holds it;
+- **``coretrain predict --data texts.jsonl``**: what transformers' pipelines answer for the
+  model's kind — a classifier's class, a tagger's class per token, ``generate``'s text for a
+  causal LM or an encoder-decoder (T5, BART) — as for the ``hf`` provider's models.
 """
 
 from __future__ import annotations
@@ -72,6 +75,22 @@ class TransformersModels:
             config: Any = copy.deepcopy(model.config)
             config.architectures = [transformers_class(model)]
             config.save_pretrained(run.output_dir / CONFIG_DIR)
+
+    @hookimpl
+    def predict_step(self, run: Run, batch: Any, options: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Texts to a transformers model a provider returned as it is (the ``hf`` provider's
+        wrappers answer their own): classified, tagged, or continued by ``generate``."""
+        model: Any = run.unwrapped_model
+        if not (isinstance(batch, dict) and "prompt" in batch and is_transformers_model(model)):
+            return None
+        from coretrain_hf.generate import classify, generate, tag
+
+        kind = transformers_class(model.get_base_model() if hasattr(model, "peft_config") else model)
+        if kind.endswith("ForSequenceClassification"):
+            return classify(run, None, batch["prompt"])
+        if kind.endswith("ForTokenClassification"):
+            return tag(run, None, batch["prompt"])
+        return generate(run, None, batch, options) if model.can_generate() else None
 
     @hookimpl(trylast=True)
     def export_model(

@@ -23,6 +23,8 @@ MAX_VALUES = 4096
 """A per-sample output with more values than this (an LM's logits) is not written whole: as its
 argmax over the last dimension, or not at all when that argmax is already the ``prediction``;
 smaller ones (a classifier's logits, a regression) are written as they are."""
+IGNORE_INDEX = -100
+"""A label no loss counts (torch's ``cross_entropy`` default): the padding of per-position labels."""
 
 
 @define(kw_only=True)
@@ -116,7 +118,7 @@ class Predictor:
         }
         if isinstance(target, torch.Tensor) and len(target) == size:
             values["target"] = target
-        kept = padding_kept_out(batch, values)
+        kept = padding_kept_out(batch, values, run.unwrapped_model)
         return [{name: plain(own_positions(value, i, kept)) for name, value in values.items()} for i in range(size)]
 
     @hookimpl(trylast=True)
@@ -220,15 +222,22 @@ def per_sample(output: Any, size: int) -> dict[str, torch.Tensor]:
     return values
 
 
-def padding_kept_out(batch: Any, values: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The positions each record keeps, when a padded dict batch's values are per position: its
-    ``attention_mask`` (B, T) as booleans, so a record holds its own tokens' values and not the
-    padding's, left or right (as transformers' token-classification pipeline answers); None for
-    values per sample (a classifier's) or a batch without a mask."""
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+def padding_kept_out(batch: Any, values: dict[str, torch.Tensor], model: Any) -> torch.Tensor | None:
+    """The positions each record keeps, when a padded dict batch's values are per position, as
+    booleans (B, T), so a record holds its own tokens' values and not the padding's, left or
+    right (as transformers' token-classification pipeline answers): the batch's
+    ``attention_mask``; for an encoder-decoder (T5, BART: ``config.is_encoder_decoder``), whose
+    values are per position of its decoder, the labels that are not -100 (the padding
+    ``DataCollatorForSeq2Seq`` gives them). None for values per sample (a classifier's) or a
+    batch without a mask."""
+    per_position = [name for name in ("prediction", "target") if name in values]
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
+        mask = values.get("target")
+        mask = mask.ne(IGNORE_INDEX) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    else:
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return None
-    per_position = [name for name in ("prediction", "target") if name in values]
     if not per_position or values[per_position[0]].shape != mask.shape:
         return None
     return mask.bool().cpu()

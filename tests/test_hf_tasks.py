@@ -1,11 +1,16 @@
-"""A tagger (token classification: named entities, parts of speech) through the ``hf`` provider's
+"""Hugging Face workloads beyond a causal LM and a text classifier.
+
+A tagger (token classification: named entities, parts of speech) through the ``hf`` provider's
 ``task = "token-classification"``: labels aligned with the tokens and never shifted, every
 labelled token weighing the same however the batch is cut, texts tagged token by token as
-transformers' pipeline tags them, and an export transformers loads."""
+transformers' pipeline tags them, and an export transformers loads. An encoder-decoder (T5:
+translation, summaries) from a provider of the user's: texts answered by ``generate``, a split's
+records holding each sample's own decoder positions."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,9 @@ from coretrain.testing import run_steps, tiny_config, write_config
 
 transformers = pytest.importorskip("transformers")
 from test_hf import llama_table, review_data  # noqa: E402  (its reviews, a label per token)
+
+WORDS = "alpha beta gamma delta eps zeta eta theta".split()
+sys.modules.setdefault("test_hf_tasks", sys.modules[__name__])  # its providers, by this name
 
 
 def tagger_run(tmp_path: Path, tokenizer: Path, **train: Any) -> dict[str, Any]:
@@ -103,3 +111,87 @@ def test_on_tensor_parallel_ranks_a_tagger_trains_the_one_rank_losses(
     assert "tensor-parallel: 2 ranks per group split 13 plan entries" in split.stderr
     losses = [row["loss"] for row in metrics_rows(tmp_path / "tp" / "out") if "loss" in row]
     assert losses == pytest.approx([row["loss"] for row in one.metrics], rel=1e-5) and len(losses) == 4
+
+
+def word_tokenizer(directory: Path) -> Path:
+    """A word-level tokenizer as T5's: pad 0, ``</s>`` 1 closing each text, one id per word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {word: i for i, word in enumerate(["<pad>", "</s>", "<unk>", *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(directory)
+    return directory
+
+
+def seq2seq(path: str) -> Any:
+    """A model provider of a user's own: an encoder-decoder as ``from_pretrained`` gives it."""
+    return transformers.AutoModelForSeq2SeqLM.from_pretrained(path, local_files_only=True)
+
+
+def rewritten(context: Any, tokenizer: str) -> Any:
+    """Texts of 2 to 5 words and their rewrites, as a user tokenizes them for a seq2seq model
+    (``labels`` the rewrite's ids): a rewrite is reversed and one word shorter or longer, so a
+    record's decoder positions differ from its encoder's while a batch of both pads to one length."""
+    import random
+
+    import datasets
+
+    draw = random.Random(0)
+    sources = [draw.choices(WORDS, k=draw.randint(2, 5)) for _ in range(200)]
+    rewrites = [words[::-1][: len(words) - 1] if len(words) % 2 else [*words[::-1], words[0]] for words in sources]
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    texts = {"source": [" ".join(w) for w in sources], "rewrite": [" ".join(w) for w in rewrites]}
+    pairs = datasets.Dataset.from_dict(texts).map(
+        lambda b: {**tok(b["source"]), "labels": tok(b["rewrite"])["input_ids"]},
+        batched=True,
+        remove_columns=["source", "rewrite"],
+    )
+    return pairs.select(range(160)), pairs.select(range(160, 200))
+
+
+def test_an_encoder_decoder_answers_texts_with_generate_and_its_records_keep_their_decoder_positions(
+    tmp_path: Path, cli: Any
+) -> None:
+    """A T5 from a provider of the user's: ``predict --data`` answers each text with what
+    ``generate`` gives for the exported model (it was "You must specify exactly one of input_ids
+    or inputs_embeds": the sampler fed the text to the decoder); ``predict --split`` writes each
+    record's own decoder positions, its labels without the -100 padding (not as many positions
+    as its source's tokens: the attention mask is the encoder's)."""
+    from coretrain.testing import BEHAVIOUR
+
+    tokenizer = word_tokenizer(tmp_path / "tok")
+    config = transformers.T5Config(
+        vocab_size=3 + len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0
+    )
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    sections = {
+        "model": {"provider": "test_hf_tasks:seq2seq", "options": {"path": str(tmp_path / "t5")}},
+        "data": {"provider": "test_hf_tasks:rewritten", "options": {"tokenizer": str(tokenizer)}},
+        "tokenizer": {"path": str(tokenizer)},
+        "optimizer": {"lr": 3e-2},
+        "train": {"micro_batch_size": 8, "eval_iters": 0},
+    }
+    result = run_steps(tmp_path, steps=40, config=sections, autoload=(*BEHAVIOUR, "transformers-models"))
+    run_config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
+    texts = ["alpha beta gamma", "zeta eta", "theta eps delta beta alpha"]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
+    done = cli("predict", str(run_config), "--data", "texts.jsonl", "--out", "p.jsonl", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line)["completion"] for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    done = cli("checkpoint", "export", str(result.output_dir), "--format", "hf", "--to", "exported", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "exported")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "exported")
+    produced = model.generate(**tok(texts, return_tensors="pt", padding=True), max_new_tokens=32, do_sample=False)
+    assert answers == tok.batch_decode(produced, skip_special_tokens=True) and any(answers)
+    done = cli("predict", str(run_config), "--split", "valid", "--out", "v.jsonl", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (tmp_path / "v.jsonl").read_text().splitlines()]
+    _, valid = rewritten(None, str(tokenizer))
+    assert [record["target"] for record in records] == valid["labels"]
+    assert all(len(record["prediction"]) == len(record["target"]) for record in records)
