@@ -128,6 +128,14 @@ def word_tokenizer(directory: Path) -> Path:
     return directory
 
 
+def save_t5(directory: Path) -> None:
+    """A tiny T5 for :func:`word_tokenizer`'s ids (its decoder starts from the pad id, 0)."""
+    config = transformers.T5Config(
+        vocab_size=3 + len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0
+    )
+    transformers.T5ForConditionalGeneration(config).save_pretrained(directory)
+
+
 def seq2seq(path: str) -> Any:
     """A model provider of a user's own: an encoder-decoder as ``from_pretrained`` gives it."""
     return transformers.AutoModelForSeq2SeqLM.from_pretrained(path, local_files_only=True)
@@ -165,10 +173,7 @@ def test_an_encoder_decoder_answers_texts_with_generate_and_its_records_keep_the
     from coretrain.testing import BEHAVIOUR
 
     tokenizer = word_tokenizer(tmp_path / "tok")
-    config = transformers.T5Config(
-        vocab_size=3 + len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0
-    )
-    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    save_t5(tmp_path / "t5")
     sections = {
         "model": {"provider": "test_hf_tasks:seq2seq", "options": {"path": str(tmp_path / "t5")}},
         "data": {"provider": "test_hf_tasks:rewritten", "options": {"tokenizer": str(tokenizer)}},
@@ -195,3 +200,70 @@ def test_an_encoder_decoder_answers_texts_with_generate_and_its_records_keep_the
     _, valid = rewritten(None, str(tokenizer))
     assert [record["target"] for record in records] == valid["labels"]
     assert all(len(record["prediction"]) == len(record["target"]) for record in records)
+
+
+def causal_lm(path: str) -> Any:
+    """A model provider of a user's own: a causal LM as ``from_pretrained`` gives it."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+
+
+def reviews_to_continue(context: Any, tokenizer: str) -> Any:
+    """The reviews as a causal LM's data: each token its own label (the model shifts them)."""
+    train, valid = review_data(context, tokenizer)
+    return tuple(split.map(lambda r: {"label": r["input_ids"]}) for split in (train, valid))
+
+
+def users_model_run(tmp_path: Path, kind: str, tokenizer: Path) -> dict[str, Any]:
+    """Sections of a run whose provider (the user's) returns a transformers model of ``kind``."""
+    if kind == "seq2seq":
+        tokenizer = word_tokenizer(tmp_path / "words")
+        save_t5(tmp_path / "model")
+        data = "test_hf_tasks:rewritten"
+    elif kind == "causal-lm":
+        llama = transformers.LlamaConfig(**llama_table(vocab_size=300, pad_token_id=2))
+        transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "model")
+        data = "test_hf_tasks:reviews_to_continue"
+    elif kind == "gpt2":  # no loss_type: counted as the Trainer counts it, unshifted, and handed to its loss
+        gpt2 = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=300, pad_token_id=2)
+        transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "model")
+        data = "test_hf_tasks:reviews_to_continue"
+    else:
+        names = {0: "bad", 1: "good"}
+        llama = transformers.LlamaConfig(**llama_table(vocab_size=300, pad_token_id=2, num_labels=2, id2label=names))
+        transformers.LlamaForTokenClassification(llama).save_pretrained(tmp_path / "model")
+        data = "test_hf:review_data"
+    providers = {"seq2seq": "seq2seq", "causal-lm": "causal_lm", "gpt2": "causal_lm", "tagger": "token_classifier"}
+    return {
+        "model": {"provider": f"test_hf_tasks:{providers[kind]}", "options": {"path": str(tmp_path / "model")}},
+        "data": {
+            "provider": data,
+            "options": {"tokenizer": str(tokenizer), **({"token_labels": True} if kind == "tagger" else {})},
+        },
+        "tokenizer": {"path": str(tokenizer)},
+        "optimizer": {"lr": 1e-2},
+        "train": {"eval_iters": 0, "log_interval": 1},
+    }
+
+
+def token_classifier(path: str) -> Any:
+    """A model provider of a user's own: a tagger as ``from_pretrained`` gives it."""
+    return transformers.AutoModelForTokenClassification.from_pretrained(path, local_files_only=True)
+
+
+@pytest.mark.parametrize("kind", ["causal-lm", "gpt2", "tagger", "seq2seq"])
+def test_a_users_transformers_model_weighs_every_labelled_token_alike_however_the_batch_is_cut(
+    tmp_path: Path, padding_tokenizer_dir: Path, kind: str
+) -> None:
+    """A transformers model from a provider of the user's, on padded batches of uneven texts:
+    4 micro-batches of 4 train the losses of one micro-batch of 16, as the ``Trainer`` does since
+    transformers 4.46 (``num_items_in_batch``). Each micro-batch's own mean, averaged, weighs a
+    short text's tokens more: the losses were 0.1-4% apart."""
+    from coretrain.testing import BEHAVIOUR
+
+    sections = users_model_run(tmp_path, kind, padding_tokenizer_dir)
+    autoload = (*BEHAVIOUR, "transformers-models")
+    whole = {**sections, "train": {**sections["train"], "micro_batch_size": 16}}
+    cut = {**sections, "train": {**sections["train"], "micro_batch_size": 4, "global_batch_size": 16}}
+    reference = [row["loss"] for row in run_steps(tmp_path / "whole", steps=3, config=whole, autoload=autoload).metrics]
+    losses = [row["loss"] for row in run_steps(tmp_path / "cut", steps=3, config=cut, autoload=autoload).metrics]
+    assert losses == pytest.approx(reference, rel=1e-5) and len(losses) == 3

@@ -13,6 +13,8 @@ a transformers body with your head) keeps what transformers ships with the archi
   checkpoint's weights strictly and writes ``save_pretrained``'s directory (the run's tokenizer
   copied in), which ``from_pretrained`` loads as the model you trained; with ``lora``, the
   adapters as a PEFT directory, or merged into the base when the checkpoint holds it;
+- **every labelled token weighing the same** across micro-batches and ranks
+  (:mod:`coretrain_hf.token_counts`: the ``Trainer``'s ``num_items_in_batch``);
 - **``coretrain predict --data texts.jsonl``**: what transformers' pipelines answer for the
   model's kind — a classifier's class, a tagger's class per token, ``generate``'s text for a
   causal LM or an encoder-decoder (T5, BART) — as for the ``hf`` provider's models.
@@ -63,6 +65,15 @@ class TransformersModels:
         plan = transformers_plan(model.config, run.dist.tp_size)
         prefix = f"{model.base_model_prefix}."  # model.layers.0.self_attn.q_proj ...
         return {prefix + path: style for path, style in plan.items()} or None
+
+    @hookimpl(trylast=True)
+    def configure_model(self, run: Run) -> None:
+        """A transformers model says how many tokens its loss is over (the one a PeftModel adapts
+        is called through it): the loop weighs each token of a step alike."""
+        from coretrain_hf.token_counts import count_tokens
+
+        if is_transformers_model(run.unwrapped_model):
+            count_tokens(run.unwrapped_model)
 
     @hookimpl
     def on_train_start(self, run: Run) -> None:
