@@ -267,3 +267,78 @@ def test_a_users_transformers_model_weighs_every_labelled_token_alike_however_th
     reference = [row["loss"] for row in run_steps(tmp_path / "whole", steps=3, config=whole, autoload=autoload).metrics]
     losses = [row["loss"] for row in run_steps(tmp_path / "cut", steps=3, config=cut, autoload=autoload).metrics]
     assert losses == pytest.approx(reference, rel=1e-5) and len(losses) == 3
+
+
+def image_classifier(path: str) -> Any:
+    """A model provider of a user's own: an image classifier as ``from_pretrained`` gives it."""
+    return transformers.AutoModelForImageClassification.from_pretrained(path, local_files_only=True)
+
+
+def squares(context: Any, processor: str) -> Any:
+    """Images as the Hugging Face image-classification guide prepares them: a ``datasets`` Image
+    column turned into ``pixel_values`` by a transform (``with_transform``) that gives a list of
+    tensors, the class in ``label`` a list of ints. Class 1 has a white square."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    draw = np.random.default_rng(0)
+    pixels = draw.integers(0, 80, (120, 32, 32, 3), dtype=np.uint8)
+    pixels[1::2, 8:24, 8:24] = 255
+    table = {"image": [Image.fromarray(image) for image in pixels], "label": [i % 2 for i in range(120)]}
+    images = datasets.Dataset.from_dict(table).cast_column("image", datasets.Image())
+    prepare = transformers.AutoImageProcessor.from_pretrained(processor)
+
+    def transform(examples: dict[str, Any]) -> dict[str, Any]:
+        examples["pixel_values"] = [
+            prepare(image.convert("RGB"), return_tensors="pt")["pixel_values"][0] for image in examples["image"]
+        ]
+        del examples["image"]
+        return examples
+
+    images = images.with_transform(transform)
+    return images.select(range(96)), images.select(range(96, 120))
+
+
+def test_an_image_classifier_reads_its_transformed_images_and_exports_what_the_pipeline_loads(
+    tmp_path: Path, cli: Any
+) -> None:
+    """A ViT from a provider of the user's on a split with the guide's transform: its lists of
+    pixel tensors and of class ints reach the model stacked, as ``default_data_collator`` makes
+    them (it was "'list' object has no attribute 'dtype'" in the model's loss); the export carries
+    the image processor, so transformers' ``image-classification`` pipeline loads the directory
+    and classifies the images as ``coretrain predict`` did."""
+    from coretrain.testing import BEHAVIOUR
+
+    names = {0: "plain", 1: "square"}
+    config = transformers.ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+        id2label=names,
+    )
+    transformers.ViTForImageClassification(config).save_pretrained(tmp_path / "vit")
+    transformers.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(tmp_path / "vit")
+    sections = {
+        "model": {"provider": "test_hf_tasks:image_classifier", "options": {"path": str(tmp_path / "vit")}},
+        "data": {"provider": "test_hf_tasks:squares", "options": {"processor": str(tmp_path / "vit")}},
+        "optimizer": {"lr": 1e-2},
+        "train": {"micro_batch_size": 16, "eval_iters": 0},
+    }
+    result = run_steps(tmp_path, steps=24, config=sections, autoload=(*BEHAVIOUR, "transformers-models"))
+    run_config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
+    done = cli("predict", str(run_config), "--split", "valid", "--out", "p.jsonl", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert [record["target"] for record in records] == [i % 2 for i in range(96, 120)]
+    assert [record["prediction"] for record in records] == [record["target"] for record in records]  # it learnt
+    done = cli("checkpoint", "export", str(result.output_dir), "--format", "hf", "--to", "exported", cwd=tmp_path)
+    assert done.returncode == 0 and "preprocessor_config.json copied from" in done.stdout, done.stderr
+    classify = transformers.pipeline("image-classification", model=str(tmp_path / "exported"))
+    _, valid = squares(None, str(tmp_path / "vit"))
+    images = valid.with_format(None)["image"]
+    assert [classify(image)[0]["label"] for image in images] == [names[r["prediction"]] for r in records]

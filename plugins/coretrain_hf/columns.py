@@ -13,7 +13,9 @@ padded per micro-batch with the run's tokenizer (``[tokenizer]``), as transforme
 ``DataCollatorWithPadding`` pads them for its ``Trainer``, and per-token labels with -100; without
 a tokenizer, such a batch is one error that says how to pad it. A ``label`` (or ``label_ids``)
 column reaches the model as ``labels``, as that collator renames it: a Hugging Face model of
-yours computes its loss from it.
+yours computes its loss from it. A split's own transform (``with_transform``: an image
+processor's ``pixel_values``) is applied to each micro-batch, and the python lists it gives are
+made into tensors as transformers' ``default_data_collator`` makes them.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Columns:
         return self.dataset[int(index)]
 
     def get_batch(self, indices: torch.Tensor) -> Any:
-        batch = self.dataset[indices.tolist()]
+        batch = {name: collated(column) for name, column in self.dataset[indices.tolist()].items()}
         # torch format gives a column of uneven sequences as a list of tensors (strings stay a list of str)
         ragged = [name for name, value in batch.items() if isinstance(value, list) and is_tensors(value)]
         return as_labels(self._padded(batch, ragged) if ragged else batch)
@@ -97,6 +99,21 @@ def as_labels(batch: dict[str, Any]) -> dict[str, Any]:
         if name in batch and "labels" not in batch:
             batch["labels"] = batch.pop(name)
     return batch
+
+
+def collated(column: Any) -> Any:
+    """A column of a batch as transformers' ``default_data_collator`` makes it, for a split whose
+    own transform (``with_transform``, an image processor's) gives python lists: tensors of one
+    shape stacked, numbers as one tensor (ints as int64, as it makes class labels); anything
+    else as it is (strings; sequences of different lengths, padded next)."""
+    if not isinstance(column, list) or not column:
+        return column
+    first = column[0]
+    if torch.is_tensor(first) and all(torch.is_tensor(row) and row.shape == first.shape for row in column):
+        return torch.stack(column)
+    if all(isinstance(row, (int, float)) and not isinstance(row, bool) for row in column):
+        return torch.tensor(column)
+    return column
 
 
 def is_tensors(column: Any) -> bool:

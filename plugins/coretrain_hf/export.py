@@ -15,6 +15,7 @@ with the ``[tokenizer] trust_remote_code`` the run's manifest records.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -98,8 +99,7 @@ def save_pretrained(
             model.peft_config["default"].base_model_name_or_path = str(Path(provider.path).resolve())
     to.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(to)
-    copied = copy_tokenizer(config, to, trusted)
-    return f"wrote {to}: {type(model).__name__} {what}" + (f", tokenizer copied from {copied}" if copied else "")
+    return f"wrote {to}: {type(model).__name__} {what}" + copy_preprocessing(config, to, trusted)
 
 
 def lora_settings(config: dict[str, Any]) -> Any:
@@ -122,6 +122,27 @@ def load_strictly(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> N
             "the checkpoint does not fit the model its run recorded: "
             f"missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}"
         )
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+"""The settings of what prepares an image's or a sound's values for the model (``AutoImageProcessor``,
+``AutoFeatureExtractor``, ``AutoProcessor``), saved beside a model by ``save_pretrained``."""
+
+
+def copy_preprocessing(config: dict[str, Any], to: Path, trusted: bool) -> str:
+    """What turns inputs into the model's, next to the weights, as transformers' pipelines load
+    it: the tokenizer (:func:`copy_tokenizer`) and the processor settings in the directory the
+    model came from (copied as they are: their JSON runs nothing). Said for the export's line."""
+    said = ""
+    tokenizer = copy_tokenizer(config, to, trusted)
+    if tokenizer:
+        said += f", tokenizer copied from {tokenizer}"
+    source = config.get("model", {}).get("options", {}).get("path")
+    processors = [Path(source) / name for name in PROCESSOR_FILES] if isinstance(source, str) and source else []
+    for found in [path for path in processors if path.is_file()]:
+        shutil.copyfile(found, to / found.name)
+        said += f", {found.name} copied from {source}"
+    return said
 
 
 def copy_tokenizer(config: dict[str, Any], to: Path, trusted: bool = False) -> str | None:

@@ -127,7 +127,7 @@ def save_transformers_model(
     """The class the run recorded in ``saved``, built from its config, the weights loaded
     strictly, written by ``save_pretrained`` (a class not in transformers is one error: its code
     is not the run directory's to name)."""
-    from coretrain_hf.export import copy_tokenizer, refuse_used_destination, refusing_remote_code
+    from coretrain_hf.export import copy_preprocessing, refuse_used_destination, refusing_remote_code
 
     transformers = require("transformers", needed_by="checkpoint export --format hf", extra="hf")
     transformers.utils.logging.disable_progress_bar()
@@ -145,8 +145,7 @@ def save_transformers_model(
     model, what = with_weights(model_class(hf_config), state, config, options)
     to.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(to)
-    copied = copy_tokenizer(config, to, trusted)
-    return f"wrote {to}: {name}{what}" + (f", tokenizer copied from {copied}" if copied else "")
+    return f"wrote {to}: {name}{what}" + copy_preprocessing(config, to, trusted)
 
 
 def with_weights(
