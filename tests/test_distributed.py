@@ -192,7 +192,8 @@ def model():
 
 def test_a_parameter_ddp_gets_no_gradient_for_is_one_line_with_the_ddp_key(tmp_path: Path) -> None:
     """DDP's own error tells a user to pass ``find_unused_parameters=True`` to a constructor they
-    never call; the ddp plugin says it with its key, and that key makes the same job train."""
+    never call, and lists the parameters by index; the ddp plugin says it with its key and their
+    names, and that key makes the same job train."""
     from coretrain.testing import tiny_config, write_config
 
     (tmp_path / "spare.py").write_text(SPARE_MODEL)
@@ -205,8 +206,8 @@ def test_a_parameter_ddp_gets_no_gradient_for_is_one_line_with_the_ddp_key(tmp_p
     fixed = ["run", str(config), "--set", "plugins.ddp.find_unused_parameters=true"]
     job = in_one_job(tmp_path, 2, [fails, fixed], "spare", env={"PYTHONPATH": str(tmp_path)})
     assert (
-        "error: a parameter of the model got no gradient in step 1 (DDP reduces every parameter's gradient each "
-        "step): set [plugins.ddp] find_unused_parameters = true"
+        "error: the model's parameters spare.weight, spare.bias got no gradient in step 1 (DDP reduces every "
+        "parameter's gradient each step): set [plugins.ddp] find_unused_parameters = true"
     ) in job.stderr
     assert "passing the keyword argument `find_unused_parameters=True`" not in job.stderr.split("=== ")[1]
     assert metrics_rows(tmp_path / "out")[-1]["step"] == 3 and "checkpoint step 3 saved" in job.stderr  # trained

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from typing import Any
 
 import torch
@@ -139,14 +140,22 @@ class DDP:
     @hookimpl
     def explain_failure(self, run: Run, error: BaseException) -> str | None:
         """DDP's error for a parameter that got no gradient names DDP's constructor argument, which
-        a user of this plugin never calls: say it with this plugin's key instead."""
+        a user of this plugin never calls, and the parameters by their index: say it with this
+        plugin's key and the parameters' names."""
         if "Expected to have finished reduction in the prior iteration" not in str(error):
             return None
+        unused = unused_parameters(run.unwrapped_model, str(error))
+        step = run.state.step
+        if unused:
+            shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+            which, more = f"the model's parameters {shown} got no gradient in step {step}", ""
+        else:
+            which = f"a parameter of the model got no gradient in step {step}"
+            more = "; TORCH_DISTRIBUTED_DEBUG=DETAIL names them"
         return (
-            f"a parameter of the model got no gradient in step {run.state.step} (DDP reduces every parameter's "
-            "gradient each step): set [plugins.ddp] find_unused_parameters = true (a walk of the autograd graph "
-            "each step), or freeze the parameters the loss does not use (requires_grad = False); "
-            "TORCH_DISTRIBUTED_DEBUG=DETAIL names them"
+            f"{which} (DDP reduces every parameter's gradient each step): set [plugins.ddp] "
+            "find_unused_parameters = true (a walk of the autograd graph each step), or freeze the parameters "
+            f"the loss does not use (requires_grad = False){more}"
         )
 
     @hookimpl
@@ -193,3 +202,12 @@ class DDP:
 
         future: torch.futures.Future[torch.Tensor] = work.get_future().then(into_bucket)
         return future
+
+
+def unused_parameters(model: torch.nn.Module, message: str) -> list[str]:
+    """The names of the parameters DDP's error lists by index ("Parameter indices which did not
+    receive grad for rank 0: 2 3"): indices into the trainable parameters, in the model's order."""
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message)
+    trainable = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
+    indices = [int(index) for index in found.group(1).split()] if found else []
+    return [trainable[index] for index in indices if index < len(trainable)]
