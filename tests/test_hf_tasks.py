@@ -162,20 +162,25 @@ def rewritten(context: Any, tokenizer: str) -> Any:
     return pairs.select(range(160)), pairs.select(range(160, 200))
 
 
+@pytest.mark.parametrize("provider", ["yours", "hf"])
 def test_an_encoder_decoder_answers_texts_with_generate_and_its_records_keep_their_decoder_positions(
-    tmp_path: Path, cli: Any
+    tmp_path: Path, cli: Any, provider: str
 ) -> None:
-    """A T5 from a provider of the user's: ``predict --data`` answers each text with what
-    ``generate`` gives for the exported model (it was "You must specify exactly one of input_ids
-    or inputs_embeds": the sampler fed the text to the decoder); ``predict --split`` writes each
-    record's own decoder positions, its labels without the -100 padding (not as many positions
-    as its source's tokens: the attention mask is the encoder's)."""
+    """A T5 from a provider of the user's, or the ``hf`` provider's ``task = "seq2seq-lm"``:
+    ``predict --data`` answers each text with what ``generate`` gives for the exported model (it
+    was "You must specify exactly one of input_ids or inputs_embeds": the sampler fed the text
+    to the decoder); ``predict --split`` writes each record's own decoder positions, its labels
+    without the -100 padding (not as many positions as its source's tokens: the attention mask
+    is the encoder's)."""
     from coretrain.testing import BEHAVIOUR
 
     tokenizer = word_tokenizer(tmp_path / "tok")
     save_t5(tmp_path / "t5")
+    model = {"provider": "test_hf_tasks:seq2seq", "options": {"path": str(tmp_path / "t5")}}
+    if provider == "hf":
+        model = {"provider": "hf", "options": {"path": str(tmp_path / "t5"), "task": "seq2seq-lm"}}
     sections = {
-        "model": {"provider": "test_hf_tasks:seq2seq", "options": {"path": str(tmp_path / "t5")}},
+        "model": model,
         "data": {"provider": "test_hf_tasks:rewritten", "options": {"tokenizer": str(tokenizer)}},
         "tokenizer": {"path": str(tokenizer)},
         "optimizer": {"lr": 3e-2},
@@ -214,8 +219,9 @@ def reviews_to_continue(context: Any, tokenizer: str) -> Any:
 
 
 def users_model_run(tmp_path: Path, kind: str, tokenizer: Path) -> dict[str, Any]:
-    """Sections of a run whose provider (the user's) returns a transformers model of ``kind``."""
-    if kind == "seq2seq":
+    """Sections of a run whose provider (the user's, or the ``hf`` provider's ``seq2seq-lm``)
+    gives a transformers model of ``kind``."""
+    if kind in ("seq2seq", "hf-seq2seq-lm"):
         tokenizer = word_tokenizer(tmp_path / "words")
         save_t5(tmp_path / "model")
         data = "test_hf_tasks:rewritten"
@@ -233,8 +239,11 @@ def users_model_run(tmp_path: Path, kind: str, tokenizer: Path) -> dict[str, Any
         transformers.LlamaForTokenClassification(llama).save_pretrained(tmp_path / "model")
         data = "test_hf:review_data"
     providers = {"seq2seq": "seq2seq", "causal-lm": "causal_lm", "gpt2": "causal_lm", "tagger": "token_classifier"}
+    model = {"provider": f"test_hf_tasks:{providers.get(kind)}", "options": {"path": str(tmp_path / "model")}}
+    if kind == "hf-seq2seq-lm":
+        model = {"provider": "hf", "options": {"path": str(tmp_path / "model"), "task": "seq2seq-lm"}}
     return {
-        "model": {"provider": f"test_hf_tasks:{providers[kind]}", "options": {"path": str(tmp_path / "model")}},
+        "model": model,
         "data": {
             "provider": data,
             "options": {"tokenizer": str(tokenizer), **({"token_labels": True} if kind == "tagger" else {})},
@@ -250,11 +259,12 @@ def token_classifier(path: str) -> Any:
     return transformers.AutoModelForTokenClassification.from_pretrained(path, local_files_only=True)
 
 
-@pytest.mark.parametrize("kind", ["causal-lm", "gpt2", "tagger", "seq2seq"])
+@pytest.mark.parametrize("kind", ["causal-lm", "gpt2", "tagger", "seq2seq", "hf-seq2seq-lm"])
 def test_a_users_transformers_model_weighs_every_labelled_token_alike_however_the_batch_is_cut(
     tmp_path: Path, padding_tokenizer_dir: Path, kind: str
 ) -> None:
-    """A transformers model from a provider of the user's, on padded batches of uneven texts:
+    """A transformers model from a provider of the user's (and the ``hf`` provider's seq2seq
+    model), on padded batches of uneven texts:
     4 micro-batches of 4 train the losses of one micro-batch of 16, as the ``Trainer`` does since
     transformers 4.46 (``num_items_in_batch``). Each micro-batch's own mean, averaged, weighs a
     short text's tokens more: the losses were 0.1-4% apart."""
@@ -342,3 +352,22 @@ def test_an_image_classifier_reads_its_transformed_images_and_exports_what_the_p
     _, valid = squares(None, str(tmp_path / "vit"))
     images = valid.with_format(None)["image"]
     assert [classify(image)[0]["label"] for image in images] == [names[r["prediction"]] for r in records]
+
+
+def test_the_seq2seq_loss_is_the_models_own_and_a_window_batch_is_one_error(tmp_path: Path) -> None:
+    """``task = "seq2seq-lm"``'s loss over the target's labelled tokens is what T5 computes from
+    the same labels; coretrain's (input_ids, targets) windows, a causal LM's, are one error."""
+    from coretrain_hf.model import Seq2SeqLM
+
+    from coretrain import UserError
+
+    save_t5(tmp_path / "t5")
+    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5")
+    source = torch.randint(3, 11, (2, 5))
+    labels = torch.tensor([[4, 5, 6, 1], [7, 1, -100, -100]])
+    with torch.no_grad():
+        ours = Seq2SeqLM(hf)(input_ids=source, attention_mask=torch.ones_like(source), labels=labels)
+        torch.testing.assert_close(ours["loss"], hf(input_ids=source, labels=labels).loss)
+    assert ours["num_tokens"] == 6 and ours["logits"].shape[:2] == labels.shape
+    with pytest.raises(UserError, match='task = "seq2seq-lm" takes dict batches .* this batch has a tuple'):
+        Seq2SeqLM(hf)(source, labels)

@@ -6,7 +6,7 @@
     path = "models/tiny-llama"          # a local save_pretrained directory
     # or, for a randomly initialised model:
     # config = { model_type = "llama", hidden_size = 256, num_hidden_layers = 4, ... }
-    task = "causal-lm"                  # or "sequence-classification", "token-classification"
+    task = "causal-lm"                  # or "sequence-classification", "token-classification", "seq2seq-lm"
     dtype = "float32"
 
 Labels are shifted exactly once, whatever the data provider sends (:mod:`coretrain_hf.model`).
@@ -31,6 +31,7 @@ TASKS = {
     "causal-lm": "AutoModelForCausalLM",
     "sequence-classification": "AutoModelForSequenceClassification",
     "token-classification": "AutoModelForTokenClassification",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NEEDED_BY = 'model.provider = "hf"'
@@ -46,8 +47,9 @@ class HFModel:
     """Config fields: with ``path``, overrides of its config; without, the whole config of a
     randomly initialised model (``model_type`` required; vocab_size and
     max_position_embeddings default to the data's)."""
-    task: Literal["causal-lm", "sequence-classification", "token-classification"] = "causal-lm"
-    """What the model is trained for: the next token, a class per text, or a class per token (a tagger)."""
+    task: Literal["causal-lm", "sequence-classification", "token-classification", "seq2seq-lm"] = "causal-lm"
+    """What the model is trained for: the next token, a class per text, a class per token (a
+    tagger), or a target text from a source text (an encoder-decoder: T5, BART)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype (mixed precision is run.precision's job; this stores the weights so)."""
     num_labels: int | None = field(default=None, validator=positive)
@@ -66,7 +68,7 @@ class HFModel:
 
     @hookimpl
     def provide_model(self, run: Run) -> torch.nn.Module:
-        from coretrain_hf.model import CausalLM, SequenceClassifier, TokenClassifier
+        from coretrain_hf.model import CausalLM, Seq2SeqLM, SequenceClassifier, TokenClassifier
 
         transformers = require("transformers", needed_by=NEEDED_BY, extra="hf")
         transformers.utils.logging.disable_progress_bar()  # coretrain shows its own progress
@@ -93,6 +95,8 @@ class HFModel:
                 make_routable(experts)
         if self.task == "causal-lm":
             return CausalLM(hf, run.datasets.seq_length)
+        if self.task == "seq2seq-lm":
+            return Seq2SeqLM(hf)
         return TokenClassifier(hf) if self.task == "token-classification" else SequenceClassifier(hf)
 
     def model_config(

@@ -144,6 +144,36 @@ class TokenClassifier(SequenceClassifier):
         return {"loss": token_loss(logits, labels), "num_tokens": (labels != IGNORE_INDEX).sum(), "logits": logits}
 
 
+class Seq2SeqLM(torch.nn.Module):
+    """An encoder-decoder (``AutoModelForSeq2SeqLM``: T5, BART; translation, summaries) on dict
+    batches: ``input_ids`` and ``attention_mask`` the source's, ``labels`` the target's ids, -100
+    where none counts (``DataCollatorForSeq2Seq``'s padding). The decoder reads the target
+    shifted right (the model's own ``prepare_decoder_input_ids_from_labels``); the loss is the
+    mean over the labelled tokens, returned with their count (``num_tokens``: each weighs the same
+    across micro-batches and ranks) and the logits, one per target position."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf: Any = hf  # a transformers PreTrainedModel
+
+    @property
+    def config(self) -> Any:
+        """The transformers config (``is_encoder_decoder``: a split's records keep the target's positions)."""
+        return self.hf.config
+
+    def forward(self, *args: torch.Tensor, **batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        labels = next((batch.pop(key) for key in LABEL_KEYS if key in batch), None)
+        if args or labels is None:
+            raise UserError(
+                'model.options.task = "seq2seq-lm" takes dict batches of the source (input_ids, attention_mask) '
+                "and the target's ids as labels, as DataCollatorForSeq2Seq makes them; this batch has "
+                + ("a tuple" if args else "no labels")
+            )
+        decoder_input_ids = self.hf.prepare_decoder_input_ids_from_labels(labels=labels)
+        logits = self.hf(**batch, decoder_input_ids=decoder_input_ids, use_cache=False).logits
+        return {"loss": token_loss(logits, labels), "num_tokens": labels.ne(IGNORE_INDEX).sum(), "logits": logits}
+
+
 def padded_to(batch: dict[str, torch.Tensor], multiple: int, pad_id: int | None) -> dict[str, torch.Tensor]:
     """``batch`` padded after its last position to a multiple of ``multiple`` (sequence parallelism
     splits the positions evenly over a tensor-parallel group; a padded batch is as long as its
