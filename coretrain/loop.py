@@ -247,6 +247,7 @@ class Trainer:
         """The loop drawn in :mod:`coretrain.hookspecs`, one helper per line of it."""
         run, hooks, state, mark = self.run, self.hooks, self.run.state, self.mark
         loop = self._loop_settings()
+        run.model.train()  # dropout on, as the Trainer has it: from_pretrained hands a model over in eval mode
         while state.step < loop.train_iters:
             step = self.in_progress = state.step + 1
             n_micro, consumed = loop.plan.at(step)

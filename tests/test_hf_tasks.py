@@ -129,10 +129,11 @@ def word_tokenizer(directory: Path) -> Path:
 
 
 def save_t5(directory: Path) -> None:
-    """A tiny T5 for :func:`word_tokenizer`'s ids (its decoder starts from the pad id, 0)."""
+    """A tiny T5 for :func:`word_tokenizer`'s ids (its decoder starts from the pad id, 0), without dropout."""
     config = transformers.T5Config(
         vocab_size=3 + len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0
     )
+    config.dropout_rate = 0.0  # (its draws would differ between layouts)
     transformers.T5ForConditionalGeneration(config).save_pretrained(directory)
 
 
@@ -230,12 +231,14 @@ def users_model_run(tmp_path: Path, kind: str, tokenizer: Path) -> dict[str, Any
         transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "model")
         data = "test_hf_tasks:reviews_to_continue"
     elif kind == "gpt2":  # no loss_type: counted as the Trainer counts it, unshifted, and handed to its loss
-        gpt2 = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=300, pad_token_id=2)
+        no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        gpt2 = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=300, pad_token_id=2, **no_dropout)
         transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "model")
         data = "test_hf_tasks:reviews_to_continue"
     else:
         names = {0: "bad", 1: "good"}
-        llama = transformers.LlamaConfig(**llama_table(vocab_size=300, pad_token_id=2, num_labels=2, id2label=names))
+        table = llama_table(vocab_size=300, pad_token_id=2, num_labels=2, id2label=names, classifier_dropout=0.0)
+        llama = transformers.LlamaConfig(**table)
         transformers.LlamaForTokenClassification(llama).save_pretrained(tmp_path / "model")
         data = "test_hf:review_data"
     providers = {"seq2seq": "seq2seq", "causal-lm": "causal_lm", "gpt2": "causal_lm", "tagger": "token_classifier"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from typing import Any
 
 import numpy
@@ -441,3 +442,29 @@ def test_the_loss_is_found_in_every_shape_a_model_returns_it() -> None:
         split_output((loss, accuracy))
     with pytest.raises(UserError, match="the model returned a tuple without a loss"):
         split_output((logits, None))
+
+
+def handed_over_in_eval_mode(dropout: float) -> torch.nn.Module:
+    """A model provider that returns its model in eval mode, as ``from_pretrained`` does."""
+    from coretrain.testing import tiny_model
+
+    return tiny_model(dropout=dropout).eval()
+
+
+sys.modules.setdefault("test_loop", sys.modules[__name__])  # its provider, by this name
+
+
+def test_a_model_handed_over_in_eval_mode_trains_with_its_dropout(tmp_path: Any, no_autoload: None) -> None:
+    """``from_pretrained`` returns a model in eval mode; the steps train it in train mode, as the
+    Trainer's and Lightning's do (its dropout drops, a batch norm takes the batch's statistics):
+    the same losses as the model handed over in train mode, not those of the model without dropout."""
+    options = {"dropout": 0.5}
+    handed = {"model": {"provider": "test_loop:handed_over_in_eval_mode", "options": options}}
+    training = {"model": {"provider": "coretrain.testing:tiny_model", "options": options}}
+    without = {"model": {"provider": "coretrain.testing:tiny_model", "options": {"dropout": 0.0}}}
+    losses = {
+        name: [row["loss"] for row in run_steps(tmp_path / name, steps=4, config=sections).metrics]
+        for name, sections in {"handed": handed, "training": training, "without": without}.items()
+    }
+    assert losses["handed"] == losses["training"] != losses["without"]
+    assert len(losses["handed"]) == 2
