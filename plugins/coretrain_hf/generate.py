@@ -110,7 +110,7 @@ def classify(run: Run, model_path: str | None, texts: list[str]) -> list[dict[st
     """Each text's class: its id (``prediction``), its name in the config's ``id2label``
     (``label``), its probability (``score``) and the logits (``output``). Tokenized as the
     training data was by ``tokenizer(text)``: special tokens added, padded on the right."""
-    _, encoded, logits = classes_of(run, model_path, texts)
+    logits = classes_of(run, model_path, texts)[2]
     probabilities, classes = logits.softmax(-1).max(-1)
     names = label_names(run)
     records = []

@@ -222,3 +222,8 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def wrapped_model(module: torch.nn.Module) -> Any:
     """The Hugging Face model inside a wrapper (or the module itself)."""
     return getattr(module, "hf", module)
+
+
+def adapted_model(model: Any) -> Any:
+    """The transformers model itself: the one a PeftModel (LoRA) adapts, or ``model``."""
+    return model.get_base_model() if hasattr(model, "peft_config") else model

@@ -8,13 +8,14 @@ from typing import Any
 import torch
 
 from coretrain import UserError
+from coretrain_hf.model import adapted_model
 from coretrain_hf.routers import Routers
 
 
 def transformers_model(hf: Any) -> tuple[Any, str]:
     """The transformers model in ``hf`` and its name there: ``hf`` itself (``""``), or the model
     a PeftModel adapts (``base_model.model``), its LoRA layers inside its decoder layers."""
-    inner = hf.get_base_model() if hasattr(hf, "peft_config") else hf
+    inner = adapted_model(hf)
     return inner, next(name for name, module in hf.named_modules() if module is inner)
 
 

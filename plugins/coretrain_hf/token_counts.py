@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from coretrain import NUM_TOKENS
+from coretrain_hf.model import adapted_model
 
 IGNORE_INDEX = -100
 
@@ -27,7 +28,7 @@ IGNORE_INDEX = -100
 def count_tokens(model: torch.nn.Module) -> None:
     """Hooks on ``model`` (a transformers model, or a PeftModel of one) that add ``num_tokens``
     to its output when it computed a loss from keyword ``labels`` (a dict batch's)."""
-    base: Any = model.get_base_model() if hasattr(model, "peft_config") else model  # type: ignore[operator]
+    base = adapted_model(model)
     shifted = loss_shifts_labels(base)
     takes_count = getattr(base, "accepts_loss_kwargs", None)
     takes_count = (takes_count if takes_count is not None else takes_keywords(base)) and takes_keywords(model)

@@ -30,6 +30,7 @@ import torch
 from attrs import define
 
 from coretrain import Run, UserError, hookimpl, require
+from coretrain_hf.model import adapted_model
 
 
 def is_transformers_model(model: torch.nn.Module) -> bool:
@@ -81,7 +82,7 @@ class TransformersModels:
         from coretrain_hf.export import CONFIG_DIR
 
         model: Any = run.unwrapped_model
-        model = model.get_base_model() if hasattr(model, "peft_config") else model
+        model = adapted_model(model)
         if run.dist.is_main and is_transformers_model(model):
             config: Any = copy.deepcopy(model.config)
             config.architectures = [transformers_class(model)]
@@ -96,7 +97,7 @@ class TransformersModels:
             return None
         from coretrain_hf.generate import classify, generate, tag
 
-        kind = transformers_class(model.get_base_model() if hasattr(model, "peft_config") else model)
+        kind = transformers_class(adapted_model(model))
         if kind.endswith("ForSequenceClassification"):
             return classify(run, None, batch["prompt"])
         if kind.endswith("ForTokenClassification"):
