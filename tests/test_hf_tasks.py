@@ -374,3 +374,60 @@ def test_the_seq2seq_loss_is_the_models_own_and_a_window_batch_is_one_error(tmp_
     assert ours["num_tokens"] == 6 and ours["logits"].shape[:2] == labels.shape
     with pytest.raises(UserError, match='task = "seq2seq-lm" takes dict batches .* this batch has a tuple'):
         Seq2SeqLM(hf)(source, labels)
+
+
+def scored_reviews(context: Any, tokenizer: str) -> Any:
+    """The reviews with a score instead of a class (2.0 for a good one, 0.0 for a bad one), as
+    for a regression (STS-B's similarity)."""
+    train, valid = review_data(context, tokenizer)
+    return tuple(split.map(lambda r: {"label": 2.0 * r["label"]}) for split in (train, valid))
+
+
+PROBLEMS = {  # num_labels, labels of 4 samples
+    "single_label_classification": (3, [0, 2, 1, 1]),
+    "multi_label_classification": (3, [[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]),
+    "regression": (1, [0.3, 1.7, 2.2, 0.9]),
+}
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+def test_a_sequence_classifier_takes_transformers_own_loss_for_its_kind_of_labels(problem: str) -> None:
+    """``task = "sequence-classification"`` with one class, several at once (float multi-hot
+    labels) or a score (``num_labels = 1``, float labels): the loss is the one the model computes
+    from the same labels (a score's was "Target 1 is out of bounds", or 0 for scores below 1:
+    cross-entropy over one class); the accuracy only for one class of several."""
+    from coretrain_hf.model import SequenceClassifier
+
+    num_labels, labels = PROBLEMS[problem]
+    config = transformers.LlamaConfig(**llama_table(vocab_size=50, pad_token_id=0, num_labels=num_labels))
+    model = transformers.LlamaForSequenceClassification(config)
+    ids = torch.randint(1, 50, (4, 6))
+    with torch.no_grad():
+        ours = SequenceClassifier(model)(input_ids=ids, labels=torch.tensor(labels))
+        model.config.problem_type = None  # guessed again, as a fresh model guesses it
+        torch.testing.assert_close(ours["loss"], model(input_ids=ids, labels=torch.tensor(labels)).loss)
+    assert model.config.problem_type == problem and ("accuracy" in ours) == (problem == "single_label_classification")
+
+
+def test_a_score_is_learnt_and_texts_get_the_pipelines_sigmoid_score(
+    tmp_path: Path, padding_tokenizer_dir: Path, cli: Any
+) -> None:
+    """A regression through the ``hf`` provider (``num_labels = 1``, a float ``label`` column)
+    learns its scores, and ``predict --data`` scores texts as transformers' text-classification
+    pipeline does for one label: the sigmoid of the logit (a softmax over one value is always 1)."""
+    model = {"task": "sequence-classification", "num_labels": 1, "config": llama_table(vocab_size=300, pad_token_id=2)}
+    sections = {
+        "model": {"provider": "hf", "options": model},
+        "data": {"provider": "test_hf_tasks:scored_reviews", "options": {"tokenizer": str(padding_tokenizer_dir)}},
+        "tokenizer": {"path": str(padding_tokenizer_dir)},
+        "optimizer": {"lr": 1e-2},
+        "train": {"micro_batch_size": 16, "log_interval": 10, "eval_iters": 2},
+    }
+    result = run_steps(tmp_path, steps=40, config=sections)
+    losses = [row["loss"] for row in result.metrics]
+    assert losses[-1] < losses[0] / 4, losses  # the scores are learnt (it failed: "Target 1 is out of bounds")
+    config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
+    (tmp_path / "texts.jsonl").write_text(json.dumps({"prompt": "great lovely film"}) + "\n")
+    done = cli("predict", str(config), "--data", "texts.jsonl", "--out", "p.jsonl", cwd=tmp_path)
+    record = json.loads((tmp_path / "p.jsonl").read_text())
+    assert done.returncode == 0 and record["score"] == pytest.approx(torch.tensor(record["output"][0]).sigmoid().item())

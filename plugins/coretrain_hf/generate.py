@@ -108,10 +108,14 @@ def encoded_prompts(tokenizer: Any, prompts: list[Any], encoder_decoder: bool) -
 
 def classify(run: Run, model_path: str | None, texts: list[str]) -> list[dict[str, Any]]:
     """Each text's class: its id (``prediction``), its name in the config's ``id2label``
-    (``label``), its probability (``score``) and the logits (``output``). Tokenized as the
-    training data was by ``tokenizer(text)``: special tokens added, padded on the right."""
+    (``label``), its probability (``score``: a softmax over the classes, or as transformers'
+    text-classification pipeline has it for several labels at once or a score, a sigmoid) and
+    the logits (``output``). Tokenized as the training data was by ``tokenizer(text)``: special
+    tokens added, padded on the right."""
     logits = classes_of(run, model_path, texts)[2]
-    probabilities, classes = logits.softmax(-1).max(-1)
+    config = wrapped_model(run.unwrapped_model).config
+    independent = config.problem_type == "multi_label_classification" or config.num_labels == 1
+    probabilities, classes = (logits.sigmoid() if independent else logits.softmax(-1)).max(-1)
     names = label_names(run)
     records = []
     for text, chosen, probability, output in zip(texts, classes.tolist(), probabilities.tolist(), logits.tolist()):

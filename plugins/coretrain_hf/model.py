@@ -98,8 +98,9 @@ LABEL_KEYS = ("labels", "label", "label_ids")
 
 class SequenceClassifier(torch.nn.Module):
     """A ``*ForSequenceClassification`` model; ``model(input_ids, labels)`` (or a dict) returns the
-    cross-entropy loss and the accuracy, both logged, and the logits (as transformers' model does:
-    what ``coretrain predict`` writes and ``compute_metrics`` gets); a dict without labels, its logits."""
+    loss (of a class, several, or a score: :meth:`scored`) and for a class the accuracy, both
+    logged, and the logits (as transformers' model does: what ``coretrain predict`` writes and
+    ``compute_metrics`` gets); a dict without labels, its logits."""
 
     per_position = False
     """Whether the model answers a class per position (a tagger) rather than per sequence."""
@@ -125,9 +126,17 @@ class SequenceClassifier(torch.nn.Module):
         return self.scored(logits, labels)
 
     def scored(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        loss = F.cross_entropy(logits.float(), labels.long())
-        accuracy = (logits.argmax(-1) == labels).float().mean()
-        return {"loss": loss, "accuracy": accuracy, "logits": logits}  # (logged: the single values)
+        """transformers' own loss for the config's ``problem_type``, guessed as the model guesses
+        it when unset: one label of ``num_labels`` classes (cross-entropy, and the accuracy),
+        several at once (float multi-hot labels: binary cross-entropy), or a score
+        (``num_labels = 1``: mean squared error)."""
+        from transformers.loss.loss_utils import ForSequenceClassificationLoss
+
+        loss = ForSequenceClassificationLoss(labels, logits.float(), self.hf.config)
+        values = {"loss": loss, "logits": logits}  # (logged: the single values)
+        if self.hf.config.problem_type == "single_label_classification":
+            values["accuracy"] = (logits.argmax(-1) == labels).float().mean()
+        return values
 
 
 class TokenClassifier(SequenceClassifier):
