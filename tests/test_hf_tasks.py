@@ -113,6 +113,36 @@ def test_on_tensor_parallel_ranks_a_tagger_trains_the_one_rank_losses(
     assert losses == pytest.approx([row["loss"] for row in one.metrics], rel=1e-5) and len(losses) == 4
 
 
+def streamed_reviews(context: Any, tokenizer: str) -> Any:
+    """The tagger's reviews, the train split as a stream (``to_iterable_dataset()``: read row by row)."""
+    train, valid = review_data(context, tokenizer, token_labels=True)
+    return train.to_iterable_dataset(), valid
+
+
+def test_a_stream_of_uneven_token_rows_is_padded_as_its_map_style_split(
+    tmp_path: Path, padding_tokenizer_dir: Path
+) -> None:
+    """The same reviews as a Hugging Face stream: its rows are padded per micro-batch with the
+    run's tokenizer, labels with -100, as the map-style split's batches are (it was "the samples
+    of a micro-batch hold tensors of different lengths, which the default collate cannot
+    stack"); the first step's loss is the tagger's on the first 8 reviews padded so."""
+    from coretrain_hf.columns import Columns
+    from coretrain_hf.model import TokenClassifier
+
+    sections = tagger_run(tmp_path, padding_tokenizer_dir, micro_batch_size=8)
+    sections["data"] = {
+        "provider": "test_hf_tasks:streamed_reviews",
+        "options": {"tokenizer": str(padding_tokenizer_dir)},
+    }
+    losses = [row["loss"] for row in run_steps(tmp_path, steps=2, config=sections).metrics]
+    tok = transformers.AutoTokenizer.from_pretrained(padding_tokenizer_dir)
+    train, _ = review_data(type("Context", (), {"tokenizer": tok}), str(padding_tokenizer_dir), token_labels=True)
+    first = Columns(train, "train", tok).get_batch(torch.arange(8))
+    hf = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "tagger")
+    with torch.no_grad():
+        assert losses[0] == pytest.approx(TokenClassifier(hf)(**first)["loss"].item(), rel=1e-5)
+
+
 def image_classifier(path: str) -> Any:
     """A model provider of a user's own: an image classifier as ``from_pretrained`` gives it."""
     return transformers.AutoModelForImageClassification.from_pretrained(path, local_files_only=True)

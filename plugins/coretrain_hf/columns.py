@@ -5,8 +5,10 @@ map-style datasets as they come from ``load_dataset`` or ``Dataset.from_dict``. 
 sample they would be python rows collated one by one; this plugin, through the
 ``configure_datasets`` hook, reads each micro-batch as one Arrow slice in torch format: a dict
 of column tensors. A split with a ``data.collate_fn`` is left alone (the function wants
-samples), and so is a stream. Importing it imports no ``datasets``: a split is recognised by
-its type's module.
+samples). A stream (``streaming=True``, ``to_iterable_dataset()``) is read row by row in torch
+format, its rows collated as a map-style split's batches are made (:class:`Padding`, the run's
+``collate_fn`` when the data gives none). Importing it imports no ``datasets``: a split is
+recognised by its type's module.
 
 Token columns of different lengths (``tokenizer(text)`` without ``padding="max_length"``) are
 padded per micro-batch with the run's tokenizer (``[tokenizer]``), as transformers'
@@ -20,6 +22,7 @@ made into tensors as transformers' ``default_data_collator`` makes them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -32,23 +35,24 @@ from coretrain_hf.model import IGNORE_INDEX, LABEL_KEYS
 SPLITS = ("train", "valid", "test")
 
 
-class Columns:
-    """A Hugging Face ``datasets.Dataset`` read a micro-batch at a time (one Arrow slice per
-    batch, as torch tensors), instead of sample by sample; ``tokenizer`` pads token columns of
-    different lengths, and ``split`` names the split when there is none to pad them."""
+class Padding:
+    """A batch's columns as transformers' ``default_data_collator`` makes them (:func:`collated`),
+    token columns of different lengths padded with the run's ``tokenizer`` (an attention mask of 0
+    over the padding) as ``DataCollatorWithPadding`` pads them, per-token labels with -100, and
+    ``label`` renamed ``labels``; ``split`` names the split in what is wrong with it. Called on a
+    stream's rows, it is their collate: a Hugging Face stream is padded as its map-style split is."""
 
-    def __init__(self, dataset: Any, split: str = "train", tokenizer: Any = None) -> None:
-        self.dataset = dataset.with_format("torch") if dataset.format.get("type") is None else dataset
+    def __init__(self, split: str, tokenizer: Any) -> None:
         self.split, self.tokenizer = split, tokenizer
 
-    def __len__(self) -> int:
-        return len(self.dataset)
+    def __call__(self, rows: list[Any]) -> Any:
+        """A stream's rows (torch-format dicts) as one batch; rows of another kind by torch's default collate."""
+        if not rows or not isinstance(rows[0], Mapping):
+            return torch.utils.data.default_collate(rows)
+        return self.batch({name: [row[name] for row in rows] for name in rows[0]})
 
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[int(index)]
-
-    def get_batch(self, indices: torch.Tensor) -> Any:
-        batch = {name: collated(column) for name, column in self.dataset[indices.tolist()].items()}
+    def batch(self, columns: Mapping[str, Any]) -> dict[str, Any]:
+        batch = {name: collated(column) for name, column in columns.items()}
         # torch format gives a column of uneven sequences as a list of tensors (strings stay a list of str)
         ragged = [name for name, value in batch.items() if isinstance(value, list) and is_tensors(value)]
         return as_labels(self._padded(batch, ragged) if ragged else batch)
@@ -89,6 +93,29 @@ class Columns:
         lengths = sorted({len(row) for row in batch[name]})
         shown = ", ".join(map(str, lengths[:4])) + (", ..." if len(lengths) > 4 else "")
         return f"the {self.split} split's column '{name}' holds sequences of different lengths ({shown})"
+
+
+class Columns:
+    """A Hugging Face ``datasets.Dataset`` read a micro-batch at a time (one Arrow slice per
+    batch, as torch tensors), instead of sample by sample; ``tokenizer`` pads token columns of
+    different lengths, and ``split`` names the split when there is none to pad them."""
+
+    def __init__(self, dataset: Any, split: str = "train", tokenizer: Any = None) -> None:
+        self.dataset = dataset.with_format("torch") if dataset.format.get("type") is None else dataset
+        self.padding = Padding(split, tokenizer)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.padding.tokenizer
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[int(index)]
+
+    def get_batch(self, indices: torch.Tensor) -> Any:
+        return self.padding.batch(self.dataset[indices.tolist()])
 
 
 def as_labels(batch: dict[str, Any]) -> dict[str, Any]:
@@ -165,8 +192,11 @@ class HFDatasets:
         if datasets.collate_fn is not None:
             return
         every = [dataset for split in SPLITS for _, dataset in datasets.sets(split)]
-        uneven = any(is_hf_dataset(dataset) and has_sequences(dataset) for dataset in every)
+        streams = any(is_hf_stream(dataset) for dataset in every)  # (their columns may be known only once read)
+        uneven = streams or any(is_hf_dataset(dataset) and has_sequences(dataset) for dataset in every)
         tokenizer = handed_tokenizer(run, "padding the token columns of a datasets split") if uneven else None
+        if streams:  # read row by row: their collate pads them as a map-style split's batches are
+            datasets.collate_fn = Padding("streamed", tokenizer)
 
         def read(dataset: Any, split: str) -> Any:
             if is_hf_stream(dataset):
