@@ -273,3 +273,75 @@ def test_a_score_is_learnt_and_texts_get_the_pipelines_sigmoid_score(
     done = cli("predict", str(config), "--data", "texts.jsonl", "--out", "p.jsonl", cwd=tmp_path)
     record = json.loads((tmp_path / "p.jsonl").read_text())
     assert done.returncode == 0 and record["score"] == pytest.approx(torch.tensor(record["output"][0]).sigmoid().item())
+
+
+def bert_tokenizer(directory: Path) -> Path:
+    """A word-level tokenizer as BERT's: ``[CLS] text [SEP]``, a ``[MASK]`` token, one id per word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = "alice bob carol went to the market park with and saw a dog cat".split()
+    vocab = {word: i for i, word in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tokenizer.post_processor = template
+    special = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]"}
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, mask_token="[MASK]", **special).save_pretrained(
+        directory
+    )
+    return directory
+
+
+def masked_texts(context: Any, tokenizer: str) -> Any:
+    """Texts of 4 to 12 words for BERT's pretraining, masked by transformers' collator, as the
+    Trainer's masked-LM recipe has them."""
+    import random
+
+    import datasets
+
+    from coretrain import Datasets
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    draw = random.Random(0)
+    words = "alice bob carol went to the market park with and saw a dog cat".split()
+    texts = [" ".join(draw.choices(words, k=draw.randint(4, 12))) for _ in range(200)]
+    encoded = datasets.Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"]), remove_columns=["text"])
+    collate = transformers.DataCollatorForLanguageModeling(tok, mlm_probability=0.15)
+    return Datasets(train=encoded.select(range(160)), valid=encoded.select(range(160, 200)), collate_fn=collate)
+
+
+def test_a_masked_lm_trains_and_fills_masks_as_the_fill_mask_pipeline_does(tmp_path: Path, cli: Any) -> None:
+    """``task = "masked-lm"``: BERT's pretraining on texts the data's collator masks (labels -100
+    but at the masked tokens, never shifted, each counted alike); ``predict --data`` fills each
+    text's masks with the token transformers' ``fill-mask`` pipeline puts first, with its
+    probability, from the exported directory; a text without a mask is one error."""
+    tokenizer = bert_tokenizer(tmp_path / "tok")
+    config = transformers.BertConfig(
+        vocab_size=19, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "bert")
+    sections = {
+        "model": {"provider": "hf", "options": {"path": str(tmp_path / "bert"), "task": "masked-lm"}},
+        "data": {"provider": "test_hf_tasks:masked_texts", "options": {"tokenizer": str(tokenizer)}},
+        "tokenizer": {"path": str(tokenizer)},
+        "optimizer": {"lr": 1e-2},
+        "train": {"micro_batch_size": 16, "eval_iters": 1},
+    }
+    result = run_steps(tmp_path, steps=6, config=sections)
+    assert result.exit_code == 0 and all(row["loss"] > 0 for row in result.metrics)
+    run_config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
+    texts = ["alice went to the [MASK]", "bob saw a [MASK] with [MASK]"]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
+    done = cli("predict", str(run_config), "--data", "texts.jsonl", "--out", "p.jsonl", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    done = cli("checkpoint", "export", str(result.output_dir), "--format", "hf", "--to", "exported", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    fill = transformers.pipeline("fill-mask", model=str(tmp_path / "exported"))
+    first = fill(texts[0])[0]
+    assert records[0]["tokens"] == [first["token_str"]] and records[0]["completion"] == first["sequence"]
+    assert records[0]["score"] == pytest.approx([first["score"]], rel=1e-4)
+    assert [answers[0]["token_str"] for answers in fill(texts[1])] == records[1]["tokens"]  # one list per mask
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"prompt": "alice went to the park"}) + "\n")
+    done = cli("predict", str(run_config), "--data", "plain.jsonl", "--out", "q.jsonl", cwd=tmp_path)
+    assert done.returncode == 2 and "holds no mask token ([MASK]) to fill" in done.stderr

@@ -6,7 +6,8 @@
     path = "models/tiny-llama"          # a local save_pretrained directory
     # or, for a randomly initialised model:
     # config = { model_type = "llama", hidden_size = 256, num_hidden_layers = 4, ... }
-    task = "causal-lm"                  # or "sequence-classification", "token-classification", "seq2seq-lm"
+    task = "causal-lm"                  # or "sequence-classification", "token-classification", "seq2seq-lm",
+                                        # "masked-lm"
     dtype = "float32"
 
 Labels are shifted exactly once, whatever the data provider sends (:mod:`coretrain_hf.model`).
@@ -32,6 +33,7 @@ TASKS = {
     "sequence-classification": "AutoModelForSequenceClassification",
     "token-classification": "AutoModelForTokenClassification",
     "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "masked-lm": "AutoModelForMaskedLM",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NEEDED_BY = 'model.provider = "hf"'
@@ -47,9 +49,12 @@ class HFModel:
     """Config fields: with ``path``, overrides of its config; without, the whole config of a
     randomly initialised model (``model_type`` required; vocab_size and
     max_position_embeddings default to the data's)."""
-    task: Literal["causal-lm", "sequence-classification", "token-classification", "seq2seq-lm"] = "causal-lm"
+    task: Literal["causal-lm", "sequence-classification", "token-classification", "seq2seq-lm", "masked-lm"] = (
+        "causal-lm"
+    )
     """What the model is trained for: the next token, a class per text, a class per token (a
-    tagger), or a target text from a source text (an encoder-decoder: T5, BART)."""
+    tagger), a target text from a source text (an encoder-decoder: T5, BART), or the masked
+    tokens of a text (BERT's pretraining; the data's collate masks them)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype (mixed precision is run.precision's job; this stores the weights so)."""
     num_labels: int | None = field(default=None, validator=positive)
@@ -97,7 +102,8 @@ class HFModel:
             return CausalLM(hf, run.datasets.seq_length)
         if self.task == "seq2seq-lm":
             return Seq2SeqLM(hf)
-        return TokenClassifier(hf) if self.task == "token-classification" else SequenceClassifier(hf)
+        per_position = self.task in ("token-classification", "masked-lm")  # a class, or a token, per position
+        return TokenClassifier(hf) if per_position else SequenceClassifier(hf)
 
     def model_config(
         self, vocab_size: int | None = None, seq_length: int | None = None, trust_remote_code: bool = False
@@ -194,12 +200,14 @@ class HFModel:
         class, or a tagger's class for each token."""
         if not (isinstance(batch, dict) and "prompt" in batch):
             return None
-        from coretrain_hf.generate import classify, generate, tag
+        from coretrain_hf.generate import classify, fill_masks, generate, tag
 
         if self.task == "sequence-classification":
             return classify(run, self.path, batch["prompt"])
         if self.task == "token-classification":
             return tag(run, self.path, batch["prompt"])
+        if self.task == "masked-lm":
+            return fill_masks(run, self.path, batch["prompt"])
         return generate(run, self.path, batch, options)
 
     @hookimpl

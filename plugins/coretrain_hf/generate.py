@@ -176,3 +176,30 @@ def classes_of(run: Run, model_path: str | None, texts: list[str]) -> tuple[Any,
 def label_names(run: Run) -> dict[int, str]:
     """The model config's ``id2label`` (class id -> name); empty when it names none."""
     return dict(getattr(wrapped_model(run.unwrapped_model).config, "id2label", None) or {})
+
+
+def fill_masks(run: Run, model_path: str | None, texts: list[str]) -> list[dict[str, Any]]:
+    """Each text with its mask tokens filled by the masked LM's likeliest token, as transformers'
+    ``fill-mask`` pipeline answers first: the text filled (``completion``), and for each mask its
+    token (``tokens``) and probability (``score``). A text without the mask token is one error."""
+    tokenizer, encoded, logits = classes_of(run, model_path, texts)
+    probabilities, chosen = logits.softmax(-1).max(-1)
+    records = []
+    for i, text in enumerate(texts):
+        ids = encoded["input_ids"][i]
+        masked = (ids == tokenizer.mask_token_id).nonzero().flatten().tolist() if tokenizer.mask_token else []
+        if not masked:
+            raise UserError(f"predict --data: {text!r} holds no mask token ({tokenizer.mask_token}) to fill")
+        kept = encoded["attention_mask"][i].bool() & ~encoded["special_tokens_mask"][i].bool()
+        kept[masked] = True
+        filled = ids.clone()
+        filled[masked] = chosen[i, masked]
+        records.append(
+            {
+                "prompt": text,
+                "completion": tokenizer.decode(filled[kept]),
+                "tokens": tokenizer.convert_ids_to_tokens(chosen[i, masked].tolist()),
+                "score": probabilities[i, masked].tolist(),
+            }
+        )
+    return records
