@@ -310,24 +310,38 @@ def masked_texts(context: Any, tokenizer: str) -> Any:
     return Datasets(train=encoded.select(range(160)), valid=encoded.select(range(160, 200)), collate_fn=collate)
 
 
-def test_a_masked_lm_trains_and_fills_masks_as_the_fill_mask_pipeline_does(tmp_path: Path, cli: Any) -> None:
-    """``task = "masked-lm"``: BERT's pretraining on texts the data's collator masks (labels -100
-    but at the masked tokens, never shifted, each counted alike); ``predict --data`` fills each
-    text's masks with the token transformers' ``fill-mask`` pipeline puts first, with its
-    probability, from the exported directory; a text without a mask is one error."""
+def masked_lm(path: str) -> Any:
+    """A model provider of a user's own: a masked LM as ``from_pretrained`` gives it."""
+    return transformers.AutoModelForMaskedLM.from_pretrained(path, local_files_only=True)
+
+
+@pytest.mark.parametrize("provider", ["hf", "yours"])
+def test_a_masked_lm_trains_and_fills_masks_as_the_fill_mask_pipeline_does(
+    tmp_path: Path, cli: Any, provider: str
+) -> None:
+    """``task = "masked-lm"`` (or a masked LM a provider of the user's returns): BERT's
+    pretraining on texts the data's collator masks (labels -100 but at the masked tokens, never
+    shifted, each counted alike); ``predict --data`` fills each text's masks with the token
+    transformers' ``fill-mask`` pipeline puts first, with its probability, from the exported
+    directory; a text without a mask is one error."""
+    from coretrain.testing import BEHAVIOUR
+
     tokenizer = bert_tokenizer(tmp_path / "tok")
     config = transformers.BertConfig(
         vocab_size=19, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
     )
     transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "bert")
+    model = {"provider": "hf", "options": {"path": str(tmp_path / "bert"), "task": "masked-lm"}}
+    if provider == "yours":
+        model = {"provider": "test_hf_tasks:masked_lm", "options": {"path": str(tmp_path / "bert")}}
     sections = {
-        "model": {"provider": "hf", "options": {"path": str(tmp_path / "bert"), "task": "masked-lm"}},
+        "model": model,
         "data": {"provider": "test_hf_tasks:masked_texts", "options": {"tokenizer": str(tokenizer)}},
         "tokenizer": {"path": str(tokenizer)},
         "optimizer": {"lr": 1e-2},
         "train": {"micro_batch_size": 16, "eval_iters": 1},
     }
-    result = run_steps(tmp_path, steps=6, config=sections)
+    result = run_steps(tmp_path, steps=6, config=sections, autoload=(*BEHAVIOUR, "transformers-models"))
     assert result.exit_code == 0 and all(row["loss"] > 0 for row in result.metrics)
     run_config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
     texts = ["alice went to the [MASK]", "bob saw a [MASK] with [MASK]"]

@@ -196,19 +196,13 @@ class HFModel:
 
     @hookimpl
     def predict_step(self, run: Run, batch: Any, options: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """Texts (``coretrain predict --data``) get a causal LM's ``generate``, a classifier's
-        class, or a tagger's class for each token."""
+        """Texts (``coretrain predict --data``) answered as the pipeline for the task answers them
+        (:func:`coretrain_hf.generate.answer_texts`), the tokenizer from ``path`` when the run names none."""
         if not (isinstance(batch, dict) and "prompt" in batch):
             return None
-        from coretrain_hf.generate import classify, fill_masks, generate, tag
+        from coretrain_hf.generate import answer_texts
 
-        if self.task == "sequence-classification":
-            return classify(run, self.path, batch["prompt"])
-        if self.task == "token-classification":
-            return tag(run, self.path, batch["prompt"])
-        if self.task == "masked-lm":
-            return fill_masks(run, self.path, batch["prompt"])
-        return generate(run, self.path, batch, options)
+        return answer_texts(run, self.path, batch, options)
 
     @hookimpl
     def export_model(

@@ -12,7 +12,7 @@ from coretrain_predict.sampling import complete, is_transformers_tokenizer, prom
 from coretrain_tokenizer import load_tokenizer, megatron_type, run_tokenizer
 
 from coretrain import Run, UserError, is_sharded
-from coretrain_hf.model import wrapped_model
+from coretrain_hf.model import adapted_model, wrapped_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 NEEDED_BY = "coretrain predict"
@@ -53,6 +53,24 @@ def padding_tokenizer(run: Run, model_path: str | None) -> Any | None:
     if tokenizer is not None and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return tokenizer
+
+
+def answer_texts(
+    run: Run, model_path: str | None, batch: dict[str, Any], options: dict[str, Any]
+) -> list[dict[str, Any]] | None:
+    """Texts (``coretrain predict --data``) answered as transformers' pipeline for the model's
+    kind answers them: a sequence classifier's class, a tagger's class per token, a masked LM's
+    masks filled, ``generate``'s text from a model that generates (a causal LM, an
+    encoder-decoder); None for another kind (coretrain-plugins' own answer then)."""
+    hf = adapted_model(wrapped_model(run.unwrapped_model))
+    kind, texts = type(hf).__name__, batch["prompt"]  # (FSDP2's class keeps the ending)
+    if kind.endswith("ForSequenceClassification"):
+        return classify(run, model_path, texts)
+    if kind.endswith("ForTokenClassification"):
+        return tag(run, model_path, texts)
+    if kind.endswith("ForMaskedLM"):
+        return fill_masks(run, model_path, texts)
+    return generate(run, model_path, batch, options) if hf.can_generate() else None
 
 
 def generate(

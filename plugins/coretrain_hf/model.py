@@ -145,7 +145,9 @@ class TokenClassifier(SequenceClassifier):
     (as transformers' ``DataCollatorForTokenClassification`` pads them). Returns the loss over the
     labelled positions, their count (``num_tokens``: each labelled token weighs the same across
     micro-batches and ranks, however long the sentences) and the logits. No accuracy: a mean
-    over micro-batches would weigh a short sentence's tokens more (``compute_metrics`` gives it)."""
+    over micro-batches would weigh a short sentence's tokens more (``compute_metrics`` gives it).
+    A masked LM's (``task = "masked-lm"``) is the same sum: a token per position, -100 but where
+    the data's collate masked one."""
 
     per_position = True
 

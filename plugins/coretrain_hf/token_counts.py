@@ -20,9 +20,7 @@ from typing import Any
 import torch
 
 from coretrain import NUM_TOKENS
-from coretrain_hf.model import adapted_model
-
-IGNORE_INDEX = -100
+from coretrain_hf.model import IGNORE_INDEX, adapted_model
 
 
 def count_tokens(model: torch.nn.Module) -> None:

@@ -16,8 +16,9 @@ a transformers body with your head) keeps what transformers ships with the archi
 - **every labelled token weighing the same** across micro-batches and ranks
   (:mod:`coretrain_hf.token_counts`: the ``Trainer``'s ``num_items_in_batch``);
 - **``coretrain predict --data texts.jsonl``**: what transformers' pipelines answer for the
-  model's kind — a classifier's class, a tagger's class per token, ``generate``'s text for a
-  causal LM or an encoder-decoder (T5, BART) — as for the ``hf`` provider's models.
+  model's kind — a classifier's class, a tagger's class per token, a masked LM's masks filled,
+  ``generate``'s text for a causal LM or an encoder-decoder (T5, BART) — as for the ``hf``
+  provider's models.
 """
 
 from __future__ import annotations
@@ -81,8 +82,7 @@ class TransformersModels:
         """Rank 0 records the config and class of a transformers model (the one a PeftModel adapts)."""
         from coretrain_hf.export import CONFIG_DIR
 
-        model: Any = run.unwrapped_model
-        model = adapted_model(model)
+        model = adapted_model(run.unwrapped_model)
         if run.dist.is_main and is_transformers_model(model):
             config: Any = copy.deepcopy(model.config)
             config.architectures = [transformers_class(model)]
@@ -91,18 +91,12 @@ class TransformersModels:
     @hookimpl
     def predict_step(self, run: Run, batch: Any, options: dict[str, Any]) -> list[dict[str, Any]] | None:
         """Texts to a transformers model a provider returned as it is (the ``hf`` provider's
-        wrappers answer their own): classified, tagged, or continued by ``generate``."""
-        model: Any = run.unwrapped_model
-        if not (isinstance(batch, dict) and "prompt" in batch and is_transformers_model(model)):
+        wrappers answer their own), as the pipeline for its kind answers them."""
+        if not (isinstance(batch, dict) and "prompt" in batch and is_transformers_model(run.unwrapped_model)):
             return None
-        from coretrain_hf.generate import classify, generate, tag
+        from coretrain_hf.generate import answer_texts
 
-        kind = transformers_class(adapted_model(model))
-        if kind.endswith("ForSequenceClassification"):
-            return classify(run, None, batch["prompt"])
-        if kind.endswith("ForTokenClassification"):
-            return tag(run, None, batch["prompt"])
-        return generate(run, None, batch, options) if model.can_generate() else None
+        return answer_texts(run, None, batch, options)
 
     @hookimpl(trylast=True)
     def export_model(

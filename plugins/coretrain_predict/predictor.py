@@ -232,8 +232,8 @@ def padding_kept_out(batch: Any, values: dict[str, torch.Tensor], model: Any) ->
     batch without a mask."""
     per_position = [name for name in ("prediction", "target") if name in values]
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
-        mask = values.get("target")
-        mask = mask.ne(IGNORE_INDEX) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        target = values.get("target")
+        mask = target.ne(IGNORE_INDEX) if isinstance(target, torch.Tensor) else None
     else:
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
