@@ -183,13 +183,16 @@ def test_a_batch_moves_to_the_device_in_its_own_shape() -> None:
     assert type(moved["c"]) is tuple and moved["c"][0].is_meta
 
 
-def test_dataloaders_a_script_holds_train_as_their_datasets_and_a_custom_sampler_is_refused(
+def test_dataloaders_a_script_holds_train_as_their_datasets_and_a_batching_of_their_own_is_refused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A provider that returns a training script's DataLoaders (an iterable of whole batches, which
     read as a stream ended in "fewer samples than one micro-batch") trains exactly as on their
-    datasets, collated by the loaders' collate_fn; what of the loaders is not used is said once; a
-    WeightedRandomSampler, whose choice coretrain's order cannot follow, is one error."""
+    datasets, collated by the loaders' collate_fn — also with a DDP script's DistributedSampler,
+    whose shuffling and sharding coretrain's order does itself; what of the loaders is not used is
+    said once. A choice coretrain's order cannot follow is one error: a WeightedRandomSampler, a
+    batch_sampler of the script's (its batches were read as coretrain's, silently) and
+    batch_size=None (a dataset whose items are batches)."""
     import logging
 
     import workloads
@@ -214,6 +217,16 @@ def test_dataloaders_a_script_holds_train_as_their_datasets_and_a_custom_sampler
         "not used: train batch_size 64 (micro-batches of 32 here), valid batch_size 64 (micro-batches of 32 here)"
     ), said
 
-    weighted = {**loaders, "options": {"sampler": "weighted"}}
-    with pytest.raises(UserError, match=r"the train split is a DataLoader whose sampler \(WeightedRandomSampler\)"):
-        run_steps(tmp_path / "weighted", 2, config={"model": model, "data": weighted, "train": train})
+    ddp = {**loaders, "options": {"batch_size": 32, "collate": True, "sampler": "distributed"}}
+    sharded = run_steps(tmp_path / "ddp", 20, config={"model": model, "data": ddp, "train": train})
+    assert [m["loss"] for m in sharded.metrics] == [m["loss"] for m in expected.metrics]
+
+    refused = {
+        "weighted": r"a DataLoader whose sampler \(WeightedRandomSampler\) chooses samples its own way",
+        "buckets": r"a DataLoader whose batch_sampler \(Buckets\) makes batches its own way, .*; return the dataset",
+        "unbatched": r"a DataLoader with batch_size=None, .*; return a dataset of single samples",
+    }
+    for sampler, said_ in refused.items():
+        options = {**loaders, "options": {"sampler": sampler}}
+        with pytest.raises(UserError, match=rf"the train split is {said_}"):
+            run_steps(tmp_path / sampler, 2, config={"model": model, "data": options, "train": train})

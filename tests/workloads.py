@@ -7,6 +7,7 @@ module would be.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -68,6 +69,34 @@ def counted_as_dict(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[st
     return as_dict(samples)
 
 
+class Buckets(torch.utils.data.Sampler[list[int]]):
+    """A batch sampler that makes batches its own way (here: strided)."""
+
+    def __init__(self, samples: int, batch_size: int) -> None:
+        self.samples, self.batch_size = samples, batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        stride = len(self)
+        yield from (list(range(start, self.samples, stride)) for start in range(stride))
+
+    def __len__(self) -> int:
+        return self.samples // self.batch_size
+
+
+class Batches(torch.utils.data.Dataset[Any]):
+    """A dataset whose items are whole batches of another's samples."""
+
+    def __init__(self, samples: Any, batch_size: int) -> None:
+        self.samples, self.batch_size = samples, batch_size
+
+    def __len__(self) -> int:
+        return len(self.samples) // self.batch_size
+
+    def __getitem__(self, index: int) -> Any:
+        start = index * self.batch_size
+        return torch.utils.data.default_collate([self.samples[i] for i in range(start, start + self.batch_size)])
+
+
 def digit_loaders(context: Any = None, batch_size: int = 32, sampler: str = "", collate: bool = False) -> Any:
     """What a training script holds: DataLoaders (shuffled train, ordered valid), a sampler of its
     own and a collate_fn if asked."""
@@ -77,9 +106,17 @@ def digit_loaders(context: Any = None, batch_size: int = 32, sampler: str = "", 
         options["collate_fn"] = counted_as_dict
     if sampler == "weighted":
         options["sampler"] = torch.utils.data.WeightedRandomSampler(torch.ones(len(data.train)), len(data.train))
+    elif sampler == "distributed":  # a DDP script's: shuffles and shards over ranks, as coretrain's order does
+        options["sampler"] = torch.utils.data.DistributedSampler(data.train, num_replicas=2, rank=0)
+    elif sampler == "buckets":  # batches made by a batch sampler of the script's (as by length)
+        del options["batch_size"]
+        options["batch_sampler"] = Buckets(len(data.train), batch_size)
+    elif sampler == "unbatched":  # the dataset batches itself; the loader hands its items over
+        options["batch_size"] = None
     else:
         options["shuffle"] = True
-    train = torch.utils.data.DataLoader(data.train, **options)
+    batched = sampler == "unbatched"
+    train = torch.utils.data.DataLoader(Batches(data.train, batch_size) if batched else data.train, **options)
     valid = torch.utils.data.DataLoader(data.valid, **{**options, "shuffle": False, "sampler": None})
     return train, valid
 

@@ -4,9 +4,11 @@ read as the loader's dataset, in coretrain's own order.
 A loader is iterable, so it looked like a stream of samples whose items were whole batches, and
 the run ended with "fewer samples than one micro-batch". Its dataset is read as any split is —
 seeded, resumable on any number of ranks — in micro-batches of ``train.micro_batch_size``, with
-``data.num_workers``, collated by the loader's own ``collate_fn``. A sampler that chooses samples
-its own way (weighted, by length) cannot be followed by that order: one error, not a silent change
-of what the model sees.
+``data.num_workers``, collated by the loader's own ``collate_fn``. A sampler that only shuffles or
+shards over ranks (``DistributedSampler``, as a DDP script holds) is what that order does itself.
+One that chooses samples its own way (weighted, a subset), a ``batch_sampler`` that makes batches
+its own way (by length) and ``batch_size=None`` (a dataset whose items are whole batches) cannot be
+followed by that order: one error, not a silent change of what the model sees.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from coretrain import Run, UserError
 
 log = logging.getLogger("coretrain")
 
-ORDERS = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler)
-"""Samplers that only shuffle or keep the order: coretrain's order stands in for them."""
+ORDERS = (torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler, torch.utils.data.DistributedSampler)
+"""Samplers that only shuffle, keep the order or shard over ranks: coretrain's order stands in for them."""
 
 
 def unwrap_loaders(run: Run) -> None:
@@ -35,11 +37,11 @@ def unwrap_loaders(run: Run) -> None:
     if not loaders:
         return
     for name, loader in loaders.items():
-        if not isinstance(loader.dataset, torch.utils.data.IterableDataset) and not isinstance(loader.sampler, ORDERS):
+        unfollowed, instead = unfollowed_batching(loader)
+        if unfollowed:
             raise UserError(
-                f"data.provider '{run.config.data.provider}': the {name} split is a DataLoader whose sampler "
-                f"({type(loader.sampler).__name__}) chooses samples its own way, which coretrain's order (seeded, "
-                "resumable on any number of ranks) cannot follow; return the dataset, with the choice made in it"
+                f"data.provider '{run.config.data.provider}': the {name} split is a DataLoader {unfollowed}, which "
+                f"coretrain's order (seeded, resumable on any number of ranks) cannot follow; {instead}"
             )
     collates = {loader.collate_fn for loader in loaders.values()} - {torch.utils.data.default_collate}
     if len(collates) > 1:
@@ -57,6 +59,29 @@ def unwrap_loaders(run: Run) -> None:
             setattr(datasets, split, unwrapped(value))
     if run.dist.is_main:
         log.warning(said(run, loaders))
+
+
+def unfollowed_batching(loader: torch.utils.data.DataLoader[Any]) -> tuple[str, str]:
+    """How ``loader`` chooses or batches samples beyond an order coretrain's stands in for, and
+    what to return instead; ``("", "")`` when nothing."""
+    batches = loader.batch_sampler
+    if batches is None:  # no automatic batching: the loader hands the dataset's items over as they are
+        return (
+            "with batch_size=None, whose dataset's items are whole batches",
+            "return a dataset of single samples (train.micro_batch_size makes the batches)",
+        )
+    if type(batches) is not torch.utils.data.BatchSampler:
+        return (
+            f"whose batch_sampler ({type(batches).__name__}) makes batches its own way",
+            "return the dataset (micro-batches of train.micro_batch_size samples, in coretrain's order)",
+        )
+    iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)
+    if not iterable and not isinstance(loader.sampler, ORDERS):
+        return (
+            f"whose sampler ({type(loader.sampler).__name__}) chooses samples its own way",
+            "return the dataset, with the choice made in it",
+        )
+    return "", ""
 
 
 def unwrapped(value: Any) -> Any:
