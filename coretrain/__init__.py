@@ -27,7 +27,7 @@ _DEFINED_IN = {
     "coretrain.loader": ("is_stream", "SplitBatches", "loader_settings"),
     "coretrain.outputs": ("forward", "model_outputs", "inputs_and_target", "NUM_TOKENS"),
     "coretrain.gradnorm": ("gradient_norm", "clip_to"),
-    "coretrain.errors": ("UserError", "require"),
+    "coretrain.errors": ("UserError", "require", "did_you_mean"),
     "coretrain.configload": ("config_as_dict",),
     "coretrain.configchanges": ("config_changes",),
     "coretrain.checkpoint.state": ("is_sharded", "rng_state", "set_rng_state"),
@@ -35,7 +35,7 @@ _DEFINED_IN = {
     "coretrain.checkpoint.load": ("read_weights", "SHARED_PARAMETERS"),
     "coretrain.validators": ("FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code"),
     "coretrain.commands.common": ("add_config_args",),
-    "coretrain.pluginmanager": ("field_defaults",),
+    "coretrain.pluginmanager": ("field_defaults", "discover", "hooks_of"),
 }
 """Each module of the public API and the names it defines."""
 _LAZY = {name: module for module, names in _DEFINED_IN.items() for name in names}
@@ -55,13 +55,13 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports o
     from coretrain.control import Control
     from coretrain.data import SampleOrder, fetch, to_device
     from coretrain.dist import DistInfo, max_over_ranks, mean_over_ranks, sum_over_ranks
-    from coretrain.errors import UserError, require
+    from coretrain.errors import UserError, did_you_mean, require
     from coretrain.gradnorm import clip_to, gradient_norm
     from coretrain.hookspecs import HOOK_API, Outcome
     from coretrain.loader import SplitBatches, is_stream, loader_settings
     from coretrain.markers import hookimpl, hookspec
     from coretrain.outputs import NUM_TOKENS, forward, inputs_and_target, model_outputs
-    from coretrain.pluginmanager import field_defaults
+    from coretrain.pluginmanager import discover, field_defaults, hooks_of
     from coretrain.run import DatasetContext, Datasets, Run, Scheduler, StepOutputs, TrainState
     from coretrain.validators import FieldValueError, exit_code, fraction, in_range, non_negative, positive
 
@@ -74,11 +74,11 @@ __all__ = [
     "DistInfo", "max_over_ranks", "mean_over_ranks", "sum_over_ranks", "is_sharded",  # ranks
     "fetch", "to_device", "SampleOrder", "is_stream", "SplitBatches", "loader_settings",  # data
     "forward", "model_outputs", "inputs_and_target", "NUM_TOKENS", "gradient_norm", "clip_to",  # models
-    "UserError", "require", "config_as_dict", "config_changes",  # errors, configs
+    "UserError", "require", "did_you_mean", "config_as_dict", "config_changes",  # errors, configs
     "find_checkpoint", "step_dir", "step_dirs", "linked_step", "read_manifest", "read_weights",  # checkpoints
     "SHARED_PARAMETERS", "rng_state", "set_rng_state",  # (the random streams, as a checkpoint holds them)
     "FieldValueError", "positive", "non_negative", "fraction", "in_range", "exit_code",  # option fields
-    "add_config_args", "field_defaults",  # command plugins
+    "add_config_args", "field_defaults", "discover", "hooks_of",  # command plugins
 ]
 # fmt: on
 

@@ -1,8 +1,8 @@
 """Command line: ``coretrain COMMAND``, each command from the ``coretrain.commands`` entry points.
 
-The core's own commands (run, checkpoint, plugins, config) are registered in that group
-exactly as a third-party package's are (``report``, ``new-plugin`` and ``launch`` are
-coretrain-plugins'), as pytest ships its own features as plugins. ``run`` is added first, so a
+The core's own command (run) is registered in that group exactly as a third-party package's
+are (``checkpoint``, ``config``, ``plugins``, ``report``, ``launch`` ... are coretrain-plugins'),
+as pytest ships its own features as plugins. ``run`` is added first, so a
 command module may extend it (``launch`` gives it ``--nproc-per-node``). Only argparse is
 imported at module level, so ``coretrain --help`` starts fast and never imports torch; each
 command imports what it needs. A :class:`UserError` from anywhere becomes one ``error:`` line and exit code 2.

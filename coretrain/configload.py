@@ -105,6 +105,8 @@ def withhold_secrets(config: Any, key_path: tuple[str, ...], cls: Any) -> None:
 
 
 CONVERTER = make_converter()
+PEER_NAMES = Path(__file__).with_name("peer_names.toml")
+"""Other trainers' names for the core's keys: a config that uses one is told the key it is here."""
 
 
 def structure(
@@ -132,8 +134,9 @@ def _problems(
 ) -> typing.Iterator[tuple[tuple[str, ...], str]]:
     if isinstance(exc, ForbiddenExtraKeysError):
         known = [f.name for f in attrs.fields(exc.cl)]
+        core = exc.cl.__module__ == Config.__module__  # a table of the core's, not a plugin's
         for key in sorted(exc.extra_fields):
-            hint = did_you_mean(key, known) or f" (known keys: {', '.join(known)})"
+            hint = (core and _known_elsewhere(key)) or did_you_mean(key, known) or f" (known keys: {', '.join(known)})"
             yield path + (key,), f"unknown key{hint}"
     elif isinstance(exc, (ClassValidationError, IterableValidationError)):
         for sub in exc.exceptions:
@@ -162,6 +165,17 @@ def _problems(
         if choices and isinstance(value, str):
             message += did_you_mean(value, choices)
         yield path, message
+
+
+def _known_elsewhere(key: str) -> str:
+    """Where a key unknown in its core table is: the key another trainer's name stands for
+    (``peer_names.toml``; a spelling match would guess wrong), or the one key of that name in
+    another table (``train.seed`` is ``run.seed``)."""
+    peers = tomli.loads(PEER_NAMES.read_text())
+    tables = {name: kind for name, kind in typing.get_type_hints(Config).items() if attrs.has(kind)}
+    homes = [f"{table}.{key}" for table, kind in tables.items() if key in attrs.fields_dict(kind)]
+    where = peers.get(key) or (homes[0] if len(homes) == 1 else None)
+    return f" (here it is {where})" if where else ""
 
 
 def _validator_problem(exc: BaseException, path: tuple[str, ...], cls: Any) -> tuple[tuple[str, ...], str]:

@@ -9,12 +9,10 @@ in the ``coretrain.autoload`` group, so deciding what to load never imports anyt
 
 from __future__ import annotations
 
-import ast
 import functools
 import inspect
 import os
 import sys
-import textwrap
 from collections.abc import Callable, Collection, Mapping
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, cast
@@ -346,26 +344,6 @@ def load_plugins(
 def hooks_of(plugin: object) -> list[str]:
     """Names of the hooks a plugin (class or instance) implements (with the coretrain hookimpl marker)."""
     return sorted(n for n, m in inspect.getmembers(plugin) if getattr(m, f"{PROJECT}_impl", None) is not None)
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """First line of each field's attribute docstring, read from the class source."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    docs: dict[str, str] = {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    for node, following in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = following.value.value.strip().splitlines()[0]
-    return docs
 
 
 def field_defaults(cls: type) -> dict[str, Any]:

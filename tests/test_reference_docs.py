@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import REPO, load_script
 
 
@@ -102,3 +103,44 @@ def test_every_coretrain_key_the_peers_table_names_is_a_key() -> None:
             assert all(key in fields for key in keys.split()), row
             named += 1
     assert len(rows) >= 20 and named >= 25
+
+
+PEERS_NOT_KEYS = {
+    "configure_optimizers": "a LightningModule's method",
+    "fit": "a Lightning Trainer's method",
+    "accelerate": "a launcher",
+    "devices": "the ranks: the launcher's --nproc-per-node",
+    "compile": "a plugin's table, [plugins.compile]",
+}
+"""Names in the peers' columns that are no setting of the core's: no key to point at."""
+
+
+def test_a_peers_name_in_the_tables_is_answered_with_the_key_it_is_here() -> None:
+    """Each name of Lightning's, the HF Trainer's or nanoGPT's in docs/guides/config.md's
+    "Coming from" tables, written in a config, is refused naming the core key its row gives
+    (``coretrain/peer_names.toml``, or the one table that has a key of that name)."""
+    from coretrain import UserError
+    from coretrain.config import Config
+    from coretrain.configload import structure
+
+    text = (REPO / "docs" / "guides" / "config.md").read_text(encoding="utf-8")
+    tables = text.split("## Coming from Lightning")[1]
+    rows = [line for line in tables.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    checked = []
+    for row in rows:
+        *theirs, ours = row.strip("| ").split(" | ")
+        keys = {f"{section}.{key}" for section, key in re.findall(CORE_KEY, ours)}
+        if not keys:  # a plugin's table, or a header
+            continue
+        spans = re.findall(r"`([^`]+)`", " ".join(theirs))
+        names = {re.match(r"\w*", span).group() for span in spans} | set(re.findall(r"(\w+)=", " ".join(spans)))
+        for name in sorted(n for n in names if re.fullmatch(r"[a-z][a-z0-9_]*", n) and n not in PEERS_NOT_KEYS):
+            with pytest.raises(UserError) as raised:
+                structure({"tokenizer": {name: 1}}, Config)  # [tokenizer] has no key of such a name
+            said = re.search(rf"tokenizer\.{name}: unknown key \(here it is ([\w.]+)\)", str(raised.value))
+            assert said and said.group(1) in keys, (name, row, str(raised.value))
+            checked.append(name)
+    assert len(checked) >= 40, checked
+
+
+CORE_KEY = r"`(run|model|data|train|optimizer|checkpoint|distributed)\.(\w+)"

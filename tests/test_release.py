@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,11 +85,17 @@ def test_the_two_wheels_install_without_the_trackers_and_train_outside_the_check
     assert [row["step"] for row in rows if "loss" in row] == [3, 6]
     version = subprocess.run([str(venv / "bin" / "coretrain"), "--version"], capture_output=True, text=True, env=env)
     assert version.stdout.strip() == "coretrain 1.0.0"
-    # the core alone (coretrain-plugins removed) still imports, lists no plugin and says what is missing
+    # the core alone (coretrain-plugins removed) still imports, has its one command (run) and says what is missing
     subprocess.run([*pip, "uninstall", "--quiet", "-y", "coretrain-plugins"], check=True)
     listing = subprocess.run([str(venv / "bin" / "coretrain"), "plugins"], capture_output=True, text=True, env=env)
-    assert listing.returncode == 0 and listing.stdout.startswith("No coretrain plugins installed; install one"), (
-        listing.stdout + listing.stderr
+    assert listing.returncode == 2 and re.search(
+        r"invalid choice: 'plugins' \(choose from '?run'?\)", listing.stderr
+    ), listing.stdout + listing.stderr
+    assert "Traceback" not in listing.stderr and len(listing.stderr.splitlines()) == 1
+    peers = [str(venv / "bin" / "coretrain"), "run", "c.toml", "--set", "train.max_steps=5"]  # the wheel's data file
+    named = subprocess.run(peers, cwd=users, env=env, capture_output=True, text=True)
+    assert named.returncode == 2 and "train.max_steps: unknown key (here it is train.train_iters)" in named.stderr, (
+        named.stderr
     )
     alone = subprocess.run(
         [str(venv / "bin" / "coretrain"), "run", "c.toml"], cwd=users, env=env, capture_output=True, text=True

@@ -1,9 +1,23 @@
-"""``coretrain plugins``: what is installed, its hooks and options."""
+"""``coretrain plugins``: what is installed, its hooks and options.
+
+A command plugin (``coretrain.commands``) on the public API, as pytest's ``--trace-config`` is its
+``helpconfig`` plugin: ``coretrain.discover`` is what is installed, ``coretrain.hooks_of`` what a
+plugin implements."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
+import textwrap
+from importlib.metadata import entry_points
 from typing import Any
+
+import attrs
+
+import coretrain
+
+COMMANDS_GROUP = "coretrain.commands"
 
 
 def add(commands: Any) -> None:
@@ -14,17 +28,12 @@ def add(commands: Any) -> None:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from coretrain.errors import UserError, did_you_mean
-    from coretrain.pluginmanager import INSTALL_HINT, discover
-
-    installed = discover()
-    if not installed:
-        print(f"No coretrain plugins installed; {INSTALL_HINT}.")
-        return 0
+    installed = coretrain.discover()
     for name in args.names:
         if name not in installed:
-            raise UserError(
-                f"no plugin '{name}' is installed{did_you_mean(name, installed)}; `coretrain plugins` lists all"
+            raise coretrain.UserError(
+                f"no plugin '{name}' is installed{coretrain.did_you_mean(name, installed)}; "
+                "`coretrain plugins` lists all"
             )
     if not args.names:
         print(f"{len(installed)} plugins installed (entry-point group 'coretrain'):\n")
@@ -32,7 +41,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         entry = installed[name]
         try:
             cls = entry.load()
-        except UserError as exc:
+        except coretrain.UserError as exc:
             print(f"{name}  {entry.origin}  broken: {exc}\n")
             continue
         _print_plugin(name, entry, cls)
@@ -43,11 +52,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def _print_plugin(name: str, entry: Any, cls: type) -> None:
     """Name, origin, how it is turned on, first doc line, hooks, options with defaults and docs."""
-    import attrs
-
-    from coretrain.pluginmanager import field_defaults, field_docs, hooks_of
-
-    hooks = hooks_of(cls)
+    hooks = coretrain.hooks_of(cls)
     if providers := [h for h in hooks if h.startswith("provide_")]:
         section = "model" if "provide_model" in providers else "data"
         state = f'provider: set {section}.provider = "{name}", options in [{section}.options]'
@@ -59,7 +64,7 @@ def _print_plugin(name: str, entry: Any, cls: type) -> None:
     if doc := (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "":
         print(f"  {doc}")
     print(f"  hooks: {', '.join(hooks) or '(none)'}")
-    docs, defaults = field_docs(cls), field_defaults(cls)
+    docs, defaults = field_docs(cls), coretrain.field_defaults(cls)
     for f in (f for f in attrs.fields(cls) if f.init):
         default = repr(defaults[f.name]) if f.name in defaults else "required"
         type_name = getattr(f.type, "__name__", None) or str(f.type)
@@ -69,12 +74,28 @@ def _print_plugin(name: str, entry: Any, cls: type) -> None:
 
 def _print_commands() -> None:
     """The commands, and which distribution adds each (a command plugin is removable too)."""
-    from importlib.metadata import entry_points
-
-    from coretrain.cli import COMMANDS_GROUP
-
     points = sorted(entry_points(group=COMMANDS_GROUP), key=lambda p: p.name)
     print(f"{len(points)} commands (entry-point group '{COMMANDS_GROUP}'):")
     for point in points:
         origin = f"{point.dist.name} {point.dist.version}" if point.dist else "?"
         print(f"  {point.name}  {origin}  {point.value}")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """First line of each field's attribute docstring, read from the class source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = following.value.value.strip().splitlines()[0]
+    return docs
