@@ -63,9 +63,9 @@ def test_run_steps_returns_the_metrics_and_every_hook_call(tmp_path: Path) -> No
     assert [m["counter/steps"] for m in result.metrics] == [2.0, 4.0, 6.0]  # what the plugin added
     assert result.metrics[-1]["loss"] < result.metrics[0]["loss"]  # the tiny workload learns
     assert result.hooks("post_step") == [1, 2, 3, 4, 5, 6]
-    order = result.hooks()  # hooks no plugin implements are never called (on_train_start here)
+    order = result.hooks()  # hooks no plugin implements are never called (before_update here)
     assert order[:4] == ["provide_datasets", "configure_datasets", "on_datasets", "provide_model"]  # built-ins
-    assert "on_train_start" not in order
+    assert "before_update" not in order
     assert order.index("post_step") < order.index("on_log") and order[-1] == "on_train_end"
     assert counter.ends == ["completed"]
     assert result.evals and result.evals[-1]["step"] == 6  # the final validation

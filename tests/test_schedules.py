@@ -167,6 +167,34 @@ def test_a_run_shorter_than_its_warmup_warns_once_and_trains(tmp_path: Path, cap
     assert warned == ["schedule: this run (16 samples) is not longer than its warmup (40): the rate never decays"]
 
 
+def test_a_resume_past_the_end_of_its_decay_says_that_the_steps_left_train_at_min_lr(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint of a larger global batch (2 ranks, the batch following them) resumed on a
+    smaller one with more steps: its samples are already past the decay the run's steps x batch
+    spans, so the steps left train at min_lr. Said once, with what keeps the decay; a finished
+    run started again, or a resume that is not past it, says nothing."""
+    base = {"train": {"micro_batch_size": 4, "log_interval": 1}, "checkpoint": {"save_interval": 4}}
+    larger = {**base, "train": {**base["train"], "global_batch_size": 8}}
+    run_steps(tmp_path, 4, config=larger)  # 32 samples
+    allow = {"plugins": {"resume-checks": {"allow_changes": ["train"]}}}
+    with caplog.at_level("WARNING", logger="coretrain"):
+        resumed = run_steps(tmp_path, 6, config={**base, **allow})  # decays over 6 x 4 = 24 samples
+    assert [m["lr"] for m in resumed.metrics] == [0.0, 0.0]
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("schedule: the rate decays")]
+    assert warned == [
+        "schedule: the rate decays over the run's 24 samples (train_iters 6 x global batch 4), but it resumed at "
+        "32 samples consumed (the checkpoint's batch was larger?): its 2 step(s) left train at min_lr 0.0. Set "
+        "train.global_batch_size to the checkpoint's batch, or [plugins.schedule] decay_samples"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="coretrain"):
+        run_steps(tmp_path / "same", 4, config=base)
+        run_steps(tmp_path / "same", 4, config=base)  # a finished run, at its decay's end: no step left
+        run_steps(tmp_path / "same", 8, config={**base, **allow})
+    assert not [r for r in caplog.records if r.getMessage().startswith("schedule: the rate decays")]
+
+
 def test_train_samples_counts_whole_global_batches_and_resume_agrees(tmp_path: Path) -> None:
     by_samples = {"train": {"train_samples": 100, "micro_batch_size": 8}, "checkpoint": {"save_interval": 5}}
     whole = run_steps(tmp_path / "whole", 0, config=by_samples)

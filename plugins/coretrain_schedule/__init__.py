@@ -87,6 +87,30 @@ class Schedule:
             )
         return scheduler
 
+    @hookimpl
+    def on_train_start(self, run: Run) -> None:
+        """A resume past the end of a decay that spans the run — the checkpoint trained with a
+        larger global batch, so its samples reach further than this run's steps × batch — trains
+        its steps left at ``min_lr``: said once, with what keeps the decay."""
+        scheduler = run.scheduler
+        own_length = self.decay_iters is None and self.decay_samples is None and self.decay_style != "constant"
+        if not (isinstance(scheduler, ParamScheduler) and own_length and run.dist.is_main):
+            return
+        left = run.train_iters - run.state.step
+        if left > 0 and scheduler.samples >= scheduler.decay:
+            log.warning(
+                "schedule: the rate decays over the run's %s samples (train_iters %s x global batch %s), but it "
+                "resumed at %s samples consumed (the checkpoint's batch was larger?): its %s step(s) left train at "
+                "min_lr %s. Set train.global_batch_size to the checkpoint's batch, or [plugins.schedule] "
+                "decay_samples",
+                f"{scheduler.decay:,}",
+                run.train_iters,
+                run.global_batch_size,
+                f"{scheduler.samples:,}",
+                left,
+                self.min_lr,
+            )
+
     @hookimpl(tryfirst=True)  # the rates join the interval's metrics before any backend sees them
     def on_log(self, run: Run, metrics: dict[str, float]) -> None:
         """``lr``; ``lr/groupN`` when param groups have their own rates (optimizer-overrides);
