@@ -27,7 +27,7 @@ from coretrain.outputs import resolve_loss
 from coretrain.pluginmanager import Plugins, hook_calls, is_import_path
 from coretrain.providerchecks import check_datasets, check_model
 from coretrain.run import DatasetContext, Datasets, Run, Scheduler, Unscheduled
-from coretrain.rundir import OutputDirLock, check_shared
+from coretrain.rundir import RECORDED_CONFIG, RECORDED_HEADER, OutputDirLock, check_shared
 from coretrain.signals import SignalWatcher
 from coretrain.usercode import call_with, check_options, import_callable
 
@@ -176,7 +176,8 @@ def record_config(run: Run) -> None:
     once it is accepted — built, and resumable from its checkpoints: a refused run leaves the
     file describing the checkpoints beside it."""
     if run.output_lock is not None:
-        (run.output_dir / "config.toml").write_text(toml_text(config_as_dict(run.config)), encoding="utf-8")
+        text = RECORDED_HEADER + toml_text(config_as_dict(run.config))
+        (run.output_dir / RECORDED_CONFIG).write_text(text, encoding="utf-8")
 
 
 def planned_steps(run: Run) -> int:

@@ -21,6 +21,10 @@ from typing import IO
 from coretrain.errors import UserError
 
 LOCK_NAME = ".lock"
+RECORDED_CONFIG = "config.toml"
+RECORDED_HEADER = "# coretrain: the resolved config of the run in this directory, written at each start\n"
+"""The first line of the config a run records: a ``config.toml`` without it, in a directory no run
+has checkpointed into, is a file of the user's (the config being run, when run.output_dir = ".")."""
 
 
 def prepare(path: Path, key: str = "run.output_dir") -> None:
@@ -40,6 +44,17 @@ def prepare(path: Path, key: str = "run.output_dir") -> None:
     inner = path / "checkpoints"  # what the run makes inside: a file there would fail the first save
     if inner.exists() and not inner.is_dir():
         raise UserError(f"{key}: '{inner}' exists and is not a directory; move it away, or choose another output dir")
+    recorded = path / RECORDED_CONFIG  # the run writes its resolved config there: never over a file of the user's
+    if recorded.is_file() and not inner.is_dir() and not _starts_with(recorded, RECORDED_HEADER.encode()):
+        raise UserError(
+            f"{key}: '{path}' holds a {RECORDED_CONFIG} no run wrote (yours?), and the run would write its resolved "
+            f'config over it; give the run a directory of its own (run.output_dir = "runs/{{name}}"), or move the file'
+        )
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    with open(path, "rb") as file:
+        return file.read(len(prefix)) == prefix
 
 
 class OutputDirLock:

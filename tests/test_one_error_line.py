@@ -415,6 +415,33 @@ def test_checkpoints_being_a_file_is_refused_before_training(config: Path, tmp_p
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def test_the_config_being_run_in_its_output_dir_is_never_written_over(
+    tmp_path: Path, capsys: Any, no_autoload: None
+) -> None:
+    """run.output_dir = "." beside the user's config.toml: the run wrote its resolved config over
+    the user's file (comments and all). Refused, the file untouched; the run's own recorded
+    config, run again from its directory, resumes as before."""
+    import tomli
+
+    (tmp_path / "mine").mkdir()
+    table = tiny_config(tmp_path / "mine", train={"train_iters": 2})
+    mine = write_config(tmp_path / "mine" / "config.toml", table)
+    text = mine.read_text() + "# my notes\n"
+    mine.write_text(text)
+    code, line = cli(capsys, "run", str(mine))
+    assert code == 2 and f"run.output_dir: '{tmp_path / 'mine'}' holds a config.toml no run wrote (yours?)" in line
+    assert mine.read_text() == text and not (tmp_path / "mine" / "checkpoints").exists()
+
+    table = tiny_config(tmp_path / "out", train={"train_iters": 2})
+    assert main(["run", str(write_config(tmp_path / "c.toml", table))]) == 0
+    recorded = tmp_path / "out" / "config.toml"
+    assert tomli.loads(recorded.read_text())["train"]["train_iters"] == 2
+    assert main(["run", str(recorded), "--set", "train.train_iters=3"]) == 0
+    assert tomli.loads(recorded.read_text())["train"]["train_iters"] == 3
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "(step 2, 16 samples consumed)" in err
+
+
 class SavesState:
     """A plugin whose checkpoint state cannot be saved: it contains itself, or nests too deeply."""
 
