@@ -147,7 +147,7 @@ class TrainConfig:
     eval_micro_batch_size: int | None = field(default=None, validator=_positive)
     """Samples per forward in evaluation; unset = micro_batch_size."""
     skip_train: bool = False
-    """Only validate (after loading a checkpoint, if any)."""
+    """Only validate (after loading a checkpoint, if any) and test; no checkpoint is written."""
     log_interval: int = field(default=100, validator=_positive)
     """Steps per logged interval: its one host sync, then on_log (metrics.jsonl, progress, trackers)."""
     skip_train_metrics_log: bool = False

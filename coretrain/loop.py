@@ -199,9 +199,11 @@ class Trainer:
         run = self.run
         if self.hooks.on_train_start:
             self.hooks.on_train_start(run=run)
-        outcome: Outcome = "completed" if run.config.train.skip_train else self._steps()
+        skip_train = run.config.train.skip_train
+        outcome: Outcome = "completed" if skip_train else self._steps()
         if outcome == "completed":  # an exit condition means "stop now", as in Megatron
-            self.save()  # the trained weights first: a failing validation cannot lose them
+            if not skip_train:  # (an evaluation alone changed no weight: nothing to save, as in Megatron)
+                self.save()  # the trained weights first: a failing validation cannot lose them
             self._final_eval()
         self.saves.finish(self._evaluated_now())  # a save in flight finishes before we leave
         return outcome

@@ -266,7 +266,9 @@ def test_the_bring_your_own_examples_run_from_their_directory(
     assert expected in result.stdout and "accuracy" in result.stdout
 
 
-def test_skip_train_evaluates_the_valid_and_test_splits_once(tmp_path: Path, no_autoload: None) -> None:
+def test_skip_train_evaluates_the_valid_and_test_splits_once_and_saves_nothing(
+    tmp_path: Path, no_autoload: None
+) -> None:
     recorder = EvalRecorder()
     result = run_steps(
         tmp_path,
@@ -281,6 +283,7 @@ def test_skip_train_evaluates_the_valid_and_test_splits_once(tmp_path: Path, no_
     run, code = result.run, result.exit_code
     assert code == 0 and run.state.step == 0 and recorder.logs == []
     assert [sorted(k.split("/")[0] for k in m)[0] for _, m in recorder.evals] == ["valid", "test"]
+    assert not list(run.output_dir.glob("checkpoints/step_*"))  # an evaluation changed no weight: nothing saved
 
 
 def test_an_input_bound_run_logs_its_data_wait_and_says_so_once(tmp_path: Path) -> None:
