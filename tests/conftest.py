@@ -63,6 +63,27 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     return cores + 1
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under xdist, each worker's first share of the tests opens with slow ones: xdist's
+    work-stealing scheduler hands worker k the k-th contiguous block of the collection and an idle
+    one steals from the end of another's. In file order one block held most of the torchrun and
+    launcher tests and the suite's last minute ran one of them alone on an idle machine; dealt
+    out in turn, the slow tests start together and the fast ones fill the end. Every worker
+    collects, and orders, alike (xdist checks)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = [item for item in items if not item.get_closest_marker("slow")]
+    ordered: list[pytest.Item] = []
+    for worker in range(workers):
+        size = (len(items) - len(ordered)) // (workers - worker)  # the block xdist sends this worker first
+        share = slow[worker::workers]
+        ordered += share + fast[: max(size - len(share), 0)]
+        del fast[: max(size - len(share), 0)]
+    items[:] = ordered + fast
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Move what the imports made (torch, transformers, the test modules) out of the collector's
     reach: a test's ``gc.collect()`` (the gc plugin's, a leak check's) then scans only what
