@@ -360,6 +360,30 @@ def model():
 
 def whole_batch():
     return WholeBatch()
+
+
+class Outputs(Net):  # returns outputs for model.loss, but still takes the target
+    def forward(self, x, y):
+        return self.layer(x)
+
+
+class Recorded(Net):  # its loss computed where autograd records nothing
+    def forward(self, x, y):
+        with torch.no_grad():
+            return super().forward(x, y)
+
+
+def outputs():
+    return Outputs()
+
+
+def recorded():
+    return Recorded()
+
+
+def pairs():  # (x, y) samples: with model.loss set, y is the target
+    rows = Rows()
+    return [(rows[i]["x"], rows[i]["y"]) for i in range(len(rows))]
 """
 
 
@@ -376,6 +400,23 @@ def test_a_batch_key_the_model_does_not_take_is_one_error_naming_it(on_path: Pat
     code, line = cli(capsys, "run", str(config), *(arg for value in sets for arg in ("--set", value)))
     assert code == 1 and line.startswith("error: WholeBatch.forward() takes the batch as one argument"), line
     assert "hand the dict over in a tuple from data.collate_fn (return (batch,): model(*batch))" in line
+
+
+def test_a_forward_that_wants_the_held_back_target_or_a_loss_without_gradient_is_one_error(
+    on_path: Path, config: Path, capsys: Any
+) -> None:
+    """With model.loss set the batch's target is held back: a forward that still takes it ended in
+    "forward() missing 1 required positional argument: 'y'"; a loss computed under no_grad in
+    "element 0 of tensors does not require grad". data-checks says why and what to change."""
+    (on_path / "records.py").write_text(EXTRA_KEY_DATA)
+    sets = ['data.provider="records:pairs"', 'model.provider="records:outputs"', 'model.loss="mse"']
+    sets += ["train.eval_iters=0", "plugins.data-checks.enabled=true"]
+    code, line = cli(capsys, "run", str(config), *(arg for value in sets for arg in ("--set", value)))
+    assert code == 1 and line.startswith("error: Outputs.forward() misses 'y': with model.loss = 'mse'"), line
+    assert "drop the target from forward's arguments, or unset model.loss and return the loss" in line
+    sets[1:3] = ['model.provider="records:recorded"']
+    code, line = cli(capsys, "run", str(config), *(arg for value in sets for arg in ("--set", value)))
+    assert code == 1 and line.startswith("error: the loss carries no gradient (element 0 of tensors"), line
 
 
 # --------------------------------------------------------------------------- new-plugin

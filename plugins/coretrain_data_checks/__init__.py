@@ -23,6 +23,8 @@ from attrs import define, field
 
 from coretrain import Run, UserError, fetch, hookimpl, is_stream
 
+NO_GRADIENT = "element 0 of tensors does not require grad"
+"""torch's words when backward is called on a loss that autograd did not record."""
 UNEVEN_SAMPLES = "stack expects each tensor to be equal size"
 """torch.stack's words when default_collate stacks samples of different lengths."""
 
@@ -57,12 +59,21 @@ class DataChecks:
     @hookimpl
     def explain_failure(self, run: Run, error: BaseException) -> str | None:
         """torch's dtype error for a float64 batch (numpy's default) in a float32 model, its stack
-        error for samples of different lengths collated into one batch, and a batch key the
-        model's forward does not take, each with the fix."""
+        error for samples of different lengths collated into one batch, a batch key the model's
+        forward does not take, a forward that wants the target model.loss holds back, and a loss
+        autograd did not record, each with the fix."""
         if (fix := uneven_samples(error)) is not None:
             return fix
         if (fix := unexpected_key(error, self.batch_keys, run)) is not None:
             return fix
+        if (fix := held_target(error, run)) is not None:
+            return fix
+        if isinstance(error, RuntimeError) and str(error).startswith(NO_GRADIENT):
+            return (
+                f"the loss carries no gradient ({NO_GRADIENT}): it was computed under torch.no_grad() or "
+                "inference_mode, from detached tensors (.detach(), .item(), numpy), or by a model with no "
+                "parameter that trains; compute it from the model's outputs with autograd on"
+            )
         if not (self.in_float64 and isinstance(error, RuntimeError) and "double" in str(error).lower()):
             return None
         return (
@@ -94,6 +105,20 @@ def unexpected_key(error: BaseException, batch_keys: set[str], run: Run) -> str 
     return (
         f"the batches hold '{key}', which {forward}() does not take (a dict batch is called as model(**batch)): "
         "leave it out of the samples or in data.collate_fn, or give forward a **kwargs"
+    )
+
+
+def held_target(error: BaseException, run: Run) -> str | None:
+    """What to do when ``forward`` misses an argument because ``model.loss`` held the batch's
+    target back from it (the model returns outputs; the loss is computed from them), or None."""
+    missing = re.search(r"(\S+)\(\) missing \d+ required positional arguments?: (.+)$", str(error))
+    if not (isinstance(error, TypeError) and missing and run.config.model.loss):
+        return None
+    forward, names = missing.groups()
+    return (
+        f"{forward}() misses {names}: with model.loss = {run.config.model.loss!r} the batch's target (its last "
+        "item, or its 'labels' key) is held back from the model, which returns outputs the loss is computed "
+        "from; drop the target from forward's arguments, or unset model.loss and return the loss"
     )
 
 
