@@ -133,7 +133,7 @@ def _problems(
     exc: BaseException, path: tuple[str, ...], cls: Any, data: Any
 ) -> typing.Iterator[tuple[tuple[str, ...], str]]:
     if isinstance(exc, ForbiddenExtraKeysError):
-        known = [f.name for f in attrs.fields(exc.cl)]
+        known = [f.name for f in attrs.fields(exc.cl) if f.init]  # what a config sets, not a plugin's own state
         core = exc.cl.__module__ == Config.__module__  # a table of the core's, not a plugin's
         for key in sorted(exc.extra_fields):
             hint = (core and _known_elsewhere(key)) or did_you_mean(key, known) or f" (known keys: {', '.join(known)})"

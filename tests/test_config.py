@@ -82,6 +82,17 @@ def test_unknown_key_suggests_the_right_one(tmp_path: Path, cli: Any) -> None:
     )
 
 
+def test_a_plugins_own_state_is_no_key_a_config_sets(tmp_path: Path, cli: Any) -> None:
+    """early-stopping keeps its best value in a field of its class (init=False, checkpointed): an
+    unknown key was answered "did you mean 'best'?" for `best` itself, and the known keys listed
+    it. They are the keys a config may set."""
+    path = write(tmp_path / "c.toml", "[plugins.early-stopping]\nbest = 1.0\n")
+    assert_user_error(
+        cli("config", "validate", str(path), cwd=tmp_path),
+        "plugins.early-stopping.best: unknown key (known keys: metric, mode, patience, min_delta, check_finite)",
+    )
+
+
 def test_unknown_plugin_suggests_the_installed_one(tmp_path: Path, cli: Any) -> None:
     path = write(tmp_path / "c.toml", '[model]\nprovider = "gtp"\n')
     assert_user_error(
