@@ -134,9 +134,13 @@ def _problems(
 ) -> typing.Iterator[tuple[tuple[str, ...], str]]:
     if isinstance(exc, ForbiddenExtraKeysError):
         known = [f.name for f in attrs.fields(exc.cl) if f.init]  # what a config sets, not a plugin's own state
-        core = exc.cl.__module__ == Config.__module__  # a table of the core's, not a plugin's
+        core_table = exc.cl.__module__ == Config.__module__
+        elsewhere = _core_keys_by_other_names() if core_table else {}
         for key in sorted(exc.extra_fields):
-            hint = (core and _known_elsewhere(key)) or did_you_mean(key, known) or f" (known keys: {', '.join(known)})"
+            if key in elsewhere:  # a spelling match would guess wrong (eval_steps is not eval_iters)
+                hint = f" (here it is {elsewhere[key]})"
+            else:
+                hint = did_you_mean(key, known) or f" (known keys: {', '.join(known)})"
             yield path + (key,), f"unknown key{hint}"
     elif isinstance(exc, (ClassValidationError, IterableValidationError)):
         for sub in exc.exceptions:
@@ -167,15 +171,17 @@ def _problems(
         yield path, message
 
 
-def _known_elsewhere(key: str) -> str:
-    """Where a key unknown in its core table is: the key another trainer's name stands for
-    (``peer_names.toml``; a spelling match would guess wrong), or the one key of that name in
-    another table (``train.seed`` is ``run.seed``)."""
-    peers = tomli.loads(PEER_NAMES.read_text())
-    tables = {name: kind for name, kind in typing.get_type_hints(Config).items() if attrs.has(kind)}
-    homes = [f"{table}.{key}" for table, kind in tables.items() if key in attrs.fields_dict(kind)]
-    where = peers.get(key) or (homes[0] if len(homes) == 1 else None)
-    return f" (here it is {where})" if where else ""
+def _core_keys_by_other_names() -> dict[str, str]:
+    """A name a core key goes by where it is unknown -> that key's path: its own name, when one
+    table alone has it (``train.seed`` is ``run.seed``), or another trainer's name for it
+    (``peer_names.toml``, which wins)."""
+    tables_of: dict[str, list[str]] = {}
+    for table, kind in typing.get_type_hints(Config).items():
+        if attrs.has(kind):
+            for name in attrs.fields_dict(kind):
+                tables_of.setdefault(name, []).append(table)
+    own = {name: f"{tables[0]}.{name}" for name, tables in tables_of.items() if len(tables) == 1}
+    return {**own, **tomli.loads(PEER_NAMES.read_text())}
 
 
 def _validator_problem(exc: BaseException, path: tuple[str, ...], cls: Any) -> tuple[tuple[str, ...], str]:

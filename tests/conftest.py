@@ -79,8 +79,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for worker in range(workers):
         size = (len(items) - len(ordered)) // (workers - worker)  # the block xdist sends this worker first
         share = slow[worker::workers]
-        ordered += share + fast[: max(size - len(share), 0)]
-        del fast[: max(size - len(share), 0)]
+        filled = max(size - len(share), 0)
+        ordered += share + fast[:filled]
+        del fast[:filled]
     items[:] = ordered + fast
 
 
@@ -171,6 +172,18 @@ def run_here(*args: str, cwd: Path, env: Mapping[str, str] | None = None) -> sub
         root.handlers[:], root.level = handlers, level
         logging.captureWarnings(False)
     return subprocess.CompletedProcess(["coretrain", *args], code, out.getvalue(), err.getvalue())
+
+
+def predict_texts(
+    config: Path, texts: list[str], cwd: Path, *more: str
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """``coretrain predict CONFIG --data texts.jsonl`` in this process (:func:`run_here`), one
+    ``prompt`` a text as a user writes them: the result and the records written (none when it failed)."""
+    (cwd / "texts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
+    out = cwd / "answers.jsonl"
+    done = run_here("predict", str(config), "--data", "texts.jsonl", "--out", str(out), *more, cwd=cwd)
+    records = [json.loads(line) for line in out.read_text().splitlines()] if done.returncode == 0 else []
+    return done, records
 
 
 def _imported_from(module: object, directories: list[str]) -> bool:

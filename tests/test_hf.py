@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CORPUS, HF_MOE, STDLIB, forked_steps, hf_moe_table, in_one_job, metrics_rows
+from conftest import CORPUS, HF_MOE, STDLIB, forked_steps, hf_moe_table, in_one_job, metrics_rows, predict_texts
 from coretrain_checkpoint_command.export import export
 
 from coretrain import UserError, hookimpl
@@ -322,10 +322,8 @@ def test_uneven_token_columns_are_padded_with_the_runs_tokenizer_and_label_is_th
     assert [r["target"] for r in predicted] == [i % 2 for i in range(200, 240)]
     assert sum(r["prediction"] == r["target"] for r in predicted) >= 36
     texts = ["great lovely good the film", "awful poor bad a plot", "fine great plot", "dull awful the film"]
-    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
-    done = cli("predict", str(config), "--data", "texts.jsonl", "--out", str(tmp_path / "t.jsonl"), cwd=tmp_path)
+    done, classified = predict_texts(config, texts, tmp_path)
     assert done.returncode == 0, done.stderr
-    classified = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in classified] == texts and [r["prediction"] for r in classified] == [1, 0, 1, 0]
     assert [r["label"] for r in classified] == ["LABEL_1", "LABEL_0", "LABEL_1", "LABEL_0"]  # the config's id2label
     assert all(0.5 < r["score"] <= 1 and len(r["output"]) == 2 for r in classified)
@@ -407,7 +405,7 @@ def test_a_pad_token_the_provider_gives_the_runs_tokenizer_is_the_one_padding_us
     config = review_run(tokenizer_dir, shared=True)  # a tokenizer saved without a pad token
     config["data"]["provider"] = "test_hf:reviews_given_a_pad_token"
     result = run_steps(tmp_path, steps=2, config=config, tables={"tokenizer": {}})
-    assert result.exit_code == 0 and result.run.datasets.train.tokenizer.pad_token == "</s>"
+    assert result.exit_code == 0 and result.run.datasets.train.padding.tokenizer.pad_token == "</s>"
 
 
 def test_uneven_per_token_labels_are_padded_with_the_index_losses_ignore(padding_tokenizer_dir: Path) -> None:
@@ -610,15 +608,14 @@ def test_a_taggers_predictions_hold_each_records_own_tokens_not_the_padding(
     assert len(set(lengths)) > 1  # the micro-batches are padded
     assert [r["target"] for r in predicted] == [[i % 2] * n for i, n in zip(range(200, 240), lengths)]
     assert [(len(r["prediction"]), len(r["output"])) for r in predicted] == [(n, n) for n in lengths]
-    (tmp_path / "texts.jsonl").write_text(json.dumps({"prompt": "great film"}) + "\n")  # a tagger continues no text
-    done = cli("predict", str(config), "--data", "texts.jsonl", "--out", str(tmp_path / "t.jsonl"), cwd=tmp_path)
-    tagged = json.loads((tmp_path / "t.jsonl").read_text())
+    done, records = predict_texts(config, ["great film"], tmp_path)  # a tagger continues no text
+    tagged = records[0] if records else {}
     assert done.returncode == 0 and len(tagged["tokens"]) == len(tagged["label"]) > 1, done.stderr
     off = write_config(
         tmp_path / "off.toml",
         tiny_config(result.output_dir, **sections, plugins={"transformers-models": {"enabled": False}}),
     )
-    done = cli("predict", str(off), "--data", "texts.jsonl", "--out", str(tmp_path / "u.jsonl"), cwd=tmp_path)
+    done, _ = predict_texts(off, ["great film"], tmp_path)
     assert done.returncode == 2 and "gives 2 values per position for a tokenizer of 300 tokens" in done.stderr
 
 

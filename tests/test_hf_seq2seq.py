@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import predict_texts
 
 from coretrain.testing import run_steps, tiny_config, write_config
 
@@ -99,10 +100,9 @@ def test_an_encoder_decoder_answers_texts_with_generate_and_its_records_keep_the
     result = run_steps(tmp_path, steps=40, config=sections, autoload=(*BEHAVIOUR, "transformers-models"))
     run_config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
     texts = ["alpha beta gamma", "zeta eta", "theta eps delta beta alpha"]
-    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
-    done = cli("predict", str(run_config), "--data", "texts.jsonl", "--out", "p.jsonl", cwd=tmp_path)
+    done, records = predict_texts(run_config, texts, tmp_path)
     assert done.returncode == 0, done.stderr
-    answers = [json.loads(line)["completion"] for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    answers = [record["completion"] for record in records]
     done = cli("checkpoint", "export", str(result.output_dir), "--format", "hf", "--to", "exported", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "exported")

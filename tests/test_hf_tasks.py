@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import forked_steps, metrics_rows
+from conftest import forked_steps, metrics_rows, predict_texts
 
 from coretrain.testing import run_steps, tiny_config, write_config
 
@@ -79,10 +79,8 @@ def test_texts_are_tagged_token_by_token_as_transformers_pipeline_tags_them_from
     result = run_steps(tmp_path, steps=6, config=sections)
     config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
     texts = ["great lovely film", "awful dull plot the", "fine"]
-    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
-    done = cli("predict", str(config), "--data", "texts.jsonl", "--out", "p.jsonl", "--batch-size", "2", cwd=tmp_path)
+    done, records = predict_texts(config, texts, tmp_path, "--batch-size", "2")
     assert done.returncode == 0, done.stderr
-    records = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     done = cli("checkpoint", "export", str(result.output_dir), "--format", "hf", "--to", "exported", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     model = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "exported")
@@ -269,9 +267,8 @@ def test_a_score_is_learnt_and_texts_get_the_pipelines_sigmoid_score(
     losses = [row["loss"] for row in result.metrics]
     assert losses[-1] < losses[0] / 4, losses  # the scores are learnt (it failed: "Target 1 is out of bounds")
     config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
-    (tmp_path / "texts.jsonl").write_text(json.dumps({"prompt": "great lovely film"}) + "\n")
-    done = cli("predict", str(config), "--data", "texts.jsonl", "--out", "p.jsonl", cwd=tmp_path)
-    record = json.loads((tmp_path / "p.jsonl").read_text())
+    done, records = predict_texts(config, ["great lovely film"], tmp_path)
+    record = records[0] if records else {}
     assert done.returncode == 0 and record["score"] == pytest.approx(torch.tensor(record["output"][0]).sigmoid().item())
 
 
@@ -345,10 +342,8 @@ def test_a_masked_lm_trains_and_fills_masks_as_the_fill_mask_pipeline_does(
     assert result.exit_code == 0 and all(row["loss"] > 0 for row in result.metrics)
     run_config = write_config(tmp_path / "c.toml", tiny_config(result.output_dir, **sections))
     texts = ["alice went to the [MASK]", "bob saw a [MASK] with [MASK]"]
-    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
-    done = cli("predict", str(run_config), "--data", "texts.jsonl", "--out", "p.jsonl", cwd=tmp_path)
+    done, records = predict_texts(run_config, texts, tmp_path)
     assert done.returncode == 0, done.stderr
-    records = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     done = cli("checkpoint", "export", str(result.output_dir), "--format", "hf", "--to", "exported", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     fill = transformers.pipeline("fill-mask", model=str(tmp_path / "exported"))

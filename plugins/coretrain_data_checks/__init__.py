@@ -62,18 +62,17 @@ class DataChecks:
         error for samples of different lengths collated into one batch, a batch key the model's
         forward does not take, a forward that wants the target model.loss holds back, and a loss
         autograd did not record, each with the fix."""
-        if (fix := uneven_samples(error)) is not None:
-            return fix
-        if (fix := unexpected_key(error, self.batch_keys, run)) is not None:
-            return fix
-        if (fix := held_target(error, run)) is not None:
-            return fix
-        if isinstance(error, RuntimeError) and str(error).startswith(NO_GRADIENT):
-            return (
-                f"the loss carries no gradient ({NO_GRADIENT}): it was computed under torch.no_grad() or "
-                "inference_mode, from detached tensors (.detach(), .item(), numpy), or by a model with no "
-                "parameter that trains; compute it from the model's outputs with autograd on"
-            )
+        fixes = (
+            uneven_samples(error),
+            unexpected_key(error, self.batch_keys, run),
+            held_target(error, run),
+            no_gradient(error),
+            self.float64_batches(error),
+        )
+        return next((fix for fix in fixes if fix is not None), None)
+
+    def float64_batches(self, error: BaseException) -> str | None:
+        """What to do about torch's dtype error for the float64 batches found before training, or None."""
         if not (self.in_float64 and isinstance(error, RuntimeError) and "double" in str(error).lower()):
             return None
         return (
@@ -119,6 +118,17 @@ def held_target(error: BaseException, run: Run) -> str | None:
         f"{forward}() misses {names}: with model.loss = {run.config.model.loss!r} the batch's target (its last "
         "item, or its 'labels' key) is held back from the model, which returns outputs the loss is computed "
         "from; drop the target from forward's arguments, or unset model.loss and return the loss"
+    )
+
+
+def no_gradient(error: BaseException) -> str | None:
+    """What to do about a loss autograd did not record (torch's words kept), or None."""
+    if not (isinstance(error, RuntimeError) and str(error).startswith(NO_GRADIENT)):
+        return None
+    return (
+        f"the loss carries no gradient ({NO_GRADIENT}): it was computed under torch.no_grad() or "
+        "inference_mode, from detached tensors (.detach(), .item(), numpy), or by a model with no "
+        "parameter that trains; compute it from the model's outputs with autograd on"
     )
 
 

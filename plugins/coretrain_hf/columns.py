@@ -104,10 +104,6 @@ class Columns:
         self.dataset = dataset.with_format("torch") if dataset.format.get("type") is None else dataset
         self.padding = Padding(split, tokenizer)
 
-    @property
-    def tokenizer(self) -> Any:
-        return self.padding.tokenizer
-
     def __len__(self) -> int:
         return len(self.dataset)
 

@@ -7,13 +7,8 @@ plugin implements."""
 from __future__ import annotations
 
 import argparse
-import ast
-import inspect
-import textwrap
 from importlib.metadata import entry_points
 from typing import Any
-
-import attrs
 
 import coretrain
 
@@ -52,6 +47,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def _print_plugin(name: str, entry: Any, cls: type) -> None:
     """Name, origin, how it is turned on, first doc line, hooks, options with defaults and docs."""
+    import attrs  # (here, not at import: every `coretrain` command line loads this module)
+
     hooks = coretrain.hooks_of(cls)
     if providers := [h for h in hooks if h.startswith("provide_")]:
         section = "model" if "provide_model" in providers else "data"
@@ -83,6 +80,10 @@ def _print_commands() -> None:
 
 def field_docs(cls: type) -> dict[str, str]:
     """First line of each field's attribute docstring, read from the class source."""
+    import ast
+    import inspect
+    import textwrap
+
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):
