@@ -227,6 +227,10 @@ class CheckpointConfig:
     pretrained: str | None = None
     """Load model weights only from this checkpoint (fine-tuning: step 0, fresh optimizer); a
     run's output directory (or its ``checkpoints/``) means its newest complete checkpoint."""
+    pretrained_exclude: list[str] = field(factory=list)
+    """Parameters that keep the model's own initialisation instead of the pretrained weights: names
+    or globs, a module's name covering its parameters (``["head"]``: a classifier's new head; NeMo's
+    ``init_from_pretrained_model.exclude``). Each must match a parameter of the model or the checkpoint."""
     save_frozen: bool = True
     """Save the parameters that do not train (requires_grad false) too; false saves only what
     trains (e.g. LoRA adapters), and a resume takes the rest from the model provider again

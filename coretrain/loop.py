@@ -17,7 +17,7 @@ import torch
 from attrs import frozen
 
 from coretrain.build import planned_steps, raise_first, record_config
-from coretrain.checkpoint import resume, safeload
+from coretrain.checkpoint import pretrained, resume, safeload
 from coretrain.checkpoint.layout import step_dir
 from coretrain.checkpoint.saves import Saves
 from coretrain.checkpoint.state import keeping_rng
@@ -131,7 +131,7 @@ class Trainer:
         candidates, explicit = resume.resume_candidates(run, self.saves.target)
         if not candidates:
             if run.config.checkpoint.pretrained:
-                resume.load_pretrained(run, run.config.checkpoint.pretrained)
+                pretrained.load_pretrained(run, run.config.checkpoint.pretrained)
                 log.info("loaded pretrained weights from %s", run.config.checkpoint.pretrained)
             return
         with_optimizer = run.config.checkpoint.load_optimizer

@@ -11,10 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers_inprocess import config, train
+from helpers_inprocess import config, make_model, train
 
 from coretrain import hookimpl
 from coretrain.checkpoint.layout import complete_steps
+from coretrain.checkpoint.pretrained import EXCLUDE_HINT
 from coretrain.checkpoint.state import rng_state, set_rng_state
 from coretrain.errors import UserError
 from coretrain.testing import run_steps
@@ -102,6 +103,104 @@ def test_pretrained_takes_the_weights_of_a_training_scripts_own_file(
     train(config(tmp_path / "b", train={"train_iters": 2}, checkpoint=pretrained), ("seen", seen))
     assert seen.step == 0 and seen.weights.keys() == weights.keys()
     assert all(torch.equal(seen.weights[k], v) for k, v in weights.items())
+
+
+class NewHead(torch.nn.Module):
+    """The tiny MLP with a last layer of two outputs for its one: a head of its own on a
+    pretrained body, as a classifier fine-tuned on other classes has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model().net
+        self.net[3] = torch.nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.net(x).sum(dim=1, keepdim=True), y)
+
+
+HEAD, BODY = ("net.3.weight", "net.3.bias"), ("net.0.weight", "net.0.bias")
+
+
+FSDP = {"distributed": {"strategy": "fsdp"}}
+EXCLUDES = [  # (the source's layout, the target's, pretrained_exclude): each kind of load, each form of name
+    ({}, {}, ["net.3"]),
+    ({}, {}, ["net.3.*"]),
+    ({}, {}, list(HEAD)),
+    (FSDP, FSDP, ["net.3"]),
+    ({}, FSDP, ["net.3.*"]),
+    (FSDP, {}, list(HEAD)),
+]
+
+
+def whole_tensors(weights: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights.items()}
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "exclude"),
+    EXCLUDES,
+    ids=["module", "glob", "names", "sharded-to-fsdp", "replicated-to-fsdp", "sharded-to-plain"],
+)
+def test_pretrained_exclude_keeps_a_new_heads_initialisation_and_loads_the_rest(
+    tmp_path: Any, no_autoload: None, source: dict, target: dict, exclude: list[str]
+) -> None:
+    """Fine-tuning a trained body with a new head: the head is the model's own initialisation
+    (that of the same run without pretrained weights), every other weight the checkpoint's; from
+    a replicated or a sharded checkpoint (FSDP's) into a plain or a sharded model."""
+    trained = whole_tensors(train(config(tmp_path / "a", train={"train_iters": 6}, **source))[0].model.state_dict())
+    assert (tmp_path / "a/out/checkpoints/step_00000006/sharded").is_dir() == bool(source)
+    new_head = {"provider": "test_checkpoint:NewHead"}
+    fresh, seen = FirstWeights(), FirstWeights()
+    train(config(tmp_path / "fresh", model=new_head, train={"train_iters": 1}, **target), ("seen", fresh))
+    pretrained = {"pretrained": str(tmp_path / "a" / "out"), "pretrained_exclude": exclude}
+    tuned = config(tmp_path / "b", model=new_head, train={"train_iters": 1}, checkpoint=pretrained, **target)
+    train(tuned, ("seen", seen))
+    fresh.weights, seen.weights = whole_tensors(fresh.weights), whole_tensors(seen.weights)
+    assert all(torch.equal(seen.weights[k], fresh.weights[k]) for k in HEAD)
+    assert all(torch.equal(seen.weights[k], trained[k]) for k in BODY)
+    assert not torch.equal(fresh.weights[BODY[0]], trained[BODY[0]])  # the body did come from the checkpoint
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_a_pretrained_checkpoint_that_does_not_fit_names_the_parameters_and_pretrained_exclude(
+    tmp_path: Any, no_autoload: None, layout: str
+) -> None:
+    """The same error for both kinds of checkpoint (DCP's own named one tensor as an unreadable
+    file); a pattern of pretrained_exclude that matches nothing is a mistake, not a no-op."""
+    fsdp = {"distributed": {"strategy": "fsdp"}} if layout == "sharded" else {}
+    train(config(tmp_path / "a", train={"train_iters": 2}, **fsdp))
+    new_head = {"provider": "test_checkpoint:NewHead"}
+    pretrained: dict[str, Any] = {"pretrained": str(tmp_path / "a" / "out")}
+    with pytest.raises(UserError) as caught:
+        train(config(tmp_path / "b", model=new_head, checkpoint=pretrained))
+    assert str(caught.value) == (
+        f"{tmp_path / 'a/out/checkpoints/step_00000002'}: the checkpoint does not fit the model: 'net.3.weight' has "
+        "shape [1, 16] in the checkpoint, [2, 16] now; 'net.3.bias' has shape [1] in the checkpoint, [2] now"
+        + EXCLUDE_HINT
+    )
+    with pytest.raises(UserError, match=r"pretrained_exclude: 'net.33' matches no parameter's name \(did you mean"):
+        train(config(tmp_path / "b", model=new_head, checkpoint={**pretrained, "pretrained_exclude": ["net.33"]}))
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_a_resume_into_a_changed_model_names_what_does_not_fit_whatever_the_layout(
+    tmp_path: Any, no_autoload: None, layout: str
+) -> None:
+    """A model changed on purpose (resume-checks told to allow it) whose weights cannot take the
+    checkpoint: one error naming the parameters and the change, for a sharded checkpoint too (it
+    was DCP's 'cannot load checkpoint file: ValueError: Size mismatch' of one tensor)."""
+    fsdp = {"distributed": {"strategy": "fsdp"}} if layout == "sharded" else {}
+    train(config(tmp_path, train={"train_iters": 2}, **fsdp))
+    narrower = {"options": {"width": 8}}
+    allowed = {"resume-checks": {"allow_changes": ["model"]}}
+    with pytest.raises(UserError) as caught:
+        train(config(tmp_path, model=narrower, train={"train_iters": 4}, plugins=allowed, **fsdp))
+    assert str(caught.value) == (
+        f"{tmp_path / 'out/checkpoints/step_00000002'}: the checkpoint does not fit the model: 'net.0.weight' has "
+        "shape [16, 4] in the checkpoint, [8, 4] now; 'net.0.bias' has shape [16] in the checkpoint, [8] now; "
+        "'net.3.weight' has shape [1, 16] in the checkpoint, [1, 8] now; changed since the checkpoint: "
+        "model.options.width (None -> 8)"
+    )
 
 
 @pytest.mark.parametrize("named", ["out", "out/checkpoints"])
@@ -327,7 +426,7 @@ def test_a_checkpoint_file_of_the_wrong_structure_is_named_and_resume_falls_back
     damage(root / "step_00000004")
     with caplog.at_level("INFO", logger="coretrain"):
         resumed, code = train(config(tmp_path, train={"train_iters": 6}, checkpoint={"save_interval": 2}))
-    warning = next(r.message for r in caplog.records if "is unusable" in r.message)
+    warning = next(r.message for r in caplog.records if "falling back" in r.message)
     assert f"{root / 'step_00000004' / file}: not a valid checkpoint file" in warning and words in warning, warning
     assert any(f"resumed from {root / 'step_00000002'}" in r.message for r in caplog.records)
     assert code == 0 and resumed.state.step == 6 and resumed.state.consumed_samples == 6 * 8
@@ -366,7 +465,7 @@ def test_a_plugin_state_that_does_not_fit_its_declared_shape_is_named_and_resume
     more = {**sections, "train": {**sections["train"], "train_iters": 6}}
     with caplog.at_level("INFO", logger="coretrain"):
         resumed = run_steps(tmp_path, 6, config=more, tables=stops)
-    warning = next(r.message for r in caplog.records if "is unusable" in r.message)
+    warning = next(r.message for r in caplog.records if "falling back" in r.message)
     assert f"{root / 'step_00000004' / 'rank_00000.pt'}: not a valid checkpoint file" in warning and words in warning
     assert resumed.exit_code == 0 and resumed.run.state.step == 6  # from step 2
     shutil.rmtree(root / "step_00000002")

@@ -21,7 +21,9 @@ Everything about checkpoints lives in this package, one job per module:
 - :mod:`.state` — what is saved (model, optimizer, RNG, the manifest's fields);
 - :mod:`.writer` — writing, synchronous or in the background (``checkpoint.async_save``);
 - :mod:`.saves` — when the loop saves (cadence, end, agreed requests);
-- :mod:`.resume` — resuming: choosing the checkpoint, reading it safely, applying it;
+- :mod:`.resume` — resuming: choosing the checkpoint, reading it safely, checking that it
+  fits the model, applying it;
+- :mod:`.pretrained` — weights to start from (``checkpoint.pretrained``), another loop's file too;
 - :mod:`.load` — reading weights and optimizer state, whole or sharded;
 - :mod:`.safeload` — every file read through torch's ``weights_only`` unpickler, and
   :mod:`.dcpmetadata`, a restricted unpickler for DCP's ``.metadata``: nothing in a checkpoint

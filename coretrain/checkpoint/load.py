@@ -21,6 +21,7 @@ Without the optimizer (``checkpoint.load_optimizer = false``, ``checkpoint.pretr
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +46,20 @@ def load_sharded(
     with_frozen: bool,
     single_process: bool,
     metadata: Any = None,
+    kept: Collection[str] = (),
 ) -> None:
     """A DCP checkpoint (``directory`` = its ``sharded/``) into ``model`` and, when given,
-    ``optimizer``; ``metadata``: its ``.metadata`` if already read (:func:`safeload.check_metadata`)."""
+    ``optimizer``; ``metadata``: its ``.metadata`` if already read (:func:`safeload.check_metadata`);
+    the ``kept`` parameters are neither read nor changed."""
     from torch.distributed.checkpoint import state_dict as dsd
     from torch.distributed.checkpoint.state_dict_loader import load
 
     metadata = metadata or safeload.check_metadata(directory)
     saved = metadata.state_dict_metadata  # torch's nested optimizer groups before 0.4
     nested = any(key.startswith("optimizer.param_groups.") and key.endswith(".params") for key in saved)
-    options = dcp_options(with_frozen, flat=not nested)
-    state: dict[str, Any] = {"model": dsd.get_model_state_dict(model, options=options)}
+    options = dcp_options(with_frozen, flat=not nested, strict=not kept)
+    whole = dsd.get_model_state_dict(model, options=options)
+    state: dict[str, Any] = {"model": {name: value for name, value in whole.items() if name not in kept}}
     if optimizer is not None:
         state["optimizer"] = dsd.get_optimizer_state_dict(model, optimizer, options=options)
     borrowed = _borrow_tied_state(state.get("optimizer"), model, saved)

@@ -2,12 +2,16 @@
 
 Reading (:func:`read`) is separate from applying (:func:`apply`), so a resume can fall back
 past a corrupt checkpoint without having changed the run (:func:`read_newest_loadable`).
-What a resume may and may not change is decided in :func:`check_resumable` and :func:`apply`.
+What a resume may and may not change is decided in :func:`check_resumable` and :func:`apply`;
+whether the weights fit the model (:func:`check_model_fits`, :func:`check_sharded_fits`: one
+error naming every misfit, for either kind of checkpoint) before any is loaded, here and for
+``checkpoint.pretrained``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Mapping, Sequence
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -25,7 +29,7 @@ from coretrain.checkpoint.layout import (
     step_dir,
     step_dirs,
 )
-from coretrain.checkpoint.load import load_sharded, load_whole, load_whole_optimizer, read_weights
+from coretrain.checkpoint.load import load_sharded, load_whole, load_whole_optimizer
 from coretrain.checkpoint.state import frozen_names, set_rng_state
 from coretrain.checkpoint.writer import checkpoint_root
 from coretrain.configchanges import config_changes
@@ -61,38 +65,74 @@ def resume_candidates(run: Run, target: Path | None) -> tuple[list[Path], bool]:
     return [path for _, path in candidates], False
 
 
+def optional_names(model: torch.nn.Module, frozen_saved: bool, kept: Collection[str] = ()) -> set[str]:
+    """What a checkpoint need not hold: the frozen parameters, if it was saved without them, and
+    the ``kept`` ones (left as the model was built: ``checkpoint.pretrained_exclude``)."""
+    return {*kept, *(() if frozen_saved else frozen_names(model))}
+
+
+def fit_problems(
+    shapes: Mapping[str, Sequence[int] | None], current: Mapping[str, Any], optional: Collection[str], part: bool
+) -> list[str]:
+    """The names missing on either side and the shapes that differ, between a checkpoint's
+    tensors (name → shape; None for a value that is no tensor) and the model's state dict
+    (``current``); ``optional`` names are not asked for (the checkpoint may lack them, or hold
+    them in any shape), and one loaded into a ``part`` of the model (a pipeline stage) holds
+    the other parts' too."""
+    problems = [f"'{k}' is missing from the checkpoint" for k in current if k not in shapes and k not in optional]
+    problems += [f"'{k}' is in the checkpoint but not in the model" for k in shapes if k not in current and not part]
+    for name, value in current.items():
+        saved, shape = shapes.get(name), getattr(value, "shape", None)
+        if name not in optional and saved is not None and shape is not None and list(saved) != list(shape):
+            problems.append(f"'{name}' has shape {list(saved)} in the checkpoint, {list(shape)} now")
+    return problems
+
+
 def model_mismatches(
-    saved: dict[str, Any], model: torch.nn.Module, frozen_saved: bool = True, dtypes: bool = False, part: bool = False
+    saved: dict[str, Any], model: torch.nn.Module, optional: Collection[str], dtypes: bool = False, part: bool = False
 ) -> str:
-    """The parameters whose names or shapes (or, with ``dtypes``, dtypes) differ, or that hold
-    NaN or Inf (never saved: such weights stop a run first), in one phrase ("" when the weights
-    fit); a checkpoint saved without frozen parameters may lack exactly those, and one loaded into
-    a ``part`` of the model (a pipeline stage) holds the other parts' too."""
+    """:func:`fit_problems` of whole tensors, and those whose dtypes differ (with ``dtypes``) or
+    that hold NaN or Inf (never saved: such weights stop a run first), in one phrase ("" when
+    the weights fit)."""
     current = model.state_dict()
-    optional = set() if frozen_saved else frozen_names(model)
-    problems = [f"'{k}' is missing from the checkpoint" for k in current if k not in saved and k not in optional]
-    problems += [f"'{k}' is in the checkpoint but not in the model" for k in saved if k not in current and not part]
-    for k, v in current.items():
-        was: Any = saved.get(k)
-        if hasattr(was, "shape") and was.shape != v.shape:
-            problems.append(f"'{k}' has shape {list(was.shape)} in the checkpoint, {list(v.shape)} now")
-        elif dtypes and isinstance(was, torch.Tensor) and was.dtype != v.dtype:
-            problems.append(f"'{k}' is {was.dtype} in the checkpoint, {v.dtype} in the model")
+    problems = fit_problems({name: getattr(v, "shape", None) for name, v in saved.items()}, current, optional, part)
+    if dtypes:  # a checked model file: every value a tensor
+        problems += [
+            f"'{k}' is {v.dtype} in the checkpoint, {current[k].dtype} in the model"
+            for k, v in saved.items()
+            if k in current and v.shape == current[k].shape and v.dtype != current[k].dtype
+        ]
     problems += [
         f"'{k}' holds NaN or Inf"
         for k, v in saved.items()
         if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())
     ]
+    return in_one_phrase(problems)
+
+
+def in_one_phrase(problems: list[str]) -> str:
     more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
     return "; ".join(problems[:3]) + more
 
 
-def check_model_fits(
-    directory: Path, saved: dict[str, Any], run: Run, hint: str = "", frozen_saved: bool = True
-) -> None:
+def check_model_fits(directory: Path, saved: dict[str, Any], run: Run, hint: str, optional: Collection[str]) -> None:
     """One error naming the parameters whose names or shapes differ (a changed model config)."""
-    if problems := model_mismatches(saved, run.unwrapped_model, frozen_saved, part=run.dist.pp_size > 1):
+    if problems := model_mismatches(saved, run.unwrapped_model, optional, part=run.dist.pp_size > 1):
         raise UserError(f"{directory}: the checkpoint does not fit the model: {problems}{hint}")
+
+
+def sharded_shapes(metadata: Any) -> dict[str, Sequence[int] | None]:
+    """A sharded checkpoint's model tensors and their whole shapes, from its DCP metadata."""
+    entries = metadata.state_dict_metadata.items()
+    return {key[len("model.") :]: getattr(entry, "size", None) for key, entry in entries if key.startswith("model.")}
+
+
+def check_sharded_fits(directory: Path, metadata: Any, run: Run, hint: str, optional: Collection[str]) -> None:
+    """:func:`check_model_fits` for a sharded checkpoint, from its metadata. A tensor in the
+    checkpoint that the model does not hold is not read (DCP reads what the model asks for), so it
+    is no misfit."""
+    if problems := fit_problems(sharded_shapes(metadata), run.unwrapped_model.state_dict(), optional, part=True):
+        raise UserError(f"{directory}: the checkpoint does not fit the model: {in_one_phrase(problems)}{hint}")
 
 
 @attrs.define
@@ -170,8 +210,8 @@ def _model_file(run: Run, path: Path, info: dict[str, Any]) -> dict[str, Any]:
     schema.validate(model, schema.MODEL_FILE, path / "model.pt")
     if changed_keys_hint(info.get("config"), run.config, ("model", "data")):
         return dict(model)  # the config changed: whether it still fits is for check_resumable and apply to say
-    frozen_saved, part = info.get("frozen_saved", True), run.dist.pp_size > 1
-    if problems := model_mismatches(model, run.unwrapped_model, frozen_saved, dtypes=True, part=part):
+    optional, part = optional_names(run.unwrapped_model, info.get("frozen_saved", True)), run.dist.pp_size > 1
+    if problems := model_mismatches(model, run.unwrapped_model, optional, dtypes=True, part=part):
         raise CheckpointUnreadable(
             path / "model.pt", f"not a valid checkpoint file: it does not fit the model it was saved from: {problems}"
         )
@@ -189,8 +229,10 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
     hint = changed_keys_hint(restored.manifest.get("config"), run.config, ("model",))
     configured = [{k: v for k, v in group.items() if k != "params"} for group in run.optimizer.param_groups]
     frozen_saved = restored.manifest.get("frozen_saved", True)
+    optional = optional_names(run.unwrapped_model, frozen_saved)
     if restored.manifest["layout"] == "sharded":
         optimizer = run.optimizer if with_optimizer else None
+        check_sharded_fits(path, restored.metadata, run, hint, optional)
         try:
             single = run.dist.world_size == 1
             load_sharded(run.model, optimizer, path / "sharded", frozen_saved, single, restored.metadata)
@@ -198,7 +240,7 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
             raise CheckpointUnreadable(exc.path, exc.reason + hint, unsafe=exc.unsafe) from None
     else:
         assert restored.model is not None
-        check_model_fits(path, restored.model, run, hint, frozen_saved)
+        check_model_fits(path, restored.model, run, hint, optional)
         load_whole(run.model, run.unwrapped_model, restored.model, strict=frozen_saved)
         if with_optimizer:
             saved = restored.optimizer or {}
@@ -239,8 +281,7 @@ def read_newest_loadable(run: Run, candidates: list[Path], explicit: bool, with_
         if verdict == 2 or explicit or tried == len(candidates):
             raise problem
         log.warning(
-            "checkpoint %s is unusable: %s: %s; falling back to the previous complete checkpoint (nothing is deleted)",
-            path,
+            "%s: %s; falling back to the previous complete checkpoint (nothing is deleted)",
             problem.path,
             problem.reason,
         )
@@ -273,38 +314,3 @@ def changed_keys_hint(saved: dict[str, Any] | None, config: Any, sections: tuple
         if key.split(".")[0] in sections
     ]
     return f"; changed since the checkpoint: {', '.join(changed)}" if changed else ""
-
-
-def state_dict_in(saved: Any) -> Any:
-    """The model's weights in a file a training script saved: the state dict itself, or under
-    ``model`` / ``state_dict`` (nanoGPT's ``ckpt.pt``, most scripts'), its names
-    without torch.compile's ``_orig_mod.`` or DDP's ``module.`` before each."""
-    for key in ("model", "state_dict", "model_state_dict"):
-        if isinstance(saved, dict) and isinstance(saved.get(key), dict):
-            saved = saved[key]
-            break
-    for prefix in ("_orig_mod.", "module."):
-        if isinstance(saved, dict) and saved and all(str(name).startswith(prefix) for name in saved):
-            saved = {name.removeprefix(prefix): value for name, value in saved.items()}
-    return saved
-
-
-def load_pretrained(run: Run, path: str) -> None:
-    """Model weights only (fine-tuning): step 0, fresh optimizer."""
-    directory = followed_link(Path(path), "checkpoint.pretrained")
-    if not directory.exists():
-        raise UserError(f"checkpoint.pretrained: '{path}' does not exist")
-    frozen_saved = True
-    if directory.is_file():
-        weights = state_dict_in(safeload.load_file(directory))
-    else:
-        info = read_manifest(directory)
-        frozen_saved = info.get("frozen_saved", True)
-        if info["layout"] == "sharded":
-            load_sharded(run.model, None, directory / "sharded", frozen_saved, run.dist.world_size == 1)
-            return
-        weights = read_weights(directory)
-    if not isinstance(weights, dict):
-        raise CheckpointUnreadable(directory, "not a state dict of model weights")
-    check_model_fits(directory, weights, run, frozen_saved=frozen_saved)
-    load_whole(run.model, run.unwrapped_model, weights, strict=frozen_saved)

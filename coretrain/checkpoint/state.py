@@ -111,15 +111,18 @@ def frozen_names(model: torch.nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
-def dcp_options(with_frozen: bool, flat: bool = True) -> Any:
+def dcp_options(with_frozen: bool, flat: bool = True, strict: bool = True) -> Any:
     """torch.distributed.checkpoint's state-dict options: frozen parameters in or out (out, a load
     leaves them as the model was built — LoRA's base from its path — and is not strict about
     them: every other key is read, and DCP refuses one the checkpoint lacks); the optimizer's
     parameter groups ``flat``, one entry per parameter (as torchtitan saves them), so that ranks
-    holding other parameters — pipeline stages — each save their own groups."""
+    holding other parameters — pipeline stages — each save their own groups; not ``strict``, a
+    load may leave other parameters as they are too (``checkpoint.pretrained_exclude``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=not with_frozen, flatten_optimizer_state_dict=flat, strict=with_frozen)
+    return StateDictOptions(
+        ignore_frozen_params=not with_frozen, flatten_optimizer_state_dict=flat, strict=strict and with_frozen
+    )
 
 
 def manifest(run: Run, layout: str, evaluated: list[str]) -> dict[str, Any]:
