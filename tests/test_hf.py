@@ -193,6 +193,29 @@ def test_sequence_classification_learns_and_logs_accuracy(tmp_path: Path) -> Non
     assert result.metrics[-1]["train/accuracy"] > result.metrics[0]["train/accuracy"]
 
 
+def test_a_classifier_for_other_classes_starts_its_head_afresh_with_ignore_mismatched_sizes(tmp_path: Path) -> None:
+    """A saved 2-class classifier fine-tuned for 3 (``num_labels``): transformers' size mismatch of
+    its head was a plugin failure ("RuntimeError: You set `ignore_mismatched_sizes` to `False`");
+    it is one error naming the option, and with it the body is the saved one and the head new."""
+    config = transformers.LlamaConfig(**llama_table(vocab_size=16, pad_token_id=0), num_labels=2)
+    saved = transformers.LlamaForSequenceClassification(config)
+    saved.save_pretrained(tmp_path / "base")
+    options = {"task": "sequence-classification", "path": str(tmp_path / "base"), "num_labels": 3}
+    sections: dict[str, Any] = {
+        "model": {"provider": "hf", "options": options},
+        "data": {"provider": "test_hf:parity_data"},
+        "optimizer": {"lr": 0.0},  # the weights stay as they were loaded
+        "train": {"micro_batch_size": 16, "eval_iters": 0},
+    }
+    with pytest.raises(UserError, match=r"do not fit the model .* set model.options.ignore_mismatched_sizes = true"):
+        run_steps(tmp_path / "refused", steps=1, config=sections)
+    options["ignore_mismatched_sizes"] = True
+    tuned = run_steps(tmp_path / "tuned", steps=1, config=sections).run.model.hf
+    assert tuned.score.weight.shape == (3, 32)
+    assert torch.equal(tuned.model.embed_tokens.weight, saved.model.embed_tokens.weight)
+    assert torch.equal(tuned.model.layers[0].mlp.up_proj.weight, saved.model.layers[0].mlp.up_proj.weight)
+
+
 def parity_data(context: Any) -> Any:
     """Label: whether the sequence starts with token 1 (a classifier's first, easy task)."""
     from coretrain import Datasets

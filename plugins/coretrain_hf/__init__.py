@@ -59,6 +59,10 @@ class HFModel:
     """Parameter dtype (mixed precision is run.precision's job; this stores the weights so)."""
     num_labels: int | None = field(default=None, validator=positive)
     """Classes, for sequence- and token-classification (unset = the model config's)."""
+    ignore_mismatched_sizes: bool = False
+    """Layers of ``path`` whose shapes differ from the model's — a classifier's head for another
+    ``num_labels`` — start from a fresh initialisation instead of being an error (transformers'
+    ``from_pretrained(..., ignore_mismatched_sizes=True)``, as a fine-tuning script passes it)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel: PyTorch's scaled_dot_product_attention, or the reference one."""
     make_vocab_size_divisible_by: int | None = field(default=None, validator=positive)
@@ -87,11 +91,22 @@ class HFModel:
         options["trust_remote_code"] = trusted
         try:
             if self.path is not None:
-                hf = auto.from_pretrained(self.path, config=config, local_files_only=True, **options)
+                mismatched = self.ignore_mismatched_sizes
+                hf = auto.from_pretrained(
+                    self.path, config=config, local_files_only=True, ignore_mismatched_sizes=mismatched, **options
+                )
             else:
                 hf = auto.from_config(config, **options)
         except (OSError, ValueError, KeyError) as exc:
             raise UserError(f"model.options: transformers cannot build the model: {exc}") from None
+        except RuntimeError as exc:
+            if "ignore_mismatched_sizes" not in str(exc):
+                raise
+            raise UserError(
+                f"model.options.path: weights in {self.path} do not fit the model (transformers' load report "
+                "above names them; a classifier's head for another num_labels): set "
+                "model.options.ignore_mismatched_sizes = true to initialise those afresh"
+            ) from None
         check_vocab(hf.config, run.datasets.vocab_size)
         if run.config.distributed.ep_size > 1:  # its experts spread over ranks by expert-parallel
             from coretrain_hf.experts import make_routable, stacked_experts
