@@ -23,6 +23,7 @@ import attrs
 import cattrs
 import tomli
 import tomli_w
+from cattrs.cols import list_structure_factory
 from cattrs.errors import (
     AttributeValidationNote,
     ClassValidationError,
@@ -54,7 +55,10 @@ class LoadedConfig:
 # --------------------------------------------------------------------------- strict converter
 
 
-def _strict(kind: type, accept: tuple[type, ...]) -> Any:
+def _strict(kind: type, accept: tuple[type, ...], then: Any = None) -> Any:
+    """A hook that takes only ``accept``'s types and makes a ``kind`` of the value (or passes it to
+    ``then``, the default hook of a list type, whose items' errors name their index)."""
+
     def hook(value: Any, _: type) -> Any:
         if isinstance(value, bool) and kind is not bool:
             raise TypeError("bool")
@@ -65,7 +69,7 @@ def _strict(kind: type, accept: tuple[type, ...]) -> Any:
             raise TypeError("not finite")
         if kind is str and "\x00" in str(value):  # no name or path holds one; the OS refuses it later, worse
             raise TypeError("NUL")
-        return kind(value)
+        return kind(value) if then is None else then(value, _)
 
     return hook
 
@@ -81,11 +85,15 @@ def secret_fields(cls: Any) -> list[str]:
 
 
 def make_converter() -> cattrs.Converter:
-    """A cattrs converter that refuses unknown keys and never coerces "3" into 3 or 1 into "1";
-    a plugin's secret fields are left out when it is turned back into plain data."""
+    """A cattrs converter that refuses unknown keys and never coerces "3" into 3, 1 into "1" or
+    "ab" into ["a", "b"]; a plugin's secret fields are left out when it is turned back into plain data."""
     converter = cattrs.Converter(forbid_extra_keys=True)
     for kind, accepted in ((int, (int,)), (float, (int, float)), (bool, (bool,)), (str, (str,))):
         converter.register_structure_hook(kind, _strict(kind, accepted))
+    converter.register_structure_hook_factory(
+        lambda cls: list in (cls, typing.get_origin(cls)),  # a list of a string's characters: refused
+        lambda cls: _strict(list, (list, tuple), then=list_structure_factory(cls, converter)),
+    )
 
     def without_secrets(cls: Any) -> Any:
         omitted: dict[str, Any] = {name: override(omit=True) for name in secret_fields(cls)}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import tomli
 import tomli_w
@@ -72,6 +74,42 @@ def test_wrong_type_names_line_key_path_and_expected_type(tmp_path: Path, cli: A
         cli("config", "validate", str(path), cwd=tmp_path),
         f"{path}:3: train.micro_batch_size: expected an integer, got 'four' (string)",
     )
+
+
+def list_fields(cls: Any) -> list[str]:
+    """The keys of an attrs config class (not its own state) that take a list (or nothing)."""
+    hints = typing.get_type_hints(cls)
+    kinds = {f.name: (hints[f.name], *typing.get_args(hints[f.name])) for f in attrs.fields(cls) if f.init}
+    return [name for name, kind in kinds.items() if list in (*kind, *map(typing.get_origin, kind))]
+
+
+def every_list_key() -> list[tuple[str, ...]]:
+    """Every key of the core's tables and of every installed plugin's table that takes a list."""
+    keys = [
+        (table, name)
+        for table, kind in typing.get_type_hints(Config).items()
+        if attrs.has(kind)
+        for name in list_fields(kind)
+    ]
+    for name, entry in sorted(coretrain.discover().items()):
+        cls = entry.load()
+        keys += [("plugins", name, field) for field in list_fields(cls)] if attrs.has(cls) else []
+    return keys
+
+
+def test_a_string_for_a_list_is_one_error_not_a_list_of_its_characters() -> None:
+    """`target_modules = "q_proj"` became ["q", "_", "p", ...] and `pretrained_exclude = "head"`
+    ["h", "e", "a", "d"] without a word (cattrs iterates a string). Every key of the core's and of
+    every installed plugin's tables that takes a list refuses one; a tuple from Python is a list."""
+    keys = every_list_key()
+    assert ("checkpoint", "pretrained_exclude") in keys and ("plugins", "lora", "target_modules") in keys
+    assert len(keys) > 20
+    for key in keys:
+        with pytest.raises(coretrain.UserError) as caught:
+            coretrain.load_plugins({"model": {"provider": "gpt"}}, [f'{".".join(key)}="x"'], autoload=False)
+        assert f"{'.'.join(key)}: expected a list" in str(caught.value) and "got 'x' (string)" in str(caught.value), key
+    loaded = coretrain.load({}, {"train.exit_signals": ("SIGTERM",), "checkpoint.pretrained_exclude": ("head",)})
+    assert (loaded.config.train.exit_signals, loaded.config.checkpoint.pretrained_exclude) == (["SIGTERM"], ["head"])
 
 
 def test_unknown_key_suggests_the_right_one(tmp_path: Path, cli: Any) -> None:

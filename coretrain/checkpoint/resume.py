@@ -232,12 +232,9 @@ def apply(run: Run, restored: Restored, with_optimizer: bool = True) -> None:
     optional = optional_names(run.unwrapped_model, frozen_saved)
     if restored.manifest["layout"] == "sharded":
         optimizer = run.optimizer if with_optimizer else None
-        check_sharded_fits(path, restored.metadata, run, hint, optional)
-        try:
-            single = run.dist.world_size == 1
-            load_sharded(run.model, optimizer, path / "sharded", frozen_saved, single, restored.metadata)
-        except CheckpointUnreadable as exc:
-            raise CheckpointUnreadable(exc.path, exc.reason + hint, unsafe=exc.unsafe) from None
+        check_sharded_fits(path, restored.metadata, run, hint, optional)  # what DCP cannot read from here on is damage
+        single = run.dist.world_size == 1
+        load_sharded(run.model, optimizer, path / "sharded", frozen_saved, single, restored.metadata)
     else:
         assert restored.model is not None
         check_model_fits(path, restored.model, run, hint, optional)
@@ -281,9 +278,7 @@ def read_newest_loadable(run: Run, candidates: list[Path], explicit: bool, with_
         if verdict == 2 or explicit or tried == len(candidates):
             raise problem
         log.warning(
-            "%s: %s; falling back to the previous complete checkpoint (nothing is deleted)",
-            problem.path,
-            problem.reason,
+            "%s: %s; falling back to the previous complete checkpoint, deleting nothing", problem.path, problem.reason
         )
     raise AssertionError("no candidates")  # callers pass at least one
 
