@@ -230,7 +230,7 @@ def describe_type(tp: Any) -> str:
     if origin is tuple:
         return f"a list of {len(args)} values" if args and args[-1] is not Ellipsis else "a list"
     if origin in (list, set, frozenset) or tp in (list, set):
-        return "a list" + (f" of {describe_type(args[0]).split(' ', 1)[-1]}s" if args else "")
+        return "a list" + (f" of {describe_type(args[0]).split(' ', 1)[-1]}s" if args and args[0] is not Any else "")
     if origin in (dict, Mapping) or tp is dict or attrs.has(tp):
         return "a table"
     return {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(tp, str(tp))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from conftest import CORPUS, HF_MOE, STDLIB, forked_steps, hf_moe_table, in_one_job, metrics_rows, predict_texts
 from coretrain_checkpoint_command.export import export
 
+import coretrain
 from coretrain import UserError, hookimpl
 from coretrain.testing import BEHAVIOUR, run_steps, tiny_config, write_config
 
@@ -723,6 +724,24 @@ def tokenized_run(tokenizer_dir: Path, data_path: list[Any], cache: Path, **opti
     }
 
 
+@pytest.mark.parametrize("provider", ["hf-text", "hf-sft"])
+def test_one_file_is_named_as_megatron_names_it_or_in_a_list(tmp_path: Path, provider: str) -> None:
+    """``data_path = "train.jsonl"`` (Megatron's --data-path takes one) is that file; it was the
+    list of its characters ("t: no such file")."""
+    a, b = (tmp_path / name for name in ("a.jsonl", "b.jsonl"))
+    for path in (a, b):
+        path.write_text('{"text": "x", "prompt": "x", "response": "y"}\n')
+
+    def data_path(value: Any) -> Any:
+        config = {"model": {"provider": "gpt"}, "data": {"provider": provider, "options": {"data_path": value}}}
+        return coretrain.load_plugins(config, autoload=False).get(provider).data_path
+
+    assert data_path(str(a)) == [str(a)]
+    assert data_path([str(a), str(b)]) == [str(a), str(b)]
+    with pytest.raises(UserError, match=r"data.options.data_path: needs a file or a list of files.*; got 3"):
+        data_path(3)
+
+
 def test_text_is_tokenized_once_with_eos_and_packed(
     tmp_path: Path, tokenizer_dir: Path, text_files: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -839,7 +858,7 @@ def test_text_data_resumes_exactly(tmp_path: Path, tokenizer_dir: Path, text_fil
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"data_path": []}, "data_path: needs at least one file"),
+        ({"data_path": []}, "data_path: needs a file or a list of files"),
         ({"data_path": ["/no/such.jsonl"]}, "no such file"),
         ({"data_path": ["notes.docx"]}, "expected a .txt, .jsonl, .json, .parquet file"),
         ({"data_path": [0.5, "a.txt", "b.txt"]}, "expected [path, ...] or [weight, path"),

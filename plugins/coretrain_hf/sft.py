@@ -45,7 +45,7 @@ from coretrain import (
     positive,
     require,
 )
-from coretrain_hf.splits import bounds, check_shares
+from coretrain_hf.splits import bounds, check_shares, listed
 
 IGNORE_INDEX = -100
 READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -56,8 +56,8 @@ NEEDED_BY = 'data.provider = "hf-sft"'
 class HFSFT:
     """Prompt/response (or chat) records for instruction tuning: loss on response tokens only."""
 
-    data_path: list[str]
-    """jsonl / json / parquet files of records, read in order."""
+    data_path: Any = field(converter=listed)
+    """A jsonl / json / parquet file of records, or a list of them, read in order."""
     seq_length: int = field(default=1024, validator=positive)
     """Longest example (padded) or window length (packed)."""
     packing: bool = False
@@ -74,10 +74,12 @@ class HFSFT:
     """A local tokenizer directory; unset: the run's ``[tokenizer] path``."""
 
     def __attrs_post_init__(self) -> None:
-        if not self.data_path:
-            raise FieldValueError("data_path", 'needs at least one file, e.g. ["data/sft.jsonl"]')
+        if not self.data_path or not isinstance(self.data_path, list):
+            raise FieldValueError(
+                "data_path", f'needs a file or a list of files, e.g. "data/sft.jsonl"; got {self.data_path!r}'
+            )
         for name in self.data_path:
-            if Path(name).suffix not in READERS:
+            if not isinstance(name, str) or Path(name).suffix not in READERS:
                 raise FieldValueError("data_path", f"{name}: expected a {', '.join(READERS)} file")
         check_shares(self.split)
 

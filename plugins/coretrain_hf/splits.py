@@ -1,8 +1,16 @@
-"""The split rule both text providers use: items, in order, divided by shares."""
+"""What both text providers share: their files named as Megatron names them, and the split rule
+(items, in order, divided by shares)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from coretrain import FieldValueError
+
+
+def listed(data_path: Any) -> Any:
+    """One file as Megatron's ``--data-path`` takes it (``"data/train.jsonl"``), or a list."""
+    return [data_path] if isinstance(data_path, str) else data_path
 
 
 def check_shares(split: list[float]) -> None:

@@ -53,7 +53,7 @@ from coretrain import (
     positive,
     require,
 )
-from coretrain_hf.splits import bounds, check_shares
+from coretrain_hf.splits import bounds, check_shares, listed
 
 log = logging.getLogger("coretrain")
 
@@ -66,8 +66,8 @@ NEEDED_BY = 'data.provider = "hf-text"'
 class HFText:
     """Local text / jsonl / parquet files, tokenized once (cached, memory-mapped), packed, blended."""
 
-    data_path: list[Any]
-    """Files, or Megatron's blend: [weight, path, weight, path, ...]."""
+    data_path: Any = field(converter=listed)
+    """A file, files, or Megatron's blend: [weight, path, weight, path, ...]."""
     seq_length: int = field(default=1024, validator=positive)
     """Tokens per sample."""
     text_field: str = "text"
@@ -118,8 +118,10 @@ class HFText:
 
 def blend(data_path: list[Any]) -> list[tuple[float, Path]]:
     """(weight, path) pairs from [path, ...] or [weight, path, weight, path, ...]; weights sum to 1."""
-    if not data_path:
-        raise FieldValueError("data_path", 'needs at least one file, e.g. ["data/train.jsonl"]')
+    if not data_path or not isinstance(data_path, list):
+        raise FieldValueError(
+            "data_path", f'needs a file or a list of files, e.g. ["data/train.jsonl"]; got {data_path!r}'
+        )
     if all(isinstance(item, str) for item in data_path):
         pairs: list[tuple[float, Any]] = [(1.0, item) for item in data_path]
     elif len(data_path) % 2 == 0 and all(
