@@ -14,7 +14,7 @@ from coretrain.checkpoint.resume import check_model_fits, check_sharded_fits, op
 from coretrain.errors import CheckpointUnreadable, UserError, did_you_mean
 from coretrain.run import Run
 
-EXCLUDE_HINT = " (a new part, e.g. a head, keeps the model's initialisation with checkpoint.pretrained_exclude)"
+EXCLUDE_HINT = " (checkpoint.pretrained_exclude keeps a new part's own initial weights, e.g. a head for other classes)"
 
 
 def state_dict_in(saved: Any) -> Any:
