@@ -1198,6 +1198,34 @@ def test_lora_adapters_train_on_pipeline_stages_like_one_rank_and_resume_on_one(
     assert min(step for step, _ in resumed) == 4
 
 
+def test_lora_on_a_model_of_yours_starts_from_base_weights_and_resumes_adapters_saved_alone(tmp_path: Path) -> None:
+    """A base of your own, trained without adapters: ``base_weights`` (its run, or its export) is
+    what the adapters start on — ``checkpoint.pretrained`` cannot name it, as peft renames the
+    parameters it adapts — and it is read at every start, so adapters saved alone resume exactly."""
+    from coretrain.testing import stop_and_resume
+
+    base = run_steps(tmp_path / "base", steps=6)  # the tiny regression, trained in full
+    trained = {name: value.clone() for name, value in base.run.model.state_dict().items()}
+    export(base.output_dir, None, tmp_path / "base.safetensors", "safetensors", {})
+    adapters_only = {"checkpoint": {"save_frozen": False}, "train": {"log_interval": 1, "eval_iters": 0}}
+    lora = {"rank": 2, "alpha": 4.0, "target_modules": ["net.0"], "base_weights": str(base.output_dir)}
+    straight = run_steps(tmp_path / "straight", steps=6, config=adapters_only, tables={"lora": lora})
+    adapted = straight.run.model.base_model.model.net
+    assert torch.equal(adapted[0].base_layer.weight, trained["net.0.weight"])  # frozen, so still the base's
+    assert torch.equal(adapted[3].weight, trained["net.3.weight"])
+    lora["base_weights"] = str(tmp_path / "base.safetensors")
+    first, resumed = stop_and_resume(
+        tmp_path / "split", stop_at=3, steps=6, config=adapters_only, tables={"lora": lora}
+    )
+    assert [m["loss"] for m in first.metrics + resumed.metrics] == [m["loss"] for m in straight.metrics]
+    with pytest.raises(UserError, match="'base_model.model.net.0.base_layer.weight' is missing from the checkpoint"):
+        pretrained = {**adapters_only, "checkpoint": {"pretrained": str(base.output_dir)}}
+        run_steps(tmp_path / "pretrained", steps=2, config=pretrained, tables={"lora": {"target_modules": ["net.0"]}})
+    with pytest.raises(UserError, match=r"plugins.lora.base_weights: .* does not fit the model .*other shapes"):
+        wider = {**adapters_only, "model": {"options": {"width": 8}}}
+        run_steps(tmp_path / "wider", steps=2, config=wider, tables={"lora": {**lora, "target_modules": ["net.0"]}})
+
+
 def test_lora_target_modules_that_match_nothing_name_the_linear_modules(tmp_path: Path, llama_dir: Path) -> None:
     with pytest.raises(UserError, match=r"plugins.lora.target_modules: .*the model's Linear modules: .*q_proj"):
         run_steps(tmp_path, steps=2, config=lora_run(llama_dir), tables={"lora": {"target_modules": ["attn_qkv"]}})

@@ -6,6 +6,7 @@
     dropout = 0.05
     target_modules = ["q_proj", "v_proj"]     # module names (suffixes), as peft matches them
     modules_to_save = []                       # modules that train in full besides the adapters
+    base_weights = "runs/base"                 # a model of yours trained without adapters (its run)
 
     [checkpoint]
     save_frozen = false                        # checkpoints hold the adapters only
@@ -24,12 +25,13 @@ PEFT adapter directory (``PeftModel.from_pretrained(base, DIR)`` loads it), or w
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 from attrs import define, field
 
-from coretrain import Run, UserError, fraction, hookimpl, positive, require
+from coretrain import Run, UserError, find_checkpoint, fraction, hookimpl, positive, read_weights, require
 
 log = logging.getLogger("coretrain")
 NEEDED_BY = "plugins.lora"
@@ -63,6 +65,13 @@ class LoRA:
     modules_to_save: list[str] = field(factory=list)
     """Modules that train in full and are saved beside the adapters: a new head of your model
     (``["fc"]``). A transformers classifier's head is added by peft itself."""
+    base_weights: str | None = None
+    """The weights the model takes before the adapters are added: a coretrain run directory (its
+    newest complete checkpoint), a checkpoint directory or a ``.safetensors`` file — a base of your
+    own model trained without adapters (the ``hf`` provider's ``path`` is the base already).
+    Read at every start, so a resume of adapters saved alone (``checkpoint.save_frozen = false``)
+    gets its base again. ``checkpoint.pretrained`` loads into the adapted model, whose parameters
+    peft has renamed (``base_model.model....base_layer.weight``): a LoRA run's checkpoint."""
 
     def peft_config(self, model: torch.nn.Module) -> Any:
         """peft's LoRA settings for ``model`` (its task decides which head trains in full)."""
@@ -92,6 +101,8 @@ class LoRA:
         peft = require("peft", needed_by=NEEDED_BY, extra="hf")
         holder = run.model if hasattr(run.model, "hf") else None  # the hf provider's wrapper
         base: Any = holder.hf if holder is not None else run.model
+        if self.base_weights is not None:  # into the model as its provider made it: the checkpoint's names
+            load_base(run.model, Path(self.base_weights))
         self.check_modules_to_save(base)
         try:
             adapted = peft.get_peft_model(base, self.peft_config(base))
@@ -108,6 +119,30 @@ class LoRA:
         log.info("lora: %d of %d parameters train (%.2f%%)", trainable, total, 100 * trainable / total)
         if run.config.checkpoint.save and run.config.checkpoint.save_frozen and run.dist.is_main:
             log.info("lora: checkpoints hold the frozen base weights too; set checkpoint.save_frozen = false")
+
+
+def load_base(model: torch.nn.Module, path: Path) -> None:
+    """``base_weights`` into ``model``: every parameter, each of its shape, or one error naming those that differ."""
+    where = "plugins.lora.base_weights"
+    if not path.exists():
+        raise UserError(f"{where}: {path} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        weights = load_file(path)
+    else:
+        runs = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        weights = read_weights(path if (path / "checkpoint.json").is_file() else find_checkpoint(runs, None, where))
+    own = model.state_dict()
+    missing = [name for name in own if name not in weights]
+    extra = [name for name in weights if name not in own]
+    shapes = [name for name, value in own.items() if name in weights and weights[name].shape != value.shape]
+    if missing or extra or shapes:
+        raise UserError(
+            f"{where}: {path} does not fit the model (as its provider builds it, without adapters): "
+            f"missing {missing[:3]}, not in the model {extra[:3]}, other shapes {shapes[:3]}"
+        )
+    model.load_state_dict(weights)
 
 
 def export_adapters(model: Any, weights: dict[str, torch.Tensor], lora: LoRA, merge: bool) -> tuple[Any, str]:
