@@ -1218,9 +1218,17 @@ def test_lora_on_a_model_of_yours_starts_from_base_weights_and_resumes_adapters_
         tmp_path / "split", stop_at=3, steps=6, config=adapters_only, tables={"lora": lora}
     )
     assert [m["loss"] for m in first.metrics + resumed.metrics] == [m["loss"] for m in straight.metrics]
-    with pytest.raises(UserError, match="'base_model.model.net.0.base_layer.weight' is missing from the checkpoint"):
+    with pytest.raises(
+        UserError, match=r"trained without LoRA adapters, .*: it is the base, \[plugins.lora\] base_weights"
+    ):
         pretrained = {**adapters_only, "checkpoint": {"pretrained": str(base.output_dir)}}
         run_steps(tmp_path / "pretrained", steps=2, config=pretrained, tables={"lora": {"target_modules": ["net.0"]}})
+    continued = {**adapters_only, "checkpoint": {"save_frozen": False, "pretrained": str(straight.output_dir)}}
+    again = run_steps(
+        tmp_path / "continued", steps=1, config={**continued, "optimizer": {"lr": 0.0}}, tables={"lora": lora}
+    )
+    adapter = "base_model.model.net.0.lora_A.default.weight"  # a LoRA run's checkpoint is what pretrained takes
+    assert torch.equal(again.run.model.state_dict()[adapter], straight.run.model.state_dict()[adapter])
     with pytest.raises(UserError, match=r"plugins.lora.base_weights: .* does not fit the model .*other shapes"):
         wider = {**adapters_only, "model": {"options": {"width": 8}}}
         run_steps(tmp_path / "wider", steps=2, config=wider, tables={"lora": {**lora, "target_modules": ["net.0"]}})

@@ -24,6 +24,7 @@ PEFT adapter directory (``PeftModel.from_pretrained(base, DIR)`` loads it), or w
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,18 @@ from typing import Any
 import torch
 from attrs import define, field
 
-from coretrain import Run, UserError, find_checkpoint, fraction, hookimpl, positive, read_weights, require
+from coretrain import (
+    Run,
+    UserError,
+    find_checkpoint,
+    fraction,
+    hookimpl,
+    positive,
+    read_manifest,
+    read_weights,
+    require,
+    step_dirs,
+)
 
 log = logging.getLogger("coretrain")
 NEEDED_BY = "plugins.lora"
@@ -103,6 +115,7 @@ class LoRA:
         base: Any = holder.hf if holder is not None else run.model
         if self.base_weights is not None:  # into the model as its provider made it: the checkpoint's names
             load_base(run.model, Path(self.base_weights))
+        check_pretrained_has_adapters(run)
         self.check_modules_to_save(base)
         try:
             adapted = peft.get_peft_model(base, self.peft_config(base))
@@ -121,6 +134,29 @@ class LoRA:
             log.info("lora: checkpoints hold the frozen base weights too; set checkpoint.save_frozen = false")
 
 
+def checkpoint_at(path: Path, option: str) -> Path:
+    """The checkpoint ``path`` names: itself, or a run's (or its ``checkpoints/``) newest complete one."""
+    if (path / "checkpoint.json").is_file():
+        return path
+    return find_checkpoint(path / "checkpoints" if (path / "checkpoints").is_dir() else path, None, option)
+
+
+def check_pretrained_has_adapters(run: Run) -> None:
+    """``checkpoint.pretrained`` of a run trained without adapters — a base — would not fit the
+    adapted model, whose parameters peft renames (every name missing): say what names a base.
+    A run that resumes does not load it, and another loop's file says nothing of adapters."""
+    pretrained = run.config.checkpoint.pretrained
+    resumes = any(committed for _, committed, _ in step_dirs(run.output_dir / "checkpoints"))
+    if pretrained is None or resumes or not Path(pretrained).is_dir():
+        return
+    saved = read_manifest(checkpoint_at(Path(pretrained), "checkpoint.pretrained")).get("config") or {}
+    if "lora" not in (saved.get("plugins") or {}):
+        raise UserError(
+            f"checkpoint.pretrained: {pretrained} was trained without LoRA adapters, and this run's model has "
+            f"peft's names: it is the base, [plugins.lora] base_weights = {json.dumps(pretrained)}"
+        )
+
+
 def load_base(model: torch.nn.Module, path: Path) -> None:
     """``base_weights`` into ``model``: every parameter, each of its shape, or one error naming those that differ."""
     where = "plugins.lora.base_weights"
@@ -131,8 +167,7 @@ def load_base(model: torch.nn.Module, path: Path) -> None:
 
         weights = load_file(path)
     else:
-        runs = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        weights = read_weights(path if (path / "checkpoint.json").is_file() else find_checkpoint(runs, None, where))
+        weights = read_weights(checkpoint_at(path, where))
     own = model.state_dict()
     missing = [name for name in own if name not in weights]
     extra = [name for name in weights if name not in own]
