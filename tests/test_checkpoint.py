@@ -155,10 +155,10 @@ def test_pretrained_exclude_keeps_a_new_heads_initialisation_and_loads_the_rest(
     pretrained = {"pretrained": str(tmp_path / "a" / "out"), "pretrained_exclude": exclude}
     tuned = config(tmp_path / "b", model=new_head, train={"train_iters": 1}, checkpoint=pretrained, **target)
     train(tuned, ("seen", seen))
-    fresh.weights, seen.weights = whole_tensors(fresh.weights), whole_tensors(seen.weights)
-    assert all(torch.equal(seen.weights[k], fresh.weights[k]) for k in HEAD)
-    assert all(torch.equal(seen.weights[k], trained[k]) for k in BODY)
-    assert not torch.equal(fresh.weights[BODY[0]], trained[BODY[0]])  # the body did come from the checkpoint
+    initial, loaded = whole_tensors(fresh.weights), whole_tensors(seen.weights)
+    assert all(torch.equal(loaded[k], initial[k]) for k in HEAD)
+    assert all(torch.equal(loaded[k], trained[k]) for k in BODY)
+    assert not torch.equal(initial[BODY[0]], trained[BODY[0]])  # the body did come from the checkpoint
 
 
 @pytest.mark.parametrize("layout", ["replicated", "sharded"])
@@ -167,7 +167,7 @@ def test_a_pretrained_checkpoint_that_does_not_fit_names_the_parameters_and_pret
 ) -> None:
     """The same error for both kinds of checkpoint (DCP's own named one tensor as an unreadable
     file); a pattern of pretrained_exclude that matches nothing is a mistake, not a no-op."""
-    fsdp = {"distributed": {"strategy": "fsdp"}} if layout == "sharded" else {}
+    fsdp = FSDP if layout == "sharded" else {}
     train(config(tmp_path / "a", train={"train_iters": 2}, **fsdp))
     new_head = {"provider": "test_checkpoint:NewHead"}
     pretrained: dict[str, Any] = {"pretrained": str(tmp_path / "a" / "out")}
@@ -189,7 +189,7 @@ def test_a_resume_into_a_changed_model_names_what_does_not_fit_whatever_the_layo
     """A model changed on purpose (resume-checks told to allow it) whose weights cannot take the
     checkpoint: one error naming the parameters and the change, for a sharded checkpoint too (it
     was DCP's 'cannot load checkpoint file: ValueError: Size mismatch' of one tensor)."""
-    fsdp = {"distributed": {"strategy": "fsdp"}} if layout == "sharded" else {}
+    fsdp = FSDP if layout == "sharded" else {}
     train(config(tmp_path, train={"train_iters": 2}, **fsdp))
     narrower = {"options": {"width": 8}}
     allowed = {"resume-checks": {"allow_changes": ["model"]}}

@@ -149,8 +149,8 @@ def check_pretrained_has_adapters(run: Run) -> None:
     resumes = any(committed for _, committed, _ in step_dirs(run.output_dir / "checkpoints"))
     if pretrained is None or resumes or not Path(pretrained).is_dir():
         return
-    saved = read_manifest(checkpoint_at(Path(pretrained), "checkpoint.pretrained")).get("config") or {}
-    if "lora" not in (saved.get("plugins") or {}):
+    saved = read_manifest(checkpoint_at(Path(pretrained), "checkpoint.pretrained")).get("config")
+    if saved is not None and "lora" not in (saved.get("plugins") or {}):  # (a manifest without it says nothing)
         raise UserError(
             f"checkpoint.pretrained: {pretrained} was trained without LoRA adapters, and this run's model has "
             f"peft's names: it is the base, [plugins.lora] base_weights = {json.dumps(pretrained)}"
