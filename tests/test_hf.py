@@ -727,7 +727,7 @@ def tokenized_run(tokenizer_dir: Path, data_path: list[Any], cache: Path, **opti
 @pytest.mark.parametrize("provider", ["hf-text", "hf-sft"])
 def test_one_file_is_named_as_megatron_names_it_or_in_a_list(tmp_path: Path, provider: str) -> None:
     """``data_path = "train.jsonl"`` (Megatron's --data-path takes one) is that file; it was the
-    list of its characters ("t: no such file")."""
+    list of its characters ("data_path: t: expected a .txt, .jsonl, .json, .parquet file")."""
     a, b = (tmp_path / name for name in ("a.jsonl", "b.jsonl"))
     for path in (a, b):
         path.write_text('{"text": "x", "prompt": "x", "response": "y"}\n')
