@@ -90,10 +90,16 @@ def make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True)
     for kind, accepted in ((int, (int,)), (float, (int, float)), (bool, (bool,)), (str, (str,))):
         converter.register_structure_hook(kind, _strict(kind, accepted))
-    converter.register_structure_hook_factory(
-        lambda cls: list in (cls, typing.get_origin(cls)),  # a list of a string's characters: refused
-        lambda cls: _strict(list, (list, tuple), then=list_structure_factory(cls, converter)),
-    )
+
+    def is_list(cls: Any) -> bool:
+        return list in (cls, typing.get_origin(cls))
+
+    def strict_list(cls: Any) -> Any:
+        """cattrs' own hook for this list type (an item's error names its index), behind the refusal
+        of anything but a list: a string would be the list of its characters."""
+        return _strict(list, (list, tuple), then=list_structure_factory(cls, converter))
+
+    converter.register_structure_hook_factory(is_list, strict_list)
 
     def without_secrets(cls: Any) -> Any:
         omitted: dict[str, Any] = {name: override(omit=True) for name in secret_fields(cls)}

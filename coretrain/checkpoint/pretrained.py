@@ -51,22 +51,17 @@ def load_pretrained(run: Run, path: str) -> None:
     directory = followed_link(Path(path), "checkpoint.pretrained")
     if not directory.exists():
         raise UserError(f"checkpoint.pretrained: '{path}' does not exist")
-    frozen_saved = True
-    if directory.is_file():
-        weights = state_dict_in(safeload.load_file(directory))
-    else:
-        info = read_manifest(directory)
-        frozen_saved = info.get("frozen_saved", True)
-        if info["layout"] == "sharded":
-            metadata = safeload.check_metadata(directory / "sharded")
-            kept = excluded_names(run, set(sharded_shapes(metadata)))
-            optional = optional_names(run.unwrapped_model, frozen_saved, kept)
-            check_sharded_fits(directory, metadata, run, EXCLUDE_HINT, optional)
-            load_sharded(
-                run.model, None, directory / "sharded", frozen_saved, run.dist.world_size == 1, metadata, kept=kept
-            )
-            return
-        weights = read_weights(directory)
+    info = read_manifest(directory) if directory.is_dir() else {}  # (a file another loop saved has none)
+    frozen_saved = info.get("frozen_saved", True)
+    if info.get("layout") == "sharded":
+        metadata = safeload.check_metadata(directory / "sharded")
+        kept = excluded_names(run, set(sharded_shapes(metadata)))
+        optional = optional_names(run.unwrapped_model, frozen_saved, kept)
+        check_sharded_fits(directory, metadata, run, EXCLUDE_HINT, optional)
+        single = run.dist.world_size == 1
+        load_sharded(run.model, None, directory / "sharded", frozen_saved, single, metadata, kept=kept)
+        return
+    weights = read_weights(directory) if directory.is_dir() else state_dict_in(safeload.load_file(directory))
     if not isinstance(weights, dict):
         raise CheckpointUnreadable(directory, "not a state dict of model weights")
     kept = excluded_names(run, set(weights))

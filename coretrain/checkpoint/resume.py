@@ -95,7 +95,8 @@ def model_mismatches(
     that hold NaN or Inf (never saved: such weights stop a run first), in one phrase ("" when
     the weights fit)."""
     current = model.state_dict()
-    problems = fit_problems({name: getattr(v, "shape", None) for name, v in saved.items()}, current, optional, part)
+    shapes = {name: getattr(value, "shape", None) for name, value in saved.items()}
+    problems = fit_problems(shapes, current, optional, part)
     if dtypes:  # a checked model file: every value a tensor
         problems += [
             f"'{k}' is {v.dtype} in the checkpoint, {current[k].dtype} in the model"
@@ -123,8 +124,11 @@ def check_model_fits(directory: Path, saved: dict[str, Any], run: Run, hint: str
 
 def sharded_shapes(metadata: Any) -> dict[str, Sequence[int] | None]:
     """A sharded checkpoint's model tensors and their whole shapes, from its DCP metadata."""
-    entries = metadata.state_dict_metadata.items()
-    return {key[len("model.") :]: getattr(entry, "size", None) for key, entry in entries if key.startswith("model.")}
+    return {
+        key.removeprefix("model."): getattr(entry, "size", None)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    }
 
 
 def check_sharded_fits(directory: Path, metadata: Any, run: Run, hint: str, optional: Collection[str]) -> None:

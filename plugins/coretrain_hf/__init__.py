@@ -91,9 +91,12 @@ class HFModel:
         options["trust_remote_code"] = trusted
         try:
             if self.path is not None:
-                mismatched = self.ignore_mismatched_sizes
                 hf = auto.from_pretrained(
-                    self.path, config=config, local_files_only=True, ignore_mismatched_sizes=mismatched, **options
+                    self.path,
+                    config=config,
+                    local_files_only=True,
+                    ignore_mismatched_sizes=self.ignore_mismatched_sizes,
+                    **options,
                 )
             else:
                 hf = auto.from_config(config, **options)
