@@ -217,6 +217,19 @@ def test_a_classifier_for_other_classes_starts_its_head_afresh_with_ignore_misma
     assert torch.equal(tuned.model.layers[0].mlp.up_proj.weight, saved.model.layers[0].mlp.up_proj.weight)
 
 
+def test_pretrained_naming_a_saved_model_directory_says_to_load_it_through_path(
+    tmp_path: Path, llama_dir: Path
+) -> None:
+    """``checkpoint.pretrained`` naming a save_pretrained directory read it as a coretrain
+    checkpoint: "model.pt: checkpoint file missing; the checkpoint is incomplete"."""
+    sections = {**text_run(llama_dir), "checkpoint": {"pretrained": str(llama_dir)}}
+    with pytest.raises(UserError, match=r"is a Hugging Face model directory .*: remove checkpoint.pretrained"):
+        run_steps(tmp_path / "both", steps=1, config=sections)
+    sections["model"] = {"provider": "hf", "options": {"config": llama_table()}}
+    with pytest.raises(UserError, match=rf"not a coretrain checkpoint; .*\[model.options\] path = \"{llama_dir}\""):
+        run_steps(tmp_path / "random", steps=1, config=sections)
+
+
 def parity_data(context: Any) -> Any:
     """Label: whether the sequence starts with token 1 (a classifier's first, easy task)."""
     from coretrain import Datasets

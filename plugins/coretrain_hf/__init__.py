@@ -39,6 +39,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 NEEDED_BY = 'model.provider = "hf"'
 
 
+def refuse_a_saved_model_as_pretrained(pretrained: str | None, path: str | None) -> None:
+    """``checkpoint.pretrained`` naming a ``save_pretrained`` directory (a downloaded model, an
+    hf export) read as a coretrain checkpoint said "model.pt: checkpoint file missing; the
+    checkpoint is incomplete": this provider loads such a directory, through ``path``."""
+    if pretrained is None:
+        return
+    directory = Path(pretrained)
+    saved_model = (directory / "config.json").is_file() and not (directory / "checkpoint.json").is_file()
+    if saved_model and not (directory / "checkpoints").is_dir():
+        loads_it = "model.options.path loads it: remove checkpoint.pretrained"
+        if path is None or Path(path).resolve() != directory.resolve():
+            loads_it = f"the hf provider loads it: [model.options] path = {json.dumps(pretrained)}"
+        raise UserError(
+            f"checkpoint.pretrained: {pretrained} is a Hugging Face model directory (config.json), not a coretrain "
+            f"checkpoint; {loads_it} (with ignore_mismatched_sizes = true for a head of another shape)"
+        )
+
+
 @define(kw_only=True)
 class HFModel:
     """A Hugging Face transformers model: from a local directory, or a config table (random init)."""
@@ -79,6 +97,7 @@ class HFModel:
     def provide_model(self, run: Run) -> torch.nn.Module:
         from coretrain_hf.model import CausalLM, Seq2SeqLM, SequenceClassifier, TokenClassifier
 
+        refuse_a_saved_model_as_pretrained(run.config.checkpoint.pretrained, self.path)
         transformers = require("transformers", needed_by=NEEDED_BY, extra="hf")
         transformers.utils.logging.disable_progress_bar()  # coretrain shows its own progress
         trusted = run.config.tokenizer.trust_remote_code
