@@ -187,8 +187,7 @@ class OneStepLate:
             agreed = self._values.tolist()
             self._work = None
         if now:
-            current = max_over_ranks(*proposal)
-            return [max(a, b) for a, b in zip(agreed, current)]
+            return [max(a, b) for a, b in zip(agreed, max_over_ranks(*proposal))]
         self._values = torch.tensor(proposal, dtype=torch.int64)
         self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, group=_current.control, async_op=True)
         return agreed

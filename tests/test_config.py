@@ -77,8 +77,12 @@ def test_wrong_type_names_line_key_path_and_expected_type(tmp_path: Path, cli: A
 
 
 def takes_a_list(kind: Any) -> bool:
-    """``list[...]`` itself, or one arm of a union (``list[int] | None``)."""
-    return any(list in (arm, typing.get_origin(arm)) for arm in (kind, *typing.get_args(kind)))
+    """``list[...]`` or ``tuple[...]`` (written as a list: ``betas``) itself, or one arm of a union
+    (``list[int] | None``)."""
+    return any(
+        list in (arm, typing.get_origin(arm)) or typing.get_origin(arm) is tuple
+        for arm in (kind, *typing.get_args(kind))
+    )
 
 
 def list_fields(cls: Any) -> list[str]:
@@ -103,16 +107,20 @@ def every_list_key() -> list[tuple[str, ...]]:
 
 def test_a_string_for_a_list_is_one_error_not_a_list_of_its_characters() -> None:
     """`target_modules = "q_proj"` became ["q", "_", "p", ...] and `pretrained_exclude = "head"`
-    ["h", "e", "a", "d"] without a word (cattrs iterates a string). Every key of the core's and of
-    every installed plugin's tables that takes a list refuses one; a tuple from Python is a list."""
+    ["h", "e", "a", "d"] without a word (cattrs iterates a string), and `betas = "0.9 0.95"` was three
+    lines, two of them "optimizer.betas.0: expected a finite number, got nothing". Every key of the
+    core's and of every installed plugin's tables that takes a list refuses one, in one line; a
+    tuple from Python is a list."""
     keys = every_list_key()
     assert ("checkpoint", "pretrained_exclude") in keys and ("plugins", "lora", "target_modules") in keys
-    assert len(keys) > 15
+    assert ("optimizer", "betas") in keys and len(keys) > 15
     for key in keys:
         with pytest.raises(coretrain.UserError) as caught:
-            coretrain.load_plugins({"model": {"provider": "gpt"}}, [f'{".".join(key)}="x"'], autoload=False)
-        message = str(caught.value)
-        assert f"{'.'.join(key)}: expected a list" in message and "got 'x' (string)" in message, key
+            coretrain.load_plugins({"model": {"provider": "gpt"}}, [f'{".".join(key)}="0.9 x"'], autoload=False)
+        dotted = ".".join(key)
+        problems = [line for line in str(caught.value).splitlines() if f": {dotted}" in line]  # (not a required key's)
+        assert len(problems) == 1 and f"{dotted}: expected a list" in problems[0], (key, problems)
+        assert "got '0.9 x' (string)" in problems[0], key
 
     assert describe_type(list[Any]) == "a list" and describe_type(list[str]) == "a list of strings"  # not "typing.Anys"
     loaded = coretrain.load({}, {"train.exit_signals": ("SIGTERM",), "checkpoint.pretrained_exclude": ("head",)})
