@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -223,11 +224,27 @@ def test_pretrained_naming_a_saved_model_directory_says_to_load_it_through_path(
     """``checkpoint.pretrained`` naming a save_pretrained directory read it as a coretrain
     checkpoint: "model.pt: checkpoint file missing; the checkpoint is incomplete"."""
     sections = {**text_run(llama_dir), "checkpoint": {"pretrained": str(llama_dir)}}
-    with pytest.raises(UserError, match=r"is a Hugging Face model directory .*: remove checkpoint.pretrained"):
+    with pytest.raises(UserError, match=r"is a Hugging Face model's save .*: remove checkpoint.pretrained"):
         run_steps(tmp_path / "both", steps=1, config=sections)
+    sections["checkpoint"] = {"pretrained": str(llama_dir / "model.safetensors")}  # its weights, named without hf.
+    with pytest.raises(UserError, match=r"model.safetensors is a Hugging Face model's save .*: remove checkpoint"):
+        run_steps(tmp_path / "weights", steps=1, config=sections)
     sections["model"] = {"provider": "hf", "options": {"config": llama_table()}}
     with pytest.raises(UserError, match=rf"not a coretrain checkpoint; .*\[model.options\] path = \"{llama_dir}\""):
         run_steps(tmp_path / "random", steps=1, config=sections)
+    # this provider's own export (names with hf.) beside a config.json is a checkpoint: it loads
+    trained = run_steps(tmp_path / "trained", steps=1, config=text_run(llama_dir)).run.model
+    from safetensors.torch import save_file
+
+    export = tmp_path / "copy" / "exported.safetensors"
+    shutil.copytree(llama_dir, export.parent)
+    save_file({name: value.contiguous() for name, value in trained.state_dict().items()}, export)
+    loaded = run_steps(
+        tmp_path / "loaded",
+        steps=1,
+        config={**text_run(export.parent), "optimizer": {"lr": 0.0}, "checkpoint": {"pretrained": str(export)}},
+    ).run.model
+    assert all(torch.equal(value, trained.state_dict()[name]) for name, value in loaded.state_dict().items())
 
 
 def parity_data(context: Any) -> Any:

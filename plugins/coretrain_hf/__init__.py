@@ -40,21 +40,38 @@ NEEDED_BY = 'model.provider = "hf"'
 
 
 def refuse_a_saved_model_as_pretrained(pretrained: str | None, path: str | None) -> None:
-    """``checkpoint.pretrained`` naming a ``save_pretrained`` directory (a downloaded model, an
-    hf export) read as a coretrain checkpoint said "model.pt: checkpoint file missing; the
-    checkpoint is incomplete": this provider loads such a directory, through ``path``."""
+    """``checkpoint.pretrained`` naming what ``save_pretrained`` wrote — its directory (a downloaded
+    model, an hf export), or a ``.safetensors`` file in it, named without this provider's ``hf.`` —
+    failed as a coretrain checkpoint ("model.pt: checkpoint file missing", or every name missing):
+    this provider loads such a directory, through ``path``."""
     if pretrained is None:
         return
-    directory = Path(pretrained)
-    saved_model = (directory / "config.json").is_file() and not (directory / "checkpoint.json").is_file()
-    if saved_model and not (directory / "checkpoints").is_dir():
-        loads_it = "model.options.path loads it: remove checkpoint.pretrained"
-        if path is None or Path(path).resolve() != directory.resolve():
-            loads_it = f"the hf provider loads it: [model.options] path = {json.dumps(pretrained)}"
-        raise UserError(
-            f"checkpoint.pretrained: {pretrained} is a Hugging Face model directory (config.json), not a coretrain "
-            f"checkpoint; {loads_it} (with ignore_mismatched_sizes = true for a head of another shape)"
-        )
+    given = Path(pretrained)
+    directory = given.parent if given.suffix == ".safetensors" else given
+    if not (directory / "config.json").is_file() or (directory / "checkpoint.json").is_file():
+        return
+    if (directory / "checkpoints").is_dir() or given.suffix == ".safetensors" and not transformers_names(given):
+        return
+    loads_it = "model.options.path loads it: remove checkpoint.pretrained"
+    if path is None or Path(path).resolve() != directory.resolve():
+        loads_it = f"the hf provider loads it: [model.options] path = {json.dumps(str(directory))}"
+    raise UserError(
+        f"checkpoint.pretrained: {pretrained} is a Hugging Face model's save (config.json), not a coretrain "
+        f"checkpoint; {loads_it} (with ignore_mismatched_sizes = true for a head of another shape)"
+    )
+
+
+def transformers_names(weights: Path) -> bool:
+    """Whether a ``.safetensors`` file names its tensors as transformers does (not one of this
+    provider's exports: ``hf.model...``); False when it cannot be read (the load says why)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), "pt") as opened:
+            names = list(opened.keys())
+    except Exception:  # a damaged or foreign file: the checkpoint loader names what is wrong
+        return False
+    return bool(names) and not any(name.startswith("hf.") for name in names)
 
 
 @define(kw_only=True)
