@@ -274,6 +274,33 @@ def test_export_says_when_it_replaces_a_file_and_writes_it_whole(
     assert set(load_file(str(target))) == set(torch.load(trained / "checkpoints/step_00000002/model.pt"))
 
 
+def test_pretrained_takes_a_safetensors_export_and_names_a_file_torch_cannot_read(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An export's ``.safetensors`` is weights to start from: it loads exactly. torch.load reads
+    safetensors from torch 2.12 on, and only in a file named so; one it cannot read was "it names
+    an object that is not plain data ... (a crafted or foreign file?)": the safetensors plugin says why."""
+    import coretrain_safetensors
+
+    code, _, err = export_to(trained, tmp_path / "m.safetensors", capsys)
+    assert code == 0, err
+    with_plugin = {"plugins": {"safetensors": {}}}
+    if coretrain_safetensors.torch_reads_safetensors():  # (torch >= 2.12; older ones are told so, below)
+        seen = FirstWeights()
+        train(
+            config(tmp_path / "a", checkpoint={"pretrained": str(tmp_path / "m.safetensors")}, **with_plugin),
+            ("seen", seen),
+        )
+        saved = torch.load(trained / "checkpoints" / "step_00000002" / "model.pt")
+        assert seen.step == 0 and all(torch.equal(seen.weights[name], value) for name, value in saved.items())
+    shutil.copy(tmp_path / "m.safetensors", tmp_path / "m_weights")
+    with pytest.raises(UserError, match=r"m_weights is a safetensors file, which torch reads only by its name"):
+        train(config(tmp_path / "b", checkpoint={"pretrained": str(tmp_path / "m_weights")}, **with_plugin))
+    monkeypatch.setattr(coretrain_safetensors, "torch_reads_safetensors", lambda: False)  # as torch < 2.12
+    with pytest.raises(UserError, match=r"torch.load reads from torch 2.12 on .*: upgrade torch, or name a .pt"):
+        train(config(tmp_path / "c", checkpoint={"pretrained": str(tmp_path / "m.safetensors")}, **with_plugin))
+
+
 def test_export_into_a_place_it_cannot_write_is_one_error(
     trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
