@@ -293,7 +293,8 @@ def test_pretrained_takes_a_safetensors_export_and_names_a_file_torch_cannot_rea
         )
         saved = torch.load(trained / "checkpoints" / "step_00000002" / "model.pt")
         assert seen.step == 0 and all(torch.equal(seen.weights[name], value) for name, value in saved.items())
-    shutil.copy(tmp_path / "m.safetensors", tmp_path / "m_weights")
+    code, out, err = export_to(trained, tmp_path / "m_weights", capsys)  # the export says what the name costs
+    assert code == 0 and "read a safetensors file only when named *.safetensors" in out, err
     with pytest.raises(UserError, match=r"m_weights is a safetensors file, which torch reads only by its name"):
         train(config(tmp_path / "b", checkpoint={"pretrained": str(tmp_path / "m_weights")}, **with_plugin))
     monkeypatch.setattr(coretrain_safetensors, "torch_reads_safetensors", lambda: False)  # as torch < 2.12

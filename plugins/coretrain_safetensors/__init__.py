@@ -35,7 +35,10 @@ class Safetensors:
             return None
         replacing = check_export_target(to)
         write_atomically(state, to)
-        return f"wrote {to}" + (" (replaced the file that was there)" if replacing else "")
+        said = f"wrote {to}" + (" (replaced the file that was there)" if replacing else "")
+        if to.suffix != ".safetensors":  # torch.load tells the format by the name alone
+            said += " (torch.load and checkpoint.pretrained read a safetensors file only when named *.safetensors)"
+        return said
 
     @hookimpl
     def configure_run(self, run: Run) -> None:
