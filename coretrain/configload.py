@@ -91,16 +91,16 @@ def make_converter() -> cattrs.Converter:
     for kind, accepted in ((int, (int,)), (float, (int, float)), (bool, (bool,)), (str, (str,))):
         converter.register_structure_hook(kind, _strict(kind, accepted))
 
-    def is_list(cls: Any) -> bool:
+    def is_list_or_tuple(cls: Any) -> bool:
         return list in (cls, typing.get_origin(cls)) or typing.get_origin(cls) is tuple
 
-    def strict_list(cls: Any) -> Any:
+    def strict_sequence(cls: Any) -> Any:
         """cattrs' own hook for this list or tuple type (an item's error names its index), behind the
         refusal of anything but a list: a string would be the list of its characters."""
         then = converter._structure_tuple if typing.get_origin(cls) is tuple else list_structure_factory(cls, converter)
         return _strict(list, (list, tuple), then=then)
 
-    converter.register_structure_hook_factory(is_list, strict_list)
+    converter.register_structure_hook_factory(is_list_or_tuple, strict_sequence)
 
     def without_secrets(cls: Any) -> Any:
         omitted: dict[str, Any] = {name: override(omit=True) for name in secret_fields(cls)}

@@ -47,11 +47,13 @@ def refuse_a_saved_model_as_pretrained(pretrained: str | None, path: str | None)
     if pretrained is None:
         return
     given = Path(pretrained)
-    directory = given.parent if given.suffix == ".safetensors" else given
-    if not (directory / "config.json").is_file() or (directory / "checkpoint.json").is_file():
+    weights_file = given.suffix == ".safetensors"
+    directory = given.parent if weights_file else given
+    coretrains = (directory / "checkpoint.json").is_file() or (directory / "checkpoints").is_dir()
+    if coretrains or not (directory / "config.json").is_file():
         return
-    if (directory / "checkpoints").is_dir() or given.suffix == ".safetensors" and not transformers_names(given):
-        return
+    if weights_file and not transformers_names(given):
+        return  # this provider's own export (its names start with hf.): it fits
     loads_it = "model.options.path loads it: remove checkpoint.pretrained"
     if path is None or Path(path).resolve() != directory.resolve():
         loads_it = f"the hf provider loads it: [model.options] path = {json.dumps(str(directory))}"
