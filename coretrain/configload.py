@@ -344,19 +344,27 @@ def _load_chain(
     data = read_toml(path)
     own = _key_lines(path)
     move_keys(data, own, secondaries)  # this file's old keys as new ones: its values win over its bases' however spelt
-    extends = data.pop("extends", [])
-    bases = [extends] if isinstance(extends, str) else extends
-    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
-        raise UserError(f"{path}: extends: expected a file name or a list of file names, got {describe_value(extends)}")
-    merged: dict[str, Any] = {}
-    for base in bases:
-        base_path = path.parent / base
-        if not base_path.exists():
-            raise UserError(f"{path}: extends: {base!r} not found (looked for {base_path})")
-        merged = merge_layer(merged, _load_chain(base_path, (*seen, path.resolve()), locations, composed, secondaries))
+
+    def load_base(base: Path) -> dict[str, Any]:
+        return _load_chain(base, (*seen, path.resolve()), locations, composed, secondaries)
+
+    merged = _bases(data.pop("extends", []), path.parent, f"{path}: ", load_base)
     locations.update(own)
     composed[path.resolve()] = merge_layer(merged, data)
     return composed[path.resolve()]
+
+
+def _bases(extends: Any, folder: Path, where: str, load: typing.Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """The configs ``extends`` names (a file, or a list of files, relative to ``folder``), merged in order."""
+    bases = [extends] if isinstance(extends, (str, Path)) else extends
+    if not isinstance(bases, list) or not all(isinstance(base, (str, Path)) for base in bases):
+        raise UserError(f"{where}extends: expected a file name or a list of file names, got {describe_value(extends)}")
+    merged: dict[str, Any] = {}
+    for base in bases:
+        if not (folder / base).exists():
+            raise UserError(f"{where}extends: {str(base)!r} not found (looked for {(folder / base).absolute()})")
+        merged = merge_layer(merged, load(folder / base))
+    return merged
 
 
 _TABLE = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?")
@@ -431,13 +439,9 @@ def load_config_data(data: Mapping[str, Any], overrides: Overrides = ()) -> Load
     secondaries: set[tuple[str, ...]] = set()
     layer = copy.deepcopy(dict(data))
     move_keys(layer, {}, secondaries)
-    extends = layer.pop("extends", [])
-    bases = [extends] if isinstance(extends, (str, Path)) else extends
-    raw: dict[str, Any] = {}
-    for base in bases:
-        if not Path(base).exists():
-            raise UserError(f"extends: {str(base)!r} not found (relative to {Path.cwd()})")
-        raw = merge_layer(raw, _load_chain(Path(base), (), locations, secondaries=secondaries))
+    raw = _bases(
+        layer.pop("extends", []), Path(), "", lambda base: _load_chain(base, (), locations, secondaries=secondaries)
+    )
     locations = {key: where for key, where in locations.items() if _lookup(layer, key) is _MISSING}  # the dict's own
     merged = merge_layer(raw, layer)
     return _with_overrides(merged, overrides, locations, Path("config.toml"), "the config", secondaries)

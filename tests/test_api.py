@@ -42,6 +42,21 @@ def test_a_dict_may_extend_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert result.step == 2
 
 
+def test_a_dicts_extends_is_checked_as_a_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dict's ``extends`` that is no file name (a number, a list holding one) is the file's one
+    error line, not a TypeError from inside the loader; a missing file names where it was looked for."""
+    monkeypatch.chdir(tmp_path)
+    for extends, got in ((5, "5 (integer)"), (["base.toml", 5], "['base.toml', 5] (list)")):
+        with pytest.raises(
+            UserError, match=rf"^extends: expected a file name or a list of file names, got {re.escape(got)}$"
+        ):
+            coretrain.load({"extends": extends})
+    with pytest.raises(
+        UserError, match=rf"^extends: 'base.toml' not found \(looked for {re.escape(str(tmp_path))}/base.toml\)$"
+    ):
+        coretrain.load({"extends": "base.toml"})
+
+
 def test_a_mistake_in_a_dict_that_extends_a_file_is_named_at_the_dicts_key_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
