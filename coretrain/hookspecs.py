@@ -17,6 +17,7 @@ One run, drawn as the loop calls it (``run`` is the :class:`coretrain.Run`)::
     configure_optimizer(run)                each          replace run.optimizer (master weights)
     configure_scheduler(run)                firstresult   the lr schedule (the schedule plugin)
     [resume: on_resume(run, step, state) for each plugin, with the state it saved]
+    [or checkpoint.pretrained: read_pretrained(run, path)  firstresult  a file in another format]
     phase_listener(run)                     collected     marks: listener(step, phase) at every
                                                            phase boundary from here on
     on_train_start(run)
@@ -505,6 +506,20 @@ class HookSpecs(Protocol):
         May change: nothing; raise :class:`coretrain.UserError` to refuse (exit 2, nothing written).
         Returns: nothing.
         Ranks: every rank, once, on resume (not for ``checkpoint.pretrained``).
+        """
+
+    @hookspec(firstresult=True)
+    def read_pretrained(self, run: Run, path: Path) -> dict[str, Any] | None:
+        """The weights in ``checkpoint.pretrained``'s file when it is in a format this plugin
+        reads (hook API 1.15): ``safetensors`` reads such files on any torch and under any name,
+        ``script-weights`` a training script's ``torch.save`` (nanoGPT's ``ckpt.pt``).
+
+        Args: ``path`` — the file or directory named (a link such as ``latest`` followed).
+        May change: nothing. The file is another program's: read it without running code from it.
+        Returns: the state dict (parameter name -> tensor), or None: not this plugin's format
+        (coretrain's checkpoints and torch's own files are the core's). Checked as any pretrained
+        weights are: the names and shapes must fit the model.
+        Ranks: every rank, once, at a start that does not resume.
         """
 
     @hookspec

@@ -130,6 +130,7 @@ def config_page(missing: list[str]) -> str:
         lines += ["| key | type | default | what it does |", "| --- | --- | --- | --- |"]
         lines += table_rows(table, field.name, missing) + [""]
     lines += ["## The plugins' tables", ""]
+    on_by_default = {point.name for point in entry_points(group="coretrain.autoload")}
     for point in sorted(entry_points(group="coretrain"), key=lambda p: p.name):
         try:
             plugin = point.load()
@@ -147,7 +148,12 @@ def config_page(missing: list[str]) -> str:
             "",
         ]
         if not [f for f in attrs.fields(plugin) if f.init and not f.name.startswith("_")]:
-            lines += ["No keys: an empty table turns it on.", ""]
+            turned = (
+                "on by default; `enabled = false` turns it off"
+                if point.name in on_by_default
+                else "an empty table turns it on"
+            )
+            lines += [f"No keys: {turned}.", ""]
             continue
         lines += ["| key | type | default | what it does |", "| --- | --- | --- | --- |"]
         lines += table_rows(plugin, where.strip("[]"), missing) + [""]

@@ -94,13 +94,15 @@ def test_pretrained_takes_the_weights_of_a_training_scripts_own_file(
     tmp_path: Any, no_autoload: None, wrapped: Any
 ) -> None:
     """A file another loop saved: nanoGPT's ckpt.pt (its compiled model's names), a state dict
-    under 'state_dict', a DDP model's 'module.' names; the weights load as they were."""
+    under 'state_dict', a DDP model's 'module.' names; the weights load as they were (the
+    script-weights plugin, on by default, reads them)."""
     source, _ = train(config(tmp_path / "a", train={"train_iters": 6}))
     weights = {k: v.clone() for k, v in source.model.state_dict().items()}
     torch.save(wrapped(weights), tmp_path / "ckpt.pt")
     seen = FirstWeights()
     pretrained = {"pretrained": str(tmp_path / "ckpt.pt")}
-    train(config(tmp_path / "b", train={"train_iters": 2}, checkpoint=pretrained), ("seen", seen))
+    plugin = {"script-weights": {}}  # (on by default; these tests load only the plugins they name)
+    train(config(tmp_path / "b", train={"train_iters": 2}, checkpoint=pretrained, plugins=plugin), ("seen", seen))
     assert seen.step == 0 and seen.weights.keys() == weights.keys()
     assert all(torch.equal(seen.weights[k], v) for k, v in weights.items())
 
@@ -274,32 +276,31 @@ def test_export_says_when_it_replaces_a_file_and_writes_it_whole(
     assert set(load_file(str(target))) == set(torch.load(trained / "checkpoints/step_00000002/model.pt"))
 
 
-def test_pretrained_takes_a_safetensors_export_and_names_a_file_torch_cannot_read(
+def test_pretrained_reads_a_safetensors_export_by_its_header_on_any_torch(
     trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An export's ``.safetensors`` is weights to start from: it loads exactly. torch.load reads
-    safetensors from torch 2.12 on, and only in a file named so; one it cannot read was "it names
-    an object that is not plain data ... (a crafted or foreign file?)": the safetensors plugin says why."""
-    import coretrain_safetensors
+    """An export is weights to start from, named ``.safetensors`` or not: the safetensors plugin
+    reads it (``read_pretrained``), not ``torch.load``, which reads safetensors only from torch 2.12
+    on and only by the name (older ones called it "an object that is not plain data ... a crafted
+    or foreign file?"). A damaged one is one error."""
+    from coretrain.checkpoint import safeload
 
-    code, _, err = export_to(trained, tmp_path / "m.safetensors", capsys)
-    assert code == 0, err
-    with_plugin = {"plugins": {"safetensors": {}}}
-    if coretrain_safetensors.torch_reads_safetensors():  # (torch >= 2.12; older ones are told so, below)
-        seen = FirstWeights()
-        train(
-            config(tmp_path / "a", checkpoint={"pretrained": str(tmp_path / "m.safetensors")}, **with_plugin),
-            ("seen", seen),
-        )
-        saved = torch.load(trained / "checkpoints" / "step_00000002" / "model.pt")
-        assert seen.step == 0 and all(torch.equal(seen.weights[name], value) for name, value in saved.items())
-    code, out, err = export_to(trained, tmp_path / "m_weights", capsys)  # the export says what the name costs
-    assert code == 0 and "read a safetensors file only when named *.safetensors" in out, err
-    with pytest.raises(UserError, match=r"m_weights is a safetensors file, which torch reads only by its name"):
-        train(config(tmp_path / "b", checkpoint={"pretrained": str(tmp_path / "m_weights")}, **with_plugin))
-    monkeypatch.setattr(coretrain_safetensors, "torch_reads_safetensors", lambda: False)  # as torch < 2.12
-    with pytest.raises(UserError, match=r"torch.load reads from torch 2.12 on .*: upgrade torch, or name a .pt"):
-        train(config(tmp_path / "c", checkpoint={"pretrained": str(tmp_path / "m.safetensors")}, **with_plugin))
+    saved = torch.load(trained / "checkpoints" / "step_00000002" / "model.pt")
+    plugin = {"safetensors": {}}  # (on by default; these tests load only the plugins they name)
+    for name in ("m.safetensors", "m_weights"):
+        code, out, err = export_to(trained, tmp_path / name, capsys)
+        assert code == 0 and out.startswith(f"wrote {tmp_path / name} (checkpoint ") and "named" not in out, (out, err)
+    with monkeypatch.context() as patched:  # as torch < 2.12 reads it: not at all
+        patched.setattr(safeload, "load_file", lambda *_, **__: pytest.fail("torch.load was asked"))
+        for name in ("m.safetensors", "m_weights"):
+            seen = FirstWeights()
+            pretrained = {"pretrained": str(tmp_path / name)}
+            train(config(tmp_path / f"run_{name}", checkpoint=pretrained, plugins=plugin), ("seen", seen))
+            assert seen.step == 0 and all(torch.equal(seen.weights[key], value) for key, value in saved.items())
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes((tmp_path / "m.safetensors").read_bytes()[:-8])
+    with pytest.raises(UserError, match=r"damaged.safetensors is a safetensors file that cannot be read: "):
+        train(config(tmp_path / "c", checkpoint={"pretrained": str(damaged)}, plugins=plugin))
 
 
 def test_export_into_a_place_it_cannot_write_is_one_error(

@@ -122,6 +122,7 @@ CASES = [  # (file holding the payload, layout, where the checkpoint is read)
         for path in ("resume", "pretrained", "export")
         if not (path == "pretrained" and f.endswith(".distcp"))
     ],
+    ("model.pt", "replicated", "pretrained file"),  # a file, read by the script-weights plugin first
 ]
 
 
@@ -141,14 +142,15 @@ def test_a_crafted_checkpoint_file_runs_nothing_and_is_named(
     config.write_text(config.read_text().replace(str(finished), str(work)))
     if path == "resume":
         result = run_here("run", str(config), "--set", "train.train_iters=6", cwd=work)
-    elif path == "pretrained":
+    elif path.startswith("pretrained"):
+        named_path = target if path == "pretrained file" else step
         result = run_here(
             "run",
             str(config),
             "--set",
             f"run.output_dir={tmp_path / 'new'}",
             "--set",
-            f'checkpoint.pretrained="{step}"',
+            f'checkpoint.pretrained="{named_path}"',
             cwd=work,
         )
     else:

@@ -1,34 +1,21 @@
-"""Weights to start from (``checkpoint.pretrained``): a coretrain checkpoint, or a file another
-training loop saved; model weights only, at step 0 with a fresh optimizer."""
+"""Weights to start from (``checkpoint.pretrained``): a coretrain checkpoint, a file of its
+weights, or a file in a format a plugin reads (``read_pretrained``: safetensors, a training
+script's ``torch.save``); model weights only, at step 0 with a fresh optimizer."""
 
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any
 
 from coretrain.checkpoint import safeload
 from coretrain.checkpoint.layout import followed_link, read_manifest
 from coretrain.checkpoint.load import load_sharded, load_whole, read_weights
 from coretrain.checkpoint.resume import check_model_fits, check_sharded_fits, optional_names, sharded_shapes
 from coretrain.errors import CheckpointUnreadable, UserError, did_you_mean
+from coretrain.pluginmanager import hook_calls
 from coretrain.run import Run
 
 EXCLUDE_HINT = " (checkpoint.pretrained_exclude keeps a new part's own initial weights, e.g. a head for other classes)"
-
-
-def state_dict_in(saved: Any) -> Any:
-    """The model's weights in a file a training script saved: the state dict itself, or under
-    ``model`` / ``state_dict`` (nanoGPT's ``ckpt.pt``, most scripts'), its names
-    without torch.compile's ``_orig_mod.`` or DDP's ``module.`` before each."""
-    for key in ("model", "state_dict", "model_state_dict"):
-        if isinstance(saved, dict) and isinstance(saved.get(key), dict):
-            saved = saved[key]
-            break
-    for prefix in ("_orig_mod.", "module."):
-        if isinstance(saved, dict) and saved and all(str(name).startswith(prefix) for name in saved):
-            saved = {name.removeprefix(prefix): value for name, value in saved.items()}
-    return saved
 
 
 def excluded_names(run: Run, saved_names: set[str]) -> set[str]:
@@ -51,7 +38,9 @@ def load_pretrained(run: Run, path: str) -> None:
     directory = followed_link(Path(path), "checkpoint.pretrained")
     if not directory.exists():
         raise UserError(f"checkpoint.pretrained: '{path}' does not exist")
-    info = read_manifest(directory) if directory.is_dir() else {}  # (a file another loop saved has none)
+    calls = hook_calls(run)
+    weights = calls.hook.read_pretrained(run=run, path=directory) if calls.implemented("read_pretrained") else None
+    info = read_manifest(directory) if directory.is_dir() and weights is None else {}  # (a file has none)
     frozen_saved = info.get("frozen_saved", True)
     if info.get("layout") == "sharded":
         metadata = safeload.check_metadata(directory / "sharded")
@@ -61,7 +50,8 @@ def load_pretrained(run: Run, path: str) -> None:
         single = run.dist.world_size == 1
         load_sharded(run.model, None, directory / "sharded", frozen_saved, single, metadata, kept=kept)
         return
-    weights = read_weights(directory) if directory.is_dir() else state_dict_in(safeload.load_file(directory))
+    if weights is None:  # no plugin's format: a coretrain checkpoint, or torch's own file of its weights
+        weights = read_weights(directory) if directory.is_dir() else safeload.load_file(directory)
     if not isinstance(weights, dict):
         raise CheckpointUnreadable(directory, "not a state dict of model weights")
     kept = excluded_names(run, set(weights))

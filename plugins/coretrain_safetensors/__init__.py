@@ -4,23 +4,22 @@ An export format is a plugin like any other (hook ``export_model``); this one ne
 the run, so the command finds it even when the run's own plugins are no longer installed.
 The file appears whole or not at all: written beside ``--to`` and renamed over it.
 
-Such a file is weights to start from (``checkpoint.pretrained``), read by ``torch.load``, which
-reads safetensors from torch 2.12 on and only in a file named ``*.safetensors``: a run that
-names one torch cannot read is told so here (:meth:`Safetensors.configure_run`).
+Such a file is also weights to start from: ``checkpoint.pretrained`` naming one is read here
+(hook ``read_pretrained``), by its header rather than its name, on any torch; torch's own
+``torch.load`` reads safetensors only from 2.12 on, and only in a file named ``*.safetensors``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import stat
-import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from attrs import define
 
-from coretrain import Run, UserError, hookimpl
+from coretrain import UserError, hookimpl
 
 FORMAT = "safetensors"
 
@@ -35,31 +34,24 @@ class Safetensors:
             return None
         replacing = check_export_target(to)
         write_atomically(state, to)
-        said = f"wrote {to}" + (" (replaced the file that was there)" if replacing else "")
-        if to.suffix != ".safetensors":  # torch.load tells the format by the name alone
-            said += " (torch.load and checkpoint.pretrained read a safetensors file only when named *.safetensors)"
-        return said
+        return f"wrote {to}" + (" (replaced the file that was there)" if replacing else "")
 
     @hookimpl
-    def configure_run(self, run: Run) -> None:
-        """``checkpoint.pretrained`` naming a safetensors file this torch's ``torch.load`` cannot
-        read was "it names an object that is not plain data ... (a crafted or foreign file?)"
-        when the run loaded it: say why, and what to do, before anything is built."""
-        pretrained = run.config.checkpoint.pretrained
-        if pretrained is None or not holds_safetensors(Path(pretrained)):
-            return
-        if Path(pretrained).suffix != ".safetensors":
+    def read_pretrained(self, path: Path) -> dict[str, Any] | None:
+        """``checkpoint.pretrained``'s file, when it is a safetensors file (tensors and a JSON
+        header: nothing in it can run)."""
+        if not holds_safetensors(path):
+            return None
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path, device="cpu")
+        except (SafetensorError, OSError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
             raise UserError(
-                f"checkpoint.pretrained: {pretrained} is a safetensors file, which torch reads only by its name: "
-                "rename it to end in .safetensors (an export's --to: give it that suffix)"
-            )
-        if not torch_reads_safetensors():
-            convert = f"torch.save(load_file({str(pretrained)!r}), 'weights.pt')"
-            raise UserError(
-                f"checkpoint.pretrained: {pretrained} is a safetensors file, which torch.load reads from torch 2.12 "
-                f"on (this is {torch.__version__}): upgrade torch, or name a .pt of its weights "
-                f"(from safetensors.torch import load_file; {convert})"
-            )
+                f"checkpoint.pretrained: {path} is a safetensors file that cannot be read: {reason}"
+            ) from None
 
 
 def write_atomically(state: dict[str, torch.Tensor], to: Path) -> None:
@@ -106,18 +98,3 @@ def holds_safetensors(path: Path) -> bool:
         return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size
     except OSError:  # a directory, or nothing there: the checkpoint loader says what it is
         return False
-
-
-@functools.cache
-def torch_reads_safetensors() -> bool:
-    """Whether this torch's ``torch.load`` reads a ``.safetensors`` file (tried on a tiny one)."""
-    from safetensors.torch import save_file
-
-    with tempfile.TemporaryDirectory() as directory:
-        probe = Path(directory) / "probe.safetensors"
-        save_file({"x": torch.zeros(1)}, str(probe))
-        try:
-            torch.load(probe, map_location="cpu", weights_only=True)
-        except Exception:  # torch < 2.12: an UnpicklingError
-            return False
-    return True
