@@ -123,8 +123,9 @@ def call(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None) -> tuple[to
         return split_output(call_model(model, batch))
     inputs, target = inputs_and_target(batch)
     if target is None:
-        keys = f" (this batch's keys: {sorted(batch)})" if isinstance(batch, Mapping) else ""
-        raise UserError(f"model.loss needs a target: a batch of (inputs..., target) or a dict with 'labels'{keys}")
+        keys = f" (this batch has {sorted(batch)}: rename its target's key)" if isinstance(batch, Mapping) else ""
+        names = ", ".join(repr(key) for key in TARGET_KEYS[:-1]) + f" or {TARGET_KEYS[-1]!r}"
+        raise UserError(f"model.loss needs a target: a batch of (inputs..., target) or a dict with it as {names}{keys}")
     return split_output(loss_fn(call_model(model, inputs), target))
 
 

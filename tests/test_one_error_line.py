@@ -205,6 +205,52 @@ def test_a_loss_that_is_not_one_value_or_a_float_class_target_is_one_error(
     assert code == 2 and words in line, line
 
 
+DICT_ROWS = """
+import torch
+
+
+class Rows(torch.utils.data.Dataset):  # a dict per row, its target under a key of its own
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return {"features": torch.ones(8), "target": torch.zeros(1)}
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def forward(self, features):
+        return self.layer(features)
+
+
+def data(context):
+    return {"train": Rows()}
+
+
+def model(run):
+    return Net()
+"""
+
+
+def test_a_dict_batch_without_a_target_key_names_the_keys_that_hold_one(
+    on_path: Path, config: Path, capsys: Any
+) -> None:
+    """``model.loss`` over dict rows whose target is under ``target``: one line naming every key a
+    target is found under and the batch's own; the FLOP count (timers), which meets the same
+    batch first, leaves the saying to that line."""
+    (on_path / "rows.py").write_text(DICT_ROWS)
+    sets = ['model.provider="rows:model"', 'model.loss="mse"', 'data.provider="rows:data"', "plugins.timers={}"]
+    code = main(["run", str(config), *(arg for value in sets for arg in ("--set", value))])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: model.loss needs a target: a batch of (inputs..., target) or a dict with it as " in err
+    assert "'labels', 'label' or 'label_ids' (this batch has ['features', 'target']: rename its target's key)" in err
+    assert [line.startswith("error:") for line in err.splitlines()].count(True) == 1, err
+    assert "could not count the model's FLOPs" not in err, err
+
+
 def test_plugins_lists_only_the_plugins_named_and_a_misspelt_name_is_one_error(capsys: Any) -> None:
     assert main(["plugins", "ddp", "keep-best"]) == 0
     listing = capsys.readouterr().out

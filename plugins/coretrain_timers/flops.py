@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from coretrain import Run, fetch, forward, is_stream, to_device
+from coretrain import Run, UserError, fetch, forward, is_stream, to_device
 
 log = logging.getLogger("coretrain")
 
@@ -34,9 +34,10 @@ def flops_per_sample(run: Run) -> float | None:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             forward(run, batch)
     except Exception as exc:  # an op the counter cannot trace must not stop training
-        log.warning(
-            "could not count the model's FLOPs (%s: %s); TFLOP/s and MFU are not reported", type(exc).__name__, exc
-        )
+        # a mistake in the batch or config (a UserError) ends the run at its first step, which says it once
+        level = logging.DEBUG if isinstance(exc, UserError) else logging.WARNING
+        what = f"{type(exc).__name__}: {exc}"
+        log.log(level, "could not count the model's FLOPs (%s); TFLOP/s and MFU are not reported", what)
         return None
     finally:
         model.train(was_training)
