@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from typing import Any
 
 from coretrain.errors import UserError, did_you_mean
@@ -20,6 +21,9 @@ def import_callable(path: str, key: str) -> Any:
             obj = getattr(obj, part)
     except Exception as exc:  # ImportError, AttributeError, or whatever the module raised as it loaded
         first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        not_found = isinstance(exc, ModuleNotFoundError) and f"{module_name}.".startswith(f"{exc.name}.")
+        if not_found or getattr(sys.modules.get(module_name), "__file__", "") is None:  # or a folder of that name
+            first += " (looked for in the current directory and on PYTHONPATH: run from its folder, or add it there)"
         raise UserError(f"{key}: cannot import '{path}': {type(exc).__name__}: {first}") from None
     if not callable(obj):
         raise UserError(f"{key}: '{path}' is not callable")

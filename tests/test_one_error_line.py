@@ -125,6 +125,25 @@ def test_a_model_provider_that_raises_exits_or_cannot_be_named_is_one_error(
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
 
 
+WHERE_IMPORTS_LOOK = "(looked for in the current directory and on PYTHONPATH: run from its folder, or add it there)"
+
+
+def test_a_provider_module_not_found_says_where_imports_look(on_path: Path, config: Path, capsys: Any) -> None:
+    """Run from another folder than the provider's module, whose name may even be a folder there
+    (Python imports it as an empty namespace package): one line says where imports look; a
+    module that is found but imports a missing library names that library alone."""
+    (on_path / "models").mkdir()  # a folder, no models.py
+    (on_path / "needs.py").write_text("import no_such_library\ndef build():\n    pass\n")
+    for provider, words in (
+        ("nowhere:build", "ModuleNotFoundError: No module named 'nowhere' " + WHERE_IMPORTS_LOOK),
+        ("nowhere.sub:build", "ModuleNotFoundError: No module named 'nowhere' " + WHERE_IMPORTS_LOOK),
+        ("models:build", "AttributeError: module 'models' has no attribute 'build' " + WHERE_IMPORTS_LOOK),
+        ("needs:build", "ModuleNotFoundError: No module named 'no_such_library'"),
+    ):
+        _, line = cli(capsys, "config", "validate", str(config), "--set", f'model.provider="{provider}"')
+        assert line.endswith(f"cannot import '{provider}': {words}"), line
+
+
 @pytest.mark.parametrize(
     ("loss", "expected"),
     [
