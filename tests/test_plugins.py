@@ -163,6 +163,7 @@ def test_autoload_and_enabled_false(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         "timers",
         "data-checks",
         "safetensors",
+        "script-weights",
         "evaluation",
         "optimizer-overrides",
         "schedule",
