@@ -58,11 +58,23 @@ def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path: Any, no_autol
     assert complete_steps(tmp_path / "out" / "checkpoints") == [8, 10]
 
 
+def whole_tensors(weights: dict[str, Any]) -> dict[str, Any]:
+    """Copies of the weights, a sharded one gathered whole (while the run's process group lives:
+    torch 2.9 cannot gather after it is gone)."""
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in weights.items()}
+
+
 class FirstWeights:
     @hookimpl
     def on_train_start(self, run: Any) -> None:
-        self.weights = {k: v.clone() for k, v in run.model.state_dict().items()}
+        self.weights = whole_tensors(run.model.state_dict())
         self.step = run.state.step
+
+
+class LastWeights:
+    @hookimpl
+    def on_train_end(self, run: Any) -> None:
+        self.weights = whole_tensors(run.model.state_dict())
 
 
 def test_pretrained_loads_weights_only_and_starts_at_step_zero(tmp_path: Any, no_autoload: None) -> None:
@@ -134,10 +146,6 @@ EXCLUDES = [  # (the source's layout, the target's, pretrained_exclude): each ki
 ]
 
 
-def whole_tensors(weights: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights.items()}
-
-
 @pytest.mark.parametrize(
     ("source", "target", "exclude"),
     EXCLUDES,
@@ -149,7 +157,9 @@ def test_pretrained_exclude_keeps_a_new_heads_initialisation_and_loads_the_rest(
     """Fine-tuning a trained body with a new head: the head is the model's own initialisation
     (that of the same run without pretrained weights), every other weight the checkpoint's; from
     a replicated or a sharded checkpoint (FSDP's) into a plain or a sharded model."""
-    trained = whole_tensors(train(config(tmp_path / "a", train={"train_iters": 6}, **source))[0].model.state_dict())
+    last = LastWeights()
+    train(config(tmp_path / "a", train={"train_iters": 6}, **source), ("last", last))
+    trained = last.weights
     assert (tmp_path / "a/out/checkpoints/step_00000006/sharded").is_dir() == bool(source)
     new_head = {"provider": "test_checkpoint:NewHead"}
     fresh, seen = FirstWeights(), FirstWeights()
@@ -157,7 +167,7 @@ def test_pretrained_exclude_keeps_a_new_heads_initialisation_and_loads_the_rest(
     pretrained = {"pretrained": str(tmp_path / "a" / "out"), "pretrained_exclude": exclude}
     tuned = config(tmp_path / "b", model=new_head, train={"train_iters": 1}, checkpoint=pretrained, **target)
     train(tuned, ("seen", seen))
-    initial, loaded = whole_tensors(fresh.weights), whole_tensors(seen.weights)
+    initial, loaded = fresh.weights, seen.weights
     assert all(torch.equal(loaded[k], initial[k]) for k in HEAD)
     assert all(torch.equal(loaded[k], trained[k]) for k in BODY)
     assert not torch.equal(initial[BODY[0]], trained[BODY[0]])  # the body did come from the checkpoint

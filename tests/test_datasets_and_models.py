@@ -11,7 +11,7 @@ import torch
 from coretrain_gpt.model import GPT, GPTConfig
 from coretrain_text_bytes import TextBytes, is_valid_file
 from coretrain_token_file import TokenFile, open_tokens, write_tokens
-from coretrain_windows import TokenWindows
+from coretrain_windows import TokenWindows, windows
 
 from coretrain.data import BatchReader, SampleOrder
 from coretrain.run import DatasetContext
@@ -82,6 +82,24 @@ def test_token_file_memory_maps_uint16_and_uint32(tmp_path: Path) -> None:
         assert datasets.vocab_size == top + 1
         x, y = datasets.train.get_batch(torch.tensor([2]))
         assert x[0].tolist() == tokens[20:30] and y[0].tolist() == tokens[21:31]
+
+
+def test_token_windows_read_ids_above_the_signed_range_exactly(tmp_path: Path) -> None:
+    """GPT-2's ids run to 50,256, past int16's 32,767: a batch gathered from a uint16 file (through
+    a signed view of its bytes, which torch 2.9 can index) holds them as they were, and a uint32
+    file's past 2**31 too, in fixed and in random windows."""
+    for dtype, high in (("uint16", [32768, 50256, 65535, 40000]), ("uint32", [2**31, 2**32 - 1, 70000, 5])):
+        path = tmp_path / f"high_{dtype}.bin"
+        tokens = (high * 50)[:161]
+        write_tokens(str(path), tokens, dtype)
+        for sampling in ("windows", "random"):
+            split = windows(open_tokens(str(path), dtype), seq_length=8, sampling=sampling, count=20, seed=1)
+            x, y = split.get_batch(torch.arange(4))
+            for row, (inputs, targets) in enumerate(zip(x, y)):
+                start = 8 * row if sampling == "windows" else int(split.starts(torch.tensor([row]))[0])
+                assert (
+                    inputs.tolist() == tokens[start : start + 8] and targets.tolist() == tokens[start + 1 : start + 9]
+                )
 
 
 @pytest.mark.parametrize("sampling", ["windows", "random"])

@@ -132,6 +132,8 @@ class SequenceClassifier(torch.nn.Module):
         (``num_labels = 1``: mean squared error)."""
         from transformers.loss.loss_utils import ForSequenceClassificationLoss
 
+        if self.hf.config.num_labels == 1:  # scores in a column of whole numbers are int64: torch 2.9's
+            labels = labels.float()  # mse_loss backward refuses them ("Found dtype Long but expected Float")
         loss = ForSequenceClassificationLoss(labels, logits.float(), self.hf.config)
         values = {"loss": loss, "logits": logits}  # (logged: the single values)
         if self.hf.config.problem_type == "single_label_classification":

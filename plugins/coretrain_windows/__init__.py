@@ -17,6 +17,20 @@ import torch
 __all__ = ["TokenWindows", "RandomWindows", "windows", "shifted"]
 
 
+SIGNED_VIEWS = {torch.uint16: (torch.int16, 0xFFFF), torch.uint32: (torch.int32, 0xFFFF_FFFF)}
+"""Unsigned token ids (nanoGPT's uint16 ``train.bin``) gathered through a signed view of the same
+bytes, then masked back: torch 2.9 cannot index unsigned tensors on the CPU ("index_cpu" not
+implemented for 'UInt16')."""
+
+
+def gathered(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``tokens[index]`` as int64 ids, whatever the tokens' integer type."""
+    if tokens.dtype not in SIGNED_VIEWS:
+        return tokens[index].long()
+    signed, mask = SIGNED_VIEWS[tokens.dtype]
+    return tokens.view(signed)[index].long() & mask
+
+
 def shifted(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of a batch of ``seq_length + 1`` windows, each its own contiguous tensor, as
     Megatron's GPTDataset returns them: slices of one tensor are not, and a model's
@@ -49,7 +63,7 @@ class TokenWindows:
         return window[:-1], window[1:]
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = self.tokens[(indices * self.seq_length).unsqueeze(1) + self._offsets].long()
+        windows = gathered(self.tokens, (indices * self.seq_length).unsqueeze(1) + self._offsets)
         return shifted(windows)
 
 
@@ -91,7 +105,7 @@ class RandomWindows:
         return window[:-1], window[1:]
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = self.tokens[self.starts(indices).unsqueeze(1) + self._offsets].long()
+        windows = gathered(self.tokens, self.starts(indices).unsqueeze(1) + self._offsets)
         return shifted(windows)
 
 
