@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers_inprocess import config, make_model, train
 
+import coretrain
 from coretrain import hookimpl
 from coretrain.checkpoint.layout import complete_steps
 from coretrain.checkpoint.pretrained import EXCLUDE_HINT
@@ -284,6 +285,35 @@ def test_export_says_when_it_replaces_a_file_and_writes_it_whole(
     code, out, _ = export_to(trained, target, capsys)
     assert code == 0 and "(replaced the file that was there)" in out
     assert set(load_file(str(target))) == set(torch.load(trained / "checkpoints/step_00000002/model.pt"))
+
+
+def test_the_guides_plugin_for_a_format_of_your_own_reads_npz_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_autoload: None
+) -> None:
+    """docs/guides/checkpoints.md's ``read_pretrained`` plugin, as a user copies it: a run starts
+    from a ``.npz`` of the weights (at learning rate 0 it ends with them); without the plugin the
+    same file is one error naming it (no reader of the core's or the built-ins' takes it)."""
+    import numpy as np
+
+    from coretrain.testing import tiny_config, write_config
+
+    guide = (Path(__file__).parent.parent / "docs" / "guides" / "checkpoints.md").read_text()
+    block = re.search(r"<!-- tests/test_checkpoint.py runs this block -->\n```python\n(.*?)```", guide, re.S)
+    assert block is not None
+    source, _ = train(config(tmp_path / "source", train={"train_iters": 4}))
+    weights = {name: value.detach().numpy() for name, value in source.model.state_dict().items()}
+    np.savez(tmp_path / "weights.npz", **weights)
+    write_config(
+        tmp_path / "finetune.toml", tiny_config(tmp_path / "out", train={"train_iters": 2}, optimizer={"lr": 0.0})
+    )
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {}
+    exec(compile(block.group(1), "docs/guides/checkpoints.md", "exec"), namespace)
+    assert namespace["result"].step == 2
+    trained = torch.load(tmp_path / "out" / "checkpoints" / "step_00000002" / "model.pt")
+    assert trained.keys() == weights.keys() and all(np.array_equal(trained[k].numpy(), v) for k, v in weights.items())
+    with pytest.raises(UserError, match=r"weights.npz: cannot load checkpoint file"):
+        coretrain.train("finetune.toml", overrides={"checkpoint.pretrained": "weights.npz", "run.output_dir": "other"})
 
 
 def test_pretrained_reads_a_safetensors_export_by_its_header_on_any_torch(
