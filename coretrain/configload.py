@@ -439,9 +439,11 @@ def load_config_data(data: Mapping[str, Any], overrides: Overrides = ()) -> Load
     secondaries: set[tuple[str, ...]] = set()
     layer = copy.deepcopy(dict(data))
     move_keys(layer, {}, secondaries)
-    raw = _bases(
-        layer.pop("extends", []), Path(), "", lambda base: _load_chain(base, (), locations, secondaries=secondaries)
-    )
+
+    def load_base(base: Path) -> dict[str, Any]:
+        return _load_chain(base, (), locations, secondaries=secondaries)
+
+    raw = _bases(layer.pop("extends", []), Path(), "", load_base)  # files relative to the current directory
     locations = {key: where for key, where in locations.items() if _lookup(layer, key) is _MISSING}  # the dict's own
     merged = merge_layer(raw, layer)
     return _with_overrides(merged, overrides, locations, Path("config.toml"), "the config", secondaries)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from helpers_inprocess import config, make_model, train
 
 import coretrain
@@ -297,7 +298,7 @@ def test_the_guides_plugin_for_a_format_of_your_own_reads_npz_weights(
 
     from coretrain.testing import tiny_config, write_config
 
-    guide = (Path(__file__).parent.parent / "docs" / "guides" / "checkpoints.md").read_text()
+    guide = (REPO / "docs" / "guides" / "checkpoints.md").read_text()
     block = re.search(r"<!-- tests/test_checkpoint.py runs this block -->\n```python\n(.*?)```", guide, re.S)
     assert block is not None
     source, _ = train(config(tmp_path / "source", train={"train_iters": 4}))

@@ -48,7 +48,7 @@ class Safetensors:
         try:
             return load_file(path, device="cpu")
         except (SafetensorError, OSError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+            reason = failure_reason(exc)
             raise UserError(
                 f"checkpoint.pretrained: {path} is a safetensors file that cannot be read: {reason}"
             ) from None
@@ -67,8 +67,16 @@ def write_atomically(state: dict[str, torch.Tensor], to: Path) -> None:
         os.replace(partial, to)
     except Exception as exc:  # OSError, or safetensors' own SafetensorError for the same causes
         partial.unlink(missing_ok=True)
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+        reason = failure_reason(exc)
         raise UserError(f"cannot write {to}: {reason}") from None
+
+
+def failure_reason(exc: Exception) -> str:
+    """The cause in a few words: an OSError's own (a full disk, no permission), else safetensors'
+    first line."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc).splitlines()[0]
 
 
 def check_export_target(to: Path) -> bool:
