@@ -150,7 +150,7 @@ class ExpertParallel:
             raise UserError(
                 f'distributed.ep_size ({ep}): expert parallelism runs on FSDP: set distributed.strategy = "fsdp"'
             )
-        mesh = run.device_mesh()
+        mesh = experts_mesh(run)
         spread_over, copies = mesh["ep"], mesh["edp"]
         tp = run.dist.tp_size
         for layer in layers:
@@ -213,6 +213,19 @@ def tensor_split_of(experts: Any, tp: int) -> dict[str, int | None]:
             "attribute: parameter name -> dimension); set tp_size = 1"
         )
     return split or {}
+
+
+def experts_mesh(run: Run) -> Any:
+    """The experts' mesh: "edp" the ranks holding copies of the same experts, "ep" the ranks
+    one expert group spreads over, "tp" the tensor-parallel ranks — the run's mesh's dims of
+    those names (a pipeline stage's), as a root mesh of its own. There they are flattened from
+    others, and torch 2.11's DTensor cannot reduce over several flattened dims: the norm of the
+    experts' gradients, which gradient clipping takes, stopped expert × tensor parallelism."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = run.device_mesh()
+    sizes = {"pp": run.dist.pp_size, "edp": mesh["edp"].size(), "ep": mesh["ep"].size(), "tp": run.dist.tp_size}
+    return init_device_mesh(run.device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
 
 
 def shard_copies(experts: Any, copies: Any) -> None:
