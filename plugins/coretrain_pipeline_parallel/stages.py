@@ -114,6 +114,16 @@ def tie_group(run: Run, ranks: int) -> Any:
     return mine
 
 
+class Stage(PipelineStage):
+    """torch's stage, whose first exchange with its neighbours leaves out its own rank: before
+    torch 2.12 a schedule opens by sending each stage's neighbours a tensor, and in a V the next
+    stage after a rank's first is on the same rank — a send to itself, which gloo cannot do
+    ("Pair is not connected"). Later torch opens otherwise and never asks for these."""
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+
 class VShapedForwards(ScheduleLoopedBFS):
     """Forwards alone, breadth first, over two stages per rank placed in a V (torch's LoopedBFS
     places them in a loop; its V-shaped schedules have no forward-only run)."""
@@ -211,8 +221,7 @@ class Pipeline:
                 for part in self._parts():
                     cast("FSDPModule", part).set_reshard_after_forward(False)
             stages = [
-                PipelineStage(part, s, self.total, run.device, group=self.group)
-                for part, s in zip(self._parts(), self.held)
+                Stage(part, s, self.total, run.device, group=self.group) for part, s in zip(self._parts(), self.held)
             ]
             name = SCHEDULES[self.schedule_name] if training else "ScheduleGPipe" if single else "ScheduleLoopedBFS"
             if training and not v_shaped and count < fewest_for(self.schedule_name, self.group.size()):
