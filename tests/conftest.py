@@ -260,7 +260,8 @@ def in_one_job(
         script = str(REPO / "tests" / "fixtures" / "commands_in_one_job.py")
         job = run_cli(str(plan), cwd=tmp_path, env=env, command=(*torchrun(ranks), script))
     else:
-        job = run_ranks(plan, ranks, cwd=tmp_path, env=env)
+        # a hang's guard, not a time limit: a long job on a busy machine (27 runs at 23 s each) needs more than 300 s
+        job = run_ranks(plan, ranks, cwd=tmp_path, env=env, timeout=max(300, 40 * len(commands)))
     plan.with_name(f"{name}.stderr").write_text(job.stderr)  # the job's whole story, for a failure
     if job.returncode:
         pytest.fail(job_failure(job, commands, plan), pytrace=False)
