@@ -20,7 +20,7 @@ from coretrain.checkpoint.layout import complete_steps
 from coretrain.checkpoint.pretrained import EXCLUDE_HINT
 from coretrain.checkpoint.state import rng_state, set_rng_state
 from coretrain.errors import UserError
-from coretrain.testing import run_steps
+from coretrain.testing import run_steps, tiny_config, write_config
 
 
 def draws() -> tuple:
@@ -294,10 +294,6 @@ def test_the_guides_plugin_for_a_format_of_your_own_reads_npz_weights(
     """docs/guides/checkpoints.md's ``read_pretrained`` plugin, as a user copies it: a run starts
     from a ``.npz`` of the weights (at learning rate 0 it ends with them); without the plugin the
     same file is one error naming it (no reader of the core's or the built-ins' takes it)."""
-    import numpy as np
-
-    from coretrain.testing import tiny_config, write_config
-
     guide = (REPO / "docs" / "guides" / "checkpoints.md").read_text()
     block = re.search(r"<!-- tests/test_checkpoint.py runs this block -->\n```python\n(.*?)```", guide, re.S)
     assert block is not None
