@@ -234,6 +234,21 @@ def test_dualpipev_with_fewer_micro_batches_than_stages_is_one_error() -> None:
         Pipeline.of(run, PipelineParallel(pp_schedule="DualPipeV"))
 
 
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"])
+def test_several_stages_per_rank_on_torch_2_9_is_one_error(monkeypatch: pytest.MonkeyPatch, schedule: str) -> None:
+    """torch 2.9 evaluates looped stages wrongly (NaN) and runs V-shaped ones through sends to the
+    rank itself (gloo: "Pair is not connected")."""
+    import torch
+    from coretrain_pipeline_parallel.stages import check_torch_runs
+
+    check_torch_runs(schedule)  # this torch
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    check_torch_runs("1F1B")
+    check_torch_runs("GPipe")
+    with pytest.raises(UserError, match=rf"pp_schedule = '{schedule}' needs torch 2.10 or newer \(this is 2.9.1"):
+        check_torch_runs(schedule)
+
+
 def test_a_zero_bubble_schedule_on_compiled_stages_is_one_error() -> None:
     """torch runs a compiled backward once; a split backward would run it twice."""
     from types import SimpleNamespace

@@ -22,7 +22,9 @@ half run later to fill the bubble; the weight half finds the weights in the auto
 while FSDP keeps them unsharded, so their stages are not resharded after forward (more memory
 between a forward and its backward, no all-gather per micro-batch). The first rank holds the
 first and the last stage, so a weight tied between them gets a copy on the last (a parameter
-is sharded by one FSDP root), its gradient summed with the first's each step.
+is sharded by one FSDP root), its gradient summed with the first's each step. The schedules of
+several stages per rank (Interleaved1F1B and the two V-shaped ones) need torch 2.10 or newer:
+torch 2.9 evaluates looped stages wrongly and runs a V through sends from a rank to itself.
 
 The step's loss is the last stage's (the other stages log none: ``run.reports_loss``); the
 gradient norm for clipping is taken over every stage; a weight the model ties across the first

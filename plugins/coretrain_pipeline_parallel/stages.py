@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _Action, _ComputationType
+from torch.torch_version import TorchVersion
 
 from coretrain import SHARED_PARAMETERS, Run, UserError, clip_to, gradient_norm
 
@@ -55,6 +56,17 @@ def local_stages(schedule: str, ranks: int, rank: int, virtual: int) -> list[int
     if schedule in V_SHAPED:
         return [rank, 2 * ranks - 1 - rank]
     return [rank + k * ranks for k in range(virtual if schedule == "Interleaved1F1B" else 1)]
+
+
+def check_torch_runs(schedule: str) -> None:
+    """Schedules of several stages per rank on torch 2.9: its evaluation of looped ones is wrong
+    (NaN, or another loss each run, though training matches) and it runs V-shaped ones through
+    sends from a rank to itself, which gloo cannot do."""
+    if schedule in ("Interleaved1F1B", *V_SHAPED) and TorchVersion(torch.__version__) < "2.10":
+        raise UserError(
+            f"plugins.pipeline-parallel.pp_schedule = {schedule!r} needs torch 2.10 or newer (this is "
+            f'{torch.__version__}): upgrade torch, or use pp_schedule = "1F1B"'
+        )
 
 
 def check_micro_batches(schedule: str, ranks: int, count: int) -> None:
@@ -115,13 +127,34 @@ def tie_group(run: Run, ranks: int) -> Any:
 
 
 class Stage(PipelineStage):
-    """torch's stage, whose first exchange with its neighbours leaves out its own rank: before
-    torch 2.12 a schedule opens by sending each stage's neighbours a tensor, and in a V the next
-    stage after a rank's first is on the same rank — a send to itself, which gloo cannot do
-    ("Pair is not connected"). Later torch opens otherwise and never asks for these."""
+    """torch's stage, whose first exchange with its neighbours gloo can do. Before torch 2.12 a
+    schedule opens by sending each stage's neighbours a tensor: in a V the next stage after a
+    rank's first is on the same rank — a send to itself, which gloo cannot do ("Pair is not
+    connected"), so it is left out; and torch 2.9 sends an int64 into a float32 buffer, which
+    gloo aborts on (the sizes differ), so every tensor is float32, as torch 2.10 has it. Later
+    torch opens otherwise and never asks for these."""
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
-        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+        ops = [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+        for op in ops:
+            op.tensor = op.tensor.float()
+        return ops
+
+
+class GPipe(schedules.ScheduleGPipe):
+    """torch's GPipe, also over fewer micro-batches than stages (an evaluation's one, a rampup's
+    small steps): torch 2.9 refuses them for every single-stage schedule, later torch only for
+    1F1B, whose interleaving needs them; all forwards, then all backwards, need not."""
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, **kwargs: Any) -> None:
+        super().__init__(stage, max(n_microbatches, stage.num_stages), **kwargs)
+        self._n_microbatches = n_microbatches
+        self.pipeline_order = self._get_pipeline_order()
+
+
+def schedule_class(name: str) -> Any:
+    """torch's schedule of that class name, or this module's version of it."""
+    return GPipe if name == "ScheduleGPipe" else getattr(schedules, name)
 
 
 class VShapedForwards(ScheduleLoopedBFS):
@@ -174,6 +207,7 @@ class Pipeline:
                 f"distributed.pp_size ({ranks}): the model provider '{run.config.model.provider}' does not cut "
                 f"its {type(run.model).__name__} into pipeline stages (the gpt provider's model is cut by block)"
             )
+        check_torch_runs(schedule)
         count = settings.pp_microbatches or run.micro_batches_per_step
         check_micro_batches(schedule, ranks, count)
         fewest = first_micro_batches(run, count)
@@ -228,7 +262,7 @@ class Pipeline:
                 name = "ScheduleGPipe" if single else "ScheduleLoopedBFS"  # a rampup's small steps: the same numbers
                 if run.dist.is_main:
                     log.info("pipeline-parallel: steps of %d micro-batch(es) run as %s", count, name[8:])
-            kind = VShapedForwards if v_shaped and not training else getattr(schedules, name)
+            kind = VShapedForwards if v_shaped and not training else schedule_class(name)
             self._schedules[key] = kind(stages[0] if single else stages, count, loss_fn=self.loss)
         return self._schedules[key]
 
