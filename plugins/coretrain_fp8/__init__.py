@@ -164,7 +164,7 @@ def convert_to_mxfp8(model: Any, keep: Any, emulate: bool) -> None:
         from torchao.prototype.moe_training.config import KernelPreference, MXFP8TrainingOpConfig
     except ImportError as error:
         raise UserError(
-            f"plugins.fp8.recipe: MXFP8 needs torchao's MXFP8 training (torchao >= 0.15: "
+            f"plugins.fp8.recipe: MXFP8 needs torchao's MXFP8 training (torchao >= 0.17: "
             f"torchao.prototype.moe_training); this torchao has none ({error}). Upgrade torchao or use 'tensorwise'"
         ) from None
     preference = KernelPreference.EMULATED if emulate else KernelPreference.AUTO

@@ -58,6 +58,17 @@ def style_of(name: str) -> Any:
     return RowwiseParallel(input_layouts=Replicate())  # embedding
 
 
+def forget_earlier_shardings() -> None:
+    """Empty DTensor's process-wide caches of op shardings and redistributions before a run
+    splits its model. Before torch 2.11 a split embedding of an earlier run in this process (an
+    in-process restart, a sweep, the Python API) is found there as this run's, with its mask not
+    this run's, and the first forward stops on torch's ``assert self.mask_buffer.data is not None``."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    cast(Any, DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding).cache_clear()  # (untyped)
+    _redistribute._gen_transform_infos.cache_clear()
+
+
 def unmatched(model: Any, plan: dict[str, Any]) -> list[str]:
     """The plan's keys that name no module (``parallelize_module`` would only warn and go on)."""
     paths = [name.split(".") for name, _ in model.named_modules() if name]
@@ -169,6 +180,7 @@ class TensorParallel:
             )
         mesh = run.device_mesh()["tp"]
         ties = tied_parameters(model)
+        forget_earlier_shardings()
         parallelize_module(model, mesh, plan)
         replicated = replicate_rest(model, mesh)
         tie_again(ties)
