@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, config_file, metrics_rows, run_cli, run_here
 from helpers_inprocess import config, train
 
-from coretrain import hookimpl
+from coretrain import UserError, hookimpl
 from coretrain.testing import tiny_config
 
 pytestmark = pytest.mark.slow  # feature plugins in CLI runs: the full suite, not the fast tier
@@ -198,6 +198,21 @@ def test_the_first_step_and_validation_stay_out_of_the_throughput(tmp_path: Path
     spec = config(tmp_path, train={"train_iters": 8, "log_interval": 4}, plugins={"timers": {}})
     train(spec, ("slow", SlowFirstStep()), ("r", recorder))
     assert recorder.logs[0][1]["iteration_time"] < 0.1  # not (0.5 + 3 × fast) / 4
+
+
+def test_mxfp8_on_a_torch_torchao_refuses_is_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchao checks, when it converts the layers, that this torch runs its MXFP8 training (2.10 and
+    2.11 do not): its bare assertion becomes one error naming the torch and the way out."""
+    pytest.importorskip("torchao.prototype.moe_training.config")  # (torchao >= 0.17)
+    import torchao.quantization
+    from coretrain_fp8 import convert_to_mxfp8
+
+    def refuses(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("Please install the latest torch nightly build to use MXFP8 training")
+
+    monkeypatch.setattr(torchao.quantization, "quantize_", refuses)
+    with pytest.raises(UserError, match=r"refuses torch .*\(Please install the latest torch nightly.*use 'tensorwise'"):
+        convert_to_mxfp8(torch.nn.Linear(32, 32), lambda module, name: True, emulate=True)
 
 
 def test_fp8_emulated_training_tracks_full_precision(tmp_path: Path) -> None:

@@ -169,7 +169,15 @@ def convert_to_mxfp8(model: Any, keep: Any, emulate: bool) -> None:
         ) from None
     preference = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
     config = MXFP8TrainingOpConfig(kernel_preference=preference)
-    quantization.quantize_(model, config, filter_fn=lambda module, name: keep(module, name))
+    try:
+        quantization.quantize_(model, config, filter_fn=lambda module, name: keep(module, name))
+    except AssertionError as error:  # torchao's check of the torch it runs on (torch 2.10, 2.11 fail it)
+        import torch
+
+        raise UserError(
+            f"plugins.fp8.recipe: torchao's MXFP8 training refuses torch {torch.__version__} ({error}); "
+            "upgrade torch, or use 'tensorwise'"
+        ) from None
     for name, module in model.named_modules():
         if keep(module, name):
             outside_autocast(module)
