@@ -150,7 +150,7 @@ class ExpertParallel:
             raise UserError(
                 f'distributed.ep_size ({ep}): expert parallelism runs on FSDP: set distributed.strategy = "fsdp"'
             )
-        mesh = experts_mesh(run) if run.dist.tp_size > 1 else run.device_mesh()
+        mesh = experts_mesh(run)
         spread_over, copies = mesh["ep"], mesh["edp"]
         tp = run.dist.tp_size
         for layer in layers:
@@ -217,15 +217,16 @@ def tensor_split_of(experts: Any, tp: int) -> dict[str, int | None]:
 
 def experts_mesh(run: Run) -> Any:
     """The experts' mesh: "edp" the ranks holding copies of the same experts, "ep" the ranks
-    one expert group spreads over, "tp" the tensor-parallel ranks — the run's mesh's dims of
-    those names (a pipeline stage's), as a root mesh of its own, for experts split over
-    tensor-parallel ranks too. There the dims are flattened from others, and torch 2.11's DTensor
-    cannot reduce over several flattened dims: the norm of the experts' gradients, which gradient
-    clipping takes, stopped expert × tensor parallelism. (Without TP the experts are on "ep"
-    alone, and the run's mesh spares the groups a mesh of their own would make.)"""
+    one expert group spreads over, "tp" the tensor-parallel ranks. Without TP the run's mesh
+    (the experts are on "ep" alone, and no more groups are made); with TP its dims of those names
+    (a pipeline stage's) as a root mesh of its own: there they are flattened from others, and
+    torch 2.11's DTensor cannot reduce over several flattened dims — the norm of the experts'
+    gradients, which gradient clipping takes, stopped expert × tensor parallelism."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = run.device_mesh()
+    if run.dist.tp_size == 1:
+        return mesh
     sizes = {"pp": run.dist.pp_size, "edp": mesh["edp"].size(), "ep": mesh["ep"].size(), "tp": run.dist.tp_size}
     return init_device_mesh(run.device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
 
