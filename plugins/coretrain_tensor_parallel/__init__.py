@@ -63,7 +63,7 @@ def style_of(name: str) -> Any:
 def forget_earlier_shardings() -> None:
     """Empty DTensor's process-wide caches of op shardings and redistributions before a run
     splits its model. On torch 2.10 a split embedding of an earlier run in this process (an
-    in-process restart, a sweep, the Python API) is found there as this run's, with its mask not
+    in-process restart, the Python API) is found there as this run's, with its mask not
     this run's, and the first forward stops on torch's ``assert self.mask_buffer.data is not None``."""
     from torch.distributed.tensor import DTensor, _redistribute
 
