@@ -16,9 +16,7 @@ Parameters the plan leaves out are replicated over the group as DTensors, so eve
 lives on the same mesh (gradient clipping, optimizers and DCP checkpoints see one kind);
 those modules must see the same input on every rank of the group, which holds outside
 sequence-parallel regions. Weights tied before splitting (an output head sharing the
-embedding) are tied again after. Use torch 2.10 or newer: on torch 2.9 the gradient norm of a
-model with transformers' sequence-parallel plan or with experts split over the group differs
-from one rank's (by 4e-5 and by half in the tests), so clipping does too.
+embedding) are tied again after.
 """
 
 from __future__ import annotations
@@ -69,6 +67,19 @@ def forget_earlier_shardings() -> None:
 
     cast(Any, DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding).cache.cache_clear()  # (untyped)
     _redistribute._gen_transform_infos.cache_clear()
+
+
+def sum_partial_gradients(model: Any) -> None:
+    """Make each gradient still partial over the group (a sum each rank holds a part of: a
+    replicated bias after a rowwise layer, a norm's weight under sequence parallelism) whole.
+    torch 2.10 and later do this inside the gradient norm; torch 2.9 takes the norm of each
+    rank's part and adds the norms, so clipping used a wrong norm (by half with split experts)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for param in model.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
+            param.grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
 
 
 def unmatched(model: Any, plan: dict[str, Any]) -> list[str]:
@@ -148,10 +159,14 @@ class TensorParallel:
     plan: dict[str, str] = field(factory=dict, validator=_known_styles)
     """Module path (``*`` matches one part) -> colwise | rowwise | colwise_replicate | embedding;
     empty = the model provider's own plan."""
+    _sums_partial_gradients: bool = field(default=False, init=False, repr=False)
+    """torch 2.9: make partial gradients whole before each update (:func:`sum_partial_gradients`)."""
 
     @hookimpl(tryfirst=True)
     def configure_model(self, run: Run) -> None:
+        import torch
         from torch.distributed.tensor.parallel import parallelize_module
+        from torch.torch_version import TorchVersion
 
         tp = run.dist.tp_size
         if tp == 1:
@@ -186,6 +201,7 @@ class TensorParallel:
         parallelize_module(model, mesh, plan)
         replicated = replicate_rest(model, mesh)
         tie_again(ties)
+        self._sums_partial_gradients = TorchVersion(torch.__version__) < "2.10"
         if run.dist.is_main:
             logging.getLogger("coretrain").info(
                 "tensor-parallel: %d ranks per group split %d plan entries; data parallel over %d; "
@@ -195,3 +211,8 @@ class TensorParallel:
                 run.dist.dp_size,
                 ", ".join(replicated) or "nothing",
             )
+
+    @hookimpl
+    def before_update(self, run: Run) -> None:
+        if self._sums_partial_gradients:
+            sum_partial_gradients(run.model)
