@@ -8,7 +8,7 @@ import datetime
 import functools
 import gc
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -213,20 +213,21 @@ def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _forget_sharding_plans() -> None:
-    """Empty DTensor's caches of sharding plans (its C++ one and Python's). A DeviceMesh equals
-    another of the same ranks and dim names whatever its process groups, so a later run in this
-    process (in-process restart, a notebook, a test's job) was handed plans on the groups just
+    """Empty DTensor's caches of sharding plans (its C++ one and Python's) and torch 2.9's maps of
+    flattened meshes. A DeviceMesh equals another of the same ranks and dim names whatever its
+    process groups, so a later run in this process (in-process restart, a notebook, a test's job)
+    was handed plans, or on torch 2.9 a flattened mesh ("dp_shard_cp"), on the groups just
     destroyed: "Could not resolve the process group", or a sum over too few ranks, silently
-    (torch 2.13; Megatron-LM clears the same cache at teardown)."""
+    (Megatron-LM clears the same cache at teardown)."""
+    from torch.distributed import device_mesh
     from torch.distributed.tensor import DTensor
 
     clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_native is not None:
         clear_native()
-    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
-    cached: Any = getattr(propagator, "propagate_op_sharding", None)
-    if hasattr(cached, "cache_clear"):
-        cached.cache_clear()
+    cast(Any, DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding).cache.cache_clear()  # (untyped)
+    for held in ("child_to_root_mapping", "root_to_flatten_mapping", "flatten_name_to_root_dims"):
+        getattr(device_mesh._mesh_resources, held, {}).clear()  # torch 2.9's flattened meshes, by their root
 
 
 def shutdown(graceful: bool = False) -> None:
