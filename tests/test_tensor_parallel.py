@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import config_file, free_port, gpt_preset, in_one_job, metrics_rows, run_train
+from conftest import config_file, gpt_preset, in_one_job, metrics_rows, run_cli, run_train, torchrun
 
 from coretrain.testing import tiny_config, write_config
 
@@ -194,9 +191,5 @@ def test_gradients_partial_over_the_group_are_summed_whole_before_the_norm(tmp_p
     stays split, and the norm over both is the whole gradient's."""
     script = tmp_path / "partial.py"
     script.write_text(PARTIAL_GRADIENTS)
-    port, ranks = free_port(), []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        ranks.append(subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True))
-    results = [(rank.wait(timeout=120), rank.stderr.read() if rank.stderr else "") for rank in ranks]
-    assert [code for code, _ in results] == [0, 0], results
+    ranks = run_cli(str(script), cwd=tmp_path, command=torchrun(2), env={"OMP_NUM_THREADS": "1"})
+    assert ranks.returncode == 0, ranks.stderr
