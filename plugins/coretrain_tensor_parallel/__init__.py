@@ -58,14 +58,14 @@ def style_of(name: str) -> Any:
     return RowwiseParallel(input_layouts=Replicate())  # embedding
 
 
-def forget_earlier_shardings() -> None:
-    """Empty DTensor's process-wide caches of op shardings and redistributions before a run
-    splits its model. On torch 2.10 a split embedding of an earlier run in this process (an
-    in-process restart, the Python API) is found there as this run's, with its mask not
-    this run's, and the first forward stops on torch's ``assert self.mask_buffer.data is not None``."""
-    from torch.distributed.tensor import DTensor, _redistribute
+def forget_earlier_redistributions() -> None:
+    """Empty DTensor's process-wide cache of redistribution plans before a run splits its model
+    (the sharding plans the core empties at every run's end). On torch 2.10 a split embedding of
+    an earlier run in this process (an in-process restart, the Python API) is found there as this
+    run's, with its mask not this run's, and the first forward stops on torch's
+    ``assert self.mask_buffer.data is not None``."""
+    from torch.distributed.tensor import _redistribute
 
-    cast(Any, DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding).cache.cache_clear()  # (untyped)
     _redistribute._gen_transform_infos.cache_clear()
 
 
@@ -197,7 +197,7 @@ class TensorParallel:
             )
         mesh = run.device_mesh()["tp"]
         ties = tied_parameters(model)
-        forget_earlier_shardings()
+        forget_earlier_redistributions()
         parallelize_module(model, mesh, plan)
         replicated = replicate_rest(model, mesh)
         tie_again(ties)
