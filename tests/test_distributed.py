@@ -69,8 +69,18 @@ def test_ddp_on_two_ranks_matches_one_rank_with_two_accumulation_steps(tmp_path:
 
 
 def test_world_size_that_does_not_divide_the_global_batch_is_a_clear_error(tmp_path: Path) -> None:
-    result = on_torchrun("run", str(write(tmp_path, "odd", micro_batch_size=4, global_batch_size=4)), cwd=tmp_path)
-    assert result.returncode != 0
+    """Said once, by local rank 0, even when it comes to the mistake last: rank 1, started 3 s
+    sooner, left first and torchrun stopped rank 0 before it could say it (seen under load)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('LOCAL_RANK') == '0':\n    time.sleep(3)\n"
+    )
+    config = write(tmp_path, "odd", micro_batch_size=4, global_batch_size=4)
+    result = run_cli(
+        "run", str(config), cwd=tmp_path, command=(*torchrun(2), "-m", "coretrain"), env={"PYTHONPATH": str(site)}
+    )
+    assert result.returncode != 0, result.stderr[-3000:]
     assert (
         "error: train.global_batch_size (4) is not a multiple of train.micro_batch_size × data-parallel "
         "size (4 × 2 = 8), and not even one such pass fits in it; lower train.micro_batch_size" in result.stderr

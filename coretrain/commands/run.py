@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -45,8 +46,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     signals = SignalWatcher().install()  # before torch is imported: no signal is lost in start-up
     try:
         return _train(args, signals)
-    except SaidByLocalRank0:
-        return 2
     except Interrupted as exc:
         name = signal.Signals(exc.signum).name
         logging.getLogger("coretrain").info("stopped by %s during start-up; nothing was trained or saved", name)
@@ -115,24 +114,23 @@ def setup_console(level_name: str) -> None:
     logging.basicConfig(level=level, force=True, handlers=[console])
 
 
-class SaidByLocalRank0(Exception):
-    """A configuration error on a rank that is not its machine's first: that one says it."""
-
-
 T = TypeVar("T")
 
 
 def said_once(check: Callable[[], T]) -> T:
     """``check()``, whose mistakes come from the config and the installed packages alone, the
     same on every rank of a machine: under torchrun, local rank 0 says them, the others exit 2
-    quietly (a mistake is one line per machine, not one per rank)."""
-    from coretrain.errors import UserError
+    quietly (a mistake is one line per machine, not one per rank) — after it: a rank that left
+    first had the launcher stop local rank 0 before it said anything (seen under load)."""
+    from coretrain.errors import USAGE_EXIT_CODE, UserError
 
     try:
         return check()
     except UserError:
         if os.environ.get("LOCAL_RANK", "0") != "0":
-            raise SaidByLocalRank0 from None
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # local rank 0 left: the launcher's SIGTERM ends us
+            time.sleep(30)  # (bounded, should local rank 0 not come to the same mistake)
+            raise SystemExit(USAGE_EXIT_CODE) from None
         raise
 
 
