@@ -69,12 +69,12 @@ def test_ddp_on_two_ranks_matches_one_rank_with_two_accumulation_steps(tmp_path:
 
 
 def test_world_size_that_does_not_divide_the_global_batch_is_a_clear_error(tmp_path: Path) -> None:
-    """Said once, by local rank 0, even when it comes to the mistake last: rank 1, started 3 s
-    sooner, left first and torchrun stopped rank 0 before it could say it (seen under load)."""
+    """Said once, by local rank 0, even when it comes to the mistake last: rank 1, started a
+    second sooner, left first and torchrun stopped rank 0 before it could say it (seen under load)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "import os, time\nif os.environ.get('LOCAL_RANK') == '0':\n    time.sleep(3)\n"
+        "import os, time\nif os.environ.get('LOCAL_RANK') == '0':\n    time.sleep(1)\n"
     )
     config = write(tmp_path, "odd", micro_batch_size=4, global_batch_size=4)
     result = run_cli(

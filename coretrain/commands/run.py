@@ -15,8 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from coretrain.commands.common import add_config_args
 
@@ -56,15 +55,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, signals: Any) -> int:
     from coretrain.configload import load_config
+    from coretrain.errors import FAILURE_EXIT_CODE, PluginError, RunFailure, UserError, summary
     from coretrain.session import session_plugins
 
-    loaded = said_once(lambda: load_config(args.config, args.overrides))
-    setup_console(args.log_level or loaded.config.run.log_level)
-    signals.check()
-    plugins = said_once(lambda: session_plugins(loaded))
+    try:  # mistakes of the config and the installed packages, the same on every rank of a machine
+        loaded = load_config(args.config, args.overrides)
+        setup_console(args.log_level or loaded.config.run.log_level)
+        signals.check()
+        plugins = session_plugins(loaded)
+    except UserError:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            raise  # under torchrun, local rank 0 says it: one line per machine, not one per rank
+        return quiet_until_rank_0_said_it()
     signals.check()
 
-    from coretrain.errors import FAILURE_EXIT_CODE, PluginError, RunFailure, UserError, summary
     from coretrain.session import run_session
     from coretrain.signals import Interrupted
 
@@ -114,24 +118,17 @@ def setup_console(level_name: str) -> None:
     logging.basicConfig(level=level, force=True, handlers=[console])
 
 
-T = TypeVar("T")
+QUIET_RANK_WAIT_SECONDS = 10.0
+"""How long a rank that leaves a start-up mistake to local rank 0 waits for the launcher to end it."""
 
 
-def said_once(check: Callable[[], T]) -> T:
-    """``check()``, whose mistakes come from the config and the installed packages alone, the
-    same on every rank of a machine: under torchrun, local rank 0 says them, the others exit 2
-    quietly (a mistake is one line per machine, not one per rank) — after it: a rank that left
-    first had the launcher stop local rank 0 before it said anything (seen under load)."""
-    from coretrain.errors import USAGE_EXIT_CODE, UserError
-
-    try:
-        return check()
-    except UserError:
-        if os.environ.get("LOCAL_RANK", "0") != "0":
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # local rank 0 left: the launcher's SIGTERM ends us
-            time.sleep(30)  # (bounded, should local rank 0 not come to the same mistake)
-            raise SystemExit(USAGE_EXIT_CODE) from None
-        raise
+def quiet_until_rank_0_said_it() -> int:
+    """Exit 2 without a word, but not before local rank 0, which says the mistake: its exit ends
+    this rank (the launcher's SIGTERM). Leaving first had the launcher stop rank 0 before it
+    could say anything (seen under load); the wait is bounded, should rank 0 go on."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(QUIET_RANK_WAIT_SECONDS)
+    return 2
 
 
 def _write_traceback(output_dir: str, exc: BaseException, to_stderr: bool) -> str:
