@@ -30,7 +30,9 @@ does at the same step (a signal stays the group's own: a group preempted leaves,
 its own and the groups meet every ``sync_every`` steps, torchft's LocalSGD and DiLoCo.
 
 What it logs: ``replica groups 2 of 2 at step 1``, ``replica group 1 left the quorum at step 8``,
-``replica group 1 joined at step 11, state from replica group 0 (0.4 MB in 0.1 s)``, and the
+``replica group 1 joined at step 11, state from replica group 0 (0.4 MB in 0.1 s)``, ``replica
+group 1 was restarted: it left and rejoined the quorum at step 8`` (back before a quorum went on
+without it), and the
 metrics ``replica_groups`` (the quorum's size at the logged step) and
 ``replica_group_steps_missed`` (steps × groups whose share went unread, so far).
 
@@ -120,6 +122,11 @@ class TorchFT:
     _number: int = field(default=0, init=False, repr=False)
     """This group's number, read once (``_group``) when training starts."""
     _members: tuple[int, ...] = field(default=(), init=False, repr=False)
+    _marks: dict[int, float] = field(factory=dict, init=False, repr=False)
+    """Group -> the mark its process put in the last quorum's exchange (:attr:`_incarnation`)."""
+    _incarnation: float = field(factory=lambda: float(int.from_bytes(os.urandom(3), "big") or 1), init=False)
+    """This process's mark, drawn from the OS (the run's seed does not reach it): a group
+    restarted between two quorums comes back with another, though the quorum's groups are the same."""
     _quorum: Any = field(default=None, init=False, repr=False)
     _received_bytes: float | None = field(default=None, init=False, repr=False)
     """The size of the state this group took from a live one (None: it took none)."""
@@ -317,16 +324,20 @@ class TorchFT:
             return
         self._quorum = quorum
         present = torch.zeros(self.replica_groups)
-        present[self._number] = 1.0
+        present[self._number] = self._incarnation  # (exact in float32: below 2**24)
         manager.allreduce(present, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        members = tuple(g for g in range(self.replica_groups) if present[g] > 0)
+        marks = {g: float(present[g]) for g in range(self.replica_groups) if present[g] > 0}
+        members = tuple(marks)
         if not members:  # the exchange failed with the quorum: the commit will say so, the step runs again
             return
+        restarted = [g for g in members if self._marks.get(g, marks[g]) != marks[g]]
         if say and run.dist.is_main:
-            self._say_changes(run, self._members, members)
-        self._members = members
+            self._say_changes(run, self._members, members, restarted)
+        self._members, self._marks = members, marks
 
-    def _say_changes(self, run: Run, before: tuple[int, ...], members: tuple[int, ...]) -> None:
+    def _say_changes(
+        self, run: Run, before: tuple[int, ...], members: tuple[int, ...], restarted: list[int] | None = None
+    ) -> None:
         step = run.state.step + 1  # (after a state received: the live groups' next step)
         if not before:
             log.info("replica groups %d of %d at step %d", len(members), self.replica_groups, step)
@@ -340,6 +351,8 @@ class TorchFT:
                 f" (its share of {away} step(s), {away * run.global_batch_size} samples, was not read)" if away else ""
             )
             log.info("replica group %d joined the quorum at step %d%s", g, step, said)
+        for g in restarted or []:  # it left and came back between two quorums: none was without it
+            log.warning("replica group %d was restarted: it left and rejoined the quorum at step %d", g, step)
 
     @hookimpl(tryfirst=True)  # the quorum first: what other plugins do in pre_step happens inside the step
     def pre_step(self, run: Run, step: int) -> None:
