@@ -55,7 +55,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, signals: Any) -> int:
     from coretrain.configload import load_config
-    from coretrain.errors import FAILURE_EXIT_CODE, PluginError, RunFailure, UserError, summary
+    from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, PluginError, RunFailure, UserError, summary
     from coretrain.session import session_plugins
 
     try:  # mistakes of the config and the installed packages, the same on every rank of a machine
@@ -66,7 +66,8 @@ def _train(args: argparse.Namespace, signals: Any) -> int:
     except UserError:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             raise  # under torchrun, local rank 0 says it: one line per machine, not one per rank
-        return quiet_until_rank_0_said_it()
+        wait_for_rank_0_to_say_it()
+        return USAGE_EXIT_CODE
     signals.check()
 
     from coretrain.session import run_session
@@ -122,13 +123,12 @@ QUIET_RANK_WAIT_SECONDS = 10.0
 """How long a rank that leaves a start-up mistake to local rank 0 waits for the launcher to end it."""
 
 
-def quiet_until_rank_0_said_it() -> int:
-    """Exit 2 without a word, but not before local rank 0, which says the mistake: its exit ends
-    this rank (the launcher's SIGTERM). Leaving first had the launcher stop rank 0 before it
-    could say anything (seen under load); the wait is bounded, should rank 0 go on."""
+def wait_for_rank_0_to_say_it() -> None:
+    """A rank that leaves the mistake to local rank 0 leaves after it: rank 0's exit ends this
+    rank (the launcher's SIGTERM). Leaving first had the launcher stop rank 0 before it could say
+    anything (seen under load); the wait is bounded, should rank 0 go on."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(QUIET_RANK_WAIT_SECONDS)
-    return 2
 
 
 def _write_traceback(output_dir: str, exc: BaseException, to_stderr: bool) -> str:
