@@ -47,6 +47,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import time
 from collections.abc import Callable, Generator
 from typing import Any, Literal
@@ -121,12 +122,12 @@ class TorchFT:
     _run: Run | None = field(default=None, init=False, repr=False)
     _number: int = field(default=0, init=False, repr=False)
     """This group's number, read once (``_group``) when training starts."""
-    _members: tuple[int, ...] = field(default=(), init=False, repr=False)
     _marks: dict[int, float] = field(factory=dict, init=False, repr=False)
-    """Group -> the mark its process put in the last quorum's exchange (:attr:`_incarnation`)."""
-    _incarnation: float = field(factory=lambda: float(int.from_bytes(os.urandom(3), "big") or 1), init=False)
-    """This process's mark, drawn from the OS (the run's seed does not reach it): a group
-    restarted between two quorums comes back with another, though the quorum's groups are the same."""
+    """The last quorum's groups -> the mark each one's process put in its exchange (:attr:`_incarnation`)."""
+    _incarnation: float = field(factory=lambda: float(random.SystemRandom().randrange(1, 2**24)), init=False)
+    """This process's mark, drawn from the OS (the run's seed does not reach it; exact in float32):
+    a group restarted between two quorums comes back with another, though the quorum's groups are
+    the same."""
     _quorum: Any = field(default=None, init=False, repr=False)
     _received_bytes: float | None = field(default=None, init=False, repr=False)
     """The size of the state this group took from a live one (None: it took none)."""
@@ -259,7 +260,7 @@ class TorchFT:
         if self._received_bytes is None:  # the job starting or resuming: every group takes part from the start
             self._wait_for_every_group(run, resuming=run.state.step > 0)
         if run.dist.is_main:
-            self._say_changes(run, (), self._members)
+            self._say_changes(run, {}, self._marks)
         self._begun = run.state.step + 1  # (a state received moved the run to the live groups' step)
         self._synced = run.state.step
         if self._periodic is not None and self._received_bytes is not None:  # met the live groups at a sync
@@ -324,20 +325,22 @@ class TorchFT:
             return
         self._quorum = quorum
         present = torch.zeros(self.replica_groups)
-        present[self._number] = self._incarnation  # (exact in float32: below 2**24)
+        present[self._number] = self._incarnation
         manager.allreduce(present, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         marks = {g: float(present[g]) for g in range(self.replica_groups) if present[g] > 0}
-        members = tuple(marks)
-        if not members:  # the exchange failed with the quorum: the commit will say so, the step runs again
+        if not marks:  # the exchange failed with the quorum: the commit will say so, the step runs again
             return
-        restarted = [g for g in members if self._marks.get(g, marks[g]) != marks[g]]
         if say and run.dist.is_main:
-            self._say_changes(run, self._members, members, restarted)
-        self._members, self._marks = members, marks
+            self._say_changes(run, self._marks, marks)
+        self._marks = marks
 
-    def _say_changes(
-        self, run: Run, before: tuple[int, ...], members: tuple[int, ...], restarted: list[int] | None = None
-    ) -> None:
+    @property
+    def _members(self) -> tuple[int, ...]:
+        """The groups of the last quorum."""
+        return tuple(self._marks)
+
+    def _say_changes(self, run: Run, before: dict[int, float], members: dict[int, float]) -> None:
+        """Groups that left, joined, or were restarted between two quorums (each keyed to its mark)."""
         step = run.state.step + 1  # (after a state received: the live groups' next step)
         if not before:
             log.info("replica groups %d of %d at step %d", len(members), self.replica_groups, step)
@@ -351,7 +354,8 @@ class TorchFT:
                 f" (its share of {away} step(s), {away * run.global_batch_size} samples, was not read)" if away else ""
             )
             log.info("replica group %d joined the quorum at step %d%s", g, step, said)
-        for g in restarted or []:  # it left and came back between two quorums: none was without it
+        restarted = [g for g in sorted(set(before) & set(members)) if before[g] != members[g]]
+        for g in restarted:  # it left and came back between two quorums: no quorum was without it
             log.warning("replica group %d was restarted: it left and rejoined the quorum at step %d", g, step)
 
     @hookimpl(tryfirst=True)  # the quorum first: what other plugins do in pre_step happens inside the step
