@@ -18,8 +18,9 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,14 @@ def _imported_from(module: object, directories: list[str]) -> bool:
     if path.startswith(str(REPO) + os.sep):
         return False
     return any(path.startswith(directory + os.sep) for directory in directories)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    """Poll ``condition`` until it holds; a test that waits on another process fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
 
 
 def free_port() -> int:

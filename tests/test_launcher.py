@@ -9,13 +9,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port, metrics_rows, run_cli, write_tiny_gpt
+from conftest import free_port, metrics_rows, run_cli, wait_for, write_tiny_gpt
 
 
 def children(pid: int) -> list[int]:
@@ -37,13 +35,6 @@ def job_starts(out: Path) -> list[int]:
     path = out / "progress.txt"
     lines = path.read_text().splitlines() if path.exists() else []
     return [int(line.split("\tworld ")[1].split("\t")[0]) for line in lines if line.endswith("job start")]
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 @pytest.mark.slow
