@@ -77,6 +77,12 @@ log = logging.getLogger("coretrain")
 GROUP_ENV, LIGHTHOUSE_ENV = "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"
 
 
+def _process_mark() -> float:
+    """A number for this process in the quorum's exchange, drawn from the OS (the run's seed does
+    not reach it), below 2**24 so that float32 holds it exactly."""
+    return float(random.SystemRandom().randrange(1, 2**24))
+
+
 @define(kw_only=True)
 class TorchFT:
     """Replica groups under torchft's per-step quorum: a failed group is dropped, the others go on."""
@@ -123,11 +129,10 @@ class TorchFT:
     _number: int = field(default=0, init=False, repr=False)
     """This group's number, read once (``_group``) when training starts."""
     _marks: dict[int, float] = field(factory=dict, init=False, repr=False)
-    """The last quorum's groups -> the mark each one's process put in its exchange (:attr:`_incarnation`)."""
-    _incarnation: float = field(factory=lambda: float(random.SystemRandom().randrange(1, 2**24)), init=False)
-    """This process's mark, drawn from the OS (the run's seed does not reach it; exact in float32):
-    a group restarted between two quorums comes back with another, though the quorum's groups are
-    the same."""
+    """The last quorum's groups -> the mark each one's process put in its exchange (:attr:`_mark`)."""
+    _mark: float = field(factory=_process_mark, init=False, repr=False)
+    """This process's mark: a group restarted between two quorums comes back with another, though
+    the quorum's groups are the same."""
     _quorum: Any = field(default=None, init=False, repr=False)
     _received_bytes: float | None = field(default=None, init=False, repr=False)
     """The size of the state this group took from a live one (None: it took none)."""
@@ -325,9 +330,9 @@ class TorchFT:
             return
         self._quorum = quorum
         present = torch.zeros(self.replica_groups)
-        present[self._number] = self._incarnation
+        present[self._number] = self._mark
         manager.allreduce(present, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        marks = {g: float(present[g]) for g in range(self.replica_groups) if present[g] > 0}
+        marks = {group: mark for group, mark in enumerate(present.tolist()) if mark > 0}
         if not marks:  # the exchange failed with the quorum: the commit will say so, the step runs again
             return
         if say and run.dist.is_main:
@@ -339,24 +344,24 @@ class TorchFT:
         """The groups of the last quorum."""
         return tuple(self._marks)
 
-    def _say_changes(self, run: Run, before: dict[int, float], members: dict[int, float]) -> None:
-        """Groups that left, joined, or were restarted between two quorums (each keyed to its mark)."""
+    def _say_changes(self, run: Run, before: dict[int, float], now: dict[int, float]) -> None:
+        """Groups that left, joined, or were restarted between two quorums (each group keyed to its mark)."""
         step = run.state.step + 1  # (after a state received: the live groups' next step)
         if not before:
-            log.info("replica groups %d of %d at step %d", len(members), self.replica_groups, step)
+            log.info("replica groups %d of %d at step %d", len(now), self.replica_groups, step)
             return
-        for g in sorted(set(before) - set(members)):
+        for g in sorted(set(before) - set(now)):
             self._left_at[g] = step
             log.warning("replica group %d left the quorum at step %d (its share of each step is not read)", g, step)
-        for g in sorted(set(members) - set(before)):
+        for g in sorted(set(now) - set(before)):
             away = step - self._left_at.pop(g, step)
             said = (
                 f" (its share of {away} step(s), {away * run.global_batch_size} samples, was not read)" if away else ""
             )
             log.info("replica group %d joined the quorum at step %d%s", g, step, said)
-        restarted = [g for g in sorted(set(before) & set(members)) if before[g] != members[g]]
-        for g in restarted:  # it left and came back between two quorums: no quorum was without it
-            log.warning("replica group %d was restarted: it left and rejoined the quorum at step %d", g, step)
+        for g in sorted(set(before) & set(now)):
+            if before[g] != now[g]:  # it left and came back between two quorums: no quorum was without it
+                log.warning("replica group %d was restarted: it left and rejoined the quorum at step %d", g, step)
 
     @hookimpl(tryfirst=True)  # the quorum first: what other plugins do in pre_step happens inside the step
     def pre_step(self, run: Run, step: int) -> None:
