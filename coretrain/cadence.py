@@ -47,6 +47,8 @@ class Cadence:
 
     @classmethod
     def of(cls, config: Config, has_valid: bool) -> Cadence:
+        """From the config: an evaluation interval counts only when there is a validation split
+        and evaluation has batches to run (a zero interval is never)."""
         train = config.train
         evaluates = has_valid and bool(train.eval_iters or train.eval_full)
         return cls(

@@ -34,6 +34,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser with every command of the ``coretrain.commands`` entry-point group (``run``
+    first), so an installed distribution adds its own; one that fails to load is skipped with a
+    line, not a traceback for every other command."""
     parser = OneLineParser(prog="coretrain", description="Train PyTorch models; every feature is a plugin.")
     parser.add_argument("--version", action="version", version=f"coretrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -47,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, run the command, and turn what it raises into one line and an exit code: 2 for the
+    user's mistake, 1 for a failure; an exception of any other kind is a bug and keeps its
+    traceback."""
     args = build_parser().parse_args(argv)  # loads every command's package: may take a moment
     from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, PluginError, RunFailure, UserError
 

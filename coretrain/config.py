@@ -26,6 +26,7 @@ def world_size_from_env() -> int:
 
 
 def _signal_names(instance: object, attribute: attrs.Attribute[Any], value: list[str]) -> None:
+    """Each name is a signal of this platform's (``SIGTERM``), so a typo fails at load, not when a job is preempted."""
     import signal
 
     for name in value:
@@ -161,6 +162,7 @@ class TrainConfig:
     """Max global gradient norm; 0 disables clipping."""
 
     def __attrs_post_init__(self) -> None:
+        """One way to say the run's length (none: 1,000 steps)."""
         lengths = [key for key in ("train_iters", "train_samples", "train_epochs") if getattr(self, key) is not None]
         if len(lengths) > 1:
             raise FieldValueError(lengths[1], f"set one of train_iters, train_samples and train_epochs, not {lengths}")
@@ -172,6 +174,7 @@ OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "adafactor")
 
 
 def _optimizer_name(instance: Any, attribute: attrs.Attribute[Any], value: str) -> None:
+    """A built-in optimizer's name or an import path (checked when the optimizer is built)."""
     if value not in OPTIMIZER_NAMES and ":" not in value:
         raise FieldValueError(
             attribute.name,

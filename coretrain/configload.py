@@ -60,6 +60,7 @@ def _strict(kind: type, accept: tuple[type, ...], then: Any = None) -> Any:
     ``then``, the default hook of a list type, whose items' errors name their index)."""
 
     def hook(value: Any, _: type) -> Any:
+        """The value as a ``kind``, or a TypeError naming what it was (:func:`_problems` words it)."""
         if isinstance(value, bool) and kind is not bool:
             raise TypeError("bool")
         if not isinstance(value, accept):
@@ -81,6 +82,7 @@ manifest, ``config show``, a tracker's parameters — ever sees it (:func:`withh
 
 
 def secret_fields(cls: Any) -> list[str]:
+    """The names of ``cls``'s fields marked :data:`SECRET` (none for a class that is not attrs)."""
     return [f.name for f in attrs.fields(cls) if f.metadata.get(SECRET)] if attrs.has(cls) else []
 
 
@@ -144,6 +146,11 @@ def structure(
         raise UserError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
+# Each (key path, message) in a cattrs error. cattrs nests one group per class and list and says
+# in notes which field or index each error is under, so the walk carries the path and the type
+# expected there down to the leaves: an unknown key, a field's own check, a class's check, or a
+# value of the wrong type, each in its own words (``data``: the raw config, the value as written).
+# (A comment, not a docstring: the function is at the 40 lines a core function may have.)
 def _problems(
     exc: BaseException, path: tuple[str, ...], cls: Any, data: Any
 ) -> typing.Iterator[tuple[tuple[str, ...], str]]:
@@ -217,6 +224,8 @@ _MISSING = object()
 
 
 def _lookup(data: Any, path: tuple[str, ...]) -> Any:
+    """The raw value at a key path (list items by index), or ``_MISSING``: what a message quotes
+    as "got ...", from the data as written, not as cattrs half-converted it."""
     for key in path:
         if isinstance(data, Mapping) and key in data:
             data = data[key]
@@ -244,6 +253,8 @@ def describe_type(tp: Any) -> str:
 
 
 def describe_value(value: Any) -> str:
+    """A value as an error quotes it, with its TOML kind (``'3' (string)``, ``true (boolean)``),
+    cut to 40 characters so a pasted blob does not flood the message."""
     if value is _MISSING:
         return "nothing"
     kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "table"}.get(
@@ -385,10 +396,12 @@ def _key_lines(path: Path) -> dict[tuple[str, ...], Location]:
 
 
 def _split_key(key: str) -> tuple[str, ...]:
+    """``a.b.c`` (or TOML's quoted ``"a".b``) as its parts."""
     return tuple(part.strip().strip("\"'") for part in key.split("."))
 
 
 def _nearest(locations: Mapping[tuple[str, ...], Location], path: tuple[str, ...]) -> Location | None:
+    """The line of the closest enclosing table that has one: a missing key has no line of its own."""
     for end in range(len(path) - 1, 0, -1):
         if path[:end] in locations:
             return locations[path[:end]]
@@ -408,6 +421,8 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
 
 
 def apply_override(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """Set ``value`` at ``path`` in ``data``, making the tables on the way; a non-table in the way
+    is an error (``--set optimizer.lr.x=1`` over a number), not silently replaced."""
     node = data
     for i, key in enumerate(path[:-1]):
         child = node.setdefault(key, {})
@@ -491,6 +506,7 @@ def toml_text(data: Mapping[str, Any]) -> str:
 
 
 def _without_none(data: Any) -> Any:
+    """TOML has no null: an unset value is an absent key (reading it back gives the default, None)."""
     if isinstance(data, Mapping):
         return {key: _without_none(value) for key, value in data.items() if value is not None}
     return [_without_none(item) for item in data if item is not None] if isinstance(data, list) else data

@@ -26,12 +26,16 @@ class SampleOrder:
         self._epoch, self._perm = -1, torch.arange(length)
 
     def _permutation(self, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s order, shuffled from (seed + epoch) alone: the same on every rank and
+        after any resume; the last one drawn is kept, as the loop reads one epoch after another."""
         if epoch != self._epoch and self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + epoch)
             self._epoch, self._perm = epoch, torch.randperm(self.length, generator=generator)
         return self._perm
 
     def indices(self, start: int, count: int) -> torch.Tensor:
+        """Positions ``start`` to ``start + count`` of the endless order (epochs back to back), as
+        sample indices; a batch that crosses an epoch's end takes the next epoch's first samples."""
         epoch, offset = divmod(start, self.length)
         if epoch == self._epoch and offset + count <= self.length:  # the common case, kept cheap
             return self._perm[offset : offset + count]
@@ -62,6 +66,8 @@ def batch_size(batch: Any) -> int:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch``'s tensors on ``device`` (non-blocking: pinned memory overlaps the copy), nested in
+    the same lists, tuples, namedtuples and dicts; anything else as it is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
@@ -91,6 +97,7 @@ class BatchReader:
         self.get_batch = getattr(dataset, "get_batch", None) or (lambda indices: fetch(dataset, indices, collate))
 
     def read(self, start: int, global_batch_size: int, micro_batch_size: int) -> list[Any]:
+        """This rank's micro-batches of the global batch at position ``start`` of the order."""
         per_rank = global_batch_size // self.world_size
         indices = self.order.indices(start + self.rank * per_rank, per_rank)
         if per_rank == micro_batch_size:  # the common case: no slicing

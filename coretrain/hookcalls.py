@@ -100,6 +100,7 @@ class HookCalls:
         return self._each_even_past_errors("close_run", run=run)
 
     def _each_even_past_errors(self, name: str, **kwargs: object) -> list[BaseException]:
+        """Call hook ``name`` plugin by plugin (pluggy would stop at the first that raises)."""
         errors: list[BaseException] = []
         for _, call in self._one_by_one(name):
             try:

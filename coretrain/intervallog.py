@@ -44,6 +44,8 @@ class IntervalLog:
         step: int = 0,
         skipped: bool = False,
     ) -> None:
+        """One step's device tensors, kept by reference (no sync, no copy); a step without an
+        update is only counted."""
         if skipped:  # a NaN that was not applied must not reach the mean
             self.skipped += 1
             return
@@ -105,6 +107,8 @@ class IntervalLog:
         return bad.sum(dtype=torch.float32).reshape(1)
 
     def _nonfinite_message(self, count: int) -> str:
+        """The error once applied updates had a NaN/Inf loss: the first such step (this rank's),
+        why the run stops rather than train on ruined weights, and what to look at."""
         bad = [i for i, loss in enumerate(self.losses) if not torch.isfinite(loss).item()]
         where = f"at step {self.steps[bad[0]]} (loss {self.losses[bad[0]].item()})" if bad else "on another rank"
         return (

@@ -124,6 +124,7 @@ class RankBatchSampler:
         self.micro, self.first_step = micro_batch_size, first_step
 
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        """Endless: the loop stops asking; the steps' micro-batch counts come from the plan."""
         step = self.first_step
         while True:
             n_micro, consumed = self.plan.at(step)
@@ -220,6 +221,8 @@ class SplitBatches:
             yield count, (to_device(batch, self.device) if self.device is not None else batch)
 
     def _counted(self) -> Iterator[tuple[int, Any]]:
+        """(samples, batch), before the move to the device: the count lets an evaluation weight a
+        short last batch by what it holds; a stream stops once ``limit`` samples were read."""
         if is_stream(self.dataset):
             seen = 0
             for batch in read_stream(self.run, self.dataset, self.micro_batch_size, training=False):
@@ -294,6 +297,8 @@ class TrainBatches:
         return [to_device(b, self.device) for b in batches] if self.device is not None else batches
 
     def _next(self) -> Any:
+        """The next micro-batch; a finite stream that ended starts its next pass (an epoch), as a
+        map-style split's order goes on into its next epoch."""
         assert self._iterator is not None
         try:
             return next(self._iterator)

@@ -77,6 +77,7 @@ def _move_locations(
 
 
 def _table(data: dict[str, Any], path: list[str], create: bool = False) -> dict[str, Any] | None:
+    """The table at ``path`` (made on the way when ``create``), or None when something else is there."""
     node: Any = data
     for key in path:
         if not isinstance(node, dict) or (key not in node and not create):

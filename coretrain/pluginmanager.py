@@ -85,6 +85,8 @@ def _path_state() -> tuple[tuple[str, int], ...]:
 
 @functools.lru_cache(maxsize=1)
 def _discover(path_state: tuple[tuple[str, int], ...]) -> dict[str, PluginEntry]:
+    """The scan :func:`discover` caches (``path_state`` is its key). Two distributions claiming
+    one name are an error: which of them ran would depend on the order they were installed in."""
     autoload = {ep.name for ep in metadata.entry_points(group=AUTOLOAD_GROUP)}
     found: dict[str, PluginEntry] = {}
     for ep in metadata.entry_points(group=GROUP):
@@ -174,6 +176,7 @@ def _apply_plugin_tables(
 
 
 def _require_installed(name: str, key: str, installed: Mapping[str, PluginEntry]) -> None:
+    """The plugin ``key`` turns on is installed, or an error naming the key and what is."""
     if name not in installed:
         known = ", ".join(sorted(installed)) or f"none ({INSTALL_HINT})"
         raise UserError(
@@ -201,6 +204,9 @@ class Plugins:
         report names."""
 
     def register(self, name: str, plugin: object, entry: PluginEntry | None = None) -> None:
+        """Register ``plugin`` as ``name`` after checking the hook API it was written for; pluggy's
+        refusal (an argument no spec has) becomes one error naming the plugin; each hook
+        implementation but a wrapper is wrapped to name the plugin when it raises."""
         check_hook_api(name, plugin, entry)
         try:
             self.manager.register(plugin, name=name)
@@ -301,6 +307,7 @@ def _naming_failures(
 
     @functools.wraps(function)
     def guarded(*args: Any) -> Any:
+        """The implementation, with its failure (or sys.exit) raised as a PluginError."""
         running.append(me)
         try:
             return function(*args)

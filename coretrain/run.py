@@ -154,6 +154,8 @@ class Built(Generic[T]):
     @overload
     def __get__(self, run: Run, owner: type) -> T: ...
     def __get__(self, run: Run | None, owner: type) -> Built[T] | T:
+        """The built part, or an AttributeError saying which build phase makes it (a plugin that
+        reads ``run.model`` in ``configure_datasets`` learns why, not that it is None)."""
         if run is None:
             return self
         value: T | None = getattr(run, self.slot)

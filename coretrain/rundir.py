@@ -74,6 +74,9 @@ class OutputDirLock:
         self._directory: int | None = None
 
     def acquire(self) -> OutputDirLock:
+        """Take both locks without waiting, or refuse naming the holder. The directory's own lock
+        holds even if someone deletes ``.lock``; the file's holds on filesystems that cannot lock
+        a directory, and records who holds it for the next run's message."""
         prepare(self.path)
         lock_path = self.path / LOCK_NAME
         directory = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
@@ -103,6 +106,7 @@ class OutputDirLock:
         return self
 
     def _in_use(self, lock_path: Path) -> UserError:
+        """The refusal, naming the process that holds the directory as its ``.lock`` says."""
         try:
             holder = lock_path.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError):
@@ -113,6 +117,8 @@ class OutputDirLock:
         )
 
     def release(self) -> None:
+        """Let go at the run's end (the process may go on: the API, tests, an in-process restart);
+        the file stays."""
         if self._file is not None:
             self._file.close()  # closing the descriptors drops the locks
             self._file = None

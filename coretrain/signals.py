@@ -53,6 +53,10 @@ class SignalWatcher:
         "raise" KeyboardInterrupt (the Python API: a notebook's kernel lives on)."""
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        """The handler: the first signal is only recorded (the loop agrees on it at a step's end). A
+        Ctrl-C after it, or another signal ``REPEAT_AFTER_SECONDS`` later (the loop never got to
+        the first), ends the process at once, as the default handler would (or raises
+        KeyboardInterrupt, for the Python API)."""
         if self.received is None:
             self.received, self._received_at = signum, time.monotonic()
         elif signum == signal.SIGINT or time.monotonic() - self._received_at >= REPEAT_AFTER_SECONDS:
@@ -63,6 +67,7 @@ class SignalWatcher:
             os.kill(os.getpid(), signum)
 
     def install(self) -> SignalWatcher:
+        """Handle the watched signals from now on, keeping the previous handlers to put back."""
         for signum in self.signums:
             if signum not in self._previous:  # after the run, a Ctrl-C is no longer one "during start-up"
                 old = signal.signal(signum, self._handle)

@@ -12,6 +12,8 @@ from coretrain.errors import UserError, did_you_mean
 
 
 def import_callable(path: str, key: str) -> Any:
+    """``pkg.mod:attr.attr`` imported, or one UserError naming ``key``: a module that is not found
+    (with where it was looked for), or one that fails as it loads, says so in the user's terms."""
     module_name, _, attr = path.partition(":")
     if not module_name.strip() or not attr.strip() or "" in attr.split("."):
         raise UserError(f"{key}: '{path}' is not an import path; expected 'package.module:function'")

@@ -53,6 +53,7 @@ def complete_steps(root: Path) -> list[int]:
 
 
 def fsync_dir(path: Path) -> None:
+    """Make a directory's entries durable: a rename is on disk only once its directory is synced."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -199,6 +200,7 @@ def nesting(text: str) -> int:
 
 
 def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
+    """Written beside it and renamed over it: a reader sees the old file or the new, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)

@@ -105,6 +105,8 @@ def dcp_reader(directory: Path, checked: Any = None) -> Any:
 
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            """torch's own ``read_metadata`` (storage_meta and its load_id set alike), with
+            ``pickle.load`` replaced by the restricted reader."""
             path = Path(self._get_metadata_path(kwargs.get("rank")))
             metadata = checked if checked and path == directory / ".metadata" else check_metadata(directory, path)
             from torch.distributed.checkpoint.metadata import StorageMeta

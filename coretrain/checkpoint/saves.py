@@ -41,6 +41,10 @@ class Saves:
         """Why saves into ``target`` were skipped (each said once)."""
 
     def due(self, step: int, reason: Outcome | None) -> bool:
+        """Whether to save after ``step`` (stopping for ``reason``), and where: a scheduled save,
+        a stop's or a persistent request's goes into ``checkpoints/``; a request for a
+        non-persistent one alone into ``target`` (``checkpoints/`` when no plugin gives one). A
+        plugin's stop saves only if it asked for a persistent checkpoint."""
         requested, persistent = self.run.control.checkpoint_requested, self.run.control.checkpoint_persistent
         if reason == "stopped":
             return requested and persistent
@@ -53,6 +57,9 @@ class Saves:
         return self.run.config.checkpoint.save and self.last_step != self.run.state.step
 
     def save(self, state: dict[str, Any], evaluated: list[str]) -> None:
+        """Write the due save where :meth:`due` decided; ``on_checkpoint_saved`` once it is
+        committed (now, or when the background write finishes). The plugins' requests count as
+        answered either way, so a save that could not be written is not retried every step."""
         run = self.run
         try:
             _, blocked = self.writer.save(state, evaluated=evaluated, into=self.into)

@@ -70,6 +70,9 @@ def tensor(
     dim: int | None = None,
     finite: bool = False,
 ) -> Check:
+    """A tensor of this dtype, dimension and element count (``numel`` is asked when the file is
+    checked: it depends on the model), all finite if ``finite``."""
+
     def check(value: Any, where: str) -> None:
         if not isinstance(value, torch.Tensor):
             raise Mismatch(where, "a tensor", value)
@@ -150,6 +153,8 @@ def anything(value: Any, where: str) -> None:
 
 
 def validate(value: Any, schema: Check, path: Path) -> None:
+    """``value``, read from ``path``, fits ``schema``; else the file is unreadable, which a resume
+    falls back past, as it does a corrupt one."""
     try:
         schema(value, "")
     except Mismatch as exc:

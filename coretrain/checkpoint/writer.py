@@ -63,6 +63,8 @@ class _WriteErrors:
 
 
 def _save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` to a file that is on disk when this returns (fsync: the commit's rename
+    must not outrun the data); a failed write raises the OSError that explains it."""
     with open(path, "wb") as f:
         recorder = _WriteErrors(f)
         try:
@@ -107,6 +109,8 @@ class HostStaging:
 
 
 def write_files(tmp: Path, files: dict[str, Any]) -> None:
+    """Each file of a save into ``tmp``: a sharded state through DCP (every rank its own shards),
+    JSON atomically, the rest with ``torch.save``, fsynced."""
     for name, obj in files.items():
         if isinstance(obj, ShardedState):  # every rank writes its shards; .metadata comes last
             from torch.distributed.checkpoint import filesystem, state_dict_saver
@@ -218,6 +222,8 @@ class Checkpointer:
         self._thread.start()
 
     def _finish(self, root: Path, step: int, tmp: Path, staged: dict[str, Any], future: Any, kept: set[int]) -> None:
+        """The background thread: write the staged files, wait for DCP's shards, commit on rank 0.
+        An error is kept for :meth:`wait` to raise on the training thread, where the run can act on it."""
         try:
             write_files(tmp, staged)
             if future is not None:

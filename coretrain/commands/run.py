@@ -40,6 +40,9 @@ def add(commands: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``coretrain run``: the exit code. The signal watcher comes first, so a Ctrl-C or a
+    scheduler's SIGTERM during the seconds of start-up ends it cleanly (128 + signum), with
+    nothing half-written."""
     from coretrain.signals import Interrupted, SignalWatcher
 
     signals = SignalWatcher().install()  # before torch is imported: no signal is lost in start-up
@@ -54,6 +57,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, signals: Any) -> int:
+    """Load the config and plugins, then run the session. A user error is said once per machine;
+    a failure of a plugin or of the run is one line here, its traceback in a file (written by
+    ``on_error`` while the failing frames still exist)."""
     from coretrain.configload import load_config
     from coretrain.errors import FAILURE_EXIT_CODE, USAGE_EXIT_CODE, PluginError, RunFailure, UserError, summary
     from coretrain.session import session_plugins
