@@ -88,6 +88,8 @@ MOVED_GROUP = "coretrain.moved"
 
 
 def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use (PEP 562), or one that moved to a
+    plugin distribution, with its warning."""
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
     elif name.startswith("__") or (value := _moved(name)) is None:

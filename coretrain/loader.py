@@ -144,6 +144,7 @@ class MicroBatches(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self.dataset, self.collate, self.seed = dataset, collate, seed
 
     def __getitem__(self, item: tuple[int, list[int]]) -> Any:
+        """The micro-batch at ``position`` of the order, its random draws seeded by that position."""
         position, indices = item
         seed_worker(self.seed, position)
         return fetch(self.dataset, torch.as_tensor(indices, dtype=torch.long), self.collate)
@@ -182,6 +183,9 @@ EVAL_SEED = 0x5EED
 def data_loader(
     dataset: Any, sampler: Any, run: Run, persistent: bool = False, seed: int | None = None
 ) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+    """A DataLoader whose sampler yields whole micro-batches ((position, indices), hence
+    ``batch_size=None``): its workers read, collate and seed each one (``seed``: training's is
+    the run's)."""
     seed = run.config.run.seed if seed is None else seed
     dataset = MicroBatches(dataset, run.datasets.collate_fn, seed)
     return torch.utils.data.DataLoader(

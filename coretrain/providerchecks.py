@@ -18,11 +18,13 @@ from coretrain.run import Datasets
 
 
 def describe(obj: Any) -> str:
+    """An object's type as an error names it: ``pandas.core.frame.DataFrame``, ``dict``."""
     kind = type(obj)
     return f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else kind.__qualname__
 
 
 def check_model(model: Any, provider: str) -> None:
+    """A ``torch.nn.Module`` with something to train (a frozen model would train nothing, silently)."""
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"model.provider '{provider}' returned a {describe(model)}, not a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):

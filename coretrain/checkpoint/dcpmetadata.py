@@ -66,6 +66,7 @@ class MetadataUnpickler(_PurePythonUnpickler):  # type: ignore[misc]
     dispatch = dict(_PurePythonUnpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
+        """The allowlist's classes and torch's dtypes; any other global (a function to call) is refused."""
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

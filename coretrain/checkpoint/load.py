@@ -220,6 +220,7 @@ def _copied(moments: dict[str, Any]) -> dict[str, Any]:
 
 
 def _not_fitting(path: Path, exc: BaseException) -> UserError:
+    """torch's refusal of a saved optimizer state, with the way out (start the optimizer afresh)."""
     return UserError(
         f"{path}: the optimizer state does not fit this optimizer ({exc}); "
         "if its parameter groups changed, set checkpoint.load_optimizer = false"

@@ -27,6 +27,9 @@ DICTS = (dict, collections.OrderedDict)  # state_dict() returns the second
 
 
 class Mismatch(Exception):
+    """Where in the file (a key path), what was expected there and what was found: a number or
+    text quoted, anything else by its type (a tensor's values are no help)."""
+
     def __init__(self, where: str, expected: str, value: Any) -> None:
         found = type(value).__name__ if not isinstance(value, (int, float, str)) else repr(value)[:40]
         super().__init__(f"{where or 'the file'}: expected {expected}, found {found}")

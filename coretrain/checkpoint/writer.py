@@ -52,6 +52,7 @@ class _WriteErrors:
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
+        """The file's write; its first OSError is kept for :func:`_save_file` to raise."""
         try:
             return int(self.file.write(data))
         except OSError as exc:
