@@ -163,6 +163,9 @@ class HookRecorder:
         self.calls: list[HookCall] = []
 
     def attach(self, plugins: Any) -> Any:
+        """Record each call of ``plugins``' hooks from now on (a dict argument copied as it was
+        then); returns the function that stops it."""
+
         def after(outcome: Any, hook_name: str, impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
             run = kwargs.get("run")
             step = kwargs.get("step", run.state.step if isinstance(run, Run) else 0)
@@ -212,6 +215,8 @@ def run_steps(
 def _write_steps_config(
     root: Path, steps: int, tables: Mapping[str, Mapping[str, Any]], config: Mapping[str, Mapping[str, Any]]
 ) -> Path:
+    """The run's config.toml in ``root``: the tiny workload for ``steps`` steps, under ``config``'s
+    tables and with ``tables`` as plugins' tables, written as a user's file is."""
     sections: dict[str, Any] = {name: dict(values) for name, values in config.items()}
     train = sections.get("train", {})  # steps, unless it counts in samples or epochs or names its own
     sections["train"] = train if COUNTED_OTHERWISE & set(train) else {"train_iters": steps, **train}

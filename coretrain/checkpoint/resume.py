@@ -307,6 +307,8 @@ def check_resumable(run: Run, info: dict[str, Any], path: Path) -> None:
 
 
 def changed_keys_hint(saved: dict[str, Any] | None, config: Any, sections: tuple[str, ...]) -> str:
+    """The keys of ``sections`` that changed since the checkpoint, for an error that a changed
+    config may explain (``"; changed since the checkpoint: ..."``, or nothing)."""
     changed = [
         f"{key} ({before!r} -> {after!r})"
         for key, before, after in config_changes(saved, config_as_dict(config))
