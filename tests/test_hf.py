@@ -1328,11 +1328,9 @@ def test_the_compile_plugin_compiles_an_hf_model(tmp_path: Path, llama_dir: Path
     """dynamo traces the transformers model and AOTAutograd its backward, through the plugin, and
     the losses are eager's (aot_eager: inductor's C++ build is test_feature_plugins.py's, on a
     small model)."""
-    eager = run_steps(tmp_path / "eager", steps=4, config=text_run(llama_dir, eval_iters=0, log_interval=2))
-    tables = {"compile": {"backend": "aot_eager"}}
-    compiled = run_steps(
-        tmp_path / "compiled", steps=4, config=text_run(llama_dir, eval_iters=0, log_interval=2), tables=tables
-    )
+    config = text_run(llama_dir, eval_iters=0, log_interval=2)
+    eager = run_steps(tmp_path / "eager", steps=4, config=config)
+    compiled = run_steps(tmp_path / "compiled", steps=4, config=config, tables={"compile": {"backend": "aot_eager"}})
     assert compiled.run.model._compiled_call_impl is not None  # compiled in place: names unchanged
     for a, b in zip(eager.metrics, compiled.metrics):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
