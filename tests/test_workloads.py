@@ -286,7 +286,7 @@ def test_skip_train_evaluates_the_valid_and_test_splits_once_and_saves_nothing(
     assert not list(run.output_dir.glob("checkpoints/step_*"))  # an evaluation changed no weight: nothing saved
 
 
-def test_an_input_bound_run_logs_its_data_wait_and_says_so_once(tmp_path: Path) -> None:
+def test_an_input_bound_run_logs_its_data_wait_and_says_so_once_per_job(tmp_path: Path) -> None:
     config, out = digits_config(
         tmp_path, options="delay = 0.002", train_iters=12, log_interval=4, eval_full=False, eval_iters=0
     )
@@ -298,6 +298,12 @@ def test_an_input_bound_run_logs_its_data_wait_and_says_so_once(tmp_path: Path) 
         assert 0 < row["time/forward_backward"] < row["time/step"] and row["time/optimizer"] > 0
     assert result.stderr.count("input-bound:") == 1 and "set data.num_workers" in result.stderr
     assert all(" | data " in line for line in result.stdout.splitlines() if line.startswith("step "))
+    # on 2 ranks both wait for data, and the warning (the slowest rank's figures) is the job's one line
+    two_config, _ = digits_config(
+        tmp_path, "two", options="delay = 0.002", train_iters=12, log_interval=4, eval_full=False, eval_iters=0
+    )
+    job = in_one_job(tmp_path, 2, [["run", str(two_config)]], "two", env={"PYTHONPATH": TESTS})
+    assert job.stderr.count("input-bound:") == 1 and "[rank 1]" not in job.stderr, job.stderr
 
 
 def test_log_level_quiet_and_a_library_warning_kept_in_run_log_once(tmp_path: Path) -> None:

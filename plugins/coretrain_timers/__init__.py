@@ -277,8 +277,10 @@ class Timers:
         return {name: value / 1e6 for name, value in zip(mine, max_over_ranks(*micros))}  # CPU, no device sync
 
     def _say_if_input_bound(self, run: Run, metrics: dict[str, float]) -> None:
+        """One warning for the job, by rank 0: the data time is the slowest rank's already."""
         step_time, data = metrics.get("time/step", 0.0), metrics["time/data"]
-        if self._said or not self.input_bound_share or step_time <= 0 or data < self.input_bound_share * step_time:
+        silent = self._said or not run.dist.is_main or not self.input_bound_share  # said, rank 0's to say, or off
+        if silent or step_time <= 0 or data < self.input_bound_share * step_time:
             return
         self._said = True
         workers = run.config.data.num_workers
