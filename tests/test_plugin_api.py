@@ -15,7 +15,7 @@ from coretrain import HOOK_API, Every, Run, UserError, hookimpl, hookspec
 from coretrain.errors import PluginError
 from coretrain.hookspecs import HookSpecs
 from coretrain.pluginmanager import Plugins
-from coretrain.testing import run_steps, run_until_signal, stop_and_resume
+from coretrain.testing import BEHAVIOUR, Result, run_steps, run_until_signal, stop_and_resume
 
 SPECS = sorted(caller.name for caller in Plugins().manager.hook.__dict__.values() if caller.has_spec())
 """Every hook: the core's contract and those the installed plugin distributions add."""
@@ -495,6 +495,44 @@ def test_a_stream_resumes_only_with_the_ranks_and_workers_that_saved_its_positio
     with pytest.raises(UserError, match=r"on 1 rank\(s\) with data.num_workers = 0, and this run has 1 with 1"):
         run_steps(tmp_path, steps=4, config=more_workers)
     assert run_steps(tmp_path, steps=4, config=config).run.state.step == 4  # the same counts resume
+
+
+@pytest.mark.parametrize("stateful", [True, "lagging"])
+def test_a_streams_state_is_checked_to_resume_where_it_stands_and_the_run_reads_it_from_the_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, stateful: bool | str
+) -> None:
+    """``data-checks`` reads a few items of a train stream with a ``state_dict()``, loads the state
+    and reads again: a stream whose state lags the item it yielded is one warning before the first
+    step. Either way the run then reads the stream from its first item: the same losses as with
+    the check off. And the lagging one's resume reads an item twice: the warning is right."""
+    config = {
+        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+        "data": {"provider": "workloads:digit_stream", "options": {"stateful": stateful}},
+        "train": {"micro_batch_size": 16, "eval_iters": 0, "log_interval": 1},
+    }
+    checked = {*BEHAVIOUR, "data-checks"}
+    with caplog.at_level("WARNING", logger="coretrain"):
+        with_check = run_steps(tmp_path / "checked", steps=4, config=config, autoload=checked)
+    said = [r.getMessage() for r in caplog.records if "state_dict()" in r.getMessage()]
+    if stateful == "lagging":
+        assert said == [
+            "data.provider 'workloads:digit_stream': the train stream's state_dict() does not resume where it "
+            "stands: after 3 items, a stream loaded with it yields item 3 again instead of item 4: its position is "
+            "counted after the yield; count it before (position += 1, then yield); a run resumed from a checkpoint "
+            "would not read what an uninterrupted one reads"
+        ]
+    else:
+        assert said == []
+    uninterrupted = losses(run_steps(tmp_path / "unchecked", steps=4, config=config))
+    assert losses(with_check) == uninterrupted and len(uninterrupted) == 4
+    stopped = {**config, "train": {**config["train"], "exit_interval": 2}}
+    first = losses(run_steps(tmp_path / "resumed", steps=4, config=stopped))
+    resumed = first + losses(run_steps(tmp_path / "resumed", steps=4, config=config))
+    assert (resumed == uninterrupted) == (stateful is True)
+
+
+def losses(result: Result) -> list[float]:
+    return [row["loss"] for row in result.metrics]
 
 
 @pytest.mark.parametrize(("workers", "warned"), [(0, False), (2, True)])

@@ -275,8 +275,20 @@ class StatefulDigitStream(DigitStream):
         self.position = state["position"]
 
 
-def digit_stream(context: Any = None, stateful: bool = False, delay: float = 0.0) -> Datasets:
-    kind = StatefulDigitStream if stateful else DigitStream
+class LaggingDigitStream(StatefulDigitStream):
+    """A stream that counts an item once its ``yield`` has returned: its state is one item behind
+    what it has handed out (a resume from it reads that item again)."""
+
+    def __iter__(self) -> Any:
+        while self.position < len(self.data):
+            yield self.data[self.position]
+            self.position += 1
+        self.position = 0
+
+
+def digit_stream(context: Any = None, stateful: bool | str = False, delay: float = 0.0) -> Datasets:
+    """The digits as streams: ``stateful`` true (or ``"lagging"``: a state one item behind)."""
+    kind = LaggingDigitStream if stateful == "lagging" else StatefulDigitStream if stateful else DigitStream
     return Datasets(train=kind(1200, 1, delay), valid=kind(359, 2, delay))
 
 

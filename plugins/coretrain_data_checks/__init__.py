@@ -4,7 +4,9 @@ A run that fails in its final validation loses everything it trained; a dataset 
 about its length fails hours in. So before training each map-style split is asked: is it long
 enough for one global batch (valid/test: for one evaluation), can its first and last samples
 be read, are its token ids inside the vocabulary. Each failure is one :class:`UserError`
-naming the split and what to change. Streams are read in order and not checked. That the
+naming the split and what to change. A train stream with a ``state_dict()`` is checked to resume
+where it stands (:mod:`.stream_state`; a warning: the run is right, its resume would not be);
+other streams are read in order and not checked. That the
 provider handed back a dataset at all is the core's check, not this plugin's. A batch of
 float64 tensors (numpy's default) is noted, and when torch then fails on a float64 input to a
 float32 model, the run's error says so (``explain_failure``).
@@ -14,6 +16,7 @@ Turn it off with ``[plugins.data-checks] enabled = false`` (a split too large to
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +25,9 @@ import torch
 from attrs import define, field
 
 from coretrain import Run, UserError, fetch, hookimpl, is_stream
+from coretrain_data_checks.stream_state import stream_state_problem
+
+log = logging.getLogger("coretrain")
 
 NO_GRADIENT = "element 0 of tensors does not require grad"
 """torch's words when backward is called on a loss that autograd did not record."""
@@ -47,6 +53,13 @@ class DataChecks:
         self.batch_keys.clear()
         for split, dataset in [named for name in ("train", "valid", "test") for named in datasets.sets(name)]:
             if is_stream(dataset):
+                if split == "train" and run.dist.is_main and (problem := stream_state_problem(dataset)):
+                    log.warning(
+                        "data.provider '%s': the train stream's state_dict() does not resume where it stands: %s; "
+                        "a run resumed from a checkpoint would not read what an uninterrupted one reads",
+                        run.config.data.provider,
+                        problem,
+                    )
                 continue
             needed = run.global_batch_size if split == "train" else eval_needed
             micro_batch = min(train.micro_batch_size, needed)
