@@ -16,6 +16,7 @@ import torch
 from attrs import define
 
 from coretrain.cadence import Cadence
+from coretrain.checkpoint.state import keeping_rng
 from coretrain.config import Config, micro_batches_per_step
 from coretrain.configload import config_as_dict, toml_text
 from coretrain.dist import init_distributed
@@ -259,8 +260,8 @@ def _build_datasets(run: Run) -> None:
         hook_calls(run).hook.configure_datasets(run=run)
     run.cadence = Cadence.of(config, has_valid=run.datasets.valid is not None)
     check_datasets(run.datasets, config.data.provider)
-    if hook_calls(run).implemented("on_datasets"):
-        hook_calls(run).hook.on_datasets(run=run)
+    if hook_calls(run).implemented("on_datasets"):  # samples read there (a random augmentation) move no stream
+        keeping_rng(hook_calls(run).hook.on_datasets)(run=run)
     if train.train_epochs:  # the steps they come to, now that the split's length is known
         run.train_iters = planned_steps(run)
 

@@ -202,7 +202,9 @@ class HookSpecs(Protocol):
         May change: plugin-owned state only; raise :class:`coretrain.UserError` to refuse the
         datasets (``coretrain config validate`` runs this too, and nothing is written).
         Returns: nothing.
-        Ranks: every rank, once, before training.
+        Ranks: every rank, once, before training; the random streams are put back afterwards,
+        so samples read here (a random augmentation, a stream) leave the model's initialization
+        as it would be without the plugin.
         """
 
     @hookspec(firstresult=True)

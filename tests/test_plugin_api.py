@@ -531,6 +531,20 @@ def test_a_streams_state_is_checked_to_resume_where_it_stands_and_the_run_reads_
     assert (resumed == uninterrupted) == (stateful is True)
 
 
+def test_samples_read_in_on_datasets_leave_the_runs_random_streams_as_they_were(tmp_path: Path) -> None:
+    """``data-checks`` reads samples of a dataset whose reads draw fresh noise from torch's global
+    generator (as torchvision's random transforms do), before the model is built: the model's
+    initialization, and so every loss, is the same as with the plugin off."""
+    config = {
+        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
+        "data": {"provider": "workloads:digits", "options": {"augment": True}},
+        "train": {"micro_batch_size": 16, "eval_iters": 0, "log_interval": 1},
+    }
+    checked = run_steps(tmp_path / "checked", steps=3, config=config, autoload={*BEHAVIOUR, "data-checks"})
+    assert "on_datasets" in checked.hooks()
+    assert losses(checked) == losses(run_steps(tmp_path / "unchecked", steps=3, config=config))
+
+
 def losses(result: Result) -> list[float]:
     return [row["loss"] for row in result.metrics]
 
