@@ -258,6 +258,16 @@ def export_to(run_dir: Path, to: Path, capsys: pytest.CaptureFixture[str]) -> tu
     return code, captured.out, captured.err
 
 
+def test_export_takes_out_as_predict_names_its_output(trained: Path, tmp_path: Path) -> None:
+    """``--out`` (predict's option) is ``--to``: a user who exported with the other command's word gets the file."""
+    from safetensors.torch import load_file
+
+    from coretrain.cli import main
+
+    assert main(["checkpoint", "export", str(trained), "--out", str(tmp_path / "w.safetensors")]) == 0
+    assert load_file(tmp_path / "w.safetensors")
+
+
 def test_export_refuses_what_is_not_a_regular_file_and_leaves_it_as_it_was(
     trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -28,7 +28,10 @@ def add(commands: Any) -> None:
         help="a step, or best (the keep-best plugin); default: the newest",
     )
     export.add_argument(
-        "--to", required=True, help="output: a file for safetensors (model.safetensors), a new directory for hf"
+        "--to",
+        "--out",  # predict's name for its output, taken here too
+        required=True,
+        help="output: a file for safetensors (model.safetensors), a new directory for hf",
     )
     export.add_argument(
         "--format",
