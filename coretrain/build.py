@@ -260,7 +260,7 @@ def _build_datasets(run: Run) -> None:
         hook_calls(run).hook.configure_datasets(run=run)
     run.cadence = Cadence.of(config, has_valid=run.datasets.valid is not None)
     check_datasets(run.datasets, config.data.provider)
-    if hook_calls(run).implemented("on_datasets"):  # generators put back: its reads (an augmentation) move no init
+    if hook_calls(run).implemented("on_datasets"):  # its reads must not move the RNG the model's init draws from
         keeping_rng(hook_calls(run).hook.on_datasets)(run=run)
     if train.train_epochs:  # the steps they come to, now that the split's length is known
         run.train_iters = planned_steps(run)

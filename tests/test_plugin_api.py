@@ -505,11 +505,7 @@ def test_a_streams_state_is_checked_to_resume_where_it_stands_and_the_run_reads_
     and reads again: a stream whose state lags the item it yielded is one warning before the first
     step. Either way the run then reads the stream from its first item: the same losses as with
     the check off. And the lagging one's resume reads an item twice: the warning is right."""
-    config = {
-        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
-        "data": {"provider": "workloads:digit_stream", "options": {"stateful": stateful}},
-        "train": {"micro_batch_size": 16, "eval_iters": 0, "log_interval": 1},
-    }
+    config = cnn_on({"provider": "workloads:digit_stream", "options": {"stateful": stateful}})
     checked = {*BEHAVIOUR, "data-checks"}
     with caplog.at_level("WARNING", logger="coretrain"):
         with_check = run_steps(tmp_path / "checked", steps=4, config=config, autoload=checked)
@@ -535,14 +531,16 @@ def test_samples_read_in_on_datasets_leave_the_runs_random_streams_as_they_were(
     """``data-checks`` reads samples of a dataset whose reads draw fresh noise from torch's global
     generator (as torchvision's random transforms do), before the model is built: the model's
     initialization, and so every loss, is the same as with the plugin off."""
-    config = {
-        "model": {"provider": "workloads:cnn", "loss": "cross_entropy"},
-        "data": {"provider": "workloads:digits", "options": {"augment": True}},
-        "train": {"micro_batch_size": 16, "eval_iters": 0, "log_interval": 1},
-    }
+    config = cnn_on({"provider": "workloads:digits", "options": {"augment": True}})
     checked = run_steps(tmp_path / "checked", steps=3, config=config, autoload={*BEHAVIOUR, "data-checks"})
     assert "on_datasets" in checked.hooks()
     assert losses(checked) == losses(run_steps(tmp_path / "unchecked", steps=3, config=config))
+
+
+def cnn_on(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The test workloads' CNN on ``data`` (a [data] table), every step logged."""
+    model = {"provider": "workloads:cnn", "loss": "cross_entropy"}
+    return {"model": model, "data": data, "train": {"micro_batch_size": 16, "eval_iters": 0, "log_interval": 1}}
 
 
 def losses(result: Result) -> list[float]:

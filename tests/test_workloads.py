@@ -287,9 +287,8 @@ def test_skip_train_evaluates_the_valid_and_test_splits_once_and_saves_nothing(
 
 
 def test_an_input_bound_run_logs_its_data_wait_and_says_so_once_per_job(tmp_path: Path) -> None:
-    config, out = digits_config(
-        tmp_path, options="delay = 0.002", train_iters=12, log_interval=4, eval_full=False, eval_iters=0
-    )
+    slow_reads: dict[str, Any] = {"options": "delay = 0.002", "train_iters": 12, "log_interval": 4}
+    config, out = digits_config(tmp_path, **slow_reads, eval_full=False, eval_iters=0)
     result = run_digits(config)
     assert result.returncode == 0, result.stderr
     rows = metrics_rows(out)
@@ -299,9 +298,7 @@ def test_an_input_bound_run_logs_its_data_wait_and_says_so_once_per_job(tmp_path
     assert result.stderr.count("input-bound:") == 1 and "set data.num_workers" in result.stderr
     assert all(" | data " in line for line in result.stdout.splitlines() if line.startswith("step "))
     # on 2 ranks both wait for data, and the warning (the slowest rank's figures) is the job's one line
-    two_config, _ = digits_config(
-        tmp_path, "two", options="delay = 0.002", train_iters=12, log_interval=4, eval_full=False, eval_iters=0
-    )
+    two_config, _ = digits_config(tmp_path, "two", **slow_reads, eval_full=False, eval_iters=0)
     job = in_one_job(tmp_path, 2, [["run", str(two_config)]], "two", env={"PYTHONPATH": TESTS})
     assert job.stderr.count("input-bound:") == 1 and "coretrain: input-bound:" in job.stderr, job.stderr  # rank 0's
 

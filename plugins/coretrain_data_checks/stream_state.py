@@ -56,7 +56,8 @@ def stream_state_problem(stream: Any) -> str | None:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Whether two items hold the same values: tensors and arrays, nested in tuples, lists and dicts."""
+    """Whether two items hold the same values: tensors and arrays, nested in tuples, lists and dicts,
+    beside strings and numbers (a Hugging Face stream's text fields), which torch.testing.assert_close refuses."""
     if isinstance(a, torch.Tensor) or hasattr(a, "__array__"):
         try:
             return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
